@@ -1,0 +1,166 @@
+"""Benchmark machinery shared by every ``bench/<op>.py``: timing, ceilings, anchors, rows, results JSON.
+
+A bench module defines ``WORKLOADS`` (name -> description) and ``run(names, ctx) -> list[dict]`` that
+returns rows built with ``ctx.row(...)``. Anchors are imported only here in ``bench/``, never by the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def time_ms(fn, *, warmup=25, rep=100) -> float:
+    """Median milliseconds of ``fn()`` with CUDA events (``triton.testing.do_bench``)."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def time_graph_ms(fn, *, replays=20, reps=15) -> float:
+    """Median milliseconds of one ``fn()`` inside a CUDA graph of ``replays`` calls (launch gaps removed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(replays):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / replays)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth (read + write counted) and bf16 GEMM rate, on random data."""
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=5, rep=30)
+    copy = 2 * src.numel() * 2 / (ms * 1e-3)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, warmup=10, rep=50)
+    gemm = 2 * m**3 / (ms * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_s": copy, "bf16_flops": gemm}
+
+
+def try_import(name: str):
+    """Anchor module or None (anchors are optional; see ../shared/anchors)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # an anchor that fails to import is reported, never fatal
+        print(f"[bench] anchor {name} not importable: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+@dataclass
+class BenchContext:
+    ceilings: dict
+    rows: list = field(default_factory=list)
+
+    def row(self, op: str, workload: str, impl: str, ms: float | None, *, flops: float = 0.0,
+            nbytes: float = 0.0, **extra) -> dict:
+        """One result row; TFLOP/s, GB/s and % of the measured roofline floor derived from the counts."""
+        r = {"op": op, "workload": workload, "impl": impl, "ms": ms}
+        if ms is not None and ms > 0:
+            s = ms * 1e-3
+            floor = max(flops / self.ceilings["bf16_flops"], nbytes / self.ceilings["copy_bytes_s"])
+            r.update(tflops=flops / s / 1e12, gbs=nbytes / s / 1e9,
+                     floor_ms=floor * 1e3, pct_roofline=100 * floor / s if floor > 0 else None)
+        r.update(extra)
+        self.rows.append(r)
+        return r
+
+
+def git_sha() -> str:
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], cwd=Path(__file__).parent,
+                                stderr=subprocess.DEVNULL)
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return os.environ.get("GQLA_GIT_SHA", "unknown")
+
+
+def environment() -> dict:
+    import gqla_triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "gqla_triton": gqla_triton.__version__,
+        "git_sha": git_sha(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["op", "workload", "impl", "ms", "tflops", "gbs", "pct_roofline", "vs"]
+    fmt = {"ms": "{:.4f}", "tflops": "{:.1f}", "gbs": "{:.0f}", "pct_roofline": "{:.1f}"}
+    cells = [[c for c in cols]]
+    for r in rows:
+        line = []
+        for c in cols:
+            v = r.get(c)
+            if c == "vs":
+                v = " ".join(f"{k}={x:.2f}x" for k, x in (r.get("ratios") or {}).items())
+            elif v is not None and c in fmt:
+                v = fmt[c].format(v)
+            line.append("" if v is None else str(v))
+        cells.append(line)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    for row in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+
+
+def add_ratios(rows: list[dict], ours: str = "gqla_triton") -> None:
+    """For each workload, ``ratios[impl] = impl_ms / our_ms`` on our rows (> 1: we are faster)."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["op"], r["workload"]), {})[r["impl"]] = r.get("ms")
+    for r in rows:
+        if r["impl"] != ours or not r.get("ms"):
+            continue
+        others = by[(r["op"], r["workload"])]
+        r["ratios"] = {k: v / r["ms"] for k, v in others.items() if k != ours and v}
+
+
+def write_results(op: str, rows: list[dict], ceilings: dict, command: str) -> Path:
+    env = environment()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    gpu = env["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    path = RESULTS / f"{gpu}-{op}.json"
+    with open(path, "w") as f:
+        json.dump({"env": env, "command": command, "ceilings": ceilings, "rows": rows}, f, indent=1)
+    return path

@@ -1,0 +1,44 @@
+"""gqla_triton: Triton kernels and layers for hybrid-LLM attention.
+
+Ops: ``chunk_gated_delta_rule``, ``gated_delta_rule_decode`` (Gated DeltaNet), ``mla_decode`` (GQLA absorb
+path / DeepSeek MLA), ``gqa_decode`` (GQLA grouped path / GQA). Layers: ``GatedDeltaNet``, ``GQLAttention``
+with ``LatentCache`` / ``GroupedCache``. Importing does no device work; kernels compile on first call.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first attribute access)
+_EXPORTS = {
+    "chunk_gated_delta_rule": "gqla_triton.ops.gdn.chunk",
+    "gated_delta_rule_decode": "gqla_triton.ops.gdn.decode",
+    "mla_decode": "gqla_triton.ops.mla.decode",
+    "gqa_decode": "gqla_triton.ops.gqa.decode",
+    "GatedDeltaNet": "gqla_triton.layers.gated_deltanet",
+    "GQLAttention": "gqla_triton.layers.gqla",
+    "LatentCache": "gqla_triton.layers.cache",
+    "GroupedCache": "gqla_triton.layers.cache",
+    "trans_gqla": "gqla_triton.convert.trans_gqla",
+    "choose_decode_path": "gqla_triton.dispatch",
+    "select_config": "gqla_triton.dispatch",
+    "device_info": "gqla_triton.dispatch",
+}
+
+__all__ = sorted(_EXPORTS) + ["dispatch", "roofline", "layers", "ops"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in ("dispatch", "roofline", "layers", "ops", "convert"):
+        return importlib.import_module(f"gqla_triton.{name}")
+    raise AttributeError(f"module 'gqla_triton' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,27 @@
+"""Pieces shared by the ops: input validation, paging math, split-KV planning and combine."""
+
+from .combine import combine_splits
+from .paging import choose_num_splits, gather_pages, logical_to_physical
+from .validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kernel_device,
+    check_multiple,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "INDEX_DTYPES",
+    "check_kernel_device",
+    "check_multiple",
+    "check_same_device",
+    "check_same_dtype",
+    "check_tensor",
+    "choose_num_splits",
+    "combine_splits",
+    "gather_pages",
+    "logical_to_physical",
+]

@@ -1,0 +1,86 @@
+"""Split-KV combine: merge per-split partial attention results with their log-sum-exp.
+
+``o_partial [B, S, Q, H, D]`` fp32 and ``lse_partial [B, S, Q, H]`` fp32 (natural log; ``-inf`` marks a
+split that saw no key) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any float
+dtype) and ``lse [B, H, Q]`` fp32. Rows with no key anywhere give ``out = 0``, ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...dispatch import select_config
+
+
+@triton.jit
+def combine_splits_kernel(
+    o_part, lse_part, out, lse_out,
+    num_splits, Q, H, D,
+    s_ob, s_os, s_oq, s_oh,
+    s_lb, s_ls, s_lq,
+    s_outb, s_outq, s_outh,
+    s_lob, s_loh, s_loq,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bq = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = pid_bq // Q
+    q = pid_bq % Q
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mh = offs_h < H
+    md = offs_d < D
+    b64 = b.to(tl.int64)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_part + b64 * s_lb + s * s_ls + q * s_lq + offs_h, mask=mh, other=float("-inf"))
+        o_ptr = o_part + b64 * s_ob + s * s_os + q * s_oq + offs_h[:, None] * s_oh + offs_d[None, :]
+        o_s = tl.load(o_ptr, mask=mh[:, None] & md[None, :], other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        safe = m_new > float("-inf")
+        alpha = tl.where(safe, tl.exp(m - m_new), 0.0)
+        w = tl.where(safe, tl.exp(lse_s - m_new), 0.0)
+        # a split that saw nothing may hold anything: never let it into the sum
+        o_s = tl.where((w > 0)[:, None], o_s, 0.0)
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        l = l * alpha + w
+        m = m_new
+    has = l > 0
+    o = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(out + b64 * s_outb + q * s_outq + offs_h[:, None] * s_outh + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=mh[:, None] & md[None, :])
+    tl.store(lse_out + b64 * s_lob + offs_h * s_loh + q * s_loq, lse, mask=mh)
+
+
+def combine_splits(
+    o_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Write ``out [B, Q, H, D]`` and ``lse [B, H, Q]`` from the splits (see module docstring). In place."""
+    B, S, Q, H, D = o_partial.shape
+    if lse_partial.shape != (B, S, Q, H):
+        raise ValueError(f"lse_partial: expected shape {[B, S, Q, H]}, got {list(lse_partial.shape)}")
+    if out.shape != (B, Q, H, D) or lse.shape != (B, H, Q):
+        raise ValueError(f"out/lse: expected {[B, Q, H, D]} / {[B, H, Q]}, got {list(out.shape)} / {list(lse.shape)}")
+    if o_partial.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("combine_splits: the last dimension of o_partial and out must be contiguous")
+    if B * Q * H == 0:
+        return
+    cfg = select_config("combine", {"D": D})
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_H = max(1, min(triton.next_power_of_2(H), cfg["ELEMS"] // BLOCK_D))
+    grid = (B * Q, triton.cdiv(H, BLOCK_H))
+    combine_splits_kernel[grid](
+        o_partial, lse_partial, out, lse,
+        S, Q, H, D,
+        *o_partial.stride()[:4],
+        *lse_partial.stride()[:3],
+        *out.stride()[:3],
+        *lse.stride(),
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=cfg["num_warps"],
+    )

@@ -1,0 +1,68 @@
+"""Paged-cache math (one place for it): logical token position -> physical cache row, split-KV planning.
+
+A paged cache is ``[num_pages, page_size, ...]``; sequence ``b`` stores its token ``p`` at row
+``block_table[b, p // page_size] * page_size + p % page_size``. Every device-side lookup here is masked
+so that no position, page index or block-table entry can address memory outside the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def logical_to_physical(bt_row_ptr, pos, valid, max_pages, num_pages, PAGE_SIZE: tl.constexpr):
+    """Physical row (int64) of logical positions ``pos`` for one sequence's block-table row.
+
+    Returns ``(row, ok)``. ``ok`` is ``valid`` and'ed with: page index inside ``[0, max_pages)`` and block id
+    inside ``[0, num_pages)``; rows where ``ok`` is false are 0, so a masked load there is always in bounds.
+    """
+    page = pos // PAGE_SIZE
+    ok = valid & (pos >= 0) & (page < max_pages)
+    blk = tl.load(bt_row_ptr + tl.where(ok, page, 0), mask=ok, other=0)
+    ok = ok & (blk >= 0) & (blk < num_pages)
+    row = tl.where(ok, blk.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE), 0)
+    return row, ok
+
+
+@triton.jit
+def split_bounds(seqlen, split_id, num_splits, BLOCK_N: tl.constexpr):
+    """Token range ``[start, end)`` of split ``split_id``: equal shares rounded up to ``BLOCK_N``."""
+    per = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = split_id * per
+    end = tl.minimum(start + per, seqlen)
+    return start, end
+
+
+def choose_num_splits(
+    batch: int, programs_per_seq: int, max_seqlen: int, sm_count: int, *, block_n: int = 64, max_splits: int = 64
+) -> int:
+    """Split-KV count from shapes only (no device values read: no host sync, CUDA-graph safe).
+
+    Aim for about two waves of programs over the SMs, never splits shorter than four ``block_n`` tiles.
+    """
+    base = max(1, batch * programs_per_seq)
+    want = max(1, (2 * sm_count + base - 1) // base)
+    cap = max(1, max_seqlen // (4 * block_n))
+    return int(max(1, min(want, cap, max_splits)))
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Reference gather: ``cache [num_pages, page_size, ...]`` -> ``[B, length, ...]`` in logical order.
+
+    Entries beyond the block table or pointing outside the cache give zeros (the kernels mask them).
+    """
+    num_pages, page_size = cache.shape[:2]
+    B, max_pages = block_table.shape
+    pos = torch.arange(length, device=cache.device)
+    page = pos // page_size
+    in_table = page < max_pages
+    blk = block_table[:, page.clamp(max=max_pages - 1)].long()  # [B, length]
+    ok = in_table[None, :] & (blk >= 0) & (blk < num_pages)
+    rows = torch.where(ok, blk * page_size + pos % page_size, torch.zeros_like(blk))
+    flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
+    out = flat[rows.reshape(-1)].reshape(B, length, *cache.shape[2:])
+    mask = ok.reshape(B, length, *([1] * (cache.dim() - 2)))
+    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))

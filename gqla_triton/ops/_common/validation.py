@@ -1,0 +1,81 @@
+"""Input validation shared by every public op: clear ``TypeError``/``ValueError`` naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ...dispatch import is_interpreter
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32,)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor of the given rank, dtype set, shape (``None`` = any) and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+                raise ValueError(f"{name}: expected shape {want_s}, got {list(t.shape)} (dim {i})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
+    """All tensors share one dtype; returns it."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    dtype = items[0][1].dtype
+    for k, v in items[1:]:
+        if v.dtype != dtype:
+            raise TypeError(f"{k}: expected dtype {dtype} (same as {items[0][0]}), got {v.dtype}")
+    return dtype
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All tensors live on one device; returns it."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    dev = items[0][1].device
+    for k, v in items[1:]:
+        if v.device != dev:
+            raise ValueError(f"{k}: expected a tensor on {dev} (same as {items[0][0]}), got one on {v.device}")
+    return dev
+
+
+def check_multiple(name: str, value: int, multiple: int, *, upper: int | None = None) -> None:
+    if value <= 0 or value % multiple != 0 or (upper is not None and value > upper):
+        bound = f" and <= {upper}" if upper is not None else ""
+        raise ValueError(f"{name}: expected a positive multiple of {multiple}{bound}, got {value}")
+
+
+def check_kernel_device(device: torch.device, reference: str) -> None:
+    """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1``: never a silent fallback."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and is_interpreter():
+        return
+    raise RuntimeError(
+        f"gqla_triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); got tensors "
+        f"on {device}. For a pure-torch path on any device use {reference}."
+    )

@@ -1,0 +1,233 @@
+"""GPU spec table and FLOP / byte models of every op, with the roofline floor time they imply.
+
+``python -m gqla_triton.roofline`` prints intensity, floor time and predicted tokens/s per GPU for the
+standard workloads of DESIGN.md, and the GQLA paper's decode-throughput figures.
+
+Peak numbers are vendor datasheet values (dense bf16 tensor-core FLOP/s, HBM bandwidth); ``measured``
+entries are the ceilings measured on our H200 (device-to-device copy, 8192^3 bf16 GEMM).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+__all__ = [
+    "GPUSpec",
+    "GPUS",
+    "gpu_spec",
+    "OpModel",
+    "gdn_chunk_fwd_model",
+    "gdn_chunk_bwd_model",
+    "gdn_decode_model",
+    "mla_decode_model",
+    "gqa_decode_model",
+    "paper_tokens_per_s",
+]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bf16_flops: float  # dense bf16 tensor-core FLOP/s
+    hbm_bytes_s: float  # HBM bandwidth, B/s
+    sm_count: int
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte above which an op is compute-bound."""
+        return self.bf16_flops / self.hbm_bytes_s
+
+
+GPUS: dict[str, GPUSpec] = {
+    "h100": GPUSpec("H100 SXM", 989e12, 3.35e12, 132),
+    "h200": GPUSpec("H200 SXM", 989e12, 4.8e12, 132),
+    "h200-measured": GPUSpec("H200 measured", 694e12, 4.27e12, 132),
+    "h20": GPUSpec("H20", 148e12, 4.0e12, 78),
+    "a100": GPUSpec("A100 80GB SXM", 312e12, 2.039e12, 108),
+    "l40s": GPUSpec("L40S", 362e12, 0.864e12, 142),
+}
+
+
+def gpu_spec(key: str) -> GPUSpec:
+    """Spec by table key (``h100``, ``h200``, ``h20``, ...); ``default`` and ``interpreter`` map to H100."""
+    if key in GPUS:
+        return GPUS[key]
+    if key in ("default", "interpreter"):
+        return GPUS["h100"]
+    raise ValueError(f"gpu_spec: unknown GPU {key!r}; known: {sorted(GPUS)}")
+
+
+@dataclass(frozen=True)
+class OpModel:
+    """FLOPs and the fewest HBM bytes of one call; ``tokens`` = query tokens the call produces."""
+
+    name: str
+    flops: float
+    bytes: float
+    tokens: float = 1.0
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    def time(self, spec: GPUSpec) -> float:
+        """Roofline floor in seconds: the larger of compute time and memory time."""
+        return max(self.flops / spec.bf16_flops, self.bytes / spec.hbm_bytes_s)
+
+    def bound(self, spec: GPUSpec) -> str:
+        return "compute" if self.flops / spec.bf16_flops >= self.bytes / spec.hbm_bytes_s else "memory"
+
+    def tokens_per_s(self, spec: GPUSpec) -> float:
+        return self.tokens / self.time(spec)
+
+
+# ---------------------------------------------------------------------------------------------- GDN
+def _gdn_chunk_flops(T: int, HV: int, K: int, V: int, C: int) -> float:
+    # per chunk and value head: K Kᵀ, Q Kᵀ (2·C²·K each), WY solve (≈ C³/3·2), w = A·K, u = A·V,
+    # (Q Kᵀ) v_new (2·C²·K, 2·C²·V, 2·C²·V), Q S, K S, Kᵀ v_new (2·C·K·V each).
+    per = 2 * C * C * K * 3 + 2 * C * C * V * 2 + 2 * C * K * V * 3 + (2 * C**3) / 3
+    return per * HV * (T / C)
+
+
+def gdn_chunk_fwd_model(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 128, C: int = 64, elt: int = 2):
+    """Forward of the chunked gated delta rule: read q, k, v, g, beta; write o (states stay on chip)."""
+    tokens = B * T
+    flops = _gdn_chunk_flops(tokens, HV, K, V, C)
+    nbytes = tokens * (2 * H * K * elt + HV * V * elt * 2 + 2 * HV * 4)
+    return OpModel(f"gdn_fwd B{B} T{T} H{H} HV{HV}", flops, nbytes, tokens)
+
+
+def gdn_chunk_bwd_model(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 128, C: int = 64, elt: int = 2):
+    """Backward: about twice the forward's FLOPs plus the recomputed forward; reads inputs + dO, writes grads."""
+    tokens = B * T
+    flops = 3 * _gdn_chunk_flops(tokens, HV, K, V, C)
+    nbytes = tokens * (2 * (2 * H * K * elt + HV * V * elt + 2 * HV * 4) + HV * V * elt)
+    return OpModel(f"gdn_bwd B{B} T{T} H{H} HV{HV}", flops, nbytes, tokens)
+
+
+def gdn_decode_model(B: int, HV: int, H: int, K: int = 128, V: int = 128, s: int = 1, elt: int = 2):
+    """Recurrent step: the fp32 state is read and written once per call, whatever s is."""
+    flops = B * s * HV * 2 * K * V * 3
+    nbytes = B * HV * K * V * 4 * 2 + B * s * (2 * H * K + 2 * HV * V) * elt
+    return OpModel(f"gdn_decode B{B} HV{HV} s{s}", flops, nbytes, B * s)
+
+
+# --------------------------------------------------------------------------------------------- GQLA
+def mla_decode_model(
+    batch: int, seqlen: int, s_q: int = 1, num_heads: int = 128, kv_rank: int = 512, rope_dim: int = 64,
+    topk: int | None = None, elt: int = 2,
+):
+    """Absorb path: MQA over the latent cache (key = latent + rope, value = latent)."""
+    S = seqlen if topk is None else min(topk, seqlen)
+    flops = 2 * batch * s_q * num_heads * S * (kv_rank + rope_dim + kv_rank)
+    cache = batch * S * (kv_rank + rope_dim) * elt
+    if topk is not None:  # every query token may select its own set
+        cache *= s_q
+    io = batch * s_q * num_heads * (kv_rank + rope_dim + kv_rank) * elt
+    name = f"mla{'_sparse' if topk else ''} B{batch} S{seqlen} sq{s_q}"
+    return OpModel(name, flops, cache + io, batch * s_q)
+
+
+def gqa_decode_model(
+    batch: int, seqlen: int, s_q: int = 1, num_heads: int = 128, num_groups: int = 8, head_dim: int = 128,
+    v_head_dim: int | None = None, rope_dim: int = 64, topk: int | None = None, elt: int = 2,
+):
+    """Grouped path: GQA over per-group K/V plus one shared rope key per token."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    S = seqlen if topk is None else min(topk, seqlen)
+    flops = 2 * batch * s_q * num_heads * S * (head_dim + rope_dim + dv)
+    cache = batch * S * (num_groups * (head_dim + dv) + rope_dim) * elt
+    if topk is not None:
+        cache *= s_q
+    io = batch * s_q * num_heads * (head_dim + rope_dim + dv) * elt
+    name = f"gqa{'_sparse' if topk else ''} B{batch} S{seqlen} sq{s_q}"
+    return OpModel(name, flops, cache + io, batch * s_q)
+
+
+def paper_tokens_per_s(gpu: str, path: str, s_q: int = 1, L: int = 8192) -> float:
+    """Per-sequence decode throughput of the GQLA paper's model (h_q 128, g 8, d_h 128, r 512, d_R 64).
+
+    Attention only, one sequence, cache traffic only (the paper's accounting): s_q / max(FLOPs/peak, bytes/BW).
+    """
+    spec = gpu_spec(gpu)
+    if path == "absorb":
+        m = mla_decode_model(1, L, s_q)
+    elif path == "grouped":
+        m = gqa_decode_model(1, L, s_q)
+    else:
+        raise ValueError(f"path must be 'absorb' or 'grouped', got {path!r}")
+    cache_only = OpModel(m.name, m.flops, m.bytes - _io_bytes(path, s_q), m.tokens)
+    return cache_only.tokens_per_s(spec)
+
+
+def _io_bytes(path: str, s_q: int) -> float:
+    per = (512 + 64 + 512) if path == "absorb" else (128 + 64 + 128)
+    return s_q * 128 * per * 2
+
+
+# ------------------------------------------------------------------------------------------ workloads
+GDN_WORKLOADS = {
+    "G1": dict(B=1, T=32768, H=16, HV=32),
+    "G2": dict(B=4, T=8192, H=16, HV=32),
+    "G3": dict(B=1, T=8192, H=16, HV=16),
+    "G4": dict(B=1, T=32768, H=16, HV=32),  # varlen, 8 sequences
+    "G5": dict(B=1, T=32768, H=4, HV=8),
+}
+MLA_WORKLOADS = {
+    "M1": dict(batch=128, seqlen=4096, s_q=1),
+    "M2": dict(batch=128, seqlen=4096, s_q=2),
+    "M3": dict(batch=64, seqlen=8192, s_q=1),
+    "M4": dict(batch=32, seqlen=16384, s_q=1),
+    "SM1": dict(batch=128, seqlen=8192, s_q=1, topk=2048),
+    "SM2": dict(batch=64, seqlen=32768, s_q=1, topk=2048),
+}
+GQA_WORKLOADS = {
+    "Q1": dict(batch=128, seqlen=4096, s_q=1),
+    "Q2": dict(batch=128, seqlen=4096, s_q=2),
+    "Q3": dict(batch=32, seqlen=16384, s_q=1),
+    "Q4": dict(batch=128, seqlen=4096, s_q=1, num_heads=32, num_groups=8, rope_dim=0),
+    "SQ1": dict(batch=128, seqlen=8192, s_q=1, topk=2048),
+}
+
+
+def workload_models() -> dict[str, OpModel]:
+    out = {k: gdn_chunk_fwd_model(**v) for k, v in GDN_WORKLOADS.items()}
+    out.update({k: mla_decode_model(**v) for k, v in MLA_WORKLOADS.items()})
+    out.update({k: gqa_decode_model(**v) for k, v in GQA_WORKLOADS.items()})
+    return out
+
+
+def _table(gpus: list[str]) -> str:
+    lines = []
+    head = f"{'workload':<9}{'model':<28}{'GFLOP':>9}{'MB':>9}{'FLOP/B':>8}"
+    head += "".join(f"{g + ' floor us':>18}{'Mtok/s':>8}" for g in gpus)
+    lines.append(head)
+    for name, m in workload_models().items():
+        row = f"{name:<9}{m.name:<28}{m.flops / 1e9:>9.1f}{m.bytes / 1e6:>9.1f}{m.intensity:>8.0f}"
+        for g in gpus:
+            s = gpu_spec(g)
+            row += f"{m.time(s) * 1e6:>12.1f} ({m.bound(s)[0]}){'':>2}{m.tokens_per_s(s) / 1e6:>8.2f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", default="h100,h200,h200-measured,h20,a100,l40s")
+    args = ap.parse_args(argv)
+    gpus = args.gpus.split(",")
+    print("GPU specs (dense bf16 FLOP/s, HBM B/s, ridge FLOP/B)")
+    for g in gpus:
+        s = gpu_spec(g)
+        print(f"  {g:<14}{s.bf16_flops / 1e12:>7.0f} TFLOP/s {s.hbm_bytes_s / 1e12:>6.2f} TB/s  ridge {s.ridge:>5.0f}")
+    print("\nStandard workloads: floor time (c = compute-bound, m = memory-bound) and query tokens/s")
+    print(_table(gpus))
+    print("\nGQLA paper (h_q 128, g 8, d_h 128, r_kv 512, d_R 64, L 8192), per-sequence decode tokens/s:")
+    for g in ("h100", "h200", "h20"):
+        for path, s_q in (("absorb", 1), ("absorb", 2), ("grouped", 1), ("grouped", 2)):
+            print(f"  {g:<6}{path:<9}s_q={s_q}  {paper_tokens_per_s(g, path, s_q) / 1e3:>8.1f}k tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Test profiles.
+
+``ci`` (chosen when no CUDA device is visible): Triton's CPU interpreter (``TRITON_INTERPRET=1`` is set
+here, before any kernel module is imported), float32/float16 only (the interpreter computes bf16 wrongly,
+triton#11584), tiny shapes, few examples. ``gpu`` (CUDA visible): bf16 (and fp16) at realistic shapes,
+more examples. ``GQLA_TEST_PROFILE=ci|gpu`` overrides the choice.
+"""
+
+import os
+
+import pytest
+
+
+def _choose_profile() -> str:
+    forced = os.environ.get("GQLA_TEST_PROFILE")
+    if forced:
+        return forced
+    try:
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "ci"
+    except Exception:
+        return "ci"
+
+
+PROFILE = _choose_profile()
+if PROFILE == "ci":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+# extends hypothesis's own "ci" profile (derandomized, database off)
+settings.register_profile("ci", parent=settings.get_profile("ci"), max_examples=6, **_common)
+settings.register_profile("gpu", max_examples=25, derandomize=True, **_common)
+settings.load_profile(PROFILE)
+
+
+def pytest_report_header(config):
+    return f"gqla_triton test profile: {PROFILE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu_only: needs a CUDA device (skipped under the ci profile)")
+
+
+@pytest.fixture(autouse=True)
+def _skip_gpu_only(request):
+    if request.node.get_closest_marker("gpu_only") and PROFILE != "gpu":
+        pytest.skip("needs CUDA: runs in the gpu profile")

@@ -1,0 +1,101 @@
+"""Shared test machinery: profile facts, seeded input factories, data-derived tolerances, poisoning."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from conftest import PROFILE
+from hypothesis import strategies as st
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    device: str
+    dtypes: tuple  # low-precision dtypes the kernels are tested in
+    big: bool  # realistic (GPU) or tiny (interpreter) shapes
+
+
+P = (
+    Profile("gpu", "cuda", (torch.bfloat16, torch.float16), True)
+    if PROFILE == "gpu"
+    else Profile("ci", "cpu", (torch.float32, torch.float16), False)
+)
+
+
+def pick(tiny, big):
+    """Profile-dependent value: ``tiny`` under the interpreter, ``big`` on the GPU."""
+    return big if P.big else tiny
+
+
+def dtypes():
+    return st.sampled_from(P.dtypes)
+
+
+def seeds():
+    return st.integers(0, 2**31 - 1)
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(shape, seed_or_gen, *, dtype=torch.float32, device=None, scale=1.0) -> torch.Tensor:
+    """Normal samples drawn on the CPU from a seed (same values on every device), then moved."""
+    g = seed_or_gen if isinstance(seed_or_gen, torch.Generator) else gen(seed_or_gen)
+    t = torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+    return t.to(device=device or P.device, dtype=dtype)
+
+
+def rand(shape, seed_or_gen, *, lo=0.0, hi=1.0, dtype=torch.float32, device=None) -> torch.Tensor:
+    g = seed_or_gen if isinstance(seed_or_gen, torch.Generator) else gen(seed_or_gen)
+    t = torch.rand(*shape, generator=g, dtype=torch.float64) * (hi - lo) + lo
+    return t.to(device=device or P.device, dtype=dtype)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN so that any element a kernel fails to write fails the test."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
+
+
+def empty_poisoned(shape, *, dtype, device=None) -> torch.Tensor:
+    return poison(torch.empty(shape, dtype=dtype, device=device or P.device))
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64; inf if x holds NaN/inf where ref is finite."""
+    x = x.detach().to(torch.float64).cpu()
+    ref = ref.detach().to(torch.float64).cpu()
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(x), finite):
+        return math.inf
+    if not torch.equal(x[~finite], ref[~finite]):  # infinities must agree exactly (e.g. lse = -inf)
+        return math.inf
+    d = (x[finite] - ref[finite]).norm().item()
+    n = ref[finite].norm().item()
+    return d / n if n > 0 else d
+
+
+EPS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+
+def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor | None = None, *,
+                 dtype: torch.dtype | None = None, factor: float = 2.0, eps: float | None = None) -> None:
+    """Data-derived tolerance: ``err(out, ref64) <= factor·err(lowp, ref64) + eps``; NaN/inf never pass.
+
+    ``lowp`` is the same computation done by torch at the kernel's precision. ``eps`` defaults to a small
+    floor per ``dtype`` (the kernel's input dtype) that covers outputs torch happens to round exactly.
+    """
+    if out.shape != ref64.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
+    e_out = rel_err(out, ref64)
+    e_low = rel_err(lowp, ref64) if lowp is not None else 0.0
+    if not math.isfinite(e_low):
+        e_low = 0.0
+    tol = factor * e_low + (eps if eps is not None else EPS[dtype or out.dtype])
+    assert math.isfinite(e_out), f"{name}: NaN/inf (or unwritten element) in output"
+    assert e_out <= tol, f"{name}: rel err {e_out:.3e} > tol {tol:.3e} (torch low-precision err {e_low:.3e})"
