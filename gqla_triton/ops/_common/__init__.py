@@ -1,8 +1,9 @@
 """Pieces shared by the ops: input validation, paging math, split-KV planning and combine."""
 
 from .combine import combine_splits
-from .paging import choose_num_splits, gather_pages, logical_to_physical
+from .paging import choose_num_splits, gather_pages, logical_to_physical, sparse_positions, split_bounds
 from .validation import (
+    check_decode_inputs,
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_kernel_device,
@@ -15,6 +16,7 @@ from .validation import (
 __all__ = [
     "FLOAT_DTYPES",
     "INDEX_DTYPES",
+    "check_decode_inputs",
     "check_kernel_device",
     "check_multiple",
     "check_same_device",
@@ -24,4 +26,6 @@ __all__ = [
     "combine_splits",
     "gather_pages",
     "logical_to_physical",
+    "sparse_positions",
+    "split_bounds",
 ]

@@ -66,3 +66,17 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     out = flat[rows.reshape(-1)].reshape(B, length, *cache.shape[2:])
     mask = ok.reshape(B, length, *([1] * (cache.dim() - 2)))
     return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@triton.jit
+def sparse_positions(idx_row_ptr, offs, n_valid, seqlen, last_pos):
+    """Logical positions of sparse entries ``offs`` of one index row, and which of them count.
+
+    ``n_valid`` = entries of the row that count (``min(topk, topk_length[b])``); an entry counts if it is
+    inside that prefix, in ``[0, seqlen)`` and ``<= last_pos`` (the query's position under causal MTP;
+    pass ``seqlen - 1`` otherwise). Positions of entries that do not count are 0 (safe to address).
+    """
+    inside = offs < n_valid
+    pos = tl.load(idx_row_ptr + tl.where(inside, offs, 0), mask=inside, other=-1)
+    ok = inside & (pos >= 0) & (pos < seqlen) & (pos <= last_pos)
+    return tl.where(ok, pos, 0), ok

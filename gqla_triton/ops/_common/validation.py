@@ -79,3 +79,46 @@ def check_kernel_device(device: torch.device, reference: str) -> None:
         f"gqla_triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); got tensors "
         f"on {device}. For a pure-torch path on any device use {reference}."
     )
+
+
+def check_decode_inputs(
+    q: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    num_pages: int,
+    page_size: int,
+    indices: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    num_groups: int | None = None,
+    num_splits: int = 0,
+) -> None:
+    """Checks shared by the paged decode ops (q ``[B, s_q, h_q, D]``); device values are never read.
+
+    ``num_groups`` set: ``indices`` may also be per group, ``[B, s_q, g, topk]``.
+    """
+    B, s_q = q.shape[0], q.shape[1]
+    if B == 0 or s_q == 0:
+        raise ValueError(f"q: batch and s_q must be >= 1, got shape {list(q.shape)}")
+    check_tensor("block_table", block_table, shape=(B, None), dtypes=INDEX_DTYPES, device=q.device)
+    check_tensor("cache_seqlens", cache_seqlens, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
+    if block_table.shape[1] == 0:
+        raise ValueError("block_table: expected at least one page column, got shape " + str(list(block_table.shape)))
+    check_multiple("page_size", page_size, 16)
+    if num_pages <= 0:
+        raise ValueError(f"kv cache: expected at least one page, got {num_pages}")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = choose from shapes), got {num_splits!r}")
+    if indices is not None:
+        shapes = [(B, s_q, None)] + ([(B, s_q, num_groups, None)] if num_groups else [])
+        if not any(indices.dim() == len(s) for s in shapes):
+            want = " or ".join("[" + ", ".join("topk" if d is None else str(d) for d in s) + "]" for s in shapes)
+            raise ValueError(f"indices: expected shape {want}, got {list(indices.shape)}")
+        check_tensor("indices", indices, shape=shapes[0] if indices.dim() == 3 else shapes[1],
+                     dtypes=INDEX_DTYPES, device=q.device)
+        if indices.shape[-1] == 0:
+            raise ValueError("indices: topk (last dimension) must be >= 1")
+    if topk_length is not None:
+        if indices is None:
+            raise ValueError("topk_length: given without indices (it limits each sparse index row)")
+        check_tensor("topk_length", topk_length, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
