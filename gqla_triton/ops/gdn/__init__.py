@@ -1,0 +1,1 @@
+"""Gated DeltaNet ops: chunked prefill/training (``chunk``), recurrent decode (``decode``), references."""

@@ -1,0 +1,128 @@
+"""Pure-torch references of the gated delta rule (any device, float64-capable, differentiable by autograd).
+
+Shapes (both functions): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g (log-space decay, <= 0) and beta
+``[B, T, HV]``; initial_state ``[N, HV, K, V]``; ``cu_seqlens`` ``[N+1]`` integer (then B == 1, N sequences),
+else N == B. Value head ``i`` uses q/k head ``i // (HV // H)``.
+
+Computation runs in ``float64`` if any of q, k, v, g, beta is float64, else ``float32``; the outputs
+``o [B, T, HV, V]`` and ``final_state [N, HV, K, V]`` (or None) come back in that compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["l2norm_ref", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "L2NORM_EPS"]
+
+L2NORM_EPS = 1e-6  # x / sqrt(sum(x^2) + eps), as fla and FlashQLA
+
+
+def l2norm_ref(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """Normalise the last dimension: ``x * rsqrt(sum(x^2) + eps)``."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens):
+    cdt = torch.float64 if any(t.dtype == torch.float64 for t in (q, k, v, g, beta)) else torch.float32
+    q, k, v, g, beta = (t.to(cdt) for t in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if HV % H:
+        raise ValueError(f"v: HV={HV} must be a multiple of H={H}")
+    if use_qk_l2norm:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    if HV != H:
+        q = q.repeat_interleave(HV // H, dim=2)
+        k = k.repeat_interleave(HV // H, dim=2)
+    if scale is None:
+        scale = K ** -0.5
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: needs B == 1, got B={B}")
+        bounds = [(0, int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+    else:
+        bounds = [(b, 0, T) for b in range(B)]
+    if initial_state is not None:
+        initial_state = initial_state.to(cdt)
+        if initial_state.shape[0] != len(bounds):
+            raise ValueError(f"initial_state: expected N={len(bounds)} states, got {initial_state.shape[0]}")
+    return q, k, v, g, beta, scale, initial_state, bounds, cdt
+
+
+def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm=False, cu_seqlens=None):
+    """Token-by-token recurrence: ``S = exp(g_t)·S; S += beta_t·k_t (v_t − Sᵀk_t)ᵀ; o_t = scale·Sᵀq_t``.
+
+    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)`` in the compute dtype.
+    """
+    q, k, v, g, beta, scale, h0, bounds, cdt = _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
+                                                     cu_seqlens)
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    o_rows = [[None] * T for _ in range(B)]
+    finals = []
+    for n, (b, lo, hi) in enumerate(bounds):
+        S = h0[n] if h0 is not None else torch.zeros(HV, K, V, dtype=cdt, device=q.device)
+        for t in range(lo, hi):
+            S = S * torch.exp(g[b, t])[:, None, None]
+            kt = k[b, t]  # [HV, K]
+            delta = beta[b, t][:, None] * (v[b, t] - torch.einsum("hk,hkv->hv", kt, S))
+            S = S + kt[:, :, None] * delta[:, None, :]
+            o_rows[b][t] = scale * torch.einsum("hk,hkv->hv", q[b, t], S)
+        finals.append(S)
+    zero = torch.zeros(HV, V, dtype=cdt, device=q.device)
+    o = torch.stack([torch.stack([r if r is not None else zero for r in row]) for row in o_rows]) if T else \
+        v.new_zeros(B, 0, HV, V)
+    return o, (torch.stack(finals) if output_final_state else None)
+
+
+def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
+    """The chunked (WY) form the kernels implement, in einsums. Same arguments and results as the recurrence.
+
+    Per chunk (length C, ``gc`` = cumulative sum of g within the chunk, S the state at the chunk start):
+    ``A = tril(beta_i k_i·k_j exp(gc_i − gc_j), −1)``, ``Tm = (I + A)^-1``, ``w = Tm (beta·exp(gc)·k)``,
+    ``u = Tm (beta·v)``, ``v_new = u − w S``,
+    ``o = scale·(exp(gc)·q S + (q kᵀ ⊙ exp(gc_i − gc_j) ⊙ [i >= j]) v_new)``,
+    ``S ← exp(gc_C)·S + (k·exp(gc_C − gc))ᵀ v_new``.
+    """
+    q, k, v, g, beta, scale, h0, bounds, cdt = _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
+                                                     cu_seqlens)
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    o_parts = [[] for _ in range(B)]
+    finals = []
+    for n, (b, lo, hi) in enumerate(bounds):
+        S = h0[n] if h0 is not None else torch.zeros(HV, K, V, dtype=cdt, device=q.device)
+        for s in range(lo, hi, chunk_size):
+            e = min(s + chunk_size, hi)
+            C = e - s
+            qc, kc, vc = q[b, s:e].transpose(0, 1), k[b, s:e].transpose(0, 1), v[b, s:e].transpose(0, 1)
+            gc = g[b, s:e].transpose(0, 1).cumsum(-1)  # [HV, C]
+            bc = beta[b, s:e].transpose(0, 1)
+            diff = gc[:, :, None] - gc[:, None, :]
+            lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+            incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(0)
+            decay_strict = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+            decay_incl = torch.where(incl, torch.exp(torch.where(incl, diff, 0.0)), 0.0)
+            A = bc[:, :, None] * torch.einsum("hik,hjk->hij", kc, kc) * decay_strict
+            eye = torch.eye(C, dtype=cdt, device=q.device).expand(HV, C, C)
+            Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+            w = Tm @ (bc[..., None] * torch.exp(gc)[..., None] * kc)
+            u = Tm @ (bc[..., None] * vc)
+            vn = u - w @ S
+            att = torch.einsum("hik,hjk->hij", qc, kc) * decay_incl
+            oc = scale * (torch.exp(gc)[..., None] * (qc @ S) + att @ vn)
+            o_parts[b].append((s, oc.transpose(0, 1)))
+            gl = gc[:, -1]
+            S = torch.exp(gl)[:, None, None] * S + (kc * torch.exp(gl[:, None] - gc)[..., None]).transpose(1, 2) @ vn
+        finals.append(S)
+    o = torch.zeros(B, T, HV, V, dtype=cdt, device=q.device)
+    rows = []
+    for b in range(B):
+        ob = o[b]
+        for s, oc in o_parts[b]:
+            ob = torch.cat([ob[:s], oc, ob[s + oc.shape[0]:]], 0)
+        rows.append(ob)
+    o = torch.stack(rows) if rows else o
+    return o, (torch.stack(finals) if output_final_state else None)
