@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call on the H200: GPU test profile, then benchmarks with anchors timed in the same run.
+# Logs and result JSON go under $OUT (the device tool brings them back).
+#   TESTS="tests/..."  pytest targets (default: tests; "none" skips)
+#   OPS="combine,gdn,..."  bench ops (default: all; "none" skips)    WORKLOADS="G1,M1" (default: all)
+#   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
+set -u
+OUT=${OUT:-/tmp/gqla_out}
+mkdir -p "$OUT"
+export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+if [ -f .anchors/anchors.tar.xz ]; then
+  mkdir -p /tmp/anchors && tar -xJf .anchors/anchors.tar.xz -C /tmp/anchors
+  export PYTHONPATH=".:/tmp/anchors" FLA_DISABLE_BACKEND_DISPATCH=1
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+TESTS=${TESTS:-tests}
+if [ "$TESTS" != none ]; then
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+    --junitxml="$OUT/junit.xml" 2>&1 | tail -n 80 > "$OUT/tests.log"
+  echo "tests exit: ${PIPESTATUS[0]}" >> "$OUT/tests.log"
+  tail -n 40 "$OUT/tests.log"
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+  for s in bench/sanitize_sparse_*.py; do
+    [ -f "$s" ] || continue
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$s" > "$OUT/sanitize_$(basename "$s" .py).log" 2>&1
+    echo "$s memcheck exit $?" | tee -a "$OUT/sanitize.txt"
+    tail -n 5 "$OUT/sanitize_$(basename "$s" .py).log"
+  done
+fi
+OPS=${OPS:-combine,gdn,gdn_decode,mla,gqa,sparse,gqla}
+if [ "$OPS" != none ]; then
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
+    | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -n 120
+  cp bench/results/*.json "$OUT/" 2>/dev/null
+fi
