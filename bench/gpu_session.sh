@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200: GPU test profile, then benchmarks with anchors timed in the same run.
-# Logs and result JSON go under $OUT (the device tool brings them back).
+# Logs and result JSON go under $OUT (at most 8 files come back: gpu.txt, tests.log, sanitize.log,
+# bench.log, results.tar).
 #   TESTS="tests/..."  pytest targets (default: tests; "none" skips)
 #   OPS="combine,gdn,..."  bench ops (default: all; "none" skips)    WORKLOADS="G1,M1" (default: all)
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
@@ -16,22 +17,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
-    --junitxml="$OUT/junit.xml" 2>&1 | tail -n 80 > "$OUT/tests.log"
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider 2>&1 | tail -n 80 > "$OUT/tests.log"
   echo "tests exit: ${PIPESTATUS[0]}" >> "$OUT/tests.log"
   tail -n 40 "$OUT/tests.log"
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   for s in bench/sanitize_sparse_*.py; do
     [ -f "$s" ] || continue
-    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$s" > "$OUT/sanitize_$(basename "$s" .py).log" 2>&1
-    echo "$s memcheck exit $?" | tee -a "$OUT/sanitize.txt"
-    tail -n 5 "$OUT/sanitize_$(basename "$s" .py).log"
+    echo "== $s" >> "$OUT/sanitize.log"
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$s" >> "$OUT/sanitize.log" 2>&1
+    echo "$s memcheck exit $?" | tee -a "$OUT/sanitize.log"
   done
 fi
 OPS=${OPS:-combine,gdn,gdn_decode,mla,gqa,sparse,gqla}
 if [ "$OPS" != none ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
     | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -n 120
-  cp bench/results/*.json "$OUT/" 2>/dev/null
+  tar -cf "$OUT/results.tar" bench/results/*.json 2>/dev/null
 fi
