@@ -17,8 +17,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider 2>&1 | tail -n 80 > "$OUT/tests.log"
-  echo "tests exit: ${PIPESTATUS[0]}" >> "$OUT/tests.log"
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider --tb=short > "$OUT/tests.log" 2>&1
+  echo "tests exit: $?" >> "$OUT/tests.log"
   tail -n 40 "$OUT/tests.log"
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
