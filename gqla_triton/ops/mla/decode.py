@@ -1,0 +1,290 @@
+"""MLA absorb-path decode (DeepSeek MLA / GQLA absorb): MQA over a paged latent cache, dense or sparse top-k.
+
+One program per (batch entry, KV split, row tile). A row tile folds ``HPT`` query heads and ``QPT`` query
+tokens into ``BLOCK_H`` rows (>= 64 where h_q·s_q allows) so both products run on tensor cores:
+``S = Q_lat·K_latᵀ + Q_rope·K_ropeᵀ`` and ``acc += P·V`` with ``V`` = the latent tile already loaded for
+``S`` (never reloaded). Keys are gathered per token through the block table (``logical_to_physical``), so
+``BLOCK_N`` need not divide the page size. Sparse tiles hold one query token (each token has its own
+index row), all heads share the gathered tile. Definitions of masking, empty rows and duplicate indices:
+``reference.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...dispatch import device_info, select_config
+from .._common import (
+    FLOAT_DTYPES,
+    check_decode_inputs,
+    check_kernel_device,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    choose_num_splits,
+    combine_splits,
+    logical_to_physical,
+    sparse_positions,
+    split_bounds,
+)
+
+__all__ = ["mla_decode", "mla_decode_fwd"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles"])
+def mla_decode_fwd_kernel(
+    q, kv, block_table, seqlens, indices, topk_length,
+    out, lse, o_part, lse_part,
+    qk_scale,  # softmax_scale * log2(e)
+    s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles,
+    s_qb, s_qq, s_qh,
+    s_kvp, s_kvt,
+    s_btb,
+    s_ib, s_iq,
+    s_ob, s_oq, s_oh,
+    s_lb, s_lh, s_lq,
+    s_pb, s_ps, s_pq, s_ph,
+    s_plb, s_pls, s_plq,
+    DV: tl.constexpr, DR: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HPT: tl.constexpr, QPT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_bs = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = pid_bs // num_splits
+    split = pid_bs % num_splits
+    ht = pid_t % h_tiles
+    qt = pid_t // h_tiles
+    b64 = b.to(tl.int64)
+
+    # rows of the tile: query token qi (major) x head h
+    r = tl.arange(0, BLOCK_H)
+    rq = r // HPT
+    qi = qt * QPT + rq
+    h = ht * HPT + (r % HPT)
+    rvalid = (rq < QPT) & (qi < s_q) & (h < h_q)
+
+    seqlen = tl.load(seqlens + b)
+    if CAUSAL:
+        last = seqlen - s_q + qi  # [BLOCK_H] position of each row's query
+    else:
+        last = tl.zeros([BLOCK_H], tl.int32) + seqlen - 1
+
+    offs_v = tl.arange(0, BDV)
+    offs_r = tl.arange(0, BDR)
+    mv = offs_v < DV
+    mr = offs_r < DR
+    q_row = q + b64 * s_qb + qi.to(tl.int64) * s_qq + h.to(tl.int64) * s_qh
+    q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0.0)
+    q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0.0)
+
+    bt_row = block_table + b64 * s_btb
+    if SPARSE:
+        # one query token per tile (QPT == 1): its index row and position are scalars
+        n_valid = topk
+        if HAS_TOPK_LEN:
+            n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
+        lo, hi = split_bounds(n_valid, split, num_splits, BLOCK_N)
+        idx_row = indices + b64 * s_ib + qt.to(tl.int64) * s_iq
+        if CAUSAL:
+            last_pos = seqlen - s_q + qt
+        else:
+            last_pos = seqlen - 1
+    else:
+        lo, hi = split_bounds(seqlen, split, num_splits, BLOCK_N)
+        if CAUSAL:  # no key after the tile's last query
+            q_hi = tl.minimum(qt * QPT + QPT, s_q)
+            hi = tl.minimum(hi, seqlen - s_q + q_hi)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BDV], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if SPARSE:
+            pos, ok = sparse_positions(idx_row, offs_n, hi, seqlen, last_pos)
+        else:
+            pos = offs_n
+            ok = offs_n < hi
+        row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
+        kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
+        k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
+        k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+        if SPARSE:
+            keep = ok[None, :] & rvalid[:, None]
+        else:
+            keep = ok[None, :] & (pos[None, :] <= last[:, None])
+        s = tl.where(keep, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse_row = tl.where(has, m_i * 0.6931471805599453 + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    qi64 = qi.to(tl.int64)
+    h64 = h.to(tl.int64)
+    if SPLIT:
+        o_ptr = o_part + b64 * s_pb + split * s_ps + qi64 * s_pq + h64 * s_ph
+        tl.store(o_ptr[:, None] + offs_v[None, :], o, mask=rvalid[:, None] & mv[None, :])
+        tl.store(lse_part + b64 * s_plb + split * s_pls + qi64 * s_plq + h64, lse_row, mask=rvalid)
+    else:
+        o_ptr = out + b64 * s_ob + qi64 * s_oq + h64 * s_oh
+        tl.store(o_ptr[:, None] + offs_v[None, :], o.to(out.dtype.element_ty), mask=rvalid[:, None] & mv[None, :])
+        tl.store(lse + b64 * s_lb + h64 * s_lh + qi64 * s_lq, lse_row, mask=rvalid)
+
+
+def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
+    """Launch geometry from shapes only (no device values)."""
+    B, s_q, h_q, D = q.shape
+    page_size = kv_cache.shape[1]
+    cfg = select_config("mla_decode", {"D": D, "DV": head_dim_v, "sparse": sparse, "s_q": s_q}, device=q.device)
+    rows = cfg["BLOCK_H"]
+    HPT = min(h_q, rows)
+    QPT = 1 if sparse else max(1, min(s_q, rows // HPT))
+    BLOCK_H = max(16, triton.next_power_of_2(HPT * QPT))
+    h_tiles = triton.cdiv(h_q, HPT)
+    q_tiles = triton.cdiv(s_q, QPT)
+    if num_splits == 0:
+        cap = topk if sparse else block_table.shape[1] * page_size
+        num_splits = choose_num_splits(B, h_tiles * q_tiles, cap, device_info(q.device).sm_count,
+                                       block_n=cfg["BLOCK_N"], max_splits=cfg.get("max_splits", 64))
+    return cfg, HPT, QPT, BLOCK_H, h_tiles, q_tiles, num_splits
+
+
+def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                   indices, topk_length, num_splits):
+    """Launcher (inputs already validated). Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q])``."""
+    B, s_q, h_q, D = q.shape
+    num_pages, page_size = kv_cache.shape[:2]
+    sparse = indices is not None
+    topk = indices.shape[-1] if sparse else 0
+    cfg, HPT, QPT, BLOCK_H, h_tiles, q_tiles, S = _plan(q, kv_cache, block_table, head_dim_v, sparse, topk,
+                                                         num_splits)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if sparse and indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    DV = head_dim_v
+    DR = D - DV
+    out = torch.empty(B, s_q, h_q, DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
+    if S > 1:
+        o_part = torch.empty(B, S, s_q, h_q, DV, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, S, s_q, h_q, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
+    idx = indices if sparse else block_table
+    tkl = topk_length if topk_length is not None else cache_seqlens
+    grid = (B * S, h_tiles * q_tiles)
+    mla_decode_fwd_kernel[grid](
+        q, kv_cache, block_table, cache_seqlens, idx, tkl,
+        out, lse, o_part, lse_part,
+        softmax_scale * _LOG2E,
+        s_q, h_q, block_table.shape[1], num_pages, topk, S, h_tiles,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        idx.stride(0), idx.stride(1) if sparse else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
+        *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
+        DV=DV, DR=DR, BDV=max(16, triton.next_power_of_2(DV)), BDR=max(16, triton.next_power_of_2(max(DR, 1))),
+        PAGE_SIZE=page_size, HPT=HPT, QPT=QPT, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"],
+        CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if S > 1:
+        combine_splits(o_part, lse_part, out, lse)
+    return out, lse
+
+
+def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
+              num_splits):
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    check_same_dtype(q=q, kv_cache=kv_cache)
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                      indices=indices, topk_length=topk_length)
+    D = q.shape[-1]
+    if kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
+    if kv_cache.shape[3] != D:
+        raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
+    if q.shape[2] == 0:
+        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+    if not isinstance(head_dim_v, int) or not 0 < head_dim_v <= D:
+        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
+                         f"got {head_dim_v!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+    check_decode_inputs(q, block_table, cache_seqlens, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
+                        indices=indices, topk_length=topk_length, num_splits=num_splits)
+    if indices is not None and indices.dim() != 3:
+        raise ValueError(f"indices: expected shape [B, s_q, topk] (shared by all heads), got {list(indices.shape)}")
+    check_kernel_device(q.device, "gqla_triton.ops.mla.reference.mla_decode_ref")
+
+
+@torch.library.custom_op("gqla_triton::mla_decode", mutates_args=())
+def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
+                   topk_length: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                          topk_length, num_splits)
+
+
+@_mla_decode_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits):
+    B, s_q, h_q, _ = q.shape
+    return q.new_empty(B, s_q, h_q, head_dim_v), q.new_empty(B, h_q, s_q, dtype=torch.float32)
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
+               indices=None, topk_length=None, num_splits=0):
+    """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
+
+    Args:
+        q: ``[B, s_q, h_q, D]`` bf16/fp16/fp32, ``D = r + d_R`` (latent first, then rope; 512 + 64 tuned).
+        kv_cache: ``[num_pages, page_size, 1, D]``, same dtype; the value of a token is the first
+            ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16.
+        block_table: ``[B, max_pages]`` int32; token ``p`` of sequence ``b`` lives in page
+            ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
+        cache_seqlens: ``[B]`` int32 tokens in the cache per sequence (0 allowed).
+        head_dim_v: value width (default 512).
+        softmax_scale: default ``D ** -0.5``.
+        causal: with ``s_q > 1``, query ``j`` sits at ``cache_seqlens - s_q + j`` and sees keys up to it.
+        indices: optional ``[B, s_q, topk]`` int32 logical positions shared by all heads (sparse). Entries
+            < 0, >= ``cache_seqlens[b]`` or after the query's position (causal) are ignored; a duplicated
+            entry counts once per occurrence. Any value is safe (never addresses outside the cache).
+        topk_length: optional ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
+        num_splits: split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph safe).
+
+    Returns:
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
+        that sees no key gives ``out = 0`` and ``lse = -inf``.
+    """
+    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
+              num_splits)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, int(head_dim_v), scale, bool(causal), indices,
+                          topk_length, int(num_splits))
