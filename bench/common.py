@@ -100,6 +100,9 @@ class BenchContext:
 
 
 def git_sha() -> str:
+    """``GQLA_GIT_SHA`` when set (the device machine gets a copy of the tree without .git), else git's."""
+    if os.environ.get("GQLA_GIT_SHA"):
+        return os.environ["GQLA_GIT_SHA"]
     try:
         sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True,
                                       stderr=subprocess.DEVNULL).strip()
@@ -107,7 +110,7 @@ def git_sha() -> str:
                                 stderr=subprocess.DEVNULL)
         return sha + ("-dirty" if dirty else "")
     except Exception:
-        return os.environ.get("GQLA_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def environment() -> dict:
