@@ -1,0 +1,86 @@
+"""Reference GQLA grouped-path / GQA decode (torch only; float64 on CPU is the definition of correctness).
+
+Every (query token, head) attends over a *multiset* of cached positions: dense = all positions in
+``[0, cache_seqlens)`` (causal: up to the query's position ``cache_seqlens - s_q + j``); sparse = the valid
+entries of its index row, each counted as many times as it appears (gather-then-attend semantics).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._common import gather_pages
+
+__all__ = ["gqa_decode_reference", "position_counts"]
+
+
+def position_counts(
+    cache_seqlens: torch.Tensor, s_q: int, g: int, length: int, *, causal: bool = True,
+    indices: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How many times each query ``[B, s_q, g]`` attends to each position: float64 ``[B, s_q, g, length]``."""
+    B = cache_seqlens.shape[0]
+    counts = torch.zeros(B, s_q, g, length, dtype=torch.float64)
+    pos = torch.arange(length)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        for j in range(s_q):
+            last = L - s_q + j if causal else L - 1
+            if indices is None:
+                counts[b, j, :, :] = ((pos < L) & (pos <= last)).double()[None, :]
+                continue
+            for gg in range(g):
+                row = (indices[b, j, gg] if indices.dim() == 4 else indices[b, j]).long().cpu()
+                n = row.shape[0] if topk_length is None else max(0, min(row.shape[0], int(topk_length[b])))
+                row = row[:n]
+                row = row[(row >= 0) & (row < L) & (row <= last) & (row < length)]
+                counts[b, j, gg] = torch.bincount(row, minlength=length)[:length].double()
+    return counts
+
+
+def gqa_decode_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None = None, softmax_scale: float | None = None,
+    causal: bool = True, indices: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+    *, compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``gqa_decode``; returns float64 ``out [B, s_q, h_q, d_v]`` and ``lse [B, h_q, s_q]``.
+
+    ``compute_dtype`` rounds the two matmul inputs (q·k and p·v) to a low precision, mimicking a kernel at
+    that precision (used for data-derived tolerances); softmax statistics stay in float64.
+    """
+    q = q.detach().cpu().double()
+    B, s_q, h_q, _ = q.shape
+    num_pages, page_size, g, d_h = k_cache.shape
+    G = h_q // g
+    L = max(1, int(cache_seqlens.max().clamp(min=0)))
+    k = gather_pages(k_cache.detach().cpu().double(), block_table.cpu(), L)  # [B, L, g, d_h]
+    v = gather_pages(v_cache.detach().cpu().double(), block_table.cpu(), L)
+    if k_rope_cache is not None:
+        kr = gather_pages(k_rope_cache.detach().cpu().double(), block_table.cpu(), L)  # [B, L, d_R]
+        k = torch.cat([k, kr[:, :, None, :].expand(B, L, g, kr.shape[-1])], dim=-1)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    counts = position_counts(cache_seqlens.cpu(), s_q, g, L, causal=causal, indices=None if indices is None
+                             else indices.cpu(), topk_length=None if topk_length is None else topk_length.cpu())
+    counts = counts.repeat_interleave(G, dim=2)  # [B, s_q, h_q, L]
+    kh = k.repeat_interleave(G, dim=2)  # [B, L, h_q, d]
+    vh = v.repeat_interleave(G, dim=2)
+
+    def rnd(t):
+        return t.to(compute_dtype).double()
+
+    s = torch.einsum("bjhd,blhd->bjhl", rnd(q), rnd(kh)) * softmax_scale
+    s = torch.where(counts > 0, s, torch.full_like(s, -math.inf))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = counts * torch.exp(s - m)
+    lsum = w.sum(-1, keepdim=True)
+    has = lsum > 0
+    p = torch.where(has, w / torch.where(has, lsum, torch.ones_like(lsum)), torch.zeros_like(w))
+    out = torch.einsum("bjhl,blhd->bjhd", rnd(p), rnd(vh))
+    lse = torch.where(has, m + torch.log(torch.where(has, lsum, torch.ones_like(lsum))),
+                      torch.full_like(lsum, -math.inf))[..., 0]
+    return out, lse.permute(0, 2, 1).contiguous()
