@@ -1,0 +1,427 @@
+"""GQLAttention: Group-Query Latent Attention with one weight set and two decode paths.
+
+Weights (MLA with group-indexed up-projections; ``γ(i) = i // (h_q/g)`` is the group of query head ``i``)::
+
+    kv_a_proj      hidden -> kv_rank + rope_dim        latent c (then RMSNorm) and the shared rope key
+    kv_b_proj      kv_rank -> g·(d_h + d_v)             rows of group j: W_UK[j] (d_h rows), W_UV[j] (d_v rows)
+    q_proj         hidden -> h_q·(d_h + d_R)           (or q_a_proj -> RMSNorm -> q_b_proj when q_rank is set)
+    o_proj         h_q·d_v -> hidden
+
+Per query head the first ``d_h`` dims are the no-rope part, the last ``d_R`` the rope part.
+Prefill / training runs the grouped form through ``F.scaled_dot_product_attention``. Decode (a cache that
+already holds tokens of these sequences, ``s_q = T >= 1`` new tokens) runs
+
+- ``absorb``: ``q_lat = W_UK[γ(i)]ᵀ q_nope`` ++ ``q_rope`` -> ``mla_decode`` over a ``LatentCache``
+  -> ``W_UV[γ(i)] õ`` -> ``o_proj``;
+- ``grouped``: per-group ``K = W_UK c``, ``V = W_UV c`` in a ``GroupedCache`` -> ``gqa_decode`` -> ``o_proj``.
+
+The cache kind decides the path; ``path`` fixes it ("absorb" / "grouped") or leaves it to
+``dispatch.choose_decode_path`` ("auto", used by ``make_cache``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import GroupedCache, LatentCache, _as_ids
+from .rope import apply_rope
+
+__all__ = ["GQLAttention", "RMSNorm", "gqla_reference"]
+
+_PATHS = ("auto", "absorb", "grouped")
+_IMPLS = ("triton", "reference")
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) · weight``, computed in at least float32, returned in ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+class GQLAttention(nn.Module):
+    """Group-Query Latent Attention layer (see module docstring).
+
+    Args: ``hidden_size``, ``num_heads`` (h_q), ``num_groups`` (g, divides h_q), ``head_dim`` (d_h, no-rope
+    key/query dims), ``rope_dim`` (d_R, even, may be 0), ``kv_rank`` (r), ``q_rank`` (None: full-rank query
+    projection), ``v_head_dim`` (d_v, default d_h), ``rope_theta``, ``softmax_scale`` (default
+    ``(d_h + d_R)^-0.5``), ``path`` ("auto" | "absorb" | "grouped"), ``impl`` ("triton": decode through the
+    Triton kernels; "reference": pure torch on any device). Keyword ``kv_norm=False`` drops the latent RMSNorm
+    (TransGQLA conversions use it: the source GQA model has none).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_groups: int, head_dim: int = 128, rope_dim: int = 64,
+                 kv_rank: int = 512, q_rank: int | None = None, v_head_dim: int | None = None,
+                 rope_theta: float = 10000.0, softmax_scale: float | None = None, path: str = "auto",
+                 impl: str = "triton", device=None, dtype=None, *, kv_norm: bool = True, norm_eps: float = 1e-6):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
+                        ("head_dim", head_dim), ("kv_rank", kv_rank)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if num_heads % num_groups:
+            raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
+        if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2:
+            raise ValueError(f"rope_dim: expected an even int >= 0, got {rope_dim!r}")
+        if q_rank is not None and (not isinstance(q_rank, int) or q_rank <= 0):
+            raise ValueError(f"q_rank: expected None or a positive int, got {q_rank!r}")
+        if v_head_dim is not None and (not isinstance(v_head_dim, int) or v_head_dim <= 0):
+            raise ValueError(f"v_head_dim: expected None or a positive int, got {v_head_dim!r}")
+        if path not in _PATHS:
+            raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
+        if impl not in _IMPLS:
+            raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
+        fk = dict(device=device, dtype=dtype)
+        self.hidden_size, self.num_heads, self.num_groups = hidden_size, num_heads, num_groups
+        self.head_dim, self.rope_dim, self.kv_rank, self.q_rank = head_dim, rope_dim, kv_rank, q_rank
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.rope_theta = float(rope_theta)
+        self.softmax_scale = float(softmax_scale) if softmax_scale is not None else (head_dim + rope_dim) ** -0.5
+        self.path, self.impl, self.kv_norm, self.norm_eps = path, impl, kv_norm, norm_eps
+        qd = num_heads * (head_dim + rope_dim)
+        if q_rank is None:
+            self.q_proj = nn.Linear(hidden_size, qd, bias=False, **fk)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_rank, bias=False, **fk)
+            self.q_a_layernorm = RMSNorm(q_rank, norm_eps, **fk)
+            self.q_b_proj = nn.Linear(q_rank, qd, bias=False, **fk)
+        self.kv_a_proj = nn.Linear(hidden_size, kv_rank + rope_dim, bias=False, **fk)
+        self.kv_a_layernorm = RMSNorm(kv_rank, norm_eps, **fk) if kv_norm else nn.Identity()
+        self.kv_b_proj = nn.Linear(kv_rank, num_groups * (head_dim + self.v_head_dim), bias=False, **fk)
+        self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
+        self._absorbed: dict = {}
+
+    # ---- shapes / path choice -------------------------------------------------------------------------
+    @property
+    def layer_shape(self) -> dict:
+        return dict(num_heads=self.num_heads, num_groups=self.num_groups, head_dim=self.head_dim,
+                    v_head_dim=self.v_head_dim, rope_dim=self.rope_dim, kv_rank=self.kv_rank)
+
+    def choose_path(self, *, batch: int = 1, seqlen: int = 8192, s_q: int = 1, device=None, gpu: str | None = None):
+        """``dispatch.choose_decode_path`` for this layer's shape (``path`` other than "auto" is an override)."""
+        from .. import dispatch
+
+        if gpu is not None:
+            info = gpu
+        else:
+            dev = torch.device(device) if device is not None else self.kv_b_proj.weight.device
+            info = dispatch.device_info(dev) if (dev.type == "cuda" or dispatch.is_interpreter()) else "default"
+        override = None if self.path == "auto" else self.path
+        return dispatch.choose_decode_path(self.layer_shape, s_q, info, batch=batch, seqlen=seqlen, override=override)
+
+    def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
+                   num_pages: int | None = None, dtype=None, device=None, s_q: int = 1):
+        """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch."""
+        path = path or self.path
+        if path not in _PATHS:
+            raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
+        w = self.kv_b_proj.weight
+        device = device if device is not None else w.device
+        dtype = dtype or w.dtype
+        if path == "auto":
+            path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
+        if path == "absorb":
+            return LatentCache(max_batch, max_seqlen, self.kv_rank, self.rope_dim, page_size=page_size,
+                               num_pages=num_pages, dtype=dtype, device=device)
+        return GroupedCache(max_batch, max_seqlen, self.num_groups, self.head_dim, self.rope_dim, self.v_head_dim,
+                            page_size=page_size, num_pages=num_pages, dtype=dtype, device=device)
+
+    # ---- weights --------------------------------------------------------------------------------------
+    def w_uk_uv(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [g, d_h, r]`` and ``W_UV [g, d_v, r]`` (views of ``kv_b_proj.weight``, differentiable)."""
+        w = self.kv_b_proj.weight
+        if dtype is not None:
+            w = w.to(dtype)
+        w = w.view(self.num_groups, self.head_dim + self.v_head_dim, self.kv_rank)
+        return w[:, : self.head_dim], w[:, self.head_dim:]
+
+    def absorbed_weights(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorb-path weights ``W_UK [g, d_h, r]``, ``W_UV [g, d_v, r]`` contiguous in ``dtype``, computed once
+        and reused until ``kv_b_proj.weight`` changes (tracked by its version counter and storage pointer).
+        Under autograd with a trainable weight they are recomputed (and differentiable)."""
+        w = self.kv_b_proj.weight
+        dtype = dtype or w.dtype
+        if torch.is_grad_enabled() and w.requires_grad:
+            return self.w_uk_uv(dtype)
+        key = (w._version, w.data_ptr(), w.device, dtype)
+        hit = self._absorbed.get(dtype)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                uk, uv = self.w_uk_uv(dtype)
+                hit = (key, uk.contiguous(), uv.contiguous())
+            self._absorbed[dtype] = hit
+        return hit[1], hit[2]
+
+    # ---- projections ----------------------------------------------------------------------------------
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        B, T, _ = x.shape
+        h, dh, dR, r = self.num_heads, self.head_dim, self.rope_dim, self.kv_rank
+        q = self.q_proj(x) if self.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, h, dh + dR)
+        q_nope, q_rope = q[..., :dh], apply_rope(q[..., dh:], positions, self.rope_theta)
+        kv = self.kv_a_proj(x)
+        c = self.kv_a_layernorm(kv[..., :r])
+        k_rope = apply_rope(kv[..., r:], positions, self.rope_theta)
+        return q_nope, q_rope, c, k_rope
+
+    def _expand(self, c: torch.Tensor):
+        B, T, _ = c.shape
+        kv = self.kv_b_proj(c).view(B, T, self.num_groups, self.head_dim + self.v_head_dim)
+        return kv[..., : self.head_dim], kv[..., self.head_dim:]
+
+    def _positions(self, positions, B: int, T: int, past: list[int], device) -> torch.Tensor:
+        if positions is None:
+            return (torch.tensor(past, dtype=torch.long)[:, None] + torch.arange(T)).to(device)
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+        if positions.is_floating_point() or positions.is_complex():
+            raise TypeError(f"positions: expected an integer tensor, got {positions.dtype}")
+        if positions.dim() == 1 and positions.shape[0] == T:
+            positions = positions[None].expand(B, T)
+        if list(positions.shape) != [B, T]:
+            raise ValueError(f"positions: expected shape [{B}, {T}] or [{T}], got {list(positions.shape)}")
+        return positions.to(device)
+
+    # ---- forward --------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
+                seq_ids=None) -> torch.Tensor:
+        """``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
+
+        ``positions [B, T]`` or ``[T]`` (int; default: each sequence's cached length + 0..T-1) rotate the rope
+        parts. ``cache`` (``LatentCache`` / ``GroupedCache``) receives the new tokens of slots ``seq_ids``
+        (default ``0..B-1``). With no cache, or a cache empty for all these slots, attention is causal
+        prefill (SDPA, differentiable); otherwise the T new tokens decode against the cache (MTP when T > 1).
+        """
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected shape [B, T, {self.hidden_size}], "
+                             f"got {list(hidden_states.shape)}")
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states: expected a floating dtype, got {hidden_states.dtype}")
+        B, T, _ = hidden_states.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(hidden_states.shape)}")
+        ids = None
+        if cache is not None:
+            self._check_cache(cache)
+            ids = _as_ids(seq_ids, B)
+            if len(ids) != B:
+                raise ValueError(f"seq_ids: expected {B} slots, got {len(ids)}")
+            cache._check_ids(ids)
+            past = cache.seqlens(ids)
+        else:
+            if seq_ids is not None:
+                raise ValueError("seq_ids: given without a cache")
+            past = [0] * B
+        pos = self._positions(positions, B, T, past, hidden_states.device)
+        q_nope, q_rope, c, k_rope = self._project(hidden_states, pos)
+        if cache is None or max(past) == 0:
+            k_nope, v = self._expand(c)
+            if isinstance(cache, LatentCache):
+                cache.append(ids, c.detach(), k_rope.detach())
+            elif cache is not None:
+                cache.append(ids, k_nope.detach(), v.detach(), k_rope.detach())
+            o = self._prefill(q_nope, q_rope, k_nope, k_rope, v)
+        elif isinstance(cache, LatentCache):
+            cache.append(ids, c, k_rope)
+            o = self._decode_absorb(q_nope, q_rope, cache, ids)
+        else:
+            k_nope, v = self._expand(c)
+            cache.append(ids, k_nope, v, k_rope)
+            o = self._decode_grouped(q_nope, q_rope, cache, ids)
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
+
+    def _check_cache(self, cache) -> None:
+        if isinstance(cache, LatentCache):
+            if self.path == "grouped":
+                raise ValueError("cache: a LatentCache needs path 'absorb' or 'auto' (this layer has path='grouped')")
+            if cache.kv_rank != self.kv_rank or cache.rope_dim != self.rope_dim:
+                raise ValueError(f"cache: LatentCache kv_rank/rope_dim {cache.kv_rank}/{cache.rope_dim} != layer's "
+                                 f"{self.kv_rank}/{self.rope_dim}")
+        elif isinstance(cache, GroupedCache):
+            if self.path == "absorb":
+                raise ValueError("cache: a GroupedCache needs path 'grouped' or 'auto' (this layer has path='absorb')")
+            if (cache.num_groups, cache.head_dim, cache.v_head_dim, cache.rope_dim) != (
+                    self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim):
+                raise ValueError("cache: GroupedCache shape (g, d_h, d_v, d_R) "
+                                 f"{(cache.num_groups, cache.head_dim, cache.v_head_dim, cache.rope_dim)} != layer's "
+                                 f"{(self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim)}")
+        else:
+            raise TypeError(f"cache: expected a LatentCache or GroupedCache, got {type(cache).__name__}")
+
+    def _prefill(self, q_nope, q_rope, k_nope, k_rope, v) -> torch.Tensor:
+        """Causal grouped attention with SDPA: [B, T, h, d_v]."""
+        B, T, h, _ = q_nope.shape
+        rep = h // self.num_groups
+        q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, self.num_groups, self.rope_dim)], -1)
+        k = k.transpose(1, 2).repeat_interleave(rep, dim=1)
+        vv = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=self.softmax_scale)
+        return o.transpose(1, 2)
+
+    def _decode_absorb(self, q_nope, q_rope, cache: LatentCache, ids) -> torch.Tensor:
+        B, T, h, dh = q_nope.shape
+        g, r = self.num_groups, self.kv_rank
+        w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
+        q_lat = torch.einsum("btgjd,gdr->btgjr", q_nope.reshape(B, T, g, h // g, dh), w_uk).reshape(B, T, h, r)
+        q = torch.cat([q_lat, q_rope], -1).to(cache.dtype).contiguous()
+        bt, sl = cache.tables(ids)
+        if self.impl == "triton":
+            from ..ops.mla.decode import mla_decode
+
+            out, _ = mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True)
+        else:
+            out = _latent_attention_torch(q, cache, ids, r, self.softmax_scale)
+        out = out.to(w_uv.dtype).reshape(B, T, g, h // g, r)
+        return torch.einsum("btgjr,gvr->btgjv", out, w_uv).reshape(B, T, h, self.v_head_dim)
+
+    def _decode_grouped(self, q_nope, q_rope, cache: GroupedCache, ids) -> torch.Tensor:
+        q = torch.cat([q_nope, q_rope], -1).to(cache.dtype).contiguous()
+        bt, sl = cache.tables(ids)
+        if self.impl == "triton":
+            from ..ops.gqa.decode import gqa_decode
+
+            kr = cache.k_rope if self.rope_dim > 0 else None
+            out, _ = gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
+                                causal=True)
+            return out
+        return _grouped_attention_torch(q, cache, ids, self.head_dim, self.softmax_scale)
+
+    # ---- tensor parallel ------------------------------------------------------------------------------
+    def shard(self, tp_rank: int, tp_size: int) -> GQLAttention:
+        """Tensor-parallel shard holding groups ``[rank·g/tp, (rank+1)·g/tp)`` and their query heads.
+
+        q (or q_b) and kv_b rows are column-parallel, o_proj columns row-parallel; kv_a_proj, q_a_proj and the
+        norms are replicated. Summing the shards' outputs gives the full layer's output.
+        """
+        if not isinstance(tp_size, int) or tp_size <= 0 or self.num_groups % tp_size:
+            raise ValueError(f"tp_size: expected a positive divisor of num_groups {self.num_groups}, got {tp_size!r}")
+        if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank!r}")
+        g, h = self.num_groups // tp_size, self.num_heads // tp_size
+        w = self.kv_b_proj.weight
+        out = GQLAttention(self.hidden_size, h, g, self.head_dim, self.rope_dim, self.kv_rank, self.q_rank,
+                           self.v_head_dim, self.rope_theta, self.softmax_scale, self.path, self.impl,
+                           device=w.device, dtype=w.dtype, kv_norm=self.kv_norm, norm_eps=self.norm_eps)
+        qd, kvd, vd = self.head_dim + self.rope_dim, self.head_dim + self.v_head_dim, self.v_head_dim
+        hs = slice(tp_rank * h, (tp_rank + 1) * h)
+        gs = slice(tp_rank * g, (tp_rank + 1) * g)
+        with torch.no_grad():
+            if self.q_rank is None:
+                out.q_proj.weight.copy_(self.q_proj.weight.view(self.num_heads, qd, -1)[hs].reshape(h * qd, -1))
+            else:
+                out.q_a_proj.weight.copy_(self.q_a_proj.weight)
+                out.q_a_layernorm.weight.copy_(self.q_a_layernorm.weight)
+                out.q_b_proj.weight.copy_(self.q_b_proj.weight.view(self.num_heads, qd, -1)[hs].reshape(h * qd, -1))
+            out.kv_a_proj.weight.copy_(self.kv_a_proj.weight)
+            if self.kv_norm:
+                out.kv_a_layernorm.weight.copy_(self.kv_a_layernorm.weight)
+            out.kv_b_proj.weight.copy_(w.view(self.num_groups, kvd, -1)[gs].reshape(g * kvd, -1))
+            ow = self.o_proj.weight.view(self.hidden_size, self.num_heads, vd)[:, hs]
+            out.o_proj.weight.copy_(ow.reshape(self.hidden_size, h * vd))
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, h_q={self.num_heads}, g={self.num_groups}, d_h={self.head_dim}, "
+                f"d_v={self.v_head_dim}, d_R={self.rope_dim}, r={self.kv_rank}, q_rank={self.q_rank}, "
+                f"path={self.path!r}, impl={self.impl!r}")
+
+
+# ---- pure-torch decode attention (impl="reference") ---------------------------------------------------
+def _attend(q, k, v, scale):
+    """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]`` causal with queries at positions ``L-T..L-1``."""
+    T, L = q.shape[0], k.shape[0]
+    s = torch.einsum("thd,lhd->htl", q, k.expand(L, q.shape[1], k.shape[-1])) * scale
+    mask = torch.arange(L, device=q.device)[None, :] > (L - T + torch.arange(T, device=q.device))[:, None]
+    s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, -1)
+    return torch.einsum("htl,lhd->thd", p, v.expand(L, q.shape[1], v.shape[-1]))
+
+
+def _latent_attention_torch(q, cache: LatentCache, ids, r: int, scale: float) -> torch.Tensor:
+    """Absorb-path attention in torch (float32 or wider): ``q [B, T, h, r + d_R]`` -> ``[B, T, h, r]``."""
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    outs = []
+    for b, s in enumerate(ids):
+        c, kr = cache.gather(s)
+        key = torch.cat([c, kr], -1).to(cdt)[:, None]
+        outs.append(_attend(q[b].to(cdt), key, c.to(cdt)[:, None], scale))
+    return torch.stack(outs).to(q.dtype)
+
+
+def _grouped_attention_torch(q, cache: GroupedCache, ids, dh: int, scale: float) -> torch.Tensor:
+    """Grouped-path attention in torch (float32 or wider): ``q [B, T, h, d_h + d_R]`` -> ``[B, T, h, d_v]``."""
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    B, T, h, _ = q.shape
+    g = cache.num_groups
+    outs = []
+    for b, s in enumerate(ids):
+        k, v, kr = cache.gather(s)
+        L = k.shape[0]
+        key = torch.cat([k, kr[:, None].expand(L, g, kr.shape[-1])], -1).to(cdt).repeat_interleave(h // g, 1)
+        outs.append(_attend(q[b].to(cdt), key, v.to(cdt).repeat_interleave(h // g, 1), scale))
+    return torch.stack(outs).to(q.dtype)
+
+
+# ---- float64 reference of the whole layer --------------------------------------------------------------
+def gqla_reference(layer: GQLAttention, hidden_states: torch.Tensor, positions: torch.Tensor, past=None):
+    """Float64 CPU reference of ``layer`` (einsums only): ``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
+
+    ``positions [B, T]`` rotate the new tokens. ``past`` (optional): per sequence a pair ``(c [L_b, r],
+    k_rope [L_b, d_R])`` of cached latent tokens (rope already applied) that precede the new ones; the new
+    tokens attend causally to past + themselves.
+    """
+    P = {k: v.detach().to("cpu", torch.float64) for k, v in layer.state_dict().items()}
+    x = hidden_states.detach().to("cpu", torch.float64)
+    pos = positions.to("cpu")
+    B, T, _ = x.shape
+    h, g, dh, dv, dR, r = (layer.num_heads, layer.num_groups, layer.head_dim, layer.v_head_dim, layer.rope_dim,
+                           layer.kv_rank)
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + layer.norm_eps) * w
+
+    if layer.q_rank is None:
+        q = x @ P["q_proj.weight"].T
+    else:
+        q = rms(x @ P["q_a_proj.weight"].T, P["q_a_layernorm.weight"]) @ P["q_b_proj.weight"].T
+    q = q.view(B, T, h, dh + dR)
+    q_nope, q_rope = q[..., :dh], apply_rope(q[..., dh:], pos, layer.rope_theta)
+    kv = x @ P["kv_a_proj.weight"].T
+    c = kv[..., :r]
+    if layer.kv_norm:
+        c = rms(c, P["kv_a_layernorm.weight"])
+    k_rope = apply_rope(kv[..., r:], pos, layer.rope_theta)
+    w = P["kv_b_proj.weight"].view(g, dh + dv, r)
+    w_uk, w_uv = w[:, :dh], w[:, dh:]
+    grp = torch.arange(h) // (h // g)
+    outs = []
+    for b in range(B):
+        if past is not None and past[b] is not None:
+            pc, pk = (t.detach().to("cpu", torch.float64) for t in past[b])
+        else:
+            pc, pk = torch.zeros(0, r, dtype=torch.float64), torch.zeros(0, dR, dtype=torch.float64)
+        call, kall = torch.cat([pc, c[b]]), torch.cat([pk, k_rope[b]])
+        K = torch.einsum("gdr,lr->lgd", w_uk, call)[:, grp]  # [L, h, dh]
+        V = torch.einsum("gdr,lr->lgd", w_uv, call)[:, grp]
+        s = (torch.einsum("thd,lhd->htl", q_nope[b], K) + torch.einsum("thd,ld->htl", q_rope[b], kall))
+        s = s * layer.softmax_scale
+        L = call.shape[0]
+        mask = torch.arange(L)[None, :] > (L - T + torch.arange(T))[:, None]
+        p = torch.softmax(s.masked_fill(mask, -math.inf), -1)
+        outs.append(torch.einsum("htl,lhd->thd", p, V))
+    o = torch.stack(outs).reshape(B, T, h * dv)
+    return o @ P["o_proj.weight"].T
