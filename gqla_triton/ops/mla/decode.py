@@ -124,7 +124,7 @@ def mla_decode_fwd_kernel(
         if SPARSE:
             keep = ok[None, :] & rvalid[:, None]
         else:
-            keep = ok[None, :] & (pos[None, :] <= last[:, None])
+            keep = ok[None, :] & (pos[None, :] < last[:, None])
         s = tl.where(keep, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -169,8 +169,11 @@ def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
 
 
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                   indices, topk_length, num_splits):
-    """Launcher (inputs already validated). Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q])``."""
+                   indices, topk_length, num_splits, *, out=None, lse=None, poison_partials=False):
+    """Launcher (inputs already validated). Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q])``.
+
+    ``out`` / ``lse`` may be given (written in place); ``poison_partials`` NaN-fills the split buffers (tests).
+    """
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
@@ -183,11 +186,16 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         indices = indices.contiguous()
     DV = head_dim_v
     DR = D - DV
-    out = torch.empty(B, s_q, h_q, DV, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(B, s_q, h_q, DV, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
     if S > 1:
         o_part = torch.empty(B, S, s_q, h_q, DV, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, S, s_q, h_q, dtype=torch.float32, device=q.device)
+        if poison_partials:
+            o_part.fill_(float("nan"))
+            lse_part.fill_(float("nan"))
     else:
         o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
     idx = indices if sparse else block_table

@@ -33,8 +33,12 @@ def _key_valid(block_table: torch.Tensor, num_pages: int, page_size: int, length
 
 
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
-                   indices=None, topk_length=None):
-    """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU."""
+                   indices=None, topk_length=None, *, p_dtype=None):
+    """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU.
+
+    ``p_dtype`` (tests only): round the probabilities and the output to that dtype, i.e. what a torch
+    implementation at the kernel's precision does; gives the low-precision error the tolerance is built on.
+    """
     q = q.detach().double().cpu()
     kv_cache = kv_cache.detach().double().cpu()
     block_table = block_table.detach().long().cpu()
@@ -74,5 +78,9 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]
     seen = torch.isfinite(lse)
     p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+    if p_dtype is not None:
+        p = p.to(p_dtype).double()
     out = torch.einsum("bqhn,bnd->bqhd", p, keys[..., :head_dim_v])
+    if p_dtype is not None:
+        out = out.to(p_dtype).double()
     return out, lse.permute(0, 2, 1).contiguous()
