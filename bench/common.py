@@ -55,20 +55,19 @@ def time_graph_ms(fn, *, replays=20, reps=15) -> float:
 
 def measure_ceilings() -> dict:
     """Device-to-device copy bandwidth (read + write counted) and bf16 GEMM rate, on random data."""
-    n = 1 << 30  # 2 GiB of bf16
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), warmup=5, rep=30)
-    copy = 2 * src.numel() * 2 / (ms * 1e-3)
-    del src, dst
-    m = 8192
-    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, warmup=10, rep=50)
-    gemm = 2 * m**3 / (ms * 1e-3)
-    del a, b
+    def copy_rate(n=1 << 30):  # 2 GiB of bf16
+        src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        return 2 * n * 2 / (time_ms(lambda: dst.copy_(src), warmup=5, rep=30) * 1e-3)
+
+    def gemm_rate(m=8192):
+        a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+        return 2 * m**3 / (time_ms(lambda: a @ b, warmup=10, rep=50) * 1e-3)
+
+    out = {"copy_bytes_s": copy_rate(), "bf16_flops": gemm_rate()}
     torch.cuda.empty_cache()
-    return {"copy_bytes_s": copy, "bf16_flops": gemm}
+    return out
 
 
 def try_import(name: str):
@@ -144,7 +143,7 @@ def print_table(rows: list[dict]) -> None:
         cells.append(line)
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     for row in cells:
-        print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+        print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
 
 
 def add_ratios(rows: list[dict], ours: str = "gqla_triton") -> None:

@@ -55,7 +55,8 @@ o_ref, s_ref = recurrent_gated_delta_rule_ref(q.double().cpu(), k.double().cpu()
 print(f"chunk_gated_delta_rule  B{B} T{T} HV{HV}: {ms:8.1f} ms (incl. compile)  rel err o {rel(o, o_ref):.1e}"
       f"  state {rel(state, s_ref):.1e}")
 x = [torch.randn(B, 1, H, K, device=dev, dtype=dt), torch.randn(B, 1, H, K, device=dev, dtype=dt),
-     torch.randn(B, 1, HV, V, device=dev, dtype=dt), -torch.rand(B, 1, HV, device=dev), torch.rand(B, 1, HV, device=dev)]
+     torch.randn(B, 1, HV, V, device=dev, dtype=dt),
+     -torch.rand(B, 1, HV, device=dev), torch.rand(B, 1, HV, device=dev)]
 o1 = gqla_triton.gated_delta_rule_decode(*x, state, use_qk_l2norm_in_kernel=True)
 print(f"gated_delta_rule_decode one token per sequence: out {tuple(o1.shape)}, state pool updated in place")
 

@@ -79,7 +79,7 @@ def gpu_key(name: str) -> str:
     return "default"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_info(index: int) -> DeviceInfo:
     import torch
 
@@ -112,7 +112,7 @@ def device_info(device: Any = None) -> DeviceInfo:
     return _cuda_info(index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_table(key: str) -> dict:
     path = _CONFIG_DIR / f"{key}.json"
     if not path.exists():

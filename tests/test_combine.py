@@ -37,7 +37,7 @@ def test_combine_equals_full_softmax(B, Q, H, D, N, S, empty, dtype, seed):
     k = randn((B, N, D), g, dtype=torch.float64, device="cpu")
     v = randn((B, N, D), g, dtype=torch.float64, device="cpu")
     cuts = sorted(torch.randint(0, N + 1, (S - 1,), generator=g).tolist())
-    bounds = list(zip([0] + cuts, cuts + [N]))
+    bounds = list(zip([0] + cuts, cuts + [N], strict=True))
     if empty:  # an extra split that saw no key at all
         bounds.insert(int(torch.randint(0, S + 1, (1,), generator=g)), (N, N))
     o_p, lse_p = _partials(q, k, v, bounds)

@@ -3,9 +3,9 @@
 from .combine import combine_splits
 from .paging import choose_num_splits, gather_pages, logical_to_physical, sparse_positions, split_bounds
 from .validation import (
-    check_decode_inputs,
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_decode_inputs,
     check_kernel_device,
     check_multiple,
     check_same_device,

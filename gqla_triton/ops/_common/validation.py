@@ -34,7 +34,7 @@ def check_tensor(
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
     if shape is not None:
-        for i, (got, want) in enumerate(zip(t.shape, shape)):
+        for i, (got, want) in enumerate(zip(t.shape, shape, strict=True)):
             if want is not None and got != want:
                 want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
                 raise ValueError(f"{name}: expected shape {want_s}, got {list(t.shape)} (dim {i})")
