@@ -1,0 +1,276 @@
+"""Chunked Gated DeltaNet (prefill / training): Triton forward + backward, fla/FlashQLA-compatible API.
+
+``chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+use_qk_l2norm_in_kernel=False, cu_seqlens=None) -> (o, final_state)``; see its docstring for shapes.
+Kernels: ``chunk_fwd.py`` (wy, wu, state, output stages) and ``chunk_bwd.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ...dispatch import select_config
+from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
+from .chunk_bwd import gdn_dv_local_kernel, gdn_grad_chunk_kernel, gdn_state_bwd_kernel, gdn_wy_bwd_kernel
+from .chunk_fwd import gdn_output_fwd_kernel, gdn_state_fwd_kernel, gdn_wu_fwd_kernel, gdn_wy_fwd_kernel
+from .reference import L2NORM_EPS
+
+__all__ = ["chunk_gated_delta_rule", "chunk_gdn_fwd", "chunk_gdn_bwd"]
+
+BT = 64  # chunk size
+
+_DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_bwd": 64, "warps_wy": 4,
+                "warps_wu": 4, "warps_state": 4, "warps_out": 4, "warps_bwd": 8, "num_stages": 2}
+
+
+def _cfg(K: int, V: int, device) -> dict:
+    cfg = dict(_DEFAULT_CFG)
+    cfg.update(select_config("gdn_chunk", {"K": K, "V": V}, device=device) or {})
+    return cfg
+
+
+def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device):
+    """(num chunk programs, chunk index pairs [NT,2] int32 or None, chunk offsets [N+1] int32 or None, NT per seq)."""
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, BT)
+        return B * nt, None, None, nt
+    cu = cu_seqlens.tolist()
+    pairs, offs = [], [0]
+    for n in range(len(cu) - 1):
+        c = triton.cdiv(cu[n + 1] - cu[n], BT)
+        pairs.extend((n, i) for i in range(c))
+        offs.append(offs[-1] + c)
+    cidx = torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2)
+    return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device), 0
+
+
+def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, keep_h: bool = False):
+    """Launch the forward stages. Returns (o [B,T,HV,V] v.dtype, final [N,HV,K,V] fp32, gc fp32 [B,T,HV],
+    Ainv fp32 [B,T,HV,BT], and when keep_h also (h, v_new))."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cfg = _cfg(K, V, q.device)
+    NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T, q.device)
+    BKp = triton.next_power_of_2(K)
+    dummy = q  # stand-in pointer for absent optional tensors (never dereferenced)
+    cu = cu_seqlens if cu_seqlens is not None else dummy
+    cidx_ = cidx if cidx is not None else dummy
+    coff_ = coff if coff is not None else dummy
+    varlen = cu_seqlens is not None
+    gc = torch.empty(B, T, HV, dtype=torch.float32, device=q.device)
+    Ainv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
+    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
+    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+    if NTT > 0:
+        gdn_wy_fwd_kernel[(NTT, B * HV)](k, g, beta, gc, Ainv, cu, cidx_, T, H=H, HV=HV, K=K, BT=BT,
+                                         BK=min(cfg["BK"], BKp), IS_VARLEN=varlen, num_warps=cfg["warps_wy"])
+        gdn_wu_fwd_kernel[(NTT, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+                                         BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], triton.next_power_of_2(V)),
+                                         IS_VARLEN=varlen, num_warps=cfg["warps_wu"])
+    h, vnew, ht = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
+    o = torch.empty_like(v)
+    if NTT > 0:
+        BV = min(cfg["BV_out"], triton.next_power_of_2(V))
+        gdn_output_fwd_kernel[(triton.cdiv(V, BV), NTT, B * HV)](
+            q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV,
+            IS_VARLEN=varlen, num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
+    if keep_h:
+        return o, ht, gc, Ainv, w, u, h, vnew
+    return o, ht, gc, Ainv
+
+
+def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg):
+    """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32."""
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    h = torch.empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
+    vnew = torch.empty_like(u)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    BV = min(cfg["BV_state"], triton.next_power_of_2(V))
+    dummy = k
+    gdn_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        k, w, u, gc, h, vnew, initial_state if initial_state is not None else dummy, ht,
+        cu_seqlens if cu_seqlens is not None else dummy, coff if coff is not None else dummy, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, USE_H0=initial_state is not None,
+        STORE_HT=True, IS_VARLEN=cu_seqlens is not None, num_warps=cfg["warps_state"],
+        num_stages=cfg["num_stages"])
+    return h, vnew, ht
+
+
+def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc, Ainv, do, dht):
+    """Backward launchers. Returns dq, dk [B,T,H,K], dv [B,T,HV,V], dg, dbeta [B,T,HV] (input dtypes) and
+    dh0 [N,HV,K,V] fp32 (zeros if there was no initial_state). ``dht`` may be None."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    dev = q.device
+    cfg = _cfg(K, V, dev)
+    NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T, dev)
+    BKp = triton.next_power_of_2(K)
+    BVp = triton.next_power_of_2(V)
+    dummy = q
+    cu = cu_seqlens if cu_seqlens is not None else dummy
+    cidx_ = cidx if cidx is not None else dummy
+    coff_ = coff if coff is not None else dummy
+    varlen = cu_seqlens is not None
+    do = do.contiguous()
+    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
+    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    dq = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = torch.zeros_like(v)
+    dg = torch.zeros_like(g)
+    dbeta = torch.zeros_like(beta)
+    dh0 = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
+    if NTT == 0:
+        return dq.to(q.dtype)[:, :, :H], dk.to(k.dtype)[:, :, :H], dv, dg, dbeta, dh0
+    gdn_wu_fwd_kernel[(NTT, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+                                     BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], BVp), IS_VARLEN=varlen,
+                                     num_warps=cfg["warps_wu"])
+    h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
+    dvl = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    BV = min(cfg["BV_out"], BVp)
+    gdn_dv_local_kernel[(triton.cdiv(V, BV), NTT, B * HV)](
+        q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, IS_VARLEN=varlen,
+        num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
+    dhe = torch.empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
+    dvn = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    BV = min(cfg["BV_state"], BVp)
+    gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
+        num_warps=cfg["warps_state"], num_stages=cfg["num_stages"])
+    dw = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dgc = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    gdn_grad_chunk_kernel[(NTT, B * HV)](
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=BKp, BV=min(cfg["BV_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"],
+        num_stages=cfg["num_stages"])
+    gdn_wy_bwd_kernel[(NTT, B * HV)](
+        k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+        BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
+    G = HV // H
+    if G > 1:
+        dq = dq.view(B, T, H, G, K).sum(3)
+        dk = dk.view(B, T, H, G, K).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta, dh0
+
+
+# ----------------------------------------------------------------------------------- torch.library + autograd
+@torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
+            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=torch.float32))
+
+
+@torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, gc: torch.Tensor,
+            Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), q.new_empty(N, HV, K, V, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens = inputs
+    _, _, gc, Ainv = output
+    ctx.scale = scale
+    ctx.has_h0 = initial_state is not None
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv)
+
+
+def _backward(ctx, do, dht, _dgc, _dA):
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, gc, Ainv, do, dht)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); K, V multiples of 16, <= 256.
+        g: ``[B, T, HV]`` log-space decay (<= 0), any float dtype; beta: ``[B, T, HV]`` in (0, 1).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` float32 or None (N = B, or the number of sequences with varlen).
+        output_final_state: also return the final states ``[N, HV, K, V]`` float32.
+        use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts (varlen; then B must be 1).
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state or None)``; differentiable in q, k, v, g, beta,
+        initial_state. Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
+    """
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    B, T, H, K = q.shape
+    check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
+    check_tensor("v", v, shape=(B, T, None, None), dtypes=FLOAT_DTYPES)
+    HV, V = v.shape[2], v.shape[3]
+    check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_tensor("beta", beta, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_same_dtype(q=q, k=k, v=v)
+    dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if H == 0 or HV == 0 or HV % H != 0:
+        raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
+    for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
+        if d <= 0 or d % 16 or d > 256:
+            raise ValueError(f"{name}: expected a positive multiple of 16 and <= 256, got {d}")
+    if T < 1 or B < 1:
+        raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen input needs B == 1, got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
+        if not torch.compiler.is_compiling():
+            c = cu_seqlens.detach().cpu()
+            if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] < c[:-1]).any()):
+                raise ValueError(f"cu_seqlens: must be non-decreasing from 0 to T={T}, got {c.tolist()}")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
+    if scale is None:
+        scale = K ** -0.5
+    check_kernel_device(dev, "gqla_triton.ops.gdn.reference.chunk_gated_delta_rule_ref")
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o, ht, _, _ = _fwd_op(q, k, v, g, beta, float(scale), h0, cu_seqlens)
+    return o, (ht if output_final_state else None)

@@ -1,0 +1,228 @@
+"""Backward stages of the chunked gated delta rule (layouts as in ``chunk_fwd.py``).
+
+Stages (after recomputing w, u, h, v_new with the forward kernels):
+``dv_local`` (scale·Pᵀ·dO) -> ``state_bwd`` (reverse pass: dS at each chunk end, dv_new, dh0) ->
+``grad_chunk`` (dq, the k terms of the state and intra-chunk paths, dw, dgc) -> ``wy_bwd`` (through
+Ainv = (I + A)^-1: dk, dv, dbeta, and dg as the reverse within-chunk cumsum of dgc).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunk_fwd import _seq_bounds
+
+
+@triton.jit
+def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H: tl.constexpr, HV: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        IS_VARLEN: tl.constexpr):
+    """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i (fp32 [rows, HV, V])."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    t = t0 + tl.arange(0, BT)
+    valid = t < Tn
+    x = bos + t
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk = valid[:, None] & (ck[None, :] < K)
+    mv = valid[:, None] & (cv[None, :] < V)
+    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    r = tl.arange(0, BT)
+    m = (r[None, :] >= r[:, None]) & valid[:, None] & valid[None, :]  # rows j, cols i
+    PT = tl.where(m, tl.dot(kk, tl.trans(qq)) * tl.exp(tl.where(m, gg[None, :] - gg[:, None], 0.0)), 0.0)
+    dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+    tl.store(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], tl.dot(PT.to(dd.dtype), dd) * scale, mask=mv)
+
+
+@triton.jit
+def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, scale, T, NT, H: tl.constexpr,
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                         IS_VARLEN: tl.constexpr):
+    """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + kd·dS;
+    dS ← e^gl·dS + scale·(e^gc·q)ᵀ dO − wᵀ dv_new; dh0 = dS at the sequence start."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        Tn = (tl.load(cu + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(coff + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        Tn = T
+        boh = i_n.to(tl.int64) * NT
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        dS += tl.load(dht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+    dt = k.dtype.element_ty
+    NTn = tl.cdiv(Tn, BT)
+    for j in range(0, NTn):
+        i_c = NTn - 1 - j
+        tl.store(dhe + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
+                 dS.to(dhe.dtype.element_ty), mask=mkv)
+        t = i_c * BT + tl.arange(0, BT)
+        valid = t < Tn
+        x = bos + t
+        mk = valid[:, None] & (ck[None, :] < K)
+        mv = valid[:, None] & (cv[None, :] < V)
+        last = tl.minimum(i_c * BT + BT, Tn) - 1
+        gl = tl.load(gc + (bos + last) * HV + i_hv)
+        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        kd = kk * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dv += tl.dot(kd.to(dt), dS.to(dt))
+        tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv, mask=mv)
+        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        qd = qq * (tl.exp(gg) * scale)[:, None]
+        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        dS = dS * tl.exp(gl) + tl.dot(tl.trans(qd.to(dt)), dd.to(dt)) - tl.dot(tl.trans(ww), dv.to(dt))
+    if STORE_DH0:
+        tl.store(dh0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], dS, mask=mkv)
+
+
+@triton.jit
+def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx, coff, scale, T, NT,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per chunk and value head: dq, dk (state + intra terms), dw = −dv_new·hᵀ, dgc (all fp32)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    if IS_VARLEN:
+        i_ch = tl.load(coff + tl.load(cidx + 2 * i_t)).to(tl.int64) + tl.load(cidx + 2 * i_t + 1)
+    else:
+        i_ch = i_b.to(tl.int64) * NT + i_t
+    t = t0 + tl.arange(0, BT)
+    valid = t < Tn
+    x = bos + t
+    ck = tl.arange(0, BK)
+    mk = valid[:, None] & (ck[None, :] < K)
+    dqi = tl.zeros([BT, BK], dtype=tl.float32)
+    dki = tl.zeros([BT, BK], dtype=tl.float32)
+    dww = tl.zeros([BT, BK], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    hs = tl.zeros([BK], dtype=tl.float32)
+    dt = k.dtype.element_ty
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        mkv = (ck[:, None] < K) & (cv[None, :] < V)
+        hh = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        de = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(dt)
+        dv = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dqi += tl.dot(dd, tl.trans(hh.to(dt)))
+        dki += tl.dot(vn.to(dt), tl.trans(de.to(dt)))
+        dww += tl.dot(dv.to(dt), tl.trans(hh.to(dt)))
+        dP += tl.dot(dd, tl.trans(vn.to(dt)))
+        hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
+    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    last = tl.minimum(t0 + BT, Tn) - 1
+    gl = tl.load(gc + (bos + last) * HV + i_hv)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    dqq = dqi * (tl.exp(gg) * scale)[:, None]
+    dg = tl.sum(dqq * qq.to(tl.float32), 1)
+    dkk = dki * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+    dkt = tl.sum(dkk * kk.to(tl.float32), 1)
+    dg -= dkt
+    dgl = tl.sum(dkt, 0) + tl.exp(gl) * tl.sum(hs, 0)
+    r = tl.arange(0, BT)
+    m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
+    dPm = tl.where(m, dP * scale * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    dPP = dPm * tl.dot(qq, tl.trans(kk))
+    dg += tl.sum(dPP, 1) - tl.sum(dPP, 0)
+    dg += tl.where(t == last, dgl, 0.0)
+    dqq += tl.dot(dPm.to(dt), kk)
+    dkk += tl.dot(tl.trans(dPm.to(dt)), qq)
+    o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
+    tl.store(dq + o, dqq, mask=mk)
+    tl.store(dk + o, dkk, mask=mk)
+    tl.store(dw + o, -dww, mask=mk)
+    tl.store(dgc + x * HV + i_hv, dg, mask=valid)
+
+
+@triton.jit
+def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx, T, H: tl.constexpr,
+                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new).
+    Adds to dk (in place, fp32), writes dv, dbeta and dg = reverse within-chunk cumsum of dgc."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    t = t0 + tl.arange(0, BT)
+    valid = t < Tn
+    x = bos + t
+    r = tl.arange(0, BT)
+    A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0)
+    b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    eg = tl.exp(gg)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    KK = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        dT += tl.dot(dww, tl.trans(kk.to(tl.float32) * (b * eg)[:, None]))
+        KK += tl.dot(kk, tl.trans(kk))
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dT += tl.dot(du, tl.trans(vv * b[:, None]))
+    ml = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    dA = -tl.dot(tl.trans(A), tl.dot(dT, tl.trans(A)))
+    KD = tl.where(ml, KK * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    dA = tl.where(ml, dA, 0.0)
+    dAK = dA * KD
+    db = tl.sum(dAK, 1)
+    dAA = dAK * b[:, None]
+    dgg = tl.sum(dAA, 1) - tl.sum(dAA, 0)
+    M = tl.where(ml, dA * b[:, None]  # dA·beta_i·decay
+                * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        dX = tl.dot(tl.trans(A), dww)
+        o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        dkk = tl.load(dk + o, mask=mk, other=0.0)
+        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk) + tl.dot(tl.trans(M), kk)
+        tl.store(dk + o, dkk, mask=mk)
+        t1 = tl.sum(dX * kk, 1) * eg
+        db += t1
+        dgg += t1 * b
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dX = tl.dot(tl.trans(A), du)
+        tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
+                 mask=mv)
+        db += tl.sum(dX * vv, 1)
+    dgg += tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)
+    tot = tl.sum(dgg, 0)
+    rev = tot - tl.cumsum(dgg, 0) + dgg
+    tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
+    tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)

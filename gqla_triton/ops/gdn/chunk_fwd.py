@@ -1,0 +1,247 @@
+"""Forward stages of the chunked gated delta rule (chunk BT = 64, fp32 accumulation).
+
+Layouts (rows = flattened tokens ``B*T``): q, k ``[rows, H, K]``; v, u, v_new, o ``[rows, HV, V]``;
+w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv (fp32) ``[rows, HV, BT]``
+(row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h ``[chunks, HV, K, V]`` (state at
+each chunk's start). Sequences come from ``cu_seqlens`` (varlen) or are the B rows of length T.
+Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final) -> ``output`` (o).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _seq_bounds(i_t, i_b, cu, cidx, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(bos int64, sequence length, chunk start within the sequence) of chunk program i_t."""
+    if IS_VARLEN:
+        i_n = tl.load(cidx + 2 * i_t).to(tl.int64)
+        i_c = tl.load(cidx + 2 * i_t + 1)
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+    else:
+        i_c = i_t
+        bos = i_b.to(tl.int64) * T
+        eos = bos + T
+    return bos, (eos - bos).to(tl.int32), i_c * BT
+
+
+@triton.jit
+def _inv16(L):
+    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block by forward substitution."""
+    r = tl.arange(0, 16)
+    Tm = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in tl.static_range(1, 16):
+        li = tl.sum(tl.where(r[:, None] == i, L, 0.0), 0)
+        nr = -tl.sum(li[:, None] * Tm, 0)
+        Tm = tl.where(r[:, None] == i, nr[None, :] + (r[None, :] == i).to(tl.float32), Tm)
+    return Tm
+
+
+@triton.jit
+def _dot32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _store16(ptr, rows, valid, c0, blk, HV: tl.constexpr, BT: tl.constexpr):
+    c = tl.arange(0, 16)
+    tl.store(ptr + rows[:, None] * (HV * BT) + c0 + c[None, :], blk, mask=valid[:, None])
+
+
+@triton.jit
+def _akk(k, rows_i, rows_j, vi, vj, gci, gcj, bi, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+         DIAG: tl.constexpr):
+    """beta_i k_i·k_j exp(gc_i - gc_j) for one 16x16 block (strictly lower if DIAG)."""
+    acc = tl.zeros([16, 16], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        ki = tl.load(k + rows_i[:, None] * (H * K) + i_h * K + c[None, :], mask=vi[:, None] & (c[None, :] < K),
+                     other=0.0)
+        kj = tl.load(k + rows_j[:, None] * (H * K) + i_h * K + c[None, :], mask=vj[:, None] & (c[None, :] < K),
+                     other=0.0)
+        acc += tl.dot(ki, tl.trans(kj))
+    r = tl.arange(0, 16)
+    if DIAG:
+        m = r[:, None] > r[None, :]
+    else:
+        m = r[:, None] >= 0
+    return tl.where(m & vi[:, None] & vj[None, :], acc * bi[:, None] * tl.exp(tl.where(m, gci[:, None] - gcj[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    r = tl.arange(0, 16)
+    t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
+    v0, v1, v2, v3 = t_0 < Tn, t_1 < Tn, t_2 < Tn, t_3 < Tn
+    x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
+    g0 = tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32)
+    g1 = tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32)
+    g2 = tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32)
+    g3 = tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32)
+    c0 = tl.cumsum(g0, 0)
+    c1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
+    c2 = tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)
+    c3 = tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
+    tl.store(gc + x0 * HV + i_hv, c0, mask=v0)
+    tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
+    tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
+    tl.store(gc + x3 * HV + i_hv, c3, mask=v3)
+    b0 = tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32)
+    T00 = _inv16(_akk(k, x0, x0, v0, v0, c0, c0, b0, i_h, H, K, BK, True))
+    T11 = _inv16(_akk(k, x1, x1, v1, v1, c1, c1, b1, i_h, H, K, BK, True))
+    T22 = _inv16(_akk(k, x2, x2, v2, v2, c2, c2, b2, i_h, H, K, BK, True))
+    T33 = _inv16(_akk(k, x3, x3, v3, v3, c3, c3, b3, i_h, H, K, BK, True))
+    A10 = _akk(k, x1, x0, v1, v0, c1, c0, b1, i_h, H, K, BK, False)
+    A20 = _akk(k, x2, x0, v2, v0, c2, c0, b2, i_h, H, K, BK, False)
+    A21 = _akk(k, x2, x1, v2, v1, c2, c1, b2, i_h, H, K, BK, False)
+    A30 = _akk(k, x3, x0, v3, v0, c3, c0, b3, i_h, H, K, BK, False)
+    A31 = _akk(k, x3, x1, v3, v1, c3, c1, b3, i_h, H, K, BK, False)
+    A32 = _akk(k, x3, x2, v3, v2, c3, c2, b3, i_h, H, K, BK, False)
+    T10 = -_dot32(_dot32(T11, A10), T00)
+    T21 = -_dot32(_dot32(T22, A21), T11)
+    T32 = -_dot32(_dot32(T33, A32), T22)
+    T20 = -_dot32(T22, _dot32(A20, T00) + _dot32(A21, T10))
+    T31 = -_dot32(T33, _dot32(A31, T11) + _dot32(A32, T21))
+    T30 = -_dot32(T33, _dot32(A30, T00) + _dot32(A31, T10) + _dot32(A32, T20))
+    Z = tl.zeros([16, 16], dtype=tl.float32)
+    p = Ainv + i_hv * BT
+    _store16(p, x0, v0, 0, T00, HV, BT)
+    _store16(p, x0, v0, 16, Z, HV, BT)
+    _store16(p, x0, v0, 32, Z, HV, BT)
+    _store16(p, x0, v0, 48, Z, HV, BT)
+    _store16(p, x1, v1, 0, T10, HV, BT)
+    _store16(p, x1, v1, 16, T11, HV, BT)
+    _store16(p, x1, v1, 32, Z, HV, BT)
+    _store16(p, x1, v1, 48, Z, HV, BT)
+    _store16(p, x2, v2, 0, T20, HV, BT)
+    _store16(p, x2, v2, 16, T21, HV, BT)
+    _store16(p, x2, v2, 32, T22, HV, BT)
+    _store16(p, x2, v2, 48, Z, HV, BT)
+    _store16(p, x3, v3, 0, T30, HV, BT)
+    _store16(p, x3, v3, 16, T31, HV, BT)
+    _store16(p, x3, v3, 32, T32, HV, BT)
+    _store16(p, x3, v3, 48, T33, HV, BT)
+
+
+@triton.jit
+def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    t = t0 + tl.arange(0, BT)
+    valid = t < Tn
+    x = bos + t
+    c = tl.arange(0, BT)
+    A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + c[None, :], mask=valid[:, None], other=0.0)
+    b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+    eg = tl.exp(tl.load(gc + x * HV + i_hv, mask=valid, other=0.0))
+    Ad = A.to(k.dtype.element_ty)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        wk = tl.dot(Ad, (kk * (b * eg)[:, None]).to(Ad.dtype))
+        tl.store(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], wk.to(w.dtype.element_ty), mask=mk)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        uv = tl.dot(Ad, (vv * b[:, None]).to(Ad.dtype))
+        tl.store(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], uv.to(u.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H: tl.constexpr, HV: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                         IS_VARLEN: tl.constexpr):
+    """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start,
+    v_new = u − w·S, S ← e^gl·S + (k·e^(gl−gc))ᵀ v_new. BK = K rounded up to a power of two."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        Tn = (tl.load(cu + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(coff + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        Tn = T
+        boh = i_n.to(tl.int64) * NT
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+    dt = w.dtype.element_ty
+    for i_c in range(0, tl.cdiv(Tn, BT)):
+        tl.store(h + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], S.to(h.dtype.element_ty),
+                 mask=mkv)
+        t = i_c * BT + tl.arange(0, BT)
+        valid = t < Tn
+        x = bos + t
+        mk = valid[:, None] & (ck[None, :] < K)
+        mv = valid[:, None] & (cv[None, :] < V)
+        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        vn = uu - tl.dot(ww, S.to(dt))
+        tl.store(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], vn.to(vnew.dtype.element_ty), mask=mv)
+        last = tl.minimum(i_c * BT + BT, Tn) - 1
+        gl = tl.load(gc + (bos + last) * HV + i_hv)
+        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        kd = kk * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        S = S * tl.exp(gl) + tl.dot(tl.trans(kd.to(dt)), vn.to(dt))
+    if STORE_HT:
+        tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
+
+
+@triton.jit
+def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    if IS_VARLEN:
+        i_ch = tl.load(coff + tl.load(cidx + 2 * i_t)).to(tl.int64) + tl.load(cidx + 2 * i_t + 1)
+    else:
+        i_ch = i_b.to(tl.int64) * NT + i_t
+    t = t0 + tl.arange(0, BT)
+    valid = t < Tn
+    x = bos + t
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk = valid[:, None] & (ck[None, :] < K)
+    mv = valid[:, None] & (cv[None, :] < V)
+    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    hh = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
+                 mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    oi = tl.dot(qq, hh.to(qq.dtype)) * tl.exp(gg)[:, None]
+    r = tl.arange(0, BT)
+    m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
+    P = tl.where(m, tl.dot(qq, tl.trans(kk)) * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+    out = (oi + tl.dot(P.to(vn.dtype), vn)) * scale
+    tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
