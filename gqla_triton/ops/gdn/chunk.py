@@ -20,6 +20,9 @@ __all__ = ["chunk_gated_delta_rule", "chunk_gdn_fwd", "chunk_gdn_bwd"]
 
 BT = 64  # chunk size
 
+# every buffer the kernels must fill comes from here (tests swap in a NaN-filling allocator)
+_empty = torch.empty
+
 _DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_bwd": 64, "warps_wy": 4,
                 "warps_wu": 4, "warps_state": 4, "warps_out": 4, "warps_bwd": 8, "num_stages": 2}
 
@@ -59,10 +62,10 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     cidx_ = cidx if cidx is not None else dummy
     coff_ = coff if coff is not None else dummy
     varlen = cu_seqlens is not None
-    gc = torch.empty(B, T, HV, dtype=torch.float32, device=q.device)
-    Ainv = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
-    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=q.device)
-    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+    gc = _empty(B, T, HV, dtype=torch.float32, device=q.device)
+    Ainv = _empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
+    w = _empty(B, T, HV, K, dtype=k.dtype, device=q.device)
+    u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
         gdn_wy_fwd_kernel[(NTT, B * HV)](k, g, beta, gc, Ainv, cu, cidx_, T, H=H, HV=HV, K=K, BT=BT,
                                          BK=min(cfg["BK"], BKp), IS_VARLEN=varlen, num_warps=cfg["warps_wy"])
@@ -70,7 +73,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
                                          BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], triton.next_power_of_2(V)),
                                          IS_VARLEN=varlen, num_warps=cfg["warps_wu"])
     h, vnew, ht = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
-    o = torch.empty_like(v)
+    o = _empty(v.shape, dtype=v.dtype, device=v.device)
     if NTT > 0:
         BV = min(cfg["BV_out"], triton.next_power_of_2(V))
         gdn_output_fwd_kernel[(triton.cdiv(V, BV), NTT, B * HV)](
@@ -85,9 +88,9 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
-    h = torch.empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
-    vnew = torch.empty_like(u)
-    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
+    vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
+    ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BV = min(cfg["BV_state"], triton.next_power_of_2(V))
     dummy = k
     gdn_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
@@ -116,34 +119,34 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     coff_ = coff if coff is not None else dummy
     varlen = cu_seqlens is not None
     do = do.contiguous()
-    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    dq = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
-    dv = torch.zeros_like(v)
-    dg = torch.zeros_like(g)
-    dbeta = torch.zeros_like(beta)
-    dh0 = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
+    w = _empty(B, T, HV, K, dtype=k.dtype, device=dev)
+    u = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    dq = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = _empty(v.shape, dtype=v.dtype, device=dev)
+    dg = _empty(g.shape, dtype=g.dtype, device=dev)
+    dbeta = _empty(beta.shape, dtype=beta.dtype, device=dev)
+    dh0 = _empty(N, HV, K, V, dtype=torch.float32, device=dev)
     if NTT == 0:
         return dq.to(q.dtype)[:, :, :H], dk.to(k.dtype)[:, :, :H], dv, dg, dbeta, dh0
     gdn_wu_fwd_kernel[(NTT, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                      BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], BVp), IS_VARLEN=varlen,
                                      num_warps=cfg["warps_wu"])
     h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
-    dvl = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    dvl = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
     BV = min(cfg["BV_out"], BVp)
     gdn_dv_local_kernel[(triton.cdiv(V, BV), NTT, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, IS_VARLEN=varlen,
         num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
-    dhe = torch.empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
-    dvn = torch.empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
+    dvn = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
     BV = min(cfg["BV_state"], BVp)
     gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
         num_warps=cfg["warps_state"], num_stages=cfg["num_stages"])
-    dw = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dgc = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    dw = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     gdn_grad_chunk_kernel[(NTT, B * HV)](
         q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=BKp, BV=min(cfg["BV_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"],

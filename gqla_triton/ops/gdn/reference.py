@@ -22,8 +22,9 @@ def l2norm_ref(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens):
-    cdt = torch.float64 if any(t.dtype == torch.float64 for t in (q, k, v, g, beta)) else torch.float32
+def _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, cdt=None):
+    if cdt is None:
+        cdt = torch.float64 if any(t.dtype == torch.float64 for t in (q, k, v, g, beta)) else torch.float32
     q, k, v, g, beta = (t.to(cdt) for t in (q, k, v, g, beta))
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -77,7 +78,7 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=N
 
 
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
+                               use_qk_l2norm=False, cu_seqlens=None, chunk_size=64, compute_dtype=None):
     """The chunked (WY) form the kernels implement, in einsums. Same arguments and results as the recurrence.
 
     Per chunk (length C, ``gc`` = cumulative sum of g within the chunk, S the state at the chunk start):
@@ -85,37 +86,42 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
     ``u = Tm (beta·v)``, ``v_new = u − w S``,
     ``o = scale·(exp(gc)·q S + (q kᵀ ⊙ exp(gc_i − gc_j) ⊙ [i >= j]) v_new)``,
     ``S ← exp(gc_C)·S + (k·exp(gc_C − gc))ᵀ v_new``.
+
+    ``compute_dtype`` (e.g. bfloat16) runs every einsum in that dtype ("torch at the kernel's precision";
+    the triangular solve runs in float32 and is rounded; g's cumsum and the state stay float32).
     """
     q, k, v, g, beta, scale, h0, bounds, cdt = _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
-                                                     cu_seqlens)
+                                                     cu_seqlens, compute_dtype)
+    sdt = torch.promote_types(cdt, torch.float32)  # g cumsum and states
     B, T, HV, V = v.shape
     K = q.shape[-1]
     o_parts = [[] for _ in range(B)]
     finals = []
     for n, (b, lo, hi) in enumerate(bounds):
-        S = h0[n] if h0 is not None else torch.zeros(HV, K, V, dtype=cdt, device=q.device)
+        S = h0[n].to(sdt) if h0 is not None else torch.zeros(HV, K, V, dtype=sdt, device=q.device)
         for s in range(lo, hi, chunk_size):
             e = min(s + chunk_size, hi)
             C = e - s
             qc, kc, vc = q[b, s:e].transpose(0, 1), k[b, s:e].transpose(0, 1), v[b, s:e].transpose(0, 1)
-            gc = g[b, s:e].transpose(0, 1).cumsum(-1)  # [HV, C]
+            gc = g[b, s:e].transpose(0, 1).to(sdt).cumsum(-1)  # [HV, C]
             bc = beta[b, s:e].transpose(0, 1)
             diff = gc[:, :, None] - gc[:, None, :]
             lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
             incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(0)
             decay_strict = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
             decay_incl = torch.where(incl, torch.exp(torch.where(incl, diff, 0.0)), 0.0)
-            A = bc[:, :, None] * torch.einsum("hik,hjk->hij", kc, kc) * decay_strict
-            eye = torch.eye(C, dtype=cdt, device=q.device).expand(HV, C, C)
-            Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
-            w = Tm @ (bc[..., None] * torch.exp(gc)[..., None] * kc)
+            A = bc[:, :, None].to(sdt) * torch.einsum("hik,hjk->hij", kc, kc).to(sdt) * decay_strict
+            eye = torch.eye(C, dtype=sdt, device=q.device).expand(HV, C, C)
+            Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True).to(cdt)
+            w = Tm @ (bc[..., None] * torch.exp(gc)[..., None] * kc).to(cdt)
             u = Tm @ (bc[..., None] * vc)
-            vn = u - w @ S
-            att = torch.einsum("hik,hjk->hij", qc, kc) * decay_incl
-            oc = scale * (torch.exp(gc)[..., None] * (qc @ S) + att @ vn)
-            o_parts[b].append((s, oc.transpose(0, 1)))
+            vn = u - w @ S.to(cdt)
+            att = (torch.einsum("hik,hjk->hij", qc, kc).to(sdt) * decay_incl).to(cdt)
+            oc = scale * ((torch.exp(gc)[..., None] * (qc @ S.to(cdt))) + att @ vn)
+            o_parts[b].append((s, oc.transpose(0, 1).to(cdt)))
             gl = gc[:, -1]
-            S = torch.exp(gl)[:, None, None] * S + (kc * torch.exp(gl[:, None] - gc)[..., None]).transpose(1, 2) @ vn
+            kd = (kc * torch.exp(gl[:, None] - gc)[..., None]).to(cdt)
+            S = torch.exp(gl)[:, None, None] * S + (kd.transpose(1, 2) @ vn).to(sdt)
         finals.append(S)
     o = torch.zeros(B, T, HV, V, dtype=cdt, device=q.device)
     rows = []
