@@ -136,7 +136,7 @@ def gqa_decode_fwd_kernel(
         valid = ok[None, :]
         if not SPARSE:
             if CAUSAL:
-                valid = valid & (pos[None, :] < qpos[:, None])
+                valid = valid & (pos[None, :] <= qpos[:, None])
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -1,0 +1,282 @@
+"""gqa_decode (GQLA grouped path / GQA decode, dense + sparse) against the float64 reference."""
+
+import math
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gqla_triton import gqa_decode
+from gqla_triton.ops.gqa import gqa_decode_fwd, gqa_decode_reference
+
+PAGE = pick(16, 64)
+
+
+def _case(seed, *, B, s_q, g, G, d_h, d_r, d_v, max_len, dtype, page=PAGE, empty=True):
+    """Random paged caches with permuted pages (and spare pages), lengths in [0, max_len] (some 0)."""
+    gg = gen(seed)
+    pages_per = -(-max(max_len, 1) // page)
+    num_pages = B * pages_per + 3
+    q = randn((B, s_q, g * G, d_h + d_r), gg, dtype=dtype)
+    k = randn((num_pages, page, g, d_h), gg, dtype=dtype)
+    v = randn((num_pages, page, g, d_v), gg, dtype=dtype)
+    kr = randn((num_pages, page, d_r), gg, dtype=dtype) if d_r else None
+    perm = torch.randperm(num_pages, generator=gg)[: B * pages_per]
+    bt = perm.reshape(B, pages_per).to(torch.int32).to(P.device)
+    lens = torch.randint(0, max_len + 1, (B,), generator=gg)
+    lens[0] = max_len  # at least one full-length sequence
+    if empty and B > 1:
+        lens[-1] = 0
+    return q, k, v, bt, lens.to(torch.int32).to(P.device), kr, gg
+
+
+def _run(q, k, v, bt, lens, kr, *, causal=True, indices=None, topk_length=None, num_splits=0, scale=None):
+    """Launcher into NaN-poisoned outputs (unwritten elements fail), plus the public op for comparison."""
+    B, s_q, h_q, _ = q.shape
+    out = empty_poisoned((B, s_q, h_q, v.shape[-1]), dtype=q.dtype)
+    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
+    sc = scale if scale is not None else q.shape[-1] ** -0.5
+    gqa_decode_fwd(q, k, v, bt, lens, kr, sc, causal, indices, topk_length, num_splits, out, lse)
+    return out, lse
+
+
+def _check(name, got, args, dtype, **kw):
+    out, lse = got
+    ref_o, ref_l = gqa_decode_reference(*args, **kw)
+    low_o, low_l = gqa_decode_reference(*args, **kw, compute_dtype=dtype)
+    assert_close(f"{name} out", out, ref_o, low_o, dtype=dtype)
+    assert_close(f"{name} lse", lse, ref_l, low_l, dtype=dtype)
+    # rows that see nothing: exactly 0 / -inf
+    dead = torch.isneginf(ref_l).permute(0, 2, 1).cpu()  # [B, s_q, h_q]
+    assert torch.isneginf(lse.cpu().permute(0, 2, 1)[dead]).all()
+    assert (out.cpu()[dead] == 0).all()
+
+
+dims = st.sampled_from(pick([(16, 0, 16), (16, 16, 32), (32, 16, 16)], [(128, 64, 128), (128, 0, 128),
+                                                                       (64, 32, 64), (256, 0, 256)]))
+
+
+@settings(max_examples=pick(16, 30))
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), G=st.sampled_from([1, 4, 8, 16, 32]),
+       g=st.sampled_from(pick([1, 2], [1, 2, 8])), d=dims, max_len=st.integers(1, pick(70, 1500)),
+       causal=st.booleans(), splits=st.sampled_from([0, 1, 3]), dtype=dtypes(), seed=seeds())
+def test_dense_vs_reference(B, s_q, G, g, d, max_len, causal, splits, dtype, seed):
+    d_h, d_r, d_v = d
+    q, k, v, bt, lens, kr, _ = _case(seed, B=B, s_q=s_q, g=g, G=G, d_h=d_h, d_r=d_r, d_v=d_v,
+                                     max_len=max_len, dtype=dtype)
+    args = (q, k, v, bt, lens, kr)
+    _check("dense", _run(*args, causal=causal, num_splits=splits), args, dtype, causal=causal)
+
+
+@given(s_q=st.integers(1, 2), G=st.sampled_from([4, 16]), max_len=st.integers(pick(20, 500), pick(90, 3000)),
+       dtype=dtypes(), seed=seeds())
+def test_split_invariance(s_q, G, max_len, dtype, seed):
+    q, k, v, bt, lens, kr, _ = _case(seed, B=2, s_q=s_q, g=2, G=G, d_h=pick(16, 128), d_r=16,
+                                     d_v=pick(16, 128), max_len=max_len, dtype=dtype, empty=False)
+    args = (q, k, v, bt, lens, kr)
+    base = _run(*args, num_splits=1)
+    _check("splits=1", base, args, dtype)
+    low_o = gqa_decode_reference(*args, compute_dtype=dtype)[0]
+    ref_o = gqa_decode_reference(*args)[0]
+    tol = 4 * rel_err(low_o, ref_o) + 1e-5
+    for s in (2, 5, 0):
+        o, l = _run(*args, num_splits=s)
+        assert rel_err(o, base[0].double()) <= tol, f"splits={s} differs from one split"
+        assert rel_err(l, base[1].double()) <= 1e-5
+
+
+@given(s_q=st.integers(1, 3), G=st.sampled_from([1, 4, 16]), splits=st.sampled_from([1, 3]), dtype=dtypes(),
+       seed=seeds())
+def test_zero_rope_equals_plain_gqa(s_q, G, splits, dtype, seed):
+    d_h = pick(16, 128)
+    d_r = pick(16, 64)
+    q, k, v, bt, lens, kr, _ = _case(seed, B=2, s_q=s_q, g=2, G=G, d_h=d_h, d_r=d_r, d_v=d_h,
+                                     max_len=pick(40, 700), dtype=dtype)
+    o1, l1 = _run(q, k, v, bt, lens, torch.zeros_like(kr), num_splits=splits, scale=0.3)
+    o2, l2 = _run(q[..., :d_h].contiguous(), k, v, bt, lens, None, num_splits=splits, scale=0.3)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+def test_public_op_matches_launcher_and_default_scale():
+    q, k, v, bt, lens, kr, _ = _case(1, B=2, s_q=2, g=2, G=4, d_h=16, d_r=16, d_v=16, max_len=30,
+                                     dtype=torch.float32)
+    o, l = gqa_decode(q, k, v, bt, lens, kr)
+    o2, l2 = _run(q, k, v, bt, lens, kr)
+    assert torch.equal(o, o2) and torch.equal(l, l2)
+    assert o.shape == (2, 2, 8, 16) and l.shape == (2, 8, 2) and o.dtype == q.dtype and l.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------ sparse
+def _indices(gg, B, s_q, g, topk, max_len, *, per_group, adversarial, lens=None):
+    shape = (B, s_q, g, topk) if per_group else (B, s_q, topk)
+    idx = torch.randint(-2, max_len + 3, shape, generator=gg)
+    if lens is not None:  # many entries at the causal boundary: the last s_q positions of each sequence
+        near = lens.cpu().long().reshape(B, *([1] * (len(shape) - 1))) - torch.randint(1, 4, shape, generator=gg)
+        idx = torch.where(torch.rand(shape, generator=gg) < 0.3, near, idx)
+    if adversarial:
+        bad = torch.tensor([-1, -(2**31), 2**31 - 1, -7, 1 << 30, max_len + 1000], dtype=torch.int64)
+        pick_bad = torch.rand(shape, generator=gg) < 0.3
+        idx = torch.where(pick_bad, bad[torch.randint(0, len(bad), shape, generator=gg)], idx)
+        dup = torch.rand(shape, generator=gg) < 0.2  # repeated positions
+        idx = torch.where(dup, idx[..., :1].expand(shape), idx)
+    return idx.to(torch.int32).to(P.device)
+
+
+@settings(max_examples=pick(16, 30))
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), G=st.sampled_from([1, 4, 16, 32]), g=st.sampled_from([1, 2]),
+       topk=st.sampled_from(pick([5, 16, 40], [64, 2048, 300])), per_group=st.booleans(),
+       with_len=st.booleans(), causal=st.booleans(), splits=st.sampled_from([0, 1, 3]), dtype=dtypes(),
+       seed=seeds())
+def test_sparse_vs_reference_adversarial(B, s_q, G, g, topk, per_group, with_len, causal, splits, dtype, seed):
+    max_len = pick(60, 3000)
+    q, k, v, bt, lens, kr, gg = _case(seed, B=B, s_q=s_q, g=g, G=G, d_h=pick(16, 128), d_r=pick(16, 64),
+                                      d_v=pick(16, 128), max_len=max_len, dtype=dtype)
+    idx = _indices(gg, B, s_q, g, topk, max_len, per_group=per_group, adversarial=True, lens=lens)
+    tl_ = (torch.randint(-1, topk + 2, (B,), generator=gg).to(torch.int32).to(P.device) if with_len else None)
+    args = (q, k, v, bt, lens, kr)
+    got = _run(*args, causal=causal, indices=idx, topk_length=tl_, num_splits=splits)
+    _check("sparse", got, args, dtype, causal=causal, indices=idx, topk_length=tl_)
+
+
+@given(s_q=st.integers(1, 3), G=st.sampled_from([4, 16]), causal=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_sparse_all_positions_equals_dense(s_q, G, causal, dtype, seed):
+    max_len = pick(50, 2000)
+    q, k, v, bt, lens, kr, gg = _case(seed, B=2, s_q=s_q, g=2, G=G, d_h=pick(16, 128), d_r=pick(16, 64),
+                                      d_v=pick(16, 128), max_len=max_len, dtype=dtype)
+    perm = torch.stack([torch.randperm(max_len, generator=gg) for _ in range(2 * s_q)]).reshape(2, s_q, max_len)
+    idx = perm.to(torch.int32).to(P.device)  # every position once, in random order
+    args = (q, k, v, bt, lens, kr)
+    so, sl = _run(*args, causal=causal, indices=idx)
+    do, dl = _run(*args, causal=causal)
+    low_o = gqa_decode_reference(*args, causal=causal, compute_dtype=dtype)[0]
+    ref_o, ref_l = gqa_decode_reference(*args, causal=causal)
+    tol = 4 * rel_err(low_o, ref_o) + 1e-5
+    assert rel_err(so, do.double()) <= tol
+    assert rel_err(sl, dl.double()) <= 1e-5
+    _check("sparse-all", (so, sl), args, dtype, causal=causal)
+
+
+@given(s_q=st.integers(1, 2), G=st.sampled_from([1, 4, 16]), dtype=dtypes(), seed=seeds())
+def test_sparse_per_group_equals_each_group_alone(s_q, G, dtype, seed):
+    g = 2 if not P.big else 4
+    max_len = pick(50, 2000)
+    topk = pick(24, 512)
+    q, k, v, bt, lens, kr, gg = _case(seed, B=2, s_q=s_q, g=g, G=G, d_h=pick(16, 128), d_r=pick(16, 64),
+                                      d_v=pick(16, 128), max_len=max_len, dtype=dtype)
+    idx = _indices(gg, 2, s_q, g, topk, max_len, per_group=True, adversarial=True, lens=lens)
+    out, lse = _run(q, k, v, bt, lens, kr, indices=idx, num_splits=2)
+    for j in range(g):
+        h = slice(j * G, (j + 1) * G)
+        o1, l1 = _run(q[:, :, h], k[:, :, j:j + 1], v[:, :, j:j + 1], bt, lens, kr,
+                      indices=idx[:, :, j].contiguous(), num_splits=2, scale=q.shape[-1] ** -0.5)
+        assert torch.equal(out[:, :, h], o1) and torch.equal(lse[:, h], l1), f"group {j}"
+
+
+@given(seed=seeds(), dtype=dtypes())
+def test_sparse_no_valid_index_gives_zero_and_neg_inf(seed, dtype):
+    q, k, v, bt, lens, kr, gg = _case(seed, B=2, s_q=1, g=2, G=4, d_h=16, d_r=16, d_v=16, max_len=40,
+                                      dtype=dtype)
+    idx = torch.full((2, 1, 8), -1, dtype=torch.int32, device=P.device)
+    idx[1, 0, :4] = torch.tensor([2**31 - 1, -(2**31), 50, 1000])
+    out, lse = _run(q, k, v, bt, lens, kr, indices=idx)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    idx = torch.randint(0, 30, (2, 1, 8), generator=gg).to(torch.int32).to(P.device)
+    out, lse = _run(q, k, v, bt, lens, kr, indices=idx, topk_length=torch.zeros(2, dtype=torch.int32,
+                                                                              device=P.device))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+def test_bad_inputs_raise():
+    q, k, v, bt, lens, kr, _ = _case(0, B=2, s_q=1, g=2, G=4, d_h=16, d_r=16, d_v=16, max_len=20,
+                                     dtype=torch.float32)
+    i32 = dict(dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="q: last dim"):
+        gqa_decode(q[..., :20].contiguous(), k, v, bt, lens, kr)
+    with pytest.raises(ValueError, match="h_q"):
+        gqa_decode(q[:, :, :7].contiguous(), k, v, bt, lens, kr)
+    with pytest.raises(TypeError, match="k_cache"):
+        gqa_decode(q, k.half(), v, bt, lens, kr)
+    with pytest.raises(ValueError, match="v_cache"):
+        gqa_decode(q, k, v[:, :, :1], bt, lens, kr)
+    with pytest.raises(ValueError, match="k_rope_cache"):
+        gqa_decode(q, k, v, bt, lens, kr[:-1])
+    with pytest.raises(ValueError, match="d_h"):
+        gqa_decode(q[..., :28].contiguous(), k[..., :12].contiguous(), v, bt, lens, kr)
+    with pytest.raises(TypeError, match="block_table"):
+        gqa_decode(q, k, v, bt.long(), lens, kr)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        gqa_decode(q, k, v, bt, lens[:1], kr)
+    with pytest.raises(ValueError, match="indices"):
+        gqa_decode(q, k, v, bt, lens, kr, indices=torch.zeros(2, 1, 3, 4, **i32))
+    with pytest.raises(TypeError, match="indices"):
+        gqa_decode(q, k, v, bt, lens, kr, indices=torch.zeros(2, 1, 4, dtype=torch.int64, device=P.device))
+    with pytest.raises(ValueError, match="topk_length"):
+        gqa_decode(q, k, v, bt, lens, kr, topk_length=torch.zeros(2, **i32))
+    with pytest.raises(ValueError, match="num_splits"):
+        gqa_decode(q, k, v, bt, lens, kr, num_splits=-1)
+    with pytest.raises(ValueError, match="page_size"):
+        gqa_decode(q, k[:, :8].contiguous(), v[:, :8].contiguous(), bt, lens, kr[:, :8].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        gqa_decode(q, k, v, bt, lens, torch.randn(kr.shape[0], kr.shape[1], 32, device=P.device)[..., ::2])
+    if P.device == "cuda":
+        with pytest.raises(ValueError, match="k_cache"):
+            gqa_decode(q, k.cpu(), v, bt, lens, kr)
+
+
+@pytest.mark.gpu_only
+def test_cpu_tensors_without_interpreter_raise():
+    q, k, v, bt, lens, kr, _ = _case(0, B=1, s_q=1, g=1, G=4, d_h=16, d_r=16, d_v=16, max_len=20,
+                                     dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="reference"):
+        gqa_decode(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), kr.cpu())
+
+
+# ---------------------------------------------------------------------------------- graphs / compile
+def _gpu_case(sparse):
+    q, k, v, bt, lens, kr, gg = _case(3, B=4, s_q=2, g=8, G=16, d_h=128, d_r=64, d_v=128, max_len=1000,
+                                      dtype=torch.bfloat16)
+    idx = _indices(gg, 4, 2, 8, 256, 1000, per_group=False, adversarial=True) if sparse else None
+    return (q, k, v, bt, lens, kr), idx
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("sparse", [False, True])
+def test_cuda_graph_replay(sparse):
+    args, idx = _gpu_case(sparse)
+    q, k, v, bt, lens, kr = args
+    static_q = q.clone()
+    fn = lambda: gqa_decode(static_q, k, v, bt, lens, kr, indices=idx)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fn()
+    q2 = randn(q.shape, 99, dtype=q.dtype)
+    lens2 = torch.randint(0, 1000, lens.shape, generator=gen(5)).to(torch.int32).cuda()
+    static_q.copy_(q2)
+    lens.copy_(lens2)  # lengths change between replays without re-capture
+    graph.replay()
+    torch.cuda.synchronize()
+    eo, el = gqa_decode(q2, k, v, bt, lens2, kr, indices=idx)
+    assert torch.equal(out, eo) and torch.equal(lse, el)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("sparse", [False, True])
+def test_torch_compile_fullgraph(sparse):
+    args, idx = _gpu_case(sparse)
+
+    @torch.compile(fullgraph=True)
+    def f(q, k, v, bt, lens, kr, idx):
+        o, lse = gqa_decode(q * 1.0, k, v, bt, lens, kr, indices=idx)
+        return o.float() * 2, lse
+
+    o, lse = f(*args, idx)
+    eo, el = gqa_decode(*args, indices=idx)
+    assert torch.equal(o, eo.float() * 2) and torch.equal(lse, el)
