@@ -1,0 +1,196 @@
+"""GatedDeltaNet layer (layers/gated_deltanet.py): prefill + decode == prefill, varlen == loop, grads vs reference.
+
+Every low-precision result is judged against the float64 reference layer (same weights) with the data-derived
+tolerance of the harness: the low-precision reference layer (same dtype, pure torch) sets the error budget.
+"""
+
+import copy
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, gen, pick, randn, rel_err, seeds
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gqla_triton.layers import GatedDeltaNet
+from gqla_triton.layers.gated_deltanet import GatedDeltaNetCache
+
+IMPLS = ["triton", "reference"]
+
+
+def _layer(H, G, D, dtype, seed, impl="triton"):
+    torch.manual_seed(seed)
+    hidden = pick(32, 256)
+    m = GatedDeltaNet(hidden, H, H * G, D, D, conv_size=4, impl=impl, device=P.device, dtype=torch.float64)
+    return m.to(dtype)
+
+
+def _as(m, impl, dtype):
+    c = copy.deepcopy(m).to(dtype)
+    c.impl = impl
+    return c
+
+
+def _check(name, out, out64, lowp, dtype, factor=2.0):
+    assert_close(name, out, out64, lowp, dtype=dtype, factor=factor)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@given(N=st.integers(1, pick(2, 4)), T=st.integers(1, pick(12, 150)), steps=st.lists(st.integers(1, 2), min_size=1,
+       max_size=3), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]), extra=st.integers(0, 2), dtype=dtypes(),
+       seed=seeds())
+def test_prefill_then_decode_equals_prefill(impl, N, T, steps, H, G, extra, dtype, seed):
+    """Prefill T tokens, then decode steps of 1-2 tokens == one prefill of all tokens (outputs and caches).
+
+    The cache has extra rows and the batch lives at random slots: the other rows must stay untouched.
+    """
+    D = pick(16, 128)
+    base = _layer(H, G, D, torch.float64, seed)
+    g = gen(seed)
+    total = T + sum(steps)
+    x64 = randn((N, total, base.hidden_size), g, dtype=torch.float64)
+    slots = torch.randperm(N + extra, generator=g)[:N].to(torch.int32).to(P.device)
+
+    # float64 reference layer over all tokens at once; and the same computation at the low precision
+    r64 = _as(base, "reference", torch.float64)
+    c64 = r64.init_cache(N)
+    out64 = r64(x64, c64)
+    rlp = _as(base, "reference", dtype)
+    clp = rlp.init_cache(N)
+    outlp = rlp(x64.to(dtype), clp)
+
+    m = _as(base, impl, dtype)
+    cache = m.init_cache(N + extra)
+    cache.slots = slots
+    with torch.no_grad():
+        cache.recurrent_state.normal_()  # rows outside `slots` hold garbage that must survive
+        cache.conv_state.normal_()
+    others = torch.ones(N + extra, dtype=torch.bool, device=P.device)
+    others[slots.long()] = False
+    keep_s, keep_c = cache.recurrent_state[others].clone(), cache.conv_state[others].clone()
+    cache.recurrent_state[slots.long()] = 0  # a fresh sequence starts from zero state
+    cache.conv_state[slots.long()] = 0
+    x = x64.to(dtype)
+    with torch.no_grad():
+        outs = [m(x[:, :T], cache)]
+        t = T
+        for s in steps:
+            outs.append(m(x[:, t:t + s], cache))
+            t += s
+    out = torch.cat(outs, 1)
+    _check("out (prefill + decode)", out, out64, outlp, dtype)
+    _check("recurrent state", cache.recurrent_state[slots.long()], c64.recurrent_state, clp.recurrent_state,
+           torch.float32)
+    _check("conv state", cache.conv_state[slots.long()], c64.conv_state, clp.conv_state, dtype)
+    assert torch.equal(cache.recurrent_state[others], keep_s)
+    assert torch.equal(cache.conv_state[others], keep_c)
+
+    # the same layer prefilling everything in one call agrees with it
+    c_full = m.init_cache(N)
+    with torch.no_grad():
+        out_full = m(x, c_full)
+    e_low = rel_err(outlp, out64)
+    assert rel_err(out, out_full) <= 4 * e_low + 4e-5 * (1 if dtype == torch.float32 else 50), \
+        (rel_err(out, out_full), e_low)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@given(lens=st.lists(st.integers(1, pick(10, 300)), min_size=1, max_size=pick(3, 5)), H=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_varlen_prefill_equals_per_sequence_loop(impl, lens, H, G, dtype, seed):
+    """Packed sequences (cu_seqlens) == each sequence alone: outputs and cached states; no conv leakage."""
+    D = pick(16, 128)
+    base = _layer(H, G, D, torch.float64, seed)
+    g = gen(seed)
+    Ttot = sum(lens)
+    cu = torch.tensor([0] + lens, device=P.device).cumsum(0)
+    x64 = randn((1, Ttot, base.hidden_size), g, dtype=torch.float64)
+
+    def loop(layer, x):
+        cache = layer.init_cache(len(lens))
+        outs = []
+        for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            c = layer.init_cache(1)
+            outs.append(layer(x[:, a:b], c))
+            cache.recurrent_state[n] = c.recurrent_state[0]
+            cache.conv_state[n] = c.conv_state[0]
+        return torch.cat(outs, 1), cache
+
+    with torch.no_grad():
+        out64, c64 = loop(_as(base, "reference", torch.float64), x64)
+        outlp, clp = loop(_as(base, "reference", dtype), x64.to(dtype))
+        m = _as(base, impl, dtype)
+        cache = m.init_cache(len(lens))
+        out = m(x64.to(dtype), cache, cu_seqlens=cu)
+    _check("out (varlen)", out, out64, outlp, dtype)
+    _check("recurrent state (varlen)", cache.recurrent_state, c64.recurrent_state, clp.recurrent_state,
+           torch.float32)
+    _check("conv state (varlen)", cache.conv_state, c64.conv_state, clp.conv_state, dtype)
+
+
+@given(B=st.integers(1, 2), T=st.integers(1, pick(10, 130)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
+       varlen=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_module_gradients_match_reference(B, T, H, G, varlen, dtype, seed):
+    """Triton layer gradients (input and every parameter) vs the float64 reference layer."""
+    D = pick(16, 128)
+    base = _layer(H, G, D, torch.float64, seed)
+    g = gen(seed)
+    cu = None
+    if varlen:
+        cut = int(torch.randint(0, T + 1, (1,), generator=g))
+        cu = torch.tensor([0, cut, T], device=P.device)
+        B = 1
+    x64 = randn((B, T, base.hidden_size), g, dtype=torch.float64)
+    w = randn((B, T, base.hidden_size), g, dtype=torch.float64)
+
+    def grads(layer, dt):
+        x = x64.to(dt).clone().requires_grad_(True)
+        out = layer(x, cu_seqlens=cu)
+        (out.to(torch.float64) * w).sum().backward()
+        return out, [x.grad] + [p.grad for p in layer.parameters()]
+
+    o64, g64 = grads(_as(base, "reference", torch.float64), torch.float64)
+    olp, glp = grads(_as(base, "reference", dtype), dtype)
+    m = _as(base, "triton", dtype)
+    o, gs = grads(m, dtype)
+    _check("out", o, o64, olp, dtype)
+    names = ["x"] + [n for n, _ in m.named_parameters()]
+    for name, a, b, c in zip(names, gs, g64, glp):
+        _check(f"grad {name}", a, b, c, dtype)
+
+
+def test_layer_bad_inputs():
+    with pytest.raises(ValueError, match="num_v_heads"):
+        GatedDeltaNet(32, 3, 4, 16, 16)
+    with pytest.raises(ValueError, match="impl"):
+        GatedDeltaNet(32, 2, 4, 16, 16, impl="cuda")
+    with pytest.raises(ValueError, match="conv_size"):
+        GatedDeltaNet(32, 2, 4, 16, 16, conv_size=1)
+    m = GatedDeltaNet(32, 2, 4, 16, 16, device=P.device, impl="reference")
+    with pytest.raises(ValueError, match="hidden_states"):
+        m(torch.zeros(1, 3, 16, device=P.device))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(torch.zeros(2, 3, 32, device=P.device), cu_seqlens=torch.tensor([0, 1, 3], device=P.device))
+    cache = m.init_cache(1)
+    with pytest.raises(ValueError, match="cache"):
+        m(torch.zeros(2, 3, 32, device=P.device), cache)
+    cache = GatedDeltaNetCache(3, m.conv_dim, 4, 4, 16, 16, device=P.device)
+    cache.slots = torch.tensor([0, 1], dtype=torch.int64, device=P.device)
+    with pytest.raises(ValueError, match="slots"):
+        m(torch.zeros(2, 3, 32, device=P.device), cache)
+
+
+@pytest.mark.gpu_only
+def test_layer_decode_torch_compile():
+    base = _layer(2, 2, 128, torch.float64, 0)
+    m = _as(base, "triton", torch.bfloat16)
+    x = randn((4, 9, m.hidden_size), 1, dtype=torch.bfloat16)
+    c1, c2 = m.init_cache(4), m.init_cache(4)
+    with torch.no_grad():
+        m(x[:, :8], c1)
+        m(x[:, :8], c2)
+        step = torch.compile(m)
+        o1 = step(x[:, 8:], c1)
+        o2 = m(x[:, 8:], c2)
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(c1.recurrent_state, c2.recurrent_state)
