@@ -1,0 +1,239 @@
+"""Chunked Gated DeltaNet (ops/gdn/chunk.py) against the float64 token recurrence (ops/gdn/reference.py).
+
+Tolerances: ``err(kernel, fp64) <= 2·err(lowp, fp64) + eps`` where ``lowp`` is torch at the kernel's
+precision: the chunked einsum reference run with ``compute_dtype`` = the test dtype (every matmul rounds to
+it, as the kernels' bf16/fp16 tensor-core operands do; solve, g-cumsum and states in fp32), on the same
+inputs; gradients come from autograd through that same low-precision reference. In float32 (ci) lowp is
+the fp32 chunk reference.
+"""
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, gen, pick, randn, rand, seeds
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gqla_triton.ops.gdn.chunk as chunk_mod
+from gqla_triton.ops.gdn.chunk import chunk_gated_delta_rule
+from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+@pytest.fixture(autouse=True)
+def _poison_buffers(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN (ints: a huge negative): unwritten elements fail."""
+    def empty(*shape, dtype=None, device=None):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = tuple(shape[0])
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
+    monkeypatch.setattr(chunk_mod, "_empty", empty)
+
+
+def _inputs(seed, B, T, H, HV, K, V, N, *, gmin=-1.0, l2=True):
+    """fp64 CPU inputs: q, k (unit rows when not l2-normalised in the kernel), v, g in [gmin, 0), beta, h0."""
+    g_ = gen(seed)
+    q = randn((B, T, H, K), g_, dtype=torch.float64, device="cpu")
+    k = randn((B, T, H, K), g_, dtype=torch.float64, device="cpu")
+    if not l2:
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    v = randn((B, T, HV, V), g_, dtype=torch.float64, device="cpu")
+    g = rand((B, T, HV), g_, lo=gmin, hi=0.0, dtype=torch.float64, device="cpu")
+    beta = rand((B, T, HV), g_, lo=0.05, hi=0.95, dtype=torch.float64, device="cpu")
+    h0 = randn((N, HV, K, V), g_, dtype=torch.float64, device="cpu", scale=0.5)
+    return [q, k, v, g, beta, h0]
+
+
+def _run_kernel(ins, dtype, *, cu=None, l2=True, grads=None):
+    """Kernel forward (+ backward with cotangents ``grads = (do, dht)``). Returns o, ht, [grads]."""
+    xs = [t.to(device=P.device, dtype=dtype if i < 3 else (torch.float32 if i == 5 else dtype)).requires_grad_()
+          for i, t in enumerate(ins)]
+    cu_d = cu.to(P.device) if cu is not None else None
+    o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=l2, cu_seqlens=cu_d)
+    if grads is None:
+        return o, ht, None
+    do, dht = grads
+    torch.autograd.backward([o, ht], [do.to(o.device, o.dtype), dht.to(ht.device, ht.dtype)])
+    return o, ht, [x.grad for x in xs]
+
+
+def _run_ref(fn, ins, *, cu=None, l2=True, grads=None, **kw):
+    xs = [t.detach().clone().requires_grad_() for t in ins]
+    o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=l2, cu_seqlens=cu, **kw)
+    if grads is None:
+        return o, ht, None
+    do, dht = grads
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
+    return o, ht, [x.grad for x in xs]
+
+
+def _lowp_inputs(ins, dtype):
+    """Inputs rounded the way the kernel sees them (h0 stays fp32), back in float64."""
+    return [t.to(dtype).double() if i < 5 else t.float().double() for i, t in enumerate(ins)]
+
+
+@given(
+    B=st.integers(1, 2), T=st.integers(1, pick(150, 600)), H=st.integers(1, 2), G=st.sampled_from([1, 2]),
+    K=st.sampled_from(pick([16, 32], [64, 128])), V=st.sampled_from(pick([16, 32], [64, 128])),
+    l2=st.booleans(), dtype=dtypes(), seed=seeds(),
+)
+def test_kernel_vs_recurrence(B, T, H, G, K, V, l2, dtype, seed):
+    HV = H * G
+    ins = _inputs(seed, B, T, H, HV, K, V, B, l2=l2)
+    grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    o, ht, dx = _run_kernel(ins, dtype, l2=l2, grads=grads)
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, l2=l2, grads=grads)
+    lins = _lowp_inputs(ins, dtype)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in lins], l2=l2, grads=grads,
+                            compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+
+
+@given(B=st.integers(1, 2), T=st.integers(1, 200), H=st.integers(1, 2), G=st.sampled_from([1, 2]),
+       l2=st.booleans(), gmin=st.sampled_from([-0.5, -5.0]), seed=seeds())
+def test_chunk_reference_equals_recurrence(B, T, H, G, l2, gmin, seed):
+    ins = _inputs(seed, B, T, H, H * G, 16, 32, B, gmin=gmin, l2=l2)
+    ro, rht, _ = _run_ref(recurrent_gated_delta_rule_ref, ins, l2=l2)
+    co, cht, _ = _run_ref(chunk_gated_delta_rule_ref, ins, l2=l2, chunk_size=16 if T % 2 else 64)
+    assert_close("o", co, ro, dtype=torch.float64)
+    assert_close("final_state", cht, rht, dtype=torch.float64)
+
+
+@given(T=st.integers(2, pick(150, 700)), K=st.sampled_from(pick([16, 32], [128])), dtype=dtypes(), seed=seeds())
+def test_split_sequence_with_carried_state(T, K, dtype, seed):
+    B, H, HV, V = 1, 1, 2, 32
+    ins = _inputs(seed, B, T, H, HV, K, V, B)
+    cut = int(torch.randint(1, T, (1,), generator=gen(seed)))
+    o, ht, _ = _run_kernel(ins, dtype)
+    first = [t[:, :cut] if i < 5 else t for i, t in enumerate(ins)]
+    o1, h1, _ = _run_kernel(first, dtype)
+    second = [t[:, cut:] if i < 5 else h1.detach().double().cpu() for i, t in enumerate(ins)]
+    o2, h2, _ = _run_kernel(second, dtype)
+    ro, rht, _ = _run_ref(recurrent_gated_delta_rule_ref, ins)
+    lo, lht, _ = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)],
+                          compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o (split)", torch.cat([o1, o2], 1), ro, lo, dtype=dtype)
+    assert_close("final_state (split)", h2, rht, lht, dtype=dtype)
+    assert_close("o (one pass)", o, ro, lo, dtype=dtype)
+
+
+@given(lens=st.lists(st.sampled_from([1, 2, 17, 63, 64, 65, 100]) | st.integers(1, pick(130, 900)),
+                     min_size=1, max_size=4), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_varlen_equals_loop(lens, G, dtype, seed):
+    H, K, V = 1, 16 if not P.big else 128, 32 if not P.big else 128
+    HV = H * G
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    ins = _inputs(seed, 1, T, H, HV, K, V, N)
+    grads = (randn((1, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    o, ht, dx = _run_kernel(ins, dtype, cu=cu, grads=grads)
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, grads=grads)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
+                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    # the same as a loop of single-sequence kernel calls
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        part = [t[:, s:e] if i < 5 else t[n:n + 1] for i, t in enumerate(ins)]
+        on, hn, _ = _run_kernel(part, dtype)
+        assert_close(f"o seq {n}", o[:, s:e], on.double(), on.double(), dtype=dtype)
+        assert_close(f"final seq {n}", ht[n:n + 1], hn.double(), hn.double(), dtype=dtype)
+
+
+@given(T=st.integers(1, pick(100, 400)), G=st.sampled_from([2, 4]), dtype=dtypes(), seed=seeds())
+def test_gva_equals_repeated_heads(T, G, dtype, seed):
+    B, H, K, V = 1, pick(1, 2), pick(16, 128), pick(16, 128)
+    ins = _inputs(seed, B, T, H, H * G, K, V, B)
+    o, ht, _ = _run_kernel(ins, dtype)
+    rep = [t.repeat_interleave(G, dim=2) if i < 2 else t for i, t in enumerate(ins)]
+    o2, ht2, _ = _run_kernel(rep, dtype)
+    assert torch.equal(o.cpu(), o2.cpu()) and torch.equal(ht.cpu(), ht2.cpu())
+
+
+@given(T=st.integers(1, pick(140, 500)), dtype=dtypes(), seed=seeds())
+def test_strong_decay_finite_and_correct(T, dtype, seed):
+    B, H, HV, K, V = 1, 1, 2, pick(16, 128), pick(32, 128)
+    ins = _inputs(seed, B, T, H, HV, K, V, B, gmin=-20.0)
+    grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    o, ht, dx = _run_kernel(ins, dtype, grads=grads)
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, grads=grads)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)],
+                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+
+
+def test_bad_inputs():
+    d = P.device
+    q = torch.zeros(1, 8, 2, 16, device=d)
+    v = torch.zeros(1, 8, 4, 16, device=d)
+    g = torch.zeros(1, 8, 4, device=d)
+    f = chunk_gated_delta_rule
+    with pytest.raises(TypeError, match="k"):
+        f(q, q.half(), v, g, g)
+    with pytest.raises(ValueError, match="q"):
+        f(q[0], q[0], v, g, g)
+    with pytest.raises(ValueError, match="HV"):
+        f(q, q, torch.zeros(1, 8, 3, 16, device=d), g[..., :3], g[..., :3])
+    with pytest.raises(ValueError, match="K"):
+        f(torch.zeros(1, 8, 2, 24, device=d), torch.zeros(1, 8, 2, 24, device=d), v, g, g)
+    with pytest.raises(ValueError, match="V"):
+        f(q, q, torch.zeros(1, 8, 4, 272, device=d), g, g)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        f(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), g.expand(2, -1, -1),
+          g.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8], device=d))
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        f(q, q, v, g, g, cu_seqlens=torch.tensor([0.0, 8.0], device=d))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 5], device=d))
+    with pytest.raises(ValueError, match="initial_state"):
+        f(q, q, v, g, g, initial_state=torch.zeros(2, 4, 16, 16, device=d), cu_seqlens=torch.tensor([0, 8], device=d))
+    with pytest.raises(TypeError, match="initial_state"):
+        f(q, q, v, g, g, initial_state=torch.zeros(1, 4, 16, 16, device=d, dtype=torch.float64))
+    if d == "cuda":
+        with pytest.raises(ValueError, match="g"):
+            f(q, q, v, g.cpu(), g)
+    else:
+        import os
+        old = os.environ.pop("TRITON_INTERPRET")
+        try:
+            with pytest.raises(RuntimeError, match="reference"):
+                f(q, q, v, g, g)
+        finally:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.mark.gpu_only
+def test_torch_compile_fullgraph():
+    B, T, H, HV, K, V = 1, 300, 2, 4, 128, 128
+    ins = _inputs(7, B, T, H, HV, K, V, B)
+    grads = (randn((B, T, HV, V), 8, dtype=torch.float64, device="cpu"),
+             randn((B, HV, K, V), 9, dtype=torch.float64, device="cpu"))
+
+    def fn(q, k, v, g, beta, h0):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+
+    cf = torch.compile(fn, fullgraph=True)
+    outs = []
+    for f in (fn, cf):
+        xs = [t.to("cuda", torch.bfloat16 if i < 5 else torch.float32).requires_grad_() for i, t in enumerate(ins)]
+        o, ht = f(*xs)
+        torch.autograd.backward([o, ht], [grads[0].to("cuda", o.dtype), grads[1].to("cuda", ht.dtype)])
+        outs.append([o, ht] + [x.grad for x in xs])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
