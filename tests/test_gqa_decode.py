@@ -188,6 +188,24 @@ def test_sparse_no_valid_index_gives_zero_and_neg_inf(seed, dtype):
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
+@given(sparse=st.booleans(), splits=st.sampled_from([1, 3]), dtype=dtypes(), seed=seeds())
+def test_unreadable_pages_are_skipped(sparse, splits, dtype, seed):
+    """Block-table entries outside [0, num_pages) and lengths past the table: never read, never counted."""
+    q, k, v, bt, lens, kr, gg = _case(seed, B=3, s_q=2, g=2, G=4, d_h=pick(16, 128), d_r=pick(16, 64),
+                                      d_v=pick(16, 128), max_len=pick(60, 1000), dtype=dtype, empty=False)
+    num_pages = k.shape[0]
+    bt = bt.clone()
+    bt[0, 0] = -7
+    bt[1, -1] = num_pages
+    bt[2, 0] = 2**31 - 1
+    lens = lens.clone()
+    lens[1] = bt.shape[1] * PAGE + 37  # longer than the block table covers
+    idx = _indices(gg, 3, 2, 2, pick(24, 400), int(lens.max()), per_group=False, adversarial=True,
+                   lens=lens) if sparse else None
+    args = (q, k, v, bt, lens, kr)
+    _check("pages", _run(*args, indices=idx, num_splits=splits), args, dtype, indices=idx)
+
+
 # ------------------------------------------------------------------------------------------ bad inputs
 def test_bad_inputs_raise():
     q, k, v, bt, lens, kr, _ = _case(0, B=2, s_q=1, g=2, G=4, d_h=16, d_r=16, d_v=16, max_len=20,

@@ -10,6 +10,7 @@ Split-KV partials are merged by the shared ``combine_splits`` kernel.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -43,7 +44,7 @@ def _dot(a, b, FP32: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pages", "max_pages", "topk", "num_splits"])
 def gqa_decode_fwd_kernel(
     q, k_cache, v_cache, kr_cache, block_table, seqlens, indices, topk_len,
     out, lse_out, o_part, lse_part,
@@ -290,8 +291,8 @@ def _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indice
 @torch.library.custom_op("gqla_triton::gqa_decode", mutates_args=())
 def _gqa_decode_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
-    indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int,
+    cache_seqlens: torch.Tensor, k_rope_cache: Optional[torch.Tensor], softmax_scale: float, causal: bool,
+    indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor], num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, s_q, h_q, _ = q.shape
     out = torch.empty(B, s_q, h_q, v_cache.shape[-1], device=q.device, dtype=q.dtype)

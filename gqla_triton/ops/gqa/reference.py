@@ -3,6 +3,8 @@
 Every (query token, head) attends over a *multiset* of cached positions: dense = all positions in
 ``[0, cache_seqlens)`` (causal: up to the query's position ``cache_seqlens - s_q + j``); sparse = the valid
 entries of its index row, each counted as many times as it appears (gather-then-attend semantics).
+Positions whose page lies beyond the block table, or whose block-table entry is outside ``[0, num_pages)``,
+are skipped (the kernels never read them).
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ def gqa_decode_reference(
         softmax_scale = q.shape[-1] ** -0.5
     counts = position_counts(cache_seqlens.cpu(), s_q, g, L, causal=causal, indices=None if indices is None
                              else indices.cpu(), topk_length=None if topk_length is None else topk_length.cpu())
+    # tokens whose page is beyond the block table or names no page of the cache are skipped (never read)
+    pos = torch.arange(L)
+    page = pos // page_size
+    btc = block_table.cpu().long()
+    blk = btc[:, page.clamp(max=btc.shape[1] - 1)]
+    readable = (page < btc.shape[1])[None, :] & (blk >= 0) & (blk < num_pages)  # [B, L]
+    counts = counts * readable[:, None, None, :]
     counts = counts.repeat_interleave(G, dim=2)  # [B, s_q, h_q, L]
     kh = k.repeat_interleave(G, dim=2)  # [B, L, h_q, d]
     vh = v.repeat_interleave(G, dim=2)

@@ -1,0 +1,95 @@
+"""Sparse top-k decode (topk 2048, h_q 128, page 64, bf16): SM1/SM2 on the absorb path (``mla_decode``),
+SQ1 on the grouped path (``gqa_decode``, indices shared by the 8 groups).
+
+Anchor for SM1/SM2: FlashMLA's bf16 sparse kernel (``flash_mla.flash_mla_sparse_fwd``, sgl-flash-mla; each
+decode query is one row of its ``s_q`` axis and indices are physical cache rows). No public kernel has SQ1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from bench.common import time_ms, try_import
+from gqla_triton.roofline import GQA_WORKLOADS, MLA_WORKLOADS, gqa_decode_model, mla_decode_model
+
+PAGE = 64
+WORKLOADS = {"SM1": MLA_WORKLOADS["SM1"], "SM2": MLA_WORKLOADS["SM2"], "SQ1": GQA_WORKLOADS["SQ1"]}
+
+
+def _paging(B, S, dev):
+    pages_per = -(-S // PAGE)
+    bt = torch.randperm(B * pages_per, device=dev).to(torch.int32).reshape(B, pages_per)
+    lens = torch.full((B,), S, device=dev, dtype=torch.int32)
+    return bt, lens
+
+
+def _topk_indices(B, s_q, S, topk, dev):
+    """Distinct random positions in [0, S) per (sequence, query token), int32 [B, s_q, topk]."""
+    idx = torch.stack([torch.randperm(S, device=dev)[:topk] for _ in range(B * s_q)])
+    return idx.reshape(B, s_q, topk).to(torch.int32)
+
+
+def _physical(idx, bt):
+    b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+    pos = idx.long()
+    return (bt.long()[b, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+
+
+def _run_mla(name, w, ctx, anchors):
+    from gqla_triton import mla_decode  # lazily: the absorb-path kernel lives in ops/mla
+
+    B, S, s_q, topk = w["batch"], w["seqlen"], w.get("s_q", 1), w["topk"]
+    dev = "cuda"
+    torch.manual_seed(0)
+    bt, lens = _paging(B, S, dev)
+    q = torch.randn(B, s_q, 128, 576, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(bt.numel(), PAGE, 1, 576, device=dev, dtype=torch.bfloat16)
+    idx = _topk_indices(B, s_q, S, topk, dev)
+    model = mla_decode_model(**w)
+    scale = 576**-0.5
+    ms = time_ms(lambda: mla_decode(q, kv, bt, lens, 512, scale, causal=True, indices=idx))
+    ctx.row("sparse_decode", name, "gqla_triton", ms, flops=model.flops, nbytes=model.bytes)
+    if not anchors:
+        return
+    fm = try_import("flash_mla")
+    if fm is None or not hasattr(fm, "flash_mla_sparse_fwd"):
+        return
+    q2 = q.reshape(B * s_q, 128, 576)
+    kv2 = kv.reshape(-1, 1, 576)
+    phys = _physical(idx, bt).reshape(B * s_q, 1, topk)
+    for legacy in (True, False):
+        try:
+            fn = lambda: fm.flash_mla_sparse_fwd(q2, kv2, phys, scale, 512, use_legacy=legacy)  # noqa: E731
+            fn()
+            ctx.row("sparse_decode", name, "flash_mla_sparse" + ("_legacy" if legacy else ""), time_ms(fn),
+                    flops=model.flops, nbytes=model.bytes)
+        except Exception as e:  # an anchor failing is reported, never fatal
+            print(f"[bench.sparse] {name}: flash_mla_sparse_fwd(use_legacy={legacy}) failed: "
+                  f"{type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+
+
+def _run_gqa(name, w, ctx, anchors):
+    from gqla_triton import gqa_decode
+
+    B, S, s_q, topk = w["batch"], w["seqlen"], w.get("s_q", 1), w["topk"]
+    dev = "cuda"
+    torch.manual_seed(0)
+    bt, lens = _paging(B, S, dev)
+    g, d, dr = 8, 128, 64
+    q = torch.randn(B, s_q, 128, d + dr, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(bt.numel(), PAGE, g, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(bt.numel(), PAGE, g, d, device=dev, dtype=torch.bfloat16)
+    kr = torch.randn(bt.numel(), PAGE, dr, device=dev, dtype=torch.bfloat16)
+    idx = _topk_indices(B, s_q, S, topk, dev)
+    model = gqa_decode_model(**w)
+    ms = time_ms(lambda: gqa_decode(q, k, v, bt, lens, kr, indices=idx))
+    ctx.row("sparse_decode", name, "gqla_triton", ms, flops=model.flops, nbytes=model.bytes)
+
+
+def run(names, ctx, anchors=True):
+    for name in names:
+        w = WORKLOADS[name]
+        (_run_gqa if name.startswith("SQ") else _run_mla)(name, w, ctx, anchors)
+        torch.cuda.empty_cache()
