@@ -294,6 +294,8 @@ def _gqa_decode_op(
     cache_seqlens: torch.Tensor, k_rope_cache: Optional[torch.Tensor], softmax_scale: float, causal: bool,
     indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor], num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # validated here (eagerly, on real tensors) so torch.compile traces only the op call
+    _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indices, topk_length, num_splits)
     B, s_q, h_q, _ = q.shape
     out = torch.empty(B, s_q, h_q, v_cache.shape[-1], device=q.device, dtype=q.dtype)
     lse = torch.empty(B, h_q, s_q, device=q.device, dtype=torch.float32)
@@ -346,7 +348,9 @@ def gqa_decode(
         ``out [B, s_q, h_q, d_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
         that sees no key gives ``out = 0``, ``lse = -inf``.
     """
-    _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indices, topk_length, num_splits)
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = choose from shapes), got {num_splits!r}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     softmax_scale = float(softmax_scale)
