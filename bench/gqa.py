@@ -3,7 +3,7 @@
 Anchor: torch SDPA (``enable_gqa=True``) over contiguous K/V with the rope key copied into every group's
 key (what a stock GQA kernel must read), as ``../shared/anchors/NUMBERS.md`` describes.
 
-``python -m bench.gqa --sweep Q1,Q3`` times launch-config variants (through ``GQLA_TRITON_CONFIG``) and
+``python -m bench.gqa --sweep Q1,Q3,SQ1`` times launch-config variants (through ``GQLA_TRITON_CONFIG``) and
 prints the best one per workload, for tuning ``configs/h200.json``.
 """
 
@@ -40,6 +40,9 @@ def make_inputs(w: dict, *, page: int = PAGE, dtype=torch.bfloat16, seed: int = 
     kr = torch.randn(num_pages, page, d_r, device=dev, dtype=dtype) if d_r else None
     bt = torch.randperm(num_pages, device=dev).to(torch.int32).reshape(B, pages_per)
     lens = torch.full((B,), S, device=dev, dtype=torch.int32)
+    if w.get("topk"):  # sparse: distinct random positions per (sequence, query token), shared by the groups
+        idx = torch.stack([torch.randperm(S, device=dev)[: w["topk"]] for _ in range(B * s_q)])
+        return q, k, v, bt, lens, kr, None, True, idx.reshape(B, s_q, -1).to(torch.int32)
     return q, k, v, bt, lens, kr
 
 
@@ -88,7 +91,7 @@ def run(names, ctx, anchors=True):
             except Exception as e:  # an anchor failing is reported, never fatal
                 print(f"[bench.gqa] {name}: torch SDPA anchor failed: {type(e).__name__}: {e}", file=sys.stderr)
             torch.cuda.empty_cache()
-        del args
+        args = None
         torch.cuda.empty_cache()
 
 
@@ -98,12 +101,12 @@ def sweep(names):
 
     grid = dict(BLOCK_N=[32, 64, 128], num_stages=[2, 3], num_warps=[4, 8], WAVES=[4, 8])
     for name in names:
-        w = WORKLOADS[name]
+        w = GQA_WORKLOADS[name]
         args = make_inputs(w)
         model = gqa_decode_model(**w)
         results = []
         for vals in itertools.product(*grid.values()):
-            cfg = dict(zip(grid, vals))
+            cfg = dict(zip(grid, vals, strict=True))
             os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gqa_decode": cfg})
             try:
                 ms = time_ms(lambda: gqa_decode(*args), warmup=10, rep=40)
@@ -115,7 +118,7 @@ def sweep(names):
         os.environ.pop("GQLA_TRITON_CONFIG", None)
         results.sort(key=lambda x: x[0])
         print(f"== {name} best: {results[:3]}")
-        del args
+        args = None
         torch.cuda.empty_cache()
 
 

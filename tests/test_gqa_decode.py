@@ -1,6 +1,5 @@
 """gqa_decode (GQLA grouped path / GQA decode, dense + sparse) against the float64 reference."""
 
-import math
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ Split-KV partials are merged by the shared ``combine_splits`` kernel.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
@@ -164,8 +163,9 @@ def gqa_decode_fwd_kernel(
         tl.store(lse_out + b64 * s_lb + hh64 * s_lh + jj64 * s_ls, lse, mask=row_ok)
 
 
-def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch.dtype, device) -> dict:
-    cfg = select_config("gqa_decode", {"G": G, "rows": rows, "d_h": d_h, "d_v": d_v}, device=device)
+def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch.dtype, device, sparse: bool) -> dict:
+    key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
+    cfg = select_config("gqa_decode", key, device=device)
     block_m = min(cfg["MAX_M"], max(16, triton.next_power_of_2(rows)))
     block_n = cfg["BLOCK_N"]
     stages = cfg["num_stages"]
@@ -203,7 +203,7 @@ def gqa_decode_fwd(
     G = h_q // g
     sparse = indices is not None
     rows = G if sparse else G * s_q
-    prm = _launch_params(G, rows, d_h, d_r, d_v, q.dtype, q.device)
+    prm = _launch_params(G, rows, d_h, d_r, d_v, q.dtype, q.device, sparse)
     BLOCK_M, BLOCK_N = prm["BLOCK_M"], prm["BLOCK_N"]
     num_mt = triton.cdiv(rows, BLOCK_M)
     nbq = B * s_q if sparse else B
@@ -291,8 +291,8 @@ def _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indice
 @torch.library.custom_op("gqla_triton::gqa_decode", mutates_args=())
 def _gqa_decode_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor, k_rope_cache: Optional[torch.Tensor], softmax_scale: float, causal: bool,
-    indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor], num_splits: int,
+    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
+    indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # validated here (eagerly, on real tensors) so torch.compile traces only the op call
     _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indices, topk_length, num_splits)
