@@ -124,7 +124,7 @@ def mla_decode_fwd_kernel(
         if SPARSE:
             keep = ok[None, :] & rvalid[:, None]
         else:
-            keep = ok[None, :] & (pos[None, :] < last[:, None])
+            keep = ok[None, :] & (pos[None, :] <= last[:, None])
         s = tl.where(keep, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

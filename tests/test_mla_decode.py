@@ -1,0 +1,319 @@
+"""mla_decode (absorb path, dense + sparse) against the float64 reference in ops/mla/reference.py."""
+
+import math
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gqla_triton.ops.mla import mla_decode, mla_decode_fwd, mla_decode_ref
+
+DIMS = pick([(32, 16), (64, 16)], [(512, 64), (256, 64)])  # (latent r = head_dim_v, rope d_R)
+HEADS = pick([16, 48], [16, 32, 64, 128])
+PAGES = pick([16, 32], [16, 64])
+MAXLEN = pick(70, 1100)
+
+
+def _case(seed, B, s_q, h_q, r, dr, page_size, dtype, *, zero_len=True, extra_pages=3, bad_pages=False):
+    """Random q, a cache whose pages are randomly permuted, block table, lengths (incl. 0 / non-multiples)."""
+    g = gen(seed)
+    D = r + dr
+    lens = torch.randint(0, MAXLEN + 1, (B,), generator=g)
+    if zero_len and B > 1:
+        lens[int(torch.randint(0, B, (1,), generator=g))] = 0
+    max_pages = max(1, math.ceil(int(lens.max()) / page_size) + int(torch.randint(0, 2, (1,), generator=g)))
+    num_pages = B * max_pages + extra_pages
+    block_table = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
+    if bad_pages:  # entries no kernel may follow: they mark ignored keys
+        mask = torch.rand(B, max_pages, generator=g) < 0.2
+        junk = torch.tensor([-1, num_pages, 2**31 - 1, -(2**31)], dtype=torch.int32)
+        pick_ = junk[torch.randint(0, 4, (B, max_pages), generator=g)]
+        block_table = torch.where(mask, pick_, block_table)
+    q = randn((B, s_q, h_q, D), g, dtype=dtype, scale=1.0)
+    kv = randn((num_pages, page_size, 1, D), g, dtype=dtype)
+    return q, kv, block_table.to(P.device), lens.int().to(P.device), g
+
+
+def _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=None, topk_length=None, scale=None):
+    ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, softmax_scale=scale, causal=causal, indices=indices,
+                            topk_length=topk_length)
+    lo, _ = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, softmax_scale=scale, causal=causal, indices=indices,
+                           topk_length=topk_length, p_dtype=dtype)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_close("out", out, ro, lo, dtype=dtype)
+    assert_close("lse", lse, rl, rl.float(), dtype=torch.float32, eps=1e-5 if dtype == torch.float32 else 1e-4)
+    return ro, rl
+
+
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
+       page_size=st.sampled_from(PAGES), causal=st.booleans(), num_splits=st.sampled_from([0, 1, 2, 3, 7]),
+       bad_pages=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_dense_vs_reference(B, s_q, h_q, dims, page_size, causal, num_splits, bad_pages, dtype, seed):
+    r, dr = dims
+    q, kv, bt, lens, _ = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
+    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
+    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
+    mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, None, None, num_splits, out=out, lse=lse,
+                   poison_partials=True)
+    _check(out, lse, q, kv, bt, lens, r, causal, dtype)
+
+
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), dims=st.sampled_from(DIMS), page_size=st.sampled_from(PAGES),
+       num_splits=st.sampled_from([2, 3, 5]), dtype=dtypes(), seed=seeds())
+def test_paging_and_split_invariance(B, s_q, dims, page_size, num_splits, dtype, seed):
+    r, dr = dims
+    h_q = HEADS[0]
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, zero_len=False)
+    out1, lse1 = mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=1)
+    # the same logical cache under another page permutation gives bit-identical results
+    perm = torch.randperm(kv.shape[0], generator=g)
+    kv2 = torch.empty_like(kv)
+    kv2[perm.to(kv.device)] = kv
+    bt2 = perm.to(bt.device)[bt.long()].int()
+    out2, lse2 = mla_decode(q, kv2, bt2, lens, head_dim_v=r, num_splits=1)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    # any split count computes the same function
+    outs, lses = mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=num_splits)
+    ro, rl = _check(outs, lses, q, kv, bt, lens, r, True, dtype)
+    e1 = rel_err(out1, ro)
+    assert rel_err(outs, out1.double()) <= 2 * e1 + 2e-3 * (dtype != torch.float32) + 1e-6
+
+
+@given(s_q=st.integers(1, 4), seed=seeds())
+def test_empty_and_negative_positions(s_q, seed):
+    """cache_seqlens 0 -> out 0 / lse -inf; with causal, queries at negative positions see nothing."""
+    r, dr = DIMS[0]
+    h_q = HEADS[0]
+    q, kv, bt, _, _ = _case(seed, 3, s_q, h_q, r, dr, PAGES[0], torch.float32)
+    lens = torch.tensor([0, 1, 2], dtype=torch.int32, device=P.device)
+    out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=2)
+    _check(out, lse, q, kv, bt, lens, r, True, torch.float32)
+    assert torch.equal(out[0].cpu(), torch.zeros(s_q, h_q, r)) and torch.isneginf(lse[0]).all()
+    for b, n in ((1, 1), (2, 2)):
+        for j in range(s_q):
+            seen = n - s_q + j >= 0
+            assert bool(torch.isfinite(lse[b, :, j]).all()) == seen
+            if not seen:
+                assert not out[b, j].any()
+
+
+# ---------------------------------------------------------------- sparse
+
+
+def _adversarial_indices(g, B, s_q, topk, lens, *, dup=True):
+    """Valid positions mixed with -1, huge, negative, >= seqlen and (optionally) duplicated entries."""
+    L = int(lens.max()) + 1
+    idx = torch.randint(0, max(L, 1), (B, s_q, topk), generator=g)
+    kind = torch.randint(0, 10, (B, s_q, topk), generator=g)
+    junk = torch.tensor([-1, -2, 2**31 - 1, -(2**31), 10**6], dtype=torch.int64)
+    idx = torch.where(kind == 0, junk[torch.randint(0, 5, (B, s_q, topk), generator=g)], idx)
+    idx = torch.where(kind == 1, lens.cpu().long()[:, None, None] + torch.randint(0, 40, (B, s_q, topk), generator=g),
+                      idx)
+    if dup and topk > 1:  # copy some entries onto others
+        src = torch.randint(0, topk, (B, s_q, topk), generator=g)
+        idx = torch.where(kind == 2, torch.gather(idx, 2, src), idx)
+    return idx.int()
+
+
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
+       page_size=st.sampled_from(PAGES), topk=st.sampled_from(pick([1, 16, 40], [64, 2048])), causal=st.booleans(),
+       with_len=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), dtype=dtypes(), seed=seeds())
+def test_sparse_vs_reference(B, s_q, h_q, dims, page_size, topk, causal, with_len, num_splits, dtype, seed):
+    r, dr = dims
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=True)
+    idx = _adversarial_indices(g, B, s_q, topk, lens).to(P.device)
+    tl_ = torch.randint(-2, topk + 3, (B,), generator=g).int().to(P.device) if with_len else None
+    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
+    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
+    mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, tl_, num_splits, out=out, lse=lse,
+                   poison_partials=True)
+    _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx, topk_length=tl_)
+
+
+@given(s_q=st.integers(1, 3), num_splits=st.sampled_from([2, 3, 5]), causal=st.booleans(), seed=seeds())
+def test_sparse_split_invariance(s_q, num_splits, causal, seed):
+    """Every split count covers each index entry exactly once (no entry dropped or counted twice)."""
+    r, dr = DIMS[0]
+    h_q, B, topk = HEADS[0], 2, pick(40, 2048)
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, PAGES[0], torch.float32, zero_len=False)
+    idx = _adversarial_indices(g, B, s_q, topk, lens).to(P.device)
+    tl_ = torch.tensor([topk, topk - 7], dtype=torch.int32, device=P.device)
+    out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, topk_length=tl_,
+                          num_splits=num_splits)
+    _check(out, lse, q, kv, bt, lens, r, causal, torch.float32, indices=idx, topk_length=tl_)
+
+
+@given(B=st.integers(1, 2), s_q=st.integers(1, 3), causal=st.booleans(), pad=st.integers(0, 9), dtype=dtypes(),
+       seed=seeds())
+def test_sparse_all_positions_equals_dense(B, s_q, causal, pad, dtype, seed):
+    r, dr = DIMS[0]
+    h_q = HEADS[0]
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, PAGES[0], dtype)
+    L = int(lens.max())
+    topk = L + pad
+    idx = torch.full((B, s_q, topk), -1, dtype=torch.int32)
+    for b in range(B):
+        n = int(lens[b])
+        for j in range(s_q):
+            idx[b, j, :n] = torch.randperm(n, generator=g).int()  # any order
+            idx[b, j] = idx[b, j][torch.randperm(topk, generator=g)]
+    if topk == 0:
+        return  # every sequence empty and no padding: nothing to select (indices need topk >= 1)
+    idx = idx.to(P.device)
+    out_s, lse_s = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx)
+    out_d, lse_d = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal)
+    ro, rl = _check(out_s, lse_s, q, kv, bt, lens, r, causal, dtype, indices=idx)
+    ro_d, rl_d = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal)
+    assert rel_err(ro, ro_d) < 1e-12 and rel_err(rl, rl_d) < 1e-12
+    assert_close("sparse vs dense", out_s, out_d.double(), ro.to(dtype), dtype=dtype, factor=4.0)
+
+
+@given(B=st.integers(1, 2), topk=st.integers(1, pick(40, 700)), dims=st.sampled_from(DIMS), dtype=dtypes(),
+       seed=seeds())
+def test_sparse_equals_dense_over_gathered_subset(B, topk, dims, dtype, seed):
+    """Gathering the selected rows (duplicates included) into a fresh cache and attending densely is the
+    definition of sparse attention: a duplicated index counts once per occurrence."""
+    r, dr = dims
+    h_q, ps = HEADS[0], PAGES[0]
+    q, kv, bt, lens, g = _case(seed, B, 1, h_q, r, dr, ps, dtype, zero_len=False)
+    lens = lens.clamp(min=1)
+    idx = torch.stack([torch.randint(0, int(n), (1, topk), generator=g) for n in lens.cpu()]).int()  # dups likely
+    # fresh contiguous cache holding the selected rows in order, one page run per sequence
+    from gqla_triton.ops._common import gather_pages
+
+    full = gather_pages(kv, bt, int(lens.max()))  # [B, L, 1, D]
+    sel = torch.stack([full[b, idx[b, 0].long().to(full.device)] for b in range(B)])  # [B, topk, 1, D]
+    npg = math.ceil(topk / ps)
+    sub = torch.zeros(B * npg * ps, 1, r + dr, dtype=dtype, device=P.device)
+    for b in range(B):
+        sub[b * npg * ps: b * npg * ps + topk] = sel[b]
+    sub = sub.reshape(B * npg, ps, 1, r + dr)
+    bt_sub = torch.arange(B * npg, dtype=torch.int32, device=P.device).reshape(B, npg)
+    out_d, lse_d = mla_decode(q, sub, bt_sub, torch.full((B,), topk, dtype=torch.int32, device=P.device),
+                              head_dim_v=r, causal=False)
+    out_s, lse_s = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=False, indices=idx.to(P.device))
+    ro, rl = _check(out_s, lse_s, q, kv, bt, lens, r, False, dtype, indices=idx.to(P.device))
+    assert_close("gathered dense", out_d, ro, ro.to(dtype), dtype=dtype, factor=4.0)
+    assert_close("gathered lse", lse_d, rl, rl.float(), dtype=torch.float32, eps=1e-4)
+
+
+@given(s_q=st.integers(1, 3), mode=st.sampled_from(["neg", "len0", "oob", "future"]), seed=seeds())
+def test_sparse_empty_rows(s_q, mode, seed):
+    r, dr = DIMS[0]
+    h_q = HEADS[0]
+    B = 2
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, PAGES[0], torch.float32, zero_len=False)
+    lens = lens.clamp(min=s_q + 1)
+    topk = 8
+    tl_ = None
+    if mode == "neg":
+        idx = -torch.randint(1, 2**31 - 1, (B, s_q, topk), generator=g)
+    elif mode == "len0":
+        idx = torch.randint(0, int(lens.min()), (B, s_q, topk), generator=g)
+        tl_ = torch.tensor([0, -5], dtype=torch.int32, device=P.device)
+    elif mode == "oob":
+        idx = lens.cpu().long()[:, None, None] + torch.randint(0, 2**30, (B, s_q, topk), generator=g)
+    else:  # every entry after the query's own position (causal)
+        idx = (lens.cpu().long() - s_q)[:, None, None] + torch.arange(s_q)[None, :, None] + 1
+        idx = idx.expand(B, s_q, topk).clamp(max=lens.min().item() - 1)
+        idx = torch.where(idx <= (lens.cpu().long() - s_q)[:, None, None] + torch.arange(s_q)[None, :, None],
+                          torch.full_like(idx, -1), idx)
+    idx = idx.int().to(P.device)
+    out, lse = mla_decode(q, kv, bt, lens.to(P.device), head_dim_v=r, indices=idx, topk_length=tl_, num_splits=2)
+    assert torch.equal(out.cpu(), torch.zeros(B, s_q, h_q, r)) and torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_inputs():
+    r, dr = DIMS[0]
+    D = r + dr
+    dev = P.device
+    q = torch.zeros(1, 1, 16, D, device=dev)
+    kv = torch.zeros(4, 16, 1, D, device=dev)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=dev)
+    lens = torch.ones(1, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla_decode(q, torch.zeros(4, 16, 1, D + 1, device=dev), bt, lens, head_dim_v=r)
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla_decode(q, torch.zeros(4, 16, 2, D, device=dev), bt, lens, head_dim_v=r)
+    with pytest.raises(ValueError, match="page_size"):
+        mla_decode(q, torch.zeros(4, 24, 1, D, device=dev), bt, lens, head_dim_v=r)
+    with pytest.raises(TypeError, match="kv_cache"):
+        mla_decode(q, kv.half(), bt, lens, head_dim_v=r)
+    with pytest.raises(TypeError, match="block_table"):
+        mla_decode(q, kv, bt.long(), lens, head_dim_v=r)
+    with pytest.raises(ValueError, match="block_table"):
+        mla_decode(q, kv, torch.zeros(2, 2, dtype=torch.int32, device=dev), lens, head_dim_v=r)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        mla_decode(q, kv, bt, torch.ones(2, dtype=torch.int32, device=dev), head_dim_v=r)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        mla_decode(q, kv, bt, lens, head_dim_v=D + 1)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=-1)
+    with pytest.raises(ValueError, match="q"):
+        mla_decode(q[0], kv, bt, lens, head_dim_v=r)
+    with pytest.raises(ValueError, match="indices"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, indices=torch.zeros(1, 1, 2, 4, dtype=torch.int32, device=dev))
+    with pytest.raises(TypeError, match="indices"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, indices=torch.zeros(1, 1, 4, dtype=torch.int64, device=dev))
+    with pytest.raises(ValueError, match="topk_length"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, topk_length=torch.ones(1, dtype=torch.int32, device=dev))
+    if dev == "cpu":
+        import gqla_triton.ops._common.validation as v
+
+        old = v.is_interpreter
+        v.is_interpreter = lambda: False
+        try:
+            with pytest.raises(RuntimeError, match="mla_decode_ref"):
+                mla_decode(q, kv, bt, lens, head_dim_v=r)
+        finally:
+            v.is_interpreter = old
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("sparse", [False, True])
+def test_cuda_graph_replay(sparse):
+    r, dr = 512, 64
+    B, s_q, h_q = 4, 2, 128
+    q, kv, bt, lens, g = _case(7, B, s_q, h_q, r, dr, 64, torch.bfloat16)
+    idx = _adversarial_indices(g, B, s_q, 256, lens).cuda() if sparse else None
+    static_q = q.clone()
+    fn = lambda: mla_decode(static_q, kv, bt, lens, head_dim_v=r, indices=idx)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fn()
+    for seed in (1, 2):  # new values through the same graph
+        static_q.copy_(randn(q.shape, seed, dtype=q.dtype))
+        lens.copy_(torch.randint(0, MAXLEN, (B,), generator=gen(seed)).int().cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, lse, static_q, kv, bt, lens, r, True, torch.bfloat16, indices=idx)
+
+
+@pytest.mark.gpu_only
+def test_torch_compile_fullgraph():
+    r, dr = 512, 64
+    q, kv, bt, lens, g = _case(3, 2, 1, 64, r, dr, 64, torch.bfloat16)
+    idx = _adversarial_indices(g, 2, 1, 128, lens).cuda()
+
+    def f(q, kv, bt, lens, idx):
+        o, l = mla_decode(q, kv, bt, lens, head_dim_v=r)
+        o2, l2 = mla_decode(q, kv, bt, lens, head_dim_v=r, indices=idx)
+        return o * 2, l, o2, l2
+
+    cf = torch.compile(f, fullgraph=True)
+    o, l, o2, l2 = cf(q, kv, bt, lens, idx)
+    _check(o / 2, l, q, kv, bt, lens, r, True, torch.bfloat16)
+    _check(o2, l2, q, kv, bt, lens, r, True, torch.bfloat16, indices=idx)
