@@ -377,15 +377,19 @@ def _grouped_attention_torch(q, cache: GroupedCache, ids, dh: int, scale: float)
 
 
 # ---- float64 reference of the whole layer --------------------------------------------------------------
-def gqla_reference(layer: GQLAttention, hidden_states: torch.Tensor, positions: torch.Tensor, past=None):
+def gqla_reference(layer: GQLAttention, hidden_states: torch.Tensor, positions: torch.Tensor, past=None, *,
+                   params: dict | None = None):
     """Float64 CPU reference of ``layer`` (einsums only): ``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
 
     ``positions [B, T]`` rotate the new tokens. ``past`` (optional): per sequence a pair ``(c [L_b, r],
     k_rope [L_b, d_R])`` of cached latent tokens (rope already applied) that precede the new ones; the new
-    tokens attend causally to past + themselves.
+    tokens attend causally to past + themselves. ``params`` (float64 CPU tensors by state-dict name) replaces
+    the layer's weights, e.g. leaves to differentiate the reference; ``hidden_states`` keeps its graph.
     """
-    P = {k: v.detach().to("cpu", torch.float64) for k, v in layer.state_dict().items()}
-    x = hidden_states.detach().to("cpu", torch.float64)
+    if params is None:
+        params = {k: v.detach().to("cpu", torch.float64) for k, v in layer.state_dict().items()}
+    P = params
+    x = hidden_states.to("cpu", torch.float64)
     pos = positions.to("cpu")
     B, T, _ = x.shape
     h, g, dh, dv, dR, r = (layer.num_heads, layer.num_groups, layer.head_dim, layer.v_head_dim, layer.rope_dim,

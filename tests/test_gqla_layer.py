@@ -1,0 +1,264 @@
+"""GQLAttention: absorb decode == grouped decode == float64 layer reference; prefill/decode consistency;
+latent -> grouped cache conversion; prefill gradients; paged cache bookkeeping; bad inputs."""
+
+import copy
+import math
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, gen, pick, randn, rel_err, seeds
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gqla_triton.layers.cache import GroupedCache, LatentCache
+from gqla_triton.layers.gqla import GQLAttention, gqla_reference
+
+PAGE = pick(16, 64)
+# hidden, h_q, d_h, d_R, r
+DIMS = pick(dict(hidden=64, num_heads=16, head_dim=16, rope_dim=16, kv_rank=32),
+            dict(hidden=1024, num_heads=32, head_dim=128, rope_dim=64, kv_rank=512))
+MAX_PAST = pick(40, 700)
+
+
+def make_layer(seed, *, g, q_rank=None, dtype=torch.float32, device=None, impl="triton", path="auto", dims=DIMS):
+    """Layer with seeded weights (same values on every device): projections ~ N(0, 1/fan_in), norms ~ 1."""
+    layer = GQLAttention(dims["hidden"], dims["num_heads"], g, dims["head_dim"], dims["rope_dim"], dims["kv_rank"],
+                         q_rank=q_rank, path=path, impl=impl, dtype=torch.float64, device="cpu")
+    gg = gen(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "layernorm" in name:
+                p.copy_(1 + randn(p.shape, gg, dtype=torch.float64, device="cpu", scale=0.1))
+            else:
+                p.copy_(randn(p.shape, gg, dtype=torch.float64, device="cpu", scale=p.shape[1] ** -0.5))
+    return layer.to(device=device or P.device, dtype=dtype)
+
+
+def random_latent_cache(layer, gg, lens, *, dtype, B_slots=None):
+    """LatentCache holding ``lens[b]`` random tokens per slot, appended in interleaved random chunks (so block
+    tables are scattered). Returns the cache and the slot ids used (a random subset of the slots)."""
+    B = len(lens)
+    slots = B_slots or B + 2
+    ids = torch.randperm(slots, generator=gg)[:B].tolist()
+    cache = LatentCache(slots, max(max(lens), 1) + 8, layer.kv_rank, layer.rope_dim, page_size=PAGE, dtype=dtype,
+                        device=P.device)
+    left = list(lens)
+    while any(left):
+        b = int(torch.randint(0, B, (1,), generator=gg))
+        if not left[b]:
+            continue
+        n = min(left[b], int(torch.randint(1, PAGE + 5, (1,), generator=gg)))
+        c = randn((1, n, layer.kv_rank), gg, dtype=dtype)
+        kr = randn((1, n, layer.rope_dim), gg, dtype=dtype)
+        cache.append([ids[b]], c, kr)
+        left[b] -= n
+    return cache, ids
+
+
+def past_of(cache, ids):
+    return [tuple(t.double().cpu() for t in cache.gather(s)) for s in ids]
+
+
+@given(B=st.integers(1, 3), g=st.sampled_from(pick([2, 4], [4, 8])), s_q=st.sampled_from([1, 2]),
+       q_rank=st.sampled_from([None, pick(32, 384)]), dtype=dtypes(), seed=seeds())
+def test_absorb_equals_grouped_equals_reference(B, g, s_q, q_rank, dtype, seed):
+    gg = gen(seed)
+    layer = make_layer(seed, g=g, q_rank=q_rank, dtype=dtype)
+    lens = torch.randint(1, MAX_PAST + 1, (B,), generator=gg).tolist()
+    lat, ids = random_latent_cache(layer, gg, lens, dtype=dtype)
+    grp = GroupedCache.from_latent(lat, layer)  # the one-time switch, before either decode appends
+    assert grp.seqlens(ids) == lat.seqlens(ids)
+    x = randn((B, s_q, layer.hidden_size), gg, dtype=dtype)
+    pos = torch.tensor(lens)[:, None] + torch.arange(s_q)
+    ref = gqla_reference(layer, x, pos, past_of(lat, ids))
+    # torch at the same precision, same path structure (impl="reference"), on copies of the caches
+    low = copy.deepcopy(layer)
+    low.impl = "reference"
+    lat_low, grp_low = copy.deepcopy(lat), copy.deepcopy(grp)
+    with torch.no_grad():
+        y_abs = layer(x, pos, lat, seq_ids=ids)
+        y_grp = layer(x, pos, grp, seq_ids=ids)
+        low_abs = low(x, pos, lat_low, seq_ids=ids)
+        low_grp = low(x, pos, grp_low, seq_ids=ids)
+    assert_close("absorb", y_abs, ref, low_abs, dtype=dtype)
+    assert_close("grouped", y_grp, ref, low_grp, dtype=dtype)
+    assert lat.seqlens(ids) == [n + s_q for n in lens] == grp.seqlens(ids)
+
+
+@given(B=st.integers(1, 2), g=st.sampled_from(pick([2, 4], [4, 8])), path=st.sampled_from(["absorb", "grouped"]),
+       steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3), dtype=dtypes(), seed=seeds())
+def test_prefill_then_decode_equals_longer_prefill(B, g, path, steps, dtype, seed):
+    gg = gen(seed)
+    layer = make_layer(seed, g=g, dtype=dtype)
+    T0 = int(torch.randint(1, MAX_PAST, (1,), generator=gg))
+    T = T0 + sum(steps)
+    x = randn((B, T, layer.hidden_size), gg, dtype=dtype)
+    pos = torch.arange(T)
+    ref = gqla_reference(layer, x, pos[None].expand(B, T))
+    with torch.no_grad():
+        full = layer(x, pos)  # one SDPA prefill over all T tokens
+        cache = layer.make_cache(B + 1, T, path=path, page_size=PAGE)
+        ids = list(range(1, B + 1))
+        outs = [layer(x[:, :T0], pos[:T0], cache, seq_ids=ids)]
+        t = T0
+        for s in steps:
+            outs.append(layer(x[:, t:t + s], None, cache, seq_ids=ids))  # default positions = cached length
+            t += s
+    y = torch.cat(outs, 1)
+    assert isinstance(cache, LatentCache if path == "absorb" else GroupedCache)
+    assert cache.seqlens(ids) == [T] * B
+    assert_close("prefill", y[:, :T0], ref[:, :T0], full[:, :T0], dtype=dtype)
+    assert_close("decode after prefill", y[:, T0:], ref[:, T0:], full[:, T0:], dtype=dtype)
+
+
+@given(g=st.sampled_from([2, 4]), q_rank=st.sampled_from([None, 24]), seed=seeds())
+def test_prefill_gradients_match_reference(g, q_rank, seed):
+    """Float64 autograd through the layer (SDPA prefill) == autograd through the einsum reference."""
+    gg = gen(seed)
+    dims = dict(hidden=32, num_heads=8, head_dim=8, rope_dim=8, kv_rank=16)
+    layer = make_layer(seed, g=g, q_rank=q_rank, dtype=torch.float64, dims=dims)
+    B, T = 2, int(torch.randint(1, 12, (1,), generator=gg))
+    x = randn((B, T, 32), gg, dtype=torch.float64).requires_grad_(True)
+    dy = randn((B, T, 32), gg, dtype=torch.float64)
+    pos = torch.arange(T)[None].expand(B, T)
+    (layer(x, pos) * dy).sum().backward()
+    leaves = {n: p.detach().cpu().clone().requires_grad_(True) for n, p in layer.named_parameters()}
+    x_ref = x.detach().cpu().requires_grad_(True)
+    (gqla_reference(layer, x_ref, pos.cpu(), params=leaves) * dy.cpu()).sum().backward()
+    assert rel_err(x.grad, x_ref.grad) < 1e-10
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and rel_err(p.grad, leaves[name].grad) < 1e-10, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cache_bytes_per_token_exact(dtype):
+    r, dR, g, dh = 512, 64, 8, 128
+    lat = LatentCache(1, 64, r, dR, page_size=64, dtype=dtype, device="cpu")
+    grp = GroupedCache(1, 64, g, dh, dR, page_size=64, dtype=dtype, device="cpu")
+    elt = torch.finfo(dtype).bits // 8
+    assert lat.bytes_per_token == elt * (r + dR)
+    assert grp.bytes_per_token == elt * (2 * g * dh + dR)
+    if dtype == torch.bfloat16:
+        assert lat.bytes_per_token == 2 * (512 + 64) == 1152
+        assert grp.bytes_per_token == 2 * (2 * 8 * 128 + 64) == 4224
+    # storage agrees with the reported figure
+    assert lat.kv[0, 0].numel() * lat.kv.element_size() == lat.bytes_per_token
+    per_tok = (grp.k[0, 0].numel() + grp.v[0, 0].numel() + grp.k_rope[0, 0].numel()) * grp.k.element_size()
+    assert per_tok == grp.bytes_per_token
+
+
+@given(seed=seeds())
+def test_allocation_and_freeing(seed):
+    gg = gen(seed)
+    cache = LatentCache(4, 64, 16, 16, page_size=16, num_pages=10, dtype=torch.float32, device=P.device)
+    assert cache.num_free_pages == 10
+    written = {}
+    for _ in range(6):
+        s = int(torch.randint(0, 4, (1,), generator=gg))
+        n = int(torch.randint(1, 20, (1,), generator=gg))
+        if cache.seqlens([s])[0] + n > 64 or -(-(cache.seqlens([s])[0] + n) // 16) - len(cache._pages[s]) > \
+                cache.num_free_pages:
+            with pytest.raises(ValueError):
+                cache.append([s], torch.zeros(1, n, 16), torch.zeros(1, n, 16))
+            continue
+        c = randn((1, n, 16), gg)
+        kr = randn((1, n, 16), gg)
+        cache.append([s], c, kr)
+        written[s] = torch.cat([written.get(s, torch.zeros(0, 32, device=P.device)), torch.cat([c, kr], -1)[0]])
+    used = [p for s in range(4) for p in cache._pages[s]]
+    assert len(used) == len(set(used)) and cache.num_free_pages == 10 - len(used)
+    bt, sl = cache.tables()
+    for s in range(4):
+        n = cache.seqlens([s])[0]
+        assert int(sl[s]) == n and n == (written[s].shape[0] if s in written else 0)
+        assert bt[s, : len(cache._pages[s])].tolist() == cache._pages[s]
+        if n:
+            c, kr = cache.gather(s)
+            assert torch.equal(torch.cat([c, kr], -1), written[s])
+    cache.free([0, 1, 2, 3])
+    assert cache.num_free_pages == 10 and cache.seqlens() == [0, 0, 0, 0]
+    assert int(cache.block_table.abs().sum()) == 0
+    cache.allocate([1], 64)  # a full-length slot fits after freeing
+    assert cache.num_free_pages == 6
+    with pytest.raises(ValueError, match="out of pages"):
+        cache.allocate([0, 2], 64)
+    assert cache.num_free_pages == 6  # nothing taken on failure
+    cache.append([1], torch.zeros(1, 64, 16, device=P.device), torch.zeros(1, 64, 16, device=P.device))
+    assert cache.num_free_pages == 6 and cache.seqlens([1]) == [64]  # reserved pages are used, none added
+    with pytest.raises(ValueError, match="max_seqlen"):
+        cache.allocate([1], 1)
+
+
+def test_absorbed_weights_cached_and_invalidated():
+    layer = make_layer(0, g=2, dtype=torch.float32)
+    with torch.no_grad():
+        a1, _ = layer.absorbed_weights()
+        a2, _ = layer.absorbed_weights()
+        assert a1 is a2
+        layer.kv_b_proj.weight.mul_(2)
+        a3, _ = layer.absorbed_weights()
+        assert a3 is not a1 and torch.allclose(a3, 2 * a1)
+        layer.kv_b_proj.weight = torch.nn.Parameter(layer.kv_b_proj.weight * 0.5)
+        a4, _ = layer.absorbed_weights()
+        assert torch.allclose(a4, a1)
+    # under autograd: recomputed and differentiable
+    w_uk, _ = layer.absorbed_weights()
+    assert w_uk.requires_grad
+
+
+def test_auto_path_choice_and_make_cache():
+    layer = make_layer(0, g=2, dtype=torch.float32, path="auto")
+    big = GQLAttention(7168, 128, 8, 128, 64, 512, device="meta")
+    h20 = big.choose_path(batch=128, seqlen=4096, gpu="h20")
+    h200 = big.choose_path(batch=128, seqlen=4096, gpu="h200")
+    assert {h20.path, h200.path} <= {"absorb", "grouped"}
+    assert h20.path == ("absorb" if h20.absorb_s <= h20.grouped_s else "grouped")
+    assert isinstance(layer.make_cache(2, 32, path="absorb", page_size=16), LatentCache)
+    assert isinstance(layer.make_cache(2, 32, path="grouped", page_size=16), GroupedCache)
+    auto = layer.make_cache(2, 32, page_size=16)
+    assert isinstance(auto, LatentCache if layer.choose_path(batch=2, seqlen=32).path == "absorb" else GroupedCache)
+    fixed = make_layer(0, g=2, dtype=torch.float32, path="grouped")
+    assert fixed.choose_path(gpu="h200").path == "grouped"
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="num_heads"):
+        GQLAttention(64, 6, 4, 16, 16, 32)
+    with pytest.raises(ValueError, match="rope_dim"):
+        GQLAttention(64, 8, 4, 16, 15, 32)
+    with pytest.raises(ValueError, match="path"):
+        GQLAttention(64, 8, 4, 16, 16, 32, path="mla")
+    with pytest.raises(ValueError, match="impl"):
+        GQLAttention(64, 8, 4, 16, 16, 32, impl="cuda")
+    with pytest.raises(ValueError, match="page_size"):
+        LatentCache(2, 32, 32, 16, page_size=8)
+    layer = make_layer(0, g=2, dtype=torch.float32, path="absorb")
+    x = torch.zeros(2, 3, 64, device=P.device)
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.zeros(2, 3, 32, device=P.device))
+    with pytest.raises(TypeError, match="hidden_states"):
+        layer(torch.zeros(2, 3, 64, dtype=torch.int32, device=P.device))
+    with pytest.raises(ValueError, match="positions"):
+        layer(x, torch.arange(4))
+    with pytest.raises(TypeError, match="positions"):
+        layer(x, torch.zeros(3))
+    with pytest.raises(ValueError, match="cache"):
+        layer(x, None, layer.make_cache(2, 32, path="grouped", page_size=16))
+    with pytest.raises(TypeError, match="cache"):
+        layer(x, None, {"k": 1})
+    cache = layer.make_cache(4, 32, page_size=16)
+    with pytest.raises(ValueError, match="seq_ids"):
+        layer(x, None, cache, seq_ids=[0])
+    with pytest.raises(ValueError, match="seq_ids"):
+        layer(x, None, cache, seq_ids=[1, 1])
+    with pytest.raises(ValueError, match="seq_ids"):
+        layer(x, None, cache, seq_ids=[0, 9])
+    with pytest.raises(ValueError, match="c_kv"):
+        cache.append([0], torch.zeros(1, 2, 31), torch.zeros(1, 2, 16))
+    with pytest.raises(ValueError, match="max_seqlen"):
+        layer(torch.zeros(2, 33, 64, device=P.device), None, cache)
+    assert cache.seqlens() == [0, 0, 0, 0] and cache.num_free_pages == cache.num_pages
+    with pytest.raises(ValueError, match="tp_size"):
+        layer.shard(0, 3)
+    with pytest.raises(ValueError, match="tp_rank"):
+        layer.shard(2, 2)
