@@ -23,8 +23,10 @@ BT = 64  # chunk size
 # every buffer the kernels must fill comes from here (tests swap in a NaN-filling allocator)
 _empty = torch.empty
 
-_DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_bwd": 64, "warps_wy": 4,
-                "warps_wu": 4, "warps_state": 4, "warps_out": 4, "warps_bwd": 8, "num_stages": 2}
+# launch parameters (per kernel) when the config table leaves a field out
+_DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_state_bwd": 32, "BV_bwd": 16,
+                "BV_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 4, "warps_out": 8,
+                "warps_state_bwd": 8, "warps_bwd": 8, "num_stages": 2}
 
 
 def _cfg(K: int, V: int, device) -> dict:
@@ -140,11 +142,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
-    BV = min(cfg["BV_state"], BVp)
+    BV = min(cfg["BV_state_bwd"], BVp)
     gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
-        num_warps=cfg["warps_state"], num_stages=cfg["num_stages"])
+        num_warps=cfg["warps_state_bwd"], num_stages=cfg["num_stages"])
     dw = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     gdn_grad_chunk_kernel[(NTT, B * HV)](
@@ -153,7 +155,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         num_stages=cfg["num_stages"])
     gdn_wy_bwd_kernel[(NTT, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
+        BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wy_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
     G = HV // H
     if G > 1:
         dq = dq.view(B, T, H, G, K).sum(3)
