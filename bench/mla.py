@@ -150,7 +150,7 @@ def run(names, ctx, anchors=True):
                 print(f"[bench.mla] anchor {impl} on {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             ctx.row("mla", name, impl, ms, flops=flops, nbytes=nbytes)
             torch.cuda.empty_cache()
-        del q, kv, bt, lens, idx
+        q = kv = bt = lens = idx = None  # free the inputs before the next workload
         torch.cuda.empty_cache()
 
 
@@ -189,7 +189,7 @@ def sweep(names, splits=(0, 1, 2, 4)):
                     print(f"{name} {json.dumps(cfg)} splits={ns}: FAILED {type(e).__name__}: {str(e)[:200]}",
                           flush=True)
         os.environ.pop("GQLA_TRITON_CONFIG", None)
-        del q, kv, bt, lens, idx
+        q = kv = bt = lens = idx = None  # free the inputs before the next workload
         torch.cuda.empty_cache()
 
 
