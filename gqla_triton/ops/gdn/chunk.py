@@ -25,7 +25,7 @@ _empty = torch.empty
 
 # launch parameters (per kernel) when the config table leaves a field out
 _DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_state_bwd": 32, "BV_bwd": 16,
-                "BV_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 4, "warps_out": 8,
+                "BV_wy_bwd": 16, "BK_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 4, "warps_out": 8,
                 "warps_state_bwd": 8, "warps_bwd": 8, "num_stages": 2}
 
 
@@ -155,7 +155,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         num_stages=cfg["num_stages"])
     gdn_wy_bwd_kernel[(NTT, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wy_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
+        BK=min(cfg["BK_wy_bwd"], BKp), BV=min(cfg["BV_wy_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
     G = HV // H
     if G > 1:
         dq = dq.view(B, T, H, G, K).sum(3)
