@@ -52,23 +52,21 @@ def _store16(ptr, rows, valid, c0, blk, HV: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _akk(k, rows_i, rows_j, vi, vj, gci, gcj, bi, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-         DIAG: tl.constexpr):
-    """beta_i k_i·k_j exp(gc_i - gc_j) for one 16x16 block (strictly lower if DIAG)."""
-    acc = tl.zeros([16, 16], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        c = k0 + tl.arange(0, BK)
-        ki = tl.load(k + rows_i[:, None] * (H * K) + i_h * K + c[None, :], mask=vi[:, None] & (c[None, :] < K),
-                     other=0.0)
-        kj = tl.load(k + rows_j[:, None] * (H * K) + i_h * K + c[None, :], mask=vj[:, None] & (c[None, :] < K),
-                     other=0.0)
-        acc += tl.dot(ki, tl.trans(kj))
+def _ld16(k, rows, valid, i_h, c, H: tl.constexpr, K: tl.constexpr):
+    return tl.load(k + rows[:, None] * (H * K) + i_h * K + c[None, :], mask=valid[:, None] & (c[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
+    """acc · beta_i · exp(gc_i − gc_j) on one 16x16 block of k kᵀ (strictly lower if DIAG)."""
     r = tl.arange(0, 16)
     if DIAG:
         m = r[:, None] > r[None, :]
     else:
         m = r[:, None] >= 0
-    return tl.where(m & vi[:, None] & vj[None, :], acc * bi[:, None] * tl.exp(tl.where(m, gci[:, None] - gcj[None, :], 0.0)), 0.0)
+    m = m & vi[:, None] & vj[None, :]
+    return tl.where(m, acc * bi[:, None] * tl.exp(tl.where(m, gci[:, None] - gcj[None, :], 0.0)), 0.0)
 
 
 @triton.jit
@@ -99,16 +97,34 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H: tl.constexpr, HV: tl
     b1 = tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32)
     b2 = tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32)
     b3 = tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32)
-    T00 = _inv16(_akk(k, x0, x0, v0, v0, c0, c0, b0, i_h, H, K, BK, True))
-    T11 = _inv16(_akk(k, x1, x1, v1, v1, c1, c1, b1, i_h, H, K, BK, True))
-    T22 = _inv16(_akk(k, x2, x2, v2, v2, c2, c2, b2, i_h, H, K, BK, True))
-    T33 = _inv16(_akk(k, x3, x3, v3, v3, c3, c3, b3, i_h, H, K, BK, True))
-    A10 = _akk(k, x1, x0, v1, v0, c1, c0, b1, i_h, H, K, BK, False)
-    A20 = _akk(k, x2, x0, v2, v0, c2, c0, b2, i_h, H, K, BK, False)
-    A21 = _akk(k, x2, x1, v2, v1, c2, c1, b2, i_h, H, K, BK, False)
-    A30 = _akk(k, x3, x0, v3, v0, c3, c0, b3, i_h, H, K, BK, False)
-    A31 = _akk(k, x3, x1, v3, v1, c3, c1, b3, i_h, H, K, BK, False)
-    A32 = _akk(k, x3, x2, v3, v2, c3, c2, b3, i_h, H, K, BK, False)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a00, a11, a22, a33, a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z, z, z, z, z
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        k0t = _ld16(k, x0, v0, i_h, c, H, K)
+        k1t = _ld16(k, x1, v1, i_h, c, H, K)
+        k2t = _ld16(k, x2, v2, i_h, c, H, K)
+        k3t = _ld16(k, x3, v3, i_h, c, H, K)
+        a00 += tl.dot(k0t, tl.trans(k0t))
+        a11 += tl.dot(k1t, tl.trans(k1t))
+        a22 += tl.dot(k2t, tl.trans(k2t))
+        a33 += tl.dot(k3t, tl.trans(k3t))
+        a10 += tl.dot(k1t, tl.trans(k0t))
+        a20 += tl.dot(k2t, tl.trans(k0t))
+        a21 += tl.dot(k2t, tl.trans(k1t))
+        a30 += tl.dot(k3t, tl.trans(k0t))
+        a31 += tl.dot(k3t, tl.trans(k1t))
+        a32 += tl.dot(k3t, tl.trans(k2t))
+    T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True))
+    T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True))
+    T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True))
+    T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True))
+    A10 = _decay(a10, v1, v0, c1, c0, b1, False)
+    A20 = _decay(a20, v2, v0, c2, c0, b2, False)
+    A21 = _decay(a21, v2, v1, c2, c1, b2, False)
+    A30 = _decay(a30, v3, v0, c3, c0, b3, False)
+    A31 = _decay(a31, v3, v1, c3, c1, b3, False)
+    A32 = _decay(a32, v3, v2, c3, c2, b3, False)
     T10 = -_dot32(_dot32(T11, A10), T00)
     T21 = -_dot32(_dot32(T22, A21), T11)
     T32 = -_dot32(_dot32(T33, A32), T22)
