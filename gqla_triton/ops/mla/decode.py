@@ -150,6 +150,26 @@ def mla_decode_fwd_kernel(
         tl.store(lse + b64 * s_lb + h64 * s_lh + qi64 * s_lq, lse_row, mask=rvalid)
 
 
+def _choose_splits(programs: int, max_len: int, sm_count: int, cfg: dict) -> int:
+    """Split count from shapes only (no device values). Minimises the wave-quantised time of the main kernel,
+    ``ceil(programs·S / slots) / S`` (in units of one unsplit program), plus the combine's cost, which grows
+    with the number of partial tiles: ``split_cost · programs·S / slots`` when S > 1. ``slots = sm_count ·
+    ctas_per_sm`` (one ~147 KB program per SM on H200). Splits never get shorter than four key blocks.
+    ``split_rule: "even"`` in the config table selects ``_common.choose_num_splits`` instead."""
+    if cfg.get("split_rule", "waves") != "waves":
+        return choose_num_splits(programs, 1, max_len, sm_count, block_n=cfg["BLOCK_N"],
+                                 max_splits=cfg.get("max_splits", 64))
+    slots = max(1, sm_count * cfg.get("ctas_per_sm", 1))
+    cap = max(1, min(cfg.get("max_splits", 64), max_len // (4 * cfg["BLOCK_N"])))
+    penalty = cfg.get("split_cost", 0.02)
+    best, best_cost = 1, float("inf")
+    for S in range(1, cap + 1):
+        cost = -(-programs * S // slots) / S + (penalty * programs * S / slots if S > 1 else 0.0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = S, cost
+    return best
+
+
 def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
     """Launch geometry from shapes only (no device values)."""
     B, s_q, h_q, D = q.shape
@@ -163,8 +183,7 @@ def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
     q_tiles = triton.cdiv(s_q, QPT)
     if num_splits == 0:
         cap = topk if sparse else block_table.shape[1] * page_size
-        num_splits = choose_num_splits(B, h_tiles * q_tiles, cap, device_info(q.device).sm_count,
-                                       block_n=cfg["BLOCK_N"], max_splits=cfg.get("max_splits", 64))
+        num_splits = _choose_splits(B * h_tiles * q_tiles, cap, device_info(q.device).sm_count, cfg)
     return cfg, HPT, QPT, BLOCK_H, h_tiles, q_tiles, num_splits
 
 
