@@ -55,7 +55,7 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens, caches):
         x = self.embed(tokens)
-        for blk, cache in zip(self.blocks, caches):
+        for blk, cache in zip(self.blocks, caches, strict=True):
             x = blk(x, cache)
         return self.head(self.norm(x)).float()
 

@@ -2,7 +2,6 @@
 latent -> grouped cache conversion; prefill gradients; paged cache bookkeeping; bad inputs."""
 
 import copy
-import math
 
 import pytest
 import torch

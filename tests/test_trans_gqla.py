@@ -48,10 +48,10 @@ def test_error_decreases_with_rank(g, seed):
         wa = layer.kv_a_proj.weight.detach().double()
         w_errs.append(rel_err(wb @ wa, W))  # reconstructed per-group K/V maps
         o_errs.append(rel_err(gqla_reference(layer, x, pos), ref))
-    assert all(a > b for a, b in zip(w_errs, w_errs[1:])), w_errs
+    assert all(a > b for a, b in zip(w_errs[:-1], w_errs[1:], strict=True)), w_errs
     assert w_errs[-1] < 1e-12 and o_errs[-1] < 1e-12
     # layer output error: decreasing (the last steps are the large ones; allow tiny non-monotone wiggles early)
-    assert all(b <= a * 1.05 for a, b in zip(o_errs, o_errs[1:])), o_errs
+    assert all(b <= a * 1.05 for a, b in zip(o_errs[:-1], o_errs[1:], strict=True)), o_errs
     assert o_errs[0] > 10 * o_errs[-2] or o_errs[-2] > o_errs[-1]
 
 
@@ -123,7 +123,7 @@ def test_tp_shards_sum_to_full_layer(tp, q_rank, decode, seed):
         else:
             full = layer(x, pos)
             parts = [layer.shard(r, tp)(x, pos) for r in range(tp)]
-    for r, part in enumerate(parts):
+    for r in range(tp):
         s = layer.shard(r, tp)
         assert s.num_groups == 4 // tp and s.num_heads == layer.num_heads // tp
     assert rel_err(sum(parts), full) < 1e-12

@@ -94,7 +94,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     wq, wk, wv, wo = (w.detach().to(**f64) for w in (wq, wk, wv, wo))
 
     half, dR = d // 2, rope_dim
-    rope_idx = torch.cat([torch.arange(dR // 2), half + torch.arange(dR // 2)]) if dR else torch.zeros(0, dtype=torch.long)
+    rope_idx = torch.cat([torch.arange(dR // 2), half + torch.arange(dR // 2)])  # empty when d_R = 0
     keep = torch.ones(d, dtype=torch.bool)
     keep[rope_idx] = False
     nope_idx = torch.nonzero(keep).flatten()

@@ -84,7 +84,7 @@ class PagedCache:
         if len(counts) != len(ids):
             raise ValueError(f"num_tokens: expected {len(ids)} counts, got {len(counts)}")
         need = []
-        for s, n in zip(ids, counts):
+        for s, n in zip(ids, counts, strict=True):
             if n < 0:
                 raise ValueError(f"num_tokens: expected >= 0, got {n}")
             total = self._lens[s] + n
@@ -94,7 +94,7 @@ class PagedCache:
         if sum(need) > len(self._free):
             raise ValueError(f"allocate: out of pages (need {sum(need)}, {len(self._free)} free)")
         changed = False
-        for s, k in zip(ids, need):
+        for s, k in zip(ids, need, strict=True):
             for _ in range(k):
                 self._pages[s].append(self._free.pop())
                 changed = True
