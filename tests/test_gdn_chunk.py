@@ -92,7 +92,7 @@ def test_kernel_vs_recurrence(B, T, H, G, K, V, l2, dtype, seed):
                             compute_dtype=dtype if dtype != torch.float32 else None)
     assert_close("o", o, ro, lo, dtype=dtype)
     assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx):
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
         assert_close(f"d{name}", a, r, lw, dtype=dtype)
 
 
@@ -140,7 +140,7 @@ def test_varlen_equals_loop(lens, G, dtype, seed):
                             grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
     assert_close("o", o, ro, lo, dtype=dtype)
     assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx):
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
         assert_close(f"d{name}", a, r, lw, dtype=dtype)
     # the same as a loop of single-sequence kernel calls
     for n in range(N):
@@ -173,7 +173,7 @@ def test_strong_decay_finite_and_correct(T, dtype, seed):
                             grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
     assert_close("o", o, ro, lo, dtype=dtype)
     assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx):
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
         assert_close(f"d{name}", a, r, lw, dtype=dtype)
 
 
@@ -236,5 +236,5 @@ def test_torch_compile_fullgraph():
         torch.autograd.backward([o, ht], [grads[0].to("cuda", o.dtype), grads[1].to("cuda", ht.dtype)])
         outs.append([o, ht] + [x.grad for x in xs])
     # inductor may fuse the torch-side l2norm differently from eager (last-bit differences in q, k)
-    for name, a, b in zip(("o", "final_state") + tuple("d" + n for n in NAMES), *outs):
+    for name, a, b in zip(("o", "final_state") + tuple("d" + n for n in NAMES), *outs, strict=True):
         assert rel_err(b, a) <= 1e-2, f"{name}: compiled differs from eager by {rel_err(b, a):.3e}"

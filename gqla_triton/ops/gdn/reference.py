@@ -40,7 +40,7 @@ def _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, cdt
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens: needs B == 1, got B={B}")
-        bounds = [(0, int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+        bounds = [(0, int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)]
     else:
         bounds = [(b, 0, T) for b in range(B)]
     if initial_state is not None:
