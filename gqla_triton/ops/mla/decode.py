@@ -174,7 +174,8 @@ def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
     """Launch geometry from shapes only (no device values)."""
     B, s_q, h_q, D = q.shape
     page_size = kv_cache.shape[1]
-    cfg = select_config("mla_decode", {"D": D, "DV": head_dim_v, "sparse": sparse, "s_q": s_q}, device=q.device)
+    cfg = select_config("mla_decode", {"D": D, "DV": head_dim_v, "sparse": sparse, "s_q": s_q,
+                                         "fp32": q.dtype == torch.float32}, device=q.device)
     rows = cfg["BLOCK_H"]
     HPT = min(h_q, rows)
     QPT = 1 if sparse else max(1, min(s_q, rows // HPT))
@@ -305,6 +306,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             entry counts once per occurrence. Any value is safe (never addresses outside the cache).
         topk_length: optional ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
         num_splits: split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph safe).
+
+    bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
     Returns:
         ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
