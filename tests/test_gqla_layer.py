@@ -84,6 +84,33 @@ def test_absorb_equals_grouped_equals_reference(B, g, s_q, q_rank, dtype, seed):
     assert lat.seqlens(ids) == [n + s_q for n in lens] == grp.seqlens(ids)
 
 
+@given(B=st.integers(1, 3), s_q=st.sampled_from([1, 2]), topk=st.sampled_from(pick([8, 40], [64, 512])),
+       use_len=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_sparse_decode_absorb_equals_grouped_equals_reference(B, s_q, topk, use_len, dtype, seed):
+    """Random logical indices (with -1, out-of-range and duplicate entries) shared by all heads/groups."""
+    gg = gen(seed)
+    layer = make_layer(seed, g=pick(2, 8), dtype=dtype)
+    lens = torch.randint(1, MAX_PAST + 1, (B,), generator=gg).tolist()
+    lat, ids = random_latent_cache(layer, gg, lens, dtype=dtype)
+    grp = GroupedCache.from_latent(lat, layer)
+    x = randn((B, s_q, layer.hidden_size), gg, dtype=dtype)
+    pos = torch.tensor(lens)[:, None] + torch.arange(s_q)
+    idx = torch.randint(-3, max(lens) + s_q + 3, (B, s_q, topk), generator=gg, dtype=torch.int32)
+    tl = torch.randint(0, topk + 1, (B,), generator=gg, dtype=torch.int32) if use_len else None
+    ref = gqla_reference(layer, x, pos, past_of(lat, ids), indices=idx, topk_length=tl)
+    low = copy.deepcopy(layer)
+    low.impl = "reference"
+    lat_low, grp_low = copy.deepcopy(lat), copy.deepcopy(grp)
+    kw = dict(indices=idx.to(P.device), topk_length=None if tl is None else tl.to(P.device))
+    with torch.no_grad():
+        y_abs = layer(x, pos, lat, seq_ids=ids, **kw)
+        y_grp = layer(x, pos, grp, seq_ids=ids, **kw)
+        low_abs = low(x, pos, lat_low, seq_ids=ids, **kw)
+        low_grp = low(x, pos, grp_low, seq_ids=ids, **kw)
+    assert_close("sparse absorb", y_abs, ref, low_abs, dtype=dtype)
+    assert_close("sparse grouped", y_grp, ref, low_grp, dtype=dtype)
+
+
 @given(B=st.integers(1, 2), g=st.sampled_from(pick([2, 4], [4, 8])), path=st.sampled_from(["absorb", "grouped"]),
        steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3), dtype=dtypes(), seed=seeds())
 def test_prefill_then_decode_equals_longer_prefill(B, g, path, steps, dtype, seed):
@@ -257,6 +284,10 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="max_seqlen"):
         layer(torch.zeros(2, 33, 64, device=P.device), None, cache)
     assert cache.seqlens() == [0, 0, 0, 0] and cache.num_free_pages == cache.num_pages
+    with pytest.raises(ValueError, match="indices"):
+        layer(x, None, None, indices=torch.zeros(2, 3, 4, dtype=torch.int32, device=P.device))
+    with pytest.raises(ValueError, match="topk_length"):
+        layer(x, None, None, topk_length=torch.zeros(2, dtype=torch.int32, device=P.device))
     with pytest.raises(ValueError, match="tp_size"):
         layer.shard(0, 3)
     with pytest.raises(ValueError, match="tp_rank"):

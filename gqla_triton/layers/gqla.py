@@ -21,8 +21,6 @@ The cache kind decides the path; ``path`` fixes it ("absorb" / "grouped") or lea
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,6 +99,7 @@ class GQLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_rank, num_groups * (head_dim + self.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
         self._absorbed: dict = {}
+        self._sparse = (None, None)  # (indices, topk_length) of the decode call in flight
 
     # ---- shapes / path choice -------------------------------------------------------------------------
     @property
@@ -195,13 +194,16 @@ class GQLAttention(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
-                seq_ids=None) -> torch.Tensor:
+                seq_ids=None, indices: torch.Tensor | None = None,
+                topk_length: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
 
         ``positions [B, T]`` or ``[T]`` (int; default: each sequence's cached length + 0..T-1) rotate the rope
         parts. ``cache`` (``LatentCache`` / ``GroupedCache``) receives the new tokens of slots ``seq_ids``
         (default ``0..B-1``). With no cache, or a cache empty for all these slots, attention is causal
         prefill (SDPA, differentiable); otherwise the T new tokens decode against the cache (MTP when T > 1).
+        Sparse decode: ``indices [B, T, topk]`` int32 logical positions (shared by all heads and groups; -1 and
+        out-of-range entries ignored, duplicates count twice as the kernels do), ``topk_length [B]``.
         """
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
@@ -226,6 +228,18 @@ class GQLAttention(nn.Module):
                 raise ValueError("seq_ids: given without a cache")
             past = [0] * B
         pos = self._positions(positions, B, T, past, hidden_states.device)
+        sparse = indices is not None
+        if sparse:
+            if cache is None or max(past) == 0:
+                raise ValueError("indices: sparse attention is a decode option (needs a cache holding tokens)")
+            if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or list(indices.shape[:2]) != [B, T]:
+                raise ValueError(f"indices: expected shape [{B}, {T}, topk], got "
+                                 f"{list(indices.shape) if isinstance(indices, torch.Tensor) else indices}")
+            if indices.dtype != torch.int32:
+                raise TypeError(f"indices: expected int32, got {indices.dtype}")
+        elif topk_length is not None:
+            raise ValueError("topk_length: given without indices")
+        self._sparse = (indices, topk_length) if sparse else (None, None)
         q_nope, q_rope, c, k_rope = self._project(hidden_states, pos)
         if cache is None or max(past) == 0:
             k_nope, v = self._expand(c)
@@ -282,9 +296,10 @@ class GQLAttention(nn.Module):
         if self.impl == "triton":
             from ..ops.mla.decode import mla_decode
 
-            out, _ = mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True)
+            out, _ = mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True,
+                                indices=self._sparse[0], topk_length=self._sparse[1])
         else:
-            out = _latent_attention_torch(q, cache, ids, r, self.softmax_scale)
+            out = _latent_attention_torch(q, cache, ids, r, self.softmax_scale, *self._sparse)
         out = out.to(w_uv.dtype).reshape(B, T, g, h // g, r)
         return torch.einsum("btgjr,gvr->btgjv", out, w_uv).reshape(B, T, h, self.v_head_dim)
 
@@ -296,9 +311,9 @@ class GQLAttention(nn.Module):
 
             kr = cache.k_rope if self.rope_dim > 0 else None
             out, _ = gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
-                                causal=True)
+                                causal=True, indices=self._sparse[0], topk_length=self._sparse[1])
             return out
-        return _grouped_attention_torch(q, cache, ids, self.head_dim, self.softmax_scale)
+        return _grouped_attention_torch(q, cache, ids, self.head_dim, self.softmax_scale, *self._sparse)
 
     # ---- tensor parallel ------------------------------------------------------------------------------
     def shard(self, tp_rank: int, tp_size: int) -> GQLAttention:
@@ -341,28 +356,47 @@ class GQLAttention(nn.Module):
 
 
 # ---- pure-torch decode attention (impl="reference") ---------------------------------------------------
-def _attend(q, k, v, scale):
-    """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]`` causal with queries at positions ``L-T..L-1``."""
-    T, L = q.shape[0], k.shape[0]
+def _key_weights(L: int, T: int, indices=None, n=None, device=None) -> torch.Tensor:
+    """How often query ``t`` (at position ``L-T+t``) attends to each key: float64 ``[T, L]``; causal, and when
+    ``indices [T, topk]`` is given only its first ``n`` entries inside ``[0, L)`` (duplicates count twice)."""
+    last = L - T + torch.arange(T)
+    w = (torch.arange(L)[None, :] <= last[:, None]).double()
+    if indices is not None:
+        idx = indices.long().cpu()
+        if n is not None:
+            idx = idx[:, : max(0, min(idx.shape[1], int(n)))]
+        w = torch.zeros(T, L, dtype=torch.float64)
+        for t in range(T):
+            row = idx[t][(idx[t] >= 0) & (idx[t] < L) & (idx[t] <= last[t])]
+            w[t] = torch.bincount(row, minlength=L)[:L].double()
+    return w.to(device)
+
+
+def _attend(q, k, v, scale, weights):
+    """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]``, key multiplicities ``weights [T, L]`` (0 = masked);
+    a query with no key gives 0."""
+    L = k.shape[0]
     s = torch.einsum("thd,lhd->htl", q, k.expand(L, q.shape[1], k.shape[-1])) * scale
-    mask = torch.arange(L, device=q.device)[None, :] > (L - T + torch.arange(T, device=q.device))[:, None]
-    s = s.masked_fill(mask, float("-inf"))
-    p = torch.softmax(s, -1)
+    p = torch.softmax(s + weights.to(s.dtype).log()[None], -1).nan_to_num(0.0)
     return torch.einsum("htl,lhd->thd", p, v.expand(L, q.shape[1], v.shape[-1]))
 
 
-def _latent_attention_torch(q, cache: LatentCache, ids, r: int, scale: float) -> torch.Tensor:
+def _latent_attention_torch(q, cache: LatentCache, ids, r: int, scale: float, indices=None,
+                            topk_length=None) -> torch.Tensor:
     """Absorb-path attention in torch (float32 or wider): ``q [B, T, h, r + d_R]`` -> ``[B, T, h, r]``."""
     cdt = torch.promote_types(q.dtype, torch.float32)
     outs = []
     for b, s in enumerate(ids):
         c, kr = cache.gather(s)
         key = torch.cat([c, kr], -1).to(cdt)[:, None]
-        outs.append(_attend(q[b].to(cdt), key, c.to(cdt)[:, None], scale))
+        w = _key_weights(c.shape[0], q.shape[1], None if indices is None else indices[b],
+                         None if topk_length is None else topk_length[b], q.device)
+        outs.append(_attend(q[b].to(cdt), key, c.to(cdt)[:, None], scale, w))
     return torch.stack(outs).to(q.dtype)
 
 
-def _grouped_attention_torch(q, cache: GroupedCache, ids, dh: int, scale: float) -> torch.Tensor:
+def _grouped_attention_torch(q, cache: GroupedCache, ids, dh: int, scale: float, indices=None,
+                             topk_length=None) -> torch.Tensor:
     """Grouped-path attention in torch (float32 or wider): ``q [B, T, h, d_h + d_R]`` -> ``[B, T, h, d_v]``."""
     cdt = torch.promote_types(q.dtype, torch.float32)
     B, T, h, _ = q.shape
@@ -372,19 +406,22 @@ def _grouped_attention_torch(q, cache: GroupedCache, ids, dh: int, scale: float)
         k, v, kr = cache.gather(s)
         L = k.shape[0]
         key = torch.cat([k, kr[:, None].expand(L, g, kr.shape[-1])], -1).to(cdt).repeat_interleave(h // g, 1)
-        outs.append(_attend(q[b].to(cdt), key, v.to(cdt).repeat_interleave(h // g, 1), scale))
+        w = _key_weights(L, T, None if indices is None else indices[b],
+                         None if topk_length is None else topk_length[b], q.device)
+        outs.append(_attend(q[b].to(cdt), key, v.to(cdt).repeat_interleave(h // g, 1), scale, w))
     return torch.stack(outs).to(q.dtype)
 
 
 # ---- float64 reference of the whole layer --------------------------------------------------------------
 def gqla_reference(layer: GQLAttention, hidden_states: torch.Tensor, positions: torch.Tensor, past=None, *,
-                   params: dict | None = None):
+                   params: dict | None = None, indices=None, topk_length=None):
     """Float64 CPU reference of ``layer`` (einsums only): ``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
 
     ``positions [B, T]`` rotate the new tokens. ``past`` (optional): per sequence a pair ``(c [L_b, r],
     k_rope [L_b, d_R])`` of cached latent tokens (rope already applied) that precede the new ones; the new
     tokens attend causally to past + themselves. ``params`` (float64 CPU tensors by state-dict name) replaces
     the layer's weights, e.g. leaves to differentiate the reference; ``hidden_states`` keeps its graph.
+    ``indices [B, T, topk]`` / ``topk_length [B]``: sparse attention as in ``forward``.
     """
     if params is None:
         params = {k: v.detach().to("cpu", torch.float64) for k, v in layer.state_dict().items()}
@@ -423,9 +460,9 @@ def gqla_reference(layer: GQLAttention, hidden_states: torch.Tensor, positions: 
         V = torch.einsum("gdr,lr->lgd", w_uv, call)[:, grp]
         s = (torch.einsum("thd,lhd->htl", q_nope[b], K) + torch.einsum("thd,ld->htl", q_rope[b], kall))
         s = s * layer.softmax_scale
-        L = call.shape[0]
-        mask = torch.arange(L)[None, :] > (L - T + torch.arange(T))[:, None]
-        p = torch.softmax(s.masked_fill(mask, -math.inf), -1)
+        w = _key_weights(call.shape[0], T, None if indices is None else indices[b],
+                         None if topk_length is None else topk_length[b])
+        p = torch.softmax(s + w.log()[None], -1).nan_to_num(0.0)
         outs.append(torch.einsum("htl,lhd->thd", p, V))
     o = torch.stack(outs).reshape(B, T, h * dv)
     return o @ P["o_proj.weight"].T
