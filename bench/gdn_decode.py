@@ -36,26 +36,28 @@ def _inputs(w, dtype=torch.bfloat16):
 def run(names, ctx, anchors=True):
     fla = try_import("fla.ops.gated_delta_rule") if anchors else None
     for name in names:
-        w = WORKLOADS[name]
-        m = gdn_decode_model(B=w["B"], HV=w["HV"], H=w["H"], K=w["K"], V=w["V"], s=w["s"])
-        q, k, v, g, beta, state, idx = _inputs(w)
-        ms = time_graph_ms(lambda: gated_delta_rule_decode(q, k, v, g, beta, state, idx,
-                                                           use_qk_l2norm_in_kernel=True))
-        ctx.row("gdn_decode", name, "gqla_triton", ms, flops=m.flops, nbytes=m.bytes)
-        if not anchors:
-            continue
-        # the same traffic done by a plain copy of the state (read + write): the practical ceiling
-        dst = torch.empty_like(state)
-        ctx.row("gdn_decode", name, "torch_state_copy", time_graph_ms(lambda: dst.copy_(state)),
-                flops=m.flops, nbytes=m.bytes)
-        if fla is not None and hasattr(fla, "fused_recurrent_gated_delta_rule"):
-            f = fla.fused_recurrent_gated_delta_rule
-            try:
-                # fla writes a new final state (same bytes as our in-place update) and has no pool indices
-                ms_f = time_graph_ms(lambda: f(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                               use_qk_l2norm_in_kernel=True))
-                ctx.row("gdn_decode", name, "fla_fused_recurrent", ms_f, flops=m.flops, nbytes=m.bytes)
-            except Exception as e:  # anchors never break the run
-                print(f"[bench] fla fused_recurrent_gated_delta_rule failed on {name}: {type(e).__name__}: {e}")
-        del q, k, v, g, beta, state, idx, dst
+        _one(name, ctx, anchors, fla)
         torch.cuda.empty_cache()
+
+
+def _one(name, ctx, anchors, fla):
+    w = WORKLOADS[name]
+    m = gdn_decode_model(B=w["B"], HV=w["HV"], H=w["H"], K=w["K"], V=w["V"], s=w["s"])
+    q, k, v, g, beta, state, idx = _inputs(w)
+    ms = time_graph_ms(lambda: gated_delta_rule_decode(q, k, v, g, beta, state, idx, use_qk_l2norm_in_kernel=True))
+    ctx.row("gdn_decode", name, "gqla_triton", ms, flops=m.flops, nbytes=m.bytes)
+    if not anchors:
+        return
+    # the same traffic done by a plain copy of the state (read + write): the practical ceiling
+    dst = torch.empty_like(state)
+    ctx.row("gdn_decode", name, "torch_state_copy", time_graph_ms(lambda: dst.copy_(state)),
+            flops=m.flops, nbytes=m.bytes)
+    if fla is not None and hasattr(fla, "fused_recurrent_gated_delta_rule"):
+        f = fla.fused_recurrent_gated_delta_rule
+        try:
+            # fla writes a new final state (same bytes as our in-place update) and has no pool indices
+            ms_f = time_graph_ms(lambda: f(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True))
+            ctx.row("gdn_decode", name, "fla_fused_recurrent", ms_f, flops=m.flops, nbytes=m.bytes)
+        except Exception as e:  # anchors never break the run
+            print(f"[bench] fla fused_recurrent_gated_delta_rule failed on {name}: {type(e).__name__}: {e}")

@@ -2,14 +2,15 @@
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, gen, pick, randn, rand, rel_err, seeds
-from hypothesis import given
+from harness import EPS, P, assert_close, dtypes, gen, pick, rand, randn, rel_err, seeds
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gqla_triton.ops.gdn.decode import gated_delta_rule_decode
 from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
 
 DIMS = pick([16, 32, 64], [64, 128])
+FEW = settings(max_examples=pick(3, 25))  # tests that run the chunked op: slow under the interpreter
 
 
 def _inputs(B, s, H, HV, K, V, dtype, g):
@@ -78,6 +79,7 @@ def test_multi_token_equals_single_steps(B, s, K, V, seed):
     torch.testing.assert_close(pool, pool1, rtol=1e-5, atol=1e-6)
 
 
+@FEW
 @given(B=st.integers(1, pick(2, 8)), s=st.integers(1, pick(3, 8)), G=st.sampled_from([1, 2]),
        K=st.sampled_from(pick([16, 32], [128])), V=st.sampled_from(pick([16, 32], [128])), l2=st.booleans(),
        dtype=dtypes(), seed=seeds())
@@ -98,11 +100,12 @@ def test_decode_equals_chunk_op(B, s, G, K, V, l2, dtype, seed):
     od = gated_delta_rule_decode(q, k, v, gate, beta, pool, use_qk_l2norm_in_kernel=l2)
     o64, s64 = _ref(q, k, v, gate, beta, h0, l2, torch.float64)
     o32, s32 = _ref(q, k, v, gate, beta, h0, l2, torch.float32)
+    # the chunk op rounds its intermediates (w, u, states as dot operands) to the input dtype: allow one
+    # rounding unit of that dtype on top of the torch low-precision error
     e_low_o = rel_err(o32.to(dtype), o64)
     e_low_s = rel_err(s32, s64)
-    tol_o = 4 * e_low_o + 2e-3 if dtype != torch.float32 else 4 * e_low_o + 1e-4
-    assert rel_err(od, oc) <= tol_o, (rel_err(od, oc), tol_o)
-    assert rel_err(pool, sc) <= 4 * e_low_s + 1e-4, (rel_err(pool, sc), e_low_s)
+    assert rel_err(od, oc) <= 4 * e_low_o + EPS[dtype], (rel_err(od, oc), e_low_o)
+    assert rel_err(pool, sc) <= 4 * e_low_s + EPS[dtype], (rel_err(pool, sc), e_low_s)
     assert_close("o", od, o64, o32.to(dtype), dtype=dtype)
 
 

@@ -15,6 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.gdn.chunk import chunk_gated_delta_rule
+from ..ops.gdn.decode import gated_delta_rule_decode
+from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
+
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
 
@@ -22,7 +26,8 @@ class GatedDeltaNetCache:
     """State of one ``GatedDeltaNet`` layer for ``num_seqs`` sequences (one row per sequence).
 
     ``conv_state [num_seqs, conv_dim, conv_size - 1]`` (last pre-conv inputs, layer dtype) and
-    ``recurrent_state [num_seqs, HV, K, V]`` fp32 (the decode op's in-place pool; fp64 for a fp64 layer). ``slots`` (``[B]`` int32
+    ``recurrent_state [num_seqs, HV, K, V]`` fp32 (the decode op's in-place pool; fp64 for a fp64
+    layer). ``slots`` (``[B]`` int32
     or None = ``arange(B)``) maps the sequences of the current batch to rows: distinct, in ``[0, num_seqs)``.
     ``seqlen`` counts tokens fed through the layer (host int): 0 means the next forward is a prefill.
     """
@@ -147,14 +152,10 @@ class GatedDeltaNet(nn.Module):
 
     def _rule(self, q, k, v, g, beta, state0, cu_seqlens, want_final):
         if self.impl == "reference":
-            from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
-
             o, fin = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state0,
                                                     output_final_state=want_final, use_qk_l2norm=True,
                                                     cu_seqlens=cu_seqlens)
             return o.to(v.dtype), fin
-        from ..ops.gdn.chunk import chunk_gated_delta_rule
-
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0, output_final_state=want_final,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
@@ -188,8 +189,6 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
 
         if decode and self.impl == "triton":
-            from ..ops.gdn.decode import gated_delta_rule_decode
-
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True)
         else:
             state0 = cache.recurrent_state[rows_l] if warm else None
