@@ -211,8 +211,8 @@ def aot_report(configs=((64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16,
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for bh, bn, warps, stages in configs:
         for sparse, split in ((False, True), (False, False), (True, True)):
-            const = dict(DV=R, DR=DR, BDV=R, BDR=DR, PAGE_SIZE=PAGE, HPT=64, QPT=1, BLOCK_H=bh, BLOCK_N=bn,
-                         CAUSAL=True, SPARSE=sparse, HAS_TOPK_LEN=sparse, SPLIT=split, DOT_PREC="tf32")
+            const = dict(DV=R, DR=DR, BDV=R, BDR=DR, PAGE_SIZE=PAGE, BLOCK_H=bh, BLOCK_N=bn,
+                         SPARSE=sparse, HAS_TOPK_LEN=sparse, SPLIT=split, DOT_PREC="tf32")
             sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
                    for n in names}
             # strides and pointers are multiples of 16 in practice: the launcher's specialisation sees that too

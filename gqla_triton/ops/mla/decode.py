@@ -38,12 +38,14 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
-@triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles"])
+# lengths and tile geometry are runtime values: one compiled variant serves every h_q / s_q / causal flag
+@triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles", "HPT", "QPT",
+                               "causal"])
 def mla_decode_fwd_kernel(
     q, kv, block_table, seqlens, indices, topk_length,
     out, lse, o_part, lse_part,
     qk_scale,  # softmax_scale * log2(e)
-    s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles,
+    s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
     s_qb, s_qq, s_qh,
     s_kvp, s_kvt,
     s_btb,
@@ -53,9 +55,9 @@ def mla_decode_fwd_kernel(
     s_pb, s_ps, s_pq, s_ph,
     s_plb, s_pls, s_plq,
     DV: tl.constexpr, DR: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HPT: tl.constexpr, QPT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
+    SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
@@ -74,10 +76,8 @@ def mla_decode_fwd_kernel(
     rvalid = (rq < QPT) & (qi < s_q) & (h < h_q)
 
     seqlen = tl.load(seqlens + b)
-    if CAUSAL:
-        last = seqlen - s_q + qi  # [BLOCK_H] position of each row's query
-    else:
-        last = tl.zeros([BLOCK_H], tl.int32) + seqlen - 1
+    # [BLOCK_H] last key position each row sees (its own position under causal MTP)
+    last = seqlen - 1 + tl.where(causal != 0, qi + 1 - s_q, 0)
 
     offs_v = tl.arange(0, BDV)
     offs_r = tl.arange(0, BDR)
@@ -95,13 +95,10 @@ def mla_decode_fwd_kernel(
             n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
         lo, hi = split_bounds(n_valid, split, num_splits, BLOCK_N)
         idx_row = indices + b64 * s_ib + qt.to(tl.int64) * s_iq
-        if CAUSAL:
-            last_pos = seqlen - s_q + qt
-        else:
-            last_pos = seqlen - 1
+        last_pos = tl.where(causal != 0, seqlen - s_q + qt, seqlen - 1)
     else:
         lo, hi = split_bounds(seqlen, split, num_splits, BLOCK_N)
-        if CAUSAL:  # no key after the tile's last query
+        if causal != 0:  # no key after the tile's last query
             q_hi = tl.minimum(qt * QPT + QPT, s_q)
             hi = tl.minimum(hi, seqlen - s_q + q_hi)
 
@@ -225,7 +222,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         q, kv_cache, block_table, cache_seqlens, idx, tkl,
         out, lse, o_part, lse_part,
         softmax_scale * _LOG2E,
-        s_q, h_q, block_table.shape[1], num_pages, topk, S, h_tiles,
+        s_q, h_q, block_table.shape[1], num_pages, topk, S, h_tiles, HPT, QPT, int(bool(causal)),
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -235,8 +232,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         DV=DV, DR=DR, BDV=max(16, triton.next_power_of_2(DV)), BDR=max(16, triton.next_power_of_2(max(DR, 1))),
-        PAGE_SIZE=page_size, HPT=HPT, QPT=QPT, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"],
-        CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
+        PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
