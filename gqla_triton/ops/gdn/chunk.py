@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ...dispatch import select_config
+from ...dispatch import device_info, select_config
 from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
 from .chunk_bwd import gdn_dv_local_kernel, gdn_grad_chunk_kernel, gdn_state_bwd_kernel, gdn_wy_bwd_kernel
 from .chunk_fwd import gdn_output_fwd_kernel, gdn_state_fwd_kernel, gdn_wu_fwd_kernel, gdn_wy_fwd_kernel
@@ -25,7 +25,7 @@ _empty = torch.empty
 
 # launch parameters (per kernel) when the config table leaves a field out
 _DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_state_bwd": 32, "BV_bwd": 16,
-                "BV_wy_bwd": 16, "BK_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 4, "warps_out": 8,
+                "BV_wy_bwd": 16, "BK_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 8, "warps_out": 8,
                 "warps_state_bwd": 8, "warps_bwd": 8, "num_stages": 2}
 
 
@@ -48,6 +48,17 @@ def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device):
         offs.append(offs[-1] + c)
     cidx = torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2)
     return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device), 0
+
+
+def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor) -> int:
+    """Narrow the V block of the sequential state passes while they would leave half the SMs idle."""
+    info = device_info(t)
+    bv = min(bv, triton.next_power_of_2(V))
+    if info.interpreter:
+        return bv
+    while bv > 16 and triton.cdiv(V, bv) * programs * 2 <= info.sm_count:
+        bv //= 2
+    return bv
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, keep_h: bool = False):
@@ -93,7 +104,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
-    BV = min(cfg["BV_state"], triton.next_power_of_2(V))
+    BV = _state_bv(cfg["BV_state"], V, N * HV, k)
     dummy = k
     gdn_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         k, w, u, gc, h, vnew, initial_state if initial_state is not None else dummy, ht,
@@ -142,7 +153,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
-    BV = min(cfg["BV_state_bwd"], BVp)
+    BV = _state_bv(cfg["BV_state_bwd"], V, N * HV, k)
     gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
