@@ -1,6 +1,6 @@
 """Adversarial sparse indices through mla_decode on the GPU, for ``compute-sanitizer --tool memcheck``.
 
-``PYTHONPATH=. compute-sanitizer --tool memcheck python bench/sanitize_sparse_mla.py`` must report 0 errors.
+``PYTHONPATH=. compute-sanitizer --tool memcheck python bench/sanitize_sparse_mla.py [seeds=3]`` must report 0 errors.
 Indices hold huge, negative, INT32 extremes, >= cache_seqlens, beyond the block table, repeated values; block
 tables hold junk page ids; topk_length is negative, 0, or past topk. Every result is also checked against
 the float64 reference, so the run fails loudly (exit 1) on a wrong answer too.
@@ -57,7 +57,8 @@ def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits):
 def main():
     ok = True
     n = 0
-    for seed in range(6):
+    seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    for seed in range(seeds):
         for (r, dr, h_q, page) in ((512, 64, 128, 64), (512, 64, 16, 16), (256, 64, 64, 32)):
             for topk, s_q, causal, ns in ((64, 1, True, 0), (200, 2, True, 3), (2048, 1, False, 0), (33, 3, True, 1)):
                 ok &= case(seed, 3, s_q, h_q, r, dr, page, topk, causal, ns)
