@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # must be set before gqla_triton (and its ker
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gqla_triton  # noqa: E402
-from gqla_triton.layers import GQLAttention, LatentCache  # noqa: E402
+from gqla_triton.layers import GQLAttention  # noqa: E402
 
 GPU = torch.cuda.is_available()
 dev = "cuda" if GPU else "cpu"
@@ -70,10 +70,9 @@ pos = torch.arange(P + 1, device=dev)
 full = layer(hs, pos)  # prefill of P + 1 tokens through SDPA
 outs = {}
 for path in ("absorb", "grouped"):
-    layer.path = path
-    cache = layer.new_cache(batch_size=Bq, max_tokens=P + 8, path=path)
-    layer(hs[:, :P], pos[:P], cache=cache)  # prefill writes the cache
-    outs[path] = layer(hs[:, P:], pos[P:], cache=cache)  # one decode step through the kernel
+    cache = layer.make_cache(Bq, P + 8, path=path, page_size=16)
+    layer(hs[:, :P], pos[:P], cache)  # prefill writes the cache
+    outs[path] = layer(hs[:, P:], pos[P:], cache)  # one decode step through mla_decode / gqa_decode
     print(f"GQLA decode path={path:<8} rel err vs prefill {rel(outs[path], full[:, P:]):.1e}"
           f"  cache bytes/token {cache.bytes_per_token}")
 print(f"absorb vs grouped: rel diff {rel(outs['absorb'], outs['grouped']):.1e}")
@@ -81,5 +80,4 @@ shape = dict(num_heads=128, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512
 for gpu in ("h200", "h20"):
     c = gqla_triton.choose_decode_path(shape, 2, gpu, batch=128, seqlen=8192)
     print(f"auto decode path on {gpu} at s_q=2: {c.path}")
-assert isinstance(LatentCache, type)
 print("quickstart ok")
