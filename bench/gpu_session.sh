@@ -4,6 +4,7 @@
 # bench.log, results.tar).
 #   TESTS="tests/..."  pytest targets (default: tests; "none" skips)
 #   OPS="combine,gdn,..."  bench ops (default: all; "none" skips)    WORKLOADS="G1,M1" (default: all)
+#   WARM_OPS="gdn"  bench ops run once in the background during the tests (compiles anchors' and our kernels)
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
 set -u
 OUT=${OUT:-/tmp/gqla_out}
@@ -15,9 +16,13 @@ if [ -f .anchors/anchors.tar.xz ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+if [ -n "${WARM_OPS:-}" ]; then
+  python3 -m bench.run --op "$WARM_OPS" > /tmp/warm.log 2>&1 &
+  WARM_PID=$!
+fi
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider --tb=short > "$OUT/tests.log" 2>&1
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" --dist loadfile -p no:cacheprovider --tb=short > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
   tail -n 40 "$OUT/tests.log"
 fi
@@ -30,6 +35,9 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   done
 fi
 OPS=${OPS:-combine,gdn,gdn_decode,mla,gqa,sparse,gqla}
+if [ -n "${WARM_PID:-}" ]; then
+  wait "$WARM_PID"; echo "warm-up exit $?"; grep -E 'Error|error' /tmp/warm.log | head -5
+fi
 if [ "$OPS" != none ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
     | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -n 120
