@@ -163,6 +163,33 @@ def test_module_gradients_match_reference(B, T, H, G, varlen, dtype, seed):
         _check(f"grad {name}", a, b, c, dtype)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_continued_prefill_varlen_then_dense(impl):
+    """Packed prefill in two pieces, then a long dense piece (chunked op from cached states), then a decode
+    step == each sequence prefilled alone in one call (float64 reference)."""
+    base = _layer(2, 2, pick(16, 128), torch.float64, 11)
+    g = gen(11)
+    a, b, long_ = [3, 7], [5, 2], 17
+    xs = [randn((1, a[i] + b[i] + long_ + 1, base.hidden_size), g, dtype=torch.float64) for i in range(2)]
+    dt = P.dtypes[0]  # float32 under the interpreter, bf16 on the GPU
+    m = _as(base, impl, dt)
+    cache = m.init_cache(2)
+    cu1, cu2 = (torch.tensor([0, n[0], n[0] + n[1]], device=P.device) for n in (a, b))
+    with torch.no_grad():
+        o1 = m(torch.cat([xs[0][:, :3], xs[1][:, :7]], 1).to(dt), cache, cu_seqlens=cu1)
+        o2 = m(torch.cat([xs[0][:, 3:8], xs[1][:, 7:9]], 1).to(dt), cache, cu_seqlens=cu2)
+        tail = torch.cat([x[:, a[i] + b[i]:] for i, x in enumerate(xs)], 0).to(dt)
+        o3 = m(tail[:, :long_], cache)
+        o4 = m(tail[:, long_:], cache)
+        r64, rlp = _as(base, "reference", torch.float64), _as(base, "reference", dt)
+        for i in range(2):
+            ref, low = r64(xs[i], r64.init_cache(1)), rlp(xs[i].to(dt), rlp.init_cache(1))
+            first = o1[:, :3] if i == 0 else o1[:, 3:]
+            second = o2[:, :5] if i == 0 else o2[:, 5:]
+            out = torch.cat([first, second, o3[i:i + 1], o4[i:i + 1]], 1)
+            _check(f"seq {i}", out, ref, low, dt)
+
+
 def test_layer_bad_inputs():
     with pytest.raises(ValueError, match="num_v_heads"):
         GatedDeltaNet(32, 3, 4, 16, 16)
