@@ -22,7 +22,7 @@ if [ -n "${WARM_OPS:-}" ]; then
 fi
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" --dist loadfile -p no:cacheprovider --tb=short > "$OUT/tests.log" 2>&1
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" --dist loadfile -p no:cacheprovider --tb=short -v -rfE --timeout "${PER_TEST_TIMEOUT:-150}" > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
   tail -n 40 "$OUT/tests.log"
 fi

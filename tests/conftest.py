@@ -3,7 +3,7 @@
 ``ci`` (chosen when no CUDA device is visible): Triton's CPU interpreter (``TRITON_INTERPRET=1`` is set
 here, before any kernel module is imported), float32/float16 only (the interpreter computes bf16 wrongly,
 triton#11584), tiny shapes, few examples. ``gpu`` (CUDA visible): bf16 (and fp16) at realistic shapes,
-more examples. ``GQLA_TEST_PROFILE=ci|gpu`` overrides the choice.
+more examples (``GQLA_TEST_EXAMPLES``, default 12). ``GQLA_TEST_PROFILE=ci|gpu`` overrides the choice.
 """
 
 import os
@@ -33,7 +33,8 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
                print_blob=True)
 # extends hypothesis's own "ci" profile (derandomized, database off)
 settings.register_profile("ci", parent=settings.get_profile("ci"), max_examples=6, **_common)
-settings.register_profile("gpu", max_examples=25, derandomize=True, **_common)
+settings.register_profile("gpu", max_examples=int(os.environ.get("GQLA_TEST_EXAMPLES", "12")), derandomize=True,
+                          **_common)
 settings.load_profile(PROFILE)
 
 
