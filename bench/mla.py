@@ -155,46 +155,129 @@ def run(names, ctx, anchors=True):
         torch.cuda.empty_cache()
 
 
-SWEEP = [
-    dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
-    dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),
-    dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
-    dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3),
-    dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2),
-    dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=3),
-    dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2),
-    dict(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2),
-]
+# Kernel variants (config fields of the "mla_decode" entry; GQLA_TRITON_CONFIG switches them without code edits):
+#   paged_tiles: dense tiles inside one page: one scalar block-table load per tile, contiguous rows (no per-token
+#                gather). Predicted: fewer address registers/instructions, same bytes; helps most at BLOCK_N 64.
+#   dv_split 2:  two programs per row tile, each owning 256 of the 512 value columns (acc 64x256 fp32 instead of
+#                64x512: no spills) but both computing S in full (QK^T flops twice: 1.5x total flops). Doubles
+#                the grid, so fewer KV splits are needed for small batches.
+#   transposed:  S^T = K.Q^T and O^T += V^T.P^T: Q becomes the wgmma B operand (shared memory) instead of an A
+#                operand held in registers (64x576 bf16 = 144 regs/thread per warpgroup: the spill source of
+#                "base"). Predicted: the largest win (no spills at BLOCK_N 64), if Triton keeps V^T in smem.
+VARIANTS = {
+    "base": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),  # committed h200 config
+    "pg32": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True),
+    "pg64s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True),
+    "pg64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True),
+    "dv2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, dv_split=2),
+    "dv2pg32": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
+    "dv2pg64": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
+    "dv2w4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2, paged_tiles=True, dv_split=2),
+    "h128dv2": dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
+    "t32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True),
+    "t32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, transposed=True),
+    "t64s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, transposed=True),
+    "t64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, transposed=True),
+    "t32dv2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
+                   dv_split=2),
+    "t32dv2w4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2, paged_tiles=True, transposed=True,
+                     dv_split=2),
+    # 114 KB smem: two CTAs fit one SM if registers are capped at 128
+    "t32dv2r128": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
+                       dv_split=2, maxnreg=128, ctas_per_sm=2),
+    "t64dv2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
+                   dv_split=2),
+    "t64dv2s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, transposed=True,
+                     dv_split=2),
+}
 
 
-def sweep(names, splits=(0, 1, 2, 4)):
-    """Time config variants of our kernel; prints one line per (workload, config, num_splits)."""
+# compile with register spills on sm_90 (bench.mla --aot): timed only when named in --variants
+SPILLING = ("pg64s1", "pg64s2", "dv2pg64", "t64s1", "t64s2", "t64w4", "t64dv2", "t64dv2s1")
+
+
+def _warm(vn, names):
+    """Compile one variant's kernels (dense/sparse x split/unsplit) on small inputs of the same specialisation,
+    filling Triton's on-disk cache (run in parallel worker processes before the timed loop)."""
+    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": VARIANTS[vn]})
     from gqla_triton import mla_decode
 
+    for name in names:
+        w = WORKLOADS[name]
+        q, kv, bt, lens, idx = make_inputs(2, w["S"], w["s_q"], w.get("topk"))
+        for ns in (1, 2):
+            mla_decode(q, kv, bt, lens, head_dim_v=R, softmax_scale=(R + DR) ** -0.5, indices=idx, num_splits=ns)
+    torch.cuda.synchronize()
+    return vn
+
+
+def precompile(names, variants, workers=8):
+    import multiprocessing as mp
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=mp.get_context("spawn")) as ex:
+        futs = {v: ex.submit(_warm, v, names) for v in variants}
+        for v, f in futs.items():
+            try:
+                f.result()
+            except Exception as e:
+                print(f"precompile {v}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    print(f"precompiled {len(variants)} variants in {time.time() - t0:.0f}s", flush=True)
+
+
+def sweep(names, variants=None, splits=(0,), budget_s=150.0, workers=8):
+    """Time every variant on every workload in one process (CUDA graph of 10 calls, median of 5); prints one
+    line per run, a table (ms) and the best variant per workload as JSON for h200.json. Stops timing (prints
+    SKIPPED) once ``budget_s`` of wall time is spent."""
+    import time
+
+    from gqla_triton import mla_decode
+
+    variants = variants or [v for v in VARIANTS if v not in SPILLING]
     scale = (R + DR) ** -0.5
+    t0 = time.time()
+    if workers > 0:
+        precompile(names, variants, workers)
+    table = {}
     for name in names:
         w = WORKLOADS[name]
         q, kv, bt, lens, idx = make_inputs(w["B"], w["S"], w["s_q"], w.get("topk"))
         flops, _ = _counts(w)
-        for cfg in SWEEP:
+        for vn in variants:
+            cfg = VARIANTS[vn]
             os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": cfg})
             for ns in splits:
+                key = vn if ns == 0 else f"{vn}/s{ns}"
+                if time.time() - t0 > budget_s:
+                    print(f"{name} {key}: SKIPPED (budget)", flush=True)
+                    continue
                 try:
                     fn = lambda: mla_decode(q, kv, bt, lens, head_dim_v=R, softmax_scale=scale,  # noqa: E731
                                             indices=idx, num_splits=ns)
                     fn()
-                    ms = time_ms(fn)
-                    print(f"{name} {json.dumps(cfg)} splits={ns}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s",
-                          flush=True)
+                    ms = time_graph_ms(fn, replays=10, reps=5)
+                    table.setdefault(name, {})[key] = ms
+                    print(f"{name} {key} {json.dumps(cfg)}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                          f"[{time.time() - t0:.0f}s]", flush=True)
                 except Exception as e:
-                    print(f"{name} {json.dumps(cfg)} splits={ns}: FAILED {type(e).__name__}: {str(e)[:200]}",
-                          flush=True)
+                    print(f"{name} {key}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         os.environ.pop("GQLA_TRITON_CONFIG", None)
         q = kv = bt = lens = idx = None  # free the inputs before the next workload
         torch.cuda.empty_cache()
+    keys = list(dict.fromkeys(k for row in table.values() for k in row))
+    print("\nms".ljust(10) + "".join(f"{k:>10}" for k in keys))
+    for name, row in table.items():
+        print(name.ljust(9) + "".join(f"{row[k]:10.4f}" if k in row else f"{'-':>10}" for k in keys))
+    best = {}
+    for name, row in table.items():
+        k = min(row, key=row.get)
+        best[name] = dict(variant=k, ms=round(row[k], 4), config=VARIANTS[k.split("/")[0]])
+    print("BEST " + json.dumps(best))
 
 
-def aot_report(configs=((64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3))):
+def aot_report(variants=None):
     """Compile for sm_90 without a GPU (ptxas/cuobjdump from Triton's wheel); one line per config and mode."""
     import subprocess
     import tempfile
@@ -209,10 +292,17 @@ def aot_report(configs=((64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16,
     ptrs = {"q": "*bf16", "kv": "*bf16", "block_table": "*i32", "seqlens": "*i32", "indices": "*i32",
             "topk_length": "*i32", "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for bh, bn, warps, stages in configs:
+    for vn in variants or VARIANTS:
+        v = VARIANTS[vn]
+        bh, bn, warps, stages = v["BLOCK_H"], v["BLOCK_N"], v["num_warps"], v["num_stages"]
         for sparse, split in ((False, True), (False, False), (True, True)):
             const = dict(DV=R, DR=DR, BDV=R, BDR=DR, PAGE_SIZE=PAGE, BLOCK_H=bh, BLOCK_N=bn,
-                         SPARSE=sparse, HAS_TOPK_LEN=sparse, SPLIT=split, DOT_PREC="tf32")
+                         SPARSE=sparse, HAS_TOPK_LEN=sparse, SPLIT=split, DOT_PREC="tf32",
+                         PAGED_TILES=bool(v.get("paged_tiles")) and not sparse and PAGE % bn == 0,
+                         DV_SPLIT=v.get("dv_split", 1), TRANS=bool(v.get("transposed")))
+            opts = dict(num_warps=warps, num_stages=stages)
+            if v.get("maxnreg"):
+                opts["maxnreg"] = v["maxnreg"]
             sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
                    for n in names}
             # strides and pointers are multiples of 16 in practice: the launcher's specialisation sees that too
@@ -221,17 +311,17 @@ def aot_report(configs=((64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 16,
             try:
                 src = ASTSource(kern, sig, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
                 c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=warps, num_stages=stages))
+                                   options=opts)
                 with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
                     f.write(c.asm["cubin"])
                 res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                      text=True).stdout
                 usage = " ".join(x for x in res.split() if x.startswith(("REG:", "STACK:")))
                 piped = any("async_copy_global_to_local" in ln and "k_lat" in ln for ln in c.asm["ttgir"].splitlines())
-                print(f"BLOCK_H={bh} BLOCK_N={bn} warps={warps} stages={stages} sparse={sparse} split={split}: "
+                print(f"{vn} BLOCK_H={bh} BLOCK_N={bn} warps={warps} stages={stages} sparse={sparse} split={split}: "
                       f"smem={c.metadata.shared} {usage} k_tiles_async={piped}", flush=True)
             except Exception as e:
-                print(f"BLOCK_H={bh} BLOCK_N={bn} warps={warps} stages={stages} sparse={sparse}: FAILED "
+                print(f"{vn} sparse={sparse}: FAILED "
                       f"{type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
@@ -240,9 +330,15 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", default="M1,M2,SM1", help="comma list of workloads to sweep configs on")
+    ap.add_argument("--variants", default="", help="comma list of VARIANTS names (default: all)")
+    ap.add_argument("--splits", default="0", help="comma list of num_splits to time (0 = automatic)")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds of wall time before timing stops")
+    ap.add_argument("--workers", type=int, default=8, help="parallel compile processes before timing (0: none)")
     ap.add_argument("--aot", action="store_true", help="no GPU: compile for sm_90 and print resource usage")
     args = ap.parse_args()
+    vs = [v for v in args.variants.split(",") if v] or None
     if args.aot:
-        aot_report()
+        aot_report(vs)
     else:
-        sweep([n for n in args.sweep.split(",") if n])
+        sweep([n for n in args.sweep.split(",") if n], vs, tuple(int(x) for x in args.splits.split(",")), args.budget,
+              args.workers)

@@ -1,6 +1,8 @@
 """mla_decode (absorb path, dense + sparse) against the float64 reference in ops/mla/reference.py."""
 
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -97,6 +99,42 @@ def test_empty_and_negative_positions(s_q, seed):
             assert bool(torch.isfinite(lse[b, :, j]).all()) == seen
             if not seen:
                 assert not out[b, j].any()
+
+
+# launch variants selectable through the config table (bench.mla --sweep times them on the GPU); each must compute
+# the same function. The interpreter's tile sizes come from interpreter.json plus these fields.
+VARIANTS = [
+    {"paged_tiles": True},
+    {"dv_split": 2},
+    {"paged_tiles": True, "dv_split": 2},
+    {"paged_tiles": True, "BLOCK_N": 32},  # BLOCK_N > page 16: falls back to the per-token path there
+    {"transposed": True},
+    {"transposed": True, "paged_tiles": True, "dv_split": 2},
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+@given(B=st.integers(1, 2), s_q=st.integers(1, 3), page_size=st.sampled_from(PAGES), causal=st.booleans(),
+       sparse=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), bad_pages=st.booleans(), dtype=dtypes(),
+       seed=seeds())
+def test_variants_vs_reference(variant, B, s_q, page_size, causal, sparse, num_splits, bad_pages, dtype, seed):
+    r, dr = DIMS[0]
+    h_q = HEADS[0]
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
+    idx = _adversarial_indices(g, B, s_q, pick(24, 256), lens).to(P.device) if sparse else None
+    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
+    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
+    old = os.environ.get("GQLA_TRITON_CONFIG")
+    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": variant})
+    try:
+        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, out=out, lse=lse,
+                       poison_partials=True)
+    finally:
+        if old is None:
+            os.environ.pop("GQLA_TRITON_CONFIG")
+        else:
+            os.environ["GQLA_TRITON_CONFIG"] = old
+    _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
 
 
 # ---------------------------------------------------------------- sparse

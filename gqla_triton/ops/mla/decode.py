@@ -58,10 +58,13 @@ def mla_decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, DV_SPLIT: tl.constexpr, TRANS: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
+    if DV_SPLIT == 2:  # this program owns value columns [c·BDV/2, (c+1)·BDV/2); S is computed in full
+        chunk = pid_t % 2
+        pid_t = pid_t // 2
     b = pid_bs // num_splits
     split = pid_bs % num_splits
     ht = pid_t % h_tiles
@@ -79,13 +82,26 @@ def mla_decode_fwd_kernel(
     # [BLOCK_H] last key position each row sees (its own position under causal MTP)
     last = seqlen - 1 + tl.where(causal != 0, qi + 1 - s_q, 0)
 
-    offs_v = tl.arange(0, BDV)
     offs_r = tl.arange(0, BDR)
-    mv = offs_v < DV
     mr = offs_r < DR
     q_row = q + b64 * s_qb + qi.to(tl.int64) * s_qq + h.to(tl.int64) * s_qh
-    q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0.0)
-    q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0.0)
+    if DV_SPLIT == 2:
+        offs_v = chunk * (BDV // 2) + tl.arange(0, BDV // 2)  # own value columns (PV operand, output)
+        offs_o = (1 - chunk) * (BDV // 2) + tl.arange(0, BDV // 2)  # the other half (only for S)
+        mo = offs_o < DV
+        if TRANS:
+            q_oth = tl.load(q_row[None, :] + offs_o[:, None], mask=rvalid[None, :] & mo[:, None], other=0.0)
+        else:
+            q_oth = tl.load(q_row[:, None] + offs_o[None, :], mask=rvalid[:, None] & mo[None, :], other=0.0)
+    else:
+        offs_v = tl.arange(0, BDV)
+    mv = offs_v < DV
+    if TRANS:  # Qᵀ tiles [channels, rows]: the B operand of Sᵀ = K·Qᵀ (kept in shared memory, not registers)
+        q_lat = tl.load(q_row[None, :] + offs_v[:, None], mask=rvalid[None, :] & mv[:, None], other=0.0)
+        q_rope = tl.load(q_row[None, :] + DV + offs_r[:, None], mask=rvalid[None, :] & mr[:, None], other=0.0)
+    else:
+        q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0.0)
+        q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0.0)
 
     bt_row = block_table + b64 * s_btb
     if SPARSE:
@@ -104,7 +120,10 @@ def mla_decode_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BDV], tl.float32)
+    if TRANS:
+        acc = tl.zeros([BDV // DV_SPLIT, BLOCK_H], tl.float32)  # Oᵀ
+    else:
+        acc = tl.zeros([BLOCK_H, BDV // DV_SPLIT], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if SPARSE:
@@ -112,28 +131,64 @@ def mla_decode_fwd_kernel(
         else:
             pos = offs_n
             ok = offs_n < hi
-        row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
-        kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
+        if PAGED_TILES:
+            # the tile lies inside one page (start is a multiple of BLOCK_N, BLOCK_N divides PAGE_SIZE): one
+            # scalar block-table load, contiguous rows
+            page = start // PAGE_SIZE + tl.zeros([1], tl.int32)  # [1]: a masked scalar load
+            pin = page < max_pages
+            blk = tl.load(bt_row + tl.where(pin, page, 0), mask=pin, other=-1)
+            pok = pin & (blk >= 0) & (blk < num_pages)
+            ok = ok & pok
+            kv_row = (kv + tl.where(pok, blk, 0).to(tl.int64) * s_kvp
+                      + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * s_kvt)
+        else:
+            row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
+            kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
         k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
         k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
-        if SPARSE:
-            keep = ok[None, :] & rvalid[:, None]
+        if TRANS:  # Sᵀ = K·Qᵀ [BLOCK_N, BLOCK_H]; Oᵀ += Vᵀ·Pᵀ
+            st = tl.dot(k_lat, q_lat, input_precision=DOT_PREC)
+            if DV_SPLIT == 2:
+                k_oth = tl.load(kv_row[:, None] + offs_o[None, :], mask=ok[:, None] & mo[None, :], other=0.0)
+                st = tl.dot(k_oth, q_oth, st, input_precision=DOT_PREC)
+            st = tl.dot(k_rope, q_rope, st, input_precision=DOT_PREC)
+            if SPARSE:
+                keep = ok[:, None] & rvalid[None, :]
+            else:
+                keep = ok[:, None] & (pos[:, None] <= last[None, :])
+            st = tl.where(keep, st * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(st, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            pt = tl.exp2(st - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(pt, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(k_lat), pt.to(k_lat.dtype), acc, input_precision=DOT_PREC)
         else:
-            keep = ok[None, :] & (pos[None, :] <= last[:, None])
-        s = tl.where(keep, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+            if DV_SPLIT == 2:
+                k_oth = tl.load(kv_row[:, None] + offs_o[None, :], mask=ok[:, None] & mo[None, :], other=0.0)
+                s = tl.dot(q_oth, tl.trans(k_oth), s, input_precision=DOT_PREC)
+            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+            if SPARSE:
+                keep = ok[None, :] & rvalid[:, None]
+            else:
+                keep = ok[None, :] & (pos[None, :] <= last[:, None])
+            s = tl.where(keep, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0
-    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    if TRANS:
+        o = tl.trans(tl.where(has[None, :], acc / tl.where(has, l_i, 1.0)[None, :], 0.0))
+    else:
+        o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse_row = tl.where(has, m_i * 0.6931471805599453 + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     qi64 = qi.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -181,7 +236,8 @@ def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
     q_tiles = triton.cdiv(s_q, QPT)
     if num_splits == 0:
         cap = topk if sparse else block_table.shape[1] * page_size
-        num_splits = _choose_splits(B * h_tiles * q_tiles, cap, device_info(q.device).sm_count, cfg)
+        programs = B * h_tiles * q_tiles * (2 if cfg.get("dv_split", 1) == 2 else 1)
+        num_splits = _choose_splits(programs, cap, device_info(q.device).sm_count, cfg)
     return cfg, HPT, QPT, BLOCK_H, h_tiles, q_tiles, num_splits
 
 
@@ -217,7 +273,12 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
     idx = indices if sparse else block_table
     tkl = topk_length if topk_length is not None else cache_seqlens
-    grid = (B * S, h_tiles * q_tiles)
+    BDV = max(16, triton.next_power_of_2(DV))
+    # variants (config fields): one block-table load per page-aligned tile; value columns split over 2 programs;
+    # transposed products (Sᵀ = K·Qᵀ, Oᵀ += Vᵀ·Pᵀ) so Q is a shared-memory operand instead of living in registers
+    paged = bool(cfg.get("paged_tiles", False)) and not sparse and page_size % cfg["BLOCK_N"] == 0
+    dv_split = 2 if cfg.get("dv_split", 1) == 2 and BDV >= 32 else 1
+    grid = (B * S, h_tiles * q_tiles * dv_split)
     mla_decode_fwd_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, idx, tkl,
         out, lse, o_part, lse_part,
@@ -231,10 +292,12 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         lse.stride(0), lse.stride(1), lse.stride(2),
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
-        DV=DV, DR=DR, BDV=max(16, triton.next_power_of_2(DV)), BDR=max(16, triton.next_power_of_2(max(DR, 1))),
+        DV=DV, DR=DR, BDV=BDV, BDR=max(16, triton.next_power_of_2(max(DR, 1))),
         PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, DV_SPLIT=dv_split,
+        TRANS=bool(cfg.get("transposed", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # register cap (2 CTAs per SM)
     )
     if S > 1:
         combine_splits(o_part, lse_part, out, lse)
