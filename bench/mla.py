@@ -1,8 +1,9 @@
 """MLA absorb-path decode (h_q 128, latent 512 + rope 64, page 64, bf16): dense M1-M4, sparse SM1/SM2 (topk 2048).
 
 ``python -m bench.run --op mla`` times gqla_triton, FlashMLA (dense legacy SM90 kernel; sparse bf16 kernel) and a
-torch bmm reference. ``python -m bench.mla --sweep M1,SM1`` times launch-config variants of our kernel (through
-``GQLA_TRITON_CONFIG``) to pick the h200.json entry. ``python -m bench.mla --aot`` needs no GPU: it compiles the
+torch bmm reference. ``python -m bench.mla --sweep M1,M2,M4,SM1`` times the kernel variants in ``VARIANTS`` (through
+``GQLA_TRITON_CONFIG``; compiled first in parallel worker processes, then timed in one process, stopping at
+``--budget`` seconds) and prints a table plus ``BEST {...}``: the config per workload to paste into h200.json. ``python -m bench.mla --aot`` needs no GPU: it compiles the
 kernel for sm_90 and prints shared memory, registers, spill stack and whether the key tiles are cp.async-pipelined.
 """
 
@@ -164,27 +165,29 @@ def run(names, ctx, anchors=True):
 #   transposed:  S^T = K.Q^T and O^T += V^T.P^T: Q becomes the wgmma B operand (shared memory) instead of an A
 #                operand held in registers (64x576 bf16 = 144 regs/thread per warpgroup: the spill source of
 #                "base"). Predicted: the largest win (no spills at BLOCK_N 64), if Triton keeps V^T in smem.
-VARIANTS = {
+VARIANTS = {  # timing order: most promising first (a budget stop drops the tail)
     "base": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),  # committed h200 config
-    "pg32": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True),
-    "pg64s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True),
-    "pg64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True),
-    "dv2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, dv_split=2),
-    "dv2pg32": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
-    "dv2pg64": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
-    "dv2w4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2, paged_tiles=True, dv_split=2),
-    "h128dv2": dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
-    "t32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True),
-    "t32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, transposed=True),
-    "t64s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, transposed=True),
-    "t64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, transposed=True),
     "t32dv2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
                    dv_split=2),
-    "t32dv2w4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2, paged_tiles=True, transposed=True,
-                     dv_split=2),
+    "t32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True),
+    "dv2pg32": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
     # 114 KB smem: two CTAs fit one SM if registers are capped at 128
     "t32dv2r128": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
                        dv_split=2, maxnreg=128, ctas_per_sm=2),
+    "pg32": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True),
+    "dv2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, dv_split=2),
+    "h128dv2": dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
+    "t32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, transposed=True),
+    "pg64s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True),
+    "pg64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True),
+    "dv2pg64": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),
+    "dv2w4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2, paged_tiles=True, dv_split=2),
+    "t64s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, transposed=True),
+    "t64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, transposed=True),
+    "t32dv2w4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=2, paged_tiles=True, transposed=True,
+                     dv_split=2),
+    "t32h128dv2": dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
+                       dv_split=2),
     "t64dv2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, transposed=True,
                    dv_split=2),
     "t64dv2s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, transposed=True,
@@ -193,7 +196,8 @@ VARIANTS = {
 
 
 # compile with register spills on sm_90 (bench.mla --aot): timed only when named in --variants
-SPILLING = ("pg64s1", "pg64s2", "dv2pg64", "t64s1", "t64s2", "t64w4", "t64dv2", "t64dv2s1")
+SPILLING = ("pg64s1", "pg64s2", "dv2pg64", "t64s1", "t64s2", "t64w4", "t64dv2", "t64dv2s1", "t32dv2w4",
+            "t32h128dv2", "dv2w4")
 
 
 def _warm(vn, names):
@@ -211,19 +215,22 @@ def _warm(vn, names):
     return vn
 
 
-def precompile(names, variants, workers=8):
+def precompile(names, variants, workers=8, timeout_s=100.0):
     import multiprocessing as mp
     import time
     from concurrent.futures import ProcessPoolExecutor
 
+    from bench.mla import _warm as warm  # by module name (picklable also when this file runs as __main__)
+
     t0 = time.time()
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=mp.get_context("spawn")) as ex:
-        futs = {v: ex.submit(_warm, v, names) for v in variants}
-        for v, f in futs.items():
-            try:
-                f.result()
-            except Exception as e:
-                print(f"precompile {v}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    ex = ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=mp.get_context("spawn"))
+    futs = {v: ex.submit(warm, v, names) for v in variants}
+    for v, f in futs.items():
+        try:
+            f.result(timeout=max(1.0, timeout_s - (time.time() - t0)))
+        except Exception as e:  # a failed/slow warm-up only means that variant compiles in the timed loop
+            print(f"precompile {v}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    ex.shutdown(wait=False, cancel_futures=True)
     print(f"precompiled {len(variants)} variants in {time.time() - t0:.0f}s", flush=True)
 
 
@@ -241,13 +248,19 @@ def sweep(names, variants=None, splits=(0,), budget_s=150.0, workers=8):
     if workers > 0:
         precompile(names, variants, workers)
     table = {}
-    for name in names:
-        w = WORKLOADS[name]
-        q, kv, bt, lens, idx = make_inputs(w["B"], w["S"], w["s_q"], w.get("topk"))
-        flops, _ = _counts(w)
-        for vn in variants:
-            cfg = VARIANTS[vn]
-            os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": cfg})
+    inputs, refs = {}, {}
+    for name in names:  # all workloads resident (~3 GB): variants run in the outer loop, so a budget stop
+        w = WORKLOADS[name]  # drops whole variants (the least promising come last), never whole workloads
+        inputs[name] = make_inputs(w["B"], w["S"], w["s_q"], w.get("topk"))
+        q, kv, bt, lens, idx = inputs[name]
+        refs[name] = mla_decode(q, kv, bt, lens, head_dim_v=R, softmax_scale=scale, indices=idx)[0].float()
+    for vn in variants:
+        cfg = VARIANTS[vn]
+        os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": cfg})
+        for name in names:
+            q, kv, bt, lens, idx = inputs[name]
+            ref = refs[name]
+            flops, _ = _counts(WORKLOADS[name])
             for ns in splits:
                 key = vn if ns == 0 else f"{vn}/s{ns}"
                 if time.time() - t0 > budget_s:
@@ -256,23 +269,27 @@ def sweep(names, variants=None, splits=(0,), budget_s=150.0, workers=8):
                 try:
                     fn = lambda: mla_decode(q, kv, bt, lens, head_dim_v=R, softmax_scale=scale,  # noqa: E731
                                             indices=idx, num_splits=ns)
-                    fn()
+                    err = float((fn()[0].float() - ref).norm() / ref.norm())  # vs the committed config's output
                     ms = time_graph_ms(fn, replays=10, reps=5)
-                    table.setdefault(name, {})[key] = ms
+                    if err <= 1e-2:  # bf16 rounding differs between variants: ~3e-3; a wrong kernel is O(1)
+                        table.setdefault(name, {})[key] = ms
                     print(f"{name} {key} {json.dumps(cfg)}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                          f"rel_err_vs_base={err:.1e}{'' if err <= 1e-2 else ' WRONG (excluded)'} "
                           f"[{time.time() - t0:.0f}s]", flush=True)
                 except Exception as e:
                     print(f"{name} {key}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-        os.environ.pop("GQLA_TRITON_CONFIG", None)
-        q = kv = bt = lens = idx = None  # free the inputs before the next workload
-        torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
+    os.environ.pop("GQLA_TRITON_CONFIG", None)
+    inputs = refs = None
+    torch.cuda.empty_cache()
     keys = list(dict.fromkeys(k for row in table.values() for k in row))
-    print("\nms".ljust(10) + "".join(f"{k:>10}" for k in keys))
-    for name, row in table.items():
-        print(name.ljust(9) + "".join(f"{row[k]:10.4f}" if k in row else f"{'-':>10}" for k in keys))
+    print("\nms".ljust(6) + "".join(f"{k:>12}" for k in keys))
+    for name in names:
+        row = table.get(name, {})
+        print(name.ljust(5) + "".join(f"{row[k]:12.4f}" if k in row else f"{'-':>12}" for k in keys))
     best = {}
     for name, row in table.items():
-        k = min(row, key=row.get)
+        k = min(row, key=row.get)  # noqa: B023
         best[name] = dict(variant=k, ms=round(row[k], 4), config=VARIANTS[k.split("/")[0]])
     print("BEST " + json.dumps(best))
 
