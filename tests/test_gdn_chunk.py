@@ -238,3 +238,66 @@ def test_torch_compile_fullgraph():
     # inductor may fuse the torch-side l2norm differently from eager (last-bit differences in q, k)
     for name, a, b in zip(("o", "final_state") + tuple("d" + n for n in NAMES), *outs, strict=True):
         assert rel_err(b, a) <= 1e-2, f"{name}: compiled differs from eager by {rel_err(b, a):.3e}"
+
+
+# ------------------------------------------------------------------ bounds checking at the H200 launch config
+def _h200_cfg(bv_state=None):
+    import json
+    from pathlib import Path
+
+    import gqla_triton
+    table = json.loads((Path(gqla_triton.__file__).parent / "configs" / "h200.json").read_text())["gdn_chunk"]
+    cfg = dict(chunk_mod._DEFAULT_CFG)
+    cfg.update(next(e["config"] for e in table if all(v == 128 for v in e["match"].values())))
+    if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
+        cfg["BV_state"] = cfg["BV_state_bwd"] = bv_state
+    return cfg
+
+
+@pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
+@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state", [(2, 1, 1, 8, False, None), (2, 1, 2, 63, False, 16),
+                                                      (1, 2, 4, 130, True, None), (1, 1, 1, 1, False, 16)])
+def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state):
+    """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
+    H200 config (B > 1 once read chunk states past the end of h on the GPU: illegal memory access)."""
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    ranges, bad = [], []
+
+    def reg(t):
+        ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        return t
+
+    def check(ptrs, mask, what):
+        a = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.uint64)
+        if a.size:
+            st = np.array(sorted(r[0] for r in ranges), dtype=np.uint64)
+            en = np.array([e for _, e in sorted(ranges)], dtype=np.uint64)
+            i = np.searchsorted(st, a, side="right") - 1
+            if ((i < 0) | (a >= en[np.maximum(i, 0)])).any():
+                bad.append(what)
+
+    load, store = ti.InterpreterBuilder.create_masked_load, ti.InterpreterBuilder.create_masked_store
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_load",
+                        lambda self, p, m, o, c, v: (check(p, m, "load"), load(self, p, m, o, c, v))[1])
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_store",
+                        lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
+    cfg = _h200_cfg(bv_state)
+    monkeypatch.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg))
+    alloc, chunks, l2 = chunk_mod._empty, chunk_mod._chunks, chunk_mod._l2norm
+    monkeypatch.setattr(chunk_mod, "_empty", lambda *a, **kw: reg(alloc(*a, **kw)))
+    monkeypatch.setattr(chunk_mod, "_chunks", lambda *a: [reg(x) if torch.is_tensor(x) else x for x in chunks(*a)])
+    monkeypatch.setattr(chunk_mod, "_l2norm", lambda x: reg(l2(x).contiguous()))
+    K = V = 128
+    N = 2 if varlen else B
+    ins = _inputs(0, B, T, H, HV, K, V, N)
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
+    xs = [reg(t.float().contiguous()).requires_grad_() for t in ins]
+    o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=reg(cu) if varlen else None)
+    assert not bad, f"forward: out-of-bounds {sorted(set(bad))}"
+    do, dht = reg(torch.randn_like(o)), reg(torch.randn_like(ht))
+    torch.autograd.backward([o, ht], [do, dht])
+    assert not bad, f"backward: out-of-bounds {sorted(set(bad))}"
+    assert all(torch.isfinite(t).all() for t in [o, ht] + [x.grad for x in xs])

@@ -69,6 +69,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cfg = _cfg(K, V, q.device)
     NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T, q.device)
+    NG = NTT if cu_seqlens is not None else NT  # chunk programs per (batch row, head): grid axis 0
     BKp = triton.next_power_of_2(K)
     dummy = q  # stand-in pointer for absent optional tensors (never dereferenced)
     cu = cu_seqlens if cu_seqlens is not None else dummy
@@ -80,16 +81,16 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     w = _empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
-        gdn_wy_fwd_kernel[(NTT, B * HV)](k, g, beta, gc, Ainv, cu, cidx_, T, H=H, HV=HV, K=K, BT=BT,
+        gdn_wy_fwd_kernel[(NG, B * HV)](k, g, beta, gc, Ainv, cu, cidx_, T, H=H, HV=HV, K=K, BT=BT,
                                          BK=min(cfg["BK"], BKp), IS_VARLEN=varlen, num_warps=cfg["warps_wy"])
-        gdn_wu_fwd_kernel[(NTT, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+        gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                          BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], triton.next_power_of_2(V)),
                                          IS_VARLEN=varlen, num_warps=cfg["warps_wu"])
     h, vnew, ht = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
     if NTT > 0:
         BV = min(cfg["BV_out"], triton.next_power_of_2(V))
-        gdn_output_fwd_kernel[(triton.cdiv(V, BV), NTT, B * HV)](
+        gdn_output_fwd_kernel[(triton.cdiv(V, BV), NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV,
             IS_VARLEN=varlen, num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
     if keep_h:
@@ -124,6 +125,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     dev = q.device
     cfg = _cfg(K, V, dev)
     NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T, dev)
+    NG = NTT if cu_seqlens is not None else NT
     BKp = triton.next_power_of_2(K)
     BVp = triton.next_power_of_2(V)
     dummy = q
@@ -142,13 +144,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     dh0 = _empty(N, HV, K, V, dtype=torch.float32, device=dev)
     if NTT == 0:
         return dq.to(q.dtype)[:, :, :H], dk.to(k.dtype)[:, :, :H], dv, dg, dbeta, dh0
-    gdn_wu_fwd_kernel[(NTT, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+    gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                      BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], BVp), IS_VARLEN=varlen,
                                      num_warps=cfg["warps_wu"])
     h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     dvl = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
     BV = min(cfg["BV_out"], BVp)
-    gdn_dv_local_kernel[(triton.cdiv(V, BV), NTT, B * HV)](
+    gdn_dv_local_kernel[(triton.cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, IS_VARLEN=varlen,
         num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
@@ -160,11 +162,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         num_warps=cfg["warps_state_bwd"], num_stages=cfg["num_stages"])
     dw = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
-    gdn_grad_chunk_kernel[(NTT, B * HV)](
+    gdn_grad_chunk_kernel[(NG, B * HV)](
         q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=BKp, BV=min(cfg["BV_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"],
         num_stages=cfg["num_stages"])
-    gdn_wy_bwd_kernel[(NTT, B * HV)](
+    gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
         BK=min(cfg["BK_wy_bwd"], BKp), BV=min(cfg["BV_wy_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
     G = HV // H
