@@ -3,7 +3,8 @@
 ``python -m bench.run --op mla`` times gqla_triton, FlashMLA (dense legacy SM90 kernel; sparse bf16 kernel) and a
 torch bmm reference. ``python -m bench.mla --sweep M1,M2,M4,SM1`` times the kernel variants in ``VARIANTS`` (through
 ``GQLA_TRITON_CONFIG``; compiled first in parallel worker processes, then timed in one process, stopping at
-``--budget`` seconds) and prints a table plus ``BEST {...}``: the config per workload to paste into h200.json. ``python -m bench.mla --aot`` needs no GPU: it compiles the
+``--budget`` seconds) and prints a table plus ``BEST {...}``: the config per workload to paste into h200.json.
+``python -m bench.mla --aot`` needs no GPU: it compiles the
 kernel for sm_90 and prints shared memory, registers, spill stack and whether the key tiles are cp.async-pipelined.
 """
 
