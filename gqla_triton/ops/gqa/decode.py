@@ -62,7 +62,7 @@ def gqa_decode_fwd_kernel(
     DH: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr,
+    FP32: tl.constexpr, PAGED: tl.constexpr, V_EARLY: tl.constexpr, IDX_PREFETCH: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -115,22 +115,53 @@ def gqa_decode_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
+    arange_n = tl.arange(0, BLOCK_N)
+    if SPARSE:
+        if IDX_PREFETCH:  # index tile of the next iteration is loaded one iteration ahead
+            nxt_in = (start + arange_n) < end
+            nxt_idx = tl.load(idx_row + tl.where(nxt_in, start + arange_n, 0), mask=nxt_in, other=-1)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_n = n0 + arange_n
         if SPARSE:
-            pos, ok = sparse_positions(idx_row, offs_n, end, seqlen, last_pos)
+            if IDX_PREFETCH:
+                pos = nxt_idx
+                ok = (offs_n < end) & (pos >= 0) & (pos < seqlen) & (pos <= last_pos)
+                pos = tl.where(ok, pos, 0)
+                o_next = offs_n + BLOCK_N
+                nxt_in = o_next < end
+                nxt_idx = tl.load(idx_row + tl.where(nxt_in, o_next, 0), mask=nxt_in, other=-1)
+            else:
+                pos, ok = sparse_positions(idx_row, offs_n, end, seqlen, last_pos)
         else:
             pos = offs_n
             ok = offs_n < end
-        row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
-        page = row // PAGE_SIZE
-        slot = row % PAGE_SIZE
-        k = tl.load(k_cache + (page * s_kp + slot * s_kt + grp * s_kg)[:, None] + offs_dh[None, :],
+        if PAGED:  # BLOCK_N divides PAGE_SIZE and tiles start at multiples of BLOCK_N: one page per tile
+            pg = (n0 + tl.zeros([], dtype=tl.int32)) // PAGE_SIZE  # scalar tensor (interpreter: not a python int)
+            pg_ok = pg < max_pages
+            blk = tl.load(bt_row + tl.where(pg_ok, pg, 0))
+            pg_ok = (blk >= 0) & (blk < num_pages) & (pg < max_pages)
+            ok = ok & ((arange_n * 0 + pg_ok.to(tl.int32)) != 0)  # vector mask (interpreter: no 0-d bool)
+            base = tl.where(pg_ok, blk, 0).to(tl.int64)
+            slot = (n0 % PAGE_SIZE) + arange_n
+            k_off = base * s_kp + slot * s_kt
+            v_off = base * s_vp + slot * s_vt
+            r_off = base * s_rp + slot * s_rt
+        else:
+            row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
+            page = row // PAGE_SIZE
+            slot = row % PAGE_SIZE
+            k_off = page * s_kp + slot * s_kt
+            v_off = page * s_vp + slot * s_vt
+            r_off = page * s_rp + slot * s_rt
+        k = tl.load(k_cache + (k_off + grp * s_kg)[:, None] + offs_dh[None, :],
                     mask=ok[:, None] & m_dh[None, :], other=0.0)
+        if DR > 0:
+            kr = tl.load(kr_cache + r_off[:, None] + offs_dr[None, :], mask=ok[:, None] & m_dr[None, :], other=0.0)
+        if V_EARLY:  # V issued before the QK^T dot: more bytes in flight per program
+            v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
+                        mask=ok[:, None] & m_dv[None, :], other=0.0)
         s = _dot(qn, tl.trans(k), FP32)
         if DR > 0:
-            kr = tl.load(kr_cache + (page * s_rp + slot * s_rt)[:, None] + offs_dr[None, :],
-                         mask=ok[:, None] & m_dr[None, :], other=0.0)
             s += _dot(qr, tl.trans(kr), FP32)
         s = s * qk_scale  # log2 units
         valid = ok[None, :]
@@ -143,8 +174,9 @@ def gqa_decode_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + (page * s_vp + slot * s_vt + grp * s_vg)[:, None] + offs_dv[None, :],
-                    mask=ok[:, None] & m_dv[None, :], other=0.0)
+        if not V_EARLY:
+            v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
+                        mask=ok[:, None] & m_dv[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new
 
@@ -164,6 +196,13 @@ def gqa_decode_fwd_kernel(
 
 
 def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch.dtype, device, sparse: bool) -> dict:
+    """Launch params from ``select_config("gqa_decode")``.
+
+    Config fields: ``BLOCK_N, MAX_M, num_warps, num_stages, SMEM, ACC_ELEMS_4W, WAVES`` and the kernel variants
+    ``PAGED`` (dense, BLOCK_N | page_size: one block-table lookup per tile, contiguous in-page addressing),
+    ``V_EARLY`` (V load issued before the QK^T dot), ``IDX_PREFETCH`` (sparse: next index tile loaded one
+    iteration ahead), ``SPLITS`` (> 0 pins the split-KV count when the caller passes ``num_splits=0``).
+    """
     key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
     cfg = select_config("gqa_decode", key, device=device)
     block_m = min(cfg["MAX_M"], max(16, triton.next_power_of_2(rows)))
@@ -178,7 +217,9 @@ def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch
     if block_m * bdv > cfg.get("ACC_ELEMS_4W", 1 << 30):  # fp32 accumulator too large for 4 warps
         warps = max(warps, 8)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BDH=bdh, BDR=max(bdr, 16), BDV=bdv,
-                num_warps=warps, num_stages=stages, waves=cfg.get("WAVES", 2))
+                num_warps=warps, num_stages=stages, waves=cfg.get("WAVES", 2), splits=int(cfg.get("SPLITS", 0)),
+                paged=bool(cfg.get("PAGED", False)), v_early=bool(cfg.get("V_EARLY", False)),
+                idx_prefetch=bool(cfg.get("IDX_PREFETCH", False)))
 
 
 def _num_splits(batch_programs: int, max_len: int, block_n: int, waves: int, device) -> int:
@@ -213,6 +254,8 @@ def gqa_decode_fwd(
     else:
         topk = 0
         max_len = block_table.shape[1] * page_size
+    if num_splits == 0 and prm["splits"] > 0:  # config-pinned split count (tuning)
+        num_splits = int(min(prm["splits"], max(1, max_len // BLOCK_N)))
     if num_splits == 0:
         num_splits = _num_splits(nbq * g * num_mt, max_len, BLOCK_N, prm["waves"], q.device)
     split = num_splits > 1
@@ -251,6 +294,8 @@ def gqa_decode_fwd(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BDH=prm["BDH"], BDR=prm["BDR"], BDV=prm["BDV"],
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
+        PAGED=prm["paged"] and not sparse and page_size % BLOCK_N == 0, V_EARLY=prm["v_early"],
+        IDX_PREFETCH=prm["idx_prefetch"] and sparse,
         num_warps=prm["num_warps"], num_stages=prm["num_stages"],
     )
     if split:
