@@ -11,6 +11,7 @@ without a GPU and prints registers / stack (spills).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -123,14 +124,14 @@ DENSE_VARIANTS = {
 # index -> block table -> row chain is shorter; deeper pipelines / 8 warps put more rows in flight.
 SPARSE_VARIANTS = {
     "base": {},
-    "n32_s4": {"num_stages": 4},
     "w8": {"num_warps": 8},
+    "w8_s4": {"num_warps": 8, "num_stages": 4},
+    "pf_ve_w8": {"IDX_PREFETCH": True, "V_EARLY": True, "num_warps": 8},
+    "n16_s4": {"BLOCK_N": 16, "num_stages": 4},
+    "pf_w8_s4": {"IDX_PREFETCH": True, "num_warps": 8, "num_stages": 4},
+    "n32_s4": {"num_stages": 4},
     "pf": {"IDX_PREFETCH": True},
     "pf_ve": {"IDX_PREFETCH": True, "V_EARLY": True},
-    "n16_s4": {"BLOCK_N": 16, "num_stages": 4},
-    "w8_s4": {"num_warps": 8, "num_stages": 4},
-    "pf_ve_s4": {"IDX_PREFETCH": True, "V_EARLY": True, "num_stages": 4},
-    "n64_s2": {"BLOCK_N": 64, "num_stages": 2},
 }
 COPY_GBS = 4270.0  # measured H200 copy ceiling
 
@@ -162,8 +163,10 @@ def sweep(names, *, budget_s=150.0, variants=None):
     res = {n: [] for n in names}
     dense = [n for n in names if not n.startswith("SQ")]
     sparse = [n for n in names if n.startswith("SQ")]
-    plan = [(vn, cfg, dense) for vn, cfg in DENSE_VARIANTS.items()] if dense else []
-    plan += [(vn, cfg, sparse) for vn, cfg in SPARSE_VARIANTS.items()] if sparse else []
+    dplan = [(vn, cfg, dense) for vn, cfg in DENSE_VARIANTS.items()] if dense else []
+    splan = [(vn, cfg, sparse) for vn, cfg in SPARSE_VARIANTS.items()] if sparse else []
+    # interleaved by priority, so a budget cut drops the tails of both lists
+    plan = [p for pair in itertools.zip_longest(dplan, splan) for p in pair if p is not None]
     if variants:
         plan = [p for p in plan if p[0] in variants]
     print(f"{'workload':<6}{'variant':<18}{'ms':>8}{'GB/s':>8}{'%copy':>7}", flush=True)
