@@ -4,7 +4,8 @@
 # bench.log, results.tar).
 #   TESTS="tests/..."  pytest targets (default: tests; "none" skips)
 #   OPS="combine,gdn,..."  bench ops (default: all; "none" skips)    WORKLOADS="G1,M1" (default: all)
-#   WARM_OPS="gdn"  bench ops run once in the background during the tests (compiles anchors' and our kernels)
+#   WARM=1  compiles the anchors' JIT kernels (bench/warm.py) in the background while the tests run
+#   SWEEPS="mla:M1,M2 gqa:Q1"  config sweeps (python -m bench.<op> --sweep ...) before the benches
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
 set -u
 OUT=${OUT:-/tmp/gqla_out}
@@ -16,8 +17,8 @@ if [ -f .anchors/anchors.tar.xz ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-if [ -n "${WARM_OPS:-}" ]; then
-  python3 -m bench.run --op "$WARM_OPS" > /tmp/warm.log 2>&1 &
+if [ "${WARM:-0}" = 1 ]; then
+  python3 -m bench.warm > /tmp/warm.log 2>&1 &
   WARM_PID=$!
 fi
 TESTS=${TESTS:-tests}
@@ -27,7 +28,7 @@ if [ "$TESTS" != none ]; then
   tail -n 40 "$OUT/tests.log"
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
-  for s in bench/sanitize_sparse_*.py; do
+  for s in ${SANITIZE_SCRIPTS:-bench/sanitize_*.py}; do
     [ -f "$s" ] || continue
     echo "== $s" >> "$OUT/sanitize.log"
     timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$s" >> "$OUT/sanitize.log" 2>&1
@@ -35,8 +36,12 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   done
 fi
 OPS=${OPS:-combine,gdn,gdn_decode,mla,gqa,sparse,gqla}
+for sw in ${SWEEPS:-}; do
+  timeout 240 python3 -m bench."${sw%%:*}" --sweep "${sw#*:}" --budget "${SWEEP_BUDGET:-100}" > "$OUT/sweep_${sw%%:*}.log" 2>&1
+  echo "sweep $sw exit $?"; grep -E "BEST|best|WRONG|FAILED" "$OUT/sweep_${sw%%:*}.log" | tail -n 12
+done
 if [ -n "${WARM_PID:-}" ]; then
-  wait "$WARM_PID"; echo "warm-up exit $?"; grep -E 'Error|error' /tmp/warm.log | head -5
+  wait "$WARM_PID"; echo "warm-up exit $?"; tail -n 12 /tmp/warm.log
 fi
 if [ "$OPS" != none ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
