@@ -95,6 +95,9 @@ class BenchContext:
                      floor_ms=floor * 1e3, pct_roofline=100 * floor / s if floor > 0 else None)
         r.update(extra)
         self.rows.append(r)
+        # printed at once, so a run cut short by a time limit still reports what it measured
+        print("[row] " + json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}),
+              flush=True)
         return r
 
 

@@ -45,6 +45,6 @@ if [ -n "${WARM_PID:-}" ]; then
 fi
 if [ "$OPS" != none ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
-    | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -n 120
+    | tee "$OUT/bench.log" | grep -v '^\[bench\]\|^\[row\]\|TileLang' | tail -n 120
   tar -cf "$OUT/results.tar" bench/results/*.json 2>/dev/null
 fi
