@@ -160,6 +160,15 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     return cfg
 
 
+def _current_device_key() -> str:
+    import torch
+
+    if not is_interpreter() and not torch.cuda.is_available():
+        raise ValueError("choose_decode_path: no CUDA device here; pass device_info= a DeviceInfo or a GPU "
+                         f"key ({', '.join(sorted({k for _, k in _GPU_NAMES}))})")
+    return device_info().key
+
+
 @dataclass(frozen=True)
 class DecodePathChoice:
     path: str  # "absorb" or "grouped"
@@ -190,7 +199,7 @@ def choose_decode_path(
     elif isinstance(device_info, str):
         gpu = device_info
     else:
-        gpu = globals()["device_info"]().key
+        gpu = _current_device_key()
     spec = roofline.gpu_spec(gpu)
     t_abs = roofline.mla_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_mla_shape(layer_shape)).time(spec)
     t_grp = roofline.gqa_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_gqa_shape(layer_shape)).time(spec)

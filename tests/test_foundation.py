@@ -51,6 +51,8 @@ def test_choose_decode_path_follows_the_roofline():
     assert dispatch.choose_decode_path(shape, 1, "h20", override="absorb").path == "absorb"
     with pytest.raises(ValueError, match="override"):
         dispatch.choose_decode_path(shape, 1, "h20", override="fast")
+    with pytest.raises(ValueError, match="unknown GPU"):
+        dispatch.choose_decode_path(shape, 1, "b300")
 
 
 def test_interpreter_tables_pin_exactly_one_config_per_op():
