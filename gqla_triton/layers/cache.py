@@ -11,6 +11,7 @@ Unused block-table entries point at page 0; kernels only read pages below ``cach
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 
@@ -31,7 +32,7 @@ def _as_ids(seq_ids, n: int | None = None) -> list[int]:
     return [int(s) for s in seq_ids]
 
 
-class PagedCache:
+class PagedCache(abc.ABC):
     """Page allocator + block table shared by the two cache kinds (storage tensors live in subclasses)."""
 
     def __init__(self, max_batch: int, max_seqlen: int, *, page_size: int = 64, num_pages: int | None = None,
@@ -156,8 +157,9 @@ class PagedCache:
             raise TypeError(f"{name}: expected a floating tensor, got {t.dtype}")
         return t.shape[1]
 
-    def gather(self, seq_id: int) -> list[torch.Tensor]:  # pragma: no cover - subclasses
-        raise NotImplementedError
+    @abc.abstractmethod
+    def gather(self, seq_id: int) -> tuple[torch.Tensor, ...]:
+        """One sequence's cached tensors in logical token order."""
 
 
 class LatentCache(PagedCache):
