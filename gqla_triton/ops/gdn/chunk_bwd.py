@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_fwd import _seq_bounds
+from .chunk_fwd import _chunk_state_row, _seq_bounds, _state_span
 
 
 @triton.jit
@@ -50,14 +50,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu + i_n).to(tl.int64)
-        Tn = (tl.load(cu + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(coff + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        Tn = T
-        boh = i_n.to(tl.int64) * NT
+    bos, Tn, boh = _state_span(i_n, cu, coff, T, NT, IS_VARLEN)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mkv = (ck[:, None] < K) & (cv[None, :] < V)
@@ -101,10 +94,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, 
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
-    if IS_VARLEN:
-        i_ch = tl.load(coff + tl.load(cidx + 2 * i_t)).to(tl.int64) + tl.load(cidx + 2 * i_t + 1)
-    else:
-        i_ch = i_b.to(tl.int64) * NT + i_t
+    i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     t = t0 + tl.arange(0, BT)
     valid = t < Tn
     x = bos + t

@@ -29,6 +29,30 @@ def _seq_bounds(i_t, i_b, cu, cidx, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr
 
 
 @triton.jit
+def _state_span(i_n, cu, coff, T, NT, IS_VARLEN: tl.constexpr):
+    """(bos int64, length, first chunk-state row int64) of sequence i_n, for the sequential state passes."""
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        Tn = (tl.load(cu + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(coff + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        Tn = T
+        boh = i_n.to(tl.int64) * NT
+    return bos, Tn, boh
+
+
+@triton.jit
+def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
+    """Row (int64) of chunk program i_t's state in h ``[chunks, HV, K, V]``."""
+    if IS_VARLEN:
+        i_ch = tl.load(coff + tl.load(cidx + 2 * i_t)).to(tl.int64) + tl.load(cidx + 2 * i_t + 1)
+    else:
+        i_ch = i_b.to(tl.int64) * NT + i_t
+    return i_ch
+
+
+@triton.jit
 def _inv16(L):
     """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block by forward substitution."""
     r = tl.arange(0, 16)
@@ -192,14 +216,7 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H: tl.co
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu + i_n).to(tl.int64)
-        Tn = (tl.load(cu + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(coff + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        Tn = T
-        boh = i_n.to(tl.int64) * NT
+    bos, Tn, boh = _state_span(i_n, cu, coff, T, NT, IS_VARLEN)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mkv = (ck[:, None] < K) & (cv[None, :] < V)
@@ -238,10 +255,7 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H:
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
-    if IS_VARLEN:
-        i_ch = tl.load(coff + tl.load(cidx + 2 * i_t)).to(tl.int64) + tl.load(cidx + 2 * i_t + 1)
-    else:
-        i_ch = i_b.to(tl.int64) * NT + i_t
+    i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     t = t0 + tl.arange(0, BT)
     valid = t < Tn
     x = bos + t
