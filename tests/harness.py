@@ -99,3 +99,16 @@ def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.
     tol = factor * e_low + (eps if eps is not None else EPS[dtype or out.dtype])
     assert math.isfinite(e_out), f"{name}: NaN/inf (or unwritten element) in output"
     assert e_out <= tol, f"{name}: rel err {e_out:.3e} > tol {tol:.3e} (torch low-precision err {e_low:.3e})"
+
+
+def capture_graph(fn):
+    """Warm ``fn`` up on a side stream, capture one call in a CUDA graph; returns ``(graph, fn's outputs)``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
+from harness import P, assert_close, capture_graph, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -266,14 +266,7 @@ def test_cuda_graph_replay(sparse):
     q, k, v, bt, lens, kr = args
     static_q = q.clone()
     fn = lambda: gqa_decode(static_q, k, v, bt, lens, kr, indices=idx)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fn()
+    graph, (out, lse) = capture_graph(fn)
     q2 = randn(q.shape, 99, dtype=q.dtype)
     lens2 = torch.randint(0, 1000, lens.shape, generator=gen(5)).to(torch.int32).cuda()
     static_q.copy_(q2)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
+from harness import P, assert_close, capture_graph, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -324,14 +324,7 @@ def test_cuda_graph_replay(sparse):
     idx = _adversarial_indices(g, B, s_q, 256, lens).cuda() if sparse else None
     static_q = q.clone()
     fn = lambda: mla_decode(static_q, kv, bt, lens, head_dim_v=r, indices=idx)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fn()
+    graph, (out, lse) = capture_graph(fn)
     for seed in (1, 2):  # new values through the same graph
         static_q.copy_(randn(q.shape, seed, dtype=q.dtype))
         lens.copy_(torch.randint(0, MAXLEN, (B,), generator=gen(seed)).int().cuda())
