@@ -64,16 +64,23 @@ def _timings(fn, args, cu):
     return f_ms, fb_ms, err
 
 
+def anchor_impls() -> dict:
+    """Importable anchors' ``chunk_gated_delta_rule`` by name (fla on its own Triton kernels, FlashQLA)."""
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    impls = {}
+    fla = try_import("fla.ops.gated_delta_rule")
+    if fla is not None:
+        impls["fla"] = fla.chunk_gated_delta_rule
+    fq = try_import("flash_qla")
+    if fq is not None:
+        impls["flashqla"] = fq.chunk_gated_delta_rule
+    return impls
+
+
 def run(names, ctx, anchors=True):
     impls = {"gqla_triton": chunk_gated_delta_rule}
     if anchors:
-        os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-        fla = try_import("fla.ops.gated_delta_rule")
-        if fla is not None:
-            impls["fla"] = fla.chunk_gated_delta_rule
-        fq = try_import("flash_qla")
-        if fq is not None:
-            impls["flashqla"] = fq.chunk_gated_delta_rule
+        impls.update(anchor_impls())
     for name in names:
         w = WORKLOADS[name]
         q, k, v, g, beta, cu = _inputs(w)

@@ -6,23 +6,13 @@ caches warm: ``python -m bench.warm``. Each (impl, workload) is called once forw
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from bench.common import try_import
-from bench.gdn import WORKLOADS, _inputs
+from bench.gdn import WORKLOADS, _inputs, anchor_impls
 
 
 def main():
-    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-    impls = {}
-    fq = try_import("flash_qla")
-    if fq is not None:
-        impls["flashqla"] = fq.chunk_gated_delta_rule
-    fla = try_import("fla.ops.gated_delta_rule")
-    if fla is not None:
-        impls["fla"] = fla.chunk_gated_delta_rule
+    impls = anchor_impls()
     for name, w in WORKLOADS.items():
         q, k, v, g, beta, cu = _inputs(w)
         for impl, fn in impls.items():
