@@ -61,3 +61,53 @@ def _one(name, ctx, anchors, fla):
             ctx.row("gdn_decode", name, "fla_fused_recurrent", ms_f, flops=m.flops, nbytes=m.bytes)
         except Exception as e:  # anchors never break the run
             print(f"[bench] fla fused_recurrent_gated_delta_rule failed on {name}: {type(e).__name__}: {e}")
+
+
+# Config variants for ``python -m bench.gdn_decode --sweep D1,D2``: overrides of the h200.json entry.
+VARIANTS = {f"bv{bv}_w{w}": dict(BV=bv, num_warps=w, num_stages=1)
+            for bv in (16, 32, 64) for w in (2, 4, 8) if bv * 128 // (32 * w) >= 8}
+
+
+def sweep(names, *, budget_s=120.0, variants=None):
+    """Time each config variant on each workload (CUDA graphs); prints ms, % of state copy and the best."""
+    import json
+    import os
+    import time
+
+    t0 = time.time()
+    best = {}
+    for name in names:
+        w = WORKLOADS[name]
+        m = gdn_decode_model(B=w["B"], HV=w["HV"], H=w["H"], K=w["K"], V=w["V"], s=w["s"])
+        q, k, v, g, beta, state, idx = _inputs(w)
+        dst = torch.empty_like(state)
+        copy_ms = time_graph_ms(lambda: dst.copy_(state))  # noqa: B023
+        print(f"{name} state copy {copy_ms:.4f} ms", flush=True)
+        for vn, cfg in VARIANTS.items():
+            if (variants and vn not in variants) or time.time() - t0 > budget_s:
+                continue
+            os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gdn_decode": cfg})
+            fn = lambda: gated_delta_rule_decode(q, k, v, g, beta, state, idx,  # noqa: E731, B023
+                                                 use_qk_l2norm_in_kernel=True)
+            try:
+                ms = time_graph_ms(fn)
+            except Exception as e:
+                print(f"{name} {vn} failed {type(e).__name__}: {str(e)[:150]}", flush=True)
+                continue
+            print(f"{name} {vn:<10} {ms:.4f} ms {m.bytes / ms / 1e6:7.0f} GB/s {100 * copy_ms / ms:5.1f}% of copy",
+                  flush=True)
+            if name not in best or ms < best[name][0]:
+                best[name] = (ms, vn)
+        os.environ.pop("GQLA_TRITON_CONFIG", None)
+    for name, (ms, vn) in best.items():
+        print(f"BEST {name} {vn} {ms:.4f} ms {VARIANTS[vn]}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="GDN decode config sweep")
+    ap.add_argument("--sweep", default="D1,D2")
+    ap.add_argument("--budget", type=float, default=120.0)
+    a = ap.parse_args()
+    sweep([n for n in a.sweep.split(",") if n], budget_s=a.budget)

@@ -6,8 +6,10 @@
 #   OPS="combine,gdn,..."  bench ops (default: all; "none" skips)    WORKLOADS="G1,M1" (default: all)
 #   WARM=1  compiles the anchors' JIT kernels (bench/warm.py) in the background while the tests run
 #   SWEEPS="mla:M1,M2 gqa:Q1"  config sweeps (python -m bench.<op> --sweep ...) before the benches
+#   DEADLINE=570  seconds from the start by which the benches are cut (overrides BENCH_TIMEOUT)
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
 set -u
+START=$SECONDS
 OUT=${OUT:-/tmp/gqla_out}
 mkdir -p "$OUT"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -18,14 +20,14 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${WARM:-0}" = 1 ]; then
-  python3 -m bench.warm > /tmp/warm.log 2>&1 &
+  python3 -m bench.warm > "$OUT/warm.log" 2>&1 &
   WARM_PID=$!
 fi
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-8}" --dist loadfile -p no:cacheprovider --tb=short -v -rfE --timeout "${PER_TEST_TIMEOUT:-150}" > "$OUT/tests.log" 2>&1
+  GQLA_FAIL_LOG="$OUT/failures.log" timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -n "${TEST_WORKERS:-12}" --dist load -p no:cacheprovider --tb=short -v -rfE --durations=25 --timeout "${PER_TEST_TIMEOUT:-150}" -W ignore::pytest.PytestWarning > "$OUT/tests.log" 2>&1
   echo "tests exit: $?" >> "$OUT/tests.log"
-  tail -n 40 "$OUT/tests.log"
+  grep -cE " PASSED" "$OUT/tests.log"; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -n 30; tail -n 30 "$OUT/tests.log"
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   for s in ${SANITIZE_SCRIPTS:-bench/sanitize_*.py}; do
@@ -40,11 +42,14 @@ for sw in ${SWEEPS:-}; do
   timeout 240 python3 -m bench."${sw%%:*}" --sweep "${sw#*:}" --budget "${SWEEP_BUDGET:-100}" > "$OUT/sweep_${sw%%:*}.log" 2>&1
   echo "sweep $sw exit $?"; grep -E "BEST|best|WRONG|FAILED" "$OUT/sweep_${sw%%:*}.log" | tail -n 12
 done
-if [ -n "${WARM_PID:-}" ]; then
-  wait "$WARM_PID"; echo "warm-up exit $?"; tail -n 12 /tmp/warm.log
+if [ -n "${WARM_PID:-}" ] && [[ ",$OPS," == *",gdn,"* ]]; then
+  for _ in $(seq "${WARM_WAIT:-90}"); do kill -0 "$WARM_PID" 2>/dev/null || break; sleep 1; done
+  kill "$WARM_PID" 2>/dev/null && echo "warm-up cut after ${WARM_WAIT:-90} s of waiting"; tail -n 12 "$OUT/warm.log"
 fi
 if [ "$OPS" != none ]; then
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
+  BT=${BENCH_TIMEOUT:-400}
+  [ -n "${DEADLINE:-}" ] && BT=$((DEADLINE - (SECONDS - START)))
+  timeout "$BT" python3 -m bench.run --op "$OPS" ${WORKLOADS:+--workload "$WORKLOADS"} 2>&1 \
     | tee "$OUT/bench.log" | grep -v '^\[bench\]\|^\[row\]\|TileLang' | tail -n 120
   tar -cf "$OUT/results.tar" bench/results/*.json 2>/dev/null
 fi

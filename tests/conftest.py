@@ -50,3 +50,15 @@ def pytest_configure(config):
 def _skip_gpu_only(request):
     if request.node.get_closest_marker("gpu_only") and PROFILE != "gpu":
         pytest.skip("needs CUDA: runs in the gpu profile")
+
+
+def pytest_runtest_logreport(report):
+    # GQLA_FAIL_LOG=path: append each test's outcome and time, and each failure's traceback, as they
+    # happen (the log survives a run killed by a time limit)
+    path = os.environ.get("GQLA_FAIL_LOG")
+    if path and report.when == "call":
+        with open(path, "a") as f:
+            f.write(f"{report.outcome:<8}{report.duration:8.1f}s {report.nodeid}\n")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
