@@ -7,6 +7,7 @@
 #   WARM=1  compiles the anchors' JIT kernels (bench/warm.py) in the background while the tests run
 #   SWEEPS="mla:M1,M2 gqa:Q1"  config sweeps (python -m bench.<op> --sweep ...) before the benches
 #   DEADLINE=570  seconds from the start by which the benches are cut (overrides BENCH_TIMEOUT)
+#   EXTRA="cmd"  one more command after the sweeps (log: extra.log, cut after EXTRA_TIMEOUT s)
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
 set -u
 START=$SECONDS
@@ -36,6 +37,10 @@ if [ "${SANITIZE:-0}" = 1 ]; then
     timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$s" >> "$OUT/sanitize.log" 2>&1
     echo "$s memcheck exit $?" | tee -a "$OUT/sanitize.log"
   done
+fi
+if [ -n "${EXTRA:-}" ]; then  # one more command (e.g. python3 -m bench.gdn_profile), log in extra.log
+  timeout "${EXTRA_TIMEOUT:-150}" bash -c "$EXTRA" > "$OUT/extra.log" 2>&1
+  echo "extra exit $?"; grep -E "BEST|FAILED|total|wall" "$OUT/extra.log" | tail -n 30
 fi
 OPS=${OPS:-combine,gdn,gdn_decode,mla,gqa,sparse,gqla}
 for sw in ${SWEEPS:-}; do

@@ -120,18 +120,13 @@ DENSE_VARIANTS = {
     "paged_s3": {"PAGED": True, "num_stages": 3},
     "paged_ve": {"PAGED": True, "V_EARLY": True},
 }
-# Sparse (SQ1): random gathered rows; IDX_PREFETCH loads the next index tile one iteration ahead so the
-# index -> block table -> row chain is shorter; deeper pipelines / 8 warps put more rows in flight.
+# Sparse (SQ1): random gathered rows; deeper pipelines / 8 warps put more rows in flight.
 SPARSE_VARIANTS = {
     "base": {},
     "w8": {"num_warps": 8},
     "w8_s4": {"num_warps": 8, "num_stages": 4},
-    "pf_ve_w8": {"IDX_PREFETCH": True, "V_EARLY": True, "num_warps": 8},
     "n16_s4": {"BLOCK_N": 16, "num_stages": 4},
-    "pf_w8_s4": {"IDX_PREFETCH": True, "num_warps": 8, "num_stages": 4},
     "n32_s4": {"num_stages": 4},
-    "pf": {"IDX_PREFETCH": True},
-    "pf_ve": {"IDX_PREFETCH": True, "V_EARLY": True},
 }
 COPY_GBS = 4270.0  # measured H200 copy ceiling
 
@@ -236,7 +231,7 @@ def aot_report():
                 const = dict(G=16, NUM_MT=1, PAGE_SIZE=PAGE, DH=128, DR=64, DV=128, BLOCK_M=bm, BLOCK_N=bn, BDH=128,
                              BDR=64, BDV=128, CAUSAL=True, SPARSE=sparse, HAS_TOPK_LEN=False, SPLIT=split,
                              FP32=False, PAGED=bool(cfg.get("PAGED")) and not sparse and PAGE % bn == 0,
-                             V_EARLY=bool(cfg.get("V_EARLY")), IDX_PREFETCH=bool(cfg.get("IDX_PREFETCH")) and sparse)
+                             V_EARLY=bool(cfg.get("V_EARLY")))
                 sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
                        for n in names}
                 attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

@@ -55,7 +55,7 @@ def _skip_gpu_only(request):
 def pytest_runtest_logreport(report):
     # GQLA_FAIL_LOG=path: append each test's outcome and time, and each failure's traceback, as they
     # happen (the log survives a run killed by a time limit)
-    path = os.environ.get("GQLA_FAIL_LOG")
+    path = None if os.environ.get("PYTEST_XDIST_WORKER") else os.environ.get("GQLA_FAIL_LOG")  # controller only
     if path and report.when == "call":
         with open(path, "a") as f:
             f.write(f"{report.outcome:<8}{report.duration:8.1f}s {report.nodeid}\n")

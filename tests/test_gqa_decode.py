@@ -298,8 +298,6 @@ VARIANTS = [
     {"PAGED": True},
     {"PAGED": True, "V_EARLY": True},
     {"V_EARLY": True},
-    {"IDX_PREFETCH": True},
-    {"IDX_PREFETCH": True, "V_EARLY": True},
     {"PAGED": True, "SPLITS": 3},
 ]
 

@@ -259,11 +259,12 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="page_size"):
         LatentCache(2, 32, 32, 16, page_size=8)
     layer = make_layer(0, g=2, dtype=torch.float32, path="absorb")
-    x = torch.zeros(2, 3, 64, device=P.device)
+    hs = layer.hidden_size
+    x = torch.zeros(2, 3, hs, device=P.device)
     with pytest.raises(ValueError, match="hidden_states"):
-        layer(torch.zeros(2, 3, 32, device=P.device))
+        layer(torch.zeros(2, 3, hs // 2, device=P.device))
     with pytest.raises(TypeError, match="hidden_states"):
-        layer(torch.zeros(2, 3, 64, dtype=torch.int32, device=P.device))
+        layer(torch.zeros(2, 3, hs, dtype=torch.int32, device=P.device))
     with pytest.raises(ValueError, match="positions"):
         layer(x, torch.arange(4))
     with pytest.raises(TypeError, match="positions"):
@@ -282,7 +283,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="c_kv"):
         cache.append([0], torch.zeros(1, 2, 31), torch.zeros(1, 2, 16))
     with pytest.raises(ValueError, match="max_seqlen"):
-        layer(torch.zeros(2, 33, 64, device=P.device), None, cache)
+        layer(torch.zeros(2, 33, hs, device=P.device), None, cache)
     assert cache.seqlens() == [0, 0, 0, 0] and cache.num_free_pages == cache.num_pages
     with pytest.raises(ValueError, match="indices"):
         layer(x, None, None, indices=torch.zeros(2, 3, 4, dtype=torch.int32, device=P.device))

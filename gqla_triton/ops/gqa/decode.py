@@ -62,7 +62,7 @@ def gqa_decode_fwd_kernel(
     DH: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr, PAGED: tl.constexpr, V_EARLY: tl.constexpr, IDX_PREFETCH: tl.constexpr,
+    FP32: tl.constexpr, PAGED: tl.constexpr, V_EARLY: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -116,22 +116,10 @@ def gqa_decode_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
     arange_n = tl.arange(0, BLOCK_N)
-    if SPARSE:
-        if IDX_PREFETCH:  # index tile of the next iteration is loaded one iteration ahead
-            nxt_in = (start + arange_n) < end
-            nxt_idx = tl.load(idx_row + tl.where(nxt_in, start + arange_n, 0), mask=nxt_in, other=-1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + arange_n
         if SPARSE:
-            if IDX_PREFETCH:
-                pos = nxt_idx
-                ok = (offs_n < end) & (pos >= 0) & (pos < seqlen) & (pos <= last_pos)
-                pos = tl.where(ok, pos, 0)
-                o_next = offs_n + BLOCK_N
-                nxt_in = o_next < end
-                nxt_idx = tl.load(idx_row + tl.where(nxt_in, o_next, 0), mask=nxt_in, other=-1)
-            else:
-                pos, ok = sparse_positions(idx_row, offs_n, end, seqlen, last_pos)
+            pos, ok = sparse_positions(idx_row, offs_n, end, seqlen, last_pos)
         else:
             pos = offs_n
             ok = offs_n < end
@@ -200,8 +188,8 @@ def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch
 
     Config fields: ``BLOCK_N, MAX_M, num_warps, num_stages, SMEM, ACC_ELEMS_4W, WAVES`` and the kernel variants
     ``PAGED`` (dense, BLOCK_N | page_size: one block-table lookup per tile, contiguous in-page addressing),
-    ``V_EARLY`` (V load issued before the QK^T dot), ``IDX_PREFETCH`` (sparse: next index tile loaded one
-    iteration ahead), ``SPLITS`` (> 0 pins the split-KV count when the caller passes ``num_splits=0``).
+    ``V_EARLY`` (V load issued before the QK^T dot), ``SPLITS`` (> 0 pins the split-KV count when the caller
+    passes ``num_splits=0``).
     """
     key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
     cfg = select_config("gqa_decode", key, device=device)
@@ -218,8 +206,7 @@ def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch
         warps = max(warps, 8)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BDH=bdh, BDR=max(bdr, 16), BDV=bdv,
                 num_warps=warps, num_stages=stages, waves=cfg.get("WAVES", 2), splits=int(cfg.get("SPLITS", 0)),
-                paged=bool(cfg.get("PAGED", False)), v_early=bool(cfg.get("V_EARLY", False)),
-                idx_prefetch=bool(cfg.get("IDX_PREFETCH", False)))
+                paged=bool(cfg.get("PAGED", False)), v_early=bool(cfg.get("V_EARLY", False)))
 
 
 def _num_splits(batch_programs: int, max_len: int, block_n: int, waves: int, device) -> int:
@@ -295,7 +282,6 @@ def gqa_decode_fwd(
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
         PAGED=prm["paged"] and not sparse and page_size % BLOCK_N == 0, V_EARLY=prm["v_early"],
-        IDX_PREFETCH=prm["idx_prefetch"] and sparse,
         num_warps=prm["num_warps"], num_stages=prm["num_stages"],
     )
     if split:

@@ -190,16 +190,21 @@ def mla_decode_fwd_kernel(
     else:
         o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse_row = tl.where(has, m_i * 0.6931471805599453 + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    # both halves of a DV split compute S, in a different fp32 summation order: one of them owns lse, so that
+    # the result does not depend on which program stores last
+    lse_mask = rvalid
+    if DV_SPLIT == 2:
+        lse_mask = rvalid & ((r * 0 + chunk) == 0)
     qi64 = qi.to(tl.int64)
     h64 = h.to(tl.int64)
     if SPLIT:
         o_ptr = o_part + b64 * s_pb + split * s_ps + qi64 * s_pq + h64 * s_ph
         tl.store(o_ptr[:, None] + offs_v[None, :], o, mask=rvalid[:, None] & mv[None, :])
-        tl.store(lse_part + b64 * s_plb + split * s_pls + qi64 * s_plq + h64, lse_row, mask=rvalid)
+        tl.store(lse_part + b64 * s_plb + split * s_pls + qi64 * s_plq + h64, lse_row, mask=lse_mask)
     else:
         o_ptr = out + b64 * s_ob + qi64 * s_oq + h64 * s_oh
         tl.store(o_ptr[:, None] + offs_v[None, :], o.to(out.dtype.element_ty), mask=rvalid[:, None] & mv[None, :])
-        tl.store(lse + b64 * s_lb + h64 * s_lh + qi64 * s_lq, lse_row, mask=rvalid)
+        tl.store(lse + b64 * s_lb + h64 * s_lh + qi64 * s_lq, lse_row, mask=lse_mask)
 
 
 def _choose_splits(programs: int, max_len: int, sm_count: int, cfg: dict) -> int:

@@ -1,0 +1,146 @@
+"""Per-kernel time of the chunked GDN forward + backward, over a few launch-config variants (H200 tuning aid).
+
+``python -m bench.gdn_profile [--workload G1] [--variants 6]``. Variant i gives each kernel its i-th option
+(``OPTIONS``); as every kernel's time is read separately from the profiler, one run per variant tunes all
+kernels at once. The variants are compiled in parallel processes first (Triton's disk cache), then timed one
+after another with ``torch.profiler`` (median-free: the mean over ``--iters`` fwd+bwd calls). Outputs are
+compared with the committed config (max relative error), so a fast but wrong variant shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+# option lists per config field (index i = variant i; shorter lists wrap around)
+OPTIONS = {
+    "BK": [64, 32, 128, 64, 64, 32],
+    "warps_wy": [4, 2, 8, 4, 2, 4],
+    "BV_wu": [64, 32, 128, 128, 32, 64],
+    "warps_wu": [8, 4, 4, 8, 4, 8],
+    "BV_state": [32, 16, 64, 32, 64, 16],
+    "warps_state": [8, 4, 4, 4, 8, 2],
+    "BV_out": [64, 32, 128, 128, 64, 32],
+    "warps_out": [8, 4, 8, 4, 4, 8],
+    "num_stages": [2, 1, 3, 2, 3, 2],
+    "BV_state_bwd": [32, 16, 64, 32, 64, 16],
+    "warps_state_bwd": [8, 4, 4, 4, 8, 2],
+    "BV_bwd": [16, 32, 16, 32, 64, 16],
+    "warps_bwd": [8, 4, 4, 8, 8, 8],
+    "BV_wy_bwd": [16, 32, 16, 32, 16, 64],
+    "BK_wy_bwd": [16, 32, 32, 16, 64, 16],
+}
+
+
+def variant(i: int) -> dict:
+    return {k: v[i % len(v)] for k, v in OPTIONS.items()}
+
+
+def _inputs(name, T=None, requires_grad=True):
+    from bench.gdn import WORKLOADS, _inputs
+
+    w = dict(WORKLOADS[name])
+    if T is not None:
+        w["T"] = T
+        w.pop("cu", None)
+    q, k, v, g, beta, cu = _inputs(w)
+    xs = [t.detach().clone().requires_grad_(requires_grad) for t in (q, k, v, g, beta)]
+    return xs, cu
+
+
+def _fwd_bwd(xs, cu, do):
+    from gqla_triton import chunk_gated_delta_rule
+
+    o, ht = chunk_gated_delta_rule(*xs, output_final_state=True, cu_seqlens=cu)
+    grads = torch.autograd.grad(o, xs, do)
+    return o, ht, grads
+
+
+def _compile(args):
+    """Child process: run variant i once at a short length (same constexprs) to fill the disk cache."""
+    i, name = args
+    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gdn_chunk": variant(i)})
+    t0 = time.time()
+    try:
+        xs, cu = _inputs(name, T=256)
+        _fwd_bwd(xs, cu, torch.randn_like(xs[2]))
+        torch.cuda.synchronize()
+        return i, f"compiled in {time.time() - t0:.0f}s"
+    except Exception as e:
+        return i, f"FAILED {type(e).__name__}: {str(e)[:200]}"
+
+
+def _kernel_times(fn, iters):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t > 0:
+            out[e.key] += t / iters / 1e3  # ms per call
+    return dict(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="G1")
+    ap.add_argument("--variants", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--procs", type=int, default=6)
+    a = ap.parse_args()
+    t0 = time.time()
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(a.procs, mp_context=ctx) as ex:
+        for i, msg in ex.map(_compile, [(i, a.workload) for i in range(a.variants)]):
+            print(f"variant {i}: {msg}", flush=True)
+    print(f"[compile wall {time.time() - t0:.0f}s]", flush=True)
+    xs, cu = _inputs(a.workload)
+    do = torch.randn_like(xs[2])
+    ref = None
+    table = {}
+    for i in range(-1, a.variants):  # -1: the committed config
+        if i >= 0:
+            os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gdn_chunk": variant(i)})
+        try:
+            res = _fwd_bwd(xs, cu, do)
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"variant {i} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        flat = [res[0], res[1], *res[2]]
+        if ref is None:
+            ref = flat
+            err = 0.0
+        else:
+            err = max(float((x - y).float().norm() / y.float().norm().clamp_min(1e-30))
+                      for x, y in zip(flat, ref, strict=True))
+        times = _kernel_times(lambda: _fwd_bwd(xs, cu, do), a.iters)  # noqa: B023
+        table[i] = times
+        tot = sum(times.values())
+        print(f"== variant {i} {json.dumps(variant(i)) if i >= 0 else 'committed'}  total {tot:.3f} ms"
+              f"  max rel err vs committed {err:.2e}", flush=True)
+        for k_, v_ in sorted(times.items(), key=lambda kv: -kv[1]):
+            print(f"   {v_:8.3f} ms  {k_[:90]}", flush=True)
+        os.environ.pop("GQLA_TRITON_CONFIG", None)
+    # best variant per Triton kernel
+    names = sorted({k for t in table.values() for k in t if "gdn_" in k})
+    for k in names:
+        best = min((t[k], i) for i, t in table.items() if k in t)
+        print(f"BEST {k[:40]:<40} {best[0]:.3f} ms variant {best[1]}", flush=True)
+    print(f"[wall {time.time() - t0:.0f}s]")
+
+
+if __name__ == "__main__":
+    main()
