@@ -52,7 +52,11 @@ def _one(name, ctx, anchors, fla):
     dst = torch.empty_like(state)
     ctx.row("gdn_decode", name, "torch_state_copy", time_graph_ms(lambda: dst.copy_(state)),
             flops=m.flops, nbytes=m.bytes)
-    if fla is not None and hasattr(fla, "fused_recurrent_gated_delta_rule"):
+    # fla's fused_recurrent with s = 2 tokens per sequence (D2) hit an illegal memory access on the H200 (session
+    # 2), which ends the CUDA context of the whole run: timed for single-token decode only
+    if w["s"] > 1:
+        print(f"[bench] fla fused_recurrent not timed on {name} (s = {w['s']} faulted on the H200)")
+    elif fla is not None and hasattr(fla, "fused_recurrent_gated_delta_rule"):
         f = fla.fused_recurrent_gated_delta_rule
         try:
             # fla writes a new final state (same bytes as our in-place update) and has no pool indices

@@ -3,8 +3,9 @@
 ``python -m bench.gdn_profile [--workload G1] [--variants 6]``. Variant i gives each kernel its i-th option
 (``OPTIONS``); as every kernel's time is read separately from the profiler, one run per variant tunes all
 kernels at once. The variants are compiled in parallel processes first (Triton's disk cache), then timed one
-after another with ``torch.profiler`` (median-free: the mean over ``--iters`` fwd+bwd calls). Outputs are
-compared with the committed config (max relative error), so a fast but wrong variant shows.
+after another with ``torch.profiler`` (the mean over ``--iters`` fwd+bwd calls), each in its own process (a
+variant that faults is re-run with CUDA_LAUNCH_BLOCKING=1 to name the kernel). Outputs are compared with the
+committed config (max relative error), so a fast but wrong variant shows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -93,47 +96,61 @@ def _kernel_times(fn, iters):
     return dict(out)
 
 
+def _one(i: int, name: str, iters: int) -> dict:
+    """Time variant i (committed config when i < 0) in this process; outputs compared with the committed one."""
+    xs, cu = _inputs(name)
+    do = torch.randn_like(xs[2])
+    ref = [t.detach() for t in _flat(_fwd_bwd(xs, cu, do))] if i >= 0 else None
+    if i >= 0:
+        os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gdn_chunk": variant(i)})
+    flat = [t.detach() for t in _flat(_fwd_bwd(xs, cu, do))]
+    torch.cuda.synchronize()
+    err = 0.0 if ref is None else max(float((x - y).float().norm() / y.float().norm().clamp_min(1e-30))
+                                      for x, y in zip(flat, ref, strict=True))
+    return {"variant": i, "err": err, "kernels_ms": _kernel_times(lambda: _fwd_bwd(xs, cu, do), iters)}
+
+
+def _flat(res):
+    return [res[0], res[1], *res[2]]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="G1")
     ap.add_argument("--variants", type=int, default=6)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--procs", type=int, default=6)
+    ap.add_argument("--one", type=int, default=None, help="(internal) time one variant, print a JSON line")
     a = ap.parse_args()
+    if a.one is not None:
+        print("RESULT " + json.dumps(_one(a.one, a.workload, a.iters)), flush=True)
+        return
     t0 = time.time()
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(a.procs, mp_context=ctx) as ex:
         for i, msg in ex.map(_compile, [(i, a.workload) for i in range(a.variants)]):
             print(f"variant {i}: {msg}", flush=True)
     print(f"[compile wall {time.time() - t0:.0f}s]", flush=True)
-    xs, cu = _inputs(a.workload)
-    do = torch.randn_like(xs[2])
-    ref = None
     table = {}
     for i in range(-1, a.variants):  # -1: the committed config
-        if i >= 0:
-            os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gdn_chunk": variant(i)})
-        try:
-            res = _fwd_bwd(xs, cu, do)
-            torch.cuda.synchronize()
-        except Exception as e:
-            print(f"variant {i} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        # each variant in its own process: a crash (illegal address) must not end the others' CUDA context
+        cmd = [sys.executable, "-m", "bench.gdn_profile", "--one", str(i), "--workload", a.workload,
+               "--iters", str(a.iters)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        res = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if not res:
+            # name the failing kernel: launches made synchronous, the error surfaces at the faulting launch
+            p2 = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+            where = [x.strip() for x in p2.stderr.splitlines() if "kernel[" in x or "_kernel" in x or "Error" in x]
+            print(f"variant {i} {json.dumps(variant(i)) if i >= 0 else 'committed'} FAILED:\n    "
+                  + "\n    ".join(where[-8:] or p.stderr.splitlines()[-5:]), flush=True)
             continue
-        flat = [res[0], res[1], *res[2]]
-        if ref is None:
-            ref = flat
-            err = 0.0
-        else:
-            err = max(float((x - y).float().norm() / y.float().norm().clamp_min(1e-30))
-                      for x, y in zip(flat, ref, strict=True))
-        times = _kernel_times(lambda: _fwd_bwd(xs, cu, do), a.iters)  # noqa: B023
-        table[i] = times
-        tot = sum(times.values())
-        print(f"== variant {i} {json.dumps(variant(i)) if i >= 0 else 'committed'}  total {tot:.3f} ms"
-              f"  max rel err vs committed {err:.2e}", flush=True)
-        for k_, v_ in sorted(times.items(), key=lambda kv: -kv[1]):
+        r = res[0]
+        table[i] = r["kernels_ms"]
+        print(f"== variant {i} {json.dumps(variant(i)) if i >= 0 else 'committed'}  total "
+              f"{sum(table[i].values()):.3f} ms  max rel err vs committed {r['err']:.2e}", flush=True)
+        for k_, v_ in sorted(table[i].items(), key=lambda kv: -kv[1]):
             print(f"   {v_:8.3f} ms  {k_[:90]}", flush=True)
-        os.environ.pop("GQLA_TRITON_CONFIG", None)
     # best variant per Triton kernel
     names = sorted({k for t in table.values() for k in t if "gdn_" in k})
     for k in names:
