@@ -14,8 +14,8 @@ import triton.language as tl
 from .chunk_fwd import _chunk_state_row, _seq_bounds, _state_span
 
 
-@triton.jit
-def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H: tl.constexpr, HV: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         IS_VARLEN: tl.constexpr):
     """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i (fp32 [rows, HV, V])."""
@@ -40,9 +40,9 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H: tl.constexpr, 
     tl.store(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], tl.dot(PT.to(dd.dtype), dd) * scale, mask=mv)
 
 
-@triton.jit
-def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, scale, T, NT, H: tl.constexpr,
-                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, scale, T, NT, H,
+                         HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                          IS_VARLEN: tl.constexpr):
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + kd·dS;
@@ -85,9 +85,9 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         tl.store(dh0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], dS, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx, coff, scale, T, NT,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq, dk (state + intra terms), dw = −dv_new·hᵀ, dgc (all fp32)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -146,9 +146,9 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, 
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
 
 
-@triton.jit
-def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx, T, H: tl.constexpr,
-                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx, T, H,
+                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new).
     Adds to dk (in place, fp32), writes dv, dbeta and dg = reverse within-chunk cumsum of dgc."""

@@ -5,6 +5,8 @@ w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv
 (row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h ``[chunks, HV, K, V]`` (state at
 each chunk's start). Sequences come from ``cu_seqlens`` (varlen) or are the B rows of length T.
 Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final) -> ``output`` (o).
+Head counts and lengths are runtime values that Triton does not specialise on: one compiled variant per
+(K, V, dtype, launch config) serves every H, HV and T.
 """
 
 from __future__ import annotations
@@ -70,13 +72,13 @@ def _dot32(a, b):
 
 
 @triton.jit
-def _store16(ptr, rows, valid, c0, blk, HV: tl.constexpr, BT: tl.constexpr):
+def _store16(ptr, rows, valid, c0, blk, HV, BT: tl.constexpr):
     c = tl.arange(0, 16)
     tl.store(ptr + rows[:, None] * (HV * BT) + c0 + c[None, :], blk, mask=valid[:, None])
 
 
 @triton.jit
-def _ld16(k, rows, valid, i_h, c, H: tl.constexpr, K: tl.constexpr):
+def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
     return tl.load(k + rows[:, None] * (H * K) + i_h * K + c[None, :], mask=valid[:, None] & (c[None, :] < K),
                    other=0.0)
 
@@ -93,8 +95,8 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
     return tl.where(m, acc * bi[:, None] * tl.exp(tl.where(m, gci[:, None] - gcj[None, :], 0.0)), 0.0)
 
 
-@triton.jit
-def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
     """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -175,8 +177,8 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H: tl.constexpr, HV: tl
     _store16(p, x3, v3, 48, T33, HV, BT)
 
 
-@triton.jit
-def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H: tl.constexpr, HV: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr):
     """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype)."""
@@ -206,8 +208,8 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H: tl.constexpr, 
         tl.store(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], uv.to(u.dtype.element_ty), mask=mv)
 
 
-@triton.jit
-def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H: tl.constexpr, HV: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          IS_VARLEN: tl.constexpr):
@@ -246,9 +248,9 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H: tl.co
         tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
 
 
-@triton.jit
-def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H: tl.constexpr,
-                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
+                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
