@@ -45,8 +45,8 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                          IS_VARLEN: tl.constexpr):
-    """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + kd·dS;
-    dS ← e^gl·dS + scale·(e^gc·q)ᵀ dO − wᵀ dv_new; dh0 = dS at the sequence start."""
+    """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
+    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -71,16 +71,17 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         last = tl.minimum(i_c * BT + BT, Tn) - 1
         gl = tl.load(gc + (bos + last) * HV + i_hv)
         gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        kd = kk * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        # row scalings (decays, scale) act on the [BT, BV] operands and results, never on the [BT, K] q / k tiles,
+        # which go from memory to the dots as they are
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        dv += tl.dot(kd.to(dt), dS.to(dt))
+        dv += tl.dot(kk, dS.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
         tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv, mask=mv)
-        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        qd = qq * (tl.exp(gg) * scale)[:, None]
-        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        ddq = dd * (tl.exp(gg) * scale)[:, None]
         ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dS = dS * tl.exp(gl) + tl.dot(tl.trans(qd.to(dt)), dd.to(dt)) - tl.dot(tl.trans(ww), dv.to(dt))
+        dS = dS * tl.exp(gl) + tl.dot(tl.trans(qq), ddq.to(dt)) - tl.dot(tl.trans(ww), dv.to(dt))
     if STORE_DH0:
         tl.store(dh0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], dS, mask=mkv)
 

@@ -56,14 +56,18 @@ def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _inv16(L):
-    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block by forward substitution."""
+    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block. L is nilpotent (L^16 = 0), so the inverse is
+    the finite series sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)(I + L^8): six fp32 dots, no sequential
+    row-by-row substitution."""
     r = tl.arange(0, 16)
-    Tm = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in tl.static_range(1, 16):
-        li = tl.sum(tl.where(r[:, None] == i, L, 0.0), 0)
-        nr = -tl.sum(li[:, None] * Tm, 0)
-        Tm = tl.where(r[:, None] == i, nr[None, :] + (r[None, :] == i).to(tl.float32), Tm)
-    return Tm
+    L2 = _dot32(L, L)
+    L4 = _dot32(L2, L2)
+    L8 = _dot32(L4, L4)
+    X = (r[:, None] == r[None, :]).to(tl.float32) - L
+    X += _dot32(X, L2)
+    X += _dot32(X, L4)
+    X += _dot32(X, L8)
+    return X
 
 
 @triton.jit
@@ -214,7 +218,7 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
                          BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                          IS_VARLEN: tl.constexpr):
     """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start,
-    v_new = u − w·S, S ← e^gl·S + (k·e^(gl−gc))ᵀ v_new. BK = K rounded up to a power of two."""
+    v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new). BK = K rounded up to a power of two."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -241,9 +245,10 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
         last = tl.minimum(i_c * BT + BT, Tn) - 1
         gl = tl.load(gc + (bos + last) * HV + i_hv)
         gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        kd = kk * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
-        S = S * tl.exp(gl) + tl.dot(tl.trans(kd.to(dt)), vn.to(dt))
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        # the decay scales the rows of v_new ([BT, BV]), not of k ([BT, K]): k goes from memory to the dot as is
+        vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        S = S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(dt))
     if STORE_HT:
         tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
 
