@@ -24,7 +24,7 @@ BT = 64  # chunk size
 _empty = torch.empty
 
 # launch parameters (per kernel) when the config table leaves a field out
-_DEFAULT_CFG = {"BK": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_state_bwd": 32, "BV_bwd": 16,
+_DEFAULT_CFG = {"BK": 64, "BK_out": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_state_bwd": 32, "BV_bwd": 16,
                 "BV_wy_bwd": 16, "BK_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 8, "warps_out": 8,
                 "warps_state_bwd": 8, "warps_bwd": 8, "num_stages": 2}
 
@@ -91,7 +91,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     if NTT > 0:
         BV = min(cfg["BV_out"], triton.next_power_of_2(V))
         gdn_output_fwd_kernel[(triton.cdiv(V, BV), NG, B * HV)](
-            q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV,
+            q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
+            BK=min(cfg["BK_out"], BKp), BV=BV,
             IS_VARLEN=varlen, num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
     if keep_h:
         return o, ht, gc, Ainv, w, u, h, vnew
@@ -151,7 +152,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     dvl = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
     BV = min(cfg["BV_out"], BVp)
     gdn_dv_local_kernel[(triton.cdiv(V, BV), NG, B * HV)](
-        q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, IS_VARLEN=varlen,
+        q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["BK_out"], BKp), BV=BV,
+        IS_VARLEN=varlen,
         num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=torch.float32, device=dev)

@@ -18,7 +18,7 @@ from .chunk_fwd import _chunk_state_row, _seq_bounds, _state_span
 def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         IS_VARLEN: tl.constexpr):
-    """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i (fp32 [rows, HV, V])."""
+    """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i (fp32 [rows, HV, V]); k qᵀ over BK-wide slices of K."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -26,16 +26,19 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
     t = t0 + tl.arange(0, BT)
     valid = t < Tn
     x = bos + t
-    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mk = valid[:, None] & (ck[None, :] < K)
     mv = valid[:, None] & (cv[None, :] < V)
-    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    kq = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        kq = tl.dot(kk, tl.trans(qq), kq)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     r = tl.arange(0, BT)
     m = (r[None, :] >= r[:, None]) & valid[:, None] & valid[None, :]  # rows j, cols i
-    PT = tl.where(m, tl.dot(kk, tl.trans(qq)) * tl.exp(tl.where(m, gg[None, :] - gg[:, None], 0.0)), 0.0)
+    PT = tl.where(m, kq * tl.exp(tl.where(m, gg[None, :] - gg[:, None], 0.0)), 0.0)
     dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     tl.store(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], tl.dot(PT.to(dd.dtype), dd) * scale, mask=mv)
 

@@ -257,7 +257,8 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
 def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
                           HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block."""
+    """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block.
+    q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -266,19 +267,23 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
     t = t0 + tl.arange(0, BT)
     valid = t < Tn
     x = bos + t
-    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mk = valid[:, None] & (ck[None, :] < K)
     mv = valid[:, None] & (cv[None, :] < V)
-    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-    hh = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
-                 mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+    h_blk = h + (i_ch * HV + i_hv) * (K * V)
+    oi = tl.zeros([BT, BV], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        hh = tl.load(h_blk + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+        oi = tl.dot(qq, hh.to(qq.dtype), oi)
+        qk = tl.dot(qq, tl.trans(kk), qk)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-    oi = tl.dot(qq, hh.to(qq.dtype)) * tl.exp(gg)[:, None]
     r = tl.arange(0, BT)
     m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
-    P = tl.where(m, tl.dot(qq, tl.trans(kk)) * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    P = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
     vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-    out = (oi + tl.dot(P.to(vn.dtype), vn)) * scale
+    out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
