@@ -147,16 +147,23 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     Lookup order: ``GQLA_TRITON_CONFIG`` override fields, the table of this GPU, ``default.json``.
     Under the interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
     """
-    key = dict(key or {})
     info = device_info(device)
-    cfg = _match(_load_table(info.key), op, key)
-    if cfg is None and not info.interpreter:
-        cfg = _match(_load_table("default"), op, key)
+    cfg = _table_config(info.key, op, key, fallback=not info.interpreter)
     if cfg is None:
         raise KeyError(f"select_config: no config for op {op!r} (key {key}) in configs/{info.key}.json")
+    return cfg
+
+
+def _table_config(gpu: str, op: str, key: Mapping[str, Any] | None, *, fallback: bool = True) -> dict | None:
+    """First matching entry for ``op`` in ``configs/<gpu>.json`` (then ``default.json`` if ``fallback``),
+    updated with the ``GQLA_TRITON_CONFIG`` override; None when no entry matches and nothing is overridden."""
+    key = dict(key or {})
+    cfg = _match(_load_table(gpu), op, key)
+    if cfg is None and fallback:
+        cfg = _match(_load_table("default"), op, key)
     raw = os.environ.get("GQLA_TRITON_CONFIG")
-    if raw:
-        cfg.update(_env_override(raw).get(op, {}))
+    if raw and op in _env_override(raw):
+        cfg = dict(cfg or {}, **_env_override(raw)[op])
     return cfg
 
 
@@ -186,11 +193,16 @@ def choose_decode_path(
     batch: int = 1,
     seqlen: int = 8192,
     override: str | None = None,
+    kernel_efficiency: bool = True,
 ) -> DecodePathChoice:
     """Pick the GQLA decode path from the roofline model of this GPU (or a named one, e.g. ``"h20"``).
 
     ``layer_shape`` has ``num_heads``, ``num_groups``, ``head_dim``, ``rope_dim``, ``kv_rank`` (and
     optionally ``v_head_dim``). ``override`` ("absorb" / "grouped") or ``GQLA_TRITON_DECODE_PATH`` wins.
+    With ``kernel_efficiency`` each path's roofline time is divided by the fraction of it that our kernel
+    was measured to reach on that GPU (``decode_path`` entry of ``configs/<gpu>.json``: ``absorb_efficiency``,
+    ``grouped_efficiency``; 1 where not measured), so the pick follows the kernels as they are today;
+    ``kernel_efficiency=False`` compares the hardware bounds alone.
     """
     from . import roofline
 
@@ -203,13 +215,22 @@ def choose_decode_path(
     spec = roofline.gpu_spec(gpu)
     t_abs = roofline.mla_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_mla_shape(layer_shape)).time(spec)
     t_grp = roofline.gqa_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_gqa_shape(layer_shape)).time(spec)
+    basis = f"roofline on {spec.name}"
+    if kernel_efficiency:
+        eff = _table_config(gpu, "decode_path", {"s_q": s_q}, fallback=False) or {}
+        e_abs, e_grp = float(eff.get("absorb_efficiency", 1.0)), float(eff.get("grouped_efficiency", 1.0))
+        if not (0 < e_abs <= 1 and 0 < e_grp <= 1):
+            raise ValueError(f"decode_path efficiencies must lie in (0, 1], got absorb {e_abs}, grouped {e_grp}")
+        t_abs, t_grp = t_abs / e_abs, t_grp / e_grp
+        if eff:
+            basis += f" x measured kernel efficiency (absorb {e_abs:.2f}, grouped {e_grp:.2f})"
     forced = override or os.environ.get("GQLA_TRITON_DECODE_PATH")
     if forced:
         if forced not in ("absorb", "grouped"):
             raise ValueError(f"decode path override must be 'absorb' or 'grouped', got {forced!r}")
         return DecodePathChoice(forced, t_abs, t_grp, spec.name, "override")
     path = "absorb" if t_abs <= t_grp else "grouped"
-    return DecodePathChoice(path, t_abs, t_grp, spec.name, f"roofline on {spec.name}")
+    return DecodePathChoice(path, t_abs, t_grp, spec.name, basis)
 
 
 def _mla_shape(s: Mapping[str, int]) -> dict:

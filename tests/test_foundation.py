@@ -44,7 +44,7 @@ def test_roofline_cli_prints_table():
 def test_choose_decode_path_follows_the_roofline():
     shape = dict(num_heads=128, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512)
     for gpu in ("h100", "h200"):
-        c = dispatch.choose_decode_path(shape, 1, gpu, batch=128, seqlen=4096)
+        c = dispatch.choose_decode_path(shape, 1, gpu, batch=128, seqlen=4096, kernel_efficiency=False)
         assert c.path == "absorb" and c.absorb_s < c.grouped_s
     c = dispatch.choose_decode_path(shape, 2, "h20", batch=128, seqlen=4096)
     assert c.path == "grouped" and c.grouped_s < c.absorb_s
@@ -98,3 +98,24 @@ def test_import_does_no_device_work():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_choose_decode_path_scales_by_measured_kernel_efficiency(monkeypatch):
+    shape = dict(num_heads=128, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512)
+    hw = dispatch.choose_decode_path(shape, 1, "h100", batch=128, seqlen=4096, kernel_efficiency=False)
+    # no table for the H100: the pure roofline
+    assert dispatch.choose_decode_path(shape, 1, "h100", batch=128, seqlen=4096) == hw
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", '{"decode_path": {"absorb_efficiency": 0.25, "grouped_efficiency": 0.8}}')
+    dispatch._env_override.cache_clear()
+    c = dispatch.choose_decode_path(shape, 1, "h100", batch=128, seqlen=4096)
+    assert c.absorb_s == pytest.approx(hw.absorb_s / 0.25) and c.grouped_s == pytest.approx(hw.grouped_s / 0.8)
+    assert c.path == ("absorb" if c.absorb_s <= c.grouped_s else "grouped") and "efficiency" in c.reason
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", '{"decode_path": {"absorb_efficiency": 0}}')
+    dispatch._env_override.cache_clear()
+    with pytest.raises(ValueError, match="efficienc"):
+        dispatch.choose_decode_path(shape, 1, "h100")
+    monkeypatch.delenv("GQLA_TRITON_CONFIG")
+    dispatch._env_override.cache_clear()
+    # the H200 table holds what our kernels reached there: the measured winner (grouped) is picked
+    h200 = dispatch.choose_decode_path(shape, 1, "h200", batch=128, seqlen=4096)
+    assert h200.path == "grouped" and "efficiency" in h200.reason
