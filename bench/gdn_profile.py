@@ -21,24 +21,22 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-# option lists per config field (index i = variant i; shorter lists wrap around)
+# option lists per config field (index i = variant i; shorter lists wrap around); variant 0 = the committed
+# H200 entry for K = V = 128. Fields are "<kernel>_<field>" (gqla_triton.ops.gdn.chunk.KERNELS).
+_TILE = [2, 1, 3, 2, 3, 2]  # num_stages of the looped kernels
 OPTIONS = {
-    "BK": [64, 32, 128, 64, 64, 32],
-    "warps_wy": [4, 2, 8, 4, 2, 4],
-    "BV_wu": [64, 32, 128, 128, 32, 64],
-    "warps_wu": [8, 4, 4, 8, 4, 8],
-    "BV_state": [32, 16, 64, 32, 64, 16],
-    "warps_state": [8, 4, 4, 4, 8, 2],
-    "BK_out": [64, 32, 64, 128, 128, 64],
-    "BV_out": [64, 32, 128, 128, 64, 32],
-    "warps_out": [8, 4, 8, 4, 4, 8],
-    "num_stages": [2, 1, 3, 2, 3, 2],
-    "BV_state_bwd": [32, 16, 64, 32, 64, 16],
-    "warps_state_bwd": [8, 4, 4, 4, 8, 2],
-    "BV_bwd": [16, 32, 16, 32, 64, 16],
-    "warps_bwd": [8, 4, 4, 8, 8, 8],
-    "BV_wy_bwd": [16, 32, 16, 32, 16, 64],
-    "BK_wy_bwd": [16, 32, 32, 16, 64, 16],
+    "wy_BK": [64, 32, 128, 64, 32, 64], "wy_warps": [4, 2, 8, 8, 4, 2], "wy_stages": [3, 1, 3, 2, 2, 3],
+    "wu_BK": [64, 32, 128, 64, 64, 32], "wu_BV": [64, 32, 128, 128, 32, 64], "wu_warps": [8, 4, 4, 8, 4, 8],
+    "wu_stages": [3, 1, 3, 2, 2, 3],
+    "state_BV": [32, 16, 64, 32, 64, 16], "state_warps": [8, 4, 4, 4, 8, 2], "state_stages": _TILE,
+    "out_BK": [64, 32, 64, 128, 128, 64], "out_BV": [64, 32, 128, 128, 64, 32], "out_warps": [8, 4, 8, 4, 4, 8],
+    "out_stages": _TILE,
+    "dvl_BK": [64, 32, 64, 128, 128, 64], "dvl_BV": [64, 32, 128, 128, 64, 32], "dvl_warps": [8, 4, 8, 4, 4, 8],
+    "dvl_stages": _TILE,
+    "state_bwd_BV": [32, 16, 64, 32, 64, 16], "state_bwd_warps": [8, 4, 4, 4, 8, 2], "state_bwd_stages": _TILE,
+    "grad_BV": [16, 32, 16, 32, 64, 16], "grad_warps": [8, 4, 4, 8, 8, 8], "grad_stages": _TILE,
+    "wy_bwd_BK": [16, 32, 32, 16, 64, 16], "wy_bwd_BV": [16, 32, 16, 32, 16, 64], "wy_bwd_warps": [8, 4, 4, 8, 8, 8],
+    "wy_bwd_stages": [3, 1, 2, 3, 2, 3],
 }
 
 
@@ -152,11 +150,20 @@ def main():
               f"{sum(table[i].values()):.3f} ms  max rel err vs committed {r['err']:.2e}", flush=True)
         for k_, v_ in sorted(table[i].items(), key=lambda kv: -kv[1]):
             print(f"   {v_:8.3f} ms  {k_[:90]}", flush=True)
-    # best variant per Triton kernel
-    names = sorted({k for t in table.values() for k in t if "gdn_" in k})
-    for k in names:
-        best = min((t[k], i) for i, t in table.items() if k in t)
-        print(f"BEST {k[:40]:<40} {best[0]:.3f} ms variant {best[1]}", flush=True)
+    # best variant per Triton kernel, and the config that takes each kernel's fields from its best variant
+    from gqla_triton.ops.gdn.chunk import _DEFAULT_CFG, KERNELS
+
+    best_cfg = {}
+    for prefix, kname in KERNELS.items():
+        cands = [(t[kname], i) for i, t in table.items() if kname in t]
+        if not cands:
+            continue
+        ms, i = min(cands)
+        print(f"BEST {kname:<24} {ms:.3f} ms variant {i}", flush=True)
+        src = variant(i) if i >= 0 else {}
+        best_cfg.update({f: src.get(f, _DEFAULT_CFG[f]) for f in _DEFAULT_CFG if f.startswith(prefix + "_")
+                         and f[len(prefix) + 1:] in ("BK", "BV", "warps", "stages")})
+    print("SUGGESTED gdn_chunk config (K = V = 128): " + json.dumps(best_cfg), flush=True)
     print(f"[wall {time.time() - t0:.0f}s]")
 
 

@@ -250,7 +250,7 @@ def _h200_cfg(bv_state=None):
     cfg = dict(chunk_mod._DEFAULT_CFG)
     cfg.update(next(e["config"] for e in table if all(v == 128 for v in e["match"].values())))
     if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
-        cfg["BV_state"] = cfg["BV_state_bwd"] = bv_state
+        cfg["state_BV"] = cfg["state_bwd_BV"] = bv_state
     return cfg
 
 

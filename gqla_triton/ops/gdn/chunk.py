@@ -23,16 +23,34 @@ BT = 64  # chunk size
 # every buffer the kernels must fill comes from here (tests swap in a NaN-filling allocator)
 _empty = torch.empty
 
-# launch parameters (per kernel) when the config table leaves a field out
-_DEFAULT_CFG = {"BK": 64, "BK_out": 64, "BV_wu": 64, "BV_state": 32, "BV_out": 64, "BV_state_bwd": 32, "BV_bwd": 16,
-                "BV_wy_bwd": 16, "BK_wy_bwd": 16, "warps_wy": 4, "warps_wu": 8, "warps_state": 8, "warps_out": 8,
-                "warps_state_bwd": 8, "warps_bwd": 8, "num_stages": 2}
+# Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
+# "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone.
+KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
+           "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
+           "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel"}
+_DEFAULT_CFG = {
+    "wy_BK": 64, "wy_warps": 4, "wy_stages": 3,
+    "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
+    "state_BV": 32, "state_warps": 8, "state_stages": 2,
+    "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2,
+    "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
+    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
+    "grad_BV": 16, "grad_warps": 8, "grad_stages": 2,
+    "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 3,
+}
 
 
 def _cfg(K: int, V: int, device) -> dict:
     cfg = dict(_DEFAULT_CFG)
     cfg.update(select_config("gdn_chunk", {"K": K, "V": V}, device=device) or {})
+    unknown = sorted(set(cfg) - set(_DEFAULT_CFG))
+    if unknown:
+        raise ValueError(f"gdn_chunk config: unknown fields {unknown}; expected <kernel>_<field> from {sorted(_DEFAULT_CFG)}")
     return cfg
+
+
+def _opts(cfg: dict, kern: str) -> dict:
+    return {"num_warps": cfg[f"{kern}_warps"], "num_stages": cfg[f"{kern}_stages"]}
 
 
 def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device):
@@ -82,18 +100,17 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
         gdn_wy_fwd_kernel[(NG, B * HV)](k, g, beta, gc, Ainv, cu, cidx_, T, H=H, HV=HV, K=K, BT=BT,
-                                         BK=min(cfg["BK"], BKp), IS_VARLEN=varlen, num_warps=cfg["warps_wy"])
+                                         BK=min(cfg["wy_BK"], BKp), IS_VARLEN=varlen, **_opts(cfg, "wy"))
         gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-                                         BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], triton.next_power_of_2(V)),
-                                         IS_VARLEN=varlen, num_warps=cfg["warps_wu"])
+                                         BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], triton.next_power_of_2(V)),
+                                         IS_VARLEN=varlen, **_opts(cfg, "wu"))
     h, vnew, ht = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
     if NTT > 0:
-        BV = min(cfg["BV_out"], triton.next_power_of_2(V))
+        BV = min(cfg["out_BV"], triton.next_power_of_2(V))
         gdn_output_fwd_kernel[(triton.cdiv(V, BV), NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
-            BK=min(cfg["BK_out"], BKp), BV=BV,
-            IS_VARLEN=varlen, num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
+            BK=min(cfg["out_BK"], BKp), BV=BV, IS_VARLEN=varlen, **_opts(cfg, "out"))
     if keep_h:
         return o, ht, gc, Ainv, w, u, h, vnew
     return o, ht, gc, Ainv
@@ -106,14 +123,13 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
-    BV = _state_bv(cfg["BV_state"], V, N * HV, k)
+    BV = _state_bv(cfg["state_BV"], V, N * HV, k)
     dummy = k
     gdn_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         k, w, u, gc, h, vnew, initial_state if initial_state is not None else dummy, ht,
         cu_seqlens if cu_seqlens is not None else dummy, coff if coff is not None else dummy, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, USE_H0=initial_state is not None,
-        STORE_HT=True, IS_VARLEN=cu_seqlens is not None, num_warps=cfg["warps_state"],
-        num_stages=cfg["num_stages"])
+        STORE_HT=True, IS_VARLEN=cu_seqlens is not None, **_opts(cfg, "state"))
     return h, vnew, ht
 
 
@@ -146,31 +162,29 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     if NTT == 0:
         return dq.to(q.dtype)[:, :, :H], dk.to(k.dtype)[:, :, :H], dv, dg, dbeta, dh0
     gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-                                     BK=min(cfg["BK"], BKp), BV=min(cfg["BV_wu"], BVp), IS_VARLEN=varlen,
-                                     num_warps=cfg["warps_wu"])
+                                     BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], BVp), IS_VARLEN=varlen,
+                                     **_opts(cfg, "wu"))
     h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     dvl = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
-    BV = min(cfg["BV_out"], BVp)
+    BV = min(cfg["dvl_BV"], BVp)
     gdn_dv_local_kernel[(triton.cdiv(V, BV), NG, B * HV)](
-        q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["BK_out"], BKp), BV=BV,
-        IS_VARLEN=varlen,
-        num_warps=cfg["warps_out"], num_stages=cfg["num_stages"])
+        q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
+        IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
-    BV = _state_bv(cfg["BV_state_bwd"], V, N * HV, k)
+    BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
     gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
-        num_warps=cfg["warps_state_bwd"], num_stages=cfg["num_stages"])
+        **_opts(cfg, "state_bwd"))
     dw = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     gdn_grad_chunk_kernel[(NG, B * HV)](
         q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=BKp, BV=min(cfg["BV_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"],
-        num_stages=cfg["num_stages"])
+        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["BK_wy_bwd"], BKp), BV=min(cfg["BV_wy_bwd"], BVp), IS_VARLEN=varlen, num_warps=cfg["warps_bwd"])
+        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
     G = HV // H
     if G > 1:
         dq = dq.view(B, T, H, G, K).sum(3)
