@@ -1,6 +1,6 @@
 """Pieces shared by the ops: input validation, paging math, split-KV planning and combine."""
 
-from .combine import combine_splits
+from .combine import combine_splits, finish_rows, store_rows
 from .paging import choose_num_splits, gather_pages, logical_to_physical, sparse_positions, split_bounds
 from .validation import (
     FLOAT_DTYPES,
@@ -24,8 +24,10 @@ __all__ = [
     "check_tensor",
     "choose_num_splits",
     "combine_splits",
+    "finish_rows",
     "gather_pages",
     "logical_to_physical",
     "sparse_positions",
     "split_bounds",
+    "store_rows",
 ]

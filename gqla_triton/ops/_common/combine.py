@@ -1,4 +1,5 @@
-"""Split-KV combine: merge per-split partial attention results with their log-sum-exp.
+"""Split-KV combine: merge per-split partial attention results with their log-sum-exp; the decode kernels'
+shared epilogue (``finish_rows``, ``store_rows``) that writes either final rows or a split's partials.
 
 ``o_partial [B, S, Q, H, D]`` fp32 and ``lse_partial [B, S, Q, H]`` fp32 (natural log; ``-inf`` marks a
 split that saw no key) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any float
@@ -12,6 +13,34 @@ import triton
 import triton.language as tl
 
 from ...dispatch import select_config
+
+
+@triton.jit
+def finish_rows(acc, m_log2, l):
+    """Normalise a [rows, D] online-softmax accumulator: ``(o, lse)`` with lse in natural log. ``m_log2`` is
+    the running max of the log2-scaled scores, ``l`` the running sum; a row that saw no key gets o = 0 and
+    lse = -inf."""
+    has = l > 0
+    safe_l = tl.where(has, l, 1.0)
+    o = tl.where(has[:, None], acc / safe_l[:, None], 0.0)
+    lse = tl.where(has, m_log2 * 0.6931471805599453 + tl.log(safe_l), float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def store_rows(o, lse, o_mask, lse_mask, cols, b64, split, q64, h64,
+               out, s_ob, s_oq, s_oh, lse_out, s_lb, s_lh, s_lq,
+               o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT: tl.constexpr):
+    """Store a decode tile's rows (query token q64, head h64 per row; value columns ``cols``): the final
+    ``out`` (its dtype) and ``lse_out``, or under split-KV this split's fp32 partials for combine_splits."""
+    if SPLIT:
+        po = o_part + b64 * s_pb + split * s_ps + q64 * s_pq + h64 * s_ph
+        tl.store(po[:, None] + cols[None, :], o, mask=o_mask)
+        tl.store(lse_part + b64 * s_plb + split * s_pls + q64 * s_plq + h64, lse, mask=lse_mask)
+    else:
+        po = out + b64 * s_ob + q64 * s_oq + h64 * s_oh
+        tl.store(po[:, None] + cols[None, :], o.to(out.dtype.element_ty), mask=o_mask)
+        tl.store(lse_out + b64 * s_lb + h64 * s_lh + q64 * s_lq, lse, mask=lse_mask)
 
 
 @triton.jit

@@ -24,9 +24,11 @@ from .._common import (
     check_same_dtype,
     check_tensor,
     combine_splits,
+    finish_rows,
     logical_to_physical,
     sparse_positions,
     split_bounds,
+    store_rows,
 )
 
 __all__ = ["gqa_decode", "gqa_decode_fwd"]
@@ -168,19 +170,10 @@ def gqa_decode_fwd_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new
 
-    has = l_i > 0
-    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    jj64 = jj.to(tl.int64)
-    hh64 = hh.to(tl.int64)
-    if SPLIT:
-        po = o_part + b64 * s_pb + split * s_ps + jj64 * s_pq + hh64 * s_ph
-        tl.store(po[:, None] + offs_dv[None, :], o, mask=row_ok[:, None] & m_dv[None, :])
-        tl.store(lse_part + b64 * s_plb + split * s_pls + jj64 * s_plq + hh, lse, mask=row_ok)
-    else:
-        po = out + b64 * s_ob + jj64 * s_os + hh64 * s_oh
-        tl.store(po[:, None] + offs_dv[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None] & m_dv[None, :])
-        tl.store(lse_out + b64 * s_lb + hh64 * s_lh + jj64 * s_ls, lse, mask=row_ok)
+    o, lse = finish_rows(acc, m_i, l_i)
+    store_rows(o, lse, row_ok[:, None] & m_dv[None, :], row_ok, offs_dv, b64, split, jj.to(tl.int64),
+               hh.to(tl.int64), out, s_ob, s_os, s_oh, lse_out, s_lb, s_lh, s_ls,
+               o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
 
 
 def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch.dtype, device, sparse: bool) -> dict:

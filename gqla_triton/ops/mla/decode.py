@@ -27,9 +27,11 @@ from .._common import (
     check_tensor,
     choose_num_splits,
     combine_splits,
+    finish_rows,
     logical_to_physical,
     sparse_positions,
     split_bounds,
+    store_rows,
 )
 
 __all__ = ["mla_decode", "mla_decode_fwd"]
@@ -184,27 +186,15 @@ def mla_decode_fwd_kernel(
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
 
-    has = l_i > 0
-    if TRANS:
-        o = tl.trans(tl.where(has[None, :], acc / tl.where(has, l_i, 1.0)[None, :], 0.0))
-    else:
-        o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse_row = tl.where(has, m_i * 0.6931471805599453 + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o, lse_row = finish_rows(tl.trans(acc) if TRANS else acc, m_i, l_i)
     # both halves of a DV split compute S, in a different fp32 summation order: one of them owns lse, so that
     # the result does not depend on which program stores last
     lse_mask = rvalid
     if DV_SPLIT == 2:
         lse_mask = rvalid & ((r * 0 + chunk) == 0)
-    qi64 = qi.to(tl.int64)
-    h64 = h.to(tl.int64)
-    if SPLIT:
-        o_ptr = o_part + b64 * s_pb + split * s_ps + qi64 * s_pq + h64 * s_ph
-        tl.store(o_ptr[:, None] + offs_v[None, :], o, mask=rvalid[:, None] & mv[None, :])
-        tl.store(lse_part + b64 * s_plb + split * s_pls + qi64 * s_plq + h64, lse_row, mask=lse_mask)
-    else:
-        o_ptr = out + b64 * s_ob + qi64 * s_oq + h64 * s_oh
-        tl.store(o_ptr[:, None] + offs_v[None, :], o.to(out.dtype.element_ty), mask=rvalid[:, None] & mv[None, :])
-        tl.store(lse + b64 * s_lb + h64 * s_lh + qi64 * s_lq, lse_row, mask=lse_mask)
+    store_rows(o, lse_row, rvalid[:, None] & mv[None, :], lse_mask, offs_v, b64, split, qi.to(tl.int64),
+               h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
+               o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
 
 
 def _choose_splits(programs: int, max_len: int, sm_count: int, cfg: dict) -> int:
