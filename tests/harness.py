@@ -30,6 +30,16 @@ def pick(tiny, big):
     return big if P.big else tiny
 
 
+def examples(tiny, big):
+    """Hypothesis example count: ``tiny`` under the interpreter; on the GPU ``big`` scaled by the profile's
+    count over its default of 12 (``GQLA_TEST_EXAMPLES`` is the one knob for the whole GPU run)."""
+    from hypothesis import settings
+
+    if not P.big:
+        return tiny
+    return max(1, round(big * settings.default.max_examples / 12))
+
+
 def dtypes():
     return st.sampled_from(P.dtypes)
 

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, gen, pick, randn, rel_err, seeds
+from harness import P, assert_close, dtypes, examples, gen, pick, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +16,7 @@ from gqla_triton.layers import GatedDeltaNet
 from gqla_triton.layers.gated_deltanet import GatedDeltaNetCache
 
 IMPLS = ["triton", "reference"]
-FEW = settings(max_examples=pick(3, 25))  # every example runs the chunked op: slow under the interpreter
+FEW = settings(max_examples=examples(3, 25))  # every example runs the chunked op: slow under the interpreter
 
 
 def _layer(H, G, D, dtype, seed, impl="triton"):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import EPS, P, assert_close, dtypes, gen, pick, rand, randn, rel_err, seeds
+from harness import EPS, P, assert_close, dtypes, examples, gen, pick, rand, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +10,7 @@ from gqla_triton.ops.gdn.decode import gated_delta_rule_decode
 from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
 
 DIMS = pick([16, 32, 64], [64, 128])
-FEW = settings(max_examples=pick(3, 25))  # tests that run the chunked op: slow under the interpreter
+FEW = settings(max_examples=examples(3, 25))  # tests that run the chunked op: slow under the interpreter
 
 
 def _inputs(B, s, H, HV, K, V, dtype, g):

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from harness import P, assert_close, capture_graph, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
+from harness import P, assert_close, capture_graph, dtypes, empty_poisoned, examples, gen, pick, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,7 +57,7 @@ dims = st.sampled_from(pick([(16, 0, 16), (16, 16, 32), (32, 16, 16)], [(128, 64
                                                                        (64, 32, 64), (256, 0, 256)]))
 
 
-@settings(max_examples=pick(16, 20))
+@settings(max_examples=examples(16, 20))
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), G=st.sampled_from([1, 4, 8, 16, 32]),
        g=st.sampled_from(pick([1, 2], [1, 2, 8])), d=dims, max_len=st.integers(1, pick(70, 1500)),
        causal=st.booleans(), splits=st.sampled_from([0, 1, 3]), dtype=dtypes(), seed=seeds())
@@ -123,7 +123,7 @@ def _indices(gg, B, s_q, g, topk, max_len, *, per_group, adversarial, lens=None)
     return idx.to(torch.int32).to(P.device)
 
 
-@settings(max_examples=pick(16, 20))
+@settings(max_examples=examples(16, 20))
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), G=st.sampled_from([1, 4, 16, 32]), g=st.sampled_from([1, 2]),
        topk=st.sampled_from(pick([5, 16, 40], [64, 2048, 300])), per_group=st.booleans(),
        with_len=st.booleans(), causal=st.booleans(), splits=st.sampled_from([0, 1, 3]), dtype=dtypes(),
@@ -303,7 +303,7 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(f"{k}={v[k]}" for k in v))
-@settings(max_examples=pick(4, 6), deadline=None)
+@settings(max_examples=examples(4, 6), deadline=None)
 @given(sparse=st.booleans(), s_q=st.integers(1, 2), G=st.sampled_from([1, 4, 16]), causal=st.booleans(),
        splits=st.sampled_from([0, 1, 3]), dtype=dtypes(), seed=seeds())
 def test_variants_vs_reference(variant, sparse, s_q, G, causal, splits, dtype, seed):
