@@ -23,20 +23,24 @@ import torch
 
 # option lists per config field (index i = variant i; shorter lists wrap around); variant 0 = the committed
 # H200 entry for K = V = 128. Fields are "<kernel>_<field>" (gqla_triton.ops.gdn.chunk.KERNELS).
-_TILE = [2, 1, 3, 2, 3, 2]  # num_stages of the looped kernels
+_TILE = [2, 1, 3, 2, 3, 2, 2, 3, 2, 1]  # num_stages of the looped kernels
 OPTIONS = {
-    "wy_BK": [64, 32, 128, 64, 32, 64], "wy_warps": [4, 2, 8, 8, 4, 2], "wy_stages": [3, 1, 3, 2, 2, 3],
-    "wu_BK": [64, 32, 128, 64, 64, 32], "wu_BV": [64, 32, 128, 128, 32, 64], "wu_warps": [8, 4, 4, 8, 4, 8],
-    "wu_stages": [3, 1, 3, 2, 2, 3],
-    "state_BV": [32, 16, 64, 32, 64, 16], "state_warps": [8, 4, 4, 4, 8, 2], "state_stages": _TILE,
-    "out_BK": [64, 32, 64, 128, 128, 64], "out_BV": [64, 32, 128, 128, 64, 32], "out_warps": [8, 4, 8, 4, 4, 8],
-    "out_stages": _TILE,
-    "dvl_BK": [64, 32, 64, 128, 128, 64], "dvl_BV": [64, 32, 128, 128, 64, 32], "dvl_warps": [8, 4, 8, 4, 4, 8],
-    "dvl_stages": _TILE,
-    "state_bwd_BV": [32, 16, 64, 32, 64, 16], "state_bwd_warps": [8, 4, 4, 4, 8, 2], "state_bwd_stages": _TILE,
-    "grad_BV": [16, 32, 16, 32, 64, 16], "grad_warps": [8, 4, 4, 8, 8, 8], "grad_stages": _TILE,
-    "wy_bwd_BK": [16, 32, 32, 16, 64, 16], "wy_bwd_BV": [16, 32, 16, 32, 16, 64], "wy_bwd_warps": [8, 4, 4, 8, 8, 8],
-    "wy_bwd_stages": [3, 1, 2, 3, 2, 3],
+    "wy_BK": [64, 32, 128, 64, 32, 64, 32, 64, 128, 64], "wy_warps": [4, 2, 8, 8, 4, 2, 4, 4, 4, 4],
+    "wy_stages": [3, 1, 3, 2, 2, 3, 1, 2, 2, 1],
+    "wu_BK": [64, 32, 128, 64, 64, 32, 64, 64, 32, 128], "wu_BV": [64, 32, 128, 128, 32, 64, 64, 32, 64, 64],
+    "wu_warps": [8, 4, 4, 8, 4, 8, 4, 4, 4, 8], "wu_stages": [3, 1, 3, 2, 2, 3, 2, 3, 2, 2],
+    "state_BV": [32, 16, 64, 32, 64, 16, 32, 64, 16, 32], "state_warps": [8, 4, 4, 4, 8, 2, 2, 4, 4, 4],
+    "state_stages": _TILE,
+    "out_BK": [64, 32, 64, 128, 128, 64, 64, 32, 64, 64], "out_BV": [64, 32, 128, 128, 64, 32, 128, 64, 64, 128],
+    "out_warps": [8, 4, 8, 4, 4, 8, 4, 4, 4, 8], "out_stages": _TILE,
+    "dvl_BK": [64, 32, 64, 128, 128, 64, 64, 32, 64, 64], "dvl_BV": [64, 32, 128, 128, 64, 32, 128, 64, 64, 128],
+    "dvl_warps": [8, 4, 8, 4, 4, 8, 4, 4, 4, 8], "dvl_stages": _TILE,
+    "state_bwd_BV": [32, 16, 64, 32, 64, 16, 32, 64, 16, 32], "state_bwd_warps": [8, 4, 4, 4, 8, 4, 2, 4, 4, 4],
+    "state_bwd_stages": _TILE,
+    "grad_BV": [16, 32, 16, 32, 64, 16, 32, 16, 16, 32], "grad_warps": [8, 4, 4, 8, 8, 8, 4, 4, 4, 8],
+    "grad_stages": _TILE,
+    "wy_bwd_BK": [16, 32, 32, 16, 64, 16, 16, 32, 16, 64], "wy_bwd_BV": [16, 32, 16, 32, 16, 64, 16, 32, 32, 64],
+    "wy_bwd_warps": [8, 4, 4, 8, 8, 8, 4, 4, 4, 8], "wy_bwd_stages": [3, 1, 2, 3, 2, 3, 2, 3, 1, 2],
 }
 
 
@@ -116,9 +120,9 @@ def _flat(res):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="G1")
-    ap.add_argument("--variants", type=int, default=6)
+    ap.add_argument("--variants", type=int, default=len(_TILE))
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--procs", type=int, default=6)
+    ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--one", type=int, default=None, help="(internal) time one variant, print a JSON line")
     a = ap.parse_args()
     if a.one is not None:
