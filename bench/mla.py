@@ -193,11 +193,15 @@ VARIANTS = {  # timing order: most promising first (a budget stop drops the tail
                    dv_split=2),
     "t64dv2s1": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, transposed=True,
                      dv_split=2),
+    # Sᵀ [128 keys, 32 heads] fills 8 warps along M: QKᵀ is not duplicated (see NOTES.md); 4 programs per batch
+    # entry share each K tile through L2. One stage only: two would need 340 KB of shared memory
+    "t128h32": dict(BLOCK_H=32, BLOCK_N=128, num_warps=8, num_stages=1, transposed=True),
+    "t64h32": dict(BLOCK_H=32, BLOCK_N=64, num_warps=4, num_stages=2, transposed=True, paged_tiles=True),
 }
 
 
 # compile with register spills on sm_90 (bench.mla --aot): timed only when named in --variants
-SPILLING = ("pg64s1", "pg64s2", "dv2pg64", "t64s1", "t64s2", "t64w4", "t64dv2", "t64dv2s1", "t32dv2w4",
+SPILLING = ("t64h32", "pg64s1", "pg64s2", "dv2pg64", "t64s1", "t64s2", "t64w4", "t64dv2", "t64dv2s1", "t32dv2w4",
             "t32h128dv2", "dv2w4")
 
 
