@@ -110,6 +110,7 @@ VARIANTS = [
     {"paged_tiles": True, "BLOCK_N": 32},  # BLOCK_N > page 16: falls back to the per-token path there
     {"transposed": True},
     {"transposed": True, "paged_tiles": True, "dv_split": 2},
+    {"transposed": True, "BLOCK_H": 32, "BLOCK_N": 128},  # 128 keys x 32 heads (bench.mla t128h32)
 ]
 
 
