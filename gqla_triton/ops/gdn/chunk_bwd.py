@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_fwd import _chunk_state_row, _seq_bounds, _state_span
+from .chunk_fwd import _chunk_rows, _chunk_state_row, _state_heads
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
@@ -20,12 +20,7 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
                         IS_VARLEN: tl.constexpr):
     """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i (fp32 [rows, HV, V]); k qᵀ over BK-wide slices of K."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
-    t = t0 + tl.arange(0, BT)
-    valid = t < Tn
-    x = bos + t
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     cv = i_v * BV + tl.arange(0, BV)
     mv = valid[:, None] & (cv[None, :] < V)
     kq = tl.zeros([BT, BT], dtype=tl.float32)
@@ -51,9 +46,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
     dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, boh = _state_span(i_n, cu, coff, T, NT, IS_VARLEN)
+    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mkv = (ck[:, None] < K) & (cv[None, :] < V)
@@ -95,13 +88,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, 
                           BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq, dk (state + intra terms), dw = −dv_new·hᵀ, dgc (all fp32)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
-    t = t0 + tl.arange(0, BT)
-    valid = t < Tn
-    x = bos + t
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     dqi = tl.zeros([BT, BK], dtype=tl.float32)
@@ -157,12 +145,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu,
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new).
     Adds to dk (in place, fp32), writes dv, dbeta and dg = reverse within-chunk cumsum of dgc."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
-    t = t0 + tl.arange(0, BT)
-    valid = t < Tn
-    x = bos + t
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
     A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0)
     b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)

@@ -45,6 +45,25 @@ def _state_span(i_n, cu, coff, T, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk program (i_t, i_bh = batch row x value head): (i_b, i_hv, i_h, bos, length, chunk start,
+    t [BT] positions in the sequence, valid [BT], x [BT] int64 flat rows)."""
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    t = t0 + tl.arange(0, BT)
+    return i_b, i_hv, i_h, bos, Tn, t0, t, t < Tn, bos + t
+
+
+@triton.jit
+def _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN: tl.constexpr):
+    """Sequential state program over sequence x value head i_nh: (i_hv, i_h, bos, length, first state row)."""
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos, Tn, boh = _state_span(i_n, cu, coff, T, NT, IS_VARLEN)
+    return i_hv, i_hv // (HV // H), bos, Tn, boh
+
+
+@triton.jit
 def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
     """Row (int64) of chunk program i_t's state in h ``[chunks, HV, K, V]``."""
     if IS_VARLEN:
@@ -104,9 +123,7 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
     """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    i_b, i_hv, i_h, bos, Tn, t0, _, _, _ = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
     t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
     v0, v1, v2, v3 = t_0 < Tn, t_1 < Tn, t_2 < Tn, t_3 < Tn
@@ -187,12 +204,7 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
                       IS_VARLEN: tl.constexpr):
     """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
-    t = t0 + tl.arange(0, BT)
-    valid = t < Tn
-    x = bos + t
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     c = tl.arange(0, BT)
     A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + c[None, :], mask=valid[:, None], other=0.0)
     b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
@@ -220,9 +232,7 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
     """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start,
     v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new). BK = K rounded up to a power of two."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, boh = _state_span(i_n, cu, coff, T, NT, IS_VARLEN)
+    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mkv = (ck[:, None] < K) & (cv[None, :] < V)
@@ -260,13 +270,8 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
     """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block.
     q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
-    t = t0 + tl.arange(0, BT)
-    valid = t < Tn
-    x = bos + t
     cv = i_v * BV + tl.arange(0, BV)
     mv = valid[:, None] & (cv[None, :] < V)
     h_blk = h + (i_ch * HV + i_hv) * (K * V)
