@@ -15,15 +15,11 @@ import torch
 
 from bench.common import time_ms, try_import
 from gqla_triton.ops.gdn.chunk import chunk_gated_delta_rule
-from gqla_triton.roofline import gdn_chunk_bwd_model, gdn_chunk_fwd_model
+from gqla_triton.roofline import GDN_WORKLOADS, gdn_chunk_bwd_model, gdn_chunk_fwd_model
 
-WORKLOADS = {
-    "G1": dict(B=1, T=32768, H=16, HV=32),
-    "G2": dict(B=4, T=8192, H=16, HV=32),
-    "G3": dict(B=1, T=8192, H=16, HV=16),
-    "G4": dict(B=1, T=32768, H=16, HV=32, cu=[0, 1000, 5096, 6000, 14192, 15000, 23192, 24000, 32768]),
-    "G5": dict(B=1, T=32768, H=4, HV=8),
-}
+# the roofline's workload table; G4 is varlen over these 8 sequences
+WORKLOADS = {k: dict(w) for k, w in GDN_WORKLOADS.items()}
+WORKLOADS["G4"]["cu"] = [0, 1000, 5096, 6000, 14192, 15000, 23192, 24000, 32768]
 K = V = 128
 
 

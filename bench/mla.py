@@ -17,17 +17,12 @@ import sys
 import torch
 
 from bench.common import time_graph_ms, time_ms, try_import
-from gqla_triton.roofline import mla_decode_model
+from gqla_triton.roofline import MLA_WORKLOADS, mla_decode_model
 
 H, R, DR, PAGE = 128, 512, 64, 64
-WORKLOADS = {
-    "M1": dict(B=128, S=4096, s_q=1),
-    "M2": dict(B=128, S=4096, s_q=2),
-    "M3": dict(B=64, S=8192, s_q=1),
-    "M4": dict(B=32, S=16384, s_q=1),
-    "SM1": dict(B=128, S=8192, s_q=1, topk=2048),
-    "SM2": dict(B=64, S=32768, s_q=1, topk=2048),
-}
+# the roofline's workload table, in this module's names (B batch, S cached tokens)
+WORKLOADS = {k: dict(B=w["batch"], S=w["seqlen"], s_q=w["s_q"], **({"topk": w["topk"]} if "topk" in w else {}))
+             for k, w in MLA_WORKLOADS.items()}
 
 
 def make_inputs(B, S, s_q, topk=None, seed=0):
