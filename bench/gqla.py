@@ -6,8 +6,9 @@ page 64, bf16), M1/Q1-like shapes.
 
 Each workload adds one row per path (op ``gqla_absorb`` / ``gqla_grouped``, impl ``gqla_triton``) with extra
 fields: ``attn_ms`` (the decode kernel alone), ``model_ms`` (roofline time of the kernel on this GPU),
-``auto_pick`` (``dispatch.choose_decode_path``), ``winner`` (measured, whole decode attention) and
-``pick_ok``. ``python -m bench.run --op gqla`` (add ``--no-anchors``: there are no anchors here).
+``auto_pick`` (``dispatch.choose_decode_path``: roofline x the kernels' measured efficiency in the config
+table), ``roofline_pick`` (hardware bounds alone, ``kernel_efficiency=False``), ``winner`` (measured, whole decode
+attention) and ``pick_ok``. ``python -m bench.run --op gqla`` (add ``--no-anchors``: there are no anchors here).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def run(names, ctx, anchors=True):
         B, S, s_q = w["B"], w["S"], w["s_q"]
         x = make_inputs(B, S, s_q)
         pick = choose_decode_path(SHAPE, s_q, info, batch=B, seqlen=S)
+        hw = choose_decode_path(SHAPE, s_q, info, batch=B, seqlen=S, kernel_efficiency=False)
         m_abs = mla_decode_model(B, S, s_q, num_heads=H, kv_rank=R, rope_dim=DR)
         m_grp = gqa_decode_model(B, S, s_q, num_heads=H, num_groups=G, head_dim=DH, v_head_dim=DH, rope_dim=DR)
         proj = 2 * 2 * B * s_q * H * DH * R  # the two absorb projections (W_UK, W_UV)
@@ -111,7 +113,7 @@ def run(names, ctx, anchors=True):
             ctx.row(f"gqla_{path}", name, "gqla_triton", ms, flops=model.flops + extra_flops, nbytes=model.bytes,
                     path=path, attn_ms=attn_ms, model_ms=model.time(spec) * 1e3, auto_pick=pick.path,
                     model_absorb_ms=pick.absorb_s * 1e3, model_grouped_ms=pick.grouped_s * 1e3,
-                    winner=winner, pick_ok=pick.path == winner, B=B, S=S, s_q=s_q)
+                    roofline_pick=hw.path, winner=winner, pick_ok=pick.path == winner, B=B, S=S, s_q=s_q)
         del x
         torch.cuda.empty_cache()
 
