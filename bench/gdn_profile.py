@@ -23,25 +23,24 @@ import torch
 
 # option lists per config field (index i = variant i; shorter lists wrap around); variant 0 = the committed
 # H200 entry for K = V = 128. Fields are "<kernel>_<field>" (gqla_triton.ops.gdn.chunk.KERNELS).
-_TILE = [2, 1, 3, 2, 3, 2, 2, 3, 2, 1]  # num_stages of the looped kernels
+# (session 3) variant 0 = the committed entry; the others move each kernel around it. State passes at one
+# stage with BV <= 32 and 4 warps faulted (illegal address) on Triton 3.6 in session 3's profile: not listed.
 OPTIONS = {
-    "wy_BK": [64, 32, 128, 64, 32, 64, 32, 64, 128, 64], "wy_warps": [4, 2, 8, 8, 4, 2, 4, 4, 4, 4],
-    "wy_stages": [3, 1, 3, 2, 2, 3, 1, 2, 2, 1],
-    "wu_BK": [64, 32, 128, 64, 64, 32, 64, 64, 32, 128], "wu_BV": [64, 32, 128, 128, 32, 64, 64, 32, 64, 64],
-    "wu_warps": [8, 4, 4, 8, 4, 8, 4, 4, 4, 8], "wu_stages": [3, 1, 3, 2, 2, 3, 2, 3, 2, 2],
-    "state_BV": [32, 16, 64, 32, 64, 16, 32, 64, 16, 32], "state_warps": [8, 4, 4, 4, 8, 2, 2, 4, 4, 4],
-    "state_stages": _TILE,
-    "out_BK": [64, 32, 64, 128, 128, 64, 64, 32, 64, 64], "out_BV": [64, 32, 128, 128, 64, 32, 128, 64, 64, 128],
-    "out_warps": [8, 4, 8, 4, 4, 8, 4, 4, 4, 8], "out_stages": _TILE,
-    "dvl_BK": [64, 32, 64, 128, 128, 64, 64, 32, 64, 64], "dvl_BV": [64, 32, 128, 128, 64, 32, 128, 64, 64, 128],
-    "dvl_warps": [8, 4, 8, 4, 4, 8, 4, 4, 4, 8], "dvl_stages": _TILE,
-    "state_bwd_BV": [32, 16, 64, 32, 64, 16, 32, 64, 16, 32], "state_bwd_warps": [8, 4, 4, 4, 8, 4, 8, 4, 4, 4],
-    "state_bwd_stages": [2, 1, 2, 2, 1, 2, 3, 2, 3, 1],  # 3 stages at BV 64 need > 227 KB of shared memory
-    "grad_BV": [16, 32, 16, 32, 64, 16, 32, 16, 16, 32], "grad_warps": [8, 4, 4, 8, 8, 8, 4, 4, 4, 8],
-    "grad_stages": _TILE,
-    "wy_bwd_BK": [16, 32, 32, 16, 64, 16, 16, 32, 16, 64], "wy_bwd_BV": [16, 32, 16, 32, 16, 64, 16, 32, 32, 64],
-    "wy_bwd_warps": [8, 4, 4, 8, 8, 8, 4, 4, 4, 8], "wy_bwd_stages": [3, 1, 2, 3, 2, 3, 2, 3, 1, 2],
+    "wy_BK": [64, 32, 64, 128, 64, 32], "wy_warps": [2, 2, 4, 4, 2, 4], "wy_stages": [3, 3, 3, 2, 2, 3],
+    "wu_BK": [64, 64, 128, 64, 32, 64], "wu_BV": [64, 64, 64, 128, 64, 32],
+    "wu_warps": [8, 4, 8, 8, 4, 4], "wu_stages": [3, 3, 2, 3, 3, 3],
+    "state_BV": [64, 32, 64, 16, 32, 64], "state_warps": [4, 4, 8, 4, 2, 4], "state_stages": [3, 3, 3, 3, 3, 2],
+    "out_BK": [64, 64, 128, 32, 64, 64], "out_BV": [128, 128, 128, 64, 64, 128],
+    "out_warps": [4, 8, 4, 4, 4, 4], "out_stages": [2, 3, 2, 3, 3, 3],
+    "dvl_BK": [64, 64, 128, 32, 64, 64], "dvl_BV": [128, 128, 128, 64, 64, 128],
+    "dvl_warps": [4, 8, 4, 4, 4, 4], "dvl_stages": [2, 3, 2, 3, 3, 3],
+    "state_bwd_BV": [32, 32, 64, 16, 32, 16], "state_bwd_warps": [8, 4, 4, 4, 8, 8],
+    "state_bwd_stages": [3, 3, 2, 3, 2, 3],  # 3 stages at BV 64 need > 227 KB of shared memory
+    "grad_BV": [64, 64, 32, 64, 16, 32], "grad_warps": [8, 8, 8, 4, 8, 4], "grad_stages": [3, 2, 3, 3, 3, 2],
+    "wy_bwd_BK": [32, 32, 16, 32, 64, 16], "wy_bwd_BV": [32, 32, 32, 16, 32, 16],
+    "wy_bwd_warps": [4, 8, 4, 4, 4, 8], "wy_bwd_stages": [3, 2, 3, 2, 3, 3],
 }
+NVARIANTS = len(OPTIONS["wy_BK"])
 
 
 def variant(i: int) -> dict:
@@ -117,10 +116,28 @@ def _flat(res):
     return [res[0], res[1], *res[2]]
 
 
+def _save(a, table, errs, failed):
+    """Results so far as JSON (a cut run keeps the variants it finished)."""
+    if not a.out:
+        return
+    from bench.common import environment
+
+    cfg = lambda i: variant(i) if i >= 0 else "committed"  # noqa: E731
+    doc = {"env": environment(), "command": f"python -m bench.gdn_profile --workload {a.workload} --variants "
+           f"{a.variants} --iters {a.iters}", "what": "mean ms per forward+backward call of each kernel under "
+           "torch.profiler (gdn_state_fwd_kernel and gdn_wu_fwd_kernel run twice per call)",
+           "variants": {i: {"config": cfg(i), "max_rel_err_vs_committed": errs[i], "total_ms": sum(t.values()),
+                            "kernels_ms": t} for i, t in table.items()},
+           "failed": {i: {"config": cfg(i), "error": e} for i, e in failed.items()}}
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="G1")
-    ap.add_argument("--variants", type=int, default=len(_TILE))
+    ap.add_argument("--variants", type=int, default=NVARIANTS)
+    ap.add_argument("--out", default=None, help="results JSON, rewritten after every variant")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--one", type=int, default=None, help="(internal) time one variant, print a JSON line")
@@ -134,8 +151,8 @@ def main():
         for i, msg in ex.map(_compile, [(i, a.workload) for i in range(a.variants)]):
             print(f"variant {i}: {msg}", flush=True)
     print(f"[compile wall {time.time() - t0:.0f}s]", flush=True)
-    table = {}
-    for i in range(-1, a.variants):  # -1: the committed config
+    table, errs, failed = {}, {}, {}
+    for i in range(a.variants):  # variant 0 is the committed config
         # each variant in its own process: a crash (illegal address) must not end the others' CUDA context
         cmd = [sys.executable, "-m", "bench.gdn_profile", "--one", str(i), "--workload", a.workload,
                "--iters", str(a.iters)]
@@ -145,11 +162,15 @@ def main():
             # name the failing kernel: launches made synchronous, the error surfaces at the faulting launch
             p2 = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
             where = [x.strip() for x in p2.stderr.splitlines() if "kernel[" in x or "_kernel" in x or "Error" in x]
+            failed[i] = where[-8:] or p.stderr.splitlines()[-5:]
+            _save(a, table, errs, failed)
             print(f"variant {i} {json.dumps(variant(i)) if i >= 0 else 'committed'} FAILED:\n    "
                   + "\n    ".join(where[-8:] or p.stderr.splitlines()[-5:]), flush=True)
             continue
         r = res[0]
         table[i] = r["kernels_ms"]
+        errs[i] = r["err"]
+        _save(a, table, errs, failed)
         print(f"== variant {i} {json.dumps(variant(i)) if i >= 0 else 'committed'}  total "
               f"{sum(table[i].values()):.3f} ms  max rel err vs committed {r['err']:.2e}", flush=True)
         for k_, v_ in sorted(table[i].items(), key=lambda kv: -kv[1]):

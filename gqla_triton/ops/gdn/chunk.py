@@ -81,7 +81,7 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor) -> int:
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, keep_h: bool = False):
     """Launch the forward stages. Returns (o [B,T,HV,V] v.dtype, final [N,HV,K,V] fp32, gc fp32 [B,T,HV],
-    Ainv fp32 [B,T,HV,BT], and when keep_h also (h, v_new))."""
+    Ainv [B,T,HV,BT] (k's dtype), and when keep_h also (h, v_new))."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -95,7 +95,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     coff_ = coff if coff is not None else dummy
     varlen = cu_seqlens is not None
     gc = _empty(B, T, HV, dtype=torch.float32, device=q.device)
-    Ainv = _empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
+    Ainv = _empty(B, T, HV, BT, dtype=k.dtype, device=q.device)
     w = _empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
@@ -153,43 +153,50 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     do = do.contiguous()
     w = _empty(B, T, HV, K, dtype=k.dtype, device=dev)
     u = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    dq = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dv = _empty(v.shape, dtype=v.dtype, device=dev)
     dg = _empty(g.shape, dtype=g.dtype, device=dev)
     dbeta = _empty(beta.shape, dtype=beta.dtype, device=dev)
     dh0 = _empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    if NTT == 0:
-        return dq.to(q.dtype)[:, :, :H], dk.to(k.dtype)[:, :, :H], dv, dg, dbeta, dh0
     gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                      BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], BVp), IS_VARLEN=varlen,
                                      **_opts(cfg, "wu"))
     h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
-    dvl = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    # gradients passed between stages are stored in the input dtype (tensor-core operands next), apart from dk's
+    # partial terms and the GVA sums (fp32)
+    dvl = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
     BV = min(cfg["dvl_BV"], BVp)
     gdn_dv_local_kernel[(triton.cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
-    dvn = _empty(B, T, HV, V, dtype=torch.float32, device=dev)
+    dvn = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
     BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
     gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
         **_opts(cfg, "state_bwd"))
-    dw = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    del dvl
+    dw = _empty(B, T, HV, K, dtype=k.dtype, device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
+    dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    # GVA: the value heads of one q/k head add their dq and dk terms atomically into zeroed fp32 sums
+    gsum = HV > H
+    if gsum:
+        dq = torch.zeros(B, T, H, K, dtype=torch.float32, device=dev)
+        dk = torch.zeros(B, T, H, K, dtype=torch.float32, device=dev)
+    else:
+        dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
+        dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
     gdn_grad_chunk_kernel[(NG, B * HV)](
-        q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "grad"))
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
-        k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
-    G = HV // H
-    if G > 1:
-        dq = dq.view(B, T, H, G, K).sum(3)
-        dk = dk.view(B, T, H, G, K).sum(3)
-    return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta, dh0
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen,
+        **_opts(cfg, "wy_bwd"))
+    if gsum:
+        dq, dk = dq.to(q.dtype), dk.to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 # ----------------------------------------------------------------------------------- torch.library + autograd
@@ -206,7 +213,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
-            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=torch.float32))
+            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=k.dtype))
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())

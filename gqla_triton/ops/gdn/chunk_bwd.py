@@ -18,7 +18,7 @@ from .chunk_fwd import _chunk_rows, _chunk_state_row, _state_heads
 def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         IS_VARLEN: tl.constexpr):
-    """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i (fp32 [rows, HV, V]); k qᵀ over BK-wide slices of K."""
+    """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i ([rows, HV, V]); k qᵀ over BK-wide slices of K."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     cv = i_v * BV + tl.arange(0, BV)
@@ -35,7 +35,8 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
     m = (r[None, :] >= r[:, None]) & valid[:, None] & valid[None, :]  # rows j, cols i
     PT = tl.where(m, kq * tl.exp(tl.where(m, gg[None, :] - gg[:, None], 0.0)), 0.0)
     dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-    tl.store(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], tl.dot(PT.to(dd.dtype), dd) * scale, mask=mv)
+    dvv = tl.dot(PT.to(dd.dtype), dd) * scale
+    tl.store(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dvv.to(dvl.dtype.element_ty), mask=mv)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -70,9 +71,9 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         # row scalings (decays, scale) act on the [BT, BV] operands and results, never on the [BT, K] q / k tiles,
         # which go from memory to the dots as they are
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-        dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         dv += tl.dot(kk, dS.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
-        tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv, mask=mv)
+        tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv.to(dvn.dtype.element_ty), mask=mv)
         qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         ddq = dd * (tl.exp(gg) * scale)[:, None]
@@ -82,11 +83,22 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         tl.store(dh0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], dS, mask=mkv)
 
 
+@triton.jit
+def _sum_heads(acc, ptr, o, mask, GSUM: tl.constexpr):
+    """Store acc, or (GSUM: several value heads share this q/k head) add it atomically to the fp32 sum at ptr.
+    With two value heads per q/k head the sum is deterministic (0 + a + b rounds the same in either order)."""
+    if GSUM:
+        tl.atomic_add(ptr + o, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr + o, acc.to(ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, cidx, coff, scale, T, NT,
+def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
                           H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per chunk and value head: dq, dk (state + intra terms), dw = −dv_new·hᵀ, dgc (all fp32)."""
+                          BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per chunk and value head: dq ([rows, H, K]: q's dtype, or with GSUM the fp32 sum over the value heads of
+    each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -132,22 +144,24 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dk, dw, dgc, cu, 
     dqq += tl.dot(dPm.to(dt), kk)
     dkk += tl.dot(tl.trans(dPm.to(dt)), qq)
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
-    tl.store(dq + o, dqq, mask=mk)
-    tl.store(dk + o, dkk, mask=mk)
-    tl.store(dw + o, -dww, mask=mk)
+    tl.store(dkp + o, dkk, mask=mk)
+    tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
+    _sum_heads(dqq, dq, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
-def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx, T, H,
+def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new).
-    Adds to dk (in place, fp32), writes dv, dbeta and dg = reverse within-chunk cumsum of dgc."""
+                      BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
+    terms ([rows, H, K]: k's dtype, or with GSUM the fp32 sum over value heads), dv, dbeta and dg = reverse
+    within-chunk cumsum of dgc."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
-    A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0)
+    dt = k.dtype.element_ty
+    A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dt)
     b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     eg = tl.exp(gg)
@@ -158,16 +172,16 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu,
         mk = valid[:, None] & (ck[None, :] < K)
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dT += tl.dot(dww, tl.trans(kk.to(tl.float32) * (b * eg)[:, None]))
+        dT += tl.dot(dww.to(dt), tl.trans((kk.to(tl.float32) * (b * eg)[:, None]).to(dt)))
         KK += tl.dot(kk, tl.trans(kk))
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        dT += tl.dot(du, tl.trans(vv * b[:, None]))
+        dT += tl.dot(du.to(dt), tl.trans((vv * b[:, None]).to(dt)))
     ml = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
-    dA = -tl.dot(tl.trans(A), tl.dot(dT, tl.trans(A)))
+    dA = -tl.dot(tl.trans(A), tl.dot(dT.to(dt), tl.trans(A)).to(dt))
     KD = tl.where(ml, KK * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
     dA = tl.where(ml, dA, 0.0)
     dAK = dA * KD
@@ -175,18 +189,17 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu,
     dAA = dAK * b[:, None]
     dgg = tl.sum(dAA, 1) - tl.sum(dAA, 0)
     M = tl.where(ml, dA * b[:, None]  # dA·beta_i·decay
-                * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
+                * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dt)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dX = tl.dot(tl.trans(A), dww)
-        o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        dkk = tl.load(dk + o, mask=mk, other=0.0)
+        dX = tl.dot(tl.trans(A), dww.to(dt))
+        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dkk += dX * (b * eg)[:, None] + tl.dot(M, kk) + tl.dot(tl.trans(M), kk)
-        tl.store(dk + o, dkk, mask=mk)
-        t1 = tl.sum(dX * kk, 1) * eg
+        _sum_heads(dkk, dk, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
+        t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
         db += t1
         dgg += t1 * b
     for v0 in range(0, V, BV):
@@ -194,7 +207,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dk, dgc, dv, dbeta, dg, cu,
         mv = valid[:, None] & (cv[None, :] < V)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        dX = tl.dot(tl.trans(A), du)
+        dX = tl.dot(tl.trans(A), du.to(dt))
         tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
                  mask=mv)
         db += tl.sum(dX * vv, 1)
