@@ -40,6 +40,12 @@ _DEFAULT_CFG = {
 }
 
 
+def _mid_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of Ainv and of the gradients passed between backward stages: bf16 for bf16 inputs (fp32's
+    exponent range at half the bytes), fp32 otherwise (in fp16, decayed terms and small gradients underflow)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def _cfg(K: int, V: int, device) -> dict:
     cfg = dict(_DEFAULT_CFG)
     cfg.update(select_config("gdn_chunk", {"K": K, "V": V}, device=device) or {})
@@ -81,7 +87,7 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor) -> int:
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, keep_h: bool = False):
     """Launch the forward stages. Returns (o [B,T,HV,V] v.dtype, final [N,HV,K,V] fp32, gc fp32 [B,T,HV],
-    Ainv [B,T,HV,BT] (k's dtype), and when keep_h also (h, v_new))."""
+    Ainv [B,T,HV,BT] (_mid_dtype), and when keep_h also (h, v_new))."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -95,7 +101,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     coff_ = coff if coff is not None else dummy
     varlen = cu_seqlens is not None
     gc = _empty(B, T, HV, dtype=torch.float32, device=q.device)
-    Ainv = _empty(B, T, HV, BT, dtype=k.dtype, device=q.device)
+    Ainv = _empty(B, T, HV, BT, dtype=_mid_dtype(k.dtype), device=q.device)
     w = _empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
@@ -161,22 +167,22 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
                                      BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], BVp), IS_VARLEN=varlen,
                                      **_opts(cfg, "wu"))
     h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
-    # gradients passed between stages are stored in the input dtype (tensor-core operands next), apart from dk's
-    # partial terms and the GVA sums (fp32)
-    dvl = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    # gradients passed between stages are stored in _mid_dtype (tensor-core operands next), dk's partial terms
+    # and the GVA sums in fp32
+    dvl = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     BV = min(cfg["dvl_BV"], BVp)
     gdn_dv_local_kernel[(triton.cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
-    dvn = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
     gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
         **_opts(cfg, "state_bwd"))
     del dvl
-    dw = _empty(B, T, HV, K, dtype=k.dtype, device=dev)
+    dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     # GVA: the value heads of one q/k head add their dq and dk terms atomically into zeroed fp32 sums
@@ -213,7 +219,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
-            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=k.dtype))
+            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=_mid_dtype(k.dtype)))
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())

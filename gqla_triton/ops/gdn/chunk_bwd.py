@@ -160,7 +160,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
-    dt = k.dtype.element_ty
+    dt = dw.dtype.element_ty  # operand dtype of this kernel's dots: bf16, or fp32 (tf32) for fp16/fp32 inputs
     A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dt)
     b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
@@ -197,7 +197,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dX = tl.dot(tl.trans(A), dww.to(dt))
         dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk) + tl.dot(tl.trans(M), kk)
+        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt)) + tl.dot(tl.trans(M), kk.to(dt))
         _sum_heads(dkk, dk, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
         t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
         db += t1

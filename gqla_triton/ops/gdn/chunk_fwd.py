@@ -1,7 +1,7 @@
 """Forward stages of the chunked gated delta rule (chunk BT = 64, fp32 accumulation).
 
 Layouts (rows = flattened tokens ``B*T``): q, k ``[rows, H, K]``; v, u, v_new, o ``[rows, HV, V]``;
-w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv ``[rows, HV, BT]`` (input dtype)
+w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv ``[rows, HV, BT]`` (bf16 for bf16 inputs, else fp32)
 (row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h ``[chunks, HV, K, V]`` (state at
 each chunk's start). Sequences come from ``cu_seqlens`` (varlen) or are the B rows of length T.
 Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final) -> ``output`` (o).
@@ -122,7 +122,7 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
     """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
-    solved in fp32 and stored in Ainv's dtype (the input dtype: it is only ever a tensor-core operand)."""
+    solved in fp32 and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, _, _, _ = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
