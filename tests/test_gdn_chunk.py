@@ -161,6 +161,25 @@ def test_gva_equals_repeated_heads(T, G, dtype, seed):
     assert torch.equal(o.cpu(), o2.cpu()) and torch.equal(ht.cpu(), ht2.cpu())
 
 
+@given(T=st.integers(1, pick(100, 300)), H=st.integers(1, 2), G=st.sampled_from([1, 2]), dtype=dtypes(),
+       seed=seeds())
+def test_forward_backward_bitwise_deterministic(T, H, G, dtype, seed):
+    """Repeated forward + backward calls give bitwise-equal outputs and gradients. With HV <= 2H this holds for
+    the GVA sums too (two fp32 atomic adds onto zero round the same in either order); on the GPU it also
+    catches races inside a kernel (a result that depends on timing)."""
+    K = V = pick(16, 128)
+    HV = H * G
+    ins = _inputs(seed, 1, T, H, HV, K, V, 1)
+    grads = (randn((1, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((1, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    o, ht, dx = _run_kernel(ins, dtype, grads=grads)
+    for _ in range(2):
+        o2, ht2, dx2 = _run_kernel(ins, dtype, grads=grads)
+        for name, a, b in zip(("o", "final_state") + tuple("d" + n for n in NAMES), [o, ht, *dx], [o2, ht2, *dx2],
+                              strict=True):
+            assert torch.equal(a, b), f"{name}: differs between two identical calls"
+
+
 @given(T=st.integers(1, pick(140, 500)), dtype=dtypes(), seed=seeds())
 def test_strong_decay_finite_and_correct(T, dtype, seed):
     B, H, HV, K, V = 1, 1, 2, pick(16, 128), pick(32, 128)
