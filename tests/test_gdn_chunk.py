@@ -180,6 +180,32 @@ def test_forward_backward_bitwise_deterministic(T, H, G, dtype, seed):
             assert torch.equal(a, b), f"{name}: differs between two identical calls"
 
 
+@given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]), dtype=dtypes(), seed=seeds())
+def test_gradients_through_one_output(T, which, dtype, seed):
+    """A loss on o alone or on the final state alone (the other output's gradient is None, not zeros)."""
+    B, H, HV, K, V = 1, 1, 2, pick(16, 128), pick(32, 128)
+    # mild decay: with a loss on the final state alone, dh0 ~ exp(sum g) must stay far above fp16's range floor
+    # (strong decay has its own test)
+    ins = _inputs(seed, B, T, H, HV, K, V, B, gmin=-0.05)
+    cot = randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu") if which == "o" else \
+        randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu")
+
+    def grads(fn, xs, **kw):
+        xs = [t.detach().clone().requires_grad_() for t in xs]
+        o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, **kw)
+        out = o if which == "o" else ht
+        out.backward(cot.to(out.device, out.dtype))
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs]  # q does not reach the state
+
+    kin = [t.to(P.device, dtype if i < 5 else torch.float32) for i, t in enumerate(ins)]
+    got = grads(chunk_gated_delta_rule, kin, use_qk_l2norm_in_kernel=True)
+    ref = grads(recurrent_gated_delta_rule_ref, ins, use_qk_l2norm=True)
+    low = grads(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], use_qk_l2norm=True,
+                compute_dtype=dtype if dtype != torch.float32 else None)
+    for name, a, r, lw in zip(NAMES, got, ref, low, strict=True):
+        assert_close(f"d{name} (loss on {which})", a, r, lw, dtype=dtype)
+
+
 @given(T=st.integers(1, pick(140, 500)), dtype=dtypes(), seed=seeds())
 def test_strong_decay_finite_and_correct(T, dtype, seed):
     B, H, HV, K, V = 1, 1, 2, pick(16, 128), pick(32, 128)

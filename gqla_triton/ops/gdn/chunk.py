@@ -244,6 +244,7 @@ def _setup_context(ctx, inputs, output):
     _, _, gc, Ainv = output
     ctx.scale = scale
     ctx.has_h0 = initial_state is not None
+    ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv) pass None, not zero tensors
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv)
 
 
