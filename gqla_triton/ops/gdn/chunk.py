@@ -13,7 +13,13 @@ import triton
 from ...dispatch import device_info, select_config
 from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
 from .chunk_bwd import gdn_dv_local_kernel, gdn_grad_chunk_kernel, gdn_state_bwd_kernel, gdn_wy_bwd_kernel
-from .chunk_fwd import gdn_output_fwd_kernel, gdn_state_fwd_kernel, gdn_wu_fwd_kernel, gdn_wy_fwd_kernel
+from .chunk_fwd import (
+    gdn_output_fwd_kernel,
+    gdn_state_fwd_kernel,
+    gdn_state_fwd_kernel_t,
+    gdn_wu_fwd_kernel,
+    gdn_wy_fwd_kernel,
+)
 from .reference import L2NORM_EPS
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gdn_fwd", "chunk_gdn_bwd"]
@@ -24,14 +30,15 @@ BT = 64  # chunk size
 _empty = torch.empty
 
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
-# "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone.
+# "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
+# state_trans = 1 runs the forward state pass on the transposed state (gdn_state_fwd_kernel_t).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel"}
 _DEFAULT_CFG = {
     "wy_BK": 64, "wy_warps": 4, "wy_stages": 3,
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
-    "state_BV": 32, "state_warps": 8, "state_stages": 2,
+    "state_BV": 32, "state_warps": 8, "state_stages": 2, "state_trans": 0,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
@@ -74,13 +81,14 @@ def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device):
     return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device), 0
 
 
-def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor) -> int:
-    """Narrow the V block of the sequential state passes while they would leave half the SMs idle."""
+def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) -> int:
+    """Narrow the V block of the sequential state passes (not below ``floor``) while they would leave half the
+    SMs idle."""
     info = device_info(t)
     bv = min(bv, triton.next_power_of_2(V))
     if info.interpreter:
         return bv
-    while bv > 16 and triton.cdiv(V, bv) * programs * 2 <= info.sm_count:
+    while bv > floor and triton.cdiv(V, bv) * programs * 2 <= info.sm_count:
         bv //= 2
     return bv
 
@@ -129,9 +137,11 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
-    BV = _state_bv(cfg["state_BV"], V, N * HV, k)
+    trans = bool(cfg["state_trans"])
+    # the transposed form wants BV >= 64: the rows of its wgmma tiles (narrower falls back to mma.sync)
+    BV = _state_bv(cfg["state_BV"], V, N * HV, k, floor=64 if trans else 16)
     dummy = k
-    gdn_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    (gdn_state_fwd_kernel_t if trans else gdn_state_fwd_kernel)[(triton.cdiv(V, BV), N * HV)](
         k, w, u, gc, h, vnew, initial_state if initial_state is not None else dummy, ht,
         cu_seqlens if cu_seqlens is not None else dummy, coff if coff is not None else dummy, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, USE_H0=initial_state is not None,
