@@ -151,6 +151,30 @@ def test_varlen_equals_loop(lens, G, dtype, seed):
         assert_close(f"final seq {n}", ht[n:n + 1], hn.double(), hn.double(), dtype=dtype)
 
 
+def test_varlen_plan_follows_cu_seqlens_changes():
+    """The chunk plan of a cu_seqlens tensor is reused while the tensor is unchanged, rebuilt after an in-place
+    change (version counter), and a bad in-place value is still refused."""
+    T, K, V = 100, 16, 32
+    ins = _inputs(3, 1, T, 1, 1, K, V, 2)
+    x = [t.to(P.device, torch.float32) for t in ins]
+    cu = torch.tensor([0, 30, T], dtype=torch.int32, device=P.device)
+
+    def run(cu_):
+        return chunk_gated_delta_rule(*x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu_)
+
+    o1, _ = run(cu)
+    assert chunk_mod._varlen_plan(cu, T) is chunk_mod._varlen_plan(cu, T)  # cached, no second host read
+    cu[1] = 70  # in place: the cached plan must not be used
+    o2, h2 = run(cu)
+    r2, rh2 = run(cu.clone())
+    torch.testing.assert_close(o2, r2, rtol=0, atol=0)
+    torch.testing.assert_close(h2, rh2, rtol=0, atol=0)
+    assert not torch.equal(o1, o2)
+    cu[1] = 120
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        run(cu)
+
+
 @given(T=st.integers(1, pick(100, 400)), G=st.sampled_from([2, 4]), dtype=dtypes(), seed=seeds())
 def test_gva_equals_repeated_heads(T, G, dtype, seed):
     B, H, K, V = 1, pick(1, 2), pick(16, 128), pick(16, 128)

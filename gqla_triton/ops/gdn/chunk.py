@@ -7,6 +7,9 @@ Kernels: ``chunk_fwd.py`` (wy, wu, state, output stages) and ``chunk_bwd.py``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -66,19 +69,53 @@ def _opts(cfg: dict, kern: str) -> dict:
     return {"num_warps": cfg[f"{kern}_warps"], "num_stages": cfg[f"{kern}_stages"]}
 
 
-def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device):
-    """(num chunk programs, chunk index pairs [NT,2] int32 or None, chunk offsets [N+1] int32 or None, NT per seq)."""
-    if cu_seqlens is None:
-        nt = triton.cdiv(T, BT)
-        return B * nt, None, None, nt
+class _VarlenPlan(NamedTuple):
+    cu: list[int]  # host copy of cu_seqlens
+    NTT: int  # chunk programs over all sequences
+    cidx: torch.Tensor  # [NTT, 2] int32 (sequence, chunk within it)
+    coff: torch.Tensor  # [N+1] int32 first chunk row of each sequence
+
+
+_PLANS: OrderedDict[int, tuple[torch.Tensor, int, _VarlenPlan]] = OrderedDict()
+
+
+def _varlen_plan(cu_seqlens: torch.Tensor, T: int) -> _VarlenPlan:
+    """Validated host copy and chunk indices of ``cu_seqlens``. Reading it costs a host sync, so the plan is kept
+    per tensor (the cache holds the tensor, so its id is not reused, and checks its version counter for in-place
+    changes): a forward + backward, or all the layers of a model sharing one cu_seqlens, sync once."""
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # inference tensors have no version counter: never cached
+        version = None
+    hit = _PLANS.get(id(cu_seqlens))
+    if version is not None and hit is not None and hit[0] is cu_seqlens and hit[1] == version:
+        _PLANS.move_to_end(id(cu_seqlens))
+        return hit[2]
     cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens: must be non-decreasing from 0 to T={T}, got {cu}")
     pairs, offs = [], [0]
     for n in range(len(cu) - 1):
         c = triton.cdiv(cu[n + 1] - cu[n], BT)
         pairs.extend((n, i) for i in range(c))
         offs.append(offs[-1] + c)
-    cidx = torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2)
-    return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device), 0
+    dev = cu_seqlens.device
+    plan = _VarlenPlan(cu, len(pairs), torch.tensor(pairs, dtype=torch.int32, device=dev).reshape(-1, 2),
+                       torch.tensor(offs, dtype=torch.int32, device=dev))
+    if version is not None:
+        _PLANS[id(cu_seqlens)] = (cu_seqlens, version, plan)
+        while len(_PLANS) > 8:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int):
+    """(num chunk programs, chunk index pairs [NT,2] int32 or None, chunk offsets [N+1] int32 or None, NT per seq)."""
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, BT)
+        return B * nt, None, None, nt
+    plan = _varlen_plan(cu_seqlens, T)
+    return plan.NTT, plan.cidx, plan.coff, 0
 
 
 def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) -> int:
@@ -100,7 +137,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cfg = _cfg(K, V, q.device)
-    NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T, q.device)
+    NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T)
     NG = NTT if cu_seqlens is not None else NT  # chunk programs per (batch row, head): grid axis 0
     BKp = triton.next_power_of_2(K)
     dummy = q  # stand-in pointer for absent optional tensors (never dereferenced)
@@ -157,7 +194,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev = q.device
     cfg = _cfg(K, V, dev)
-    NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T, dev)
+    NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T)
     NG = NTT if cu_seqlens is not None else NT
     BKp = triton.next_power_of_2(K)
     BVp = triton.next_power_of_2(V)
@@ -316,9 +353,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens.numel() < 2:
             raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
         if not torch.compiler.is_compiling():
-            c = cu_seqlens.detach().cpu()
-            if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] < c[:-1]).any()):
-                raise ValueError(f"cu_seqlens: must be non-decreasing from 0 to T={T}, got {c.tolist()}")
+            _varlen_plan(cu_seqlens, T)  # validates (cached per tensor; the launchers reuse the plan)
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
