@@ -226,6 +226,49 @@ def test_transposed_state_pass(T, G, dtype, seed):
         assert_close(f"d{name}", a, r, lw, dtype=dtype)
 
 
+@given(lens=st.lists(st.integers(0, pick(200, 700)), min_size=1, max_size=3), seg_min=st.integers(1, 3),
+       varlen=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
+    """Sequences split into segments of seg_min chunks (config ``seg_units``: segment maps in parallel, then
+    chained) against the float64 recurrence, forward and backward; varlen includes empty sequences."""
+    H, K, V = 1, pick(32, 128), pick(32, 128)
+    HV = H * G
+    if varlen:
+        B, T, N = 1, sum(lens), len(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    else:
+        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    if T == 0:
+        return
+    ins = _inputs(seed, B, T, H, HV, K, V, N)
+    grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    cfg = chunk_mod._cfg
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), seg_units=1 << 20,
+                                                                 seg_min=seg_min))
+        o, ht, dx = _run_kernel(ins, dtype, cu=cu, grads=grads)
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, grads=grads)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
+                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+
+
+def test_segment_plan():
+    """Segments tile every sequence in order, L chunks each (the last one shorter), empty sequences get one."""
+    n, cu, rows, soff = chunk_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, torch.device("cpu"))
+    assert n == 3 + 1 + 1
+    assert cu.tolist() == [0, 128, 256, 323, 323, 448]
+    assert rows.tolist() == [0, 2, 4, 6, 6]
+    assert soff.tolist() == [0, 3, 4, 5]
+    assert chunk_mod._seg_len(dict(seg_units=64, seg_min=16), 8, 512) == 64
+    assert chunk_mod._seg_len(dict(seg_units=64, seg_min=16), 64, 512) == 0
+    assert chunk_mod._seg_len(dict(seg_units=64, seg_min=16), 8, 16) == 0
+
+
 @given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]), dtype=dtypes(), seed=seeds())
 def test_gradients_through_one_output(T, which, dtype, seed):
     """A loss on o alone or on the final state alone (the other output's gradient is None, not zeros)."""
@@ -332,7 +375,7 @@ def test_torch_compile_fullgraph():
 
 
 # ------------------------------------------------------------------ bounds checking at the H200 launch config
-def _h200_cfg(bv_state=None, trans=0):
+def _h200_cfg(bv_state=None, trans=0, seg=0):
     import json
     from pathlib import Path
 
@@ -343,14 +386,17 @@ def _h200_cfg(bv_state=None, trans=0):
     if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
         cfg["state_BV"] = cfg["state_bwd_BV"] = bv_state
     cfg["state_trans"] = trans
+    if seg:
+        cfg.update(seg_units=1 << 20, seg_min=seg)
     return cfg
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
-@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,trans", [
-    (2, 1, 1, 8, False, None, 0), (2, 1, 2, 63, False, 16, 0), (1, 2, 4, 130, True, None, 0),
-    (1, 1, 1, 1, False, 16, 0), (2, 1, 2, 70, False, 64, 1), (1, 2, 4, 130, True, 64, 1)])
-def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, trans):
+@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,trans,seg", [
+    (2, 1, 1, 8, False, None, 0, 0), (2, 1, 2, 63, False, 16, 0, 0), (1, 2, 4, 130, True, None, 0, 0),
+    (1, 1, 1, 1, False, 16, 0, 0), (2, 1, 2, 70, False, 64, 1, 0), (1, 2, 4, 130, True, 64, 1, 0),
+    (2, 1, 2, 200, False, None, 0, 1), (1, 1, 2, 200, True, None, 0, 1)])
+def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, trans, seg):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
     H200 config (B > 1 once read chunk states past the end of h on the GPU: illegal memory access)."""
     import numpy as np
@@ -375,11 +421,13 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, b
                         lambda self, p, m, o, c, v: (check(p, m, "load"), load(self, p, m, o, c, v))[1])
     monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_store",
                         lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
-    cfg = _h200_cfg(bv_state, trans)
+    cfg = _h200_cfg(bv_state, trans, seg)
     monkeypatch.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg))
     alloc, chunks, l2 = chunk_mod._empty, chunk_mod._chunks, chunk_mod._l2norm
     monkeypatch.setattr(chunk_mod, "_empty", lambda *a, **kw: reg(alloc(*a, **kw)))
     monkeypatch.setattr(chunk_mod, "_chunks", lambda *a: [reg(x) if torch.is_tensor(x) else x for x in chunks(*a)])
+    segs = chunk_mod._seg_plan
+    monkeypatch.setattr(chunk_mod, "_seg_plan", lambda *a: [reg(x) if torch.is_tensor(x) else x for x in segs(*a)])
     monkeypatch.setattr(chunk_mod, "_l2norm", lambda x: reg(l2(x).contiguous()))
     K = V = 128
     N = 2 if varlen else B

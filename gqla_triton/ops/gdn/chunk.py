@@ -7,6 +7,7 @@ Kernels: ``chunk_fwd.py`` (wy, wu, state, output stages) and ``chunk_bwd.py``.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -20,6 +21,8 @@ from .chunk_fwd import (
     gdn_output_fwd_kernel,
     gdn_state_fwd_kernel,
     gdn_state_fwd_kernel_t,
+    gdn_state_prefix_kernel,
+    gdn_state_seg_kernel,
     gdn_wu_fwd_kernel,
     gdn_wy_fwd_kernel,
 )
@@ -34,14 +37,17 @@ _empty = torch.empty
 
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
-# state_trans = 1 runs the forward state pass on the transposed state (gdn_state_fwd_kernel_t).
+# state_trans = 1 runs the forward state pass on the transposed state (gdn_state_fwd_kernel_t); seg_units > 0
+# splits sequences into segments of >= seg_min chunks while there are fewer than seg_units (sequence x value head)
+# units, so that the sequential state pass runs on more SMs (0: never).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
-           "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel"}
+           "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
 _DEFAULT_CFG = {
     "wy_BK": 64, "wy_warps": 4, "wy_stages": 3,
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
     "state_BV": 32, "state_warps": 8, "state_stages": 2, "state_trans": 0,
+    "seg_units": 0, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
@@ -167,22 +173,69 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     return o, ht, gc, Ainv
 
 
+@functools.lru_cache(maxsize=32)
+def _seg_plan(seq_cu: tuple[int, ...], L: int, device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split each sequence (token bounds ``seq_cu``) into segments of L chunks: (number of segments, segment token
+    bounds [S+1] int64, first chunk-state row of each segment [S] int32, first segment of each sequence [N+1]
+    int32). Cached: the host-to-device copies happen once per shape."""
+    cu, rows, soff = [0], [], [0]
+    row = 0
+    for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True):
+        nc = triton.cdiv(b - a, BT)
+        for c in range(0, nc, L):
+            rows.append(row + c)
+            cu.append(min(a + (c + L) * BT, b))
+        if nc == 0:
+            rows.append(row)
+            cu.append(b)
+        row += nc
+        soff.append(len(rows))
+    t = functools.partial(torch.tensor, device=device)
+    return len(rows), t(cu, dtype=torch.int64), t(rows, dtype=torch.int32), t(soff, dtype=torch.int32)
+
+
+def _seg_len(cfg: dict, units: int, max_chunks: int) -> int:
+    """Chunks per segment for sequence splitting, or 0 to keep one sequential program per sequence: split when the
+    (sequence x value head) units are fewer than ``seg_units``, into segments of at least ``seg_min`` chunks."""
+    if not cfg["seg_units"] or units >= cfg["seg_units"]:
+        return 0
+    L = max(cfg["seg_min"], triton.cdiv(max_chunks, triton.cdiv(cfg["seg_units"], units)))
+    return L if L < max_chunks else 0
+
+
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg):
-    """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32."""
+    """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32.
+    Long sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is
+    computed in parallel, then chained; see ``gdn_state_seg_kernel``)."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     trans = bool(cfg["state_trans"])
-    # the transposed form wants BV >= 64: the rows of its wgmma tiles (narrower falls back to mma.sync)
-    BV = _state_bv(cfg["state_BV"], V, N * HV, k, floor=64 if trans else 16)
+    BK = triton.next_power_of_2(K)
+    seq_cu = tuple(_varlen_plan(cu_seqlens, T).cu) if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
+    L = _seg_len(cfg, N * HV, max(triton.cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
     dummy = k
-    (gdn_state_fwd_kernel_t if trans else gdn_state_fwd_kernel)[(triton.cdiv(V, BV), N * HV)](
-        k, w, u, gc, h, vnew, initial_state if initial_state is not None else dummy, ht,
-        cu_seqlens if cu_seqlens is not None else dummy, coff if coff is not None else dummy, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, USE_H0=initial_state is not None,
-        STORE_HT=True, IS_VARLEN=cu_seqlens is not None, **_opts(cfg, "state"))
+    h0, cu, co, units, store_ht, varlen = initial_state, cu_seqlens, coff, N, True, cu_seqlens is not None
+    if L:
+        nseg, cu, co, soff = _seg_plan(seq_cu, L, k.device)
+        BVs = min(cfg["seg_BV"], BK)
+        mb = _empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
+        gdn_state_seg_kernel[(BK // BVs + triton.cdiv(V, BVs), nseg * HV)](
+            k, w, u, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs, **_opts(cfg, "seg"))
+        h0 = _empty(nseg, HV, K, V, dtype=torch.float32, device=k.device)
+        BVp = min(64, triton.next_power_of_2(V))
+        gdn_state_prefix_kernel[(triton.cdiv(V, BVp), N * HV)](
+            mb, initial_state if initial_state is not None else dummy, h0, ht, soff, HV, K=K, V=V, BK=BK, BV=BVp,
+            USE_H0=initial_state is not None, num_warps=4, num_stages=1)
+        units, store_ht, varlen = nseg, False, True
+    # the transposed form wants BV >= 64: the rows of its wgmma tiles (narrower falls back to mma.sync)
+    BV = _state_bv(cfg["state_BV"], V, units * HV, k, floor=64 if trans else 16)
+    (gdn_state_fwd_kernel_t if trans else gdn_state_fwd_kernel)[(triton.cdiv(V, BV), units * HV)](
+        k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
+        co if co is not None else dummy, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
+        STORE_HT=store_ht, IS_VARLEN=varlen, **_opts(cfg, "state"))
     return h, vnew, ht
 
 

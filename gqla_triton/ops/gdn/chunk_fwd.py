@@ -5,7 +5,8 @@ w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv
 bf16 inputs, else fp32; row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h
 ``[chunks, HV, K, V]`` (state at each chunk's start). Sequences come from ``cu_seqlens`` (varlen) or are the B
 rows of length T. Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final; [K, V] or transposed
-form) -> ``output`` (o).
+form; long sequences split into segments: ``state_seg`` maps, ``state_prefix`` starts, then ``state`` per
+segment) -> ``output`` (o).
 Head counts and lengths are runtime values that Triton does not specialise on: one compiled variant per
 (K, V, dtype, launch config) serves every H, HV and T.
 """
@@ -303,6 +304,67 @@ def gdn_state_fwd_kernel_t(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
         ST = ST * tl.exp(gl) + tl.dot(vdT.to(dt), kk)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * (K * V) + hoff, ST, mask=mvk)
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr):
+    """Sequence splitting, pass 1: per segment (cu/coff index segments, not sequences) and value head, the state
+    map S_end = M·S_start + b over the segment's chunks, as the state recurrence on X = [M | b] from [I | 0]
+    (u = 0 in the M columns). Program i_c < BK/BV owns BV columns of M, the others BV columns of b; X is stored
+    to mb ``[segments, HV, K, K + V]`` fp32."""
+    i_c, i_sh = tl.program_id(0), tl.program_id(1)
+    i_hv, i_h, bos, Tn, _ = _state_heads(i_sh, cu, coff, 0, 0, H, HV, True)
+    ck = tl.arange(0, BK)
+    c = i_c * BV + tl.arange(0, BV)  # column of X: c < BK in M, else value column c - BK in b
+    cv = c - BK
+    X = ((ck[:, None] == c[None, :]) & (ck[:, None] < K)).to(tl.float32)
+    mu = (c >= BK) & (cv < V)
+    dt = w.dtype.element_ty
+    for i_n in range(0, tl.cdiv(Tn, BT)):
+        t = i_n * BT + tl.arange(0, BT)
+        valid = t < Tn
+        x = bos + t
+        mk = valid[:, None] & (ck[None, :] < K)
+        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=valid[:, None] & mu[None, :],
+                     other=0.0).to(tl.float32)
+        vn = uu - tl.dot(ww, X.to(dt))
+        last = tl.minimum(i_n * BT + BT, Tn) - 1
+        gl = tl.load(gc + (bos + last) * HV + i_hv)
+        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        X = X * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(dt))
+    col = tl.where(c < BK, c, K + cv)
+    mcol = tl.where(c < BK, c < K, mu)
+    tl.store(mb + (i_sh.to(tl.int64) * K + ck[:, None]) * (K + V) + col[None, :], X,
+             mask=(ck[:, None] < K) & mcol[None, :])
+
+
+@triton.jit(do_not_specialize=["HV"])
+def gdn_state_prefix_kernel(mb, h0, s0, ht, soff, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, USE_H0: tl.constexpr):
+    """Sequence splitting, pass 2: per sequence, value head and V block, walk the segment maps in order:
+    s0[seg] = state at the segment's start (fp32 ``[segments, HV, K, V]``), then S ← M·S + b (tf32x3 dot,
+    near fp32); the last S is the final state ht."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkk = (ck[:, None] < K) & (ck[None, :] < K)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+    for i_s in range(tl.load(soff + i_n), tl.load(soff + i_n + 1)):
+        i_sh = (i_s * HV + i_hv).to(tl.int64)
+        tl.store(s0 + (i_sh * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
+        base = mb + i_sh * K * (K + V)
+        M = tl.load(base + ck[:, None] * (K + V) + ck[None, :], mask=mkk, other=0.0)
+        b = tl.load(base + ck[:, None] * (K + V) + K + cv[None, :], mask=mkv, other=0.0)
+        S = tl.dot(M, S, input_precision="tf32x3") + b
+    tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
