@@ -161,7 +161,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
         gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                          BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], triton.next_power_of_2(V)),
                                          IS_VARLEN=varlen, **_opts(cfg, "wu"))
-    h, vnew, ht = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
+    h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
     if NTT > 0:
         BV = min(cfg["out_BV"], triton.next_power_of_2(V))
@@ -203,8 +203,18 @@ def _seg_len(cfg: dict, units: int, max_chunks: int) -> int:
     return L if L < max_chunks else 0
 
 
+class _Split(NamedTuple):
+    """Sequence splitting of the state passes: segments (as ``_seg_plan``) and their maps [M | b] (fp32)."""
+    nseg: int
+    cu: torch.Tensor
+    coff: torch.Tensor
+    soff: torch.Tensor
+    mb: torch.Tensor
+
+
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg):
-    """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32.
+    """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32, and the
+    ``_Split`` (or None) that the backward's reverse pass reuses.
     Long sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is
     computed in parallel, then chained; see ``gdn_state_seg_kernel``)."""
     B, T, H, K = k.shape
@@ -218,6 +228,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     L = _seg_len(cfg, N * HV, max(triton.cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
     dummy = k
     h0, cu, co, units, store_ht, varlen = initial_state, cu_seqlens, coff, N, True, cu_seqlens is not None
+    split = None
     if L:
         nseg, cu, co, soff = _seg_plan(seq_cu, L, k.device)
         BVs = min(cfg["seg_BV"], BK)
@@ -227,16 +238,17 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
         h0 = _empty(nseg, HV, K, V, dtype=torch.float32, device=k.device)
         BVp = min(64, triton.next_power_of_2(V))
         gdn_state_prefix_kernel[(triton.cdiv(V, BVp), N * HV)](
-            mb, initial_state if initial_state is not None else dummy, h0, ht, soff, HV, K=K, V=V, BK=BK, BV=BVp,
-            USE_H0=initial_state is not None, num_warps=4, num_stages=1)
+            mb, dummy, initial_state if initial_state is not None else dummy, h0, ht, soff, HV, K=K, V=V, BK=BK,
+            BV=BVp, USE_H0=initial_state is not None, REVERSE=False, num_warps=4, num_stages=1)
         units, store_ht, varlen = nseg, False, True
+        split = _Split(nseg, cu, co, soff, mb)
     # the transposed form wants BV >= 64: the rows of its wgmma tiles (narrower falls back to mma.sync)
     BV = _state_bv(cfg["state_BV"], V, units * HV, k, floor=64 if trans else 16)
     (gdn_state_fwd_kernel_t if trans else gdn_state_fwd_kernel)[(triton.cdiv(V, BV), units * HV)](
         k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
         co if co is not None else dummy, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
         STORE_HT=store_ht, IS_VARLEN=varlen, **_opts(cfg, "state"))
-    return h, vnew, ht
+    return h, vnew, ht, split
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc, Ainv, do, dht):
@@ -266,7 +278,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                      BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], BVp), IS_VARLEN=varlen,
                                      **_opts(cfg, "wu"))
-    h, vnew, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
+    h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     # gradients passed between stages are stored in _mid_dtype (tensor-core operands next), dk's partial terms
     # and the GVA sums in fp32
     dvl = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
@@ -276,11 +288,29 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
-    BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
-    gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
-        q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, IS_VARLEN=varlen,
-        **_opts(cfg, "state_bwd"))
+    if split is None:
+        BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
+        gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
+            q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
+            IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
+    else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
+        BV = _state_bv(cfg["state_bwd_BV"], V, split.nseg * HV, k)
+        grid = (triton.cdiv(V, BV), split.nseg * HV)
+        r = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
+        gdn_state_bwd_kernel[grid](
+            q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H, HV=HV, K=K, V=V,
+            BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, IS_VARLEN=True,
+            **_opts(cfg, "state_bwd"))
+        dse = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
+        BVq = min(64, BVp)
+        gdn_state_prefix_kernel[(triton.cdiv(V, BVq), N * HV)](
+            split.mb, r, dht if dht is not None else dummy, dse, dh0, split.soff, HV, K=K, V=V, BK=BKp, BV=BVq,
+            USE_H0=dht is not None, REVERSE=True, num_warps=4, num_stages=1)
+        gdn_state_bwd_kernel[grid](
+            q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV, K=K, V=V,
+            BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, IS_VARLEN=True,
+            **_opts(cfg, "state_bwd"))
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)

@@ -43,9 +43,10 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
 def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, scale, T, NT, H,
                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                         IS_VARLEN: tl.constexpr):
+                         STORE_STEPS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
-    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start."""
+    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Without STORE_STEPS only
+    dh0 is written (sequence splitting: a segment's dS contribution from a zero start)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -58,8 +59,9 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
     NTn = tl.cdiv(Tn, BT)
     for j in range(0, NTn):
         i_c = NTn - 1 - j
-        tl.store(dhe + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
-                 dS.to(dhe.dtype.element_ty), mask=mkv)
+        if STORE_STEPS:
+            tl.store(dhe + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
+                     dS.to(dhe.dtype.element_ty), mask=mkv)
         t = i_c * BT + tl.arange(0, BT)
         valid = t < Tn
         x = bos + t
@@ -73,7 +75,8 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         dv += tl.dot(kk, dS.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
-        tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv.to(dvn.dtype.element_ty), mask=mv)
+        if STORE_STEPS:
+            tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv.to(dvn.dtype.element_ty), mask=mv)
         qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         ddq = dd * (tl.exp(gg) * scale)[:, None]

@@ -343,11 +343,12 @@ def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: t
 
 
 @triton.jit(do_not_specialize=["HV"])
-def gdn_state_prefix_kernel(mb, h0, s0, ht, soff, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                            BV: tl.constexpr, USE_H0: tl.constexpr):
+def gdn_state_prefix_kernel(mb, rb, h0, s0, ht, soff, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, USE_H0: tl.constexpr, REVERSE: tl.constexpr):
     """Sequence splitting, pass 2: per sequence, value head and V block, walk the segment maps in order:
     s0[seg] = state at the segment's start (fp32 ``[segments, HV, K, V]``), then S ← M·S + b (tf32x3 dot,
-    near fp32); the last S is the final state ht."""
+    near fp32); the last S is the final state ht. REVERSE (backward): segments last to first, s0[seg] = dS at
+    the segment's end, dS ← Mᵀ·dS + r with r from rb ``[segments, HV, K, V]``; the last dS is dh0."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     ck = tl.arange(0, BK)
@@ -357,12 +358,19 @@ def gdn_state_prefix_kernel(mb, h0, s0, ht, soff, HV, K: tl.constexpr, V: tl.con
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
-    for i_s in range(tl.load(soff + i_n), tl.load(soff + i_n + 1)):
+    first = tl.load(soff + i_n)
+    nseg = tl.load(soff + i_n + 1) - first
+    for j in range(0, nseg):
+        i_s = first + nseg - 1 - j if REVERSE else first + j
         i_sh = (i_s * HV + i_hv).to(tl.int64)
         tl.store(s0 + (i_sh * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
         base = mb + i_sh * K * (K + V)
-        M = tl.load(base + ck[:, None] * (K + V) + ck[None, :], mask=mkk, other=0.0)
-        b = tl.load(base + ck[:, None] * (K + V) + K + cv[None, :], mask=mkv, other=0.0)
+        if REVERSE:
+            M = tl.load(base + ck[None, :] * (K + V) + ck[:, None], mask=mkk, other=0.0)
+            b = tl.load(rb + (i_sh * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        else:
+            M = tl.load(base + ck[:, None] * (K + V) + ck[None, :], mask=mkk, other=0.0)
+            b = tl.load(base + ck[:, None] * (K + V) + K + cv[None, :], mask=mkv, other=0.0)
         S = tl.dot(M, S, input_precision="tf32x3") + b
     tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
 
