@@ -212,6 +212,16 @@ class _Split(NamedTuple):
     mb: torch.Tensor
 
 
+def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool):
+    """Walk each sequence's segment maps (``gdn_state_prefix_kernel``): s_seg [segments, HV, K, V] gets the state
+    entering each segment, s_out [N, HV, K, V] the state leaving the sequence; s_in may be None (zeros)."""
+    HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
+    BV = min(32, triton.next_power_of_2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
+    gdn_state_prefix_kernel[(triton.cdiv(V, BV), N * HV)](
+        mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff, HV, K=K, V=V,
+        BK=triton.next_power_of_2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
+
+
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg):
     """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32, and the
     ``_Split`` (or None) that the backward's reverse pass reuses.
@@ -236,10 +246,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
         gdn_state_seg_kernel[(BK // BVs + triton.cdiv(V, BVs), nseg * HV)](
             k, w, u, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs, **_opts(cfg, "seg"))
         h0 = _empty(nseg, HV, K, V, dtype=torch.float32, device=k.device)
-        BVp = min(64, triton.next_power_of_2(V))
-        gdn_state_prefix_kernel[(triton.cdiv(V, BVp), N * HV)](
-            mb, dummy, initial_state if initial_state is not None else dummy, h0, ht, soff, HV, K=K, V=V, BK=BK,
-            BV=BVp, USE_H0=initial_state is not None, REVERSE=False, num_warps=4, num_stages=1)
+        _chain_segments(mb, None, initial_state, h0, ht, soff, N, reverse=False)
         units, store_ht, varlen = nseg, False, True
         split = _Split(nseg, cu, co, soff, mb)
     # the transposed form wants BV >= 64: the rows of its wgmma tiles (narrower falls back to mma.sync)
@@ -303,10 +310,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
             BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, IS_VARLEN=True,
             **_opts(cfg, "state_bwd"))
         dse = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
-        BVq = min(64, BVp)
-        gdn_state_prefix_kernel[(triton.cdiv(V, BVq), N * HV)](
-            split.mb, r, dht if dht is not None else dummy, dse, dh0, split.soff, HV, K=K, V=V, BK=BKp, BV=BVq,
-            USE_H0=dht is not None, REVERSE=True, num_warps=4, num_stages=1)
+        _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV, K=K, V=V,
             BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, IS_VARLEN=True,

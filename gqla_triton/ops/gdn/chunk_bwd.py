@@ -111,6 +111,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     dki = tl.zeros([BT, BK], dtype=tl.float32)
     dww = tl.zeros([BT, BK], dtype=tl.float32)
     dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dPT = tl.zeros([BT, BT], dtype=tl.float32)
     hs = tl.zeros([BK], dtype=tl.float32)
     dt = k.dtype.element_ty
     for v0 in range(0, V, BV):
@@ -126,6 +127,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
         dki += tl.dot(vn.to(dt), tl.trans(de.to(dt)))
         dww += tl.dot(dv.to(dt), tl.trans(hh.to(dt)))
         dP += tl.dot(dd, tl.trans(vn.to(dt)))
+        dPT += tl.dot(vn.to(dt), tl.trans(dd))
         hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
     qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
@@ -144,8 +146,12 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     dPP = dPm * tl.dot(qq, tl.trans(kk))
     dg += tl.sum(dPP, 1) - tl.sum(dPP, 0)
     dg += tl.where(t == last, dgl, 0.0)
+    # dPmᵀ from its own dot, not tl.trans of dPm: Triton 3.4-3.7.0 miscompiles the transpose of a dot result
+    # used as a dot operand on Hopper (fla #640, #984); on the GPU it showed as run-to-run differences in dg
+    mT = (r[:, None] <= r[None, :]) & valid[:, None] & valid[None, :]
+    dPmT = tl.where(mT, dPT * scale * tl.exp(tl.where(mT, gg[None, :] - gg[:, None], 0.0)), 0.0)
     dqq += tl.dot(dPm.to(dt), kk)
-    dkk += tl.dot(tl.trans(dPm.to(dt)), qq)
+    dkk += tl.dot(dPmT.to(dt), qq)
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
     tl.store(dkp + o, dkk, mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
@@ -169,22 +175,31 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     eg = tl.exp(gg)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
+    dTT = tl.zeros([BT, BT], dtype=tl.float32)
     KK = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dT += tl.dot(dww.to(dt), tl.trans((kk.to(tl.float32) * (b * eg)[:, None]).to(dt)))
+        ks = (kk.to(tl.float32) * (b * eg)[:, None]).to(dt)
+        dT += tl.dot(dww.to(dt), tl.trans(ks))
+        dTT += tl.dot(ks, tl.trans(dww.to(dt)))
         KK += tl.dot(kk, tl.trans(kk))
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        dT += tl.dot(du.to(dt), tl.trans((vv * b[:, None]).to(dt)))
+        vs = (vv * b[:, None]).to(dt)
+        dT += tl.dot(du.to(dt), tl.trans(vs))
+        dTT += tl.dot(vs, tl.trans(du.to(dt)))
     ml = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    mlT = (r[:, None] < r[None, :]) & valid[:, None] & valid[None, :]
+    # dA and dAᵀ each from their own dots: no tl.trans of a dot result as a dot operand (Triton 3.4-3.7.0
+    # miscompiles it on Hopper, fla #640 / #984)
     dA = -tl.dot(tl.trans(A), tl.dot(dT.to(dt), tl.trans(A)).to(dt))
+    dAT = -tl.dot(A, tl.dot(dTT.to(dt), A).to(dt))
     KD = tl.where(ml, KK * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
     dA = tl.where(ml, dA, 0.0)
     dAK = dA * KD
@@ -193,6 +208,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     dgg = tl.sum(dAA, 1) - tl.sum(dAA, 0)
     M = tl.where(ml, dA * b[:, None]  # dA·beta_i·decay
                 * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dt)
+    MT = tl.where(mlT, dAT * b[None, :] * tl.exp(tl.where(mlT, gg[None, :] - gg[:, None], 0.0)), 0.0).to(dt)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
@@ -200,7 +216,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dX = tl.dot(tl.trans(A), dww.to(dt))
         dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt)) + tl.dot(tl.trans(M), kk.to(dt))
+        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt)) + tl.dot(MT, kk.to(dt))
         _sum_heads(dkk, dk, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
         t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
         db += t1
