@@ -23,23 +23,22 @@ import torch
 
 # option lists per config field (index i = variant i; shorter lists wrap around); variant 0 = the committed
 # H200 entry for K = V = 128. Fields are "<kernel>_<field>" (gqla_triton.ops.gdn.chunk.KERNELS).
-# (session 3) variant 0 = the committed entry; the others move each kernel around it. State passes at one
+# (session 4) variant 0 = the committed entry; the others move each kernel around it and try sequence splitting
+# (seg_units: 64 / 128 / 256 units -> 2 / 4 / 8 segments per sequence at G1, 8 / 16 / 32 at G5). State passes at one
 # stage with BV <= 32 and 4 warps faulted (illegal address) on Triton 3.6 in session 3's profile: not listed.
 OPTIONS = {
-    "wy_BK": [64, 32, 64, 128, 64, 32], "wy_warps": [2, 2, 4, 4, 2, 4], "wy_stages": [3, 3, 3, 2, 2, 3],
-    "wu_BK": [64, 64, 128, 64, 32, 64], "wu_BV": [64, 64, 64, 128, 64, 32],
-    "wu_warps": [8, 4, 8, 8, 4, 4], "wu_stages": [3, 3, 2, 3, 3, 3],
-    "state_BV": [64, 64, 64, 16, 128, 64], "state_warps": [4, 4, 8, 4, 8, 8], "state_stages": [3, 3, 3, 3, 2, 3],
-    "state_trans": [0, 1, 0, 0, 1, 1],  # 1: gdn_state_fwd_kernel_t (transposed state, session 3, untimed)
-    "out_BK": [64, 64, 128, 32, 64, 64], "out_BV": [128, 128, 128, 64, 64, 128],
-    "out_warps": [4, 8, 4, 4, 4, 4], "out_stages": [2, 3, 2, 3, 3, 3],
-    "dvl_BK": [64, 64, 128, 32, 64, 64], "dvl_BV": [128, 128, 128, 64, 64, 128],
-    "dvl_warps": [4, 8, 4, 4, 4, 4], "dvl_stages": [2, 3, 2, 3, 3, 3],
-    "state_bwd_BV": [32, 32, 64, 16, 32, 16], "state_bwd_warps": [8, 4, 4, 4, 8, 8],
-    "state_bwd_stages": [3, 3, 2, 3, 2, 3],  # 3 stages at BV 64 need > 227 KB of shared memory
-    "grad_BV": [64, 64, 32, 64, 16, 32], "grad_warps": [8, 8, 8, 4, 8, 4], "grad_stages": [3, 2, 3, 3, 3, 2],
-    "wy_bwd_BK": [32, 32, 16, 32, 64, 16], "wy_bwd_BV": [32, 32, 32, 16, 32, 16],
-    "wy_bwd_warps": [4, 8, 4, 4, 4, 8], "wy_bwd_stages": [3, 2, 3, 2, 3, 3],
+    "wy_BK": [64, 32, 64, 128], "wy_warps": [2, 2, 4, 2], "wy_stages": [3, 3, 3, 2],
+    "wu_BK": [64, 64, 128, 64], "wu_BV": [64, 64, 64, 128], "wu_warps": [8, 4, 8, 8], "wu_stages": [3, 3, 2, 3],
+    "state_BV": [64, 64, 32, 64], "state_warps": [4, 4, 8, 8], "state_stages": [3, 3, 2, 3],
+    "seg_units": [0, 64, 128, 256], "seg_min": [16, 16, 16, 16],
+    "seg_BV": [64, 64, 32, 64], "seg_warps": [4, 4, 4, 8], "seg_stages": [2, 2, 2, 2],
+    "out_BK": [64, 64, 128, 32], "out_BV": [128, 128, 128, 64], "out_warps": [4, 8, 4, 4], "out_stages": [3, 3, 2, 3],
+    "dvl_BK": [64, 64, 128, 32], "dvl_BV": [128, 128, 128, 64], "dvl_warps": [4, 8, 4, 4], "dvl_stages": [3, 3, 2, 3],
+    "state_bwd_BV": [32, 32, 32, 16], "state_bwd_warps": [8, 4, 8, 8],
+    "state_bwd_stages": [3, 3, 2, 3],  # 3 stages at BV 64 need > 227 KB of shared memory
+    "grad_BV": [64, 64, 32, 64], "grad_warps": [8, 8, 8, 4], "grad_stages": [3, 2, 3, 3],
+    "wy_bwd_BK": [32, 32, 64, 16], "wy_bwd_BV": [32, 32, 32, 16],
+    "wy_bwd_warps": [4, 8, 4, 8], "wy_bwd_stages": [3, 3, 3, 3],
 }
 NVARIANTS = len(OPTIONS["wy_BK"])
 
@@ -190,7 +189,7 @@ def main():
         print(f"BEST {kname:<24} {ms:.3f} ms variant {i}", flush=True)
         src = variant(i) if i >= 0 else {}
         best_cfg.update({f: src.get(f, _DEFAULT_CFG[f]) for f in _DEFAULT_CFG if f.startswith(prefix + "_")
-                         and f[len(prefix) + 1:] in ("BK", "BV", "warps", "stages", "trans")})
+                         and f[len(prefix) + 1:] in ("BK", "BV", "warps", "stages")})
     print("SUGGESTED gdn_chunk config (K = V = 128): " + json.dumps(best_cfg), flush=True)
     print(f"[wall {time.time() - t0:.0f}s]")
 

@@ -204,28 +204,6 @@ def test_forward_backward_bitwise_deterministic(T, H, G, dtype, seed):
             assert torch.equal(a, b), f"{name}: differs between two identical calls"
 
 
-@given(T=st.integers(1, pick(150, 400)), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
-def test_transposed_state_pass(T, G, dtype, seed):
-    """The forward state pass on the transposed state (config ``state_trans``) against the float64 recurrence,
-    forward and backward (the backward recomputes the chunk states with it)."""
-    B, H, K, V = 1, 1, pick(32, 128), pick(64, 128)
-    HV = H * G
-    ins = _inputs(seed, B, T, H, HV, K, V, B)
-    grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
-             randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
-    cfg = chunk_mod._cfg
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), state_trans=1, state_BV=64))
-        o, ht, dx = _run_kernel(ins, dtype, grads=grads)
-    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, grads=grads)
-    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], grads=grads,
-                            compute_dtype=dtype if dtype != torch.float32 else None)
-    assert_close("o", o, ro, lo, dtype=dtype)
-    assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
-        assert_close(f"d{name}", a, r, lw, dtype=dtype)
-
-
 @given(lens=st.lists(st.integers(0, pick(200, 700)), min_size=1, max_size=3), seg_min=st.integers(1, 3),
        varlen=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
 def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
@@ -375,7 +353,7 @@ def test_torch_compile_fullgraph():
 
 
 # ------------------------------------------------------------------ bounds checking at the H200 launch config
-def _h200_cfg(bv_state=None, trans=0, seg=0):
+def _h200_cfg(bv_state=None, seg=0):
     import json
     from pathlib import Path
 
@@ -385,18 +363,17 @@ def _h200_cfg(bv_state=None, trans=0, seg=0):
     cfg.update(next(e["config"] for e in table if all(v == 128 for v in e["match"].values())))
     if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
         cfg["state_BV"] = cfg["state_bwd_BV"] = bv_state
-    cfg["state_trans"] = trans
     if seg:
         cfg.update(seg_units=1 << 20, seg_min=seg)
     return cfg
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
-@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,trans,seg", [
-    (2, 1, 1, 8, False, None, 0, 0), (2, 1, 2, 63, False, 16, 0, 0), (1, 2, 4, 130, True, None, 0, 0),
-    (1, 1, 1, 1, False, 16, 0, 0), (2, 1, 2, 70, False, 64, 1, 0), (1, 2, 4, 130, True, 64, 1, 0),
-    (2, 1, 2, 200, False, None, 0, 1), (1, 1, 2, 200, True, None, 0, 1)])
-def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, trans, seg):
+@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg", [
+    (2, 1, 1, 8, False, None, 0), (2, 1, 2, 63, False, 16, 0), (1, 2, 4, 130, True, None, 0),
+    (1, 1, 1, 1, False, 16, 0), (2, 1, 2, 70, False, 64, 0), (2, 1, 2, 200, False, None, 1),
+    (1, 1, 2, 200, True, 16, 1)])
+def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, seg):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
     H200 config (B > 1 once read chunk states past the end of h on the GPU: illegal memory access)."""
     import numpy as np
@@ -421,7 +398,7 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, b
                         lambda self, p, m, o, c, v: (check(p, m, "load"), load(self, p, m, o, c, v))[1])
     monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_store",
                         lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
-    cfg = _h200_cfg(bv_state, trans, seg)
+    cfg = _h200_cfg(bv_state, seg)
     monkeypatch.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg))
     alloc, chunks, l2 = chunk_mod._empty, chunk_mod._chunks, chunk_mod._l2norm
     monkeypatch.setattr(chunk_mod, "_empty", lambda *a, **kw: reg(alloc(*a, **kw)))

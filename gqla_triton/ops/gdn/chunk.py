@@ -20,7 +20,6 @@ from .chunk_bwd import gdn_dv_local_kernel, gdn_grad_chunk_kernel, gdn_state_bwd
 from .chunk_fwd import (
     gdn_output_fwd_kernel,
     gdn_state_fwd_kernel,
-    gdn_state_fwd_kernel_t,
     gdn_state_prefix_kernel,
     gdn_state_seg_kernel,
     gdn_wu_fwd_kernel,
@@ -37,8 +36,7 @@ _empty = torch.empty
 
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
-# state_trans = 1 runs the forward state pass on the transposed state (gdn_state_fwd_kernel_t); seg_units > 0
-# splits sequences into segments of >= seg_min chunks while there are fewer than seg_units (sequence x value head)
+# seg_units > 0 splits sequences into segments of >= seg_min chunks while there are fewer than seg_units (sequence x value head)
 # units, so that the sequential state pass runs on more SMs (0: never).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
@@ -46,7 +44,7 @@ KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_s
 _DEFAULT_CFG = {
     "wy_BK": 64, "wy_warps": 4, "wy_stages": 3,
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
-    "state_BV": 32, "state_warps": 8, "state_stages": 2, "state_trans": 0,
+    "state_BV": 32, "state_warps": 8, "state_stages": 2,
     "seg_units": 0, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
@@ -232,7 +230,6 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
-    trans = bool(cfg["state_trans"])
     BK = triton.next_power_of_2(K)
     seq_cu = tuple(_varlen_plan(cu_seqlens, T).cu) if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
     L = _seg_len(cfg, N * HV, max(triton.cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
@@ -249,9 +246,8 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
         _chain_segments(mb, None, initial_state, h0, ht, soff, N, reverse=False)
         units, store_ht, varlen = nseg, False, True
         split = _Split(nseg, cu, co, soff, mb)
-    # the transposed form wants BV >= 64: the rows of its wgmma tiles (narrower falls back to mma.sync)
-    BV = _state_bv(cfg["state_BV"], V, units * HV, k, floor=64 if trans else 16)
-    (gdn_state_fwd_kernel_t if trans else gdn_state_fwd_kernel)[(triton.cdiv(V, BV), units * HV)](
+    BV = _state_bv(cfg["state_BV"], V, units * HV, k)
+    gdn_state_fwd_kernel[(triton.cdiv(V, BV), units * HV)](
         k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
         co if co is not None else dummy, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
         STORE_HT=store_ht, IS_VARLEN=varlen, **_opts(cfg, "state"))

@@ -4,8 +4,7 @@ Layouts (rows = flattened tokens ``B*T``): q, k ``[rows, H, K]``; v, u, v_new, o
 w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv ``[rows, HV, BT]`` (bf16 for
 bf16 inputs, else fp32; row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h
 ``[chunks, HV, K, V]`` (state at each chunk's start). Sequences come from ``cu_seqlens`` (varlen) or are the B
-rows of length T. Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final; [K, V] or transposed
-form; long sequences split into segments: ``state_seg`` maps, ``state_prefix`` starts, then ``state`` per
+rows of length T. Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final; long sequences split into segments: ``state_seg`` maps, ``state_prefix`` starts, then ``state`` per
 segment) -> ``output`` (o).
 Head counts and lengths are runtime values that Triton does not specialise on: one compiled variant per
 (K, V, dtype, launch config) serves every H, HV and T.
@@ -264,46 +263,6 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
         S = S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(dt))
     if STORE_HT:
         tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
-
-
-@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_state_fwd_kernel_t(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
-                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                           IS_VARLEN: tl.constexpr):
-    """``gdn_state_fwd_kernel`` on the transposed state Sᵀ [BV, K]: v_newᵀ = uᵀ − Sᵀ·wᵀ and
-    Sᵀ ← e^gl·Sᵀ + (e^(gl−gc)·v_new)ᵀ·k. The register-held operands (Sᵀ, v_newᵀ) are then the left (A) operands
-    of both dots, which Hopper's wgmma reads from registers (BV >= 64 with 4 warps): no shared-memory round trip
-    per chunk step on the sequential path. Same inputs and outputs (h, v_new, final state) as the [K, V] form."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    mvk = (cv[:, None] < V) & (ck[None, :] < K)
-    hoff = ck[None, :] * V + cv[:, None]  # element [v, k] of Sᵀ is h[k, v]
-    ST = tl.zeros([BV, BK], dtype=tl.float32)
-    if USE_H0:
-        ST += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + hoff, mask=mvk, other=0.0)
-    dt = w.dtype.element_ty
-    for i_c in range(0, tl.cdiv(Tn, BT)):
-        tl.store(h + ((boh + i_c) * HV + i_hv) * (K * V) + hoff, ST.to(h.dtype.element_ty), mask=mvk)
-        t = i_c * BT + tl.arange(0, BT)
-        valid = t < Tn
-        x = bos + t
-        mk = valid[:, None] & (ck[None, :] < K)
-        mvt = (cv[:, None] < V) & valid[None, :]
-        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        uT = tl.load(u + x[None, :] * (HV * V) + i_hv * V + cv[:, None], mask=mvt, other=0.0).to(tl.float32)
-        vnT = uT - tl.dot(ST.to(dt), tl.trans(ww))
-        tl.store(vnew + x[None, :] * (HV * V) + i_hv * V + cv[:, None], vnT.to(vnew.dtype.element_ty), mask=mvt)
-        last = tl.minimum(i_c * BT + BT, Tn) - 1
-        gl = tl.load(gc + (bos + last) * HV + i_hv)
-        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-        vdT = vnT * tl.exp(tl.where(valid, gl - gg, 0.0))[None, :]
-        ST = ST * tl.exp(gl) + tl.dot(vdT.to(dt), kk)
-    if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * (K * V) + hoff, ST, mask=mvk)
 
 
 @triton.jit(do_not_specialize=["H", "HV"])

@@ -1,0 +1,74 @@
+"""Run-to-run determinism of chunk_gated_delta_rule forward + backward on the GPU, per launch config.
+
+``python -m bench.determinism_gdn [--reps 100]``: for each config variant and shape, repeats one forward +
+backward on fixed inputs and counts the repetitions whose outputs or gradients differ bitwise from the first
+(HV <= 2H, so no atomic-order effects are allowed). A miscompiled or racy kernel shows as a nonzero count.
+Prints one line per (variant, shape) and exits 1 if any count is nonzero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import gqla_triton.ops.gdn.chunk as chunk_mod
+
+VARIANTS = {
+    "committed": {},
+    "state_bwd_4w": {"state_bwd_warps": 4, "state_bwd_BV": 32, "state_bwd_stages": 3},
+    "wy_bwd_8w": {"wy_bwd_warps": 8},
+    "grad_4w": {"grad_warps": 4},
+    "split": {"seg_units": 1 << 20, "seg_min": 1},
+}
+SHAPES = [(1, 18, 1, 1), (1, 200, 1, 2), (2, 333, 2, 4), (1, 1024, 2, 2)]
+NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _once(xs, do, dht):
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    o, ht = chunk_mod.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+    torch.autograd.backward([o, ht], [do, dht])
+    return [o, ht] + [x.grad for x in xs]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    args = ap.parse_args()
+    base = chunk_mod._cfg
+    bad = 0
+    for vname, over in VARIANTS.items():
+        chunk_mod._cfg = lambda K, V, device, over=over: dict(base(K, V, device), **over)
+        for dname in args.dtypes.split(","):
+            dt = getattr(torch, dname)
+            for B, T, H, HV in SHAPES:
+                g = torch.Generator(device="cuda").manual_seed(T)
+                K = V = 128
+                q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=g), dim=-1).to(dt)
+                k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=g), dim=-1).to(dt)
+                v = torch.randn(B, T, HV, V, device="cuda", generator=g).to(dt)
+                gg = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=g)) / 4
+                beta = torch.rand(B, T, HV, device="cuda", generator=g).to(dt)
+                h0 = torch.randn(B, HV, K, V, device="cuda", generator=g) * 0.3
+                do = torch.randn(B, T, HV, V, device="cuda", generator=g).to(dt)
+                dht = torch.randn(B, HV, K, V, device="cuda", generator=g)
+                xs = [q, k, v, gg, beta, h0]
+                ref = _once(xs, do, dht)
+                diff = {n: 0 for n in NAMES}
+                for _ in range(args.reps):
+                    for n, a, b in zip(NAMES, _once(xs, do, dht), ref, strict=True):
+                        diff[n] += not torch.equal(a, b)
+                nz = {n: c for n, c in diff.items() if c}
+                bad += bool(nz)
+                print(f"{vname:14s} {dname:9s} B{B} T{T} H{H} HV{HV}: "
+                      + (f"DIFFERS in {nz} of {args.reps} reps" if nz else f"identical over {args.reps} reps"),
+                      flush=True)
+    chunk_mod._cfg = base
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
