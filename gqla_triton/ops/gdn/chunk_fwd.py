@@ -75,24 +75,25 @@ def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _inv16(L):
+def _inv16(L, PREC: tl.constexpr):
     """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block. L is nilpotent (L^16 = 0), so the inverse is
     the finite series sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)(I + L^8): six fp32 dots, no sequential
     row-by-row substitution."""
     r = tl.arange(0, 16)
-    L2 = _dot32(L, L)
-    L4 = _dot32(L2, L2)
-    L8 = _dot32(L4, L4)
+    L2 = _dot32(L, L, PREC)
+    L4 = _dot32(L2, L2, PREC)
+    L8 = _dot32(L4, L4, PREC)
     X = (r[:, None] == r[None, :]).to(tl.float32) - L
-    X += _dot32(X, L2)
-    X += _dot32(X, L4)
-    X += _dot32(X, L8)
+    X += _dot32(X, L2, PREC)
+    X += _dot32(X, L4, PREC)
+    X += _dot32(X, L8, PREC)
     return X
 
 
 @triton.jit
-def _dot32(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _dot32(a, b, PREC: tl.constexpr):
+    """fp32 product for the inverse: PREC "ieee" (FMA) or "tf32x3" (three tf32 tensor-core products)."""
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
-                      BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+                      BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
     solved in fp32 and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -164,22 +165,22 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
         a30 += tl.dot(k3t, tl.trans(k0t))
         a31 += tl.dot(k3t, tl.trans(k1t))
         a32 += tl.dot(k3t, tl.trans(k2t))
-    T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True))
-    T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True))
-    T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True))
-    T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True))
+    T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True), PREC)
+    T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True), PREC)
+    T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True), PREC)
+    T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True), PREC)
     A10 = _decay(a10, v1, v0, c1, c0, b1, False)
     A20 = _decay(a20, v2, v0, c2, c0, b2, False)
     A21 = _decay(a21, v2, v1, c2, c1, b2, False)
     A30 = _decay(a30, v3, v0, c3, c0, b3, False)
     A31 = _decay(a31, v3, v1, c3, c1, b3, False)
     A32 = _decay(a32, v3, v2, c3, c2, b3, False)
-    T10 = -_dot32(_dot32(T11, A10), T00)
-    T21 = -_dot32(_dot32(T22, A21), T11)
-    T32 = -_dot32(_dot32(T33, A32), T22)
-    T20 = -_dot32(T22, _dot32(A20, T00) + _dot32(A21, T10))
-    T31 = -_dot32(T33, _dot32(A31, T11) + _dot32(A32, T21))
-    T30 = -_dot32(T33, _dot32(A30, T00) + _dot32(A31, T10) + _dot32(A32, T20))
+    T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
+    T21 = -_dot32(_dot32(T22, A21, PREC), T11, PREC)
+    T32 = -_dot32(_dot32(T33, A32, PREC), T22, PREC)
+    T20 = -_dot32(T22, _dot32(A20, T00, PREC) + _dot32(A21, T10, PREC), PREC)
+    T31 = -_dot32(T33, _dot32(A31, T11, PREC) + _dot32(A32, T21, PREC), PREC)
+    T30 = -_dot32(T33, _dot32(A30, T00, PREC) + _dot32(A31, T10, PREC) + _dot32(A32, T20, PREC), PREC)
     Z = tl.zeros([16, 16], dtype=tl.float32)
     p = Ainv + i_hv * BT
     _store16(p, x0, v0, 0, T00, HV, BT)
