@@ -126,6 +126,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "gqla_triton": gqla_triton.__version__,
         "git_sha": git_sha(),
+        "config_override": os.environ.get("GQLA_TRITON_CONFIG"),  # launch-config fields that replaced the table's
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -1,14 +1,17 @@
 """Run-to-run determinism of chunk_gated_delta_rule forward + backward on the GPU, per launch config.
 
-``python -m bench.determinism_gdn [--reps 100]``: for each config variant and shape, repeats one forward +
-backward on fixed inputs and counts the repetitions whose outputs or gradients differ bitwise from the first
-(HV <= 2H, so no atomic-order effects are allowed). A miscompiled or racy kernel shows as a nonzero count.
-Prints one line per (variant, shape) and exits 1 if any count is nonzero.
+``python -m bench.determinism_gdn [--reps 100] [--choose FILE]``: for each config variant and shape, repeats
+one forward + backward on fixed inputs and counts the repetitions whose outputs or gradients differ bitwise from
+the first (HV <= 2H, so no atomic-order effects are allowed). A miscompiled or racy kernel shows as a nonzero
+count. Prints one line per (variant, shape) and exits 1 if any count is nonzero. With ``--choose`` the variants
+are candidates in order: the first one without differences is written to FILE as a ``GQLA_TRITON_CONFIG`` JSON
+object (and the rest are skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -17,11 +20,12 @@ import gqla_triton.ops.gdn.chunk as chunk_mod
 
 VARIANTS = {
     "committed": {},
-    "state_bwd_4w": {"state_bwd_warps": 4, "state_bwd_BV": 32, "state_bwd_stages": 3},
-    "wy_bwd_8w": {"wy_bwd_warps": 8},
-    "grad_4w": {"grad_warps": 4},
-    "split": {"seg_units": 1 << 20, "seg_min": 1},
+    "wy_bwd_2st": {"wy_bwd_stages": 2},
+    "wy_bwd_1st": {"wy_bwd_stages": 1},
+    "bwd_1st": {"wy_bwd_stages": 1, "grad_stages": 1},
+    "split": {"seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 1},
 }
+CANDIDATES = ("committed", "wy_bwd_2st", "wy_bwd_1st", "bwd_1st")  # --choose: fixes in order of expected speed
 SHAPES = [(1, 18, 1, 1), (1, 200, 1, 2), (2, 333, 2, 4), (1, 1024, 2, 2)]
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -37,10 +41,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--choose", default=None)
     args = ap.parse_args()
     base = chunk_mod._cfg
     bad = 0
     for vname, over in VARIANTS.items():
+        if args.choose and vname not in CANDIDATES:
+            continue
+        vbad = 0
         chunk_mod._cfg = lambda K, V, device, over=over: dict(base(K, V, device), **over)
         for dname in args.dtypes.split(","):
             dt = getattr(torch, dname)
@@ -62,12 +70,18 @@ def main():
                     for n, a, b in zip(NAMES, _once(xs, do, dht), ref, strict=True):
                         diff[n] += not torch.equal(a, b)
                 nz = {n: c for n, c in diff.items() if c}
-                bad += bool(nz)
+                vbad += bool(nz)
                 print(f"{vname:14s} {dname:9s} B{B} T{T} H{H} HV{HV}: "
                       + (f"DIFFERS in {nz} of {args.reps} reps" if nz else f"identical over {args.reps} reps"),
                       flush=True)
+        bad += vbad
+        if args.choose and not vbad:
+            with open(args.choose, "w") as f:
+                json.dump({"gdn_chunk": over}, f)
+            print(f"chose {vname}: {over}", flush=True)
+            break
     chunk_mod._cfg = base
-    sys.exit(1 if bad else 0)
+    sys.exit(1 if bad and not args.choose else 0)
 
 
 if __name__ == "__main__":

@@ -24,18 +24,19 @@ import torch
 # option lists per config field (index i = variant i; shorter lists wrap around); variant 0 = the committed
 # H200 entry for K = V = 128. Fields are "<kernel>_<field>" (gqla_triton.ops.gdn.chunk.KERNELS).
 # (session 4) variant 0 = the committed entry; the others move each kernel around it and try sequence splitting
-# (seg_units: 64 / 128 / 256 units -> 2 / 4 / 8 segments per sequence at G1, 8 / 16 / 32 at G5). State passes at one
+# (seg_units 64 / 128 / 256 -> 8 / 16 / 32 segments per sequence at G5, whose 8 units are below seg_below 16;
+# session 4 at G5: 64 best, 2 segments at G1 were slower than none). State passes at one
 # stage with BV <= 32 and 4 warps faulted (illegal address) on Triton 3.6 in session 3's profile: not listed.
 OPTIONS = {
     "wy_BK": [64, 64, 64, 128], "wy_warps": [2, 2, 4, 4], "wy_stages": [3, 3, 3, 2],
     "wy_prec": ["ieee", "tf32x3", "tf32x3", "ieee"],
     "wu_BK": [64, 64, 128, 64], "wu_BV": [64, 64, 64, 128], "wu_warps": [8, 4, 8, 8], "wu_stages": [3, 3, 2, 3],
     "state_BV": [64, 64, 32, 64], "state_warps": [4, 4, 8, 8], "state_stages": [3, 3, 2, 3],
-    "seg_units": [0, 64, 128, 256], "seg_min": [16, 16, 16, 16],
+    "seg_units": [64, 0, 128, 256], "seg_min": [16, 16, 16, 16],
     "seg_BV": [64, 64, 32, 64], "seg_warps": [4, 4, 4, 8], "seg_stages": [2, 2, 2, 2],
     "out_BK": [64, 64, 128, 32], "out_BV": [128, 128, 128, 64], "out_warps": [4, 8, 4, 4], "out_stages": [3, 3, 2, 3],
     "dvl_BK": [64, 64, 128, 32], "dvl_BV": [128, 128, 128, 64], "dvl_warps": [4, 8, 4, 4], "dvl_stages": [3, 3, 2, 3],
-    "state_bwd_BV": [32, 32, 32, 16], "state_bwd_warps": [8, 4, 8, 8],
+    "state_bwd_BV": [32, 32, 32, 16], "state_bwd_warps": [4, 8, 8, 8],
     "state_bwd_stages": [3, 3, 2, 3],  # 3 stages at BV 64 need > 227 KB of shared memory
     "grad_BV": [64, 64, 32, 64], "grad_warps": [8, 8, 8, 4], "grad_stages": [3, 2, 3, 3],
     "wy_bwd_BK": [32, 32, 64, 16], "wy_bwd_BV": [32, 32, 32, 16],

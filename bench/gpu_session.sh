@@ -9,6 +9,7 @@
 #   DEADLINE=570  seconds from the start by which the benches are cut (overrides BENCH_TIMEOUT)
 #   EXTRA="cmd"  one more command after the sweeps (log: extra.log, cut after EXTRA_TIMEOUT s)
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
+#   PRE="cmds"  evaluated in this shell before the tests (so an `export GQLA_TRITON_CONFIG=...` holds for the rest)
 set -u
 START=$SECONDS
 OUT=${OUT:-/tmp/gqla_out}
@@ -24,6 +25,7 @@ if [ "${WARM:-0}" = 1 ]; then
   python3 -m bench.warm > "$OUT/warm.log" 2>&1 &
   WARM_PID=$!
 fi
+if [ -n "${PRE:-}" ]; then eval "$PRE"; fi
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
   GQLA_FAIL_LOG="$OUT/failures.log" timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -n "${TEST_WORKERS:-12}" --dist load -p no:cacheprovider --tb=short -v -rfE --durations=25 --timeout "${PER_TEST_TIMEOUT:-150}" -W ignore::pytest.PytestWarning > "$OUT/tests.log" 2>&1

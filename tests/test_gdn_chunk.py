@@ -224,7 +224,7 @@ def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
     cfg = chunk_mod._cfg
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), seg_units=1 << 20,
-                                                                 seg_min=seg_min))
+                                                                 seg_below=1 << 20, seg_min=seg_min))
         o, ht, dx = _run_kernel(ins, dtype, cu=cu, grads=grads)
     ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, grads=grads)
     lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
@@ -242,9 +242,11 @@ def test_segment_plan():
     assert cu.tolist() == [0, 128, 256, 323, 323, 448]
     assert rows.tolist() == [0, 2, 4, 6, 6]
     assert soff.tolist() == [0, 3, 4, 5]
-    assert chunk_mod._seg_len(dict(seg_units=64, seg_min=16), 8, 512) == 64
-    assert chunk_mod._seg_len(dict(seg_units=64, seg_min=16), 64, 512) == 0
-    assert chunk_mod._seg_len(dict(seg_units=64, seg_min=16), 8, 16) == 0
+    cfg = dict(seg_units=64, seg_below=16, seg_min=16)
+    assert chunk_mod._seg_len(cfg, 8, 512) == 64
+    assert chunk_mod._seg_len(cfg, 16, 512) == 0
+    assert chunk_mod._seg_len(cfg, 8, 16) == 0
+    assert chunk_mod._seg_len(dict(cfg, seg_units=0), 1, 512) == 0
 
 
 @given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]), dtype=dtypes(), seed=seeds())
@@ -364,7 +366,7 @@ def _h200_cfg(bv_state=None, seg=0):
     if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
         cfg["state_BV"] = cfg["state_bwd_BV"] = bv_state
     if seg:
-        cfg.update(seg_units=1 << 20, seg_min=seg)
+        cfg.update(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg)
     return cfg
 
 

@@ -37,8 +37,8 @@ _empty = torch.empty
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
 # wy_prec is the fp32 dot precision of the 16x16 block inverse in the wy stage ("ieee" or "tf32x3"); seg_units > 0
-# splits sequences into segments of >= seg_min chunks while there are fewer than seg_units (sequence x value head)
-# units, so that the sequential state pass runs on more SMs (0: never).
+# splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
+# >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -46,7 +46,7 @@ _DEFAULT_CFG = {
     "wy_BK": 64, "wy_warps": 4, "wy_stages": 3, "wy_prec": "ieee",
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
     "state_BV": 32, "state_warps": 8, "state_stages": 2,
-    "seg_units": 0, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
+    "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
@@ -195,8 +195,9 @@ def _seg_plan(seq_cu: tuple[int, ...], L: int, device) -> tuple[int, torch.Tenso
 
 def _seg_len(cfg: dict, units: int, max_chunks: int) -> int:
     """Chunks per segment for sequence splitting, or 0 to keep one sequential program per sequence: split when the
-    (sequence x value head) units are fewer than ``seg_units``, into segments of at least ``seg_min`` chunks."""
-    if not cfg["seg_units"] or units >= cfg["seg_units"]:
+    (sequence x value head) units are fewer than ``seg_below``, into about ``seg_units`` units in all, with
+    segments of at least ``seg_min`` chunks."""
+    if not cfg["seg_units"] or units >= cfg["seg_below"]:
         return 0
     L = max(cfg["seg_min"], triton.cdiv(max_chunks, triton.cdiv(cfg["seg_units"], units)))
     return L if L < max_chunks else 0

@@ -185,7 +185,10 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         ks = (kk.to(tl.float32) * (b * eg)[:, None]).to(dt)
         dT += tl.dot(dww.to(dt), tl.trans(ks))
         dTT += tl.dot(ks, tl.trans(dww.to(dt)))
-        KK += tl.dot(kk, tl.trans(kk))
+        # k kᵀ with kᵀ from its own (transposed) load: one loaded tile as both operands of a pipelined wgmma gave
+        # run-to-run different KK (dbeta, dg) on the H200 with Triton 3.6
+        kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
+        KK += tl.dot(kk, kT)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
