@@ -70,7 +70,8 @@ def anchor_impls() -> dict:
     fq = try_import("flash_qla")
     if fq is not None:
         impls["flashqla"] = fq.chunk_gated_delta_rule
-    return impls
+    keep = os.environ.get("GQLA_BENCH_ANCHORS")  # e.g. "fla": time only these anchors (FlashQLA compiles per shape)
+    return {k: f for k, f in impls.items() if keep is None or k in keep.split(",")}
 
 
 def run(names, ctx, anchors=True):
