@@ -26,6 +26,12 @@ def _choose_profile() -> str:
 PROFILE = _choose_profile()
 if PROFILE == "ci":
     os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # xdist workers share the CPUs: torch's default (one intra-op thread per core in every worker) oversubscribes
+    # them many times over on the float64 references
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
