@@ -30,6 +30,8 @@ import torch
 OPTIONS = {
     "wy_BK": [64, 64, 64, 128], "wy_warps": [2, 2, 4, 4], "wy_stages": [3, 3, 3, 2],
     "wy_prec": ["ieee", "tf32x3", "tf32x3", "ieee"],
+    # wy_fuse 1: no gdn_wu_fwd_kernel in the forward (the wy row then holds both): compare wy + wu sums by hand
+    "wy_fuse": [0, 0, 1, 1],
     "wu_BK": [64, 64, 128, 64], "wu_BV": [64, 64, 64, 128], "wu_warps": [8, 4, 8, 8], "wu_stages": [3, 3, 2, 3],
     "state_BV": [64, 64, 32, 64], "state_warps": [4, 4, 8, 8], "state_stages": [3, 3, 2, 3],
     "seg_units": [64, 0, 128, 256], "seg_min": [16, 16, 16, 16],
@@ -191,7 +193,7 @@ def main():
         print(f"BEST {kname:<24} {ms:.3f} ms variant {i}", flush=True)
         src = variant(i) if i >= 0 else {}
         best_cfg.update({f: src.get(f, _DEFAULT_CFG[f]) for f in _DEFAULT_CFG if f.startswith(prefix + "_")
-                         and f[len(prefix) + 1:] in ("BK", "BV", "warps", "stages", "prec")})
+                         and f[len(prefix) + 1:] in ("BK", "BV", "warps", "stages", "prec", "fuse")})
     print("SUGGESTED gdn_chunk config (K = V = 128): " + json.dumps(best_cfg), flush=True)
     print(f"[wall {time.time() - t0:.0f}s]")
 

@@ -235,6 +235,29 @@ def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
         assert_close(f"d{name}", a, r, lw, dtype=dtype)
 
 
+@given(T=st.integers(1, pick(150, 400)), G=st.sampled_from([1, 2]), over=st.sampled_from(
+    [{"wy_fuse": 1}, {"wy_prec": "tf32x3"}, {"wy_fuse": 1, "wy_prec": "tf32x3"}]), dtype=dtypes(), seed=seeds())
+def test_wy_stage_variants(T, G, over, dtype, seed):
+    """The wy stage's config variants (w and u computed in the wy kernel; the 16x16 inverse on tf32x3 tensor-core
+    products) against the float64 recurrence, forward and backward."""
+    B, H, K, V = 1, 1, pick(32, 128), pick(32, 128)
+    HV = H * G
+    ins = _inputs(seed, B, T, H, HV, K, V, B)
+    grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    cfg = chunk_mod._cfg
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), **over))
+        o, ht, dx = _run_kernel(ins, dtype, grads=grads)
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, grads=grads)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], grads=grads,
+                            compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+
+
 def test_segment_plan():
     """Segments tile every sequence in order, L chunks each (the last one shorter), empty sequences get one."""
     n, cu, rows, soff = chunk_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, torch.device("cpu"))
@@ -355,7 +378,7 @@ def test_torch_compile_fullgraph():
 
 
 # ------------------------------------------------------------------ bounds checking at the H200 launch config
-def _h200_cfg(bv_state=None, seg=0):
+def _h200_cfg(bv_state=None, seg=0, fuse=0):
     import json
     from pathlib import Path
 
@@ -367,15 +390,16 @@ def _h200_cfg(bv_state=None, seg=0):
         cfg["state_BV"] = cfg["state_bwd_BV"] = bv_state
     if seg:
         cfg.update(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg)
+    cfg["wy_fuse"] = fuse
     return cfg
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
-@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg", [
-    (2, 1, 1, 8, False, None, 0), (2, 1, 2, 63, False, 16, 0), (1, 2, 4, 130, True, None, 0),
-    (1, 1, 1, 1, False, 16, 0), (2, 1, 2, 70, False, 64, 0), (2, 1, 2, 200, False, None, 1),
-    (1, 1, 2, 200, True, 16, 1)])
-def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, seg):
+@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg,fuse", [
+    (2, 1, 1, 8, False, None, 0, 0), (2, 1, 2, 63, False, 16, 0, 1), (1, 2, 4, 130, True, None, 0, 0),
+    (1, 1, 1, 1, False, 16, 0, 0), (2, 1, 2, 70, False, 64, 0, 0), (2, 1, 2, 200, False, None, 1, 0),
+    (1, 1, 2, 200, True, 16, 1, 1)])
+def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, seg, fuse):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
     H200 config (B > 1 once read chunk states past the end of h on the GPU: illegal memory access)."""
     import numpy as np
@@ -400,7 +424,7 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, b
                         lambda self, p, m, o, c, v: (check(p, m, "load"), load(self, p, m, o, c, v))[1])
     monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_store",
                         lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
-    cfg = _h200_cfg(bv_state, seg)
+    cfg = _h200_cfg(bv_state, seg, fuse)
     monkeypatch.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg))
     alloc, chunks, l2 = chunk_mod._empty, chunk_mod._chunks, chunk_mod._l2norm
     monkeypatch.setattr(chunk_mod, "_empty", lambda *a, **kw: reg(alloc(*a, **kw)))

@@ -36,14 +36,15 @@ _empty = torch.empty
 
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
-# wy_prec is the fp32 dot precision of the 16x16 block inverse in the wy stage ("ieee" or "tf32x3"); seg_units > 0
+# wy_prec is the fp32 dot precision of the 16x16 block inverse in the wy stage ("ieee" or "tf32x3"); wy_fuse = 1
+# computes w and u in the wy kernel (with the wu tiles) instead of a second kernel; seg_units > 0
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
 _DEFAULT_CFG = {
-    "wy_BK": 64, "wy_warps": 4, "wy_stages": 3, "wy_prec": "ieee",
+    "wy_BK": 64, "wy_warps": 4, "wy_stages": 3, "wy_prec": "ieee", "wy_fuse": 0,
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
     "state_BV": 32, "state_warps": 8, "state_stages": 2,
     "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
@@ -157,11 +158,14 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     w = _empty(B, T, HV, K, dtype=k.dtype, device=q.device)
     u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
-        gdn_wy_fwd_kernel[(NG, B * HV)](k, g, beta, gc, Ainv, cu, cidx_, T, H=H, HV=HV, K=K, BT=BT,
-                                         BK=min(cfg["wy_BK"], BKp), PREC=cfg["wy_prec"], IS_VARLEN=varlen, **_opts(cfg, "wy"))
-        gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-                                         BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], triton.next_power_of_2(V)),
-                                         IS_VARLEN=varlen, **_opts(cfg, "wu"))
+        fuse = bool(cfg["wy_fuse"])
+        wu_tiles = dict(BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], triton.next_power_of_2(V)))
+        gdn_wy_fwd_kernel[(NG, B * HV)](k, v, g, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+                                         BK=min(cfg["wy_BK"], BKp), BKW=wu_tiles["BK"], BVW=wu_tiles["BV"],
+                                         PREC=cfg["wy_prec"], FUSE_WU=fuse, IS_VARLEN=varlen, **_opts(cfg, "wy"))
+        if not fuse:
+            gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+                                             IS_VARLEN=varlen, **wu_tiles, **_opts(cfg, "wu"))
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
     if NTT > 0:

@@ -121,12 +121,15 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
-def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
-                      BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
+def gdn_wy_fwd_kernel(k, v, g, beta, gc, Ainv, w, u, cu, cidx, T, H, HV, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BVW: tl.constexpr, PREC: tl.constexpr,
+                      FUSE_WU: tl.constexpr, IS_VARLEN: tl.constexpr):
     """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
-    solved in fp32 and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand)."""
+    solved in fp32 and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand).
+    FUSE_WU: then also w and u as ``gdn_wu_fwd_kernel`` (tiles BKW, BVW), reading back this program's Ainv and
+    k rows from cache instead of a second pass over memory."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv, i_h, bos, Tn, t0, _, _, _ = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
     t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
     v0, v1, v2, v3 = t_0 < Tn, t_1 < Tn, t_2 < Tn, t_3 < Tn
@@ -199,15 +202,15 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     _store16(p, x3, v3, 16, T31, HV, BT)
     _store16(p, x3, v3, 32, T32, HV, BT)
     _store16(p, x3, v3, 48, T33, HV, BT)
+    if FUSE_WU:
+        tl.debug_barrier()  # this program's Ainv and gc stores are visible to all of its threads
+        _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BKW, BVW)
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV"])
-def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
-    """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
+@triton.jit
+def _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) for the chunk rows x (valid: inside the sequence)."""
     c = tl.arange(0, BT)
     A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + c[None, :], mask=valid[:, None], other=0.0)
     b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
@@ -225,6 +228,16 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         uv = tl.dot(Ad, (vv * b[:, None]).to(Ad.dtype))
         tl.store(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], uv.to(u.dtype.element_ty), mask=mv)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
+    _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
