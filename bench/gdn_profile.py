@@ -41,8 +41,9 @@ OPTIONS = {
     "state_bwd_BV": [32, 32, 32, 16], "state_bwd_warps": [4, 8, 8, 8],
     "state_bwd_stages": [3, 3, 2, 3],  # 3 stages at BV 64 need > 227 KB of shared memory
     "grad_BV": [64, 64, 32, 64], "grad_warps": [8, 8, 8, 4], "grad_stages": [3, 2, 3, 3],
-    "wy_bwd_BK": [32, 32, 64, 16], "wy_bwd_BV": [32, 32, 32, 16],
-    "wy_bwd_warps": [4, 8, 4, 8], "wy_bwd_stages": [3, 3, 3, 3],
+    "wy_bwd_BK": [32, 32, 16, 16], "wy_bwd_BV": [32, 32, 32, 16],
+    # wy_bwd stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
+    "wy_bwd_warps": [4, 8, 4, 8], "wy_bwd_stages": [1, 1, 1, 1],
 }
 NVARIANTS = len(OPTIONS["wy_BK"])
 
