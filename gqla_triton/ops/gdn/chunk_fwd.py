@@ -4,8 +4,9 @@ Layouts (rows = flattened tokens ``B*T``): q, k ``[rows, H, K]``; v, u, v_new, o
 w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv ``[rows, HV, BT]`` (bf16 for
 bf16 inputs, else fp32; row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h
 ``[chunks, HV, K, V]`` (state at each chunk's start). Sequences come from ``cu_seqlens`` (varlen) or are the B
-rows of length T. Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final; long sequences split into segments: ``state_seg`` maps, ``state_prefix`` starts, then ``state`` per
-segment) -> ``output`` (o).
+rows of length T. Stages: ``wy`` (gc, Ainv) -> ``wu`` (w, u; or inside ``wy``) -> ``state`` (h, v_new, final;
+long sequences split into segments: ``state_seg`` maps, ``state_prefix`` starts, then ``state`` per segment)
+-> ``output`` (o).
 Head counts and lengths are runtime values that Triton does not specialise on: one compiled variant per
 (K, V, dtype, launch config) serves every H, HV and T.
 """
