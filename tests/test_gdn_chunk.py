@@ -75,6 +75,24 @@ def _lowp_inputs(ins, dtype):
     return [t.to(dtype).double() if i < 5 else t.float().double() for i, t in enumerate(ins)]
 
 
+def _check_vs_refs(ins, dtype, grads, *, cu=None, l2=True, over=None):
+    """Kernel forward + backward (with config fields ``over`` replacing the table's) against the float64
+    recurrence, at the tolerance of the low-precision chunked reference. Returns the kernel's (o, ht, grads)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if over:
+            cfg = chunk_mod._cfg
+            mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), **over))
+        o, ht, dx = _run_kernel(ins, dtype, cu=cu, l2=l2, grads=grads)
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, l2=l2, grads=grads)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
+                            l2=l2, grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    return o, ht, dx
+
+
 @given(
     B=st.integers(1, 2), T=st.integers(1, pick(150, 600)), H=st.integers(1, 2), G=st.sampled_from([1, 2]),
     K=st.sampled_from(pick([16, 32], [64, 128])), V=st.sampled_from(pick([16, 32], [64, 128])),
@@ -85,15 +103,7 @@ def test_kernel_vs_recurrence(B, T, H, G, K, V, l2, dtype, seed):
     ins = _inputs(seed, B, T, H, HV, K, V, B, l2=l2)
     grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
              randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
-    o, ht, dx = _run_kernel(ins, dtype, l2=l2, grads=grads)
-    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, l2=l2, grads=grads)
-    lins = _lowp_inputs(ins, dtype)
-    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in lins], l2=l2, grads=grads,
-                            compute_dtype=dtype if dtype != torch.float32 else None)
-    assert_close("o", o, ro, lo, dtype=dtype)
-    assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
-        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    _check_vs_refs(ins, dtype, grads, l2=l2)
 
 
 @given(B=st.integers(1, 2), T=st.integers(1, 200), H=st.integers(1, 2), G=st.sampled_from([1, 2]),
@@ -134,14 +144,7 @@ def test_varlen_equals_loop(lens, G, dtype, seed):
     ins = _inputs(seed, 1, T, H, HV, K, V, N)
     grads = (randn((1, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
              randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
-    o, ht, dx = _run_kernel(ins, dtype, cu=cu, grads=grads)
-    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, grads=grads)
-    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
-                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
-    assert_close("o", o, ro, lo, dtype=dtype)
-    assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
-        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    o, ht, _ = _check_vs_refs(ins, dtype, grads, cu=cu)
     # the same as a loop of single-sequence kernel calls
     for n in range(N):
         s, e = int(cu[n]), int(cu[n + 1])
@@ -221,18 +224,7 @@ def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
     ins = _inputs(seed, B, T, H, HV, K, V, N)
     grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
              randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
-    cfg = chunk_mod._cfg
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), seg_units=1 << 20,
-                                                                 seg_below=1 << 20, seg_min=seg_min))
-        o, ht, dx = _run_kernel(ins, dtype, cu=cu, grads=grads)
-    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, grads=grads)
-    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
-                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
-    assert_close("o", o, ro, lo, dtype=dtype)
-    assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
-        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    _check_vs_refs(ins, dtype, grads, cu=cu, over=dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg_min))
 
 
 @given(T=st.integers(1, pick(150, 400)), G=st.sampled_from([1, 2]), over=st.sampled_from(
@@ -245,17 +237,7 @@ def test_wy_stage_variants(T, G, over, dtype, seed):
     ins = _inputs(seed, B, T, H, HV, K, V, B)
     grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
              randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
-    cfg = chunk_mod._cfg
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), **over))
-        o, ht, dx = _run_kernel(ins, dtype, grads=grads)
-    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, grads=grads)
-    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], grads=grads,
-                            compute_dtype=dtype if dtype != torch.float32 else None)
-    assert_close("o", o, ro, lo, dtype=dtype)
-    assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
-        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    _check_vs_refs(ins, dtype, grads, over=over)
 
 
 def test_segment_plan():
@@ -304,14 +286,7 @@ def test_strong_decay_finite_and_correct(T, dtype, seed):
     ins = _inputs(seed, B, T, H, HV, K, V, B, gmin=-20.0)
     grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
              randn((B, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
-    o, ht, dx = _run_kernel(ins, dtype, grads=grads)
-    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, grads=grads)
-    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)],
-                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
-    assert_close("o", o, ro, lo, dtype=dtype)
-    assert_close("final_state", ht, rht, lht, dtype=dtype)
-    for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
-        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    _check_vs_refs(ins, dtype, grads)
 
 
 def test_bad_inputs():
