@@ -234,7 +234,6 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
                  mask=mv)
         db += tl.sum(dX * vv, 1)
     dgg += tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)
-    tot = tl.sum(dgg, 0)
-    rev = tot - tl.cumsum(dgg, 0) + dgg
+    rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)

@@ -135,14 +135,16 @@ def gdn_wy_fwd_kernel(k, v, g, beta, gc, Ainv, w, u, cu, cidx, T, H, HV, K: tl.c
     t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
     v0, v1, v2, v3 = t_0 < Tn, t_1 < Tn, t_2 < Tn, t_3 < Tn
     x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
-    g0 = tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32)
-    g1 = tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32)
-    g2 = tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32)
-    g3 = tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32)
-    c0 = tl.cumsum(g0, 0)
-    c1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
-    c2 = tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)
-    c3 = tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
+    # the chunk-local cumsum in fp64, rounded once: with strong decay it reaches |gc| ~ 1e3, where fp32's
+    # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
+    g0 = tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float64)
+    g1 = tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float64)
+    g2 = tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float64)
+    g3 = tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float64)
+    c0 = tl.cumsum(g0, 0).to(tl.float32)
+    c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
+    c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
+    c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
     tl.store(gc + x0 * HV + i_hv, c0, mask=v0)
     tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
     tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
