@@ -61,12 +61,16 @@ def _run_kernel(ins, dtype, *, cu=None, l2=True, grads=None):
 
 
 def _run_ref(fn, ins, *, cu=None, l2=True, grads=None, **kw):
-    xs = [t.detach().clone().requires_grad_() for t in ins]
+    """A reference forward (+ backward). The float64 token recurrence runs on the test device: on the CPU its
+    step loop is the slow part of a GPU-profile example (~7 s at B2 T600 K=V=128); the low-precision chunked
+    reference stays on the CPU."""
+    dev = P.device if fn is recurrent_gated_delta_rule_ref else "cpu"
+    xs = [t.detach().clone().to(dev).requires_grad_() for t in ins]
     o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=l2, cu_seqlens=cu, **kw)
     if grads is None:
         return o, ht, None
     do, dht = grads
-    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
+    torch.autograd.backward([o, ht], [do.to(o.device, o.dtype), dht.to(ht.device, ht.dtype)])
     return o, ht, [x.grad for x in xs]
 
 
@@ -273,7 +277,7 @@ def test_gradients_through_one_output(T, which, dtype, seed):
 
     kin = [t.to(P.device, dtype if i < 5 else torch.float32) for i, t in enumerate(ins)]
     got = grads(chunk_gated_delta_rule, kin, use_qk_l2norm_in_kernel=True)
-    ref = grads(recurrent_gated_delta_rule_ref, ins, use_qk_l2norm=True)
+    ref = grads(recurrent_gated_delta_rule_ref, [t.to(P.device) for t in ins], use_qk_l2norm=True)
     low = grads(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], use_qk_l2norm=True,
                 compute_dtype=dtype if dtype != torch.float32 else None)
     for name, a, r, lw in zip(NAMES, got, ref, low, strict=True):
