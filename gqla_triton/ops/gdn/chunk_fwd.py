@@ -243,6 +243,19 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
     _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV)
 
 
+@triton.jit
+def _decay_update(S, vn, k, gc, x, valid, mk, bos, t0, Tn, i_hv, i_h, ck, H, HV, K: tl.constexpr, BT: tl.constexpr):
+    """End of one chunk step of the state recurrence: S ← e^gl·S + kᵀ (e^(gl−gc)·v_new), for the chunk starting at
+    token t0 (gl: gc of its last valid row). The decay scales the rows of v_new ([BT, BV]), not of k ([BT, K]):
+    k goes from memory to the dot as is."""
+    last = tl.minimum(t0 + BT, Tn) - 1
+    gl = tl.load(gc + (bos + last) * HV + i_hv)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+    return S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(kk.dtype))
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -271,13 +284,7 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
         uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         vn = uu - tl.dot(ww, S.to(dt))
         tl.store(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], vn.to(vnew.dtype.element_ty), mask=mv)
-        last = tl.minimum(i_c * BT + BT, Tn) - 1
-        gl = tl.load(gc + (bos + last) * HV + i_hv)
-        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-        # the decay scales the rows of v_new ([BT, BV]), not of k ([BT, K]): k goes from memory to the dot as is
-        vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
-        S = S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(dt))
+        S = _decay_update(S, vn, k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
     if STORE_HT:
         tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
 
@@ -306,12 +313,7 @@ def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: t
         uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=valid[:, None] & mu[None, :],
                      other=0.0).to(tl.float32)
         vn = uu - tl.dot(ww, X.to(dt))
-        last = tl.minimum(i_n * BT + BT, Tn) - 1
-        gl = tl.load(gc + (bos + last) * HV + i_hv)
-        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-        vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
-        X = X * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(dt))
+        X = _decay_update(X, vn, k, gc, x, valid, mk, bos, i_n * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
     col = tl.where(c < BK, c, K + cv)
     mcol = tl.where(c < BK, c < K, mu)
     tl.store(mb + (i_sh.to(tl.int64) * K + ck[:, None]) * (K + V) + col[None, :], X,
