@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import torch
@@ -163,6 +164,10 @@ def run(names, ctx, anchors=True):
 #                "base"). Predicted: the largest win (no spills at BLOCK_N 64), if Triton keeps V^T in smem.
 VARIANTS = {  # timing order: most promising first (a budget stop drops the tail)
     "h128dv2": dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),  # committed
+    # carry_p: P·V one iteration late, so S is split over both warpgroups (no duplicated QKᵀ, no dv split)
+    "cp32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, carry_p=True),
+    "cp32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, carry_p=True),
+    "cp16s4": dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=4, paged_tiles=True, carry_p=True),
     # Sᵀ [128 keys, 32 heads] fills 8 warps along M: QKᵀ is not duplicated (see NOTES.md); 4 programs per batch
     # entry share each K tile through L2. One stage only: two would need 340 KB of shared memory
     "t128h32": dict(BLOCK_H=32, BLOCK_N=128, num_warps=8, num_stages=1, transposed=True),
@@ -316,7 +321,8 @@ def aot_report(variants=None):
             const = dict(DV=R, DR=DR, BDV=R, BDR=DR, PAGE_SIZE=PAGE, BLOCK_H=bh, BLOCK_N=bn,
                          SPARSE=sparse, HAS_TOPK_LEN=sparse, SPLIT=split, DOT_PREC="tf32",
                          PAGED_TILES=bool(v.get("paged_tiles")) and not sparse and PAGE % bn == 0,
-                         DV_SPLIT=v.get("dv_split", 1), TRANS=bool(v.get("transposed")))
+                         DV_SPLIT=v.get("dv_split", 1), TRANS=bool(v.get("transposed")),
+                         CARRY_P=bool(v.get("carry_p")))
             opts = dict(num_warps=warps, num_stages=stages)
             if v.get("maxnreg"):
                 opts["maxnreg"] = v["maxnreg"]
@@ -335,8 +341,9 @@ def aot_report(variants=None):
                                      text=True).stdout
                 usage = " ".join(x for x in res.split() if x.startswith(("REG:", "STACK:")))
                 piped = any("async_copy_global_to_local" in ln and "k_lat" in ln for ln in c.asm["ttgir"].splitlines())
+                layouts = sorted(set(re.findall(r"nvidia_mma<{[^}]*warpsPerCTA = \[(\d+, \d+)\], instrShape = \[(\d+, \d+)", c.asm["ttgir"])))
                 print(f"{vn} BLOCK_H={bh} BLOCK_N={bn} warps={warps} stages={stages} sparse={sparse} split={split}: "
-                      f"smem={c.metadata.shared} {usage} k_tiles_async={piped}", flush=True)
+                      f"smem={c.metadata.shared} {usage} k_tiles_async={piped} mma_warps={layouts}", flush=True)
             except Exception as e:
                 print(f"{vn} sparse={sparse}: FAILED "
                       f"{type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -111,6 +111,8 @@ VARIANTS = [
     {"transposed": True},
     {"transposed": True, "paged_tiles": True, "dv_split": 2},
     {"transposed": True, "BLOCK_H": 32, "BLOCK_N": 128},  # 128 keys x 32 heads (bench.mla t128h32)
+    {"carry_p": True},  # P·V one iteration late (bench.mla cp32s2)
+    {"carry_p": True, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32},
 ]
 
 

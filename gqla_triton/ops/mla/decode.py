@@ -61,6 +61,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, DV_SPLIT: tl.constexpr, TRANS: tl.constexpr,
+    CARRY_P: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -126,6 +127,12 @@ def mla_decode_fwd_kernel(
         acc = tl.zeros([BDV // DV_SPLIT, BLOCK_H], tl.float32)  # Oᵀ
     else:
         acc = tl.zeros([BLOCK_H, BDV // DV_SPLIT], tl.float32)
+    if CARRY_P:  # P·V of the previous key tile, run one iteration late (see the CARRY_P branch below)
+        p_prev = tl.zeros([BLOCK_H, BLOCK_N], kv.dtype.element_ty)
+        alpha = tl.full([BLOCK_H], 1.0, tl.float32)
+        # the previous tile's rows: its value tile is loaded again (an L2 hit) rather than held in registers
+        prev_row = kv + tl.zeros([BLOCK_N], tl.int64)
+        prev_ok = tl.zeros([BLOCK_N], tl.int1)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if SPARSE:
@@ -166,6 +173,29 @@ def mla_decode_fwd_kernel(
             l_i = l_i * alpha + tl.sum(pt, 0)
             acc = acc * alpha[None, :]
             acc = tl.dot(tl.trans(k_lat), pt.to(k_lat.dtype), acc, input_precision=DOT_PREC)
+        elif CARRY_P:
+            # Triton gives a dot whose result reaches another dot the warp layout [num_warps, 1]: with 64 rows
+            # and 8 warps both warpgroups would compute the whole S. P and alpha cross the loop edge instead
+            # (a loop-carried value ends the forward slice), so S splits its keys over the two warpgroups and
+            # the PV product of tile j runs in iteration j + 1. Two dots, not one chained: the chain again.
+            v_prev = tl.load(prev_row[:, None] + offs_v[None, :], mask=prev_ok[:, None] & mv[None, :], other=0.0)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p_prev, v_prev, acc, input_precision=DOT_PREC)
+            s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
+                 + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
+            if SPARSE:
+                keep = ok[None, :] & rvalid[:, None]
+            else:
+                keep = ok[None, :] & (pos[None, :] <= last[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_prev = p.to(kv.dtype.element_ty)
+            prev_row = kv_row
+            prev_ok = ok
         else:
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             if DV_SPLIT == 2:
@@ -185,6 +215,10 @@ def mla_decode_fwd_kernel(
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
+    if CARRY_P:
+        v_prev = tl.load(prev_row[:, None] + offs_v[None, :], mask=prev_ok[:, None] & mv[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p_prev, v_prev, acc, input_precision=DOT_PREC)
 
     o, lse_row = finish_rows(tl.trans(acc) if TRANS else acc, m_i, l_i)
     # both halves of a DV split compute S, in a different fp32 summation order: one of them owns lse, so that
@@ -273,6 +307,9 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
     # transposed products (Sᵀ = K·Qᵀ, Oᵀ += Vᵀ·Pᵀ) so Q is a shared-memory operand instead of living in registers
     paged = bool(cfg.get("paged_tiles", False)) and not sparse and page_size % cfg["BLOCK_N"] == 0
     dv_split = 2 if cfg.get("dv_split", 1) == 2 and BDV >= 32 else 1
+    carry = bool(cfg.get("carry_p", False))
+    if carry and (dv_split == 2 or cfg.get("transposed", False)):
+        raise ValueError(f"mla_decode config: carry_p needs dv_split 1 and transposed false, got {cfg}")
     grid = (B * S, h_tiles * q_tiles * dv_split)
     mla_decode_fwd_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, idx, tkl,
@@ -290,7 +327,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         DV=DV, DR=DR, BDV=BDV, BDR=max(16, triton.next_power_of_2(max(DR, 1))),
         PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, DV_SPLIT=dv_split,
-        TRANS=bool(cfg.get("transposed", False)),
+        TRANS=bool(cfg.get("transposed", False)), CARRY_P=carry,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # register cap (2 CTAs per SM)
     )
