@@ -341,7 +341,8 @@ def aot_report(variants=None):
                                      text=True).stdout
                 usage = " ".join(x for x in res.split() if x.startswith(("REG:", "STACK:")))
                 piped = any("async_copy_global_to_local" in ln and "k_lat" in ln for ln in c.asm["ttgir"].splitlines())
-                layouts = sorted(set(re.findall(r"nvidia_mma<{[^}]*warpsPerCTA = \[(\d+, \d+)\], instrShape = \[(\d+, \d+)", c.asm["ttgir"])))
+                mma = r"nvidia_mma<{[^}]*warpsPerCTA = \[(\d+, \d+)\], instrShape = \[(\d+, \d+)"
+                layouts = sorted(set(re.findall(mma, c.asm["ttgir"])))
                 print(f"{vn} BLOCK_H={bh} BLOCK_N={bn} warps={warps} stages={stages} sparse={sparse} split={split}: "
                       f"smem={c.metadata.shared} {usage} k_tiles_async={piped} mma_warps={layouts}", flush=True)
             except Exception as e:
