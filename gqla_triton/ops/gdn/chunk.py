@@ -37,7 +37,9 @@ _empty = torch.empty
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
 # wy_prec is the fp32 dot precision of the 16x16 block inverse in the wy stage ("ieee" or "tf32x3"); wy_fuse = 1
-# computes w and u in the wy kernel (with the wu tiles) instead of a second kernel; seg_units > 0
+# computes w and u in the wy kernel (with the wu tiles) instead of a second kernel; out_fuse = 1 computes the
+# forward's output inside its state pass (no h / v_new round trip through memory; that pass then runs with the out_BV
+# / out_warps / out_stages fields, the backward's recomputing state pass with the state_* ones); seg_units > 0
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
@@ -48,7 +50,7 @@ _DEFAULT_CFG = {
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
     "state_BV": 32, "state_warps": 8, "state_stages": 2,
     "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
-    "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2,
+    "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2,
@@ -166,9 +168,11 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
         if not fuse:
             gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                              IS_VARLEN=varlen, **wu_tiles, **_opts(cfg, "wu"))
-    h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
-    if NTT > 0:
+    fuse_out = bool(cfg["out_fuse"])
+    h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg,
+                                         out=(q, o, scale) if fuse_out else None, store_h=keep_h or not fuse_out)
+    if NTT > 0 and not fuse_out:
         BV = min(cfg["out_BV"], triton.next_power_of_2(V))
         gdn_output_fwd_kernel[(triton.cdiv(V, BV), NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
@@ -228,15 +232,17 @@ def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool):
         BK=triton.next_power_of_2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
 
 
-def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg):
+def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg, *, out=None,
+                        store_h=True):
     """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32, and the
-    ``_Split`` (or None) that the backward's reverse pass reuses.
+    ``_Split`` (or None) that the backward's reverse pass reuses. ``out = (q, o, scale)``: the pass also writes
+    the output o (fused); h and v_new are None unless ``store_h``.
     Long sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is
     computed in parallel, then chained; see ``gdn_state_seg_kernel``)."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
-    h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device)
-    vnew = _empty(u.shape, dtype=u.dtype, device=u.device)
+    h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_h else None
+    vnew = _empty(u.shape, dtype=u.dtype, device=u.device) if store_h else None
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = triton.next_power_of_2(K)
     seq_cu = tuple(_varlen_plan(cu_seqlens, T).cu) if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
@@ -254,11 +260,14 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
         _chain_segments(mb, None, initial_state, h0, ht, soff, N, reverse=False)
         units, store_ht, varlen = nseg, False, True
         split = _Split(nseg, cu, co, soff, mb)
-    BV = _state_bv(cfg["state_BV"], V, units * HV, k)
+    kern = "out" if out is not None else "state"  # the fused pass takes the (otherwise unused) output tiles
+    BV = _state_bv(cfg[f"{kern}_BV"], V, units * HV, k)
+    q, o, scale = out if out is not None else (dummy, dummy, 1.0)
     gdn_state_fwd_kernel[(triton.cdiv(V, BV), units * HV)](
-        k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
-        co if co is not None else dummy, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
-        STORE_HT=store_ht, IS_VARLEN=varlen, **_opts(cfg, "state"))
+        k, w, u, gc, h if store_h else dummy, vnew if store_h else dummy, h0 if h0 is not None else dummy, ht,
+        cu if cu is not None else dummy, co if co is not None else dummy, q, o, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=store_ht, STORE_H=store_h, FUSE_OUT=out is not None,
+        IS_VARLEN=varlen, **_opts(cfg, kern))
     return h, vnew, ht, split
 
 

@@ -244,25 +244,32 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, cu, cidx, T, H, HV,
 
 
 @triton.jit
-def _decay_update(S, vn, k, gc, x, valid, mk, bos, t0, Tn, i_hv, i_h, ck, H, HV, K: tl.constexpr, BT: tl.constexpr):
-    """End of one chunk step of the state recurrence: S ← e^gl·S + kᵀ (e^(gl−gc)·v_new), for the chunk starting at
-    token t0 (gl: gc of its last valid row). The decay scales the rows of v_new ([BT, BV]), not of k ([BT, K]):
-    k goes from memory to the dot as is."""
+def _chunk_k_g(k, gc, x, valid, mk, bos, t0, Tn, i_hv, i_h, ck, H, HV, K: tl.constexpr, BT: tl.constexpr):
+    """One chunk's k rows [BT, BK], gc [BT] and gl = gc of its last valid row (the chunk starts at token t0)."""
     last = tl.minimum(t0 + BT, Tn) - 1
     gl = tl.load(gc + (bos + last) * HV + i_hv)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    return kk, gg, gl
+
+
+@triton.jit
+def _decay_update(S, vn, kk, gg, gl, valid):
+    """End of one chunk step of the state recurrence: S ← e^gl·S + kᵀ (e^(gl−gc)·v_new). The decay scales the
+    rows of v_new ([BT, BV]), not of k ([BT, K]): k goes from memory to the dot as is."""
     vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
     return S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(kk.dtype))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
+def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, q, o, scale, T, NT, H, HV,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                         IS_VARLEN: tl.constexpr):
+                         STORE_H: tl.constexpr, FUSE_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start,
-    v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new). BK = K rounded up to a power of two."""
+    v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new). BK = K rounded up to a power of two.
+    FUSE_OUT: also the chunk's output, as ``gdn_output_fwd_kernel`` computes it from h[c] and v_new; h and
+    v_new are then stored only with STORE_H (the backward's recomputation keeps them)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -272,10 +279,12 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
     if USE_H0:
         S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
     dt = w.dtype.element_ty
+    r = tl.arange(0, BT)
     for i_c in range(0, tl.cdiv(Tn, BT)):
-        tl.store(h + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], S.to(h.dtype.element_ty),
-                 mask=mkv)
-        t = i_c * BT + tl.arange(0, BT)
+        if STORE_H:
+            tl.store(h + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
+                     S.to(h.dtype.element_ty), mask=mkv)
+        t = i_c * BT + r
         valid = t < Tn
         x = bos + t
         mk = valid[:, None] & (ck[None, :] < K)
@@ -283,8 +292,18 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
         ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         vn = uu - tl.dot(ww, S.to(dt))
-        tl.store(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], vn.to(vnew.dtype.element_ty), mask=mv)
-        S = _decay_update(S, vn, k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        if STORE_H:
+            tl.store(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], vn.to(vnew.dtype.element_ty), mask=mv)
+        kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        if FUSE_OUT:
+            # the operands rounded as the unfused path stores them (h and v_new in the input dtype)
+            qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+            m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
+            P = tl.where(m, tl.dot(qq, tl.trans(kk)) * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
+            out = tl.dot(qq, S.to(dt)) * tl.exp(gg)[:, None] + tl.dot(P.to(dt), vn.to(vnew.dtype.element_ty).to(dt))
+            tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (out * scale).to(o.dtype.element_ty),
+                     mask=mv)
+        S = _decay_update(S, vn, kk, gg, gl, valid)
     if STORE_HT:
         tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
 
@@ -313,7 +332,8 @@ def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: t
         uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=valid[:, None] & mu[None, :],
                      other=0.0).to(tl.float32)
         vn = uu - tl.dot(ww, X.to(dt))
-        X = _decay_update(X, vn, k, gc, x, valid, mk, bos, i_n * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_n * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        X = _decay_update(X, vn, kk, gg, gl, valid)
     col = tl.where(c < BK, c, K + cv)
     mcol = tl.where(c < BK, c < K, mu)
     tl.store(mb + (i_sh.to(tl.int64) * K + ck[:, None]) * (K + V) + col[None, :], X,
