@@ -110,9 +110,10 @@ VARIANTS = [
     {"paged_tiles": True, "BLOCK_N": 32},  # BLOCK_N > page 16: falls back to the per-token path there
     {"transposed": True},
     {"transposed": True, "paged_tiles": True, "dv_split": 2},
-    {"transposed": True, "BLOCK_H": 32, "BLOCK_N": 128},  # 128 keys x 32 heads (bench.mla t128h32)
-    {"carry_p": True},  # P·V one iteration late (bench.mla cp32s2)
-    {"carry_p": True, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32},
+    {"transposed": True, "BLOCK_H": 32, "BLOCK_N": 128, "num_stages": 1},  # 128 keys x 32 heads (bench.mla t128h32)
+    # P·V one iteration late (bench.mla cp32s2); the GPU tables' dv_split 2 is overridden
+    {"carry_p": True, "dv_split": 1},
+    {"carry_p": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32},
 ]
 
 
