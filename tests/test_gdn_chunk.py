@@ -99,7 +99,7 @@ def _check_vs_refs(ins, dtype, grads, *, cu=None, l2=True, over=None):
 
 @given(
     B=st.integers(1, 2), T=st.integers(1, pick(150, 600)), H=st.integers(1, 2), G=st.sampled_from([1, 2]),
-    K=st.sampled_from(pick([16, 32], [64, 128])), V=st.sampled_from(pick([16, 32], [64, 128])),
+    K=st.sampled_from(pick([16, 32], [16, 64, 128, 192, 256])), V=st.sampled_from(pick([16, 32], [32, 128, 256])),
     l2=st.booleans(), dtype=dtypes(), seed=seeds(),
 )
 def test_kernel_vs_recurrence(B, T, H, G, K, V, l2, dtype, seed):
