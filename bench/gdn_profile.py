@@ -32,9 +32,11 @@ OPTIONS = {
     "wy_prec": ["ieee"],  # tf32x3: wy 0.608 vs 0.533 ms at G1 (session 5)
     # wy_fuse 1: no gdn_wu_fwd_kernel in the forward (the wy row then holds both): compare wy + wu sums by hand.
     # Session 5 at G1: 0.843 vs 0.534 + 0.337 ms
-    "wy_fuse": [1, 0],
+    "wy_fuse": [0],
     "wu_BK": [64], "wu_BV": [64], "wu_warps": [4], "wu_stages": [3],
-    "state_BV": [64], "state_warps": [4], "state_stages": [3],
+    # next (session 6): at G2 / G4 the state pass has 256 / 512 programs at BV 64, and at 3 stages (140 KB of shared
+    # memory) one CTA per SM: 2-4 waves of sequential programs. 2 stages (99 KB; 82 KB at BV 32) fit two per SM
+    "state_BV": [64, 64, 32, 64], "state_warps": [4, 4, 4, 8], "state_stages": [3, 2, 2, 2],
     "seg_units": [64], "seg_min": [16], "seg_BV": [64], "seg_warps": [4], "seg_stages": [2],
     # out_fuse 1: the forward's output is computed in its state pass (no gdn_output_fwd_kernel; the fused pass takes
     # the out_BV / out_warps / out_stages fields and counts under gdn_state_fwd_kernel). sm_90 compile at BV 32
@@ -50,7 +52,7 @@ OPTIONS = {
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
     "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1],
 }
-NVARIANTS = len(OPTIONS["wy_BK"])
+NVARIANTS = max(len(v) for v in OPTIONS.values())
 
 
 def variant(i: int) -> dict:
