@@ -1,6 +1,6 @@
 """Pieces shared by the ops: input validation, paging math, split-KV planning and combine."""
 
-from .combine import combine_splits, finish_rows, store_rows
+from .combine import combine_splits, finish_rows, softmax_step, store_rows
 from .paging import choose_num_splits, gather_pages, logical_to_physical, sparse_positions, split_bounds
 from .validation import (
     FLOAT_DTYPES,
@@ -27,6 +27,7 @@ __all__ = [
     "finish_rows",
     "gather_pages",
     "logical_to_physical",
+    "softmax_step",
     "sparse_positions",
     "split_bounds",
     "store_rows",

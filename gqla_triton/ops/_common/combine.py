@@ -16,6 +16,22 @@ from ...dispatch import select_config
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i, AXIS: tl.constexpr):
+    """One online-softmax step over a tile of log2-scaled scores (-inf where masked), reduced along ``AXIS``
+    (1: s is [rows, keys]; 0: [keys, rows]). Returns ``(m_new, alpha, p, l_new)``: the running max, the rescale
+    of the old accumulator, the tile's probabilities and the running sum. A row with no key so far keeps
+    m = -inf and gets p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    if AXIS == 1:
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        p = tl.exp2(s - m_safe[None, :])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
 def finish_rows(acc, m_log2, l):
     """Normalise a [rows, D] online-softmax accumulator: ``(o, lse)`` with lse in natural log. ``m_log2`` is
     the running max of the log2-scaled scores, ``l`` the running sum; a row that saw no key gets o = 0 and

@@ -26,6 +26,7 @@ from .._common import (
     combine_splits,
     finish_rows,
     logical_to_physical,
+    softmax_step,
     sparse_positions,
     split_bounds,
     store_rows,
@@ -159,11 +160,7 @@ def gqa_decode_fwd_kernel(
             if CAUSAL:
                 valid = valid & (pos[None, :] <= qpos[:, None])
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
         if not V_EARLY:
             v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
                         mask=ok[:, None] & m_dv[None, :], other=0.0)

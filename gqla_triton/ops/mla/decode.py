@@ -29,6 +29,7 @@ from .._common import (
     combine_splits,
     finish_rows,
     logical_to_physical,
+    softmax_step,
     sparse_positions,
     split_bounds,
     store_rows,
@@ -166,11 +167,7 @@ def mla_decode_fwd_kernel(
             else:
                 keep = ok[:, None] & (pos[:, None] <= last[None, :])
             st = tl.where(keep, st * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(st, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            pt = tl.exp2(st - m_safe[None, :])
-            l_i = l_i * alpha + tl.sum(pt, 0)
+            m_new, alpha, pt, l_i = softmax_step(st, m_i, l_i, 0)
             acc = acc * alpha[None, :]
             acc = tl.dot(tl.trans(k_lat), pt.to(k_lat.dtype), acc, input_precision=DOT_PREC)
         elif CARRY_P:
@@ -188,11 +185,7 @@ def mla_decode_fwd_kernel(
             else:
                 keep = ok[None, :] & (pos[None, :] <= last[:, None])
             s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
             p_prev = p.to(kv.dtype.element_ty)
             prev_row = kv_row
             prev_ok = ok
@@ -207,11 +200,7 @@ def mla_decode_fwd_kernel(
             else:
                 keep = ok[None, :] & (pos[None, :] <= last[:, None])
             s = tl.where(keep, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
