@@ -174,7 +174,8 @@ def mla_decode_fwd_kernel(
             # Triton gives a dot whose result reaches another dot the warp layout [num_warps, 1]: with 64 rows
             # and 8 warps both warpgroups would compute the whole S. P and alpha cross the loop edge instead
             # (a loop-carried value ends the forward slice), so S splits its keys over the two warpgroups and
-            # the PV product of tile j runs in iteration j + 1. Two dots, not one chained: the chain again.
+            # the PV product of tile j runs in iteration j + 1. The latent and rope dots of S are added afterwards:
+            # accumulating one into the other would chain them again.
             v_prev = tl.load(prev_row[:, None] + offs_v[None, :], mask=prev_ok[:, None] & mv[None, :], other=0.0)
             acc = acc * alpha[:, None]
             acc = tl.dot(p_prev, v_prev, acc, input_precision=DOT_PREC)
