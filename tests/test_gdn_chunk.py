@@ -247,6 +247,17 @@ def test_stage_variants(T, G, over, dtype, seed):
     _check_vs_refs(ins, dtype, grads, over=over)
 
 
+def test_config_key_is_padded():
+    """K between two table entries takes the entry of its padded tile width (K = 192 tiles like K = 256)."""
+    from gqla_triton.dispatch import _table_config
+
+    def h200(K, V):
+        return _table_config("h200", "gdn_chunk", chunk_mod._cfg_key(K, V))
+
+    assert h200(192, 128) == h200(256, 128) != h200(128, 128)
+    assert h200(80, 96) == h200(128, 128)
+
+
 def test_segment_plan():
     """Segments tile every sequence in order, L chunks each (the last one shorter), empty sequences get one."""
     n, cu, rows, soff = chunk_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, torch.device("cpu"))

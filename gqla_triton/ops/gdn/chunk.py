@@ -66,12 +66,15 @@ def _mid_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def _cfg_key(K: int, V: int) -> dict:
+    """The tables match the padded widths the kernels tile with: K = 192 runs [.., 256] state tiles, where the
+    K = 128 entry's state passes would need 254-333 KB of shared memory."""
+    return {"K": triton.next_power_of_2(K), "V": triton.next_power_of_2(V)}
+
+
 def _cfg(K: int, V: int, device) -> dict:
-    # the tables match the padded widths the kernels tile with: K = 192 runs [.., 256] state tiles, and the K = 128
-    # entry's state pass would need 254 KB of shared memory there
     cfg = dict(_DEFAULT_CFG)
-    key = {"K": triton.next_power_of_2(K), "V": triton.next_power_of_2(V)}
-    cfg.update(select_config("gdn_chunk", key, device=device) or {})
+    cfg.update(select_config("gdn_chunk", _cfg_key(K, V), device=device) or {})
     unknown = sorted(set(cfg) - set(_DEFAULT_CFG))
     if unknown:
         raise ValueError(f"gdn_chunk config: unknown fields {unknown}; expected <kernel>_<field> from {sorted(_DEFAULT_CFG)}")
