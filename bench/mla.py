@@ -164,6 +164,8 @@ def run(names, ctx, anchors=True):
 #                "base"). Predicted: the largest win (no spills at BLOCK_N 64), if Triton keeps V^T in smem.
 VARIANTS = {  # timing order: most promising first (a budget stop drops the tail)
     "h128dv2": dict(BLOCK_H=128, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, dv_split=2),  # committed
+    # 64 keys per tile (QKᵀ at 32 keys per warpgroup's N -> 64), one stage: Q 147 KB + K 74 KB of shared memory
+    "h128dv2n64": dict(BLOCK_H=128, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, dv_split=2),
     # carry_p: P·V one iteration late, so S is split over both warpgroups (no duplicated QKᵀ, no dv split)
     "cp32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, carry_p=True, dv_split=1),
     "cp32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, carry_p=True, dv_split=1),
