@@ -338,23 +338,16 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    # GVA: the value heads of one q/k head add their dq and dk terms atomically into zeroed fp32 sums
-    gsum = HV > H
-    if gsum:
-        dq = torch.zeros(B, T, H, K, dtype=torch.float32, device=dev)
-        dk = torch.zeros(B, T, H, K, dtype=torch.float32, device=dev)
-    else:
-        dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
-        dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
-    gdn_grad_chunk_kernel[(NG, B * HV)](
-        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen, **_opts(cfg, "grad"))
-    gdn_wy_bwd_kernel[(NG, B * HV)](
-        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen,
-        **_opts(cfg, "wy_bwd"))
-    if gsum:
-        dq, dk = dq.to(q.dtype), dk.to(k.dtype)
+    dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
+    dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
+    # GVA: one program per q/k head sums its value heads' dq / dk terms in order, through fp32 scratch
+    dqs, dks = (_empty(B, T, H, K, dtype=torch.float32, device=dev) for _ in range(2)) if HV > H else (dq, dk)
+    gdn_grad_chunk_kernel[(NG, B * H)](
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dqs, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K,
+        V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "grad"))
+    gdn_wy_bwd_kernel[(NG, B * H)](
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dks, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
     return dq, dk, dv, dg, dbeta, dh0
 
 
