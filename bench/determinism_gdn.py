@@ -2,10 +2,10 @@
 
 ``python -m bench.determinism_gdn [--reps 100] [--choose FILE]``: for each config variant and shape, repeats
 one forward + backward on fixed inputs and counts the repetitions whose outputs or gradients differ bitwise from
-the first (the GVA head sums run in a fixed order, so any difference is a fault). A miscompiled or racy kernel shows as a nonzero
-count. Prints one line per (variant, shape) and exits 1 if any count is nonzero. With ``--choose`` the variants
-are candidates in order: the first one without differences is written to FILE as a ``GQLA_TRITON_CONFIG`` JSON
-object (and the rest are skipped).
+the first (the GVA head sums run in a fixed order, so any difference is a fault). A miscompiled or racy kernel
+shows as a nonzero count. Prints one line per (variant, shape) and exits 1 if any count is nonzero. With
+``--choose`` the variants are candidates in order: the first one without differences is written to FILE as a
+``GQLA_TRITON_CONFIG`` JSON object (and the rest are skipped).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ _empty = torch.empty
 
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
-# wy_prec is the fp32 dot precision of the 16x16 block inverse in the wy stage ("ieee" or "tf32x3"); wy_fuse = 1
+# wy_prec is the dot precision of the 16x16 block inverse in the wy stage for bf16 inputs ("ieee" fp32 FMA, "tf32x3" or
+# "tf32"; Ainv is then stored in bf16, whose rounding is above tf32's; fp16 / fp32 inputs always use "ieee"); wy_fuse = 1
 # computes w and u in the wy kernel (with the wu tiles) instead of a second kernel; out_fuse = 1 computes the
 # forward's output inside its state pass (no h / v_new round trip through memory; that pass then runs with the out_BV
 # / out_warps / out_stages fields, the backward's recomputing state pass with the state_* ones); seg_units > 0
@@ -78,6 +79,8 @@ def _cfg(K: int, V: int, device) -> dict:
     unknown = sorted(set(cfg) - set(_DEFAULT_CFG))
     if unknown:
         raise ValueError(f"gdn_chunk config: unknown fields {unknown}; expected <kernel>_<field> from {sorted(_DEFAULT_CFG)}")
+    if cfg["wy_prec"] not in ("ieee", "tf32", "tf32x3"):
+        raise ValueError(f"gdn_chunk config: wy_prec must be 'ieee', 'tf32' or 'tf32x3', got {cfg['wy_prec']!r}")
     return cfg
 
 
@@ -170,7 +173,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
         wu_tiles = dict(BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], triton.next_power_of_2(V)))
         gdn_wy_fwd_kernel[(NG, B * HV)](k, v, g, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                          BK=min(cfg["wy_BK"], BKp), BKW=wu_tiles["BK"], BVW=wu_tiles["BV"],
-                                         PREC=cfg["wy_prec"], FUSE_WU=fuse, IS_VARLEN=varlen, **_opts(cfg, "wy"))
+                                         PREC=cfg["wy_prec"] if k.dtype == torch.bfloat16 else "ieee", FUSE_WU=fuse, IS_VARLEN=varlen, **_opts(cfg, "wy"))
         if not fuse:
             gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                              IS_VARLEN=varlen, **wu_tiles, **_opts(cfg, "wu"))
