@@ -12,9 +12,9 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ...dispatch import device_info, select_config
+from .._common.host import cdiv, next_pow2
 from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
 from .chunk_bwd import gdn_dv_local_kernel, gdn_grad_chunk_kernel, gdn_state_bwd_kernel, gdn_wy_bwd_kernel
 from .chunk_fwd import (
@@ -70,7 +70,7 @@ def _mid_dtype(dtype: torch.dtype) -> torch.dtype:
 def _cfg_key(K: int, V: int) -> dict:
     """The tables match the padded widths the kernels tile with: K = 192 runs [.., 256] state tiles, where the
     K = 128 entry's state passes would need 254-333 KB of shared memory."""
-    return {"K": triton.next_power_of_2(K), "V": triton.next_power_of_2(V)}
+    return {"K": next_pow2(K), "V": next_pow2(V)}
 
 
 def _cfg(K: int, V: int, device) -> dict:
@@ -115,7 +115,7 @@ def _varlen_plan(cu_seqlens: torch.Tensor, T: int) -> _VarlenPlan:
         raise ValueError(f"cu_seqlens: must be non-decreasing from 0 to T={T}, got {cu}")
     pairs, offs = [], [0]
     for n in range(len(cu) - 1):
-        c = triton.cdiv(cu[n + 1] - cu[n], BT)
+        c = cdiv(cu[n + 1] - cu[n], BT)
         pairs.extend((n, i) for i in range(c))
         offs.append(offs[-1] + c)
     dev = cu_seqlens.device
@@ -131,7 +131,7 @@ def _varlen_plan(cu_seqlens: torch.Tensor, T: int) -> _VarlenPlan:
 def _chunks(cu_seqlens: torch.Tensor | None, B: int, T: int):
     """(num chunk programs, chunk index pairs [NT,2] int32 or None, chunk offsets [N+1] int32 or None, NT per seq)."""
     if cu_seqlens is None:
-        nt = triton.cdiv(T, BT)
+        nt = cdiv(T, BT)
         return B * nt, None, None, nt
     plan = _varlen_plan(cu_seqlens, T)
     return plan.NTT, plan.cidx, plan.coff, 0
@@ -141,10 +141,10 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) 
     """Narrow the V block of the sequential state passes (not below ``floor``) while they would leave half the
     SMs idle."""
     info = device_info(t)
-    bv = min(bv, triton.next_power_of_2(V))
+    bv = min(bv, next_pow2(V))
     if info.interpreter:
         return bv
-    while bv > floor and triton.cdiv(V, bv) * programs * 2 <= info.sm_count:
+    while bv > floor and cdiv(V, bv) * programs * 2 <= info.sm_count:
         bv //= 2
     return bv
 
@@ -158,7 +158,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     cfg = _cfg(K, V, q.device)
     NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T)
     NG = NTT if cu_seqlens is not None else NT  # chunk programs per (batch row, head): grid axis 0
-    BKp = triton.next_power_of_2(K)
+    BKp = next_pow2(K)
     dummy = q  # stand-in pointer for absent optional tensors (never dereferenced)
     cu = cu_seqlens if cu_seqlens is not None else dummy
     cidx_ = cidx if cidx is not None else dummy
@@ -170,7 +170,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     u = _empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     if NTT > 0:
         fuse = bool(cfg["wy_fuse"])
-        wu_tiles = dict(BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], triton.next_power_of_2(V)))
+        wu_tiles = dict(BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], next_pow2(V)))
         gdn_wy_fwd_kernel[(NG, B * HV)](k, v, g, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                          BK=min(cfg["wy_BK"], BKp), BKW=wu_tiles["BK"], BVW=wu_tiles["BV"],
                                          PREC=cfg["wy_prec"] if k.dtype == torch.bfloat16 else "ieee", FUSE_WU=fuse, IS_VARLEN=varlen, **_opts(cfg, "wy"))
@@ -182,8 +182,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg,
                                          out=(q, o, scale) if fuse_out else None, store_h=keep_h or not fuse_out)
     if NTT > 0 and not fuse_out:
-        BV = min(cfg["out_BV"], triton.next_power_of_2(V))
-        gdn_output_fwd_kernel[(triton.cdiv(V, BV), NG, B * HV)](
+        BV = min(cfg["out_BV"], next_pow2(V))
+        gdn_output_fwd_kernel[(cdiv(V, BV), NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(cfg["out_BK"], BKp), BV=BV, IS_VARLEN=varlen, **_opts(cfg, "out"))
     if keep_h:
@@ -199,7 +199,7 @@ def _seg_plan(seq_cu: tuple[int, ...], L: int, device) -> tuple[int, torch.Tenso
     cu, rows, soff = [0], [], [0]
     row = 0
     for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True):
-        nc = triton.cdiv(b - a, BT)
+        nc = cdiv(b - a, BT)
         for c in range(0, nc, L):
             rows.append(row + c)
             cu.append(min(a + (c + L) * BT, b))
@@ -218,7 +218,7 @@ def _seg_len(cfg: dict, units: int, max_chunks: int) -> int:
     segments of at least ``seg_min`` chunks."""
     if not cfg["seg_units"] or units >= cfg["seg_below"]:
         return 0
-    L = max(cfg["seg_min"], triton.cdiv(max_chunks, triton.cdiv(cfg["seg_units"], units)))
+    L = max(cfg["seg_min"], cdiv(max_chunks, cdiv(cfg["seg_units"], units)))
     return L if L < max_chunks else 0
 
 
@@ -235,10 +235,10 @@ def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool):
     """Walk each sequence's segment maps (``gdn_state_prefix_kernel``): s_seg [segments, HV, K, V] gets the state
     entering each segment, s_out [N, HV, K, V] the state leaving the sequence; s_in may be None (zeros)."""
     HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
-    BV = min(32, triton.next_power_of_2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
-    gdn_state_prefix_kernel[(triton.cdiv(V, BV), N * HV)](
+    BV = min(32, next_pow2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
+    gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
         mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff, HV, K=K, V=V,
-        BK=triton.next_power_of_2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
+        BK=next_pow2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
 
 
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg, *, out=None,
@@ -253,9 +253,9 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_h else None
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device) if store_h else None
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
-    BK = triton.next_power_of_2(K)
+    BK = next_pow2(K)
     seq_cu = tuple(_varlen_plan(cu_seqlens, T).cu) if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
-    L = _seg_len(cfg, N * HV, max(triton.cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
+    L = _seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
     dummy = k
     h0, cu, co, units, store_ht, varlen = initial_state, cu_seqlens, coff, N, True, cu_seqlens is not None
     split = None
@@ -263,7 +263,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
         nseg, cu, co, soff = _seg_plan(seq_cu, L, k.device)
         BVs = min(cfg["seg_BV"], BK)
         mb = _empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
-        gdn_state_seg_kernel[(BK // BVs + triton.cdiv(V, BVs), nseg * HV)](
+        gdn_state_seg_kernel[(BK // BVs + cdiv(V, BVs), nseg * HV)](
             k, w, u, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs, **_opts(cfg, "seg"))
         h0 = _empty(nseg, HV, K, V, dtype=torch.float32, device=k.device)
         _chain_segments(mb, None, initial_state, h0, ht, soff, N, reverse=False)
@@ -272,7 +272,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     kern = "out" if out is not None else "state"  # the fused pass takes the (otherwise unused) output tiles
     BV = _state_bv(cfg[f"{kern}_BV"], V, units * HV, k)
     q, o, scale = out if out is not None else (dummy, dummy, 1.0)
-    gdn_state_fwd_kernel[(triton.cdiv(V, BV), units * HV)](
+    gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
         k, w, u, gc, h if store_h else dummy, vnew if store_h else dummy, h0 if h0 is not None else dummy, ht,
         cu if cu is not None else dummy, co if co is not None else dummy, q, o, scale, T, NT, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=store_ht, STORE_H=store_h, FUSE_OUT=out is not None,
@@ -290,8 +290,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     cfg = _cfg(K, V, dev)
     NTT, cidx, coff, NT = _chunks(cu_seqlens, B, T)
     NG = NTT if cu_seqlens is not None else NT
-    BKp = triton.next_power_of_2(K)
-    BVp = triton.next_power_of_2(V)
+    BKp = next_pow2(K)
+    BVp = next_pow2(V)
     dummy = q
     cu = cu_seqlens if cu_seqlens is not None else dummy
     cidx_ = cidx if cidx is not None else dummy
@@ -312,20 +312,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     # and the GVA sums in fp32
     dvl = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     BV = min(cfg["dvl_BV"], BVp)
-    gdn_dv_local_kernel[(triton.cdiv(V, BV), NG, B * HV)](
+    gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     if split is None:
         BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
-        gdn_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        gdn_state_bwd_kernel[(cdiv(V, BV), N * HV)](
             q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
             IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         BV = _state_bv(cfg["state_bwd_BV"], V, split.nseg * HV, k)
-        grid = (triton.cdiv(V, BV), split.nseg * HV)
+        grid = (cdiv(V, BV), split.nseg * HV)
         r = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H, HV=HV, K=K, V=V,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ...dispatch import select_config
+from .._common.host import cdiv, next_pow2
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
 
 __all__ = ["gated_delta_rule_decode"]
@@ -79,9 +80,9 @@ def _decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
     P = state.shape[0]
     o = torch.empty_like(v)
     cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q.device)
-    BK = triton.next_power_of_2(K)
-    BV = min(int(cfg.get("BV", 32)), triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, BV), B * HV)
+    BK = next_pow2(K)
+    BV = min(int(cfg.get("BV", 32)), next_pow2(V))
+    grid = (cdiv(V, BV), B * HV)
     gated_delta_rule_decode_fwd_kernel[grid](
         q, k, v, g, beta, o, state, state_indices, float(scale), S, P,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
