@@ -36,8 +36,8 @@ _empty = torch.empty
 
 # Launch parameters when the config table leaves a field out. Every kernel has its own fields, named
 # "<kernel>_<field>" (BK, BV: tile widths along K and V; warps; stages), so each can be tuned alone;
-# wy_prec is the dot precision of the 16x16 block inverse in the wy stage for bf16 inputs ("ieee" fp32 FMA, "tf32x3" or
-# "tf32"; Ainv is then stored in bf16, whose rounding is above tf32's; fp16 / fp32 inputs always use "ieee"); wy_fuse = 1
+# wy_prec is the dot precision of the 16x16 block inverse in the wy stage ("ieee" fp32 FMA, "tf32x3", or "tf32": every
+# consumer of Ainv reads it at tf32 precision or below, as a bf16 / fp16 operand or an fp32 one of tf32 dots); wy_fuse = 1
 # computes w and u in the wy kernel (with the wu tiles) instead of a second kernel; out_fuse = 1 computes the
 # forward's output inside its state pass (no h / v_new round trip through memory; that pass then runs with the out_BV
 # / out_warps / out_stages fields, the backward's recomputing state pass with the state_* ones); seg_units > 0
@@ -173,7 +173,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
         wu_tiles = dict(BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], next_pow2(V)))
         gdn_wy_fwd_kernel[(NG, B * HV)](k, v, g, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                          BK=min(cfg["wy_BK"], BKp), BKW=wu_tiles["BK"], BVW=wu_tiles["BV"],
-                                         PREC=cfg["wy_prec"] if k.dtype == torch.bfloat16 else "ieee", FUSE_WU=fuse, IS_VARLEN=varlen, **_opts(cfg, "wy"))
+                                         PREC=cfg["wy_prec"], FUSE_WU=fuse, IS_VARLEN=varlen, **_opts(cfg, "wy"))
         if not fuse:
             gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
                                              IS_VARLEN=varlen, **wu_tiles, **_opts(cfg, "wu"))
@@ -341,16 +341,23 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
-    dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
-    # GVA: one program per q/k head sums its value heads' dq / dk terms in order, through fp32 scratch
-    dqs, dks = (_empty(B, T, H, K, dtype=torch.float32, device=dev) for _ in range(2)) if HV > H else (dq, dk)
-    gdn_grad_chunk_kernel[(NG, B * H)](
-        q, k, vnew, gc, h, dhe, do, dvn, dq, dqs, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K,
-        V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "grad"))
-    gdn_wy_bwd_kernel[(NG, B * H)](
-        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dks, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
+    # GVA: the value heads of one q/k head add their dq and dk terms atomically into zeroed fp32 sums
+    gsum = HV > H
+    if gsum:
+        dq = torch.zeros(B, T, H, K, dtype=torch.float32, device=dev)
+        dk = torch.zeros(B, T, H, K, dtype=torch.float32, device=dev)
+    else:
+        dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
+        dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
+    gdn_grad_chunk_kernel[(NG, B * HV)](
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen, **_opts(cfg, "grad"))
+    gdn_wy_bwd_kernel[(NG, B * HV)](
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen,
+        **_opts(cfg, "wy_bwd"))
+    if gsum:
+        dq, dk = dq.to(q.dtype), dk.to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 
 

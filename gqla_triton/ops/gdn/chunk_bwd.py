@@ -87,37 +87,22 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
 
 
 @triton.jit
-def _sum_heads(acc, out, part, o, mask, j, G):
-    """Value head j of the G that share one q/k head (looped over in one program, in order): out[o] = the sum of
-    the G heads' acc, rounded once to out's dtype. The running fp32 sum passes from head to head through
-    ``part`` (scratch [rows, H, K], read back by the thread that wrote it), so the sum is deterministic for any G
-    and needs no zeroed buffer, atomics or cast afterwards."""
-    if j > 0:
-        acc += tl.load(part + o, mask=mask, other=0.0)
-    if j < G - 1:
-        tl.store(part + o, acc, mask=mask)
+def _sum_heads(acc, ptr, o, mask, GSUM: tl.constexpr):
+    """Store acc, or (GSUM: several value heads share this q/k head) add it atomically to the fp32 sum at ptr.
+    With two value heads per q/k head the sum is deterministic (0 + a + b rounds the same in either order)."""
+    if GSUM:
+        tl.atomic_add(ptr + o, acc, mask=mask, sem="relaxed")
     else:
-        tl.store(out + o, acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(ptr + o, acc.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dqs, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
+def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
                           H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per chunk and q/k head, over its value heads in order: dq ([rows, H, K], q's dtype; summed over the value
-    heads through the fp32 scratch dqs), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]),
-    dw = −dv_new·hᵀ, dgc (fp32)."""
-    i_t, i_bq = tl.program_id(0), tl.program_id(1)
-    G = HV // H
-    for j in range(0, G):
-        _grad_chunk_head(q, k, vnew, gc, h, dhe, do, dvn, dq, dqs, dkp, dw, dgc, cu, cidx, coff, scale, T, NT, H,
-                         HV, (i_bq // H) * HV + (i_bq % H) * G + j, i_t, j, G, K, V, BT, BK, BV, IS_VARLEN)
-
-
-@triton.jit
-def _grad_chunk_head(q, k, vnew, gc, h, dhe, do, dvn, dq, dqs, dkp, dw, dgc, cu, cidx, coff, scale, T, NT, H, HV,
-                     i_bh, i_t, j, G, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per chunk and value head: dq ([rows, H, K]: q's dtype, or with GSUM the fp32 sum over the value heads of
+    each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -170,28 +155,18 @@ def _grad_chunk_head(q, k, vnew, gc, h, dhe, do, dvn, dq, dqs, dkp, dw, dgc, cu,
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
     tl.store(dkp + o, dkk, mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
-    _sum_heads(dqq, dq, dqs, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, j, G)
+    _sum_heads(dqq, dq, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
-def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dks, dgc, dv, dbeta, dg, cu, cidx, T, H,
+def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new), per chunk and q/k
-    head over its value heads in order: dk = dkp + these terms ([rows, H, K], k's dtype; summed over the value
-    heads through the fp32 scratch dks), dv, dbeta and dg = reverse within-chunk cumsum of dgc."""
-    i_t, i_bq = tl.program_id(0), tl.program_id(1)
-    G = HV // H
-    for j in range(0, G):
-        _wy_bwd_head(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dks, dgc, dv, dbeta, dg, cu, cidx, T, H, HV,
-                     (i_bq // H) * HV + (i_bq % H) * G + j, i_t, j, G, K, V, BT, BK, BV, IS_VARLEN)
-
-
-@triton.jit
-def _wy_bwd_head(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dks, dgc, dv, dbeta, dg, cu, cidx, T, H, HV, i_bh, i_t, j,
-                 G, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 IS_VARLEN: tl.constexpr):
+                      BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
+    terms ([rows, H, K]: k's dtype, or with GSUM the fp32 sum over value heads), dv, dbeta and dg = reverse
+    within-chunk cumsum of dgc."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
     dt = dw.dtype.element_ty  # operand dtype of this kernel's dots: bf16, or fp32 (tf32) for fp16/fp32 inputs
@@ -245,7 +220,7 @@ def _wy_bwd_head(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dks, dgc, dv, dbeta, dg
         dX = tl.dot(tl.trans(A), dww.to(dt))
         dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt)) + tl.dot(MT, kk.to(dt))
-        _sum_heads(dkk, dk, dks, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, j, G)
+        _sum_heads(dkk, dk, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
         t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
         db += t1
         dgg += t1 * b
