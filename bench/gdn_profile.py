@@ -30,16 +30,18 @@ import torch
 OPTIONS = {
     # session 6: ncu at G1 showed the wy kernel L1/shared-memory bound (88 % of L1 throughput: the fp32 FMA dots'
     # operand layouts go through shared memory); fla's fused kkt + solve (0.355 vs our 0.532 ms) does its block
-    # merges in tf32. sm_90 compile: tf32 at 2 warps 186 registers / 31 barriers vs ieee 254 / 73; 1 warp ieee spills
-    "wy_BK": [64], "wy_warps": [2, 2, 1, 2], "wy_stages": [3],
-    "wy_prec": ["ieee", "tf32", "tf32", "tf32x3"],
+    # merges in tf32. Measured at G1: ieee 2 warps 0.531, tf32 2 warps 0.297, tf32 1 warp 0.176, tf32x3 0.604 ms
+    # (sm_90 compile: 1 warp ieee spills 556 B)
+    "wy_BK": [64], "wy_warps": [1], "wy_stages": [3],
+    "wy_prec": ["tf32"],
     # wy_fuse 1: no gdn_wu_fwd_kernel in the forward (the wy row then holds both): compare wy + wu sums by hand.
     # Session 5 at G1: 0.843 vs 0.534 + 0.337 ms
     "wy_fuse": [0],
     "wu_BK": [64], "wu_BV": [64], "wu_warps": [4], "wu_stages": [3],
     # session 6 at G1 (BV narrowed to 32 by _state_bv, 128 programs): 2 stages and 8 warps were slower than 3 stages;
-    # fla's h kernel (the same tiles at 4 stages: 156 KB of shared memory, as our sm_90 compile) took 0.631 vs our 0.736
-    "state_BV": [64], "state_warps": [4], "state_stages": [3, 4, 4, 3],
+    # fla's h kernel (the same tiles at 4 stages: 156 KB of shared memory, as our sm_90 compile) took 0.631 vs our
+    # 0.736 under ncu; our 4 stages: 0.709 vs 0.722 at G1, 0.580 vs 0.553 at G4 (profile s6)
+    "state_BV": [64], "state_warps": [4], "state_stages": [3],
     "seg_units": [64], "seg_min": [16], "seg_BV": [64], "seg_warps": [4], "seg_stages": [2],
     # out_fuse 1: the forward's output is computed in its state pass (no gdn_output_fwd_kernel; the fused pass takes
     # the out_BV / out_warps / out_stages fields and counts under gdn_state_fwd_kernel). sm_90 compile at BV 32
@@ -48,7 +50,8 @@ OPTIONS = {
     "out_fuse": [0],
     "out_BK": [64], "out_BV": [128], "out_warps": [4], "out_stages": [3],
     "dvl_BK": [64], "dvl_BV": [128], "dvl_warps": [4], "dvl_stages": [3],
-    "state_bwd_BV": [32], "state_bwd_warps": [4, 4, 8, 8], "state_bwd_stages": [3, 2, 2, 3],
+    # session 6 at G1: 4 warps / 2 stages 1.12, 8 / 2 1.32, 8 / 3 0.97 vs 4 / 3 0.86 ms
+    "state_bwd_BV": [32], "state_bwd_warps": [4], "state_bwd_stages": [3],
     "grad_BV": [64], "grad_warps": [8], "grad_stages": [3],
     # wy_bwd at BK 16 (4 and 8 warps) and at BK 64 / BV 32 / 4 warps faulted (illegal address) at G1 on Triton 3.6
     # (session 5); BK 32 / BV 64 / 4 warps was the fastest (2.04 vs 2.25 ms at BV 32).
