@@ -52,14 +52,11 @@ OPTIONS = {
     "dvl_BK": [64], "dvl_BV": [128], "dvl_warps": [4], "dvl_stages": [3],
     # session 6 at G1: 4 warps / 2 stages 1.12, 8 / 2 1.32, 8 / 3 0.97 vs 4 / 3 0.86 ms
     "state_bwd_BV": [32], "state_bwd_warps": [4], "state_bwd_stages": [3],
-    # grad_BK < K: one program per K slice (the [BT, BT] dO v_newᵀ and q kᵀ products recomputed per slice). sm_90
-    # compile: full K (128) 8 warps 255 registers / 139 KB; BK 64 8 warps 233 / 106 KB (3 stages), 65 KB (2);
-    # BK 32 / BV 64 / 4 warps 255 registers, 16 B spill, 90 KB: two CTAs per SM
-    "grad_BK": [128, 64, 64, 32], "grad_BV": [64], "grad_warps": [8, 8, 8, 4], "grad_stages": [3, 3, 2, 3],
+    "grad_BV": [64], "grad_warps": [8], "grad_stages": [3],
     # wy_bwd at BK 16 (4 and 8 warps) and at BK 64 / BV 32 / 4 warps faulted (illegal address) at G1 on Triton 3.6
     # (session 5); BK 32 / BV 64 / 4 warps was the fastest (2.04 vs 2.25 ms at BV 32).
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
-    "wy_bwd_BK": [32], "wy_bwd_BV": [64, 64, 32, 64], "wy_bwd_warps": [4, 8, 8, 4], "wy_bwd_stages": [1],
+    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1],
 }
 NVARIANTS = max(len(v) for v in OPTIONS.values())
 

@@ -54,7 +54,7 @@ _DEFAULT_CFG = {
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
-    "grad_BK": 256, "grad_BV": 16, "grad_warps": 8, "grad_stages": 2,
+    "grad_BV": 16, "grad_warps": 8, "grad_stages": 2,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1,
 }
 # wy_bwd_stages stays 1 on the GPU: with Triton 3.6's software pipelining (2 or 3 stages) dbeta and dg of the H200
@@ -339,9 +339,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
             **_opts(cfg, "state_bwd"))
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
-    BKg = min(cfg["grad_BK"], BKp)  # grad_chunk's K slices: one program each, dgc summed over them in wy_bwd
-    NGK = cdiv(K, BKg)
-    dgc = _empty(NGK, B, T, HV, dtype=torch.float32, device=dev)
+    dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     # GVA: the value heads of one q/k head add their dq and dk terms atomically into zeroed fp32 sums
     gsum = HV > H
@@ -351,12 +349,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     else:
         dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
         dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
-    gdn_grad_chunk_kernel[(NGK, NG, B * HV)](
-        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H, HV, B * T * HV, K=K,
-        V=V, BT=BT, BK=BKg, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen, **_opts(cfg, "grad"))
+    gdn_grad_chunk_kernel[(NG, B * HV)](
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
-        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H, HV, B * T * HV, NGK=NGK, K=K,
-        V=V, BT=BT,
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
         BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen,
         **_opts(cfg, "wy_bwd"))
     if gsum:

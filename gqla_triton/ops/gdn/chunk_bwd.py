@@ -96,19 +96,16 @@ def _sum_heads(acc, ptr, o, mask, GSUM: tl.constexpr):
         tl.store(ptr + o, acc.to(ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "HV", "RHV"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
-                          H, HV, RHV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per K slice (BK wide), chunk and value head: dq ([rows, H, K]: q's dtype, or with GSUM the fp32 sum over the
-    value heads of each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ,
-    and this slice's part of dgc (fp32 plane i_k of ``[K/BK, rows, HV]``, RHV = rows·HV apart; the intra-chunk dP
-    term goes to plane 0).
-    The [BT, BT] products (dO v_newᵀ, q kᵀ) span all of K and V, so every slice computes them."""
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Per chunk and value head: dq ([rows, H, K]: q's dtype, or with GSUM the fp32 sum over the value heads of
+    each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
-    ck = i_k * BK + tl.arange(0, BK)
+    ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     dqi = tl.zeros([BT, BK], dtype=tl.float32)
     dki = tl.zeros([BT, BK], dtype=tl.float32)
@@ -132,13 +129,6 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
         dP += tl.dot(dd, tl.trans(vn.to(dt)))
         dPT += tl.dot(vn.to(dt), tl.trans(dd))
         hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        cq = k0 + tl.arange(0, BK)
-        mq = valid[:, None] & (cq[None, :] < K)
-        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + cq[None, :], mask=mq, other=0.0)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + cq[None, :], mask=mq, other=0.0)
-        qk = tl.dot(qq, tl.trans(kk), qk)
     qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     last = tl.minimum(t0 + BT, Tn) - 1
@@ -153,9 +143,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     r = tl.arange(0, BT)
     m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
     dPm = tl.where(m, dP * scale * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
-    if i_k == 0:
-        dPP = dPm * qk
-        dg += tl.sum(dPP, 1) - tl.sum(dPP, 0)
+    dPP = dPm * tl.dot(qq, tl.trans(kk))
+    dg += tl.sum(dPP, 1) - tl.sum(dPP, 0)
     dg += tl.where(t == last, dgl, 0.0)
     # dPmᵀ from its own dot, not tl.trans of dPm: Triton 3.4-3.7.0 miscompiles the transpose of a dot result
     # used as a dot operand on Hopper (fla #640, #984); on the GPU it showed as run-to-run differences in dg
@@ -167,16 +156,16 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     tl.store(dkp + o, dkk, mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
     _sum_heads(dqq, dq, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
-    tl.store(dgc + i_k.to(tl.int64) * RHV + x * HV + i_hv, dg, mask=valid)
+    tl.store(dgc + x * HV + i_hv, dg, mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "RHV"])
+@triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx, T, H,
-                      HV, RHV, NGK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K]: k's dtype, or with GSUM the fp32 sum over value heads), dv, dbeta and dg = reverse
-    within-chunk cumsum of dgc (the sum of its NGK planes, RHV apart)."""
+    within-chunk cumsum of dgc."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
@@ -244,8 +233,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
                  mask=mv)
         db += tl.sum(dX * vv, 1)
-    for i in tl.static_range(NGK):  # dgc's K-slice planes (gdn_grad_chunk_kernel)
-        dgg += tl.load(dgc + i * RHV + x * HV + i_hv, mask=valid, other=0.0)
+    dgg += tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
