@@ -52,10 +52,14 @@ OPTIONS = {
     "dvl_BK": [64], "dvl_BV": [128], "dvl_warps": [4], "dvl_stages": [3],
     # session 6 at G1: 4 warps / 2 stages 1.12, 8 / 2 1.32, 8 / 3 0.97 vs 4 / 3 0.86 ms
     "state_bwd_BV": [32], "state_bwd_warps": [4], "state_bwd_stages": [3],
+    # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
+    # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
+    # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)
     "grad_BV": [64], "grad_warps": [8], "grad_stages": [3],
     # wy_bwd at BK 16 (4 and 8 warps) and at BK 64 / BV 32 / 4 warps faulted (illegal address) at G1 on Triton 3.6
     # (session 5); BK 32 / BV 64 / 4 warps was the fastest (2.04 vs 2.25 ms at BV 32).
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
+    # session 6 at G1: 8 warps 3.69 (BV 64) / 4.10 ms (BV 32) vs 4 warps 2.04 (h200-gdn-profile-s6-bwd.json)
     "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1],
 }
 NVARIANTS = max(len(v) for v in OPTIONS.values())
