@@ -61,17 +61,22 @@ def _timings(fn, args, cu):
 
 
 def anchor_impls() -> dict:
-    """Importable anchors' ``chunk_gated_delta_rule`` by name (fla on its own Triton kernels, FlashQLA)."""
+    """Importable anchors' ``chunk_gated_delta_rule`` by name (fla on its own Triton kernels, FlashQLA).
+    ``GQLA_BENCH_ANCHORS`` (e.g. "fla") limits them; an anchor left out is not even imported (FlashQLA loads
+    TileLang / TVM, whose runtime and compile caches should not share the process with host-bound timings)."""
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    keep = os.environ.get("GQLA_BENCH_ANCHORS")
+    wanted = lambda name: keep is None or name in keep.split(",")  # noqa: E731
     impls = {}
-    fla = try_import("fla.ops.gated_delta_rule")
-    if fla is not None:
-        impls["fla"] = fla.chunk_gated_delta_rule
-    fq = try_import("flash_qla")
-    if fq is not None:
-        impls["flashqla"] = fq.chunk_gated_delta_rule
-    keep = os.environ.get("GQLA_BENCH_ANCHORS")  # e.g. "fla": time only these anchors (FlashQLA compiles per shape)
-    return {k: f for k, f in impls.items() if keep is None or k in keep.split(",")}
+    if wanted("fla"):
+        fla = try_import("fla.ops.gated_delta_rule")
+        if fla is not None:
+            impls["fla"] = fla.chunk_gated_delta_rule
+    if wanted("flashqla"):
+        fq = try_import("flash_qla")
+        if fq is not None:
+            impls["flashqla"] = fq.chunk_gated_delta_rule
+    return impls
 
 
 def run(names, ctx, anchors=True):
