@@ -9,7 +9,11 @@ final state requested.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -60,42 +64,95 @@ def _timings(fn, args, cu):
     return f_ms, fb_ms, err
 
 
+ANCHORS = {"fla": "fla.ops.gated_delta_rule", "flashqla": "flash_qla"}  # name -> module with chunk_gated_delta_rule
+
+
+def _wanted_anchors() -> list[str]:
+    keep = os.environ.get("GQLA_BENCH_ANCHORS")  # e.g. "fla": time only these anchors (FlashQLA compiles per shape)
+    return [n for n in ANCHORS if keep is None or n in keep.split(",")]
+
+
+def _impl(name: str):
+    """``chunk_gated_delta_rule`` of gqla_triton or of one anchor (None when the anchor does not import)."""
+    if name == "gqla_triton":
+        return chunk_gated_delta_rule
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla on its own Triton kernels
+    mod = try_import(ANCHORS[name])
+    return None if mod is None else mod.chunk_gated_delta_rule
+
+
 def anchor_impls() -> dict:
-    """Importable anchors' ``chunk_gated_delta_rule`` by name (fla on its own Triton kernels, FlashQLA).
-    ``GQLA_BENCH_ANCHORS`` (e.g. "fla") limits them; an anchor left out is not even imported (FlashQLA loads
-    TileLang / TVM, whose runtime and compile caches should not share the process with host-bound timings)."""
-    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-    keep = os.environ.get("GQLA_BENCH_ANCHORS")
-    wanted = lambda name: keep is None or name in keep.split(",")  # noqa: E731
-    impls = {}
-    if wanted("fla"):
-        fla = try_import("fla.ops.gated_delta_rule")
-        if fla is not None:
-            impls["fla"] = fla.chunk_gated_delta_rule
-    if wanted("flashqla"):
-        fq = try_import("flash_qla")
-        if fq is not None:
-            impls["flashqla"] = fq.chunk_gated_delta_rule
-    return impls
+    """Importable anchors' ``chunk_gated_delta_rule`` by name, limited by ``GQLA_BENCH_ANCHORS``."""
+    impls = {n: _impl(n) for n in _wanted_anchors()}
+    return {n: f for n, f in impls.items() if f is not None}
+
+
+def _child(impl: str, names: list[str]) -> None:
+    """Time one implementation on the workloads ``names``; one ``[gdn]`` JSON line per workload on stdout."""
+    try:  # Linux: end with the parent (a bench cut by ``timeout`` must not leave this process on the GPU)
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    fn = _impl(impl)
+    if fn is None:
+        print("[gdn] " + json.dumps({"missing": impl}), flush=True)
+        return
+    for name in names:
+        q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
+        try:
+            f_ms, fb_ms, err = _timings(fn, (q, k, v, g, beta), cu)
+        except Exception as e:
+            f_ms, fb_ms, err = None, None, f"{type(e).__name__}: {str(e)[:160]}"
+        print("[gdn] " + json.dumps({"workload": name, "fwd": f_ms, "fwd_bwd": fb_ms, "error": err}), flush=True)
+        del q, k, v, g, beta
+        torch.cuda.empty_cache()
 
 
 def run(names, ctx, anchors=True):
-    impls = {"gqla_triton": chunk_gated_delta_rule}
-    if anchors:
-        impls.update(anchor_impls())
-    for name in names:
-        w = WORKLOADS[name]
-        q, k, v, g, beta, cu = _inputs(w)
-        fm = gdn_chunk_fwd_model(w["B"], w["T"], w["H"], w["HV"], K, V)
-        bm = gdn_chunk_bwd_model(w["B"], w["T"], w["H"], w["HV"], K, V)
-        for impl, fn in impls.items():
-            try:
-                f_ms, fb_ms, err = _timings(fn, (q, k, v, g, beta), cu)
-            except Exception as e:
-                f_ms, fb_ms, err = None, None, f"{type(e).__name__}: {str(e)[:160]}"
-            ctx.row("gdn_fwd", name, impl, f_ms, flops=fm.flops, nbytes=fm.bytes)
-            extra = {"error": err} if err else {}
-            ctx.row("gdn_fwd_bwd", name, impl, fb_ms, flops=fm.flops + bm.flops, nbytes=fm.bytes + bm.bytes,
-                    **extra)
-        del q, k, v, g, beta
-        torch.cuda.empty_cache()
+    """Each implementation times all workloads in its own process: host-bound workloads (G3) are timed without
+    the other libraries' runtimes loaded (FlashQLA brings TileLang / TVM), and an anchor that faults cannot take
+    the other rows with it. Rows are recorded as each child reports them."""
+    models = {n: (gdn_chunk_fwd_model(WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"],
+                                      K, V),
+                  gdn_chunk_bwd_model(WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"],
+                                      K, V)) for n in names}
+    for impl in ["gqla_triton"] + (_wanted_anchors() if anchors else []):
+        cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
+        seen = set()
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
+            for line in p.stdout:
+                if not line.startswith("[gdn] "):
+                    print(line, end="", flush=True)
+                    continue
+                r = json.loads(line[6:])
+                if "missing" in r:
+                    break
+                fm, bm = models[r["workload"]]
+                seen.add(r["workload"])
+                ctx.row("gdn_fwd", r["workload"], impl, r["fwd"], flops=fm.flops, nbytes=fm.bytes)
+                extra = {"error": r["error"]} if r["error"] else {}
+                ctx.row("gdn_fwd_bwd", r["workload"], impl, r["fwd_bwd"], flops=fm.flops + bm.flops,
+                        nbytes=fm.bytes + bm.bytes, **extra)
+            else:
+                p.wait()
+                for name in names:  # a child that died (illegal address, ...) leaves its remaining rows empty
+                    if name not in seen:
+                        err = {"error": f"{impl} process exited with code {p.returncode} before this workload"}
+                        ctx.row("gdn_fwd", name, impl, None, **err)
+                        ctx.row("gdn_fwd_bwd", name, impl, None, **err)
+    ctx.rows.sort(key=lambda r: names.index(r["workload"]))  # table by workload (stable: impls keep their order)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="(internal) time one implementation; used by run()")
+    ap.add_argument("--impl", required=True, choices=["gqla_triton", *ANCHORS])
+    ap.add_argument("--workload", required=True)
+    a = ap.parse_args()
+    _child(a.impl, [w for w in a.workload.split(",") if w])
+
+
+if __name__ == "__main__":
+    main()
