@@ -61,6 +61,10 @@ OPTIONS = {
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
     # session 6 at G1: 8 warps 3.69 (BV 64) / 4.10 ms (BV 32) vs 4 warps 2.04 (h200-gdn-profile-s6-bwd.json)
     "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1],
+    # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
+    # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
+    # (test_stage_variants; bench.determinism_gdn's wy_bwd_trans)
+    "wy_bwd_trans": [0, 1],
 }
 NVARIANTS = max(len(v) for v in OPTIONS.values())
 

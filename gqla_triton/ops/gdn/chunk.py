@@ -42,7 +42,8 @@ _empty = torch.empty
 # forward's output inside its state pass (no h / v_new round trip through memory; that pass then runs with the out_BV
 # / out_warps / out_stages fields, the backward's recomputing state pass with the state_* ones); seg_units > 0
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
-# >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never).
+# >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
+# takes dk's Mᵀ·k term as a transposed dot result (gdn_wy_bwd_kernel's TRANS_OUT; not yet run on a GPU).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -55,7 +56,7 @@ _DEFAULT_CFG = {
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2,
-    "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1,
+    "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
 }
 # wy_bwd_stages stays 1 on the GPU: with Triton 3.6's software pipelining (2 or 3 stages) dbeta and dg of the H200
 # differed bitwise from run to run (fp16 at 2 stages, bf16 and fp16 at 3); bench/determinism_gdn.py checks it.
@@ -354,8 +355,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen,
-        **_opts(cfg, "wy_bwd"))
+        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,
+        TRANS_OUT=bool(cfg["wy_bwd_trans"]), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
     if gsum:
         dq, dk = dq.to(q.dtype), dk.to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0

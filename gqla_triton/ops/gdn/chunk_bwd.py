@@ -162,10 +162,11 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+                      BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K]: k's dtype, or with GSUM the fp32 sum over value heads), dv, dbeta and dg = reverse
-    within-chunk cumsum of dgc."""
+    within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result added to dk,
+    instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
@@ -184,7 +185,8 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         ks = (kk.to(tl.float32) * (b * eg)[:, None]).to(dt)
         dT += tl.dot(dww.to(dt), tl.trans(ks))
-        dTT += tl.dot(ks, tl.trans(dww.to(dt)))
+        if not TRANS_OUT:
+            dTT += tl.dot(ks, tl.trans(dww.to(dt)))
         # k kᵀ with kᵀ from its own (transposed) load: one loaded tile as both operands of a pipelined wgmma gave
         # run-to-run different KK (dbeta, dg) on the H200 with Triton 3.6
         kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
@@ -196,13 +198,13 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
         vs = (vv * b[:, None]).to(dt)
         dT += tl.dot(du.to(dt), tl.trans(vs))
-        dTT += tl.dot(vs, tl.trans(du.to(dt)))
+        if not TRANS_OUT:
+            dTT += tl.dot(vs, tl.trans(du.to(dt)))
     ml = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
     mlT = (r[:, None] < r[None, :]) & valid[:, None] & valid[None, :]
     # dA and dAᵀ each from their own dots: no tl.trans of a dot result as a dot operand (Triton 3.4-3.7.0
     # miscompiles it on Hopper, fla #640 / #984)
     dA = -tl.dot(tl.trans(A), tl.dot(dT.to(dt), tl.trans(A)).to(dt))
-    dAT = -tl.dot(A, tl.dot(dTT.to(dt), A).to(dt))
     KD = tl.where(ml, KK * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
     dA = tl.where(ml, dA, 0.0)
     dAK = dA * KD
@@ -211,7 +213,9 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     dgg = tl.sum(dAA, 1) - tl.sum(dAA, 0)
     M = tl.where(ml, dA * b[:, None]  # dA·beta_i·decay
                 * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dt)
-    MT = tl.where(mlT, dAT * b[None, :] * tl.exp(tl.where(mlT, gg[None, :] - gg[:, None], 0.0)), 0.0).to(dt)
+    if not TRANS_OUT:
+        dAT = -tl.dot(A, tl.dot(dTT.to(dt), A).to(dt))
+        MT = tl.where(mlT, dAT * b[None, :] * tl.exp(tl.where(mlT, gg[None, :] - gg[:, None], 0.0)), 0.0).to(dt)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
@@ -219,7 +223,11 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dX = tl.dot(tl.trans(A), dww.to(dt))
         dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt)) + tl.dot(MT, kk.to(dt))
+        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt))
+        if TRANS_OUT:
+            dkk += tl.trans(tl.dot(tl.trans(kk.to(dt)), M))
+        else:
+            dkk += tl.dot(MT, kk.to(dt))
         _sum_heads(dkk, dk, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
         t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
         db += t1
