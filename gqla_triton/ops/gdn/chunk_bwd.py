@@ -99,9 +99,11 @@ def _sum_heads(acc, ptr, o, mask, GSUM: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
                           H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr,
+                          IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K]: q's dtype, or with GSUM the fp32 sum over the value heads of
-    each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32)."""
+    each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32).
+    TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -127,7 +129,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
         dki += tl.dot(vn.to(dt), tl.trans(de.to(dt)))
         dww += tl.dot(dv.to(dt), tl.trans(hh.to(dt)))
         dP += tl.dot(dd, tl.trans(vn.to(dt)))
-        dPT += tl.dot(vn.to(dt), tl.trans(dd))
+        if not TRANS_OUT:
+            dPT += tl.dot(vn.to(dt), tl.trans(dd))
         hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
     qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
@@ -148,10 +151,13 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     dg += tl.where(t == last, dgl, 0.0)
     # dPmᵀ from its own dot, not tl.trans of dPm: Triton 3.4-3.7.0 miscompiles the transpose of a dot result
     # used as a dot operand on Hopper (fla #640, #984); on the GPU it showed as run-to-run differences in dg
-    mT = (r[:, None] <= r[None, :]) & valid[:, None] & valid[None, :]
-    dPmT = tl.where(mT, dPT * scale * tl.exp(tl.where(mT, gg[None, :] - gg[:, None], 0.0)), 0.0)
     dqq += tl.dot(dPm.to(dt), kk)
-    dkk += tl.dot(dPmT.to(dt), qq)
+    if TRANS_OUT:
+        dkk += tl.trans(tl.dot(tl.trans(qq), dPm.to(dt)))
+    else:
+        mT = (r[:, None] <= r[None, :]) & valid[:, None] & valid[None, :]
+        dPmT = tl.where(mT, dPT * scale * tl.exp(tl.where(mT, gg[None, :] - gg[:, None], 0.0)), 0.0)
+        dkk += tl.dot(dPmT.to(dt), qq)
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
     tl.store(dkp + o, dkk, mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
