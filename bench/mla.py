@@ -167,6 +167,12 @@ VARIANTS = {  # timing order: most promising first (a budget stop drops the tail
     # 64 keys per tile (QKᵀ at 32 keys per warpgroup's N -> 64), one stage: Q 147 KB + K 74 KB of shared memory
     "h128dv2n64": dict(BLOCK_H=128, BLOCK_N=64, num_warps=8, num_stages=1, paged_tiles=True, dv_split=2),
     # carry_p: P·V one iteration late, so S is split over both warpgroups (no duplicated QKᵀ, no dv split)
+    # p_scratch (session 6, untimed): P and alpha through a double-buffered global scratch tile, ordered by an
+    # inline-asm bar.sync (tl.debug_barrier in the loop stops the pipeliner). sm_90 compile: S at warpsPerCTA [4, 2]
+    # (keys split over the warpgroups: no duplicated QKᵀ, no dv split), K tiles async. ps64s2: 32 keys per
+    # warpgroup, 224 KB of shared memory, 255 registers, no spill; ps32s2: 16 keys, 148 KB, 251 registers
+    "ps64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, p_scratch=True, dv_split=1),
+    "ps32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, p_scratch=True, dv_split=1),
     "cp32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, carry_p=True, dv_split=1),
     "cp32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, carry_p=True, dv_split=1),
     "cp16s4": dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=4, paged_tiles=True, carry_p=True, dv_split=1),
@@ -314,7 +320,8 @@ def aot_report(variants=None):
 
     names = kern.arg_names
     ptrs = {"q": "*bf16", "kv": "*bf16", "block_table": "*i32", "seqlens": "*i32", "indices": "*i32",
-            "topk_length": "*i32", "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
+            "topk_length": "*i32", "out": "*bf16", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32",
+            "pbuf": "*bf16", "abuf": "*fp32"}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for vn in variants or VARIANTS:
         v = VARIANTS[vn]
@@ -324,7 +331,8 @@ def aot_report(variants=None):
                          SPARSE=sparse, HAS_TOPK_LEN=sparse, SPLIT=split, DOT_PREC="tf32",
                          PAGED_TILES=bool(v.get("paged_tiles")) and not sparse and PAGE % bn == 0,
                          DV_SPLIT=v.get("dv_split", 1), TRANS=bool(v.get("transposed")),
-                         CARRY_P=bool(v.get("carry_p")))
+                         CARRY_P=bool(v.get("carry_p")), P_SCRATCH=bool(v.get("p_scratch")),
+                         ASM_SYNC=True)
             opts = dict(num_warps=warps, num_stages=stages)
             if v.get("maxnreg"):
                 opts["maxnreg"] = v["maxnreg"]

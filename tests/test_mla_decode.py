@@ -114,6 +114,9 @@ VARIANTS = [
     # P·V one iteration late (bench.mla cp32s2); the GPU tables' dv_split 2 is overridden
     {"carry_p": True, "dv_split": 1},
     {"carry_p": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32},
+    # P and alpha through a double-buffered global scratch tile (bench.mla ps64s2 on the GPU)
+    {"p_scratch": True, "dv_split": 1},
+    {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2},
 ]
 
 

@@ -42,11 +42,24 @@ _LN2 = 0.6931471805599453
 
 
 # lengths and tile geometry are runtime values: one compiled variant serves every h_q / s_q / causal flag
+@triton.jit
+def _cta_sync(dep, ASM: tl.constexpr):
+    """CTA barrier (``bar.sync 0``) returning 0, a data dependency for the loads that must follow it. As inline
+    assembly it is invisible to Triton 3.6's software pipeliner, which stops pipelining a loop that contains
+    ``tl.debug_barrier``; the interpreter (ASM false) takes ``tl.debug_barrier``."""
+    if ASM:
+        return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [dep], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
+        return dep * 0
+
+
 @triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles", "HPT", "QPT",
                                "causal"])
 def mla_decode_fwd_kernel(
     q, kv, block_table, seqlens, indices, topk_length,
-    out, lse, o_part, lse_part,
+    out, lse, o_part, lse_part, pbuf, abuf,
     qk_scale,  # softmax_scale * log2(e)
     s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
     s_qb, s_qq, s_qh,
@@ -62,7 +75,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, DV_SPLIT: tl.constexpr, TRANS: tl.constexpr,
-    CARRY_P: tl.constexpr,
+    CARRY_P: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -134,6 +147,10 @@ def mla_decode_fwd_kernel(
         # the previous tile's rows: its value tile is loaded again (an L2 hit) rather than held in registers
         prev_row = kv + tl.zeros([BLOCK_N], tl.int64)
         prev_ok = tl.zeros([BLOCK_N], tl.int1)
+    if P_SCRATCH:  # this program's two [BLOCK_H, BLOCK_N] tiles of the P scratch buffer, two [BLOCK_H] of alpha's
+        pid_lin = (pid_bs * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
+        p_tile = pbuf + pid_lin * (2 * BLOCK_H * BLOCK_N) + r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        a_row = abuf + pid_lin * (2 * BLOCK_H) + r
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if SPARSE:
@@ -170,6 +187,29 @@ def mla_decode_fwd_kernel(
             m_new, alpha, pt, l_i = softmax_step(st, m_i, l_i, 0)
             acc = acc * alpha[None, :]
             acc = tl.dot(tl.trans(k_lat), pt.to(k_lat.dtype), acc, input_precision=DOT_PREC)
+        elif P_SCRATCH:
+            # P and alpha cross a global scratch tile (an L2 round trip): the store / load ends S's forward slice
+            # like CARRY_P's loop edge, so Triton splits S's keys over the warpgroups (no duplicated QKᵀ, no dv
+            # split), while P·V stays in the iteration of its tile. The tiles alternate between two buffers, so one
+            # barrier per tile orders both the read after this tile's writes and the next write to the same buffer
+            # (two tiles later) after every read. The latent and rope dots of S are added afterwards (accumulating
+            # one into the other would chain them).
+            s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
+                 + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
+            if SPARSE:
+                keep = ok[None, :] & rvalid[:, None]
+            else:
+                keep = ok[None, :] & (pos[None, :] <= last[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            nb = ((start - lo) // BLOCK_N) % 2
+            tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
+            tl.store(a_row + nb * BLOCK_H, alpha)  # alpha too: it reaches the PV dot through the accumulator
+            z = _cta_sync(nb, ASM_SYNC)
+            pp = tl.load(p_tile + (nb * (BLOCK_H * BLOCK_N) + z))
+            aa = tl.load(a_row + (nb * BLOCK_H + z))
+            acc = acc * aa[:, None]
+            acc = tl.dot(pp, k_lat, acc, input_precision=DOT_PREC)
         elif CARRY_P:
             # Triton gives a dot whose result reaches another dot the warp layout [num_warps, 1]: with 64 rows
             # and 8 warps both warpgroups would compute the whole S. P and alpha cross the loop edge instead
@@ -298,12 +338,18 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
     paged = bool(cfg.get("paged_tiles", False)) and not sparse and page_size % cfg["BLOCK_N"] == 0
     dv_split = 2 if cfg.get("dv_split", 1) == 2 and BDV >= 32 else 1
     carry = bool(cfg.get("carry_p", False))
-    if carry and (dv_split == 2 or cfg.get("transposed", False)):
-        raise ValueError(f"mla_decode config: carry_p needs dv_split 1 and transposed false, got {cfg}")
+    pscr = bool(cfg.get("p_scratch", False))
+    if (carry or pscr) and (dv_split == 2 or cfg.get("transposed", False) or (carry and pscr)):
+        raise ValueError(f"mla_decode config: carry_p / p_scratch need dv_split 1, transposed false and exclude "
+                         f"each other, got {cfg}")
     grid = (B * S, h_tiles * q_tiles * dv_split)
+    # p_scratch: two [BLOCK_H, BLOCK_N] tiles per program (in q's dtype: the PV operand) and two alpha rows
+    pbuf = (torch.empty(grid[0] * grid[1] * 2 * BLOCK_H * cfg["BLOCK_N"], dtype=q.dtype, device=q.device) if pscr
+            else out)
+    abuf = torch.empty(grid[0] * grid[1] * 2 * BLOCK_H, dtype=torch.float32, device=q.device) if pscr else lse
     mla_decode_fwd_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, idx, tkl,
-        out, lse, o_part, lse_part,
+        out, lse, o_part, lse_part, pbuf, abuf,
         softmax_scale * _LOG2E,
         s_q, h_q, block_table.shape[1], num_pages, topk, S, h_tiles, HPT, QPT, int(bool(causal)),
         q.stride(0), q.stride(1), q.stride(2),
@@ -317,7 +363,8 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         DV=DV, DR=DR, BDV=BDV, BDR=max(16, triton.next_power_of_2(max(DR, 1))),
         PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, DV_SPLIT=dv_split,
-        TRANS=bool(cfg.get("transposed", False)), CARRY_P=carry,
+        TRANS=bool(cfg.get("transposed", False)), CARRY_P=carry, P_SCRATCH=pscr,
+        ASM_SYNC=not device_info(q).interpreter,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # register cap (2 CTAs per SM)
     )
