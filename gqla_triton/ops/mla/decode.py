@@ -55,6 +55,20 @@ def _cta_sync(dep, ASM: tl.constexpr):
         return dep * 0
 
 
+@triton.jit
+def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid, m_i, l_i,
+                      DOT_PREC: tl.constexpr, SPARSE: tl.constexpr):
+    """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
+    them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (CARRY_P and P_SCRATCH)."""
+    s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
+         + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
+    if SPARSE:
+        keep = ok[None, :] & rvalid[:, None]
+    else:
+        keep = ok[None, :] & (pos[None, :] <= last[:, None])
+    return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, 1)
+
+
 @triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles", "HPT", "QPT",
                                "causal"])
 def mla_decode_fwd_kernel(
@@ -192,16 +206,9 @@ def mla_decode_fwd_kernel(
             # like CARRY_P's loop edge, so Triton splits S's keys over the warpgroups (no duplicated QKᵀ, no dv
             # split), while P·V stays in the iteration of its tile. The tiles alternate between two buffers, so one
             # barrier per tile orders both the read after this tile's writes and the next write to the same buffer
-            # (two tiles later) after every read. The latent and rope dots of S are added afterwards (accumulating
-            # one into the other would chain them).
-            s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
-                 + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
-            if SPARSE:
-                keep = ok[None, :] & rvalid[:, None]
-            else:
-                keep = ok[None, :] & (pos[None, :] <= last[:, None])
-            s = tl.where(keep, s, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            # (two tiles later) after every read.
+            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid,
+                                                     m_i, l_i, DOT_PREC, SPARSE)
             nb = ((start - lo) // BLOCK_N) % 2
             tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
             tl.store(a_row + nb * BLOCK_H, alpha)  # alpha too: it reaches the PV dot through the accumulator
@@ -214,19 +221,12 @@ def mla_decode_fwd_kernel(
             # Triton gives a dot whose result reaches another dot the warp layout [num_warps, 1]: with 64 rows
             # and 8 warps both warpgroups would compute the whole S. P and alpha cross the loop edge instead
             # (a loop-carried value ends the forward slice), so S splits its keys over the two warpgroups and
-            # the PV product of tile j runs in iteration j + 1. The latent and rope dots of S are added afterwards:
-            # accumulating one into the other would chain them again.
+            # the PV product of tile j runs in iteration j + 1.
             v_prev = tl.load(prev_row[:, None] + offs_v[None, :], mask=prev_ok[:, None] & mv[None, :], other=0.0)
             acc = acc * alpha[:, None]
             acc = tl.dot(p_prev, v_prev, acc, input_precision=DOT_PREC)
-            s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
-                 + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
-            if SPARSE:
-                keep = ok[None, :] & rvalid[:, None]
-            else:
-                keep = ok[None, :] & (pos[None, :] <= last[:, None])
-            s = tl.where(keep, s, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid,
+                                                     m_i, l_i, DOT_PREC, SPARSE)
             p_prev = p.to(kv.dtype.element_ty)
             prev_row = kv_row
             prev_ok = ok
