@@ -7,8 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gqla_triton import dispatch, roofline
+from gqla_triton.ops._common.host import cdiv, next_pow2
 
 CONFIGS = Path(dispatch.__file__).parent / "configs"
 
@@ -119,3 +123,10 @@ def test_choose_decode_path_scales_by_measured_kernel_efficiency(monkeypatch):
     # the H200 table holds what our kernels reached there: the measured winner (grouped) is picked
     h200 = dispatch.choose_decode_path(shape, 1, "h200", batch=128, seqlen=4096)
     assert h200.path == "grouped" and "efficiency" in h200.reason
+
+
+@given(a=st.integers(0, 1 << 40), b=st.integers(1, 1 << 20), n=st.integers(0, 1 << 40))
+def test_host_integer_helpers_match_triton(a, b, n):
+    """The launchers' plain-Python cdiv / next_pow2 agree with triton.cdiv / triton.next_power_of_2."""
+    assert cdiv(a, b) == triton.cdiv(a, b)
+    assert next_pow2(n) == triton.next_power_of_2(n)
