@@ -115,10 +115,8 @@ def run(names, ctx, anchors=True):
     """Each implementation times all workloads in its own process: host-bound workloads (G3) are timed without
     the other libraries' runtimes loaded (FlashQLA brings TileLang / TVM), and an anchor that faults cannot take
     the other rows with it. Rows are recorded as each child reports them."""
-    models = {n: (gdn_chunk_fwd_model(WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"],
-                                      K, V),
-                  gdn_chunk_bwd_model(WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"],
-                                      K, V)) for n in names}
+    shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
+    models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
     for impl in ["gqla_triton"] + (_wanted_anchors() if anchors else []):
         cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
         seen = set()
