@@ -127,6 +127,15 @@ SPARSE_VARIANTS = {
     "w8_s4": {"num_warps": 8, "num_stages": 4},
     "n16_s4": {"BLOCK_N": 16, "num_stages": 4},
     "n32_s4": {"num_stages": 4},
+    # session 7: rows pre-translated by sparse_rows (all variants); ra = the next tile's rows loaded one iteration
+    # ahead. sm_90 compile: every SQ1 variant keeps K/V in registers (15 KB of shared memory, no multi-stage
+    # copies) at 197-255 registers: latency hiding comes from resident CTAs, hence the register-lean n16 ones
+    "ra": {"ROWS_AHEAD": True},
+    "ra_w8": {"ROWS_AHEAD": True, "num_warps": 8},
+    "ra_s4": {"ROWS_AHEAD": True, "num_stages": 4},
+    "s2": {"num_stages": 2},
+    "ra_s2": {"ROWS_AHEAD": True, "num_stages": 2},
+    "n16_s2": {"BLOCK_N": 16, "num_stages": 2},
 }
 COPY_GBS = 4270.0  # measured H200 copy ceiling
 
@@ -231,7 +240,7 @@ def aot_report():
                 const = dict(G=16, NUM_MT=1, PAGE_SIZE=PAGE, DH=128, DR=64, DV=128, BLOCK_M=bm, BLOCK_N=bn, BDH=128,
                              BDR=64, BDV=128, CAUSAL=True, SPARSE=sparse, HAS_TOPK_LEN=False, SPLIT=split,
                              FP32=False, PAGED=bool(cfg.get("PAGED")) and not sparse and PAGE % bn == 0,
-                             V_EARLY=bool(cfg.get("V_EARLY")))
+                             V_EARLY=bool(cfg.get("V_EARLY")), ROWS_AHEAD=sparse and bool(cfg.get("ROWS_AHEAD")))
                 sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
                        for n in names}
                 attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

@@ -174,6 +174,10 @@ VARIANTS = {  # timing order: most promising first (a budget stop drops the tail
     # ps32s2: 16 keys, 148 KB, 251 registers
     "ps64s2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, p_scratch=True, dv_split=1),
     "ps32s2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, paged_tiles=True, p_scratch=True, dv_split=1),
+    # sparse: rows pre-translated by sparse_rows (every variant since session 7); rows_ahead loads the next tile's
+    # row indices one iteration ahead
+    "ps64s2ra": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, p_scratch=True,
+                     dv_split=1, rows_ahead=True),
     # session 7: ps64s2 measured 0.588 ms at M1 (h128dv2 0.713) and became the committed config. Four warpgroups:
     # 128 registers (acc 64 of them), 16 keys of S each; sm_90 compile spills 72-216 B. (128-key tiles, one stage,
     # spilled 470-620 B at 8 or 16 warps: not kept.)
@@ -338,7 +342,7 @@ def aot_report(variants=None):
                          PAGED_TILES=bool(v.get("paged_tiles")) and not sparse and PAGE % bn == 0,
                          DV_SPLIT=v.get("dv_split", 1), TRANS=bool(v.get("transposed")),
                          CARRY_P=bool(v.get("carry_p")), P_SCRATCH=bool(v.get("p_scratch")),
-                         ASM_SYNC=True)
+                         ASM_SYNC=True, ROWS_AHEAD=sparse and bool(v.get("rows_ahead")))
             opts = dict(num_warps=warps, num_stages=stages)
             if v.get("maxnreg"):
                 opts["maxnreg"] = v["maxnreg"]

@@ -299,6 +299,8 @@ VARIANTS = [
     {"PAGED": True, "V_EARLY": True},
     {"V_EARLY": True},
     {"PAGED": True, "SPLITS": 3},
+    {"ROWS_AHEAD": True},  # sparse: the next tile's row indices loaded one iteration ahead
+    {"ROWS_AHEAD": True, "SPLITS": 3},
 ]
 
 

@@ -10,6 +10,7 @@ from harness import P, assert_close, capture_graph, dtypes, empty_poisoned, gen,
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gqla_triton.ops._common import sparse_rows
 from gqla_triton.ops.mla import mla_decode, mla_decode_fwd, mla_decode_ref
 
 DIMS = pick([(32, 16), (64, 16)], [(512, 64), (256, 64)])  # (latent r = head_dim_v, rope d_R)
@@ -117,6 +118,10 @@ VARIANTS = [
     # P and alpha through a double-buffered global scratch tile (bench.mla ps64s2 on the GPU)
     {"p_scratch": True, "dv_split": 1},
     {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2},
+    # sparse: the next tile's row indices loaded one iteration ahead
+    {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2,
+     "rows_ahead": True},
+    {"rows_ahead": True},
 ]
 
 
@@ -160,6 +165,35 @@ def _adversarial_indices(g, B, s_q, topk, lens, *, dup=True):
         src = torch.randint(0, topk, (B, s_q, topk), generator=g)
         idx = torch.where(kind == 2, torch.gather(idx, 2, src), idx)
     return idx.int()
+
+
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), groups=st.sampled_from([0, 1, 3]), page_size=st.sampled_from(PAGES),
+       topk=st.sampled_from([1, 16, 40, 1500]), causal=st.booleans(), with_len=st.booleans(), seed=seeds())
+def test_sparse_rows_translation(B, s_q, groups, page_size, topk, causal, with_len, seed):
+    """sparse_rows: the physical cache row of every index entry that counts, -1 for every other one (shared
+    [B, s_q, topk] and per-group [B, s_q, g, topk] index sets)."""
+    _, kv, bt, lens, g = _case(seed, B, s_q, 1, 16, 16, page_size, torch.float32, bad_pages=True)
+    idx = _adversarial_indices(g, B, s_q * max(groups, 1), topk, lens)
+    idx = idx.reshape(B, s_q, groups, topk) if groups else idx
+    tkl = torch.randint(-2, topk + 3, (B,), generator=g).int() if with_len else None
+    rows = sparse_rows(idx.to(P.device), bt, lens, None if tkl is None else tkl.to(P.device), page_size=page_size,
+                       num_pages=kv.shape[0], causal=causal)
+    assert rows.dtype == torch.int32 and rows.shape == idx.shape
+    rows = rows.cpu().long()
+    bt_, lens_ = bt.cpu().long(), lens.cpu().long()
+    shape = (B, s_q, 1, topk) if groups == 0 else idx.shape
+    pos = idx.long().reshape(shape)
+    n_valid = torch.full((B,), topk) if tkl is None else tkl.long().clamp(0, topk)
+    qi = torch.arange(s_q).reshape(1, s_q, 1, 1)
+    last = lens_.reshape(B, 1, 1, 1) - 1 + (qi + 1 - s_q if causal else 0)
+    ok = ((torch.arange(topk) < n_valid.reshape(B, 1, 1, 1)) & (pos >= 0) & (pos < lens_.reshape(B, 1, 1, 1))
+          & (pos <= last))
+    page = torch.where(ok, pos // page_size, 0)
+    ok &= page < bt_.shape[1]
+    blk = torch.gather(bt_, 1, page.clamp(max=bt_.shape[1] - 1).reshape(B, -1)).reshape(page.shape)
+    ok &= (blk >= 0) & (blk < kv.shape[0])
+    want = torch.where(ok, blk * page_size + pos % page_size, -1).reshape(rows.shape)
+    assert torch.equal(rows, want)
 
 
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),

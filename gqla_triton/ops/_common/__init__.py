@@ -2,7 +2,14 @@
 
 from .combine import combine_splits, finish_rows, softmax_step, store_rows
 from .host import cdiv, next_pow2
-from .paging import choose_num_splits, gather_pages, logical_to_physical, sparse_positions, split_bounds
+from .paging import (
+    choose_num_splits,
+    gather_pages,
+    logical_to_physical,
+    sparse_positions,
+    sparse_rows,
+    split_bounds,
+)
 from .validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -32,6 +39,7 @@ __all__ = [
     "next_pow2",
     "softmax_step",
     "sparse_positions",
+    "sparse_rows",
     "split_bounds",
     "store_rows",
 ]

@@ -80,3 +80,46 @@ def sparse_positions(idx_row_ptr, offs, n_valid, seqlen, last_pos):
     pos = tl.load(idx_row_ptr + tl.where(inside, offs, 0), mask=inside, other=-1)
     ok = inside & (pos >= 0) & (pos < seqlen) & (pos <= last_pos)
     return tl.where(ok, pos, 0), ok
+
+
+@triton.jit(do_not_specialize=["topk", "s_q", "NI", "max_pages", "num_pages", "causal"])
+def sparse_rows_kernel(indices, block_table, seqlens, topk_length, rows, topk, s_q, NI, max_pages, num_pages, causal,
+                       s_btb, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr):
+    """One index row (batch entry, query token, index set) x ``BLOCK`` entries: ``rows = page·PAGE_SIZE + slot``
+    (int32) of each entry that counts, -1 for the others (``sparse_positions`` then ``logical_to_physical``)."""
+    pid_k = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = pid_r // (s_q * NI)
+    qi = (pid_r // NI) % s_q
+    offs = pid_k * BLOCK + tl.arange(0, BLOCK)
+    n_valid = topk
+    if HAS_TOPK_LEN:
+        n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
+    seqlen = tl.load(seqlens + b)
+    last_pos = tl.where(causal != 0, seqlen - s_q + qi, seqlen - 1)
+    base = pid_r.to(tl.int64) * topk
+    pos, ok = sparse_positions(indices + base, offs, n_valid, seqlen, last_pos)
+    row, ok = logical_to_physical(block_table + b.to(tl.int64) * s_btb, pos, ok, max_pages, num_pages, PAGE_SIZE)
+    tl.store(rows + base + offs, tl.where(ok, row, -1).to(tl.int32), mask=offs < topk)
+
+
+def sparse_rows(indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                topk_length: torch.Tensor | None, *, page_size: int, num_pages: int, causal: bool) -> torch.Tensor:
+    """Translate validated sparse indices once per call, before the attention kernel: ``indices [B, s_q, topk]``
+    or ``[B, s_q, g, topk]`` int32 logical positions -> int32 tensor of the same shape holding the physical cache
+    row (``page · page_size + slot``) of every entry that counts (``sparse_positions``: inside ``topk_length``,
+    in ``[0, seqlen)``, not after the query under ``causal``; page inside the table and the cache) and -1 for
+    the others. The kernels then load one row index per key instead of an index and a block-table entry in
+    sequence."""
+    if num_pages * page_size >= 2**31:
+        raise ValueError(f"kv cache: {num_pages} pages x {page_size} tokens exceed int32 row indices (sparse path)")
+    idx = indices.contiguous()
+    rows = torch.empty(idx.shape, dtype=torch.int32, device=idx.device)
+    B, s_q, topk = idx.shape[0], idx.shape[1], idx.shape[-1]
+    NI = idx.shape[2] if idx.dim() == 4 else 1
+    BLOCK = min(1024, max(16, triton.next_power_of_2(topk)))
+    sparse_rows_kernel[(triton.cdiv(topk, BLOCK), B * s_q * NI)](
+        idx, block_table, cache_seqlens, topk_length if topk_length is not None else cache_seqlens, rows, topk, s_q,
+        NI, block_table.shape[1], num_pages, int(bool(causal)), block_table.stride(0), PAGE_SIZE=page_size,
+        BLOCK=BLOCK, HAS_TOPK_LEN=topk_length is not None, num_warps=4)
+    return rows

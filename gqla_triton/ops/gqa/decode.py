@@ -27,7 +27,7 @@ from .._common import (
     finish_rows,
     logical_to_physical,
     softmax_step,
-    sparse_positions,
+    sparse_rows,
     split_bounds,
     store_rows,
 )
@@ -65,7 +65,7 @@ def gqa_decode_fwd_kernel(
     DH: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr, PAGED: tl.constexpr, V_EARLY: tl.constexpr,
+    FP32: tl.constexpr, PAGED: tl.constexpr, V_EARLY: tl.constexpr, ROWS_AHEAD: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -100,10 +100,6 @@ def gqa_decode_fwd_kernel(
         qr = tl.load(q_row[:, None] + DH + offs_dr[None, :], mask=row_ok[:, None] & m_dr[None, :], other=0.0)
 
     if SPARSE:
-        if CAUSAL:
-            last_pos = seqlen - S_Q + j0
-        else:
-            last_pos = seqlen - 1
         length = topk
         if HAS_TOPK_LEN:
             length = tl.minimum(length, tl.load(topk_len + b))
@@ -114,6 +110,8 @@ def gqa_decode_fwd_kernel(
         qpos = seqlen - S_Q + jj  # causal position of each row's query token
     start, end = split_bounds(length, split, num_splits, BLOCK_N)
     bt_row = block_table + b64 * s_btb
+    if SPARSE and ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
+        nxt = tl.load(idx_row + start + tl.arange(0, BLOCK_N), mask=start + tl.arange(0, BLOCK_N) < end, other=-1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -121,24 +119,33 @@ def gqa_decode_fwd_kernel(
     arange_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + arange_n
-        if SPARSE:
-            pos, ok = sparse_positions(idx_row, offs_n, end, seqlen, last_pos)
-        else:
-            pos = offs_n
-            ok = offs_n < end
-        if PAGED:  # BLOCK_N divides PAGE_SIZE and tiles start at multiples of BLOCK_N: one page per tile
+        pos = offs_n
+        if SPARSE:  # physical rows from sparse_rows (-1: the entry does not count)
+            if ROWS_AHEAD:
+                prow = nxt
+                nxt = tl.load(idx_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=-1)
+            else:
+                prow = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
+            ok = prow >= 0
+            prow = tl.where(ok, prow, 0)
+            page = (prow // PAGE_SIZE).to(tl.int64)
+            slot = prow % PAGE_SIZE
+            k_off = page * s_kp + slot * s_kt
+            v_off = page * s_vp + slot * s_vt
+            r_off = page * s_rp + slot * s_rt
+        elif PAGED:  # BLOCK_N divides PAGE_SIZE and tiles start at multiples of BLOCK_N: one page per tile
             pg = (n0 + tl.zeros([], dtype=tl.int32)) // PAGE_SIZE  # scalar tensor (interpreter: not a python int)
             pg_ok = pg < max_pages
             blk = tl.load(bt_row + tl.where(pg_ok, pg, 0))
             pg_ok = (blk >= 0) & (blk < num_pages) & (pg < max_pages)
-            ok = ok & ((arange_n * 0 + pg_ok.to(tl.int32)) != 0)  # vector mask (interpreter: no 0-d bool)
+            ok = (offs_n < end) & ((arange_n * 0 + pg_ok.to(tl.int32)) != 0)  # vector mask (interpreter: no 0-d bool)
             base = tl.where(pg_ok, blk, 0).to(tl.int64)
             slot = (n0 % PAGE_SIZE) + arange_n
             k_off = base * s_kp + slot * s_kt
             v_off = base * s_vp + slot * s_vt
             r_off = base * s_rp + slot * s_rt
         else:
-            row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
+            row, ok = logical_to_physical(bt_row, pos, offs_n < end, max_pages, num_pages, PAGE_SIZE)
             page = row // PAGE_SIZE
             slot = row % PAGE_SIZE
             k_off = page * s_kp + slot * s_kt
@@ -178,7 +185,8 @@ def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch
 
     Config fields: ``BLOCK_N, MAX_M, num_warps, num_stages, SMEM, ACC_ELEMS_4W, WAVES`` and the kernel variants
     ``PAGED`` (dense, BLOCK_N | page_size: one block-table lookup per tile, contiguous in-page addressing),
-    ``V_EARLY`` (V load issued before the QK^T dot), ``SPLITS`` (> 0 pins the split-KV count when the caller
+    ``V_EARLY`` (V load issued before the QK^T dot), ``ROWS_AHEAD`` (sparse: the next tile's row indices loaded
+    one iteration ahead), ``SPLITS`` (> 0 pins the split-KV count when the caller
     passes ``num_splits=0``).
     """
     key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
@@ -196,7 +204,8 @@ def _launch_params(G: int, rows: int, d_h: int, d_r: int, d_v: int, dtype: torch
         warps = max(warps, 8)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BDH=bdh, BDR=max(bdr, 16), BDV=bdv,
                 num_warps=warps, num_stages=stages, waves=cfg.get("WAVES", 2), splits=int(cfg.get("SPLITS", 0)),
-                paged=bool(cfg.get("PAGED", False)), v_early=bool(cfg.get("V_EARLY", False)))
+                paged=bool(cfg.get("PAGED", False)), v_early=bool(cfg.get("V_EARLY", False)),
+                rows_ahead=bool(cfg.get("ROWS_AHEAD", False)))
 
 
 def _num_splits(batch_programs: int, max_len: int, block_n: int, waves: int, device) -> int:
@@ -240,8 +249,10 @@ def gqa_decode_fwd(
     dev = q.device
     dummy_i = block_table
     if sparse:
-        idx = indices if indices.dim() == 4 else indices.unsqueeze(2)
-        s_i = (idx.stride(0), idx.stride(1), idx.stride(2) if indices.dim() == 4 else 0)
+        rows_ = sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size,
+                            num_pages=num_pages, causal=causal)
+        idx = rows_ if rows_.dim() == 4 else rows_.unsqueeze(2)
+        s_i = (idx.stride(0), idx.stride(1), idx.stride(2) if rows_.dim() == 4 else 0)
     else:
         idx, s_i = dummy_i, (0, 0, 0)
     kr = k_rope_cache if k_rope_cache is not None else k_cache
@@ -272,6 +283,7 @@ def gqa_decode_fwd(
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
         PAGED=prm["paged"] and not sparse and page_size % BLOCK_N == 0, V_EARLY=prm["v_early"],
+        ROWS_AHEAD=sparse and prm["rows_ahead"],
         num_warps=prm["num_warps"], num_stages=prm["num_stages"],
     )
     if split:

@@ -5,7 +5,8 @@ tokens into ``BLOCK_H`` rows (>= 64 where h_q·s_q allows) so both products run 
 ``S = Q_lat·K_latᵀ + Q_rope·K_ropeᵀ`` and ``acc += P·V`` with ``V`` = the latent tile already loaded for
 ``S`` (never reloaded). Keys are gathered per token through the block table (``logical_to_physical``), so
 ``BLOCK_N`` need not divide the page size. Sparse tiles hold one query token (each token has its own
-index row), all heads share the gathered tile. Definitions of masking, empty rows and duplicate indices:
+index row), all heads share the gathered tile, whose rows come translated to physical cache rows by
+``sparse_rows`` (one small kernel per call) so the tile loop loads one row index per key. Definitions of masking, empty rows and duplicate indices:
 ``reference.py``.
 """
 
@@ -30,7 +31,7 @@ from .._common import (
     finish_rows,
     logical_to_physical,
     softmax_step,
-    sparse_positions,
+    sparse_rows,
     split_bounds,
     store_rows,
 )
@@ -89,7 +90,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, DV_SPLIT: tl.constexpr, TRANS: tl.constexpr,
-    CARRY_P: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
+    CARRY_P: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr, ROWS_AHEAD: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -142,7 +143,8 @@ def mla_decode_fwd_kernel(
             n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
         lo, hi = split_bounds(n_valid, split, num_splits, BLOCK_N)
         idx_row = indices + b64 * s_ib + qt.to(tl.int64) * s_iq
-        last_pos = tl.where(causal != 0, seqlen - s_q + qt, seqlen - 1)
+        if ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
+            nxt = tl.load(idx_row + lo + tl.arange(0, BLOCK_N), mask=lo + tl.arange(0, BLOCK_N) < hi, other=-1)
     else:
         lo, hi = split_bounds(seqlen, split, num_splits, BLOCK_N)
         if causal != 0:  # no key after the tile's last query
@@ -167,23 +169,28 @@ def mla_decode_fwd_kernel(
         a_row = abuf + pid_lin * (2 * BLOCK_H) + r
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        if SPARSE:
-            pos, ok = sparse_positions(idx_row, offs_n, hi, seqlen, last_pos)
-        else:
-            pos = offs_n
-            ok = offs_n < hi
-        if PAGED_TILES:
+        pos = offs_n
+        if SPARSE:  # physical rows from sparse_rows (-1: the entry does not count)
+            if ROWS_AHEAD:
+                prow = nxt
+                nxt = tl.load(idx_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < hi, other=-1)
+            else:
+                prow = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+            ok = prow >= 0
+            prow = tl.where(ok, prow, 0)
+            kv_row = kv + (prow // PAGE_SIZE).to(tl.int64) * s_kvp + (prow % PAGE_SIZE) * s_kvt
+        elif PAGED_TILES:
             # the tile lies inside one page (start is a multiple of BLOCK_N, BLOCK_N divides PAGE_SIZE): one
             # scalar block-table load, contiguous rows
             page = start // PAGE_SIZE + tl.zeros([1], tl.int32)  # [1]: a masked scalar load
             pin = page < max_pages
             blk = tl.load(bt_row + tl.where(pin, page, 0), mask=pin, other=-1)
             pok = pin & (blk >= 0) & (blk < num_pages)
-            ok = ok & pok
+            ok = (offs_n < hi) & pok
             kv_row = (kv + tl.where(pok, blk, 0).to(tl.int64) * s_kvp
                       + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * s_kvt)
         else:
-            row, ok = logical_to_physical(bt_row, pos, ok, max_pages, num_pages, PAGE_SIZE)
+            row, ok = logical_to_physical(bt_row, pos, offs_n < hi, max_pages, num_pages, PAGE_SIZE)
             kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
         k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
         k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
@@ -314,8 +321,6 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
                                                          num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if sparse and indices.stride(-1) != 1:
-        indices = indices.contiguous()
     DV = head_dim_v
     DR = D - DV
     if out is None:
@@ -330,7 +335,8 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
             lse_part.fill_(float("nan"))
     else:
         o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
-    idx = indices if sparse else block_table
+    idx = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size, num_pages=num_pages,
+                       causal=causal) if sparse else block_table)
     tkl = topk_length if topk_length is not None else cache_seqlens
     BDV = max(16, triton.next_power_of_2(DV))
     # variants (config fields): one block-table load per page-aligned tile; value columns split over 2 programs;
@@ -364,7 +370,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, DV_SPLIT=dv_split,
         TRANS=bool(cfg.get("transposed", False)), CARRY_P=carry, P_SCRATCH=pscr,
-        ASM_SYNC=not device_info(q).interpreter,
+        ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=sparse and bool(cfg.get("rows_ahead", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # register cap (2 CTAs per SM)
     )
