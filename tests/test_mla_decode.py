@@ -137,7 +137,10 @@ def test_variants_vs_reference(variant, B, s_q, page_size, causal, sparse, num_s
     out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
     lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
     old = os.environ.get("GQLA_TRITON_CONFIG")
-    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": variant})
+    # the override merges into the device's table entry: features a variant does not name are switched off
+    base = {"paged_tiles": False, "dv_split": 1, "transposed": False, "carry_p": False, "p_scratch": False,
+            "rows_ahead": False}
+    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": {**base, **variant}})
     try:
         mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, out=out, lse=lse,
                        poison_partials=True)
