@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from bench.common import time_ms, try_import
+from bench.common import time_graph_ms, time_ms, try_import
 from gqla_triton.roofline import GQA_WORKLOADS, MLA_WORKLOADS, gqa_decode_model, mla_decode_model
 
 PAGE = 64
@@ -37,6 +37,16 @@ def _physical(idx, bt):
     return (bt.long()[b, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
 
 
+def _graph_ms(name, fn):
+    """Per-call time inside a CUDA graph (how a serving loop runs decode: no host launch cost), or None."""
+    try:
+        fn()
+        return time_graph_ms(fn)
+    except Exception as e:
+        print(f"[bench.sparse] {name}: CUDA graph timing failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
 def _run_mla(name, w, ctx, anchors):
     from gqla_triton import mla_decode  # lazily: the absorb-path kernel lives in ops/mla
 
@@ -49,8 +59,9 @@ def _run_mla(name, w, ctx, anchors):
     idx = _topk_indices(B, s_q, S, topk, dev)
     model = mla_decode_model(**w)
     scale = 576**-0.5
-    ms = time_ms(lambda: mla_decode(q, kv, bt, lens, 512, scale, causal=True, indices=idx))
-    ctx.row("sparse_decode", name, "gqla_triton", ms, flops=model.flops, nbytes=model.bytes)
+    ours = lambda: mla_decode(q, kv, bt, lens, 512, scale, causal=True, indices=idx)  # noqa: E731
+    ctx.row("sparse_decode", name, "gqla_triton", time_ms(ours), flops=model.flops, nbytes=model.bytes,
+            graph_ms=_graph_ms(name, ours))
     if not anchors:
         return
     fm = try_import("flash_mla")
@@ -84,8 +95,9 @@ def _run_gqa(name, w, ctx, anchors):
     kr = torch.randn(bt.numel(), PAGE, dr, device=dev, dtype=torch.bfloat16)
     idx = _topk_indices(B, s_q, S, topk, dev)
     model = gqa_decode_model(**w)
-    ms = time_ms(lambda: gqa_decode(q, k, v, bt, lens, kr, indices=idx))
-    ctx.row("sparse_decode", name, "gqla_triton", ms, flops=model.flops, nbytes=model.bytes)
+    ours = lambda: gqa_decode(q, k, v, bt, lens, kr, indices=idx)  # noqa: E731
+    ctx.row("sparse_decode", name, "gqla_triton", time_ms(ours), flops=model.flops, nbytes=model.bytes,
+            graph_ms=_graph_ms(name, ours))
 
 
 def run(names, ctx, anchors=True):

@@ -113,7 +113,7 @@ VARIANTS = [
     {"transposed": True, "paged_tiles": True, "dv_split": 2},
     {"transposed": True, "BLOCK_H": 32, "BLOCK_N": 128, "num_stages": 1},  # 128 keys x 32 heads (bench.mla t128h32)
     # P·V one iteration late (bench.mla cp32s2); the GPU tables' dv_split 2 is overridden
-    {"carry_p": True, "dv_split": 1},
+    {"carry_p": True, "dv_split": 1, "BLOCK_N": pick(16, 32)},  # 64 keys at 2 stages: 360 KB of shared memory
     {"carry_p": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32},
     # P and alpha through a double-buffered global scratch tile (bench.mla ps64s2 on the GPU)
     {"p_scratch": True, "dv_split": 1},

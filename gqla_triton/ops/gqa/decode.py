@@ -321,12 +321,8 @@ def _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indice
                         indices=indices, topk_length=topk_length, num_groups=g, num_splits=num_splits)
 
 
-@torch.library.custom_op("gqla_triton::gqa_decode", mutates_args=())
-def _gqa_decode_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
-    indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gqa_decode_impl(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
+                     topk_length, num_splits):
     # validated here (eagerly, on real tensors) so torch.compile traces only the op call
     _check(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indices, topk_length, num_splits)
     B, s_q, h_q, _ = q.shape
@@ -335,6 +331,16 @@ def _gqa_decode_op(
     gqa_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
                    indices, topk_length, num_splits, out, lse)
     return out, lse
+
+
+@torch.library.custom_op("gqla_triton::gqa_decode", mutates_args=())
+def _gqa_decode_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
+    indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gqa_decode_impl(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
+                            indices, topk_length, num_splits)
 
 
 @_gqa_decode_op.register_fake
@@ -389,5 +395,8 @@ def gqa_decode(
     softmax_scale = float(softmax_scale)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale}")
-    return _gqa_decode_op(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale,
-                          bool(causal), indices, topk_length, int(num_splits))
+    # eager calls skip torch.library's dispatch (tens of microseconds, the pace of a host-bound decode step);
+    # torch.compile traces the custom op
+    op = _gqa_decode_op if torch.compiler.is_compiling() else _gqa_decode_impl
+    return op(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, bool(causal), indices,
+              topk_length, int(num_splits))
