@@ -251,3 +251,105 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
+
+
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def gdn_grad_wy_kernel(q, k, v, beta, vnew, gc, Ainv, h, dhe, do, dvn, dq, dk, dv, dbeta, dg, cu, cidx, coff, scale,
+                       T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, GSUM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """``gdn_grad_chunk_kernel`` then ``gdn_wy_bwd_kernel`` (both in their TRANS_OUT form) in one program per chunk
+    and value head: dk's state / intra-chunk part, dw and dgc stay in registers instead of a round trip through
+    memory, and k is read once. Same operand dtypes and roundings as the two kernels (dw rounded to the storage
+    dtype of the two-kernel path), so results match them up to fp32 summation order."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
+    i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
+    ck = tl.arange(0, BK)
+    mk = valid[:, None] & (ck[None, :] < K)
+    r = tl.arange(0, BT)
+    dt = k.dtype.element_ty  # grad part: the input dtype
+    dtw = dvn.dtype.element_ty  # wy part: bf16, or fp32 (tf32) for fp16/fp32 inputs (_mid_dtype)
+    # ---- wy_bwd's v part first (only dT and db stay live through the grad loop): through u = Ainv·(beta·v),
+    # du·(beta·v)ᵀ into dT and dv = beta·Ainvᵀ·du
+    A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dtw)
+    b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(dtw)
+        dT += tl.dot(du, tl.trans((vv * b[:, None]).to(dtw)))
+        dX = tl.dot(tl.trans(A), du)
+        tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
+                 mask=mv)
+        db += tl.sum(dX * vv, 1)
+    # ---- grad_chunk: dq, dk's state + intra-chunk terms, dw, dgc
+    dqi = tl.zeros([BT, BK], dtype=tl.float32)
+    dki = tl.zeros([BT, BK], dtype=tl.float32)
+    dww = tl.zeros([BT, BK], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    hs = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        mkv = (ck[:, None] < K) & (cv[None, :] < V)
+        hh = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        de = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(dt)
+        du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dqi += tl.dot(dd, tl.trans(hh.to(dt)))
+        dki += tl.dot(vn.to(dt), tl.trans(de.to(dt)))
+        dww += tl.dot(du.to(dt), tl.trans(hh.to(dt)))
+        dP += tl.dot(dd, tl.trans(vn.to(dt)))
+        hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
+    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    last = tl.minimum(t0 + BT, Tn) - 1
+    gl = tl.load(gc + (bos + last) * HV + i_hv)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    dqq = dqi * (tl.exp(gg) * scale)[:, None]
+    dgc = tl.sum(dqq * qq.to(tl.float32), 1)
+    dkk = dki * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+    dkt = tl.sum(dkk * kk.to(tl.float32), 1)
+    dgc -= dkt
+    dgl = tl.sum(dkt, 0) + tl.exp(gl) * tl.sum(hs, 0)
+    m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
+    dPm = tl.where(m, dP * scale * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    dPP = dPm * tl.dot(qq, tl.trans(kk))
+    dgc += tl.sum(dPP, 1) - tl.sum(dPP, 0)
+    dgc += tl.where(t == last, dgl, 0.0)
+    dqq += tl.dot(dPm.to(dt), kk)
+    dkk += tl.trans(tl.dot(tl.trans(qq), dPm.to(dt)))
+    _sum_heads(dqq, dq, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
+    # ---- wy_bwd's k part: through w = Ainv·(beta·e^gc·k); dw and Ainvᵀ·dw are used up before k kᵀ and dA
+    dw = (-dww).to(dtw)
+    A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dtw)
+    eg = tl.exp(gg)
+    dT += tl.dot(dw, tl.trans((kk.to(tl.float32) * (b * eg)[:, None]).to(dtw)))
+    dX = tl.dot(tl.trans(A), dw)
+    t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
+    dkk += dX * (b * eg)[:, None]
+    db += t1
+    dgg = t1 * b + dgc
+    # k kᵀ with kᵀ from its own (transposed) load, as in gdn_wy_bwd_kernel
+    kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
+    KK = tl.dot(kk, kT)
+    ml = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    dA = -tl.dot(tl.trans(A), tl.dot(dT.to(dtw), tl.trans(A)).to(dtw))
+    KD = tl.where(ml, KK * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    dA = tl.where(ml, dA, 0.0)
+    dAK = dA * KD
+    db += tl.sum(dAK, 1)
+    dAA = dAK * b[:, None]
+    dgg += tl.sum(dAA, 1) - tl.sum(dAA, 0)
+    M = tl.where(ml, dA * b[:, None] * tl.exp(tl.where(ml, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dtw)
+    kw = kk.to(dtw)
+    dkk += tl.dot(M, kw)
+    dkk += tl.trans(tl.dot(tl.trans(kw), M))
+    _sum_heads(dkk, dk, x[:, None] * (H * K) + i_h * K + ck[None, :], mk, GSUM)
+    rev = tl.cumsum(dgg, 0, reverse=True)
+    tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
+    tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
