@@ -16,13 +16,7 @@ import torch
 from ...dispatch import device_info, select_config
 from .._common.host import cdiv, next_pow2
 from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
-from .chunk_bwd import (
-    gdn_dv_local_kernel,
-    gdn_grad_chunk_kernel,
-    gdn_grad_wy_kernel,
-    gdn_state_bwd_kernel,
-    gdn_wy_bwd_kernel,
-)
+from .chunk_bwd import gdn_dv_local_kernel, gdn_grad_chunk_kernel, gdn_state_bwd_kernel, gdn_wy_bwd_kernel
 from .chunk_fwd import (
     gdn_output_fwd_kernel,
     gdn_state_fwd_kernel,
@@ -50,12 +44,10 @@ _empty = torch.empty
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
 # and grad_trans = 1 take a term of dk as a transposed dot result (the kernels' TRANS_OUT; H200: bitwise deterministic
-# over bench.determinism_gdn, G1 backward 0.35 ms faster); bwd_fuse = 1 runs grad_chunk and wy_bwd as one kernel
-# (gdn_grad_wy_kernel, the transposed forms, fields gw_*: no dk-part / dw / dgc round trips; not yet run on a GPU).
+# over bench.determinism_gdn, G1 backward 0.35 ms faster).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
-           "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel",
-           "gw": "gdn_grad_wy_kernel"}
+           "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
 _DEFAULT_CFG = {
     "wy_BK": 64, "wy_warps": 4, "wy_stages": 3, "wy_prec": "ieee", "wy_fuse": 0,
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
@@ -66,7 +58,6 @@ _DEFAULT_CFG = {
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
-    "bwd_fuse": 0, "gw_BV": 64, "gw_warps": 8, "gw_stages": 1,
 }
 # wy_bwd_stages stays 1 on the GPU: with Triton 3.6's software pipelining (2 or 3 stages) dbeta and dg of the H200
 # differed bitwise from run to run (fp16 at 2 stages, bf16 and fp16 at 3); bench/determinism_gdn.py checks it.
@@ -349,6 +340,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
             BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, IS_VARLEN=True,
             **_opts(cfg, "state_bwd"))
     del dvl
+    dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
+    dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
+    dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
     # GVA: the value heads of one q/k head add their dq and dk terms atomically into zeroed fp32 sums
     gsum = HV > H
     if gsum:
@@ -357,23 +351,14 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     else:
         dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
         dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
-    if cfg["bwd_fuse"]:
-        gdn_grad_wy_kernel[(NG, B * HV)](
-            q, k, v, beta, vnew, gc, Ainv, h, dhe, do, dvn, dq, dk, dv, dbeta, dg, cu, cidx_, coff_, scale, T, NT,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg["gw_BV"], BVp), GSUM=gsum, IS_VARLEN=varlen,
-            **_opts(cfg, "gw"))
-    else:
-        dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
-        dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
-        dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
-        gdn_grad_chunk_kernel[(NG, B * HV)](
-            q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
-            BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, TRANS_OUT=bool(cfg["grad_trans"]),
-            IS_VARLEN=varlen, **_opts(cfg, "grad"))
-        gdn_wy_bwd_kernel[(NG, B * HV)](
-            k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-            BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,
-            TRANS_OUT=bool(cfg["wy_bwd_trans"]), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
+    gdn_grad_chunk_kernel[(NG, B * HV)](
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, TRANS_OUT=bool(cfg["grad_trans"]), IS_VARLEN=varlen,
+        **_opts(cfg, "grad"))
+    gdn_wy_bwd_kernel[(NG, B * HV)](
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+        BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,
+        TRANS_OUT=bool(cfg["wy_bwd_trans"]), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
     if gsum:
         dq, dk = dq.to(q.dtype), dk.to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
