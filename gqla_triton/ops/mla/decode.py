@@ -6,8 +6,8 @@ tokens into ``BLOCK_H`` rows (>= 64 where h_q·s_q allows) so both products run 
 ``S`` (never reloaded). Keys are gathered per token through the block table (``logical_to_physical``), so
 ``BLOCK_N`` need not divide the page size. Sparse tiles hold one query token (each token has its own
 index row), all heads share the gathered tile, whose rows come translated to physical cache rows by
-``sparse_rows`` (one small kernel per call) so the tile loop loads one row index per key. Definitions of masking, empty rows and duplicate indices:
-``reference.py``.
+``sparse_rows`` (one small kernel per call) so the tile loop loads one row index per key. Definitions of
+masking, empty rows and duplicate indices: ``reference.py``.
 """
 
 from __future__ import annotations
