@@ -120,7 +120,7 @@ def gqa_decode_fwd_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + arange_n
         pos = offs_n
-        if SPARSE:  # physical rows from sparse_rows (-1: the entry does not count)
+        if SPARSE:  # physical rows from sparse_rows (-1: the entry does not count); inline as in mla_decode
             if ROWS_AHEAD:
                 prow = nxt
                 nxt = tl.load(idx_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=-1)

@@ -171,6 +171,7 @@ def mla_decode_fwd_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         pos = offs_n
         if SPARSE:  # physical rows from sparse_rows (-1: the entry does not count)
+            # inline here and in gqa_decode: as one shared @triton.jit helper the sm_90 compile spilled 64-112 B
             if ROWS_AHEAD:
                 prow = nxt
                 nxt = tl.load(idx_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < hi, other=-1)
