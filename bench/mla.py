@@ -178,6 +178,15 @@ VARIANTS = {  # timing order: most promising first (a budget stop drops the tail
     # row indices one iteration ahead
     "ps64s2ra": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, paged_tiles=True, p_scratch=True,
                      dv_split=1, rows_ahead=True),
+    # session 8: the sm_90 SASS of ps64s2 / ps64s2 (sparse) issues the next K tile's cp.async after the P·V wgmma
+    # and waits for it at the top of the next iteration (DEPBAR.LE 0): no load overlaps any compute. With the
+    # block-table entry (dense) or row indices (sparse) carried one tile ahead, 32-key tiles get a real prefetch:
+    # 3 stages wait with one tile in flight (DEPBAR.LE 2, 188 KB), 4 stages with two (DEPBAR.LE 4, 225 KB); no
+    # spills. 64-key tiles fit two stages only (no prefetch); loading two tiles ahead stops the pipeliner.
+    "ra32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, p_scratch=True,
+                   dv_split=1, rows_ahead=True),
+    "ra32s4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=4, paged_tiles=True, p_scratch=True,
+                   dv_split=1, rows_ahead=True),
     # session 7: ps64s2 measured 0.588 ms at M1 (h128dv2 0.713) and became the committed config. Four warpgroups:
     # 128 registers (acc 64 of them), 16 keys of S each; sm_90 compile spills 72-216 B. (128-key tiles, one stage,
     # spilled 470-620 B at 8 or 16 warps: not kept.)

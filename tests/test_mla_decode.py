@@ -118,8 +118,11 @@ VARIANTS = [
     # P and alpha through a double-buffered global scratch tile (bench.mla ps64s2 on the GPU)
     {"p_scratch": True, "dv_split": 1},
     {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2},
-    # sparse: the next tile's row indices loaded one iteration ahead
+    # the next tile's row indices (sparse) or block-table entry (dense, paged tiles) loaded one iteration ahead
     {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2,
+     "rows_ahead": True},
+    # 32-key tiles on 4 stages: with rows_ahead the sm_90 pipeliner keeps a whole tile in flight (bench.mla ra32s4)
+    {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32, "num_stages": 4,
      "rows_ahead": True},
     {"rows_ahead": True},
 ]

@@ -57,6 +57,14 @@ def _cta_sync(dep, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tile_block(bt_row, start, max_pages, PAGE_SIZE: tl.constexpr):
+    """[1] block-table entry of the page holding key ``start``; -1 when the page is outside the table."""
+    page = start // PAGE_SIZE + tl.zeros([1], tl.int32)  # [1]: a masked scalar load
+    pin = page < max_pages
+    return tl.load(bt_row + tl.where(pin, page, 0), mask=pin, other=-1)
+
+
+@triton.jit
 def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid, m_i, l_i,
                       DOT_PREC: tl.constexpr, SPARSE: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
@@ -150,6 +158,8 @@ def mla_decode_fwd_kernel(
         if causal != 0:  # no key after the tile's last query
             q_hi = tl.minimum(qt * QPT + QPT, s_q)
             hi = tl.minimum(hi, seqlen - s_q + q_hi)
+        if PAGED_TILES and ROWS_AHEAD:  # the next tile's block-table entry loads one iteration ahead
+            nxt = _tile_block(bt_row, lo, max_pages, PAGE_SIZE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -183,10 +193,12 @@ def mla_decode_fwd_kernel(
         elif PAGED_TILES:
             # the tile lies inside one page (start is a multiple of BLOCK_N, BLOCK_N divides PAGE_SIZE): one
             # scalar block-table load, contiguous rows
-            page = start // PAGE_SIZE + tl.zeros([1], tl.int32)  # [1]: a masked scalar load
-            pin = page < max_pages
-            blk = tl.load(bt_row + tl.where(pin, page, 0), mask=pin, other=-1)
-            pok = pin & (blk >= 0) & (blk < num_pages)
+            if ROWS_AHEAD:
+                blk = nxt
+                nxt = _tile_block(bt_row, start + BLOCK_N, max_pages, PAGE_SIZE)
+            else:
+                blk = _tile_block(bt_row, start, max_pages, PAGE_SIZE)
+            pok = (blk >= 0) & (blk < num_pages)
             ok = (offs_n < hi) & pok
             kv_row = (kv + tl.where(pok, blk, 0).to(tl.int64) * s_kvp
                       + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * s_kvt)
@@ -371,7 +383,8 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, DV_SPLIT=dv_split,
         TRANS=bool(cfg.get("transposed", False)), CARRY_P=carry, P_SCRATCH=pscr,
-        ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=sparse and bool(cfg.get("rows_ahead", False)),
+        ASM_SYNC=not device_info(q).interpreter,
+        ROWS_AHEAD=(sparse or paged) and bool(cfg.get("rows_ahead", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # register cap (2 CTAs per SM)
     )
