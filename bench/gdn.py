@@ -4,12 +4,14 @@ Anchors: fla (pure Triton: FLA_DISABLE_BACKEND_DISPATCH=1 is set before importin
 (``flash_qla.chunk_gated_delta_rule``). fla's backward refuses on Hopper with Triton 3.4-3.7.0: its
 fwd+bwd row is then recorded as None with the error. q, k are unit-norm rows (no in-kernel l2norm),
 g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), no initial state,
-final state requested.
+final state requested. ``gqla_triton`` keeps the forward's chunk states for the backward (the default,
+``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -64,6 +66,7 @@ def _timings(fn, args, cu):
     return f_ms, fb_ms, err
 
 
+OURS_RECOMPUTE = "gqla_triton_recompute"
 ANCHORS = {"fla": "fla.ops.gated_delta_rule", "flashqla": "flash_qla"}  # name -> module with chunk_gated_delta_rule
 
 
@@ -76,6 +79,8 @@ def _impl(name: str):
     """``chunk_gated_delta_rule`` of gqla_triton or of one anchor (None when the anchor does not import)."""
     if name == "gqla_triton":
         return chunk_gated_delta_rule
+    if name == OURS_RECOMPUTE:  # the backward recomputes the chunk states (fla's memory use)
+        return functools.partial(chunk_gated_delta_rule, save_states=False)
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla on its own Triton kernels
     mod = try_import(ANCHORS[name])
     return None if mod is None else mod.chunk_gated_delta_rule
@@ -117,7 +122,7 @@ def run(names, ctx, anchors=True):
     the other rows with it. Rows are recorded as each child reports them."""
     shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
     models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
-    for impl in ["gqla_triton"] + (_wanted_anchors() if anchors else []):
+    for impl in ["gqla_triton", OURS_RECOMPUTE] + (_wanted_anchors() if anchors else []):
         cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
         seen = set()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
@@ -146,7 +151,7 @@ def run(names, ctx, anchors=True):
 
 def main():
     ap = argparse.ArgumentParser(description="(internal) time one implementation; used by run()")
-    ap.add_argument("--impl", required=True, choices=["gqla_triton", *ANCHORS])
+    ap.add_argument("--impl", required=True, choices=["gqla_triton", OURS_RECOMPUTE, *ANCHORS])
     ap.add_argument("--workload", required=True)
     a = ap.parse_args()
     _child(a.impl, [w for w in a.workload.split(",") if w])

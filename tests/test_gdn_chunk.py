@@ -211,6 +211,43 @@ def test_forward_backward_bitwise_deterministic(T, H, G, dtype, seed):
             assert torch.equal(a, b), f"{name}: differs between two identical calls"
 
 
+@given(lens=st.lists(st.integers(0, pick(150, 400)), min_size=1, max_size=3), varlen=st.booleans(),
+       seg=st.sampled_from([0, 1, 2]), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_saved_states_equal_recomputed(lens, varlen, seg, G, dtype, seed):
+    """``save_states=True`` (the backward reads the forward's w, h and v_new; under sequence splitting it rebuilds
+    only the segment maps' M part) and ``save_states=False`` (it recomputes them) give bitwise-equal outputs and
+    gradients, with and without varlen (empty sequences included) and sequence splitting (``seg`` chunks)."""
+    H, K, V = 1, pick(32, 128), pick(32, 128)
+    HV = H * G
+    if varlen:
+        B, T, N = 1, sum(lens), len(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32).to(P.device)
+    else:
+        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    if T == 0:
+        return
+    ins = _inputs(seed, B, T, H, HV, K, V, N)
+    do = randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu").to(P.device, dtype)
+    dht = randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu").to(P.device, torch.float32)
+    res, passes = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        if seg:
+            cfg = chunk_mod._cfg
+            mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), seg_units=1 << 20,
+                                                                     seg_below=1 << 20, seg_min=seg))
+        state_fwd = chunk_mod.chunk_gdn_state_fwd
+        mp.setattr(chunk_mod, "chunk_gdn_state_fwd", lambda *a, **kw: (passes.append(1), state_fwd(*a, **kw))[1])
+        for save in (True, False):
+            xs = [t.to(P.device, dtype if i < 5 else torch.float32).requires_grad_() for i, t in enumerate(ins)]
+            o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, save_states=save)
+            torch.autograd.backward([o, ht], [do, dht])
+            res.append([o, ht] + [x.grad for x in xs])
+    assert len(passes) == 3, f"state passes: {len(passes)} (expected 1 with saved states, 2 recomputing)"
+    for name, a, b in zip(("o", "final_state", *("d" + n for n in NAMES)), *res, strict=True):
+        assert torch.equal(a, b), f"{name}: saved and recomputed states differ"
+
+
 @given(lens=st.lists(st.integers(0, pick(200, 700)), min_size=1, max_size=3), seg_min=st.integers(1, 3),
        varlen=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
 def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
@@ -389,11 +426,12 @@ def _h200_cfg(bv_state=None, seg=0, fuse=0):
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
-@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg,fuse", [
-    (2, 1, 1, 8, False, None, 0, 0), (2, 1, 2, 63, False, 16, 0, 1), (1, 2, 4, 130, True, None, 0, 0),
-    (1, 1, 1, 1, False, 16, 0, 0), (2, 1, 2, 70, False, 64, 0, 0), (2, 1, 2, 200, False, None, 1, 0),
-    (1, 1, 2, 200, True, 16, 1, 1)])
-def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, seg, fuse):
+@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg,fuse,save", [
+    (2, 1, 1, 8, False, None, 0, 0, True), (2, 1, 2, 63, False, 16, 0, 1, True), (1, 2, 4, 130, True, None, 0, 0, True),
+    (1, 1, 1, 1, False, 16, 0, 0, True), (2, 1, 2, 70, False, 64, 0, 0, True), (2, 1, 2, 200, False, None, 1, 0, True),
+    (1, 1, 2, 200, True, 16, 1, 1, True), (1, 2, 4, 130, True, None, 0, 0, False),
+    (1, 1, 2, 200, True, 16, 1, 1, False)])
+def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, seg, fuse, save):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
     H200 config (B > 1 once read chunk states past the end of h on the GPU: illegal memory access)."""
     import numpy as np
@@ -432,7 +470,8 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, b
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
     xs = [reg(t.float().contiguous()).requires_grad_() for t in ins]
     o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
-                                   use_qk_l2norm_in_kernel=True, cu_seqlens=reg(cu) if varlen else None)
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=reg(cu) if varlen else None,
+                                   save_states=save)
     assert not bad, f"forward: out-of-bounds {sorted(set(bad))}"
     do, dht = reg(torch.randn_like(o)), reg(torch.randn_like(ht))
     torch.autograd.backward([o, ht], [do, dht])

@@ -61,6 +61,8 @@ class GatedDeltaNet(nn.Module):
         hidden_size: model width. num_heads (H): q/k heads. num_v_heads (HV): value heads, ``HV % H == 0``.
         head_k_dim (K), head_v_dim (V): per-head dims. conv_size: short-conv width (>= 2).
         norm_eps: gated RMSNorm epsilon. impl: ``"triton"`` (kernels) or ``"reference"`` (pure torch, any device).
+        save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
+            tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
     ``forward(hidden_states [B, T, hidden], cache=None, cu_seqlens=None) -> [B, T, hidden]``:
     without a cache (or with an empty one) runs the chunked op (training/prefill; ``cu_seqlens`` LongTensor
@@ -73,7 +75,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int | None = None, impl: str = "triton",
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, save_states: bool = True):
         super().__init__()
         if num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
@@ -85,6 +87,9 @@ class GatedDeltaNet(nn.Module):
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
         self.norm_eps, self.layer_idx, self.impl = norm_eps, layer_idx, impl
+        if not isinstance(save_states, bool):
+            raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
+        self.save_states = save_states
         self.key_dim = num_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -157,7 +162,7 @@ class GatedDeltaNet(nn.Module):
                                                     cu_seqlens=cu_seqlens)
             return o.to(v.dtype), fin
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0, output_final_state=want_final,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, save_states=self.save_states)
 
     # --------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,

@@ -153,7 +153,8 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) 
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, keep_h: bool = False):
     """Launch the forward stages. Returns (o [B,T,HV,V] v.dtype, final [N,HV,K,V] fp32, gc fp32 [B,T,HV],
-    Ainv [B,T,HV,BT] (_mid_dtype), and when keep_h also (h, v_new))."""
+    Ainv [B,T,HV,BT] (_mid_dtype)), and with keep_h also the states the backward would recompute:
+    ``_States(w [B,T,HV,K] k.dtype, h [_h_rows, HV, K, V] k.dtype, v_new [B,T,HV,V] v.dtype)``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -182,15 +183,30 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
     o = _empty(v.shape, dtype=v.dtype, device=v.device)
     fuse_out = bool(cfg["out_fuse"])
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg,
-                                         out=(q, o, scale) if fuse_out else None, store_h=keep_h or not fuse_out)
+                                         out=(q, o, scale) if fuse_out else None, store_h=keep_h or not fuse_out,
+                                         h_rows=_h_rows(B, T, N, varlen) if keep_h else None)
     if NTT > 0 and not fuse_out:
         BV = min(cfg["out_BV"], next_pow2(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(cfg["out_BK"], BKp), BV=BV, IS_VARLEN=varlen, **_opts(cfg, "out"))
     if keep_h:
-        return o, ht, gc, Ainv, w, u, h, vnew
+        return o, ht, gc, Ainv, _States(w, h, vnew)
     return o, ht, gc, Ainv
+
+
+class _States(NamedTuple):
+    """What the forward's state pass leaves for the backward (``save_states``): w, h (one row per chunk; under
+    varlen ``_h_rows`` rows, a bound known from shapes alone) and v_new."""
+    w: torch.Tensor
+    h: torch.Tensor
+    vnew: torch.Tensor
+
+
+def _h_rows(B: int, T: int, N: int, varlen: bool) -> int:
+    """Rows of the chunk-state buffer h: B·ceil(T/BT), or under varlen the bound ceil(T/BT) + N on the number of
+    chunks (so torch.compile's fake kernel knows the shape without reading cu_seqlens)."""
+    return cdiv(T, BT) + N if varlen else B * cdiv(T, BT)
 
 
 @functools.lru_cache(maxsize=32)
@@ -243,30 +259,46 @@ def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool):
         BK=next_pow2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
 
 
+def _segments(k, w, u, gc, cu_seqlens, N, V, cfg) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                             torch.Tensor] | None:
+    """Sequence splitting of the state passes, or None when ``_seg_len`` keeps one program per sequence:
+    ``_seg_plan``'s (nseg, cu, coff, soff) and the segment maps mb ``[nseg, HV, K, K + V]`` fp32
+    (``gdn_state_seg_kernel``). ``u`` None: only the M columns (all the backward's reverse chain reads)."""
+    B, T, H, K = k.shape
+    HV = w.shape[2]
+    seq_cu = tuple(_varlen_plan(cu_seqlens, T).cu) if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
+    L = _seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
+    if not L:
+        return None
+    nseg, cu, co, soff = _seg_plan(seq_cu, L, k.device)
+    BK = next_pow2(K)
+    BVs = min(cfg["seg_BV"], BK)
+    mb = _empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)  # (b columns unwritten when u is None)
+    gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None else 0), nseg * HV)](
+        k, w, u if u is not None else w, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs,
+        **_opts(cfg, "seg"))
+    return nseg, cu, co, soff, mb
+
+
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg, *, out=None,
-                        store_h=True):
+                        store_h=True, h_rows=None):
     """State pass: h [NTT, HV, K, V] (input dtype), v_new [B,T,HV,V] (input dtype), final state fp32, and the
     ``_Split`` (or None) that the backward's reverse pass reuses. ``out = (q, o, scale)``: the pass also writes
     the output o (fused); h and v_new are None unless ``store_h``.
     Long sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is
-    computed in parallel, then chained; see ``gdn_state_seg_kernel``)."""
+    computed in parallel, then chained; see ``gdn_state_seg_kernel``). ``h_rows``: rows of h if not NTT."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
-    h = _empty(NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_h else None
+    h = _empty(h_rows or NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_h else None
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device) if store_h else None
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = next_pow2(K)
-    seq_cu = tuple(_varlen_plan(cu_seqlens, T).cu) if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
-    L = _seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
     dummy = k
     h0, cu, co, units, store_ht, varlen = initial_state, cu_seqlens, coff, N, True, cu_seqlens is not None
     split = None
-    if L:
-        nseg, cu, co, soff = _seg_plan(seq_cu, L, k.device)
-        BVs = min(cfg["seg_BV"], BK)
-        mb = _empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
-        gdn_state_seg_kernel[(BK // BVs + cdiv(V, BVs), nseg * HV)](
-            k, w, u, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs, **_opts(cfg, "seg"))
+    seg = _segments(k, w, u, gc, cu_seqlens, N, V, cfg)
+    if seg is not None:
+        nseg, cu, co, soff, mb = seg
         h0 = _empty(nseg, HV, K, V, dtype=torch.float32, device=k.device)
         _chain_segments(mb, None, initial_state, h0, ht, soff, N, reverse=False)
         units, store_ht, varlen = nseg, False, True
@@ -282,9 +314,10 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     return h, vnew, ht, split
 
 
-def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc, Ainv, do, dht):
+def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc, Ainv, do, dht, states=None):
     """Backward launchers. Returns dq, dk [B,T,H,K], dv [B,T,HV,V], dg, dbeta [B,T,HV] (input dtypes) and
-    dh0 [N,HV,K,V] fp32 (zeros if there was no initial_state). ``dht`` may be None."""
+    dh0 [N,HV,K,V] fp32 (zeros if there was no initial_state). ``dht`` may be None. ``states``: the forward's
+    ``_States``; None recomputes them (w, u, then the state pass)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -300,16 +333,23 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     coff_ = coff if coff is not None else dummy
     varlen = cu_seqlens is not None
     do = do.contiguous()
-    w = _empty(B, T, HV, K, dtype=k.dtype, device=dev)
-    u = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
     dv = _empty(v.shape, dtype=v.dtype, device=dev)
     dg = _empty(g.shape, dtype=g.dtype, device=dev)
     dbeta = _empty(beta.shape, dtype=beta.dtype, device=dev)
     dh0 = _empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
-                                     BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], BVp), IS_VARLEN=varlen,
-                                     **_opts(cfg, "wu"))
-    h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N, cfg)
+    if states is None:
+        w = _empty(B, T, HV, K, dtype=k.dtype, device=dev)
+        u = _empty(B, T, HV, V, dtype=v.dtype, device=dev)
+        gdn_wu_fwd_kernel[(NG, B * HV)](k, v, beta, gc, Ainv, w, u, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
+                                         BK=min(cfg["wu_BK"], BKp), BV=min(cfg["wu_BV"], BVp), IS_VARLEN=varlen,
+                                         **_opts(cfg, "wu"))
+        h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT, NT, N,
+                                                cfg)
+        del u
+    else:
+        w, h, vnew = states
+        seg = _segments(k, w, None, gc, cu_seqlens, N, V, cfg)  # the reverse chain needs the maps' M part
+        split = _Split(*seg) if seg is not None else None
     # gradients passed between stages are stored in _mid_dtype (tensor-core operands next), dk's partial terms
     # and the GVA sums in fp32
     dvl = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
@@ -365,32 +405,48 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
 
 
 # ----------------------------------------------------------------------------------- torch.library + autograd
+def _fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
+    """chunk_gdn_fwd's outputs and the saved states flattened: (o, ht, gc, Ainv, w, h, vnew); without
+    save_states the last three are empty tensors."""
+    if not save_states:
+        none = q.new_empty(0)
+        return (*chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens), none, none, none)
+    *out, st = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, keep_h=True)
+    return (*out, *st)
+
+
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor]:
+    return _fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
-            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=_mid_dtype(k.dtype)))
+    out = (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
+           q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=_mid_dtype(k.dtype)))
+    if not save_states:
+        return (*out, q.new_empty(0), q.new_empty(0), q.new_empty(0))
+    return (*out, k.new_empty(B, T, HV, K), k.new_empty(_h_rows(B, T, N, cu_seqlens is not None), HV, K, V),
+            v.new_empty(B, T, HV, V))
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, gc: torch.Tensor,
-            Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None
+            Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, w: torch.Tensor | None,
+            h: torch.Tensor | None, vnew: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht)
+    return _bwd_launch(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew)
 
 
 @_bwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -399,23 +455,26 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens = inputs
-    _, _, gc, Ainv = output
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states = inputs
+    _, _, gc, Ainv, w, h, vnew = output
     ctx.scale = scale
     ctx.has_h0 = initial_state is not None
-    ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv) pass None, not zero tensors
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv)
+    ctx.saved_states = save_states
+    ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv, states) pass None, not zero tensors
+    states = (w, h, vnew) if save_states else (None, None, None)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, *states)
 
 
 def _backward_with(bwd, ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, w, h, vnew = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, gc, Ainv, do, dht)
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None
+    dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, gc, Ainv, do, dht,
+                                     w, h, vnew)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None
 
 
-def _backward(ctx, do, dht, _dgc, _dA):
+def _backward(ctx, do, dht, *_unused):
     # the custom op's backward is traced by AOT autograd on fake tensors (where is_compiling() is False): it must
     # stay an opaque op
     return _backward_with(_bwd_op, ctx, do, dht)
@@ -430,15 +489,20 @@ class _ChunkGDN(torch.autograd.Function):
     custom op instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens):
-        out = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-        _setup_context(ctx, (q, k, v, g, beta, scale, initial_state, cu_seqlens), out)
-        ctx.mark_non_differentiable(out[2], out[3])
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
+        out = _fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states)
+        _setup_context(ctx, (q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states), out)
+        ctx.mark_non_differentiable(*out[2:])
         return out
 
     @staticmethod
-    def backward(ctx, do, dht, _dgc, _dA):
-        return _backward_with(chunk_gdn_bwd, ctx, do, dht)
+    def backward(ctx, do, dht, *_unused):
+        return _backward_with(_bwd_launch, ctx, do, dht)
+
+
+def _bwd_launch(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew):
+    states = _States(w, h, vnew) if w is not None else None
+    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, states)
 
 
 EAGER_FUNCTION = True  # False: eager calls also go through the custom op (bench.gdn_host compares the two)
@@ -451,7 +515,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, save_states=True):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
@@ -463,6 +527,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         output_final_state: also return the final states ``[N, HV, K, V]`` float32.
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts (varlen; then B must be 1).
+        save_states: when a gradient is needed, keep the forward's per-chunk states for the backward: w
+            ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
+            at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
+            state pass run again). No effect without autograd.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state or None)``; differentiable in q, k, v, g, beta,
         initial_state. Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
@@ -503,6 +571,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
+    if not isinstance(save_states, bool):
+        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
+    save = save_states and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
     fwd = _ChunkGDN.apply if EAGER_FUNCTION and not torch.compiler.is_compiling() else _fwd_op
-    o, ht, _, _ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens)
+    o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save)
     return o, (ht if output_final_state else None)
