@@ -25,9 +25,6 @@ VARIANTS = {
     "mid_fp32": ({}, True),
     "wy_ieee": ({"wy_prec": "ieee"}, False),
     "no_trans": ({"wy_bwd_trans": 0, "grad_trans": 0}, False),
-    # fp32 chunk states (h, dh); the grad pass then at 2 stages (3 stages of fp32 state tiles exceed 227 KB)
-    "state_fp32": ({"h_fp32": 1, "dh_fp32": 1, "grad_stages": 2}, False),
-    "dh_fp32": ({"dh_fp32": 1, "grad_stages": 2}, False),
 }
 
 

@@ -44,9 +44,7 @@ _empty = torch.empty
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
 # and grad_trans = 1 take a term of dk as a transposed dot result (the kernels' TRANS_OUT; H200: bitwise deterministic
-# over bench.determinism_gdn, G1 backward 0.35 ms faster); h_fp32 = 1 / dh_fp32 = 1 store the per-chunk states h /
-# their gradients dh in float32 instead of the input dtype (the backward's per-chunk decay term sum(h * dh), a sum
-# with cancellation that reaches every g of the chunk, then reads fp32 values).
+# over bench.determinism_gdn, G1 backward 0.35 ms faster);
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -58,7 +56,7 @@ _DEFAULT_CFG = {
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
-    "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0, "h_fp32": 0, "dh_fp32": 0,
+    "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
 }
 # wy_bwd_stages stays 1 on the GPU: with Triton 3.6's software pipelining (2 or 3 stages) dbeta and dg of the H200
@@ -69,11 +67,6 @@ def _mid_dtype(dtype: torch.dtype) -> torch.dtype:
     """Storage dtype of Ainv and of the gradients passed between backward stages: bf16 for bf16 inputs (fp32's
     exponent range at half the bytes), fp32 otherwise (in fp16, decayed terms and small gradients underflow)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def _state_dtype(cfg: dict, field: str, dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of the per-chunk states h (field ``h_fp32``) or dh (``dh_fp32``): float32 or the input's."""
-    return torch.float32 if cfg[field] else dtype
 
 
 def _cfg_key(K: int, V: int) -> dict:
@@ -296,7 +289,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, cu_seqlens, cidx, coff, NTT,
     computed in parallel, then chained; see ``gdn_state_seg_kernel``). ``h_rows``: rows of h if not NTT."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
-    h = _empty(h_rows or NTT, HV, K, V, dtype=_state_dtype(cfg, "h_fp32", k.dtype), device=k.device) if store_h else None
+    h = _empty(h_rows or NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_h else None
     vnew = _empty(u.shape, dtype=u.dtype, device=u.device) if store_h else None
     ht = _empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = next_pow2(K)
@@ -364,7 +357,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
-    dhe = _empty(NTT, HV, K, V, dtype=_state_dtype(cfg, "dh_fp32", k.dtype), device=dev)
+    dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     if split is None:
         BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
@@ -439,9 +432,8 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=_mid_dtype(k.dtype)))
     if not save_states:
         return (*out, q.new_empty(0), q.new_empty(0), q.new_empty(0))
-    h_dtype = _state_dtype(_cfg(K, V, q.device), "h_fp32", k.dtype)
-    return (*out, k.new_empty(B, T, HV, K), k.new_empty(_h_rows(B, T, N, cu_seqlens is not None), HV, K, V,
-                                                         dtype=h_dtype), v.new_empty(B, T, HV, V))
+    return (*out, k.new_empty(B, T, HV, K), k.new_empty(_h_rows(B, T, N, cu_seqlens is not None), HV, K, V),
+            v.new_empty(B, T, HV, V))
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())
