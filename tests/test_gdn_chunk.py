@@ -353,6 +353,8 @@ def test_bad_inputs():
     f = chunk_gated_delta_rule
     with pytest.raises(TypeError, match="k"):
         f(q, q.half(), v, g, g)
+    with pytest.raises(TypeError, match="save_states"):
+        f(q, q, v, g, g, save_states=1)
     with pytest.raises(ValueError, match="q"):
         f(q[0], q[0], v, g, g)
     with pytest.raises(ValueError, match="HV"):

@@ -44,7 +44,7 @@ _empty = torch.empty
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
 # and grad_trans = 1 take a term of dk as a transposed dot result (the kernels' TRANS_OUT; H200: bitwise deterministic
-# over bench.determinism_gdn, G1 backward 0.35 ms faster);
+# over bench.determinism_gdn, G1 backward 0.35 ms faster).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -459,7 +459,6 @@ def _setup_context(ctx, inputs, output):
     _, _, gc, Ainv, w, h, vnew = output
     ctx.scale = scale
     ctx.has_h0 = initial_state is not None
-    ctx.saved_states = save_states
     ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv, states) pass None, not zero tensors
     states = (w, h, vnew) if save_states else (None, None, None)
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, *states)
@@ -565,14 +564,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
     if scale is None:
         scale = K ** -0.5
+    if not isinstance(save_states, bool):
+        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     check_kernel_device(dev, "gqla_triton.ops.gdn.reference.chunk_gated_delta_rule_ref")
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
-    if not isinstance(save_states, bool):
-        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     save = save_states and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
     fwd = _ChunkGDN.apply if EAGER_FUNCTION and not torch.compiler.is_compiling() else _fwd_op
