@@ -359,25 +359,27 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
+    # Σ over V of h⊙dh per chunk, value head, column block of the pass below and row of K (fp32; grad_chunk sums)
+    BV = _state_bv(cfg["state_bwd_BV"], V, (N if split is None else split.nseg) * HV, k)
+    NVB = cdiv(V, BV)
+    hsp = _empty(NTT, HV, NVB, BKp, dtype=torch.float32, device=dev)
     if split is None:
-        BV = _state_bv(cfg["state_bwd_BV"], V, N * HV, k)
-        gdn_state_bwd_kernel[(cdiv(V, BV), N * HV)](
-            q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
+        gdn_state_bwd_kernel[(NVB, N * HV)](
+            q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
             IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
-        BV = _state_bv(cfg["state_bwd_BV"], V, split.nseg * HV, k)
-        grid = (cdiv(V, BV), split.nseg * HV)
+        grid = (NVB, split.nseg * HV)
         r = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
-            q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H, HV=HV, K=K, V=V,
-            BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, IS_VARLEN=True,
+            q, k, w, gc, do, dvl, dummy, dummy, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
+            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, IS_VARLEN=True,
             **_opts(cfg, "state_bwd"))
         dse = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
         gdn_state_bwd_kernel[grid](
-            q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV, K=K, V=V,
-            BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, IS_VARLEN=True,
+            q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
+            K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, IS_VARLEN=True,
             **_opts(cfg, "state_bwd"))
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
@@ -392,9 +394,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
         dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
     gdn_grad_chunk_kernel[(NG, B * HV)](
-        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum, TRANS_OUT=bool(cfg["grad_trans"]), IS_VARLEN=varlen,
-        **_opts(cfg, "grad"))
+        q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, NVB=NVB,
+        K=K, V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), NVBP=next_pow2(NVB), GSUM=gsum,
+        TRANS_OUT=bool(cfg["grad_trans"]), IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cu, cidx_, T, H=H, HV=HV, K=K, V=V, BT=BT,
         BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,

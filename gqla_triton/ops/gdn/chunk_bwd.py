@@ -40,13 +40,16 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, scale, T, NT, H,
+def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, coff, scale, T, NT, H,
                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                          STORE_STEPS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
-    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Without STORE_STEPS only
-    dh0 is written (sequence splitting: a segment's dS contribution from a zero start)."""
+    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Also hsp[c, hv, i_v, :] =
+    Σ over this program's columns of h[c]⊙dS, per row of K, against the fp32 dS (dg's per-chunk decay term, a
+    sum with cancellation that reaches every g of the chunk: not taken from the stored low-precision dhe; h[c]
+    loads one step ahead, off the dS chain). Without STORE_STEPS only dh0 is written (sequence splitting: a
+    segment's dS contribution from a zero start)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -57,11 +60,19 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         dS += tl.load(dht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
     dt = k.dtype.element_ty
     NTn = tl.cdiv(Tn, BT)
+    NVB = tl.num_programs(0)
+    if STORE_STEPS:
+        h_nxt = tl.load(h + (((boh + NTn - 1) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
+                        mask=mkv & (ck[:, None] * 0 + NTn > 0), other=0.0)
     for j in range(0, NTn):
         i_c = NTn - 1 - j
         if STORE_STEPS:
-            tl.store(dhe + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
-                     dS.to(dhe.dtype.element_ty), mask=mkv)
+            row = (boh + i_c) * HV + i_hv
+            tl.store(dhe + (row * K + ck[:, None]) * V + cv[None, :], dS.to(dhe.dtype.element_ty), mask=mkv)
+            hh = h_nxt
+            h_nxt = tl.load(h + ((row - HV) * K + ck[:, None]) * V + cv[None, :],
+                            mask=mkv & (ck[:, None] * 0 + i_c > 0), other=0.0)
+            tl.store(hsp + (row * NVB + i_v) * BK + ck, tl.sum(hh.to(tl.float32) * dS, 1))
         t = i_c * BT + tl.arange(0, BT)
         valid = t < Tn
         x = bos + t
@@ -97,10 +108,10 @@ def _sum_heads(acc, ptr, o, mask, GSUM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
-                          H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr,
-                          IS_VARLEN: tl.constexpr):
+def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc, cu, cidx, coff, scale, T, NT,
+                          H, HV, NVB, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, NVBP: tl.constexpr, GSUM: tl.constexpr,
+                          TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K]: q's dtype, or with GSUM the fp32 sum over the value heads of
     each q/k head), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
@@ -114,7 +125,6 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     dww = tl.zeros([BT, BK], dtype=tl.float32)
     dP = tl.zeros([BT, BT], dtype=tl.float32)
     dPT = tl.zeros([BT, BT], dtype=tl.float32)
-    hs = tl.zeros([BK], dtype=tl.float32)
     dt = k.dtype.element_ty
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
@@ -131,7 +141,6 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
         dP += tl.dot(dd, tl.trans(vn.to(dt)))
         if not TRANS_OUT:
             dPT += tl.dot(vn.to(dt), tl.trans(dd))
-        hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
     qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     last = tl.minimum(t0 + BT, Tn) - 1
@@ -142,7 +151,10 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cu,
     dkk = dki * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
     dkt = tl.sum(dkk * kk.to(tl.float32), 1)
     dg -= dkt
-    dgl = tl.sum(dkt, 0) + tl.exp(gl) * tl.sum(hs, 0)
+    j = tl.arange(0, NVBP)  # Σ h⊙dh of this chunk: state_bwd's rows of K x NVB column blocks
+    hs = tl.sum(tl.sum(tl.load(hsp + ((i_ch * HV + i_hv) * NVB + j[:, None]) * BK + ck[None, :],
+                               mask=(j[:, None] < NVB) & (ck[None, :] < K), other=0.0), 1), 0)
+    dgl = tl.sum(dkt, 0) + tl.exp(gl) * hs
     r = tl.arange(0, BT)
     m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
     dPm = tl.where(m, dP * scale * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
