@@ -182,7 +182,8 @@ VARIANTS = {  # timing order: most promising first (a budget stop drops the tail
     # and waits for it at the top of the next iteration (DEPBAR.LE 0): no load overlaps any compute. With the
     # block-table entry (dense) or row indices (sparse) carried one tile ahead, 32-key tiles get a real prefetch:
     # 3 stages wait with one tile in flight (DEPBAR.LE 2, 188 KB), 4 stages with two (DEPBAR.LE 4, 225 KB); no
-    # spills. 64-key tiles fit two stages only (no prefetch); loading two tiles ahead stops the pipeliner.
+    # spills. 64-key tiles fit two stages only (no prefetch); loading two tiles ahead stops the pipeliner. Measured
+    # (sweep at c3291c2): M1 0.631 / 0.654 ms against ps64s2's 0.562: the per-tile fixed cost dominates (NOTES.md)
     "ra32s3": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, paged_tiles=True, p_scratch=True,
                    dv_split=1, rows_ahead=True),
     "ra32s4": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=4, paged_tiles=True, p_scratch=True,
