@@ -351,8 +351,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         w, h, vnew = states
         seg = _segments(k, w, None, gc, cu_seqlens, N, V, cfg)  # the reverse chain needs the maps' M part
         split = _Split(*seg) if seg is not None else None
-    # gradients passed between stages are stored in _mid_dtype (tensor-core operands next), dk's partial terms
-    # and the GVA sums in fp32
+    # gradients passed between stages (and dk's partial terms) are stored in _mid_dtype, the GVA sums in fp32
     fuse_dvl = bool(cfg["state_bwd_dvl"])
     if fuse_dvl:
         dvl = dummy
@@ -389,7 +388,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
-    dkp = _empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dkp = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     # GVA: the value heads of one q/k head pass an fp32 running sum of their dq / dk terms along (part), the last
     # one stores the total; cnt: per kernel and tile (chunk x q/k head), [arrivals, sums stored]
     gsum = HV > H

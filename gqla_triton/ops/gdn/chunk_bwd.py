@@ -148,7 +148,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
                           BK: tl.constexpr, BV: tl.constexpr, NVBP: tl.constexpr, GSUM: tl.constexpr,
                           TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
-    through ``part`` and ``cnt``, see ``_head_sum``), the state + intra-chunk part of dk (dkp, fp32 [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32).
+    through ``part`` and ``cnt``, see ``_head_sum``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
+    dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
@@ -206,7 +207,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
         dPmT = tl.where(mT, dPT * scale * tl.exp(tl.where(mT, gg[None, :] - gg[:, None], 0.0)), 0.0)
         dkk += tl.dot(dPmT.to(dt), qq)
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
-    tl.store(dkp + o, dkk, mask=mk)
+    tl.store(dkp + o, dkk.to(dkp.dtype.element_ty), mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
     oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
     if GSUM:
@@ -285,7 +286,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dX = tl.dot(tl.trans(A), dww.to(dt))
-        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
         dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt))
         if TRANS_OUT:
             dkk += tl.trans(tl.dot(tl.trans(kk.to(dt)), M))
