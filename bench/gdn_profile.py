@@ -51,9 +51,10 @@ OPTIONS = {
     "out_BK": [64], "out_BV": [128], "out_warps": [4], "out_stages": [3],
     "dvl_BK": [64], "dvl_BV": [128], "dvl_warps": [4], "dvl_stages": [3],
     # session 6 at G1: 4 warps / 2 stages 1.12, 8 / 2 1.32, 8 / 3 0.97 vs 4 / 3 0.86 ms
-    # session 9: state_bwd_dvl 1 (dv_local inside the reverse pass) spills 48 B at 4 warps / 3 stages, 28 B at 8 warps
-    # (sm_90 compile; 0 without it)
-    "state_bwd_BV": [32], "state_bwd_warps": [4, 4, 8], "state_bwd_stages": [3], "state_bwd_dvl": [0, 1, 1],
+    # session 9: dv_local computed inside the reverse pass (its q kᵀ off the dS chain) spilled 48 B at 4 warps / 3
+    # stages, 28 B at 8 warps (sm_90) and took 2.45 / 2.93 ms at G1 against 1.42 + 0.33 (dv_local): removed.
+    # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM
+    "state_bwd_BV": [32, 16, 16], "state_bwd_warps": [4], "state_bwd_stages": [3, 2, 3],
     # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
     # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
     # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)
@@ -66,7 +67,7 @@ OPTIONS = {
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer
-    "wy_bwd_trans": [1, 0, 1], "grad_trans": [1, 0, 1],
+    "wy_bwd_trans": [1], "grad_trans": [1],
 }
 NVARIANTS = max(len(v) for v in OPTIONS.values())
 

@@ -44,8 +44,7 @@ _empty = torch.empty
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
 # and grad_trans = 1 take a term of dk as a transposed dot result (the kernels' TRANS_OUT; H200: bitwise deterministic
-# over bench.determinism_gdn, G1 backward 0.35 ms faster); state_bwd_dvl = 1 computes the local dv term inside the
-# reverse state pass (no gdn_dv_local_kernel and no dvl round trip; its q kᵀ is off the dS chain).
+# over bench.determinism_gdn, G1 backward 0.35 ms faster).
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -56,7 +55,7 @@ _DEFAULT_CFG = {
     "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
-    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2, "state_bwd_dvl": 0,
+    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
 }
@@ -352,15 +351,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         seg = _segments(k, w, None, gc, cu_seqlens, N, V, cfg)  # the reverse chain needs the maps' M part
         split = _Split(*seg) if seg is not None else None
     # gradients passed between stages (and dk's partial terms) are stored in _mid_dtype, the GVA sums in fp32
-    fuse_dvl = bool(cfg["state_bwd_dvl"])
-    if fuse_dvl:
-        dvl = dummy
-    else:
-        dvl = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
-        BV = min(cfg["dvl_BV"], BVp)
-        gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
-            q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
-            IS_VARLEN=varlen, **_opts(cfg, "dvl"))
+    dvl = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
+    BV = min(cfg["dvl_BV"], BVp)
+    gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
+        q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
+        IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     # Σ over V of h⊙dh per chunk, value head, column block of the pass below and row of K (fp32; grad_chunk sums)
@@ -371,32 +366,34 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         gdn_state_bwd_kernel[(NVB, N * HV)](
             q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
-            FUSE_DVL=fuse_dvl, IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
+            IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         grid = (NVB, split.nseg * HV)
         r = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dummy, dummy, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
-            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, FUSE_DVL=fuse_dvl,
-            IS_VARLEN=True, **_opts(cfg, "state_bwd"))
+            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, IS_VARLEN=True,
+            **_opts(cfg, "state_bwd"))
         dse = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
-            K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, FUSE_DVL=fuse_dvl,
-            IS_VARLEN=True, **_opts(cfg, "state_bwd"))
+            K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True, IS_VARLEN=True,
+            **_opts(cfg, "state_bwd"))
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     dkp = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     # GVA: the value heads of one q/k head pass an fp32 running sum of their dq / dk terms along (part), the last
-    # one stores the total; cnt: per kernel and tile (chunk x q/k head), [arrivals, sums stored]
+    # one stores the total; cnt: two int32 per tile (chunk x q/k head; for dk also per K slice of wy_bwd)
     gsum = HV > H
     dq = _empty(B, T, H, K, dtype=q.dtype, device=dev)
     dk = _empty(B, T, H, K, dtype=k.dtype, device=dev)
     if gsum:
         part = _empty(B, T, H, K, dtype=torch.float32, device=dev)
-        cnt = torch.zeros(2, NG * B * H * 2, dtype=torch.int32, device=dev)
+        tiles = NG * B * H
+        cnt = torch.zeros(2 * tiles * (1 + cdiv(K, min(cfg["wy_bwd_BK"], BKp))), dtype=torch.int32, device=dev)
+        cnt = (cnt[: 2 * tiles], cnt[2 * tiles :])
     else:
         part, cnt = dummy, (dummy, dummy)
     gdn_grad_chunk_kernel[(NG, B * HV)](

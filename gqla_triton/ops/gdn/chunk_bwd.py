@@ -43,14 +43,13 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
 def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, coff, scale, T, NT, H,
                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                         STORE_STEPS: tl.constexpr, FUSE_DVL: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         STORE_STEPS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
     dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Also hsp[c, hv, i_v, :] =
     Σ over this program's columns of h[c]⊙dS, per row of K, against the fp32 dS (dg's per-chunk decay term, a
     sum with cancellation that reaches every g of the chunk: not taken from the stored low-precision dhe; h[c]
     loads one step ahead, off the dS chain). Without STORE_STEPS only dh0 is written (sequence splitting: a
-    segment's dS contribution from a zero start). FUSE_DVL: dvl computed here from the step's q, k and dO (as
-    gdn_dv_local_kernel does; off the dS chain) instead of loaded."""
+    segment's dS contribution from a zero start)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -87,13 +86,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        if FUSE_DVL:
-            r = tl.arange(0, BT)
-            m = (r[None, :] >= r[:, None]) & valid[:, None] & valid[None, :]  # rows j, cols i
-            PT = tl.where(m, tl.dot(kk, tl.trans(qq)) * tl.exp(tl.where(m, gg[None, :] - gg[:, None], 0.0)), 0.0)
-            dv = tl.dot(PT.to(dd.dtype), dd) * scale
-        else:
-            dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         dv += tl.dot(kk, dS.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
         if STORE_STEPS:
             tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv.to(dvn.dtype.element_ty), mask=mv)
@@ -105,41 +98,40 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
 
 
 @triton.jit
-def _head_rank(cnt, i_t, i_bh, H, HV):
-    """GVA: this value head's arrival rank among the HV/H value heads of its q/k head at chunk program i_t, and
-    the tile's counter slot. ``cnt`` (int32, zeroed) holds per slot [arrivals, running sums stored]."""
-    slot = (i_t * tl.num_programs(1) + i_bh) // (HV // H)
-    return tl.atomic_add(cnt + 2 * slot, 1, sem="relaxed"), slot
+def _gva_program(H, HV, GSUM: tl.constexpr):
+    """(i_t, i_bh) of a chunk program on the (chunks, B·HV) grid. With GSUM the launch order puts the HV/H value
+    heads of one q/k head and chunk next to each other: they run together, share the q / k tiles in L2 and pass
+    their running sum (``_head_add``) while it is in L2."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    if GSUM:
+        G = HV // H
+        lin = i_t + tl.num_programs(0) * i_bh
+        rest = lin // G
+        i_t = rest % tl.num_programs(0)
+        i_bh = (rest // tl.num_programs(0)) * G + lin % G
+    return i_t, i_bh
 
 
 @triton.jit
-def _head_wait(cnt, slot, n):
-    """Until the n value heads that arrived earlier have stored their running sum (they are resident: each took
-    its rank before this one and waits only on earlier ranks, so this cannot deadlock)."""
-    done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
-    while done < n:
-        done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
-
-
-@triton.jit
-def _head_sum(acc, out, part, o, mask, n, G):
-    """Rank n of G: add the running sum of the earlier ranks (fp32 ``part``, out's layout), then pass the new sum
-    on in ``part`` or, as the last rank, store it to ``out`` in out's dtype. Deterministic for G <= 2 (a + b is
-    b + a); beyond that the order of the additions follows the arrival order."""
+def _head_add(acc, out, part, o, mask, cnt, slot, G):
+    """GVA sum of ``acc`` over the G value heads of one q/k head, for one tile (counter ``slot``): in the order
+    the heads arrive here, each adds the fp32 running sum of the earlier ones (``part``, out's layout) and passes
+    the new sum on; the last stores it to ``out`` in out's dtype. ``cnt`` (int32, zeroed) holds per slot
+    [arrivals, sums passed on]. A head waits only for heads that arrived earlier, which are resident and wait only
+    for earlier ones, so this cannot deadlock. Deterministic for G <= 2 (a + b is b + a); beyond that the order of
+    the additions follows the arrival order."""
+    n = tl.atomic_add(cnt + 2 * slot, 1, sem="relaxed")
     if n > 0:
+        done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
+        while done < n:
+            done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
         acc += tl.load(part + o, mask=mask, other=0.0, cache_modifier=".cg")
     if n < G - 1:
         tl.store(part + o, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part of the sum is stored before the gpu-scope release
+        tl.atomic_xchg(cnt + 2 * slot + 1, n + 1, sem="release")
     else:
         tl.store(out + o, acc.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _head_release(cnt, slot, n, G):
-    """After rank n's running sum is stored (every thread's stores: barrier, then a gpu-scope release)."""
-    if n < G - 1:
-        tl.debug_barrier()
-        tl.atomic_xchg(cnt + 2 * slot + 1, n + 1, sem="release")
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -148,10 +140,10 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
                           BK: tl.constexpr, BV: tl.constexpr, NVBP: tl.constexpr, GSUM: tl.constexpr,
                           TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
-    through ``part`` and ``cnt``, see ``_head_sum``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
+    through ``part`` and ``cnt``, see ``_head_add``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_t, i_bh = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -211,10 +203,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
     oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
     if GSUM:
-        n, slot = _head_rank(cnt, i_t, i_bh, H, HV)
-        _head_wait(cnt, slot, n)
-        _head_sum(dqq, dq, part, oq, mk, n, HV // H)
-        _head_release(cnt, slot, n, HV // H)
+        _head_add(dqq, dq, part, oq, mk, cnt, (i_t * tl.num_programs(1) + i_bh) // (HV // H), HV // H)
     else:
         tl.store(dq + oq, dqq.to(dq.dtype.element_ty), mask=mk)
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
@@ -228,7 +217,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and dg = reverse
     within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result added to dk,
     instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_t, i_bh = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
     dt = dw.dtype.element_ty  # operand dtype of this kernel's dots: bf16, or fp32 (tf32) for fp16/fp32 inputs
@@ -277,9 +266,6 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     if not TRANS_OUT:
         dAT = -tl.dot(A, tl.dot(dTT.to(dt), A).to(dt))
         MT = tl.where(mlT, dAT * b[None, :] * tl.exp(tl.where(mlT, gg[None, :] - gg[:, None], 0.0)), 0.0).to(dt)
-    if GSUM:
-        n, slot = _head_rank(cnt, i_t, i_bh, H, HV)
-        _head_wait(cnt, slot, n)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
@@ -293,15 +279,14 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         else:
             dkk += tl.dot(MT, kk.to(dt))
         ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
-        if GSUM:
-            _head_sum(dkk, dk, part, ok, mk, n, HV // H)
+        if GSUM:  # a counter slot per tile and K slice
+            slot = ((i_t * tl.num_programs(1) + i_bh) // (HV // H)) * tl.cdiv(K, BK) + k0 // BK
+            _head_add(dkk, dk, part, ok, mk, cnt, slot, HV // H)
         else:
             tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
         t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
         db += t1
         dgg += t1 * b
-    if GSUM:
-        _head_release(cnt, slot, n, HV // H)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
