@@ -21,6 +21,7 @@ import gqla_triton.ops.gdn.chunk as chunk_mod
 VARIANTS = {
     "committed": {},
     "wy_bwd_2st": {"wy_bwd_stages": 2},
+    "wy_bwd_3st": {"wy_bwd_stages": 3},
     "wy_bwd_1st": {"wy_bwd_stages": 1},
     "bwd_1st": {"wy_bwd_stages": 1, "grad_stages": 1},
     "split": {"seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 1},

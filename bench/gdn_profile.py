@@ -53,8 +53,9 @@ OPTIONS = {
     # session 6 at G1: 4 warps / 2 stages 1.12, 8 / 2 1.32, 8 / 3 0.97 vs 4 / 3 0.86 ms
     # session 9: dv_local computed inside the reverse pass (its q kᵀ off the dS chain) spilled 48 B at 4 warps / 3
     # stages, 28 B at 8 warps (sm_90) and took 2.45 / 2.93 ms at G1 against 1.42 + 0.33 (dv_local): removed.
-    # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM
-    "state_bwd_BV": [32, 16, 16], "state_bwd_warps": [4], "state_bwd_stages": [3, 2, 3],
+    # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM:
+    # 1.363 ms against 1.417 at BV 32 / 3 stages and 1.696 at BV 16 / 3 stages (one per SM; session 9, G1)
+    "state_bwd_BV": [16], "state_bwd_warps": [4], "state_bwd_stages": [2],
     # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
     # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
     # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)
@@ -63,7 +64,9 @@ OPTIONS = {
     # (session 5); BK 32 / BV 64 / 4 warps was the fastest (2.04 vs 2.25 ms at BV 32).
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
     # session 6 at G1: 8 warps 3.69 (BV 64) / 4.10 ms (BV 32) vs 4 warps 2.04 (h200-gdn-profile-s6-bwd.json)
-    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1],
+    # session 9: with the transposed dk term and k kᵀ from its own load, bench.determinism_gdn's wy_bwd_2st variant
+    # was bitwise identical over 3 repetitions at every shape (sm_90: 2 stages 41 KB / 255 registers, 3 stages 57 KB)
+    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1, 2, 3],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer
