@@ -64,9 +64,10 @@ OPTIONS = {
     # (session 5); BK 32 / BV 64 / 4 warps was the fastest (2.04 vs 2.25 ms at BV 32).
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
     # session 6 at G1: 8 warps 3.69 (BV 64) / 4.10 ms (BV 32) vs 4 warps 2.04 (h200-gdn-profile-s6-bwd.json)
-    # session 9: with the transposed dk term and k kᵀ from its own load, bench.determinism_gdn's wy_bwd_2st variant
-    # was bitwise identical over 3 repetitions at every shape (sm_90: 2 stages 41 KB / 255 registers, 3 stages 57 KB)
-    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [1, 2, 3],
+    # session 9: with the transposed dk term and k kᵀ from its own load, bench.determinism_gdn's wy_bwd_2st and
+    # wy_bwd_3st variants were bitwise identical over 5 repetitions at every shape (sm_90: 2 stages 41 KB / 255
+    # registers, 3 stages 57 KB / 254). G1: 1 stage 1.79, 2 stages 1.79, 3 stages 1.67 ms: 3 in the H200 table
+    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [3, 1],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer

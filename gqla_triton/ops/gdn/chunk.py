@@ -59,8 +59,9 @@ _DEFAULT_CFG = {
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
 }
-# wy_bwd_stages stays 1 on the GPU: with Triton 3.6's software pipelining (2 or 3 stages) dbeta and dg of the H200
-# differed bitwise from run to run (fp16 at 2 stages, bf16 and fp16 at 3); bench/determinism_gdn.py checks it.
+# wy_bwd_stages: before k kᵀ took kᵀ from its own load and the transposed dk term (wy_bwd_trans), dbeta and dg of the
+# H200 differed bitwise from run to run with Triton 3.6's software pipelining (2 or 3 stages); with both, 2 and 3
+# stages were identical over bench.determinism_gdn's shapes (session 9). Check it there before changing the stages.
 
 
 def _mid_dtype(dtype: torch.dtype) -> torch.dtype:
