@@ -99,17 +99,17 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
 
 @triton.jit
 def _gva_program(H, HV, GSUM: tl.constexpr):
-    """(i_t, i_bh) of a chunk program on the (chunks, B·HV) grid. With GSUM the launch order puts the HV/H value
-    heads of one q/k head and chunk next to each other: they run together, share the q / k tiles in L2 and pass
-    their running sum (``_head_add``) while it is in L2."""
+    """(i_t, i_bh, tile) of a chunk program on the (chunks, B·HV) grid; tile numbers (chunk, batch row, q/k head).
+    With GSUM the launch order puts the HV/H value heads of one tile next to each other: they run together, share
+    the q / k tiles in L2 and pass their running sum (``_head_add``) while it is in L2."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    G = HV // H
     if GSUM:
-        G = HV // H
         lin = i_t + tl.num_programs(0) * i_bh
         rest = lin // G
         i_t = rest % tl.num_programs(0)
         i_bh = (rest // tl.num_programs(0)) * G + lin % G
-    return i_t, i_bh
+    return i_t, i_bh, (i_t * tl.num_programs(1) + i_bh) // G
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
     through ``part`` and ``cnt``, see ``_head_add``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
-    i_t, i_bh = _gva_program(H, HV, GSUM)
+    i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -203,7 +203,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
     oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
     if GSUM:
-        _head_add(dqq, dq, part, oq, mk, cnt, (i_t * tl.num_programs(1) + i_bh) // (HV // H), HV // H)
+        _head_add(dqq, dq, part, oq, mk, cnt, tile, HV // H)
     else:
         tl.store(dq + oq, dqq.to(dq.dtype.element_ty), mask=mk)
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
@@ -214,10 +214,10 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
-    terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and dg = reverse
-    within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result added to dk,
-    instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer."""
-    i_t, i_bh = _gva_program(H, HV, GSUM)
+    terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and
+    dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
+    added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer."""
+    i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
     dt = dw.dtype.element_ty  # operand dtype of this kernel's dots: bf16, or fp32 (tf32) for fp16/fp32 inputs
@@ -280,8 +280,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
             dkk += tl.dot(MT, kk.to(dt))
         ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
         if GSUM:  # a counter slot per tile and K slice
-            slot = ((i_t * tl.num_programs(1) + i_bh) // (HV // H)) * tl.cdiv(K, BK) + k0 // BK
-            _head_add(dkk, dk, part, ok, mk, cnt, slot, HV // H)
+            _head_add(dkk, dk, part, ok, mk, cnt, tile * tl.cdiv(K, BK) + k0 // BK, HV // H)
         else:
             tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
         t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
