@@ -56,6 +56,9 @@ OPTIONS = {
     # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM:
     # 1.363 ms against 1.417 at BV 32 / 3 stages and 1.696 at BV 16 / 3 stages (one per SM; session 9, G1)
     "state_bwd_BV": [16], "state_bwd_warps": [4], "state_bwd_stages": [2],
+    # session 10: state_bwd_hpipe 1 takes h[c] through the software pipeline (+0·h in a dot operand): sm_90 loop 699
+    # against 721 instructions, no register load or layout conversion of h, 111 KB (two programs per SM)
+    "state_bwd_hpipe": [1, 0, 1],
     # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
     # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
     # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)
@@ -67,7 +70,9 @@ OPTIONS = {
     # session 9: with the transposed dk term and k kᵀ from its own load, bench.determinism_gdn's wy_bwd_2st and
     # wy_bwd_3st variants were bitwise identical over 5 repetitions at every shape (sm_90: 2 stages 41 KB / 255
     # registers, 3 stages 57 KB / 254). G1: 1 stage 1.79, 2 stages 1.79, 3 stages 1.67 ms: 3 in the H200 table
-    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [3, 1],
+    # session 10: the GVA dk sum's wait and barrier moved out of the dk loop, which Triton 3.6 then pipelines
+    # (sm_90: k, kᵀ, dw through cp.async; before, every load of that loop was a plain load it waited for)
+    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [3, 3, 2],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer

@@ -43,13 +43,15 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
 def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, coff, scale, T, NT, H,
                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                         STORE_STEPS: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         STORE_STEPS: tl.constexpr, H_PIPE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
     dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Also hsp[c, hv, i_v, :] =
     Σ over this program's columns of h[c]⊙dS, per row of K, against the fp32 dS (dg's per-chunk decay term, a
-    sum with cancellation that reaches every g of the chunk: not taken from the stored low-precision dhe; h[c]
-    loads one step ahead, off the dS chain). Without STORE_STEPS only dh0 is written (sequence splitting: a
-    segment's dS contribution from a zero start)."""
+    sum with cancellation that reaches every g of the chunk: not taken from the stored low-precision dhe). h[c]
+    loads one step ahead, off the dS chain; H_PIPE: h[c] joins the dot operand k·(dS + 0·h) instead (exact for
+    finite h), since Triton's software pipeliner only prefetches loads that feed a dot: then h comes through
+    cp.async and shared memory straight into dS's layout. Without STORE_STEPS only dh0 is written (sequence
+    splitting: a segment's dS contribution from a zero start)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -61,17 +63,22 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
     dt = k.dtype.element_ty
     NTn = tl.cdiv(Tn, BT)
     NVB = tl.num_programs(0)
-    if STORE_STEPS:
+    if STORE_STEPS and not H_PIPE:
         h_nxt = tl.load(h + (((boh + NTn - 1) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
                         mask=mkv & (ck[:, None] * 0 + NTn > 0), other=0.0)
     for j in range(0, NTn):
         i_c = NTn - 1 - j
+        dSd = dS
         if STORE_STEPS:
             row = (boh + i_c) * HV + i_hv
             tl.store(dhe + (row * K + ck[:, None]) * V + cv[None, :], dS.to(dhe.dtype.element_ty), mask=mkv)
-            hh = h_nxt
-            h_nxt = tl.load(h + ((row - HV) * K + ck[:, None]) * V + cv[None, :],
-                            mask=mkv & (ck[:, None] * 0 + i_c > 0), other=0.0)
+            if H_PIPE:
+                hh = tl.load(h + (row * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+                dSd = dS + 0.0 * hh.to(tl.float32)
+            else:
+                hh = h_nxt
+                h_nxt = tl.load(h + ((row - HV) * K + ck[:, None]) * V + cv[None, :],
+                                mask=mkv & (ck[:, None] * 0 + i_c > 0), other=0.0)
             tl.store(hsp + (row * NVB + i_v) * BK + ck, tl.sum(hh.to(tl.float32) * dS, 1))
         t = i_c * BT + tl.arange(0, BT)
         valid = t < Tn
@@ -87,7 +94,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
         qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
         dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        dv += tl.dot(kk, dS.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        dv += tl.dot(kk, dSd.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
         if STORE_STEPS:
             tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv.to(dvn.dtype.element_ty), mask=mv)
         ddq = dd.to(tl.float32) * (tl.exp(gg) * scale)[:, None]
@@ -101,7 +108,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
 def _gva_program(H, HV, GSUM: tl.constexpr):
     """(i_t, i_bh, tile) of a chunk program on the (chunks, B·HV) grid; tile numbers (chunk, batch row, q/k head).
     With GSUM the launch order puts the HV/H value heads of one tile next to each other: they run together, share
-    the q / k tiles in L2 and pass their running sum (``_head_add``) while it is in L2."""
+    the q / k tiles in L2 and pass their running sum (``_head_rank``) while it is in L2."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     G = HV // H
     if GSUM:
@@ -113,25 +120,36 @@ def _gva_program(H, HV, GSUM: tl.constexpr):
 
 
 @triton.jit
-def _head_add(acc, out, part, o, mask, cnt, slot, G):
-    """GVA sum of ``acc`` over the G value heads of one q/k head, for one tile (counter ``slot``): in the order
-    the heads arrive here, each adds the fp32 running sum of the earlier ones (``part``, out's layout) and passes
-    the new sum on; the last stores it to ``out`` in out's dtype. ``cnt`` (int32, zeroed) holds per slot
-    [arrivals, sums passed on]. A head waits only for heads that arrived earlier, which are resident and wait only
-    for earlier ones, so this cannot deadlock. Deterministic for G <= 2 (a + b is b + a); beyond that the order of
-    the additions follows the arrival order."""
+def _head_rank(cnt, slot, G):
+    """GVA sums over the G value heads of one q/k head, for one tile (counter ``slot``; ``cnt`` int32, zeroed,
+    holds per slot [arrivals, sums passed on]): in the order the heads arrive here (rank n), each adds the fp32
+    running sum of the earlier ones and passes the new sum on (``_head_pass``, then ``_head_publish``); the last
+    stores the total. Returns n once the earlier ranks have passed their sums on. A head waits only for heads
+    that arrived earlier, which are resident and wait only for earlier ones, so this cannot deadlock.
+    Deterministic for G <= 2 (a + b is b + a); beyond that the order of the additions follows arrival."""
     n = tl.atomic_add(cnt + 2 * slot, 1, sem="relaxed")
     if n > 0:
         done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
         while done < n:
             done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
-        acc += tl.load(part + o, mask=mask, other=0.0, cache_modifier=".cg")
+    return n
+
+
+@triton.jit
+def _head_pass(acc, out, part, o, mask, n, G):
+    """Rank n's piece of the running sum (``part``, out's layout, read past L1): branch-free masked loads and
+    stores, so that a loop around it stays software-pipelined. The last rank stores the total in out's dtype."""
+    acc += tl.load(part + o, mask=mask & (n > 0), other=0.0, cache_modifier=".cg")
+    tl.store(part + o, acc, mask=mask & (n < G - 1))
+    tl.store(out + o, acc.to(out.dtype.element_ty), mask=mask & (n == G - 1))
+
+
+@triton.jit
+def _head_publish(cnt, slot, n, G):
+    """After every ``_head_pass`` of rank n: the sum is passed on (CTA barrier, then a gpu-scope release)."""
     if n < G - 1:
-        tl.store(part + o, acc, mask=mask)
-        tl.debug_barrier()  # every thread's part of the sum is stored before the gpu-scope release
+        tl.debug_barrier()  # every thread's part of the sum is stored before the release
         tl.atomic_xchg(cnt + 2 * slot + 1, n + 1, sem="release")
-    else:
-        tl.store(out + o, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -140,7 +158,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
                           BK: tl.constexpr, BV: tl.constexpr, NVBP: tl.constexpr, GSUM: tl.constexpr,
                           TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
-    through ``part`` and ``cnt``, see ``_head_add``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
+    through ``part`` and ``cnt``, see ``_head_rank``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
@@ -203,7 +221,9 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
     oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
     if GSUM:
-        _head_add(dqq, dq, part, oq, mk, cnt, tile, HV // H)
+        n = _head_rank(cnt, tile, HV // H)
+        _head_pass(dqq, dq, part, oq, mk, n, HV // H)
+        _head_publish(cnt, tile, n, HV // H)
     else:
         tl.store(dq + oq, dqq.to(dq.dtype.element_ty), mask=mk)
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
@@ -266,26 +286,6 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     if not TRANS_OUT:
         dAT = -tl.dot(A, tl.dot(dTT.to(dt), A).to(dt))
         MT = tl.where(mlT, dAT * b[None, :] * tl.exp(tl.where(mlT, gg[None, :] - gg[:, None], 0.0)), 0.0).to(dt)
-    for k0 in range(0, K, BK):
-        ck = k0 + tl.arange(0, BK)
-        mk = valid[:, None] & (ck[None, :] < K)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-        dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dX = tl.dot(tl.trans(A), dww.to(dt))
-        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt))
-        if TRANS_OUT:
-            dkk += tl.trans(tl.dot(tl.trans(kk.to(dt)), M))
-        else:
-            dkk += tl.dot(MT, kk.to(dt))
-        ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
-        if GSUM:  # a counter slot per tile and K slice
-            _head_add(dkk, dk, part, ok, mk, cnt, tile * tl.cdiv(K, BK) + k0 // BK, HV // H)
-        else:
-            tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
-        t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
-        db += t1
-        dgg += t1 * b
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
@@ -295,6 +295,34 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
                  mask=mv)
         db += tl.sum(dX * vv, 1)
+    if GSUM:  # once per tile, after the dv loop, outside the dk loop (a wait or barrier in it stops its pipelining)
+        n = _head_rank(cnt, tile, HV // H)
+    else:
+        n = 0
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        dX = tl.dot(tl.trans(A), dww.to(dt))
+        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt))
+        if TRANS_OUT:
+            # kᵀ from its own load (as in the first K loop): then every dot operand of this loop is prefetched
+            kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
+            dkk += tl.trans(tl.dot(kT.to(dt), M))
+        else:
+            dkk += tl.dot(MT, kk.to(dt))
+        ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
+        if GSUM:
+            _head_pass(dkk, dk, part, ok, mk, n, HV // H)
+        else:
+            tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
+        t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
+        db += t1
+        dgg += t1 * b
+    if GSUM:
+        _head_publish(cnt, tile, n, HV // H)
     dgg += tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
