@@ -55,7 +55,7 @@ _DEFAULT_CFG = {
     "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
-    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2, "state_bwd_hpipe": 0,
+    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
 }
@@ -367,20 +367,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         gdn_state_bwd_kernel[(NVB, N * HV)](
             q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
-            H_PIPE=bool(cfg["state_bwd_hpipe"]), IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
+            IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         grid = (NVB, split.nseg * HV)
         r = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dummy, dummy, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
-            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False, H_PIPE=False,
+            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
             IS_VARLEN=True, **_opts(cfg, "state_bwd"))
         dse = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
             K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
-            H_PIPE=bool(cfg["state_bwd_hpipe"]), IS_VARLEN=True, **_opts(cfg, "state_bwd"))
+            IS_VARLEN=True, **_opts(cfg, "state_bwd"))
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
