@@ -41,16 +41,17 @@ OPTIONS = {
     # session 6 at G1 (BV narrowed to 32 by _state_bv, 128 programs): 2 stages and 8 warps were slower than 3 stages;
     # fla's h kernel (the same tiles at 4 stages: 156 KB of shared memory, as our sm_90 compile) took 0.631 vs our
     # 0.736 under ncu; our 4 stages: 0.709 vs 0.722 at G1, 0.580 vs 0.553 at G4 (profile s6)
-    # session 10: BV 16 (256 programs at G1; sm_90: 109 KB / 96 registers at 3 stages, 74 KB at 2) lets two share
-    # an SM where BV 32 (what _state_bv narrows 64 to at G1) runs 128 programs, one per SM
-    "state_BV": [64, 16, 16], "state_warps": [4], "state_stages": [3, 3, 2],
+    # session 10: BV 16 (256 programs at G1, two per SM; sm_90: 109 KB / 96 registers at 3 stages, 74 KB at 2) was
+    # slower than BV 32 (what _state_bv narrows 64 to at G1: 128 programs, one per SM): 0.851 / 0.870 vs 0.724 ms
+    "state_BV": [64], "state_warps": [4], "state_stages": [3],
     "seg_units": [64], "seg_min": [16], "seg_BV": [64], "seg_warps": [4], "seg_stages": [2],
     # out_fuse 1: the forward's output is computed in its state pass (no gdn_output_fwd_kernel; the fused pass takes
     # the out_BV / out_warps / out_stages fields and counts under gdn_state_fwd_kernel). sm_90 compile at BV 32
     # (what _state_bv narrows G1 to): 4 warps / 3 stages 212 B spills, 8 warps / 2 stages 80 B, BV 16 none
     # (session 5 at G1: 9.81-10.19 vs 8.46 ms per fwd + bwd, see NOTES.md)
     "out_fuse": [0],
-    "out_BK": [64], "out_BV": [128, 128, 64], "out_warps": [4], "out_stages": [3],
+    # session 10 at G1: out_BV 64 0.552 vs 0.477 ms
+    "out_BK": [64], "out_BV": [128], "out_warps": [4], "out_stages": [3],
     "dvl_BK": [64], "dvl_BV": [128], "dvl_warps": [4], "dvl_stages": [3],
     # session 6 at G1: 4 warps / 2 stages 1.12, 8 / 2 1.32, 8 / 3 0.97 vs 4 / 3 0.86 ms
     # session 9: dv_local computed inside the reverse pass (its q kᵀ off the dS chain) spilled 48 B at 4 warps / 3
@@ -71,8 +72,9 @@ OPTIONS = {
     # registers, 3 stages 57 KB / 254). G1: 1 stage 1.79, 2 stages 1.79, 3 stages 1.67 ms: 3 in the H200 table
     # session 10: the GVA dk sum's wait and barrier moved out of the dk loop, which Triton 3.6 then pipelines
     # (sm_90: k, kᵀ, dw through cp.async; before, every load of that loop was a plain load it waited for)
-    # (G1: 1.669 -> 1.599 ms; 2 stages 1.817)
-    "wy_bwd_BK": [32], "wy_bwd_BV": [64, 32, 64], "wy_bwd_warps": [4], "wy_bwd_stages": [3],
+    # (G1: 1.669 -> 1.599 ms; 2 stages 1.817, BV 32 1.753). With that loop pipelined, BK 64 at 8 warps (sm_90: 252
+    # registers, no spills, 98 KB: one program per SM) halves both K loops' trip counts
+    "wy_bwd_BK": [32, 64], "wy_bwd_BV": [64], "wy_bwd_warps": [4, 8], "wy_bwd_stages": [3],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer
