@@ -59,6 +59,10 @@ OPTIONS = {
     # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM:
     # 1.363 ms against 1.417 at BV 32 / 3 stages and 1.696 at BV 16 / 3 stages (one per SM; session 9, G1)
     "state_bwd_BV": [16], "state_bwd_warps": [4], "state_bwd_stages": [2],
+    # session 10: state_bwd_hs 0 = dg's Σ h⊙dh from the stored bf16 dh in grad_chunk (before 7516da7), 1 = in
+    # state_bwd against the fp32 dS. The module test example 7516da7 was meant to fix (A_log, B1 T128 varlen seed
+    # 4932) fails with both (bench/alog_example.py: rel err 1.469e-2 at HEAD, as in session 8 before the change)
+    "state_bwd_hs": [1, 0],
     # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
     # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
     # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)
@@ -74,7 +78,8 @@ OPTIONS = {
     # (sm_90: k, kᵀ, dw through cp.async; before, every load of that loop was a plain load it waited for)
     # (G1: 1.669 -> 1.599 ms; 2 stages 1.817, BV 32 1.753). With that loop pipelined, BK 64 at 8 warps (sm_90: 252
     # registers, no spills, 98 KB: one program per SM) halves both K loops' trip counts
-    "wy_bwd_BK": [32, 64], "wy_bwd_BV": [64], "wy_bwd_warps": [4, 8], "wy_bwd_stages": [3],
+    # (session 10: 2.61 vs 1.62 ms)
+    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [3],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer
