@@ -198,7 +198,13 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
         if not TRANS_OUT:
             dPT += tl.dot(vn.to(dt), tl.trans(dd))
         if not HS_STATE:
-            hs += tl.sum(hh.to(tl.float32) * de.to(tl.float32), 1)
+            # h and dh from their own (L2) loads: with the dots' tiles also used elementwise here, dk differed
+            # between two runs on the H200 (Triton 3.6), the pattern that made wy_bwd's k kᵀ racy (session 9)
+            h2 = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
+                         cache_modifier=".cg")
+            d2 = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
+                         cache_modifier=".cg")
+            hs += tl.sum(h2.to(tl.float32) * d2.to(tl.float32), 1)
     qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     last = tl.minimum(t0 + BT, Tn) - 1
