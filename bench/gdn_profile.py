@@ -59,10 +59,9 @@ OPTIONS = {
     # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM:
     # 1.363 ms against 1.417 at BV 32 / 3 stages and 1.696 at BV 16 / 3 stages (one per SM; session 9, G1)
     "state_bwd_BV": [16], "state_bwd_warps": [4], "state_bwd_stages": [2],
-    # session 10: state_bwd_hs 0 = dg's Σ h⊙dh from the stored bf16 dh in grad_chunk (before 7516da7), 1 = in
-    # state_bwd against the fp32 dS. The module test example 7516da7 was meant to fix (A_log, B1 T128 varlen seed
-    # 4932) fails with both (bench/alog_example.py: rel err 1.469e-2 at HEAD, as in session 8 before the change)
-    "state_bwd_hs": [1, 0],
+    # session 10: dg's Σ h⊙dh back in grad_chunk (from the stored bf16 dh, own h / dh loads): state_bwd 1.218 vs
+    # 1.328 ms (run 6). The module-test example 7516da7 moved it into state_bwd for (A_log, B1 T128 varlen seed
+    # 4932) fails either way (bench/alog_example.py: rel err 1.469e-2 both), precision_gdn did not move (run 5)
     # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
     # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
     # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)

@@ -25,7 +25,6 @@ VARIANTS = {
     "mid_fp32": ({}, True),
     "wy_ieee": ({"wy_prec": "ieee"}, False),
     "no_trans": ({"wy_bwd_trans": 0, "grad_trans": 0}, False),
-    "hs_dhe": ({"state_bwd_hs": 0}, False),  # dg's Σ h⊙dh from the stored dh (grad_chunk), not the fp32 dS
 }
 
 

@@ -270,7 +270,7 @@ def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
 
 @given(T=st.integers(1, pick(150, 400)), G=st.sampled_from([1, 2]), over=st.sampled_from(
     [{"wy_fuse": 1}, {"wy_prec": "tf32x3"}, {"wy_prec": "tf32"}, {"wy_fuse": 1, "wy_prec": "tf32x3"}, {"out_fuse": 1},
-     {"wy_bwd_trans": 1, "grad_trans": 1}, {"state_bwd_hs": 0},
+     {"wy_bwd_trans": 1, "grad_trans": 1},
      {"out_fuse": 1, "wy_fuse": 1, "seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 1}]),
     dtype=dtypes(), seed=seeds())
 def test_stage_variants(T, G, over, dtype, seed):

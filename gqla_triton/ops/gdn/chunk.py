@@ -55,7 +55,7 @@ _DEFAULT_CFG = {
     "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
-    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2, "state_bwd_hs": 1,
+    "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
 }
@@ -359,30 +359,26 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
         IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
-    # Σ over V of h⊙dh per chunk, value head, column block of the pass below and row of K (fp32; grad_chunk sums)
     BV = _state_bv(cfg["state_bwd_BV"], V, (N if split is None else split.nseg) * HV, k)
     NVB = cdiv(V, BV)
-    # state_bwd_hs 0: grad_chunk sums h⊙dh over the stored (input-dtype) dh instead (no hsp)
-    hs_state = bool(cfg["state_bwd_hs"])
-    hsp = _empty(NTT, HV, NVB, BKp, dtype=torch.float32, device=dev) if hs_state else dummy
     if split is None:
         gdn_state_bwd_kernel[(NVB, N * HV)](
-            q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
+            q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff_, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
-            HS_STATE=hs_state, IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
+            IS_VARLEN=varlen, **_opts(cfg, "state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         grid = (NVB, split.nseg * HV)
         r = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
-            q, k, w, gc, do, dvl, dummy, dummy, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
+            q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
             HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
-            HS_STATE=False, IS_VARLEN=True, **_opts(cfg, "state_bwd"))
+            IS_VARLEN=True, **_opts(cfg, "state_bwd"))
         dse = _empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
         gdn_state_bwd_kernel[grid](
-            q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
+            q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
             K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
-            HS_STATE=hs_state, IS_VARLEN=True, **_opts(cfg, "state_bwd"))
+            IS_VARLEN=True, **_opts(cfg, "state_bwd"))
     del dvl
     dw = _empty(B, T, HV, K, dtype=_mid_dtype(k.dtype), device=dev)
     dgc = _empty(B, T, HV, dtype=torch.float32, device=dev)
@@ -399,9 +395,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     else:
         part, cnt = dummy, (dummy, dummy)
     gdn_grad_chunk_kernel[(NG, B * HV)](
-        q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx_, coff_, scale, T, NT, H=H,
-        HV=HV, NVB=NVB, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), NVBP=next_pow2(NVB), GSUM=gsum,
-        TRANS_OUT=bool(cfg["grad_trans"]), HS_STATE=hs_state, IS_VARLEN=varlen, **_opts(cfg, "grad"))
+        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx_, coff_, scale, T, NT, H=H,
+        HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum,
+        TRANS_OUT=bool(cfg["grad_trans"]), IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx_, T, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,

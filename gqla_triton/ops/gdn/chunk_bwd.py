@@ -40,19 +40,13 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, coff, scale, T, NT, H,
+def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, scale, T, NT, H,
                          HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                         STORE_STEPS: tl.constexpr, HS_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         STORE_STEPS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse pass over chunks: dhe[c] = dL/d(state at chunk c's end); dv_new = dvl + e^(gl−gc)·(k dS);
-    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Also hsp[c, hv, i_v, :] =
-    Σ over this program's columns of h[c]⊙dS, per row of K, against the fp32 dS (dg's per-chunk decay term, a
-    sum with cancellation that reaches every g of the chunk: not taken from the stored low-precision dhe). h[c]
-    joins the dot operand k·(dS + 0·h) (exact for finite h): Triton's software pipeliner only prefetches loads
-    that feed a dot, and so h comes through cp.async and shared memory straight into dS's layout (G1: 1.33 ms
-    against 1.36 with h loaded into registers one step ahead). Without STORE_STEPS only dh0 is written (sequence
-    splitting: a segment's dS contribution from a zero start). Without HS_STATE, grad_chunk takes Σ h⊙dS from the
-    stored dhe instead (no h, no hsp here)."""
+    dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Without STORE_STEPS only
+    dh0 is written (sequence splitting: a segment's dS contribution from a zero start)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -63,17 +57,11 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
         dS += tl.load(dht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
     dt = k.dtype.element_ty
     NTn = tl.cdiv(Tn, BT)
-    NVB = tl.num_programs(0)
     for j in range(0, NTn):
         i_c = NTn - 1 - j
-        dSd = dS
         if STORE_STEPS:
-            row = (boh + i_c) * HV + i_hv
-            tl.store(dhe + (row * K + ck[:, None]) * V + cv[None, :], dS.to(dhe.dtype.element_ty), mask=mkv)
-            if HS_STATE:
-                hh = tl.load(h + (row * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0).to(tl.float32)
-                tl.store(hsp + (row * NVB + i_v) * BK + ck, tl.sum(hh * dS, 1))
-                dSd = dS + 0.0 * hh
+            tl.store(dhe + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :],
+                     dS.to(dhe.dtype.element_ty), mask=mkv)
         t = i_c * BT + tl.arange(0, BT)
         valid = t < Tn
         x = bos + t
@@ -88,7 +76,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, h, dhe, dvn, hsp, dht, dh0, cu, c
         qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
         dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
         dv = tl.load(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        dv += tl.dot(kk, dSd.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+        dv += tl.dot(kk, dS.to(dt)) * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
         if STORE_STEPS:
             tl.store(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dv.to(dvn.dtype.element_ty), mask=mv)
         ddq = dd.to(tl.float32) * (tl.exp(gg) * scale)[:, None]
@@ -162,10 +150,10 @@ def _head_publish(cnt, slot, n, G):
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc, cnt, part, cu, cidx, coff, scale,
-                          T, NT, H, HV, NVB, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, NVBP: tl.constexpr, GSUM: tl.constexpr,
-                          TRANS_OUT: tl.constexpr, HS_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt, part, cu, cidx, coff, scale,
+                          T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr,
+                          TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
     through ``part`` and ``cnt``, see ``_head_rank``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
@@ -197,14 +185,13 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
         dP += tl.dot(dd, tl.trans(vn.to(dt)))
         if not TRANS_OUT:
             dPT += tl.dot(vn.to(dt), tl.trans(dd))
-        if not HS_STATE:
-            # h and dh from their own (L2) loads: with the dots' tiles also used elementwise here, dk differed
-            # between two runs on the H200 (Triton 3.6), the pattern that made wy_bwd's k kᵀ racy (session 9)
-            h2 = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
-                         cache_modifier=".cg")
-            d2 = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
-                         cache_modifier=".cg")
-            hs += tl.sum(h2.to(tl.float32) * d2.to(tl.float32), 1)
+        # dg's per-chunk decay term Σ h⊙dh, h and dh from their own (L2) loads: with the dots' tiles also used
+        # elementwise here, dk differed between two runs on the H200 (Triton 3.6; wy_bwd's k kᵀ had the same issue)
+        h2 = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
+                     cache_modifier=".cg")
+        d2 = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
+                     cache_modifier=".cg")
+        hs += tl.sum(h2.to(tl.float32) * d2.to(tl.float32), 1)
     qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
     last = tl.minimum(t0 + BT, Tn) - 1
@@ -215,13 +202,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, hsp, do, dvn, dq, dkp, dw, dgc
     dkk = dki * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
     dkt = tl.sum(dkk * kk.to(tl.float32), 1)
     dg -= dkt
-    if HS_STATE:
-        j = tl.arange(0, NVBP)  # Σ h⊙dh of this chunk: state_bwd's rows of K x NVB column blocks
-        hs = tl.sum(tl.sum(tl.load(hsp + ((i_ch * HV + i_hv) * NVB + j[:, None]) * BK + ck[None, :],
-                                   mask=(j[:, None] < NVB) & (ck[None, :] < K), other=0.0), 1), 0)
-    else:
-        hs = tl.sum(hs, 0)
-    dgl = tl.sum(dkt, 0) + tl.exp(gl) * hs
+    dgl = tl.sum(dkt, 0) + tl.exp(gl) * tl.sum(hs, 0)
     r = tl.arange(0, BT)
     m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
     dPm = tl.where(m, dP * scale * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
