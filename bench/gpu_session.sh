@@ -10,6 +10,7 @@
 #   EXTRA="cmd"  one more command after the sweeps (log: extra.log, cut after EXTRA_TIMEOUT s)
 #   SANITIZE=1  also runs the sparse adversarial-index scripts under compute-sanitizer memcheck
 #   PRE="cmds"  evaluated in this shell before the tests (so an `export GQLA_TRITON_CONFIG=...` holds for the rest)
+# Exit status: nonzero when the tests or the EXTRA command failed.
 set -u
 START=$SECONDS
 OUT=${OUT:-/tmp/gqla_out}
@@ -29,7 +30,8 @@ if [ -n "${PRE:-}" ]; then eval "$PRE"; fi
 TESTS=${TESTS:-tests}
 if [ "$TESTS" != none ]; then
   GQLA_FAIL_LOG="$OUT/failures.log" timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $TESTS -n "${TEST_WORKERS:-12}" --dist load -p no:cacheprovider --tb=short -v -rfE --durations=25 --timeout "${PER_TEST_TIMEOUT:-150}" -W ignore::pytest.PytestWarning > "$OUT/tests.log" 2>&1
-  echo "tests exit: $?" >> "$OUT/tests.log"
+  TESTS_RC=$?
+  echo "tests exit: $TESTS_RC" >> "$OUT/tests.log"
   grep -cE " PASSED" "$OUT/tests.log"; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -n 30; tail -n 30 "$OUT/tests.log"
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
@@ -42,7 +44,8 @@ if [ "${SANITIZE:-0}" = 1 ]; then
 fi
 if [ -n "${EXTRA:-}" ]; then  # one more command (e.g. python3 -m bench.gdn_profile), log in extra.log
   timeout "${EXTRA_TIMEOUT:-150}" bash -c "$EXTRA" > "$OUT/extra.log" 2>&1
-  echo "extra exit $?"; grep -E "BEST|FAILED|total|wall" "$OUT/extra.log" | tail -n 30
+  EXTRA_RC=$?
+  echo "extra exit $EXTRA_RC"; grep -E "BEST|FAILED|total|wall" "$OUT/extra.log" | tail -n 30
 fi
 OPS=${OPS:-combine,gdn,gdn_decode,mla,gqa,sparse,gqla}
 for sw in ${SWEEPS:-}; do
@@ -66,3 +69,6 @@ if [ "$OPS" != none ]; then
   done
   tar -cf "$OUT/results.tar" bench/results/*.json 2>/dev/null
 fi
+# the exit status reports the tests and the extra command (a benchmark cut by its deadline does not count)
+echo "session exit: tests ${TESTS_RC:-skipped}, extra ${EXTRA_RC:-skipped}"
+[ "${TESTS_RC:-0}" = 0 ] && [ "${EXTRA_RC:-0}" = 0 ]
