@@ -58,7 +58,9 @@ OPTIONS = {
     # stages, 28 B at 8 warps (sm_90) and took 2.45 / 2.93 ms at G1 against 1.42 + 0.33 (dv_local): removed.
     # BV 16 (256 programs at G1; 4 warps / 2 stages: 109 KB of shared memory, 166 registers) lets two share an SM:
     # 1.363 ms against 1.417 at BV 32 / 3 stages and 1.696 at BV 16 / 3 stages (one per SM; session 9, G1)
-    "state_bwd_BV": [16], "state_bwd_warps": [4], "state_bwd_stages": [2],
+    # session 11: BV 32 / 4 warps / 3 stages was 0.86 ms in sessions 5-7 (f378e89, the same sm_90 footprint as now:
+    # 196 registers, 177 KB); the 1.42 of session 9 at that config had 7516da7's Σ h⊙dh inside, since removed
+    "state_bwd_BV": [16, 32, 32, 32, 32], "state_bwd_warps": [4, 4, 8, 4, 8], "state_bwd_stages": [2, 3, 3, 2, 2],
     # session 10: dg's Σ h⊙dh back in grad_chunk (from the stored bf16 dh, own h / dh loads): state_bwd 1.218 vs
     # 1.328 ms (run 6). The module-test example 7516da7 moved it into state_bwd for (A_log, B1 T128 varlen seed
     # 4932) fails either way (bench/alog_example.py: rel err 1.469e-2 both), precision_gdn did not move (run 5)
@@ -78,7 +80,10 @@ OPTIONS = {
     # (G1: 1.669 -> 1.599 ms; 2 stages 1.817, BV 32 1.753). With that loop pipelined, BK 64 at 8 warps (sm_90: 252
     # registers, no spills, 98 KB: one program per SM) halves both K loops' trip counts
     # (session 10: 2.61 vs 1.62 ms)
-    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [3],
+    # session 11 (sm_90 compile): BV 128 255 registers / 53 KB, no spills; BK 64 / BV 32 spills 140 B; 8 warps 251
+    # registers; BV 32 / 4 stages 239 registers
+    "wy_bwd_BK": [32, 32, 64, 32, 32], "wy_bwd_BV": [64, 128, 32, 32, 64], "wy_bwd_warps": [4, 4, 4, 4, 8],
+    "wy_bwd_stages": [3, 3, 3, 4, 3],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer
