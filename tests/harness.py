@@ -111,6 +111,32 @@ def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.
     assert e_out <= tol, f"{name}: rel err {e_out:.3e} > tol {tol:.3e} (torch low-precision err {e_low:.3e})"
 
 
+def assert_close_token_sum(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, d: torch.Tensor,
+                           d64: torch.Tensor, dlp: torch.Tensor, w: torch.Tensor, *, dtype: torch.dtype,
+                           factor: float = 2.0) -> None:
+    """A gradient that is a sum over tokens, ``out[h] = Σ_t d[t, h]·w[t, h]`` (e.g. a per-head decay parameter):
+    ``d`` [..., HV] is what the kernel computes per token (``d64`` / ``dlp``: the float64 reference and torch at the
+    kernel's precision), ``w`` [..., HV] (float64) is ∂(token term)/∂parameter.
+
+    A sum with cancellation has a relative error far above its terms', and which of two low-precision
+    implementations lands closer to the float64 sum on one example is chance, so ``out`` is not judged against
+    ``lowp``'s error alone. ``d`` gets the data-derived check of ``assert_close``; the sum's error then gets that
+    check's per-token budget carried through the sum by Cauchy-Schwarz, |Σ Δd·w| <= ‖Δd‖·‖w‖ per head, plus
+    ``factor`` times ``lowp``'s own error (roundings outside the kernel: parameters, inputs, the stored gradient).
+    """
+    assert_close(f"{name} per token", d, d64, dlp, dtype=dtype, factor=factor)
+    f64 = torch.float64
+    d, d64, dlp, w = (t.detach().to(f64).cpu().reshape(-1, t.shape[-1]) for t in (d, d64, dlp, w))
+    out, ref64, lowp = (t.detach().to(f64).cpu() for t in (out, ref64, lowp))
+    eps = EPS[dtype]
+    per_head = (factor * (dlp - d64).norm(dim=0) + eps * d64.norm(dim=0)) * w.norm(dim=0)
+    tol = per_head.norm().item() + factor * (lowp - ref64).norm().item() + eps * ref64.norm().item()
+    err = (out - ref64).norm().item()
+    assert math.isfinite(err), f"{name}: NaN/inf in output"
+    assert err <= tol, (f"{name}: abs err {err:.3e} > tol {tol:.3e} (torch low-precision err "
+                        f"{(lowp - ref64).norm().item():.3e}, |ref| {ref64.norm().item():.3e})")
+
+
 def capture_graph(fn):
     """Warm ``fn`` up on a side stream, capture one call in a CUDA graph; returns ``(graph, fn's outputs)``."""
     s = torch.cuda.Stream()

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, pick, randn, rel_err, seeds
+from harness import P, assert_close, assert_close_token_sum, dtypes, examples, gen, pick, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,11 +131,27 @@ def test_varlen_prefill_equals_per_sequence_loop(impl, lens, H, G, dtype, seed):
     _check("conv state (varlen)", cache.conv_state, c64.conv_state, clp.conv_state, dtype)
 
 
-@FEW
-@given(B=st.integers(1, 2), T=st.integers(1, pick(10, 130)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
-       varlen=st.booleans(), dtype=dtypes(), seed=seeds())
-def test_module_gradients_match_reference(B, T, H, G, varlen, dtype, seed):
-    """Triton layer gradients (input and every parameter) vs the float64 reference layer."""
+def module_grads(layer, x64, w, cu, dtype):
+    """Output, gradients {"x", parameter names...} of sum(out·w), and the decay g [B, T, HV] the layer passed to its
+    op, with its gradient (``.grad``) kept."""
+    x = x64.to(dtype).clone().requires_grad_(True)
+    seen = {}
+    rule = layer._rule
+
+    def spy(q, k, v, g, beta, *rest):
+        g.retain_grad()
+        seen["g"] = g
+        return rule(q, k, v, g, beta, *rest)
+
+    layer._rule = spy
+    out = layer(x, cu_seqlens=cu)
+    (out.to(torch.float64) * w).sum().backward()
+    return out, {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}, seen["g"]
+
+
+def check_module_gradients(B, T, H, G, varlen, dtype, seed):
+    """Triton layer gradients (input and every parameter) vs the float64 reference layer. A_log and dt_bias, token
+    sums of the op's dg, are judged through dg per token (``assert_close_token_sum``)."""
     D = pick(16, 128)
     base = _layer(H, G, D, torch.float64, seed)
     g = gen(seed)
@@ -146,21 +162,28 @@ def test_module_gradients_match_reference(B, T, H, G, varlen, dtype, seed):
         B = 1
     x64 = randn((B, T, base.hidden_size), g, dtype=torch.float64)
     w = randn((B, T, base.hidden_size), g, dtype=torch.float64)
-
-    def grads(layer, dt):
-        x = x64.to(dt).clone().requires_grad_(True)
-        out = layer(x, cu_seqlens=cu)
-        (out.to(torch.float64) * w).sum().backward()
-        return out, [x.grad] + [p.grad for p in layer.parameters()]
-
-    o64, g64 = grads(_as(base, "reference", torch.float64), torch.float64)
-    olp, glp = grads(_as(base, "reference", dtype), dtype)
-    m = _as(base, "triton", dtype)
-    o, gs = grads(m, dtype)
+    r64 = _as(base, "reference", torch.float64)
+    o64, g64, d64 = module_grads(r64, x64, w, cu, torch.float64)
+    olp, glp, dlp = module_grads(_as(base, "reference", dtype), x64, w, cu, dtype)
+    o, gt, dg = module_grads(_as(base, "triton", dtype), x64, w, cu, dtype)
     _check("out", o, o64, olp, dtype)
-    names = ["x"] + [n for n, _ in m.named_parameters()]
-    for name, a, b, c in zip(names, gs, g64, glp, strict=True):
-        _check(f"grad {name}", a, b, c, dtype)
+    # A_log and dt_bias get token sums of the op's dg: dg·∂g/∂A_log = dg·g and dg·∂g/∂dt_bias = dg·(-e^A_log·σ(z))
+    with torch.no_grad():
+        z = r64.a_proj(x64) + r64.dt_bias
+        dgdp = {"A_log": d64.detach(), "dt_bias": -torch.exp(r64.A_log) * torch.sigmoid(z)}
+    for name in g64:
+        if name in dgdp:
+            assert_close_token_sum(f"grad {name}", gt[name], g64[name], glp[name], dg.grad, d64.grad, dlp.grad,
+                                   dgdp[name], dtype=dtype)
+        else:
+            _check(f"grad {name}", gt[name], g64[name], glp[name], dtype)
+
+
+@FEW
+@given(B=st.integers(1, 2), T=st.integers(1, pick(10, 130)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
+       varlen=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_module_gradients_match_reference(B, T, H, G, varlen, dtype, seed):
+    check_module_gradients(B, T, H, G, varlen, dtype, seed)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
