@@ -60,14 +60,18 @@ OPTIONS = {
     # 1.363 ms against 1.417 at BV 32 / 3 stages and 1.696 at BV 16 / 3 stages (one per SM; session 9, G1)
     # session 11: BV 32 / 4 warps / 3 stages was 0.86 ms in sessions 5-7 (f378e89, the same sm_90 footprint as now:
     # 196 registers, 177 KB); the 1.42 of session 9 at that config had 7516da7's Σ h⊙dh inside, since removed
-    "state_bwd_BV": [16, 32, 32, 32, 32], "state_bwd_warps": [4, 4, 8, 4, 8], "state_bwd_stages": [2, 3, 3, 2, 2],
+    # (run 1 at G1: BV 32 / 4 warps / 3 stages 0.841 ms, against 1.219 at BV 16 / 4 / 2, 0.996 at 32 / 8 / 3, 1.160 at
+    # 32 / 4 / 2, 1.333 at 32 / 8 / 2: the first is the H200 entry since; h200-gdn-profile-s11.json)
+    "state_bwd_BV": [32], "state_bwd_warps": [4], "state_bwd_stages": [3],
     # session 10: dg's Σ h⊙dh back in grad_chunk (from the stored bf16 dh, own h / dh loads): state_bwd 1.218 vs
     # 1.328 ms (run 6). The module-test example 7516da7 moved it into state_bwd for (A_log, B1 T128 varlen seed
     # 4932) fails either way (bench/alog_example.py: rel err 1.469e-2 both), precision_gdn did not move (run 5)
     # session 6 tried grad_chunk in K slices (one program per 64 / 32 columns of K, the [BT, BT] products recomputed
     # per slice): at G1 BK 64 / 8 warps 2.59 (3 stages) / 2.94 (2), BK 32 / 4 warps 2.93 ms, and the full-K kernel of
     # that version (an extra q kᵀ loop) 2.00 vs 1.80 ms; reverted (h200-gdn-profile-s6-bwd.json)
-    "grad_BV": [64], "grad_warps": [8], "grad_stages": [3],
+    # session 11: grad_early 1 loads q and k before the V loop (sm_90: 254 registers, no spills, 205 KB of shared
+    # memory at 3 stages; with gc also early it spilled 112 B)
+    "grad_BV": [64], "grad_warps": [8], "grad_stages": [3, 3, 2], "grad_early": [0, 1, 1],
     # wy_bwd at BK 16 (4 and 8 warps) and at BK 64 / BV 32 / 4 warps faulted (illegal address) at G1 on Triton 3.6
     # (session 5); BK 32 / BV 64 / 4 warps was the fastest (2.04 vs 2.25 ms at BV 32).
     # It stays at one stage: pipelined, its dbeta/dg differed run to run on Triton 3.6 (bench.determinism_gdn)
@@ -82,8 +86,9 @@ OPTIONS = {
     # (session 10: 2.61 vs 1.62 ms)
     # session 11 (sm_90 compile): BV 128 255 registers / 53 KB, no spills; BK 64 / BV 32 spills 140 B; 8 warps 251
     # registers; BV 32 / 4 stages 239 registers
-    "wy_bwd_BK": [32, 32, 64, 32, 32], "wy_bwd_BV": [64, 128, 32, 32, 64], "wy_bwd_warps": [4, 4, 4, 4, 8],
-    "wy_bwd_stages": [3, 3, 3, 4, 3],
+    # (run 1 at G1: 1.614 ms at BK 32 / BV 64 / 4 warps / 3 stages; BV 128 1.643, BK 64 / BV 32 1.701, BV 32 / 4 stages
+    # 1.712, 8 warps 3.171)
+    "wy_bwd_BK": [32], "wy_bwd_BV": [64], "wy_bwd_warps": [4], "wy_bwd_stages": [3],
     # next (session 7): dk's Mᵀ·k term as a transposed dot result: no dTT / dAT, 246 registers without spills
     # (sm_90 compile, vs 255 + 20 B), PTX 2613 vs 3235 instructions. Check it with the GPU tests first
     # (test_stage_variants; bench.determinism_gdn's bwd_trans). grad_trans likewise drops dPT: 4 of 36 wgmma fewer

@@ -149,15 +149,25 @@ def _head_publish(cnt, slot, n, G):
         tl.atomic_xchg(cnt + 2 * slot + 1, n + 1, sem="release")
 
 
+@triton.jit
+def _grad_qk(q, k, x, i_h, mk, ck, H, K):
+    """grad_chunk's q and k tiles [BT, BK]."""
+    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    return qq, kk
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt, part, cu, cidx, coff, scale,
                           T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr,
-                          TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
     through ``part`` and ``cnt``, see ``_head_rank``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
-    TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots."""
+    TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots.
+    EARLY: the epilogue's q / k loads are issued before the V loop (their latency then overlaps it; sm_90: the
+    tiles wait in shared memory, 32 KB more) instead of after it."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -170,6 +180,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
     dPT = tl.zeros([BT, BT], dtype=tl.float32)
     hs = tl.zeros([BK], dtype=tl.float32)
     dt = k.dtype.element_ty
+    if EARLY:
+        qq, kk = _grad_qk(q, k, x, i_h, mk, ck, H, K)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
@@ -192,8 +204,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
         d2 = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
                      cache_modifier=".cg")
         hs += tl.sum(h2.to(tl.float32) * d2.to(tl.float32), 1)
-    qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    if not EARLY:
+        qq, kk = _grad_qk(q, k, x, i_h, mk, ck, H, K)
     last = tl.minimum(t0 + BT, Tn) - 1
     gl = tl.load(gc + (bos + last) * HV + i_hv)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
@@ -245,6 +257,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     eg = tl.exp(gg)
+    dgl = tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)  # loaded early: no load latency at the end
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     dTT = tl.zeros([BT, BT], dtype=tl.float32)
     KK = tl.zeros([BT, BT], dtype=tl.float32)
@@ -323,7 +336,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         dgg += t1 * b
     if GSUM:
         _head_publish(cnt, tile, n, HV // H)
-    dgg += tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)
+    dgg += dgl
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
