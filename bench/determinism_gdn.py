@@ -27,6 +27,7 @@ VARIANTS = {
     "split": {"seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 1},
     "bwd_trans": {"wy_bwd_trans": 1, "grad_trans": 1},  # transposed dot results (fla #984's pattern family)
     "grad_early": {"grad_early": 1},  # q / k tiles loaded before grad_chunk's V loop, waiting in shared memory
+    "late": {"grad_late": 1, "wy_bwd_late": 1},  # GVA sums: later value heads wait after their other work
 }
 CANDIDATES = ("committed", "wy_bwd_2st", "wy_bwd_1st", "bwd_1st")  # --choose: fixes in order of expected speed
 SHAPES = [(1, 18, 1, 1), (1, 200, 1, 2), (2, 333, 2, 4), (1, 1024, 2, 2)]

@@ -45,7 +45,9 @@ _empty = torch.empty
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
 # and grad_trans = 1 take a term of dk as a transposed dot result (the kernels' TRANS_OUT; H200: bitwise deterministic
 # over bench.determinism_gdn, G1 backward 0.35 ms faster); grad_early = 1 issues grad_chunk's epilogue loads of q and k
-# before its V loop.
+# before its V loop; grad_late / wy_bwd_late = 1: in the GVA sums of dq / dk the later value heads wait for the
+# earlier ones' running sum after their other work (grad: its dk terms; wy_bwd: its dv loop) while the first passes
+# its sum on before it.
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -57,8 +59,8 @@ _DEFAULT_CFG = {
     "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
     "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
-    "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0, "grad_early": 0,
-    "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0,
+    "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0, "grad_early": 0, "grad_late": 0,
+    "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0, "wy_bwd_late": 0,
 }
 # wy_bwd_stages: before k kᵀ took kᵀ from its own load and the transposed dk term (wy_bwd_trans), dbeta and dg of the
 # H200 differed bitwise from run to run with Triton 3.6's software pipelining (2 or 3 stages); with both, 2 and 3
@@ -398,11 +400,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     gdn_grad_chunk_kernel[(NG, B * HV)](
         q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx_, coff_, scale, T, NT, H=H,
         HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum,
-        TRANS_OUT=bool(cfg["grad_trans"]), EARLY=bool(cfg["grad_early"]), IS_VARLEN=varlen, **_opts(cfg, "grad"))
+        TRANS_OUT=bool(cfg["grad_trans"]), EARLY=bool(cfg["grad_early"]),
+        LATE_WAIT=bool(cfg["grad_late"]), IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx_, T, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,
-        TRANS_OUT=bool(cfg["wy_bwd_trans"]), IS_VARLEN=varlen, **_opts(cfg, "wy_bwd"))
+        TRANS_OUT=bool(cfg["wy_bwd_trans"]), LATE_WAIT=bool(cfg["wy_bwd_late"]), IS_VARLEN=varlen,
+        **_opts(cfg, "wy_bwd"))
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -90,7 +90,7 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
 def _gva_program(H, HV, GSUM: tl.constexpr):
     """(i_t, i_bh, tile) of a chunk program on the (chunks, B·HV) grid; tile numbers (chunk, batch row, q/k head).
     With GSUM the launch order puts the HV/H value heads of one tile next to each other: they run together, share
-    the q / k tiles in L2 and pass their running sum (``_head_rank``) while it is in L2."""
+    the q / k tiles in L2 and pass their running sum (``_head_arrive``) while it is in L2."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     G = HV // H
     if GSUM:
@@ -102,19 +102,24 @@ def _gva_program(H, HV, GSUM: tl.constexpr):
 
 
 @triton.jit
-def _head_rank(cnt, slot, G):
+def _head_arrive(cnt, slot):
     """GVA sums over the G value heads of one q/k head, for one tile (counter ``slot``; ``cnt`` int32, zeroed,
     holds per slot [arrivals, sums passed on]): in the order the heads arrive here (rank n), each adds the fp32
-    running sum of the earlier ones and passes the new sum on (``_head_pass``, then ``_head_publish``); the last
-    stores the total. Returns n once the earlier ranks have passed their sums on. A head waits only for heads
-    that arrived earlier, which are resident and wait only for earlier ones, so this cannot deadlock.
-    Deterministic for G <= 2 (a + b is b + a); beyond that the order of the additions follows arrival."""
-    n = tl.atomic_add(cnt + 2 * slot, 1, sem="relaxed")
+    running sum of the earlier ones and passes the new sum on (``_head_pass`` or ``_head_add``, then
+    ``_head_publish``); the last stores the total. Returns the rank n. Before reading the sum, rank n waits
+    (``_head_wait``) for the heads that arrived earlier, which are resident and wait only for earlier ones, so this
+    cannot deadlock. Deterministic for G <= 2 (a + b is b + a); beyond that the order of the additions follows
+    arrival."""
+    return tl.atomic_add(cnt + 2 * slot, 1, sem="relaxed")
+
+
+@triton.jit
+def _head_wait(cnt, slot, n):
+    """Returns once ranks 0 .. n-1 of ``slot`` have passed their sums on."""
     if n > 0:
         done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
         while done < n:
             done = tl.atomic_add(cnt + 2 * slot + 1, 0, sem="acquire")
-    return n
 
 
 @triton.jit
@@ -128,10 +133,9 @@ def _head_pass(acc, out, part, o, mask, n, G):
 
 
 @triton.jit
-def _head_add(acc, out, part, o, mask, cnt, slot, G):
-    """``_head_rank``, ``_head_pass`` and ``_head_publish`` of one tile outside a loop, with branches instead of
-    masks (grad_chunk's epilogue; G1 timed the same either way, 1.76-1.77 ms)."""
-    n = _head_rank(cnt, slot, G)
+def _head_add(acc, out, part, o, mask, cnt, slot, n, G):
+    """Rank n's ``_head_pass``, ``_head_publish`` of one tile outside a loop, with branches instead of masks
+    (after ``_head_wait``)."""
     if n > 0:
         acc += tl.load(part + o, mask=mask, other=0.0, cache_modifier=".cg")
     if n < G - 1:
@@ -161,13 +165,16 @@ def _grad_qk(q, k, x, i_h, mk, ck, H, K):
 def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt, part, cu, cidx, coff, scale,
                           T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr,
-                          TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, LATE_WAIT: tl.constexpr,
+                          IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
-    through ``part`` and ``cnt``, see ``_head_rank``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
+    through ``part`` and ``cnt``, see ``_head_arrive``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots.
     EARLY: the epilogue's q / k loads are issued before the V loop (their latency then overlaps it; sm_90: the
-    tiles wait in shared memory, 32 KB more) instead of after it."""
+    tiles wait in shared memory, 32 KB more) instead of after it.
+    LATE_WAIT (GSUM): rank 0 passes its dq on before its dk work, the later ranks wait and add after theirs (by
+    then the earlier ranks have passed theirs on), instead of every rank passing dq on at its end."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -224,6 +231,13 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
     # dPmᵀ from its own dot, not tl.trans of dPm: Triton 3.4-3.7.0 miscompiles the transpose of a dot result
     # used as a dot operand on Hopper (fla #640, #984); on the GPU it showed as run-to-run differences in dg
     dqq += tl.dot(dPm.to(dt), kk)
+    oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
+    G = HV // H
+    if GSUM and LATE_WAIT:
+        n = _head_arrive(cnt, tile)
+        if n == 0:
+            tl.store(part + oq, dqq, mask=mk)
+            _head_publish(cnt, tile, n, G)
     if TRANS_OUT:
         dkk += tl.trans(tl.dot(tl.trans(qq), dPm.to(dt)))
     else:
@@ -233,22 +247,80 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
     tl.store(dkp + o, dkk.to(dkp.dtype.element_ty), mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
-    oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
     if GSUM:
-        _head_add(dqq, dq, part, oq, mk, cnt, tile, HV // H)
+        if LATE_WAIT:
+            if n > 0:
+                _head_wait(cnt, tile, n)
+                _head_add(dqq, dq, part, oq, mk, cnt, tile, n, G)
+        else:
+            n = _head_arrive(cnt, tile)
+            _head_wait(cnt, tile, n)
+            _head_add(dqq, dq, part, oq, mk, cnt, tile, n, G)
     else:
         tl.store(dq + oq, dqq.to(dq.dtype.element_ty), mask=mk)
     tl.store(dgc + x * HV + i_hv, dg, mask=valid)
 
 
+@triton.jit
+def _wy_bwd_dv(A, b, v, dvn, dv, x, i_hv, valid, HV, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """wy_bwd's dv = beta·(Aᵀ du) over BV-wide column blocks; returns dbeta's Σ (Aᵀ du)·v term [BT] (fp32)."""
+    dt = A.dtype
+    db = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+        dX = tl.dot(tl.trans(A), du.to(dt))
+        tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
+                 mask=mv)
+        db += tl.sum(dX * vv, 1)
+    return db
+
+
+@triton.jit
+def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K: tl.constexpr, G,
+               BT: tl.constexpr, BK: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr):
+    """wy_bwd's dk = dkp + beta·e^gc·(Aᵀ dw) + M k + Mᵀ k over BK-wide column blocks (with GSUM rank n's
+    ``_head_pass``); returns the dbeta and dg terms of the k path [BT] (fp32)."""
+    dt = A.dtype
+    db = tl.zeros([BT], dtype=tl.float32)
+    dg = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = valid[:, None] & (ck[None, :] < K)
+        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        dX = tl.dot(tl.trans(A), dww.to(dt))
+        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt))
+        if TRANS_OUT:
+            # kᵀ from its own load (as in the first K loop): then every dot operand of this loop is prefetched
+            kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
+            dkk += tl.trans(tl.dot(kT.to(dt), M))
+        else:
+            dkk += tl.dot(MT, kk.to(dt))
+        ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
+        if GSUM:
+            _head_pass(dkk, dk, part, ok, mk, n, G)
+        else:
+            tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
+        t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
+        db += t1
+        dg += t1 * b
+    return db, dg
+
+
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                      BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
-    added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer."""
+    added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer.
+    LATE_WAIT: see the comment at the dk loop."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
@@ -299,43 +371,33 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     if not TRANS_OUT:
         dAT = -tl.dot(A, tl.dot(dTT.to(dt), A).to(dt))
         MT = tl.where(mlT, dAT * b[None, :] * tl.exp(tl.where(mlT, gg[None, :] - gg[:, None], 0.0)), 0.0).to(dt)
-    for v0 in range(0, V, BV):
-        cv = v0 + tl.arange(0, BV)
-        mv = valid[:, None] & (cv[None, :] < V)
-        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        du = tl.load(dvn + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        dX = tl.dot(tl.trans(A), du.to(dt))
-        tl.store(dv + x[:, None] * (HV * V) + i_hv * V + cv[None, :], (dX * b[:, None]).to(dv.dtype.element_ty),
-                 mask=mv)
-        db += tl.sum(dX * vv, 1)
-    if GSUM:  # once per tile, after the dv loop, outside the dk loop (a wait or barrier in it stops its pipelining)
-        n = _head_rank(cnt, tile, HV // H)
+    else:
+        MT = M  # unused
+    G = HV // H
+    # the dk loop waits for the earlier value heads' running sum once, before it starts (a wait or barrier inside
+    # it would stop its software pipelining); with LATE_WAIT rank 0 runs its dk loop first and the later ranks
+    # their dv loop first, so that they wait less
+    if GSUM:
+        n = _head_arrive(cnt, tile)
     else:
         n = 0
-    for k0 in range(0, K, BK):
-        ck = k0 + tl.arange(0, BK)
-        mk = valid[:, None] & (ck[None, :] < K)
-        kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
-        dww = tl.load(dw + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        dX = tl.dot(tl.trans(A), dww.to(dt))
-        dkk = tl.load(dkp + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        dkk += dX * (b * eg)[:, None] + tl.dot(M, kk.to(dt))
-        if TRANS_OUT:
-            # kᵀ from its own load (as in the first K loop): then every dot operand of this loop is prefetched
-            kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
-            dkk += tl.trans(tl.dot(kT.to(dt), M))
-        else:
-            dkk += tl.dot(MT, kk.to(dt))
-        ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
+    if LATE_WAIT and n == 0:
+        dbk, dgk = _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K, G, BT, BK,
+                              GSUM, TRANS_OUT)
         if GSUM:
-            _head_pass(dkk, dk, part, ok, mk, n, HV // H)
-        else:
-            tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
-        t1 = tl.sum(dX * kk.to(tl.float32), 1) * eg
-        db += t1
-        dgg += t1 * b
-    if GSUM:
-        _head_publish(cnt, tile, n, HV // H)
+            _head_publish(cnt, tile, n, G)
+        dbv = _wy_bwd_dv(A, b, v, dvn, dv, x, i_hv, valid, HV, V, BT, BV)
+    else:
+        dbv = _wy_bwd_dv(A, b, v, dvn, dv, x, i_hv, valid, HV, V, BT, BV)
+        if GSUM:
+            _head_wait(cnt, tile, n)
+        dbk, dgk = _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K, G, BT, BK,
+                              GSUM, TRANS_OUT)
+        if GSUM:
+            _head_publish(cnt, tile, n, G)
+    db += dbv
+    db += dbk
+    dgg += dgk
     dgg += dgl
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
