@@ -44,10 +44,10 @@ _empty = torch.empty
 # splits sequences when there are fewer than seg_below (sequence x value head) units, into about seg_units units of
 # >= seg_min chunks each, so that the sequential state passes run on more SMs (seg_units 0: never); wy_bwd_trans = 1
 # and grad_trans = 1 take a term of dk as a transposed dot result (the kernels' TRANS_OUT; H200: bitwise deterministic
-# over bench.determinism_gdn, G1 backward 0.35 ms faster); grad_early = 1 issues grad_chunk's epilogue loads of q and k
-# before its V loop; grad_late / wy_bwd_late = 1: in the GVA sums of dq / dk the later value heads wait for the
-# earlier ones' running sum after their other work (grad: its dk terms; wy_bwd: its dv loop) while the first passes
-# its sum on before it.
+# over bench.determinism_gdn, G1 backward 0.35 ms faster); grad_early / out_early / dvl_early = 1 issue the loads
+# that follow those kernels' loops (grad_chunk: q and k; output: v_new and gc; dv_local: dO and gc) before the loop;
+# grad_late / wy_bwd_late = 1: in the GVA sums of dq / dk the later value heads wait for the earlier ones' running
+# sum after their other work (grad: its dk terms; wy_bwd: its dv loop) while the first passes its sum on before it.
 KERNELS = {"wy": "gdn_wy_fwd_kernel", "wu": "gdn_wu_fwd_kernel", "state": "gdn_state_fwd_kernel",
            "out": "gdn_output_fwd_kernel", "dvl": "gdn_dv_local_kernel", "state_bwd": "gdn_state_bwd_kernel",
            "grad": "gdn_grad_chunk_kernel", "wy_bwd": "gdn_wy_bwd_kernel", "seg": "gdn_state_seg_kernel"}
@@ -56,8 +56,8 @@ _DEFAULT_CFG = {
     "wu_BK": 64, "wu_BV": 64, "wu_warps": 8, "wu_stages": 3,
     "state_BV": 32, "state_warps": 8, "state_stages": 2,
     "seg_units": 0, "seg_below": 16, "seg_min": 16, "seg_BV": 64, "seg_warps": 4, "seg_stages": 2,
-    "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0,
-    "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2,
+    "out_BK": 64, "out_BV": 64, "out_warps": 8, "out_stages": 2, "out_fuse": 0, "out_early": 0,
+    "dvl_BK": 64, "dvl_BV": 64, "dvl_warps": 8, "dvl_stages": 2, "dvl_early": 0,
     "state_bwd_BV": 32, "state_bwd_warps": 8, "state_bwd_stages": 2,
     "grad_BV": 16, "grad_warps": 8, "grad_stages": 2, "grad_trans": 0, "grad_early": 0, "grad_late": 0,
     "wy_bwd_BK": 16, "wy_bwd_BV": 16, "wy_bwd_warps": 8, "wy_bwd_stages": 1, "wy_bwd_trans": 0, "wy_bwd_late": 0,
@@ -193,7 +193,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, *, 
         BV = min(cfg["out_BV"], next_pow2(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx_, coff_, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
-            BK=min(cfg["out_BK"], BKp), BV=BV, IS_VARLEN=varlen, **_opts(cfg, "out"))
+            BK=min(cfg["out_BK"], BKp), BV=BV, EARLY=bool(cfg["out_early"]), IS_VARLEN=varlen, **_opts(cfg, "out"))
     if keep_h:
         return o, ht, gc, Ainv, _States(w, h, vnew)
     return o, ht, gc, Ainv
@@ -359,7 +359,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     BV = min(cfg["dvl_BV"], BVp)
     gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx_, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg["dvl_BK"], BKp), BV=BV,
-        IS_VARLEN=varlen, **_opts(cfg, "dvl"))
+        EARLY=bool(cfg["dvl_early"]), IS_VARLEN=varlen, **_opts(cfg, "dvl"))
     dhe = _empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = _empty(B, T, HV, V, dtype=_mid_dtype(v.dtype), device=dev)
     BV = _state_bv(cfg["state_bwd_BV"], V, (N if split is None else split.nseg) * HV, k)

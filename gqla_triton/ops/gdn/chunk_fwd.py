@@ -376,9 +376,10 @@ def gdn_state_prefix_kernel(mb, rb, h0, s0, ht, soff, HV, K: tl.constexpr, V: tl
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
                           HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block.
-    q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines)."""
+    q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines). EARLY: v_new and gc are
+    loaded before that loop (their latency overlaps it) instead of after it."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -387,6 +388,9 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
     h_blk = h + (i_ch * HV + i_hv) * (K * V)
     oi = tl.zeros([BT, BV], dtype=tl.float32)
     qk = tl.zeros([BT, BT], dtype=tl.float32)
+    if EARLY:
+        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+        vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
@@ -395,10 +399,11 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
         hh = tl.load(h_blk + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
         oi = tl.dot(qq, hh.to(qq.dtype), oi)
         qk = tl.dot(qq, tl.trans(kk), qk)
-    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    if not EARLY:
+        gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+        vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     r = tl.arange(0, BT)
     m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
     P = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
-    vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
