@@ -36,10 +36,11 @@ def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
         kq = tl.dot(kk, tl.trans(qq), kq)
     if not EARLY:
         gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     r = tl.arange(0, BT)
     m = (r[None, :] >= r[:, None]) & valid[:, None] & valid[None, :]  # rows j, cols i
     PT = tl.where(m, kq * tl.exp(tl.where(m, gg[None, :] - gg[:, None], 0.0)), 0.0)
+    if not EARLY:
+        dd = tl.load(do + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     dvv = tl.dot(PT.to(dd.dtype), dd) * scale
     tl.store(dvl + x[:, None] * (HV * V) + i_hv * V + cv[None, :], dvv.to(dvl.dtype.element_ty), mask=mv)
 

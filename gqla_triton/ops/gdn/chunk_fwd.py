@@ -401,9 +401,10 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
         qk = tl.dot(qq, tl.trans(kk), qk)
     if not EARLY:
         gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
-        vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     r = tl.arange(0, BT)
     m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
     P = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
+    if not EARLY:
+        vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
     out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
