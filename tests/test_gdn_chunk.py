@@ -318,9 +318,11 @@ def test_segment_plan():
     assert chunk_mod._seg_len(dict(cfg, seg_units=0), 1, 512) == 0
 
 
-@given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]), dtype=dtypes(), seed=seeds())
-def test_gradients_through_one_output(T, which, dtype, seed):
-    """A loss on o alone or on the final state alone (the other output's gradient is None, not zeros)."""
+@given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]),
+       layout=st.sampled_from(["dense", "expanded", "strided"]), dtype=dtypes(), seed=seeds())
+def test_gradients_through_one_output(T, which, layout, dtype, seed):
+    """A loss on o alone or on the final state alone (the other output's gradient is None, not zeros); the incoming
+    gradient dense, expanded from one element (stride 0, what ``out.sum().backward()`` passes) or strided."""
     B, H, HV, K, V = 1, 1, 2, pick(16, 128), pick(32, 128)
     # mild decay: with a loss on the final state alone, dh0 ~ exp(sum g) must stay far above fp16's range floor
     # (strong decay has its own test)
@@ -332,7 +334,12 @@ def test_gradients_through_one_output(T, which, dtype, seed):
         xs = [t.detach().clone().requires_grad_() for t in xs]
         o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, **kw)
         out = o if which == "o" else ht
-        out.backward(cot.to(out.device, out.dtype))
+        c = cot.to(out.device, out.dtype)
+        if layout == "expanded":
+            c = c.flatten()[:1].reshape([1] * c.dim()).expand(c.shape)
+        elif layout == "strided":
+            c = c.transpose(-1, -2).contiguous().transpose(-1, -2)
+        out.backward(c)
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs]  # q does not reach the state
 
     kin = [t.to(P.device, dtype if i < 5 else torch.float32) for i, t in enumerate(ins)]

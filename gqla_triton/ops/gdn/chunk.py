@@ -337,6 +337,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     coff_ = coff if coff is not None else dummy
     varlen = cu_seqlens is not None
     do = do.contiguous()
+    if dht is not None:  # e.g. ht.sum().backward() passes an expanded (stride 0) gradient
+        dht = dht.contiguous()
     dv = _empty(v.shape, dtype=v.dtype, device=dev)
     dg = _empty(g.shape, dtype=g.dtype, device=dev)
     dbeta = _empty(beta.shape, dtype=beta.dtype, device=dev)
@@ -398,10 +400,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, gc,
     else:
         part, cnt = dummy, (dummy, dummy)
     gdn_grad_chunk_kernel[(NG, B * HV)](
-        q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx_, coff_, scale, T, NT, H=H,
+        q, k, vnew, gc, h, dhe, initial_state if initial_state is not None else dummy,
+        dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx_, coff_, scale, T, NT, H=H,
         HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg["grad_BV"], BVp), GSUM=gsum,
         TRANS_OUT=bool(cfg["grad_trans"]), EARLY=bool(cfg["grad_early"]),
-        LATE_WAIT=bool(cfg["grad_late"]), IS_VARLEN=varlen, **_opts(cfg, "grad"))
+        LATE_WAIT=bool(cfg["grad_late"]), USE_H0=initial_state is not None, USE_DHT=dht is not None,
+        IS_VARLEN=varlen, **_opts(cfg, "grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx_, T, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=min(cfg["wy_bwd_BK"], BKp), BV=min(cfg["wy_bwd_BV"], BVp), GSUM=gsum,

@@ -168,11 +168,11 @@ def _grad_qk(q, k, x, i_h, mk, ck, H, K):
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt, part, cu, cidx, coff, scale,
-                          T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw, dgc, cnt, part, cu, cidx, coff,
+                          scale, T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr,
                           TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, LATE_WAIT: tl.constexpr,
-                          IS_VARLEN: tl.constexpr):
+                          USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
     through ``part`` and ``cnt``, see ``_head_arrive``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
@@ -180,7 +180,10 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
     EARLY: the epilogue's q / k loads are issued before the V loop (their latency then overlaps it; sm_90: the
     tiles wait in shared memory, 32 KB more) instead of after it.
     LATE_WAIT (GSUM): rank 0 passes its dq on before its dk work, the later ranks wait and add after theirs (by
-    then the earlier ranks have passed theirs on), instead of every rank passing dq on at its end."""
+    then the earlier ranks have passed theirs on), instead of every rank passing dq on at its end.
+    USE_H0 / USE_DHT: dg's decay term Σ h⊙dh takes the fp32 initial state h0 [N, HV, K, V] for a sequence's first
+    chunk and the fp32 dht for its last, not their rounded copies in h / dhe (in a short sequence that term can be
+    most of dg, a sum with cancellation)."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -193,6 +196,13 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
     dPT = tl.zeros([BT, BT], dtype=tl.float32)
     hs = tl.zeros([BK], dtype=tl.float32)
     dt = k.dtype.element_ty
+    if USE_H0 or USE_DHT:
+        if IS_VARLEN:
+            i_n = tl.load(cidx + 2 * i_t).to(tl.int64)
+        else:
+            i_n = i_b.to(tl.int64)
+        first = (t0 == 0).to(tl.int32)
+        lastc = (t0 + BT >= Tn).to(tl.int32)
     if EARLY:
         qq, kk = _grad_qk(q, k, x, i_h, mk, ck, H, K)
     for v0 in range(0, V, BV):
@@ -212,11 +222,22 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, do, dvn, dq, dkp, dw, dgc, cnt
             dPT += tl.dot(vn.to(dt), tl.trans(dd))
         # dg's per-chunk decay term Σ h⊙dh, h and dh from their own (L2) loads: with the dots' tiles also used
         # elementwise here, dk differed between two runs on the H200 (Triton 3.6; wy_bwd's k kᵀ had the same issue)
-        h2 = tl.load(h + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
-                     cache_modifier=".cg")
-        d2 = tl.load(dhe + ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0,
-                     cache_modifier=".cg")
-        hs += tl.sum(h2.to(tl.float32) * d2.to(tl.float32), 1)
+        os = ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :]
+        if USE_H0 or USE_DHT:
+            on = ((i_n * HV + i_hv) * K + ck[:, None]) * V + cv[None, :]
+        if USE_H0:  # masked loads (a branch here would stop the loop's pipelining); ex as a tile for the interpreter
+            ex = (on * 0 + first) != 0
+            h2 = (tl.load(h + os, mask=mkv & ~ex, other=0.0, cache_modifier=".cg").to(tl.float32)
+                  + tl.load(h0 + on, mask=mkv & ex, other=0.0))
+        else:
+            h2 = tl.load(h + os, mask=mkv, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if USE_DHT:
+            ex = (on * 0 + lastc) != 0
+            d2 = (tl.load(dhe + os, mask=mkv & ~ex, other=0.0, cache_modifier=".cg").to(tl.float32)
+                  + tl.load(dht + on, mask=mkv & ex, other=0.0))
+        else:
+            d2 = tl.load(dhe + os, mask=mkv, other=0.0, cache_modifier=".cg").to(tl.float32)
+        hs += tl.sum(h2 * d2, 1)
     if not EARLY:
         qq, kk = _grad_qk(q, k, x, i_h, mk, ck, H, K)
     last = tl.minimum(t0 + BT, Tn) - 1
