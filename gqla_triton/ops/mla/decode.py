@@ -35,6 +35,7 @@ from .._common import (
     split_bounds,
     store_rows,
 )
+from .decode_ws import mla_decode_ws_fwd, ws_supported
 
 __all__ = ["mla_decode", "mla_decode_fwd"]
 
@@ -301,12 +302,35 @@ def _choose_splits(programs: int, max_len: int, sm_count: int, cfg: dict) -> int
     return best
 
 
-def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
-    """Launch geometry from shapes only (no device values)."""
+def _config_key(q, head_dim_v, sparse, impl) -> dict:
+    return {"D": q.shape[-1], "DV": head_dim_v, "sparse": sparse, "s_q": q.shape[1], "impl": impl,
+            "fp32": q.dtype == torch.float32}
+
+
+def _use_ws(impl, q, kv_cache, head_dim_v, sparse) -> bool:
+    """Whether ``impl`` runs the warp-specialised Gluon kernel (``decode_ws``): ``"gluon"`` always (ValueError
+    where it cannot), ``"auto"`` where the inputs allow it and this GPU's table has an ``impl: ws`` entry."""
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"impl: expected 'auto', 'triton' or 'gluon', got {impl!r}")
+    if impl == "triton":
+        return False
+    info = device_info(q)
+    why = ("the Triton interpreter runs no Gluon kernel" if info.interpreter
+           else f"{info.name} is not a Hopper GPU (sm_90)" if info.capability[0] != 9
+           else ws_supported(q, kv_cache, head_dim_v))
+    if impl == "gluon":
+        if why is not None:
+            raise ValueError(f"impl='gluon': the warp-specialised MLA kernel cannot run here: {why}")
+        return True
+    return why is None and select_config("mla_decode", _config_key(q, head_dim_v, sparse, "ws"),
+                                         device=q.device).get("impl") == "ws"
+
+
+def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits, impl="triton"):
+    """Launch geometry from shapes only (no device values). ``impl``: "triton" or "ws" (the config key)."""
     B, s_q, h_q, D = q.shape
     page_size = kv_cache.shape[1]
-    cfg = select_config("mla_decode", {"D": D, "DV": head_dim_v, "sparse": sparse, "s_q": s_q,
-                                         "fp32": q.dtype == torch.float32}, device=q.device)
+    cfg = select_config("mla_decode", _config_key(q, head_dim_v, sparse, impl), device=q.device)
     rows = cfg["BLOCK_H"]
     HPT = min(h_q, rows)
     QPT = 1 if sparse else max(1, min(s_q, rows // HPT))
@@ -321,17 +345,20 @@ def _plan(q, kv_cache, block_table, head_dim_v, sparse, topk, num_splits):
 
 
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                   indices, topk_length, num_splits, *, out=None, lse=None, poison_partials=False):
+                   indices, topk_length, num_splits, *, impl="auto", out=None, lse=None, poison_partials=False):
     """Launcher (inputs already validated). Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q])``.
 
-    ``out`` / ``lse`` may be given (written in place); ``poison_partials`` NaN-fills the split buffers (tests).
+    ``impl``: ``"triton"`` (the portable kernel below), ``"gluon"`` (the warp-specialised Hopper kernel of
+    ``decode_ws``; ValueError where it cannot run) or ``"auto"`` (the config table's ``impl`` where the inputs
+    allow it). ``out`` / ``lse`` may be given (written in place); ``poison_partials`` NaN-fills the split buffers.
     """
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
     topk = indices.shape[-1] if sparse else 0
+    use_ws = _use_ws(impl, q, kv_cache, head_dim_v, sparse)
     cfg, HPT, QPT, BLOCK_H, h_tiles, q_tiles, S = _plan(q, kv_cache, block_table, head_dim_v, sparse, topk,
-                                                         num_splits)
+                                                         num_splits, "ws" if use_ws else "triton")
     if q.stride(-1) != 1:
         q = q.contiguous()
     DV = head_dim_v
@@ -350,6 +377,12 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
         o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
     idx = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size, num_pages=num_pages,
                        causal=causal) if sparse else block_table)
+    if use_ws:
+        mla_decode_ws_fwd(q, kv_cache, idx, cache_seqlens, head_dim_v, softmax_scale, causal, topk_length, sparse,
+                          cfg, HPT, QPT, h_tiles, q_tiles, S, out, lse, o_part, lse_part, softmax_scale * _LOG2E)
+        if S > 1:
+            combine_splits(o_part, lse_part, out, lse)
+        return out, lse
     tkl = topk_length if topk_length is not None else cache_seqlens
     BDV = max(16, triton.next_power_of_2(DV))
     # variants (config fields): one block-table load per page-aligned tile; value columns split over 2 programs;

@@ -1,0 +1,317 @@
+"""MLA absorb-path decode for Hopper (sm_90): a warp-specialised Gluon kernel.
+
+One program per (batch entry, KV split, 64-row tile), three partitions:
+
+* a producer warpgroup gathers each key tile (``BLOCK_N`` cache rows x ``D`` channels, one 64-channel slab at a
+  time) into a ring of shared-memory stages with ``cp.async``, so any page size and sparse rows work alike;
+  masked rows are zero-filled;
+* two consumer warpgroups each own half of the value columns. Both compute the full score tile
+  ``S = Q·Kᵀ`` (Q stays in shared memory), run the same online softmax, and add ``P·V`` for their half with P
+  passed to the tensor cores from registers. Computing S twice costs tensor work but removes every exchange
+  between the warpgroups: their only shared state is the stage ring (an mbarrier pair per stage).
+
+Tiles, masks and outputs follow ``decode.py`` (same grid, same rows, same split partials); the portable Triton
+kernel there remains the implementation for other GPUs, other widths and the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Triton 3.6 names the cp.async copy async_copy_global_to_shared; later releases call it async_load
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
+SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
+
+
+@gluon.jit
+def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length, topk,
+               SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Program coordinates and its key range ``[lo, hi)`` (the same in every partition). The row tiles of one
+    (batch entry, split) are consecutive programs, so they run at the same time and read their keys through
+    the L2 once."""
+    pid_bs = gl.program_id(0) // row_tiles
+    pid_t = gl.program_id(0) % row_tiles
+    b = pid_bs // num_splits
+    split = pid_bs % num_splits
+    ht = pid_t % h_tiles
+    qt = pid_t // h_tiles
+    seqlen = gl.load(seqlens + b)
+    if SPARSE:
+        n = topk
+        if HAS_TOPK_LEN:
+            n = gl.maximum(gl.minimum(gl.load(topk_length + b), topk), 0)
+    else:
+        n = seqlen
+    per = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = gl.minimum(lo + per, n)
+    if not SPARSE:
+        if causal != 0:  # no key after the tile's last query
+            hi = gl.minimum(hi, seqlen - s_q + gl.minimum(qt * QPT + QPT, s_q))
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    return b, split, ht, qt, seqlen, lo, hi, n_tiles
+
+
+@gluon.jit
+def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+              SPARSE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Physical cache row of each key position of a tile and whether it counts. Sparse: ``rows_src`` holds
+    rows already translated by ``sparse_rows`` (-1: the entry does not count). Dense: the block table."""
+    inb = kpos < hi
+    if SPARSE:
+        row = gl.load(rows_src + b64 * s_rb + qt.to(gl.int64) * s_rq + kpos, mask=inb, other=-1)
+        ok = row >= 0
+    else:
+        page = kpos // PAGE_SIZE
+        pin = inb & (page < max_pages)
+        blk = gl.load(rows_src + b64 * s_rb + gl.where(pin, page, 0), mask=pin, other=-1)
+        ok = pin & (blk >= 0) & (blk < num_pages)
+        row = blk * PAGE_SIZE + kpos % PAGE_SIZE
+    return gl.where(ok, row, 0), ok
+
+
+@gluon.jit
+def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+              SPLIT: gl.constexpr):
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale, s_q,
+     h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh,
+     s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
+    NSLAB: gl.constexpr = D // SLAB
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
+        row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
+        topk, SPARSE, HAS_TOPK_LEN, BLOCK_N)
+    b64 = b.to(gl.int64)
+    rk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp))
+    cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        row, ok = _key_rows(lo + j * BLOCK_N + rk, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+                            SPARSE, PAGE_SIZE)
+        base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
+        for c in gl.static_range(NSLAB):
+            _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
+        # per key: the first query token (within the tile's sequence) that sees it; NEVER where it counts for none
+        first_q = gl.full([BLOCK_N], 0, gl.int32, layout=gl.SliceLayout(1, cp))
+        if not SPARSE:
+            if causal != 0:
+                first_q = gl.maximum(lo + j * BLOCK_N + rk - (seqlen - s_q), 0)
+        okbuf.index(s).store(gl.where(ok, first_q, NEVER))
+        # every producer thread arrives once its own copies have landed (the barrier counts them all), and one
+        # more arrival publishes the key mask (after the partition's barrier)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+              SPLIT: gl.constexpr, HALF: gl.constexpr):
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale, s_q,
+     h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh,
+     s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
+    NSLAB: gl.constexpr = D // SLAB
+    VS: gl.constexpr = DV // SLAB // 2  # value slabs per half
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLAB, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
+        row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
+        topk, SPARSE, HAS_TOPK_LEN, BLOCK_N)
+    b64 = b.to(gl.int64)
+
+    r = gl.arange(0, BLOCK_H, layout=row_s)
+    qi = qt * QPT + r // HPT
+    rvalid = (r // HPT < QPT) & (qi < s_q) & (ht * HPT + r % HPT < h_q)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=row_s)
+    zero = gl.zeros([BLOCK_H, SLAB], gl.float32, layout=o_l)
+    o0 = zero
+    o1 = zero
+    o2 = zero
+    o3 = zero
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        first_q = okbuf.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
+        fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
+        sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+        for c in gl.static_range(NSLAB):
+            sacc = warpgroup_mma(q_smem.index(c), kv_smem.index(s * NSLAB + c).permute((1, 0)), sacc,
+                                 use_acc=c > 0, is_async=True)
+        sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+        sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_op = gl.convert_layout(p.to(kv.dtype.element_ty), p_l)
+        a_o = gl.convert_layout(alpha, row_o)[:, None]
+        o0 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 0), o0 * a_o, is_async=True)
+        o1 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 1), o1 * a_o, is_async=True)
+        o2 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 2), o2 * a_o, is_async=True)
+        o3 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 3), o3 * a_o, is_async=True)
+        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+        mbarrier.arrive(empty.index(s), count=1)
+
+    # epilogue: normalise and store this half's value columns (and lse from half 0)
+    has = l_i > 0
+    safe_l = gl.where(has, l_i, 1.0)
+    lse_row = gl.where(has, m_i * 0.6931471805599453 + gl.log(safe_l), float("-inf"))
+    inv = gl.convert_layout(gl.where(has, 1.0 / safe_l, 0.0), row_o)[:, None]
+    ro = gl.arange(0, BLOCK_H, layout=row_o)
+    qo = (qt * QPT + ro // HPT).to(gl.int64)
+    ho = (ht * HPT + ro % HPT).to(gl.int64)
+    mo = ((ro // HPT < QPT) & (qt * QPT + ro // HPT < s_q) & (ht * HPT + ro % HPT < h_q))[:, None]
+    cols = HALF * (VS * SLAB) + gl.arange(0, SLAB, layout=gl.SliceLayout(0, o_l))
+    if SPLIT:
+        po = o_part + b64 * s_pb + split * s_ps + qo * s_pq + ho * s_ph
+        gl.store(po[:, None] + cols[None, :], o0 * inv, mask=mo)
+        gl.store(po[:, None] + (cols + SLAB)[None, :], o1 * inv, mask=mo)
+        gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2 * inv, mask=mo)
+        gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3 * inv, mask=mo)
+        if HALF == 0:
+            qr = (qt * QPT + r // HPT).to(gl.int64)
+            hr = (ht * HPT + r % HPT).to(gl.int64)
+            gl.store(lse_part + b64 * s_plb + split * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
+    else:
+        ty = out.dtype.element_ty
+        po = out + b64 * s_ob + qo * s_oq + ho * s_oh
+        gl.store(po[:, None] + cols[None, :], (o0 * inv).to(ty), mask=mo)
+        gl.store(po[:, None] + (cols + SLAB)[None, :], (o1 * inv).to(ty), mask=mo)
+        gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], (o2 * inv).to(ty), mask=mo)
+        gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], (o3 * inv).to(ty), mask=mo)
+        if HALF == 0:
+            qr = (qt * QPT + r // HPT).to(gl.int64)
+            hr = (ht * HPT + r % HPT).to(gl.int64)
+            gl.store(lse + b64 * s_lb + hr * s_lh + qr * s_lq, lse_row, mask=rvalid)
+
+
+@gluon.jit
+def _consumer0(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+               SPLIT: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 0)
+
+
+@gluon.jit
+def _consumer1(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+               SPLIT: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 1)
+
+
+@gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles", "HPT", "QPT",
+                              "causal"])
+def mla_decode_ws_kernel(
+    q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part,
+    qk_scale,  # softmax_scale * log2(e)
+    s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal,
+    s_qb, s_qq, s_qh,
+    s_kvp, s_kvt,
+    s_rb, s_rq,
+    s_ob, s_oq, s_oh,
+    s_lb, s_lh, s_lq,
+    s_pb, s_ps, s_pq, s_ph,
+    s_plb, s_pls, s_plq,
+    D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    NSLAB: gl.constexpr = D // SLAB
+    dt: gl.constexpr = kv.dtype.element_ty
+    sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(dt, [NSLAB, BLOCK_H, SLAB], sw)
+    kv_smem = gl.allocate_shared_memory(dt, [STAGES * NSLAB, BLOCK_N, SLAB], sw)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    okbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=4 * 32 + 1)  # a cp.async arrival per producer thread, the mask
+        mbarrier.init(empty.index(i), count=2)  # one release per consumer warpgroup
+
+    # the tile's query rows: token qi (major) x head h, 64-channel slabs into shared memory (both consumers' A)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    pid_bs = gl.program_id(0) // row_tiles
+    pid_t = gl.program_id(0) % row_tiles
+    b64 = (pid_bs // num_splits).to(gl.int64)
+    ht = pid_t % h_tiles
+    qt = pid_t // h_tiles
+    r = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+    qi = qt * QPT + r // HPT
+    h = ht * HPT + r % HPT
+    rvalid = (r // HPT < QPT) & (qi < s_q) & (h < h_q)
+    q_row = q + b64 * s_qb + qi.to(gl.int64) * s_qq + h.to(gl.int64) * s_qh
+    cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, ld))
+    for c in gl.static_range(NSLAB):
+        q_smem.index(c).store(gl.load(q_row[:, None] + (c * SLAB + cc)[None, :], mask=rvalid[:, None], other=0.0))
+    fence_async_shared()
+
+    # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
+    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale,
+          s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob,
+          s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq)
+    gl.warp_specialize([
+        (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
+        (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
+        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+WS_WARPS = 12  # two consumer warpgroups + one producer warpgroup
+
+
+def ws_supported(q, kv_cache, head_dim_v: int) -> str | None:
+    """Why the warp-specialised kernel cannot run these inputs (None when it can)."""
+    D = q.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (bf16 / fp16 only)"
+    if head_dim_v != 512 or D % 64 != 0 or not 512 < D <= 576:
+        return f"head_dim_v {head_dim_v}, D {D} (head_dim_v 512, D a multiple of 64 up to 576)"
+    if kv_cache.stride(0) % 8 or kv_cache.stride(1) % 8 or kv_cache.data_ptr() % 16:
+        return "kv_cache rows not 16-byte aligned (cp.async copies 16 bytes)"
+    return None
+
+
+def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, softmax_scale, causal, topk_length,
+                      sparse, cfg, HPT, QPT, h_tiles, q_tiles, S, out, lse, o_part, lse_part, qk_scale):
+    """Launch the warp-specialised kernel over the geometry ``decode._plan`` chose (64-row tiles).
+    ``rows_src``: the block table (dense) or ``sparse_rows``' physical rows (sparse)."""
+    B, s_q, h_q, D = q.shape
+    num_pages, page_size = kv_cache.shape[:2]
+    topk = rows_src.shape[-1] if sparse else 0
+    mla_decode_ws_kernel[(B * S * h_tiles * q_tiles,)](
+        q, kv_cache, rows_src, cache_seqlens, topk_length if topk_length is not None else cache_seqlens,
+        out, lse, o_part, lse_part, qk_scale,
+        s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, h_tiles * q_tiles, h_tiles, HPT, QPT,
+        int(bool(causal)),
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        rows_src.stride(0), rows_src.stride(1) if sparse else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
+        *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
+        D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
+        SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
+        PRODUCER_REGS=cfg.get("producer_regs", 40), CONSUMER_REGS=cfg.get("consumer_regs", 232),
+        num_warps=4, maxnreg=cfg.get("maxnreg", 168),
+    )
