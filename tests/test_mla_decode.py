@@ -145,8 +145,8 @@ def test_variants_vs_reference(variant, B, s_q, page_size, causal, sparse, num_s
             "rows_ahead": False}
     os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": {**base, **variant}})
     try:
-        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, out=out, lse=lse,
-                       poison_partials=True)
+        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, impl="triton", out=out,
+                       lse=lse, poison_partials=True)
     finally:
         if old is None:
             os.environ.pop("GQLA_TRITON_CONFIG")
@@ -347,6 +347,14 @@ def test_bad_inputs():
         mla_decode(q, kv, bt, lens, head_dim_v=r, indices=torch.zeros(1, 1, 4, dtype=torch.int64, device=dev))
     with pytest.raises(ValueError, match="topk_length"):
         mla_decode(q, kv, bt, lens, head_dim_v=r, topk_length=torch.ones(1, dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="impl"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, impl="cuda")
+    if dev == "cpu":  # no Gluon kernel under the interpreter: asked for, it is refused by name
+        with pytest.raises(ValueError, match="impl='gluon'"):
+            mla_decode(q, kv, bt, lens, head_dim_v=r, impl="gluon")
+    elif torch.cuda.get_device_capability()[0] == 9:  # widths the Gluon kernel does not take
+        with pytest.raises(ValueError, match="head_dim_v 32"):
+            mla_decode(q.half(), kv.half(), bt, lens, head_dim_v=r, impl="gluon")
     if dev == "cpu":
         import gqla_triton.ops._common.validation as v
 
@@ -395,3 +403,57 @@ def test_torch_compile_fullgraph():
     o, l, o2, l2 = cf(q, kv, bt, lens, idx)
     _check(o / 2, l, q, kv, bt, lens, r, True, torch.bfloat16)
     _check(o2, l2, q, kv, bt, lens, r, True, torch.bfloat16, indices=idx)
+
+
+# ---------------------------------------------------------------- the warp-specialised Gluon kernel (Hopper)
+
+WS_VARIANTS = [{"BLOCK_N": 64, "num_stages": 2}, {"BLOCK_N": 32, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4},
+               {"BLOCK_N": 16, "num_stages": 4}]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("variant", WS_VARIANTS, ids=lambda v: f"n{v['BLOCK_N']}s{v['num_stages']}")
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from([16, 64, 128]), page_size=st.sampled_from(
+       [16, 48, 64]), causal=st.booleans(), sparse=st.booleans(), num_splits=st.sampled_from([0, 1, 3]),
+       bad_pages=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=seeds())
+def test_gluon_variants_vs_reference(variant, B, s_q, h_q, page_size, causal, sparse, num_splits, bad_pages, dtype,
+                                     seed):
+    """Every stage ring / tile size of the Hopper kernel (config fields ``BLOCK_N``, ``num_stages``) against
+    float64, dense and sparse with adversarial indices and block tables."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernel is Hopper-only (sm_90)")
+    r, dr = 512, 64
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
+    idx = _adversarial_indices(g, B, s_q, 200, lens).to(P.device) if sparse else None
+    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
+    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
+    old = os.environ.get("GQLA_TRITON_CONFIG")
+    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": variant})
+    try:
+        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, impl="gluon", out=out,
+                       lse=lse, poison_partials=True)
+    finally:
+        if old is None:
+            os.environ.pop("GQLA_TRITON_CONFIG")
+        else:
+            os.environ["GQLA_TRITON_CONFIG"] = old
+    _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
+
+
+@pytest.mark.parametrize("sparse,split", [(False, True), (True, False)])
+def test_gluon_kernel_compiles_for_sm90(sparse, split):
+    """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
+    reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
+    TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
+    import subprocess
+    import sys
+
+    code = ("from gqla_triton.ops.mla.decode_ws import compile_sm90; "
+            f"k = compile_sm90(sparse={sparse}, split={split}); ptx = k.asm['ptx']; "
+            "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shared, *flags = res.stdout.split()[-4:]
+    assert flags == ["True", "True", "True"], res.stdout
+    assert int(shared) <= 227 * 1024

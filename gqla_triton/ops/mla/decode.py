@@ -39,6 +39,7 @@ from .decode_ws import mla_decode_ws_fwd, ws_supported
 
 __all__ = ["mla_decode", "mla_decode_fwd"]
 
+IMPLS = ("auto", "triton", "gluon")
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -310,8 +311,8 @@ def _config_key(q, head_dim_v, sparse, impl) -> dict:
 def _use_ws(impl, q, kv_cache, head_dim_v, sparse) -> bool:
     """Whether ``impl`` runs the warp-specialised Gluon kernel (``decode_ws``): ``"gluon"`` always (ValueError
     where it cannot), ``"auto"`` where the inputs allow it and this GPU's table has an ``impl: ws`` entry."""
-    if impl not in ("auto", "triton", "gluon"):
-        raise ValueError(f"impl: expected 'auto', 'triton' or 'gluon', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if impl == "triton":
         return False
     info = device_info(q)
@@ -457,19 +458,20 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
 @torch.library.custom_op("gqla_triton::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
-                   topk_length: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, num_splits)
+                          topk_length, num_splits, impl=impl)
 
 
 @_mla_decode_op.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits):
+def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
+      impl):
     B, s_q, h_q, _ = q.shape
     return q.new_empty(B, s_q, h_q, head_dim_v), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
-               indices=None, topk_length=None, num_splits=0):
+               indices=None, topk_length=None, num_splits=0, *, impl="auto"):
     """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
 
     Args:
@@ -487,6 +489,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             entry counts once per occurrence. Any value is safe (never addresses outside the cache).
         topk_length: optional ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
         num_splits: split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph safe).
+        impl: ``"auto"`` (the GPU's config table: on Hopper the warp-specialised Gluon kernel for bf16/fp16 with
+            ``head_dim_v`` 512 and D up to 576, the portable Triton kernel otherwise), ``"triton"`` or
+            ``"gluon"`` (ValueError where that kernel cannot run).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
@@ -496,9 +501,11 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     """
     _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
               num_splits)
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     # eager calls skip torch.library's dispatch (tens of microseconds, the pace of a host-bound decode step);
     # torch.compile traces the custom op
     op = _mla_decode_op if torch.compiler.is_compiling() else mla_decode_fwd
     return op(q, kv_cache, block_table, cache_seqlens, int(head_dim_v), scale, bool(causal), indices, topk_length,
-              int(num_splits))
+              int(num_splits), impl=impl)

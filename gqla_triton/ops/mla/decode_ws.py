@@ -315,3 +315,26 @@ def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, softmax_
         PRODUCER_REGS=cfg.get("producer_regs", 40), CONSUMER_REGS=cfg.get("consumer_regs", 232),
         num_warps=4, maxnreg=cfg.get("maxnreg", 168),
     )
+
+
+def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 2, dtype: str = "bf16",
+                 page_size: int = 64):
+    """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
+    ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
+    import inspect
+
+    from triton import compile as tcompile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = mla_decode_ws_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, SPARSE=sparse,
+                 HAS_TOPK_LEN=sparse, SPLIT=split, PRODUCER_REGS=40, CONSUMER_REGS=232)
+    ptr = {"q": f"*{dtype}", "kv": f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
+           "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
+    sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    aligned = [n for n in names if n in ptr or n.startswith("s_kv")]
+    src = GluonASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
