@@ -352,9 +352,11 @@ def test_bad_inputs():
     if dev == "cpu":  # no Gluon kernel under the interpreter: asked for, it is refused by name
         with pytest.raises(ValueError, match="impl='gluon'"):
             mla_decode(q, kv, bt, lens, head_dim_v=r, impl="gluon")
-    elif torch.cuda.get_device_capability()[0] == 9:  # widths the Gluon kernel does not take
-        with pytest.raises(ValueError, match="head_dim_v 32"):
-            mla_decode(q.half(), kv.half(), bt, lens, head_dim_v=r, impl="gluon")
+    elif torch.cuda.get_device_capability()[0] == 9:  # inputs the Gluon kernel does not take: fp32, other widths
+        with pytest.raises(ValueError, match="impl='gluon'.*float32"):
+            mla_decode(q, kv, bt, lens, head_dim_v=r, impl="gluon")
+        with pytest.raises(ValueError, match="impl='gluon'.*head_dim_v 256"):
+            mla_decode(q.half(), kv.half(), bt, lens, head_dim_v=256, impl="gluon")
     if dev == "cpu":
         import gqla_triton.ops._common.validation as v
 
