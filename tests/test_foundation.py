@@ -120,9 +120,10 @@ def test_choose_decode_path_scales_by_measured_kernel_efficiency(monkeypatch):
         dispatch.choose_decode_path(shape, 1, "h100")
     monkeypatch.delenv("GQLA_TRITON_CONFIG")
     dispatch._env_override.cache_clear()
-    # the H200 table holds what our kernels reached there: the measured winner (grouped) is picked
+    # the H200 table holds what our kernels reached there: the measured winner is picked (session 12: mla_decode
+    # M1 0.409 ms against gqa_decode Q1 0.517 ms, so absorb)
     h200 = dispatch.choose_decode_path(shape, 1, "h200", batch=128, seqlen=4096)
-    assert h200.path == "grouped" and "efficiency" in h200.reason
+    assert h200.path == "absorb" and "efficiency" in h200.reason
 
 
 @given(a=st.integers(0, 1 << 40), b=st.integers(1, 1 << 20), n=st.integers(0, 1 << 40))
