@@ -68,6 +68,7 @@ def main():
             print(c, "FAILED", flush=True)
             traceback.print_exc()
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["M1", "M2", "M3", "M4", "SM1", "SM2"]
+    names = [] if names == ["none"] else names
     variants = [json.loads(v) for v in sys.argv[2:]] or [{}]
     for name in names:
         w = WORKLOADS[name]
