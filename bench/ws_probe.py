@@ -1,4 +1,7 @@
-"""Probe: the warp-specialised Gluon MLA kernel against float64 and the Triton kernel, then CUDA-graph timings."""
+"""Probe: the warp-specialised Gluon MLA kernel against float64 and the Triton kernel, then CUDA-graph timings.
+
+``python -m bench.ws_probe [M1,SM1,...|none] ['{"BLOCK_N": 32, "num_stages": 3}' ...]``: the check cases (skipped
+with ``SKIP_CHECK=1``), then each workload timed for the Triton kernel and each Gluon config override given."""
 import json
 import os
 import sys

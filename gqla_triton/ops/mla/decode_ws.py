@@ -84,8 +84,8 @@ def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
 @gluon.jit
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, sdone, qk_scale, s_q,
+              SPLIT: gl.constexpr):
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale, s_q,
      h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh,
      s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
@@ -119,8 +119,8 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 @gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, sdone, qk_scale, s_q,
+              SPLIT: gl.constexpr, HALF: gl.constexpr):
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale, s_q,
      h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh,
      s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
@@ -151,17 +151,11 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         first_q = okbuf.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
         fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
-        if PINGPONG:
-            if HALF == 1:  # the second warpgroup's S waits for the first's: their softmax phases then interleave
-                mbarrier.wait(sdone.index(j % 2), (j // 2) & 1)
         sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
         for c in gl.static_range(NSLAB):
             sacc = warpgroup_mma(q_smem.index(c), kv_smem.index(s * NSLAB + c).permute((1, 0)), sacc,
                                  use_acc=c > 0, is_async=True)
         sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
-        if PINGPONG:
-            if HALF == 0:  # one barrier per tile parity: the first warpgroup runs at most one tile ahead
-                mbarrier.arrive(sdone.index(j % 2), count=1)
         sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -214,15 +208,15 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 @gluon.jit
 def _consumer0(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-               SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, PINGPONG, 0)
+               SPLIT: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 0)
 
 
 @gluon.jit
 def _consumer1(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-               SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, PINGPONG, 1)
+               SPLIT: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 1)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles", "HPT", "QPT",
@@ -240,7 +234,7 @@ def mla_decode_ws_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
-    PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = kv.dtype.element_ty
@@ -249,13 +243,10 @@ def mla_decode_ws_kernel(
     kv_smem = gl.allocate_shared_memory(dt, [STAGES * NSLAB, BLOCK_N, SLAB], sw)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sdone = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     okbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=4 * 32 + 1)  # a cp.async arrival per producer thread, the mask
         mbarrier.init(empty.index(i), count=2)  # one release per consumer warpgroup
-    for i in gl.static_range(2):
-        mbarrier.init(sdone.index(i), count=1)
 
     # the tile's query rows: token qi (major) x head h, 64-channel slabs into shared memory (both consumers' A)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -275,13 +266,13 @@ def mla_decode_ws_kernel(
     fence_async_shared()
 
     # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
-    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, sdone, qk_scale,
+    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale,
           s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob,
           s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq)
     gl.warp_specialize([
-        (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, PINGPONG)),
-        (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, PINGPONG)),
-        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, PINGPONG)),
+        (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
+        (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
+        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -320,14 +311,14 @@ def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, softmax_
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
-        SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, PINGPONG=bool(cfg.get("pingpong", False)),
+        SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         PRODUCER_REGS=cfg.get("producer_regs", 40), CONSUMER_REGS=cfg.get("consumer_regs", 232),
         num_warps=4, maxnreg=cfg.get("maxnreg", 168),
     )
 
 
 def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 2, dtype: str = "bf16",
-                 page_size: int = 64, pingpong: bool = False):
+                 page_size: int = 64):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -339,7 +330,7 @@ def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 
     fn = mla_decode_ws_kernel
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split, PINGPONG=pingpong, PRODUCER_REGS=40, CONSUMER_REGS=232)
+                 HAS_TOPK_LEN=sparse, SPLIT=split, PRODUCER_REGS=40, CONSUMER_REGS=232)
     ptr = {"q": f"*{dtype}", "kv": f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
