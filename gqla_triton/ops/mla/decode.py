@@ -490,7 +490,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
         topk_length: optional ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
         num_splits: split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph safe).
         impl: ``"auto"`` (the GPU's config table: on Hopper the warp-specialised Gluon kernel for bf16/fp16 with
-            ``head_dim_v`` 512 and D up to 576, the portable Triton kernel otherwise), ``"triton"`` or
+            latent 512 + rope 64, the portable Triton kernel otherwise), ``"triton"`` or
             ``"gluon"`` (ValueError where that kernel cannot run).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.

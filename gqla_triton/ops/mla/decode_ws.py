@@ -32,6 +32,7 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 
 NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
 SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
+PRODUCER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
@@ -85,9 +86,9 @@ def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
               SPLIT: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale, s_q,
-     h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh,
-     s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
+     qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
+     s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
@@ -109,7 +110,7 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         if not SPARSE:
             if causal != 0:
                 first_q = gl.maximum(lo + j * BLOCK_N + rk - (seqlen - s_q), 0)
-        okbuf.index(s).store(gl.where(ok, first_q, NEVER))
+        first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
         # every producer thread arrives once its own copies have landed (the barrier counts them all), and one
         # more arrival publishes the key mask (after the partition's barrier)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
@@ -120,9 +121,9 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
               SPLIT: gl.constexpr, HALF: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale, s_q,
-     h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh,
-     s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
+     qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
+     s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
     VS: gl.constexpr = DV // SLAB // 2  # value slabs per half
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -149,7 +150,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-        first_q = okbuf.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
+        first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
         fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
         sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
         for c in gl.static_range(NSLAB):
@@ -219,8 +220,8 @@ def _consumer1(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, B
     _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 1)
 
 
-@gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles", "HPT", "QPT",
-                              "causal"])
+@gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
+                              "HPT", "QPT", "causal"])
 def mla_decode_ws_kernel(
     q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part,
     qk_scale,  # softmax_scale * log2(e)
@@ -243,9 +244,10 @@ def mla_decode_ws_kernel(
     kv_smem = gl.allocate_shared_memory(dt, [STAGES * NSLAB, BLOCK_N, SLAB], sw)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    okbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    first_q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=4 * 32 + 1)  # a cp.async arrival per producer thread, the mask
+        # one cp.async arrival per producer thread, one for the key mask
+        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=2)  # one release per consumer warpgroup
 
     # the tile's query rows: token qi (major) x head h, 64-channel slabs into shared memory (both consumers' A)
@@ -266,17 +268,14 @@ def mla_decode_ws_kernel(
     fence_async_shared()
 
     # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
-    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, okbuf, qk_scale,
-          s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt, s_rb, s_rq, s_ob,
-          s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq)
+    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
+          qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
+          s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq)
     gl.warp_specialize([
         (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
         (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
         (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-WS_WARPS = 12  # two consumer warpgroups + one producer warpgroup
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_supported(q, kv_cache, head_dim_v: int) -> str | None:
@@ -284,8 +283,8 @@ def ws_supported(q, kv_cache, head_dim_v: int) -> str | None:
     D = q.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if head_dim_v != 512 or D % 64 != 0 or not 512 < D <= 576:
-        return f"head_dim_v {head_dim_v}, D {D} (head_dim_v 512, D a multiple of 64 up to 576)"
+    if head_dim_v != 512 or D != 576:
+        return f"head_dim_v {head_dim_v}, D {D} (latent 512 + rope 64 only)"
     if kv_cache.stride(0) % 8 or kv_cache.stride(1) % 8 or kv_cache.data_ptr() % 16:
         return "kv_cache rows not 16-byte aligned (cp.async copies 16 bytes)"
     return None
