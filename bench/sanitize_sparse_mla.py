@@ -2,8 +2,8 @@
 
 ``PYTHONPATH=. compute-sanitizer --tool memcheck python bench/sanitize_sparse_mla.py [seeds=3]`` must report 0 errors.
 Indices hold huge, negative, INT32 extremes, >= cache_seqlens, beyond the block table, repeated values; block
-tables hold junk page ids; topk_length is negative, 0, or past topk. Every result is also checked against
-the float64 reference, so the run fails loudly (exit 1) on a wrong answer too.
+tables hold junk page ids (each case also runs dense over them); topk_length is negative, 0, or past topk. Every
+result is also checked against the float64 reference, so the run fails loudly (exit 1) on a wrong answer too.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits):
     q = torch.randn(B, s_q, h_q, D, generator=g).to(DTYPE)
     kv = torch.randn(num_pages, page, 1, D, generator=g).to(DTYPE)
     cu = lambda t: t.cuda()  # noqa: E731
-    for tkl in (None, topk_length):
-        out, lse = mla_decode(cu(q), cu(kv), cu(bt), cu(lens), head_dim_v=r, causal=causal, indices=cu(idx),
-                              topk_length=None if tkl is None else cu(tkl), num_splits=num_splits)
+    for ix, tkl in ((idx, None), (idx, topk_length), (None, None)):  # the last: dense over the junk block table
+        out, lse = mla_decode(cu(q), cu(kv), cu(bt), cu(lens), head_dim_v=r, causal=causal,
+                              indices=None if ix is None else cu(ix), topk_length=None if tkl is None else cu(tkl),
+                              num_splits=num_splits)
         torch.cuda.synchronize()
-        ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, topk_length=tkl)
+        ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=ix, topk_length=tkl)
         err = (out.double().cpu() - ro).norm() / ro.norm().clamp(min=1e-30)
         fin = torch.isfinite(rl)
         bad = (not torch.equal(torch.isfinite(lse.cpu()), fin)) or err > 3e-2 or not torch.isfinite(out).all()
@@ -63,7 +64,7 @@ def main():
             for topk, s_q, causal, ns in ((64, 1, True, 0), (200, 2, True, 3), (2048, 1, False, 0), (33, 3, True, 1)):
                 ok &= case(seed, 3, s_q, h_q, r, dr, page, topk, causal, ns)
                 n += 1
-    print(f"{n} adversarial sparse cases: {'all OK' if ok else 'FAILURES'}")
+    print(f"{n} adversarial cases (sparse twice, dense once each): {'all OK' if ok else 'FAILURES'}")
     sys.exit(0 if ok else 1)
 
 
