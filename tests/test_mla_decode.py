@@ -137,22 +137,30 @@ def test_variants_vs_reference(variant, B, s_q, page_size, causal, sparse, num_s
     h_q = HEADS[0]
     q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
     idx = _adversarial_indices(g, B, s_q, pick(24, 256), lens).to(P.device) if sparse else None
-    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
-    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
-    old = os.environ.get("GQLA_TRITON_CONFIG")
     # the override merges into the device's table entry: features a variant does not name are switched off
     base = {"paged_tiles": False, "dv_split": 1, "transposed": False, "carry_p": False, "p_scratch": False,
             "rows_ahead": False}
-    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": {**base, **variant}})
+    out, lse = _run_config({**base, **variant}, "triton", q, kv, bt, lens, r, dr, causal, idx, num_splits)
+    _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
+
+
+def _run_config(cfg, impl, q, kv, bt, lens, r, dr, causal, idx, num_splits):
+    """``mla_decode_fwd`` with ``cfg`` overriding the mla_decode config entry (GQLA_TRITON_CONFIG), into
+    NaN-poisoned outputs and split buffers."""
+    B, s_q, h_q, _ = q.shape
+    out = empty_poisoned((B, s_q, h_q, r), dtype=q.dtype)
+    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
+    old = os.environ.get("GQLA_TRITON_CONFIG")
+    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": cfg})
     try:
-        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, impl="triton", out=out,
+        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, impl=impl, out=out,
                        lse=lse, poison_partials=True)
     finally:
         if old is None:
             os.environ.pop("GQLA_TRITON_CONFIG")
         else:
             os.environ["GQLA_TRITON_CONFIG"] = old
-    _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
+    return out, lse
 
 
 # ---------------------------------------------------------------- sparse
@@ -427,18 +435,7 @@ def test_gluon_variants_vs_reference(variant, B, s_q, h_q, page_size, causal, sp
     r, dr = 512, 64
     q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
     idx = _adversarial_indices(g, B, s_q, 200, lens).to(P.device) if sparse else None
-    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
-    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
-    old = os.environ.get("GQLA_TRITON_CONFIG")
-    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": variant})
-    try:
-        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, impl="gluon", out=out,
-                       lse=lse, poison_partials=True)
-    finally:
-        if old is None:
-            os.environ.pop("GQLA_TRITON_CONFIG")
-        else:
-            os.environ["GQLA_TRITON_CONFIG"] = old
+    out, lse = _run_config(variant, "gluon", q, kv, bt, lens, r, dr, causal, idx, num_splits)
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
 
 
