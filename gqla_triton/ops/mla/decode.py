@@ -379,8 +379,8 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_
     idx = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size, num_pages=num_pages,
                        causal=causal) if sparse else block_table)
     if use_ws:
-        mla_decode_ws_fwd(q, kv_cache, idx, cache_seqlens, head_dim_v, softmax_scale, causal, topk_length, sparse,
-                          cfg, HPT, QPT, h_tiles, q_tiles, S, out, lse, o_part, lse_part, softmax_scale * _LOG2E)
+        mla_decode_ws_fwd(q, kv_cache, idx, cache_seqlens, head_dim_v, causal, topk_length, sparse, cfg, HPT, QPT,
+                          h_tiles, q_tiles, S, out, lse, o_part, lse_part, softmax_scale * _LOG2E)
         if S > 1:
             combine_splits(o_part, lse_part, out, lse)
         return out, lse

@@ -290,8 +290,8 @@ def ws_supported(q, kv_cache, head_dim_v: int) -> str | None:
     return None
 
 
-def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, softmax_scale, causal, topk_length,
-                      sparse, cfg, HPT, QPT, h_tiles, q_tiles, S, out, lse, o_part, lse_part, qk_scale):
+def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, causal, topk_length, sparse, cfg, HPT, QPT,
+                      h_tiles, q_tiles, S, out, lse, o_part, lse_part, qk_scale):
     """Launch the warp-specialised kernel over the geometry ``decode._plan`` chose (64-row tiles).
     ``rows_src``: the block table (dense) or ``sparse_rows``' physical rows (sparse)."""
     B, s_q, h_q, D = q.shape
