@@ -1,25 +1,29 @@
-"""Per-GPU launch configs and decode-path choice.
+"""Per-GPU launch configs: a lazy, cached ``DeviceInfo`` and ``select_config`` over typed, validated schemas.
 
-Nothing here touches the driver at import time. ``device_info()`` queries the device the first time a
-kernel launches and caches the answer; under ``TRITON_INTERPRET=1`` it returns a fixed ``interpreter``
-description and ``select_config`` returns exactly one pinned config per op.
+Nothing here touches the driver at import time. ``device_info()`` queries the device the first time a kernel
+launches and caches the answer; under ``TRITON_INTERPRET=1`` it returns a fixed ``interpreter`` description and
+``select_config`` reads only ``configs/interpreter.json`` (one pinned config per op).
 
 Config tables live in ``gqla_triton/configs/<gpu>.json``::
 
-    {"<op>": [{"match": {"K": 128}, "config": {"BT": 64, "num_warps": 4}}, ...,
-              {"match": {}, "config": {...}}]}
+    {"<op>": [{"match": {"K": 128}, "config": {"wy_bk": 64, ...}}, ..., {"match": {}, "config": {...}}]}
 
-The first entry whose ``match`` items all equal the caller's key wins (an empty match is the default).
-Unknown GPUs use ``default.json`` (conservative configs sized for 100 KB of shared memory per block).
-``GQLA_TRITON_CONFIG`` (a JSON object or a path to a JSON file, ``{"<op>": {...}}``) overrides any field.
+The first entry whose ``match`` items all equal the caller's key wins (an empty match is the default); fields an
+entry leaves out take the schema's defaults. Unknown GPUs use ``default.json`` (conservative configs sized for
+about 100 KB of shared memory per program). Every entry of a table is checked against its op's schema when
+the table is first read: an unknown op, match key or field, or a value of the wrong type, is a ``ValueError``
+naming it. ``GQLA_TRITON_CONFIG`` (a JSON object or the path of a JSON file, ``{"<op>": {"<field>": value}}``)
+and ``config_override`` (in-process, for tools and tests) override fields of the selected entry, checked alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,11 +34,23 @@ __all__ = [
     "is_interpreter",
     "gpu_key",
     "select_config",
-    "choose_decode_path",
-    "DecodePathChoice",
+    "config_override",
+    "schema",
+    "OPS",
 ]
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
+
+# op -> its schema ("module:class"), imported on first use (the schemas live beside their kernels)
+_SCHEMAS = {
+    "gdn_chunk": "gqla_triton.ops.gdn.config:ChunkConfig",
+    "gdn_decode": "gqla_triton.ops.gdn.config:DecodeConfig",
+    "mla_decode": "gqla_triton.ops.mla.config:MLADecodeConfig",
+    "gqa_decode": "gqla_triton.ops.gqa.config:GQADecodeConfig",
+    "combine": "gqla_triton.ops._common.combine:CombineConfig",
+    "decode_path": "gqla_triton.decode_path:DecodePathConfig",
+}
+OPS = tuple(_SCHEMAS)
 
 
 def is_interpreter() -> bool:
@@ -69,6 +85,7 @@ _GPU_NAMES = (
     ("a800", "a100"),
     ("l40s", "l40s"),
 )
+GPU_KEYS = tuple(sorted({k for _, k in _GPU_NAMES}))
 
 
 def gpu_key(name: str) -> str:
@@ -113,135 +130,120 @@ def device_info(device: Any = None) -> DeviceInfo:
 
 
 @functools.cache
-def _load_table(key: str) -> dict:
+def schema(op: str):
+    """The config schema class of ``op`` (a ``KernelConfig`` subclass)."""
+    if op not in _SCHEMAS:
+        raise ValueError(f"unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
+    module, cls = _SCHEMAS[op].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def parse_table(raw: Mapping, *, where: str) -> dict[str, list[tuple[dict, Any]]]:
+    """Validate a whole table ``{op: [{"match": {...}, "config": {...}}, ...]}``: ``{op: [(match, config)]}``."""
+    from .ops._common.config import check_match_key
+
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a JSON object {{op: [entries]}}")
+    table = {}
+    for op, entries in raw.items():
+        cls = schema(op) if op in _SCHEMAS else None
+        if cls is None:
+            raise ValueError(f"{where}: unknown op {op!r}; the ops are {sorted(_SCHEMAS)}")
+        if not isinstance(entries, list):
+            raise ValueError(f"{where}: {op!r} must hold a list of entries")
+        rows = []
+        for i, entry in enumerate(entries):
+            at = f" ({where}, {op} entry {i})"
+            if not isinstance(entry, Mapping) or set(entry) - {"match", "config"} or "config" not in entry:
+                raise ValueError(f"{op} config{at}: an entry is {{'match': {{...}}, 'config': {{...}}}}, got {entry!r}")
+            match = dict(entry.get("match", {}))
+            check_match_key(cls, match, where=at)
+            rows.append((match, cls.from_fields(entry["config"], where=at)))
+        table[op] = rows
+    return table
+
+
+@functools.cache
+def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
     path = _CONFIG_DIR / f"{key}.json"
     if not path.exists():
         path = _CONFIG_DIR / "default.json"
     with open(path) as f:
-        return json.load(f)
+        return parse_table(json.load(f), where=f"configs/{path.name}")
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=4)
 def _env_override(raw: str) -> dict:
     text = raw
     if not raw.lstrip().startswith("{"):
         with open(raw) as f:
             text = f.read()
     value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError("GQLA_TRITON_CONFIG must be a JSON object {op: {field: value}}")
-    return value
+    return _check_override(value, "GQLA_TRITON_CONFIG")
 
 
-def _match(table: dict, op: str, key: Mapping[str, Any]) -> dict | None:
-    for entry in table.get(op, ()):
-        if all(key.get(k) == v for k, v in entry.get("match", {}).items()):
-            return dict(entry["config"])
+def _check_override(value: Any, where: str) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a JSON object {{op: {{field: value}}}}")
+    for op, fields in value.items():
+        if op not in _SCHEMAS:
+            raise ValueError(f"{where}: unknown op {op!r}; the ops are {sorted(_SCHEMAS)}")
+        schema(op).from_fields(fields, where=f" ({where})")  # names and types checked up front
+    return {op: dict(fields) for op, fields in value.items()}
+
+
+_OVERRIDES: list[dict] = []
+
+
+@contextlib.contextmanager
+def config_override(fields: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
+    """Within the block, ``select_config`` applies ``{op: {field: value}}`` over the selected entry (after
+    ``GQLA_TRITON_CONFIG``). Checked against the schemas on entry. For tools and tests; not thread-safe."""
+    _OVERRIDES.append(_check_override(fields, "config_override"))
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
+def _match(table: dict, op: str, key: Mapping[str, Any]):
+    for match, cfg in table.get(op, ()):
+        if all(key.get(k) == v for k, v in match.items()):
+            return cfg
     return None
 
 
-def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any = None) -> dict:
-    """Launch config (block sizes, ``num_warps``, ``num_stages``, ...) for ``op`` on this GPU.
+def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fallback: bool = True):
+    """First matching entry for ``op`` in ``configs/<gpu>.json`` (then ``default.json`` if ``fallback``), with the
+    overrides applied; None when no entry matches and nothing is overridden."""
+    from .ops._common.config import check_match_key
 
-    ``key`` holds the shape features the table may match on (e.g. ``{"K": 128, "V": 128}``).
-    Lookup order: ``GQLA_TRITON_CONFIG`` override fields, the table of this GPU, ``default.json``.
-    Under the interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
-    """
-    info = device_info(device)
-    cfg = _table_config(info.key, op, key, fallback=not info.interpreter)
-    if cfg is None:
-        raise KeyError(f"select_config: no config for op {op!r} (key {key}) in configs/{info.key}.json")
-    return cfg
-
-
-def _table_config(gpu: str, op: str, key: Mapping[str, Any] | None, *, fallback: bool = True) -> dict | None:
-    """First matching entry for ``op`` in ``configs/<gpu>.json`` (then ``default.json`` if ``fallback``),
-    updated with the ``GQLA_TRITON_CONFIG`` override; None when no entry matches and nothing is overridden."""
+    cls = schema(op)
     key = dict(key or {})
+    check_match_key(cls, key, where=" (select_config key)")
     cfg = _match(_load_table(gpu), op, key)
     if cfg is None and fallback:
         cfg = _match(_load_table("default"), op, key)
+    layers = []
     raw = os.environ.get("GQLA_TRITON_CONFIG")
-    if raw and op in _env_override(raw):
-        cfg = dict(cfg or {}, **_env_override(raw)[op])
+    if raw:
+        layers.append(_env_override(raw))
+    layers.extend(_OVERRIDES)
+    for layer in layers:
+        if op in layer:
+            cfg = cls.from_fields(layer[op], base=cfg, where=" (override)")
     return cfg
 
 
-def _current_device_key() -> str:
-    import torch
+def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any = None):
+    """Launch config of ``op`` on this GPU: an instance of its schema (``schema(op)``).
 
-    if not is_interpreter() and not torch.cuda.is_available():
-        raise ValueError("choose_decode_path: no CUDA device here; pass device_info= a DeviceInfo or a GPU "
-                         f"key ({', '.join(sorted({k for _, k in _GPU_NAMES}))})")
-    return device_info().key
-
-
-@dataclass(frozen=True)
-class DecodePathChoice:
-    path: str  # "absorb" or "grouped"
-    absorb_s: float  # predicted seconds per decode step, whole batch
-    grouped_s: float
-    gpu: str
-    reason: str
-
-
-def choose_decode_path(
-    layer_shape: Mapping[str, int],
-    s_q: int = 1,
-    device_info: DeviceInfo | str | None = None,
-    *,
-    batch: int = 1,
-    seqlen: int = 8192,
-    override: str | None = None,
-    kernel_efficiency: bool = True,
-) -> DecodePathChoice:
-    """Pick the GQLA decode path from the roofline model of this GPU (or a named one, e.g. ``"h20"``).
-
-    ``layer_shape`` has ``num_heads``, ``num_groups``, ``head_dim``, ``rope_dim``, ``kv_rank`` (and
-    optionally ``v_head_dim``). ``override`` ("absorb" / "grouped") or ``GQLA_TRITON_DECODE_PATH`` wins.
-    With ``kernel_efficiency`` each path's roofline time is divided by the fraction of it that our kernel
-    was measured to reach on that GPU (``decode_path`` entry of ``configs/<gpu>.json``: ``absorb_efficiency``,
-    ``grouped_efficiency``; 1 where not measured), so the pick follows the kernels as they are today;
-    ``kernel_efficiency=False`` compares the hardware bounds alone.
+    ``key`` holds the shape features the table may match on (e.g. ``{"K": 128, "V": 128}``; the names are the
+    schema's ``MATCH``). Lookup: the table of this GPU, then ``default.json``, then the overrides. Under the
+    interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
     """
-    from . import roofline
-
-    if isinstance(device_info, DeviceInfo):
-        gpu = device_info.key
-    elif isinstance(device_info, str):
-        gpu = device_info
-    else:
-        gpu = _current_device_key()
-    spec = roofline.gpu_spec(gpu)
-    t_abs = roofline.mla_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_mla_shape(layer_shape)).time(spec)
-    t_grp = roofline.gqa_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_gqa_shape(layer_shape)).time(spec)
-    basis = f"roofline on {spec.name}"
-    if kernel_efficiency:
-        eff = _table_config(gpu, "decode_path", {"s_q": s_q}, fallback=False) or {}
-        e_abs, e_grp = float(eff.get("absorb_efficiency", 1.0)), float(eff.get("grouped_efficiency", 1.0))
-        if not (0 < e_abs <= 1 and 0 < e_grp <= 1):
-            raise ValueError(f"decode_path efficiencies must lie in (0, 1], got absorb {e_abs}, grouped {e_grp}")
-        t_abs, t_grp = t_abs / e_abs, t_grp / e_grp
-        if eff:
-            basis += f" x measured kernel efficiency (absorb {e_abs:.2f}, grouped {e_grp:.2f})"
-    forced = override or os.environ.get("GQLA_TRITON_DECODE_PATH")
-    if forced:
-        if forced not in ("absorb", "grouped"):
-            raise ValueError(f"decode path override must be 'absorb' or 'grouped', got {forced!r}")
-        return DecodePathChoice(forced, t_abs, t_grp, spec.name, "override")
-    path = "absorb" if t_abs <= t_grp else "grouped"
-    return DecodePathChoice(path, t_abs, t_grp, spec.name, basis)
-
-
-def _mla_shape(s: Mapping[str, int]) -> dict:
-    return dict(num_heads=s["num_heads"], kv_rank=s["kv_rank"], rope_dim=s["rope_dim"])
-
-
-def _gqa_shape(s: Mapping[str, int]) -> dict:
-    return dict(
-        num_heads=s["num_heads"],
-        num_groups=s["num_groups"],
-        head_dim=s["head_dim"],
-        v_head_dim=s.get("v_head_dim", s["head_dim"]),
-        rope_dim=s["rope_dim"],
-    )
+    info = device_info(device)
+    cfg = table_config(info.key, op, key, fallback=not info.interpreter)
+    if cfg is None:
+        raise KeyError(f"select_config: no config for op {op!r} (key {dict(key or {})}) in configs/{info.key}.json")
+    return cfg

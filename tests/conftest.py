@@ -68,3 +68,22 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
+@pytest.fixture
+def config_override():
+    """``with config_override({"<op>": {"<field>": value}}):`` runs the block under those launch-config fields
+    (``gqla_triton.dispatch.config_override``: names and types checked against the op's schema)."""
+    from gqla_triton.dispatch import config_override as override
+
+    return override
+
+
+@pytest.fixture
+def poison_buffers():
+    """Every buffer a launcher allocates during the test starts NaN-filled (integers: a large negative), so an
+    element a kernel fails to write fails the comparison (``gqla_triton.ops._common.alloc.poisoned``)."""
+    from gqla_triton.ops._common.alloc import poisoned
+
+    with poisoned():
+        yield

@@ -8,11 +8,32 @@ dtype) and ``lse [B, H, Q]`` fp32. Rows with no key anywhere give ``out = 0``, `
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 import triton
 import triton.language as tl
 
 from ...dispatch import select_config
+from .config import KernelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig(KernelConfig):
+    """``combine``: ``elems`` = largest (heads x D) tile of one program; ``num_warps``."""
+
+    OP: ClassVar[str] = "combine"
+    MATCH: ClassVar[dict] = {"D": int}
+
+    elems: int = 2048
+    num_warps: int = 4
+
+    def check(self) -> None:
+        if self.elems < 16 or self.elems & (self.elems - 1):
+            raise ValueError(f"combine config: 'elems' must be a power of two >= 16, got {self.elems}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"combine config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")
 
 
 @triton.jit
@@ -116,9 +137,9 @@ def combine_splits(
         raise ValueError("combine_splits: the last dimension of o_partial and out must be contiguous")
     if B * Q * H == 0:
         return
-    cfg = select_config("combine", {"D": D})
+    cfg = select_config("combine", {"D": D}, device=out.device)
     BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_H = max(1, min(triton.next_power_of_2(H), cfg["ELEMS"] // BLOCK_D))
+    BLOCK_H = max(1, min(triton.next_power_of_2(H), cfg.elems // BLOCK_D))
     grid = (B * Q, triton.cdiv(H, BLOCK_H))
     combine_splits_kernel[grid](
         o_partial, lse_partial, out, lse,
@@ -127,5 +148,5 @@ def combine_splits(
         *lse_partial.stride()[:3],
         *out.stride()[:3],
         *lse.stride(),
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=cfg["num_warps"],
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=cfg.num_warps,
     )

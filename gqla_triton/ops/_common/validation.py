@@ -69,15 +69,21 @@ def check_multiple(name: str, value: int, multiple: int, *, upper: int | None = 
         raise ValueError(f"{name}: expected a positive multiple of {multiple}{bound}, got {value}")
 
 
-def check_kernel_device(device: torch.device, reference: str) -> None:
-    """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1``: never a silent fallback."""
-    if device.type == "cuda":
+def check_kernel_device(device: torch.device, reference: str, dtype: torch.dtype | None = None) -> None:
+    """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1``: never a silent fallback. The
+    interpreter computes bfloat16 wrongly (triton#11584), so ``dtype`` bfloat16 is refused there."""
+    if device.type == "cuda" and not is_interpreter():
         return
-    if device.type == "cpu" and is_interpreter():
-        return
+    if is_interpreter():
+        if dtype == torch.bfloat16:
+            raise TypeError("bfloat16 inputs: Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 "
+                            "wrongly (triton#11584); use float16 or float32 there, bfloat16 on a GPU, or "
+                            f"{reference} (impl='reference')")
+        if device.type in ("cpu", "cuda"):
+            return
     raise RuntimeError(
         f"gqla_triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); got tensors "
-        f"on {device}. For a pure-torch path on any device use {reference}."
+        f"on {device}. For a pure-torch path on any device use impl='reference' ({reference})."
     )
 
 

@@ -1,0 +1,100 @@
+"""Typed launch-config schemas: one frozen dataclass per op, validated field by field.
+
+A schema subclasses ``KernelConfig``, declares every field with its type and default, lists the shape
+features a table entry may match on in ``MATCH`` (name -> type), and may add range checks in ``check``.
+``from_fields`` builds an instance from a table entry or an override and raises ``ValueError`` naming any
+unknown field, wrong type or out-of-range value, so a misspelled entry never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
+
+__all__ = ["KernelConfig", "check_match_key"]
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if get_origin(tp) is Literal:
+        return any(value == a and type(value) is type(a) for a in get_args(tp))
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return tp.__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Base of every op's launch-config schema (see the module docstring)."""
+
+    OP: ClassVar[str] = ""
+    MATCH: ClassVar[Mapping[str, Any]] = {}
+
+    def check(self) -> None:
+        """Range checks beyond the field types; raise ``ValueError`` naming the field."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            tp = _hints(type(self))[f.name]
+            if not _type_ok(value, tp):
+                raise ValueError(f"{self.OP} config: field {f.name!r} expects {_type_name(tp)}, got {value!r}")
+        self.check()
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any], *, base: KernelConfig | None = None, where: str = ""):
+        """``base`` (or the defaults) updated with ``fields``; unknown names are a ``ValueError``."""
+        if not isinstance(fields, Mapping):
+            raise ValueError(f"{cls.OP} config{where}: expected an object of fields, got {type(fields).__name__}")
+        known = cls.field_names()
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise ValueError(f"{cls.OP} config{where}: unknown field(s) {unknown}; the fields are {sorted(known)}")
+        start = dataclasses.asdict(base) if base is not None else {}
+        try:
+            return cls(**{**start, **fields})
+        except ValueError as e:
+            raise ValueError(f"{e}{where}") from None
+
+    def replace(self, **fields: Any):
+        return self.from_fields(fields, base=self)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_match_key(schema: type[KernelConfig], key: Mapping[str, Any], *, where: str) -> None:
+    """A ``match`` object of a table entry (or a caller's key) uses only the schema's ``MATCH`` names and types."""
+    for name, value in key.items():
+        if name not in schema.MATCH:
+            raise ValueError(f"{schema.OP} config{where}: unknown match key {name!r}; the keys are "
+                             f"{sorted(schema.MATCH)}")
+        if not _type_ok(value, schema.MATCH[name]):
+            raise ValueError(f"{schema.OP} config{where}: match key {name!r} expects "
+                             f"{_type_name(schema.MATCH[name])}, got {value!r}")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls, vars(typing) | vars(__import__(cls.__module__, fromlist=["_"])))
+    return _HINTS[cls]

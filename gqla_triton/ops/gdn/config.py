@@ -1,0 +1,110 @@
+"""Launch-config schemas of the Gated DeltaNet kernels (``gdn_chunk``, ``gdn_decode``).
+
+Chunk fields are ``<stage>_<field>``, one stage per kernel: ``wy`` (the WY inverse, w and u), ``wu`` (w and u
+recomputed in the backward), ``state`` (the sequential state pass), ``seg`` (per-segment state maps for
+sequence splitting), ``out`` (output), ``dvl`` (the local dv term), ``state_bwd``, ``grad`` and ``wy_bwd``
+(backward). ``bk`` / ``bv`` are tile widths along K / V, ``num_warps`` / ``num_stages`` Triton's launch options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+from .._common.config import KernelConfig
+
+__all__ = ["ChunkConfig", "DecodeConfig"]
+
+_POW2 = (16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig(KernelConfig):
+    """``gdn_chunk``. ``wy_prec``: dot precision of the 16x16 block inverse (``"ieee"`` fp32 FMA, or ``"tf32"``:
+    every consumer of the inverse reads it at tf32 precision or below). ``seg_units > 0`` splits sequences when
+    there are fewer than ``seg_below`` (sequence x value head) units, into about ``seg_units`` units of at least
+    ``seg_min`` chunks each, so the sequential state passes run on more SMs. ``*_trans``: a term of dk taken as a
+    transposed dot result. ``*_early``: the loads that follow a kernel's K / V loop are issued before it.
+    ``*_late``: in the GVA sums of dq / dk the later value heads wait for the earlier ones' running sum after
+    their other work, while the first passes its sum on before it."""
+
+    OP: ClassVar[str] = "gdn_chunk"
+    MATCH: ClassVar[dict] = {"K": int, "V": int}
+
+    wy_bk: int = 64
+    wy_num_warps: int = 4
+    wy_num_stages: int = 3
+    wy_prec: Literal["ieee", "tf32"] = "ieee"
+    wu_bk: int = 64
+    wu_bv: int = 64
+    wu_num_warps: int = 8
+    wu_num_stages: int = 3
+    state_bv: int = 32
+    state_num_warps: int = 8
+    state_num_stages: int = 2
+    seg_units: int = 0
+    seg_below: int = 16
+    seg_min: int = 16
+    seg_bv: int = 64
+    seg_num_warps: int = 4
+    seg_num_stages: int = 2
+    out_bk: int = 64
+    out_bv: int = 64
+    out_num_warps: int = 8
+    out_num_stages: int = 2
+    out_early: bool = False
+    dvl_bk: int = 64
+    dvl_bv: int = 64
+    dvl_num_warps: int = 8
+    dvl_num_stages: int = 2
+    dvl_early: bool = False
+    state_bwd_bv: int = 32
+    state_bwd_num_warps: int = 8
+    state_bwd_num_stages: int = 2
+    grad_bv: int = 16
+    grad_num_warps: int = 8
+    grad_num_stages: int = 2
+    grad_trans: bool = False
+    grad_early: bool = False
+    grad_late: bool = False
+    wy_bwd_bk: int = 16
+    wy_bwd_bv: int = 16
+    wy_bwd_num_warps: int = 8
+    wy_bwd_num_stages: int = 1
+    wy_bwd_trans: bool = False
+    wy_bwd_late: bool = False
+
+    def check(self) -> None:
+        for name in self.field_names():
+            value = getattr(self, name)
+            if name.endswith(("_bk", "_bv")) and value not in _POW2:
+                raise ValueError(f"gdn_chunk config: {name!r} must be one of {_POW2}, got {value}")
+            if name.endswith("_num_warps") and value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"gdn_chunk config: {name!r} must be 1, 2, 4, 8 or 16, got {value}")
+            if name.endswith("_num_stages") and not 1 <= value <= 6:
+                raise ValueError(f"gdn_chunk config: {name!r} must be in [1, 6], got {value}")
+        for name in ("seg_units", "seg_below", "seg_min"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"gdn_chunk config: {name!r} must be >= 0, got {getattr(self, name)}")
+
+    def launch(self, stage: str) -> dict:
+        """Triton launch options of one stage."""
+        return {"num_warps": getattr(self, f"{stage}_num_warps"), "num_stages": getattr(self, f"{stage}_num_stages")}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig(KernelConfig):
+    """``gdn_decode``: the recurrent step's V tile and launch options."""
+
+    OP: ClassVar[str] = "gdn_decode"
+    MATCH: ClassVar[dict] = {"K": int, "V": int}
+
+    bv: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def check(self) -> None:
+        if self.bv not in _POW2:
+            raise ValueError(f"gdn_decode config: 'bv' must be one of {_POW2}, got {self.bv}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"gdn_decode config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")

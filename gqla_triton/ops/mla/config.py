@@ -1,0 +1,41 @@
+"""Launch-config schema of ``mla_decode`` (absorb path)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+from .._common.config import KernelConfig
+
+__all__ = ["MLADecodeConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeConfig(KernelConfig):
+    """``impl``: the kernel ``impl="auto"`` runs where the inputs allow it (``"gluon"``: the warp-specialised
+    Hopper kernel; ``"triton"``: the portable one). ``block_h`` rows (heads x query tokens) and ``block_n`` keys
+    per tile. Triton kernel variants: ``paged_tiles`` (one block-table lookup per page-aligned tile),
+    ``p_scratch`` (P and its row rescale pass between the warpgroups through a per-program scratch tile),
+    ``rows_ahead`` (the next tile's cache rows are loaded one iteration ahead). For the Gluon kernel
+    ``num_stages`` is the depth of its shared-memory key ring."""
+
+    OP: ClassVar[str] = "mla_decode"
+    MATCH: ClassVar[dict] = {"D": int, "DV": int, "sparse": bool, "s_q": int, "impl": str, "fp32": bool}
+
+    impl: Literal["triton", "gluon"] = "triton"
+    block_h: int = 32
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+    paged_tiles: bool = False
+    p_scratch: bool = False
+    rows_ahead: bool = False
+
+    def check(self) -> None:
+        for name in ("block_h", "block_n"):
+            if getattr(self, name) not in (16, 32, 64, 128):
+                raise ValueError(f"mla_decode config: {name!r} must be 16, 32, 64 or 128, got {getattr(self, name)}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"mla_decode config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"mla_decode config: 'num_stages' must be in [1, 6], got {self.num_stages}")
