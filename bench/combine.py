@@ -1,4 +1,6 @@
-"""Split-KV combine: merge S partial results of h_q 128 heads, D 512 (MLA) or 128 (GQA)."""
+"""Split-KV combine: merge S fp32 partial results (out, lse) of h_q 128 heads, D 512 (MLA) or 128 (GQA), into
+bf16 out and fp32 lse. Anchor: the same merge in torch (max-shifted exponentials). Memory-bound: the floor is its
+bytes over the measured copy bandwidth."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def run(names, ctx, anchors=True):
         nbytes = o.numel() * 4 + lse.numel() * 4 + out.numel() * 2 + lse_out.numel() * 4
         ms = time_ms(lambda: combine_splits(o, lse, out, lse_out))
         ctx.row("combine", name, "gqla_triton", ms, nbytes=nbytes)
-        if anchors:
+        if ctx.want("torch", anchors):
             def torch_combine():
                 m = lse.amax(1, keepdim=True)
                 w_ = torch.exp(lse - m)

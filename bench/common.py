@@ -1,7 +1,10 @@
 """Benchmark machinery shared by every ``bench/<op>.py``: timing, ceilings, anchors, rows, results JSON.
 
-A bench module defines ``WORKLOADS`` (name -> description) and ``run(names, ctx) -> list[dict]`` that
-returns rows built with ``ctx.row(...)``. Anchors are imported only here in ``bench/``, never by the package.
+A bench module defines ``WORKLOADS`` (name -> shape description) and ``run(names, ctx, anchors)``, which adds
+rows with ``ctx.row(...)`` and times an anchor only where ``ctx.want(anchor_name, anchors)``. Bench modules use
+the public API only (``import gqla_triton as gq``, ``gqla_triton.roofline``). Anchors (other libraries) are
+imported only in ``bench/``, never by the package, and an anchor that fails to import or to run is recorded,
+never fatal.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def measure_ceilings() -> dict:
 
 
 def try_import(name: str):
-    """Anchor module or None (anchors are optional; see ../shared/anchors)."""
+    """Anchor module or None (anchors are optional)."""
     try:
         return importlib.import_module(name)
     except Exception as e:  # an anchor that fails to import is reported, never fatal
@@ -83,6 +86,11 @@ def try_import(name: str):
 class BenchContext:
     ceilings: dict
     rows: list = field(default_factory=list)
+    anchors: frozenset | None = None  # anchor names to time; None: every importable one
+
+    def want(self, anchor: str, anchors: bool = True) -> bool:
+        """Whether to time ``anchor``: anchors are on and ``--anchors`` (if given) names it."""
+        return bool(anchors) and (self.anchors is None or anchor in self.anchors)
 
     def row(self, op: str, workload: str, impl: str, ms: float | None, *, flops: float = 0.0,
             nbytes: float = 0.0, **extra) -> dict:
@@ -163,6 +171,7 @@ def add_ratios(rows: list[dict], ours: str = "gqla_triton") -> None:
 
 
 def write_results(op: str, rows: list[dict], ceilings: dict, command: str) -> Path:
+    """``bench/results/<gpu>-<op>.json``: one file per (GPU, op), holding the latest run."""
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
     gpu = env["gpu"].lower().replace("nvidia ", "").replace(" ", "-")

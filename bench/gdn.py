@@ -1,4 +1,4 @@
-"""Chunked Gated DeltaNet prefill: forward and forward+backward, bf16, K = V = 128 (DESIGN.md G1-G5).
+"""Chunked Gated DeltaNet prefill: forward and forward+backward, bf16, K = V = 128 (workloads G1-G5).
 
 Anchors: fla (pure Triton: FLA_DISABLE_BACKEND_DISPATCH=1 is set before importing it) and FlashQLA
 (``flash_qla.chunk_gated_delta_rule``). fla's backward refuses on Hopper with Triton 3.4-3.7.0: its
@@ -6,6 +6,11 @@ fwd+bwd row is then recorded as None with the error. q, k are unit-norm rows (no
 g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), no initial state,
 final state requested. ``gqla_triton`` keeps the forward's chunk states for the backward (the default,
 ``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``).
+
+Each implementation runs in its own child process (``python -m bench.gdn --impl NAME --workload ...``, started
+by ``run``): host-bound workloads (G3) are then timed without other libraries' runtimes loaded, and an anchor
+that faults cannot take the other rows with it. FlashQLA compiles its TileLang kernels per shape (minutes on a
+cold cache); ``--anchors fla`` leaves it out.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import sys
 
 import torch
 
+import gqla_triton as gq
 from bench.common import time_ms, try_import
-from gqla_triton.ops.gdn.chunk import chunk_gated_delta_rule
 from gqla_triton.roofline import GDN_WORKLOADS, gdn_chunk_bwd_model, gdn_chunk_fwd_model
 
 # the roofline's workload table; G4 is varlen over these 8 sequences
@@ -70,26 +75,15 @@ OURS_RECOMPUTE = "gqla_triton_recompute"
 ANCHORS = {"fla": "fla.ops.gated_delta_rule", "flashqla": "flash_qla"}  # name -> module with chunk_gated_delta_rule
 
 
-def _wanted_anchors() -> list[str]:
-    keep = os.environ.get("GQLA_BENCH_ANCHORS")  # e.g. "fla": time only these anchors (FlashQLA compiles per shape)
-    return [n for n in ANCHORS if keep is None or n in keep.split(",")]
-
-
 def _impl(name: str):
     """``chunk_gated_delta_rule`` of gqla_triton or of one anchor (None when the anchor does not import)."""
     if name == "gqla_triton":
-        return chunk_gated_delta_rule
+        return gq.chunk_gated_delta_rule
     if name == OURS_RECOMPUTE:  # the backward recomputes the chunk states (fla's memory use)
-        return functools.partial(chunk_gated_delta_rule, save_states=False)
+        return functools.partial(gq.chunk_gated_delta_rule, save_states=False)
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla on its own Triton kernels
     mod = try_import(ANCHORS[name])
     return None if mod is None else mod.chunk_gated_delta_rule
-
-
-def anchor_impls() -> dict:
-    """Importable anchors' ``chunk_gated_delta_rule`` by name, limited by ``GQLA_BENCH_ANCHORS``."""
-    impls = {n: _impl(n) for n in _wanted_anchors()}
-    return {n: f for n, f in impls.items() if f is not None}
 
 
 def _child(impl: str, names: list[str]) -> None:
@@ -117,12 +111,11 @@ def _child(impl: str, names: list[str]) -> None:
 
 
 def run(names, ctx, anchors=True):
-    """Each implementation times all workloads in its own process: host-bound workloads (G3) are timed without
-    the other libraries' runtimes loaded (FlashQLA brings TileLang / TVM), and an anchor that faults cannot take
-    the other rows with it. Rows are recorded as each child reports them."""
+    """Each implementation times all workloads in its own process (see the module docstring); rows are recorded
+    as each child reports them."""
     shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
     models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
-    for impl in ["gqla_triton", OURS_RECOMPUTE] + (_wanted_anchors() if anchors else []):
+    for impl in ["gqla_triton", OURS_RECOMPUTE] + [n for n in ANCHORS if ctx.want(n, anchors)]:
         cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
         seen = set()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:

@@ -2,15 +2,18 @@
 
 The fp32 state (B·HV·K·V·4 bytes = 537 MB at B 256) is read and written once per call, so the floor is
 ``2 x state bytes + io`` over the measured copy bandwidth. Timed inside CUDA graphs on a random non-zero state
-pool updated in place (state_indices = a permutation of the pool rows).
+pool updated in place (state_indices = a permutation of the pool rows). Anchors: a plain copy of the state
+(the same bytes, the practical ceiling) and fla's ``fused_recurrent_gated_delta_rule`` (single-token steps only:
+with two tokens per step it faults with an illegal memory access on the H200, which would end the run's CUDA
+context). Config sweeps are a tool: ``python -m tools.sweep --op gdn_decode``.
 """
 
 from __future__ import annotations
 
 import torch
 
+import gqla_triton as gq
 from bench.common import time_graph_ms, try_import
-from gqla_triton.ops.gdn.decode import gated_delta_rule_decode
 from gqla_triton.roofline import gdn_decode_model
 
 WORKLOADS = {
@@ -34,7 +37,7 @@ def _inputs(w, dtype=torch.bfloat16):
 
 
 def run(names, ctx, anchors=True):
-    fla = try_import("fla.ops.gated_delta_rule") if anchors else None
+    fla = try_import("fla.ops.gated_delta_rule") if ctx.want("fla_fused_recurrent", anchors) else None
     for name in names:
         _one(name, ctx, anchors, fla)
         torch.cuda.empty_cache()
@@ -44,18 +47,17 @@ def _one(name, ctx, anchors, fla):
     w = WORKLOADS[name]
     m = gdn_decode_model(B=w["B"], HV=w["HV"], H=w["H"], K=w["K"], V=w["V"], s=w["s"])
     q, k, v, g, beta, state, idx = _inputs(w)
-    ms = time_graph_ms(lambda: gated_delta_rule_decode(q, k, v, g, beta, state, idx, use_qk_l2norm_in_kernel=True))
+    ms = time_graph_ms(lambda: gq.gated_delta_rule_decode(q, k, v, g, beta, state, idx, use_qk_l2norm_in_kernel=True))
     ctx.row("gdn_decode", name, "gqla_triton", ms, flops=m.flops, nbytes=m.bytes)
     if not anchors:
         return
     # the same traffic done by a plain copy of the state (read + write): the practical ceiling
-    dst = torch.empty_like(state)
-    ctx.row("gdn_decode", name, "torch_state_copy", time_graph_ms(lambda: dst.copy_(state)),
-            flops=m.flops, nbytes=m.bytes)
-    # fla's fused_recurrent with s = 2 tokens per sequence (D2) hit an illegal memory access on the H200 (session
-    # 2), which ends the CUDA context of the whole run: timed for single-token decode only
-    if w["s"] > 1:
-        print(f"[bench] fla fused_recurrent not timed on {name} (s = {w['s']} faulted on the H200)")
+    if ctx.want("torch_state_copy", anchors):
+        dst = torch.empty_like(state)
+        ctx.row("gdn_decode", name, "torch_state_copy", time_graph_ms(lambda: dst.copy_(state)),
+                flops=m.flops, nbytes=m.bytes)
+    if w["s"] > 1:  # fla's multi-token step faults on the H200 (see the module docstring)
+        print(f"[bench] fla fused_recurrent not timed on {name} (s = {w['s']})")
     elif fla is not None and hasattr(fla, "fused_recurrent_gated_delta_rule"):
         f = fla.fused_recurrent_gated_delta_rule
         try:
@@ -65,53 +67,3 @@ def _one(name, ctx, anchors, fla):
             ctx.row("gdn_decode", name, "fla_fused_recurrent", ms_f, flops=m.flops, nbytes=m.bytes)
         except Exception as e:  # anchors never break the run
             print(f"[bench] fla fused_recurrent_gated_delta_rule failed on {name}: {type(e).__name__}: {e}")
-
-
-# Config variants for ``python -m bench.gdn_decode --sweep D1,D2``: overrides of the h200.json entry.
-VARIANTS = {f"bv{bv}_w{w}": dict(BV=bv, num_warps=w, num_stages=1)
-            for bv in (16, 32, 64) for w in (2, 4, 8) if bv * 128 // (32 * w) >= 8}
-
-
-def sweep(names, *, budget_s=120.0, variants=None):
-    """Time each config variant on each workload (CUDA graphs); prints ms, % of state copy and the best."""
-    import json
-    import os
-    import time
-
-    t0 = time.time()
-    best = {}
-    for name in names:
-        w = WORKLOADS[name]
-        m = gdn_decode_model(B=w["B"], HV=w["HV"], H=w["H"], K=w["K"], V=w["V"], s=w["s"])
-        q, k, v, g, beta, state, idx = _inputs(w)
-        dst = torch.empty_like(state)
-        copy_ms = time_graph_ms(lambda: dst.copy_(state))  # noqa: B023
-        print(f"{name} state copy {copy_ms:.4f} ms", flush=True)
-        for vn, cfg in VARIANTS.items():
-            if (variants and vn not in variants) or time.time() - t0 > budget_s:
-                continue
-            os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"gdn_decode": cfg})
-            fn = lambda: gated_delta_rule_decode(q, k, v, g, beta, state, idx,  # noqa: E731, B023
-                                                 use_qk_l2norm_in_kernel=True)
-            try:
-                ms = time_graph_ms(fn)
-            except Exception as e:
-                print(f"{name} {vn} failed {type(e).__name__}: {str(e)[:150]}", flush=True)
-                continue
-            print(f"{name} {vn:<10} {ms:.4f} ms {m.bytes / ms / 1e6:7.0f} GB/s {100 * copy_ms / ms:5.1f}% of copy",
-                  flush=True)
-            if name not in best or ms < best[name][0]:
-                best[name] = (ms, vn)
-        os.environ.pop("GQLA_TRITON_CONFIG", None)
-    for name, (ms, vn) in best.items():
-        print(f"BEST {name} {vn} {ms:.4f} ms {VARIANTS[vn]}")
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="GDN decode config sweep")
-    ap.add_argument("--sweep", default="D1,D2")
-    ap.add_argument("--budget", type=float, default=120.0)
-    a = ap.parse_args()
-    sweep([n for n in a.sweep.split(",") if n], budget_s=a.budget)

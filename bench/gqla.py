@@ -6,7 +6,7 @@ page 64, bf16), M1/Q1-like shapes.
 
 Each workload adds one row per path (op ``gqla_absorb`` / ``gqla_grouped``, impl ``gqla_triton``) with extra
 fields: ``attn_ms`` (the decode kernel alone), ``model_ms`` (roofline time of the kernel on this GPU),
-``auto_pick`` (``dispatch.choose_decode_path``: roofline x the kernels' measured efficiency in the config
+``auto_pick`` (``gq.choose_decode_path``: roofline x the kernels' measured efficiency in the config
 table), ``roofline_pick`` (hardware bounds alone, ``kernel_efficiency=False``), ``winner`` (measured, whole decode
 attention) and ``pick_ok``. ``python -m bench.run --op gqla`` (add ``--no-anchors``: there are no anchors here).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+import gqla_triton as gq
 from bench.common import time_ms
 from gqla_triton.roofline import gpu_spec, gqa_decode_model, mla_decode_model
 
@@ -50,8 +51,6 @@ def make_inputs(B, S, s_q, seed=0):
 
 
 def absorb_fns(x, scale):
-    from gqla_triton.ops.mla.decode import mla_decode
-
     B, s_q = x["q_nope"].shape[:2]
     q_rope = x["q_rope"]
 
@@ -63,10 +62,10 @@ def absorb_fns(x, scale):
     q_full = absorb_q()
 
     def attn():
-        return mla_decode(q_full, x["kv"], x["bt"], x["lens"], head_dim_v=R, softmax_scale=scale)[0]
+        return gq.mla_decode(q_full, x["kv"], x["bt"], x["lens"], head_dim_v=R, softmax_scale=scale)[0]
 
     def full():
-        o = mla_decode(absorb_q(), x["kv"], x["bt"], x["lens"], head_dim_v=R, softmax_scale=scale)[0]
+        o = gq.mla_decode(absorb_q(), x["kv"], x["bt"], x["lens"], head_dim_v=R, softmax_scale=scale)[0]
         o = o.view(B * s_q, G, H // G, R).permute(1, 0, 2, 3).reshape(G, -1, R)
         return torch.bmm(o, x["w_uv"].transpose(1, 2))  # [G, B·s_q·H/G, d_v]
 
@@ -74,32 +73,28 @@ def absorb_fns(x, scale):
 
 
 def grouped_fns(x, scale):
-    from gqla_triton.ops.gqa.decode import gqa_decode
-
     q = torch.cat([x["q_nope"], x["q_rope"]], -1)
 
     def attn():
-        return gqa_decode(q, x["k"], x["v"], x["bt"], x["lens"], k_rope_cache=x["kr"], softmax_scale=scale)[0]
+        return gq.gqa_decode(q, x["k"], x["v"], x["bt"], x["lens"], k_rope_cache=x["kr"], softmax_scale=scale)[0]
 
     def full():
         qq = torch.cat([x["q_nope"], x["q_rope"]], -1)
-        return gqa_decode(qq, x["k"], x["v"], x["bt"], x["lens"], k_rope_cache=x["kr"], softmax_scale=scale)[0]
+        return gq.gqa_decode(qq, x["k"], x["v"], x["bt"], x["lens"], k_rope_cache=x["kr"], softmax_scale=scale)[0]
 
     return attn, full
 
 
 def run(names, ctx, anchors=True):
-    from gqla_triton.dispatch import choose_decode_path, device_info
-
-    info = device_info()
+    info = gq.device_info()
     spec = gpu_spec(info.key if info.key in ("h100", "h200", "h20", "a100", "l40s") else "default")
     scale = (DH + DR) ** -0.5
     for name in names:
         w = WORKLOADS[name]
         B, S, s_q = w["B"], w["S"], w["s_q"]
         x = make_inputs(B, S, s_q)
-        pick = choose_decode_path(SHAPE, s_q, info, batch=B, seqlen=S)
-        hw = choose_decode_path(SHAPE, s_q, info, batch=B, seqlen=S, kernel_efficiency=False)
+        pick = gq.choose_decode_path(SHAPE, s_q, info, batch=B, seqlen=S)
+        hw = gq.choose_decode_path(SHAPE, s_q, info, batch=B, seqlen=S, kernel_efficiency=False)
         m_abs = mla_decode_model(B, S, s_q, num_heads=H, kv_rank=R, rope_dim=DR)
         m_grp = gqa_decode_model(B, S, s_q, num_heads=H, num_groups=G, head_dim=DH, v_head_dim=DH, rope_dim=DR)
         proj = 2 * 2 * B * s_q * H * DH * R  # the two absorb projections (W_UK, W_UV)

@@ -1,7 +1,9 @@
-"""Benchmark runner: ``python -m bench.run --op gdn,mla --workload G1,M1`` (default: all of each op).
+"""Benchmark CLI: ``python -m bench.run --op gdn,mla [--workload G1,M1] [--anchors fla] [--no-anchors]``.
 
-Measures the copy / GEMM ceilings in the same run, times our kernels and every importable anchor, prints
-one table and writes ``bench/results/<gpu>-<op>.json``. ``--op ceilings`` measures only the ceilings.
+Measures the copy / GEMM ceilings in the same run, times gqla_triton's public ops and every importable anchor
+(fla, FlashQLA, FlashMLA, torch) on the named workloads (default: all of each op), prints one table per op and
+writes ``bench/results/<gpu>-<op>.json`` (git sha, versions, GPU name, the exact command, ceilings, rows).
+``--op ceilings`` measures only the ceilings. Needs a CUDA GPU; ``--help`` and ``--list`` work anywhere.
 """
 
 from __future__ import annotations
@@ -9,43 +11,69 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import shlex
 import sys
-
-from bench.common import BenchContext, add_ratios, environment, measure_ceilings, print_table, write_results
 
 OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla"]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--op", default="combine", help=f"comma list of {OPS} or 'ceilings'")
-    ap.add_argument("--workload", default="", help="comma list of workload names (default: all)")
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--op", default="combine", help=f"comma list of {','.join(OPS)}, or 'ceilings'")
+    ap.add_argument("--workload", default="", help="comma list of workload names (default: all of each op)")
+    ap.add_argument("--anchors", default=os.environ.get("GQLA_BENCH_ANCHORS", ""),
+                    help="comma list of anchor names to time (default: every importable one; environment "
+                         "variable GQLA_BENCH_ANCHORS sets the default), e.g. fla,flashqla,flash_mla,torch_sdpa")
     ap.add_argument("--no-anchors", action="store_true", help="time only gqla_triton")
-    args = ap.parse_args(argv)
+    ap.add_argument("--list", action="store_true", help="print each op's workloads and exit (no GPU needed)")
+    return ap
+
+
+def _command(argv: list[str]) -> str:
+    """The command line as typed, with the environment variables that change what is measured."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("GQLA_BENCH_ANCHORS", "GQLA_TRITON_CONFIG")
+           if os.environ.get(k)]
+    return " ".join(env + ["python -m bench.run"] + [shlex.quote(a) for a in argv])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    ops = [o for o in args.op.split(",") if o]
+    for op in ops:
+        if op not in OPS + ["ceilings"]:
+            sys.exit(f"unknown op {op!r}; choose from {OPS} or 'ceilings'")
+    if args.list:
+        for op in ops if ops != ["ceilings"] else OPS:
+            mod = importlib.import_module(f"bench.{op}")
+            print(f"{op}: " + ", ".join(f"{n} {w}" for n, w in mod.WORKLOADS.items()))
+        return
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("bench.run needs a CUDA GPU")
-    command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    from bench.common import BenchContext, add_ratios, environment, measure_ceilings, print_table, write_results
+
+    command = _command(argv)
     ceilings = measure_ceilings()
     print(json.dumps({"env": environment(), "ceilings": ceilings}))
-    ops = [o for o in args.op.split(",") if o]
     if ops == ["ceilings"]:
-        write_results("ceilings", [], ceilings, command)
+        print(f"wrote {write_results('ceilings', [], ceilings, command)}")
         return
     wanted = [w for w in args.workload.split(",") if w]
+    only = frozenset(a for a in args.anchors.split(",") if a) or None
     for op in ops:
-        if op not in OPS:
-            sys.exit(f"unknown op {op!r}; choose from {OPS}")
         mod = importlib.import_module(f"bench.{op}")
         names = [w for w in wanted if w in mod.WORKLOADS] if wanted else list(mod.WORKLOADS)
-        ctx = BenchContext(ceilings)
+        if not names:
+            continue
+        ctx = BenchContext(ceilings, anchors=only)
         mod.run(names, ctx, anchors=not args.no_anchors)
         add_ratios(ctx.rows)
         print(f"\n== {op}")
         print_table(ctx.rows)
-        path = write_results(op, ctx.rows, ceilings, command)
-        print(f"wrote {path}")
+        print(f"wrote {write_results(op, ctx.rows, ceilings, command)}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ SQ1 on the grouped path (``gqa_decode``, indices shared by the 8 groups).
 
 Anchor for SM1/SM2: FlashMLA's bf16 sparse kernel (``flash_mla.flash_mla_sparse_fwd``, sgl-flash-mla; each
 decode query is one row of its ``s_q`` axis and indices are physical cache rows). No public kernel has SQ1.
+``gqla_triton`` rows carry ``graph_ms``: the same call inside a CUDA graph (how a serving loop runs decode).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _graph_ms(name, fn):
 
 
 def _run_mla(name, w, ctx, anchors):
-    from gqla_triton import mla_decode  # lazily: the absorb-path kernel lives in ops/mla
+    import gqla_triton as gq
 
     B, S, s_q, topk = w["batch"], w["seqlen"], w.get("s_q", 1), w["topk"]
     dev = "cuda"
@@ -59,10 +60,10 @@ def _run_mla(name, w, ctx, anchors):
     idx = _topk_indices(B, s_q, S, topk, dev)
     model = mla_decode_model(**w)
     scale = 576**-0.5
-    ours = lambda: mla_decode(q, kv, bt, lens, 512, scale, causal=True, indices=idx)  # noqa: E731
+    ours = lambda: gq.mla_decode(q, kv, bt, lens, 512, scale, causal=True, indices=idx)  # noqa: E731
     ctx.row("sparse_decode", name, "gqla_triton", time_ms(ours), flops=model.flops, nbytes=model.bytes,
             graph_ms=_graph_ms(name, ours))
-    if not anchors:
+    if not ctx.want("flash_mla", anchors):
         return
     fm = try_import("flash_mla")
     if fm is None or not hasattr(fm, "flash_mla_sparse_fwd"):
@@ -82,7 +83,7 @@ def _run_mla(name, w, ctx, anchors):
 
 
 def _run_gqa(name, w, ctx, anchors):
-    from gqla_triton import gqa_decode
+    import gqla_triton as gq
 
     B, S, s_q, topk = w["batch"], w["seqlen"], w.get("s_q", 1), w["topk"]
     dev = "cuda"
@@ -95,7 +96,7 @@ def _run_gqa(name, w, ctx, anchors):
     kr = torch.randn(bt.numel(), PAGE, dr, device=dev, dtype=torch.bfloat16)
     idx = _topk_indices(B, s_q, S, topk, dev)
     model = gqa_decode_model(**w)
-    ours = lambda: gqa_decode(q, k, v, bt, lens, kr, indices=idx)  # noqa: E731
+    ours = lambda: gq.gqa_decode(q, k, v, bt, lens, kr, indices=idx)  # noqa: E731
     ctx.row("sparse_decode", name, "gqla_triton", time_ms(ours), flops=model.flops, nbytes=model.bytes,
             graph_ms=_graph_ms(name, ours))
 

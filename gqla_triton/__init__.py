@@ -13,21 +13,25 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first attribute access)
 _EXPORTS = {
-    "chunk_gated_delta_rule": "gqla_triton.ops.gdn.chunk",
-    "gated_delta_rule_decode": "gqla_triton.ops.gdn.decode",
-    "mla_decode": "gqla_triton.ops.mla.decode",
-    "gqa_decode": "gqla_triton.ops.gqa.decode",
+    "chunk_gated_delta_rule": "gqla_triton.ops.gdn",
+    "gated_delta_rule_decode": "gqla_triton.ops.gdn",
+    "mla_decode": "gqla_triton.ops.mla",
+    "gqa_decode": "gqla_triton.ops.gqa",
     "GatedDeltaNet": "gqla_triton.layers.gated_deltanet",
     "GQLAttention": "gqla_triton.layers.gqla",
     "LatentCache": "gqla_triton.layers.cache",
     "GroupedCache": "gqla_triton.layers.cache",
     "trans_gqla": "gqla_triton.convert.trans_gqla",
-    "choose_decode_path": "gqla_triton.dispatch",
+    "RMSNorm": "gqla_triton.layers.norm",
+    "choose_decode_path": "gqla_triton.decode_path",
+    "DecodePathChoice": "gqla_triton.decode_path",
     "select_config": "gqla_triton.dispatch",
+    "config_override": "gqla_triton.dispatch",
     "device_info": "gqla_triton.dispatch",
 }
+_MODULES = ("dispatch", "decode_path", "roofline", "layers", "ops", "convert", "testing")
 
-__all__ = sorted(_EXPORTS) + ["dispatch", "roofline", "layers", "ops"]
+__all__ = sorted(_EXPORTS) + list(_MODULES)
 
 
 def __getattr__(name: str):
@@ -35,7 +39,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    if name in ("dispatch", "roofline", "layers", "ops", "convert"):
+    if name in _MODULES:
         return importlib.import_module(f"gqla_triton.{name}")
     raise AttributeError(f"module 'gqla_triton' has no attribute {name!r}")
 

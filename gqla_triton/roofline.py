@@ -1,7 +1,8 @@
 """GPU spec table and FLOP / byte models of every op, with the roofline floor time they imply.
 
-``python -m gqla_triton.roofline`` prints intensity, floor time and predicted tokens/s per GPU for the
-standard workloads of DESIGN.md, and the GQLA paper's decode-throughput figures.
+``python -m gqla_triton.roofline`` prints the GPU specs, the floor time of each standard benchmark workload
+(``docs/design.md``) per GPU, the decode-path choice per GPU for the paper's layer at several batch sizes and
+lengths, and the GQLA paper's decode-throughput figures.
 
 Peak numbers are vendor datasheet values (dense bf16 tensor-core FLOP/s, HBM bandwidth); ``measured``
 entries are the ceilings measured on our H200 (device-to-device copy, 8192^3 bf16 GEMM).
@@ -198,35 +199,84 @@ def workload_models() -> dict[str, OpModel]:
     return out
 
 
-def _table(gpus: list[str]) -> str:
-    lines = []
-    head = f"{'workload':<9}{'model':<28}{'GFLOP':>9}{'MB':>9}{'FLOP/B':>8}"
-    head += "".join(f"{g + ' floor us':>18}{'Mtok/s':>8}" for g in gpus)
-    lines.append(head)
+def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """Plain-text table with aligned columns; ``align`` per column: ``l`` or ``r`` (default: text left,
+    numbers right)."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if align is None:
+        align = "".join("r" if rows and isinstance(rows[0][i], (int, float)) or (cells and _numeric(cells[0][i]))
+                        else "l" for i in range(len(headers)))
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(vals, widths, align, strict=True))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]).rstrip()
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text.split()[0])
+        return True
+    except (ValueError, IndexError):
+        return False
+
+
+PAPER_LAYER = dict(num_heads=128, num_groups=8, head_dim=128, v_head_dim=128, rope_dim=64, kv_rank=512)
+PATH_SHAPES = ((1, 4096, 1), (1, 32768, 1), (8, 8192, 1), (32, 16384, 1), (128, 4096, 1), (128, 4096, 2))
+
+
+def _spec_table(gpus: list[str]) -> str:
+    rows = [[g, gpu_spec(g).name, f"{gpu_spec(g).bf16_flops / 1e12:.0f}", f"{gpu_spec(g).hbm_bytes_s / 1e12:.2f}",
+             f"{gpu_spec(g).ridge:.0f}", gpu_spec(g).sm_count] for g in gpus]
+    return format_table(["gpu", "name", "bf16 TFLOP/s", "HBM TB/s", "ridge FLOP/B", "SMs"], rows, "llrrrr")
+
+
+def _workload_table(gpus: list[str]) -> str:
+    rows = []
     for name, m in workload_models().items():
-        row = f"{name:<9}{m.name:<28}{m.flops / 1e9:>9.1f}{m.bytes / 1e6:>9.1f}{m.intensity:>8.0f}"
-        for g in gpus:
-            s = gpu_spec(g)
-            row += f"{m.time(s) * 1e6:>12.1f} ({m.bound(s)[0]}){'':>2}{m.tokens_per_s(s) / 1e6:>8.2f}"
-        lines.append(row)
-    return "\n".join(lines)
+        row = [name, m.name, f"{m.flops / 1e9:.1f}", f"{m.bytes / 1e6:.1f}", f"{m.intensity:.0f}"]
+        row += [f"{m.time(gpu_spec(g)) * 1e6:.1f} {m.bound(gpu_spec(g))[0]}" for g in gpus]
+        rows.append(row)
+    heads = ["workload", "model", "GFLOP", "MB", "FLOP/B"] + [f"{g} us" for g in gpus]
+    return format_table(heads, rows, "llrrr" + "r" * len(gpus))
+
+
+def _path_table(gpus: list[str]) -> str:
+    from .decode_path import choose_decode_path
+
+    rows = []
+    for g in gpus:
+        for batch, seqlen, s_q in PATH_SHAPES:
+            hw = choose_decode_path(PAPER_LAYER, s_q, g, batch=batch, seqlen=seqlen, kernel_efficiency=False)
+            ours = choose_decode_path(PAPER_LAYER, s_q, g, batch=batch, seqlen=seqlen)
+            rows.append([g, batch, seqlen, s_q, f"{hw.absorb_s * 1e6:.1f}", f"{hw.grouped_s * 1e6:.1f}", hw.path,
+                         ours.path if ours.reason != hw.reason else "(same: no measured table)"])
+    heads = ["gpu", "batch", "seqlen", "s_q", "absorb us", "grouped us", "roofline pick", "pick with measured efficiency"]
+    return format_table(heads, rows, "lrrrrrll")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpus", default="h100,h200,h200-measured,h20,a100,l40s")
+    ap.add_argument("--gpus", default="h100,h200,h200-measured,h20,a100,l40s",
+                    help="comma list of GPU keys (%(default)s)")
     args = ap.parse_args(argv)
-    gpus = args.gpus.split(",")
-    print("GPU specs (dense bf16 FLOP/s, HBM B/s, ridge FLOP/B)")
+    gpus = [g for g in args.gpus.split(",") if g]
     for g in gpus:
-        s = gpu_spec(g)
-        print(f"  {g:<14}{s.bf16_flops / 1e12:>7.0f} TFLOP/s {s.hbm_bytes_s / 1e12:>6.2f} TB/s  ridge {s.ridge:>5.0f}")
-    print("\nStandard workloads: floor time (c = compute-bound, m = memory-bound) and query tokens/s")
-    print(_table(gpus))
-    print("\nGQLA paper (h_q 128, g 8, d_h 128, r_kv 512, d_R 64, L 8192), per-sequence decode tokens/s:")
-    for g in ("h100", "h200", "h20"):
-        for path, s_q in (("absorb", 1), ("absorb", 2), ("grouped", 1), ("grouped", 2)):
-            print(f"  {g:<6}{path:<9}s_q={s_q}  {paper_tokens_per_s(g, path, s_q) / 1e3:>8.1f}k tok/s")
+        gpu_spec(g)  # unknown names fail before any output
+    print("GPU specs (dense bf16 tensor-core rate, HBM bandwidth; ridge = the FLOP/byte above which an op is "
+          "compute-bound)\n")
+    print(_spec_table(gpus))
+    print("\nStandard workloads: roofline floor per GPU in microseconds (c = compute-bound, m = memory-bound)\n")
+    print(_workload_table(gpus))
+    print("\nGQLA decode-path choice, paper layout (h_q 128, g 8, d_h 128, r 512, d_R 64): floor time of each path "
+          "for the whole batch\n")
+    print(_path_table(gpus))
+    print("\nGQLA paper per-sequence decode throughput at L 8192 (cache reads only)\n")
+    rows = [[g, path, s_q, f"{paper_tokens_per_s(g, path, s_q) / 1e3:.1f}"]
+            for g in ("h100", "h200", "h20") for path, s_q in (("absorb", 1), ("absorb", 2), ("grouped", 1),
+                                                              ("grouped", 2))]
+    print(format_table(["gpu", "path", "s_q", "k tok/s"], rows, "llrr"))
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def assert_close_token_sum(name: str, out: torch.Tensor, ref64: torch.Tensor, lo
     A sum with cancellation has a relative error far above its terms', and which of two low-precision
     implementations lands closer to the float64 sum on one example is chance, so ``out`` is not judged against
     ``lowp``'s error alone. ``d`` gets the data-derived check of ``assert_close``; the sum's error then gets that
-    check's per-token budget carried through the sum by Cauchy-Schwarz, |Σ Δd·w| <= ‖Δd‖·‖w‖ per head, plus
+    check's per-token error bound carried through the sum by Cauchy-Schwarz, |Σ Δd·w| <= ‖Δd‖·‖w‖ per head, plus
     ``factor`` times ``lowp``'s own error (roundings outside the kernel: parameters, inputs, the stored gradient).
     """
     assert_close(f"{name} per token", d, d64, dlp, dtype=dtype, factor=factor)

@@ -1,7 +1,7 @@
 """GatedDeltaNet layer (layers/gated_deltanet.py): prefill + decode == prefill, varlen == loop, grads vs reference.
 
 Every low-precision result is judged against the float64 reference layer (same weights) with the data-derived
-tolerance of the harness: the low-precision reference layer (same dtype, pure torch) sets the error budget.
+tolerance of the harness: the low-precision reference layer (same dtype, pure torch) sets the error bound.
 """
 
 import copy

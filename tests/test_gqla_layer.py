@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gqla_triton.layers.cache import GroupedCache, LatentCache
-from gqla_triton.layers.gqla import GQLAttention, gqla_reference
+from gqla_triton.layers.gqla import GQLAttention
+from gqla_triton.testing import gqla_reference
 
 PAGE = pick(16, 64)
 # hidden, h_q, d_h, d_R, r

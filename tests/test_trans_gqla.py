@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from test_gqla_layer import PAGE, make_layer
 
 from gqla_triton.convert import gqa_attention_reference, trans_gqla
-from gqla_triton.layers.gqla import gqla_reference
+from gqla_triton.testing import gqla_reference
 
 
 def gqa_source(seed, *, hidden, h, g, d, dv=None):

@@ -13,6 +13,7 @@ _EXPORTS = {
     "GQLAttention": "gqla_triton.layers.gqla",
     "LatentCache": "gqla_triton.layers.cache",
     "GroupedCache": "gqla_triton.layers.cache",
+    "RMSNorm": "gqla_triton.layers.norm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gdn.chunk import chunk_gated_delta_rule
-from ..ops.gdn.decode import gated_delta_rule_decode
+from ..ops._common.impl import check_impl
+from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
+from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
@@ -60,7 +61,8 @@ class GatedDeltaNet(nn.Module):
     Args:
         hidden_size: model width. num_heads (H): q/k heads. num_v_heads (HV): value heads, ``HV % H == 0``.
         head_k_dim (K), head_v_dim (V): per-head dims. conv_size: short-conv width (>= 2).
-        norm_eps: gated RMSNorm epsilon. impl: ``"triton"`` (kernels) or ``"reference"`` (pure torch, any device).
+        norm_eps: gated RMSNorm epsilon. layer_idx: position in the model (informational).
+        impl: ``"auto"`` / ``"triton"`` (the Triton kernels) or ``"reference"`` (pure torch, any device and dtype).
         save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
@@ -74,15 +76,14 @@ class GatedDeltaNet(nn.Module):
     max_decode_tokens = 16
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int | None = None, impl: str = "triton",
+                 conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int | None = None, impl: str = "auto",
                  device=None, dtype=None, *, save_states: bool = True):
         super().__init__()
         if num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
         if conv_size < 2:
             raise ValueError(f"conv_size: expected >= 2, got {conv_size}")
-        if impl not in ("triton", "reference"):
-            raise ValueError(f"impl: expected 'triton' or 'reference', got {impl!r}")
+        check_impl(impl, op="GatedDeltaNet", gluon=False)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
@@ -149,12 +150,6 @@ class GatedDeltaNet(nn.Module):
         tail = (cu[1:] + torch.arange(1, N + 1, device=x.device) * (W - 1))[:, None] - (W - 1) + j
         return y[dest - (W - 1)][None], xp[tail.flatten()].reshape(N, W - 1, C).transpose(1, 2)
 
-    def _gated_norm(self, o, z):
-        cdt = torch.float64 if z.dtype == torch.float64 else torch.float32
-        of = o.to(cdt)
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return (of * self.norm_weight.to(cdt) * F.silu(z.to(cdt))).to(z.dtype)
-
     def _rule(self, q, k, v, g, beta, state0, cu_seqlens, want_final):
         if self.impl == "reference":
             o, fin = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state0,
@@ -162,7 +157,8 @@ class GatedDeltaNet(nn.Module):
                                                     cu_seqlens=cu_seqlens)
             return o.to(v.dtype), fin
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0, output_final_state=want_final,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, save_states=self.save_states)
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                                      save_states=self.save_states, impl=self.impl)
 
     # --------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,
@@ -193,8 +189,9 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(cdt))
         g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
 
-        if decode and self.impl == "triton":
-            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True)
+        if decode and self.impl != "reference":
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
+                                        impl=self.impl)
         else:
             state0 = cache.recurrent_state[rows_l] if warm else None
             o, fin = self._rule(q, k, v, g, beta, state0, cu_seqlens, cache is not None)
@@ -204,5 +201,5 @@ class GatedDeltaNet(nn.Module):
             cache.conv_state.index_copy_(0, rows_l, conv_fin.detach().to(cache.conv_state.dtype))
             cache.seqlen += T
 
-        o = self._gated_norm(o, self.z_proj(x).reshape(B, T, HV, V))
+        o = gated_rms_norm(o, self.z_proj(x).reshape(B, T, HV, V), self.norm_weight, self.norm_eps)
         return self.o_proj(o.reshape(B, T, self.value_dim))

@@ -16,7 +16,7 @@ already holds tokens of these sequences, ``s_q = T >= 1`` new tokens) runs
 - ``grouped``: per-group ``K = W_UK c``, ``V = W_UV c`` in a ``GroupedCache`` -> ``gqa_decode`` -> ``o_proj``.
 
 The cache kind decides the path; ``path`` fixes it ("absorb" / "grouped") or leaves it to
-``dispatch.choose_decode_path`` ("auto", used by ``make_cache``).
+``choose_decode_path`` ("auto", used by ``make_cache``).
 """
 
 from __future__ import annotations
@@ -25,44 +25,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops._common.impl import check_impl
+from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from .cache import GroupedCache, LatentCache, _as_ids
+from .norm import RMSNorm
 from .rope import apply_rope
 
-__all__ = ["GQLAttention", "RMSNorm", "gqla_reference"]
+__all__ = ["GQLAttention"]
 
 _PATHS = ("auto", "absorb", "grouped")
-_IMPLS = ("triton", "reference")
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) · weight``, computed in at least float32, returned in ``x``'s dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class GQLAttention(nn.Module):
-    """Group-Query Latent Attention layer (see module docstring).
+    """Group-Query Latent Attention layer (see the module docstring for the weights and both decode paths).
 
-    Args: ``hidden_size``, ``num_heads`` (h_q), ``num_groups`` (g, divides h_q), ``head_dim`` (d_h, no-rope
-    key/query dims), ``rope_dim`` (d_R, even, may be 0), ``kv_rank`` (r), ``q_rank`` (None: full-rank query
-    projection), ``v_head_dim`` (d_v, default d_h), ``rope_theta``, ``softmax_scale`` (default
-    ``(d_h + d_R)^-0.5``), ``path`` ("auto" | "absorb" | "grouped"), ``impl`` ("triton": decode through the
-    Triton kernels; "reference": pure torch on any device). Keyword ``kv_norm=False`` drops the latent RMSNorm
-    (TransGQLA conversions use it: the source GQA model has none).
+    Args:
+        hidden_size: model width.
+        num_heads: query heads h_q.
+        num_groups: key/value groups g (divides h_q); head ``i`` uses group ``i // (h_q / g)``.
+        head_dim: d_h, the no-rope query/key width per head (default 128).
+        rope_dim: d_R, the rope width of the query heads and of the one shared rope key (even, may be 0).
+        kv_rank: r, the latent width (default 512).
+        q_rank: None for a full-rank query projection, else the rank of ``q_a_proj -> RMSNorm -> q_b_proj``.
+        v_head_dim: d_v (default d_h).
+        rope_theta: rotary base.
+        softmax_scale: default ``(d_h + d_R) ** -0.5``.
+        path: ``"auto"`` (``choose_decode_path`` picks per batch / length when a cache is made), ``"absorb"``
+            (MLA over a ``LatentCache``) or ``"grouped"`` (GQA over a ``GroupedCache``).
+        impl: ``"auto"`` | ``"triton"`` | ``"gluon"`` (decode kernels, passed to the ops) or ``"reference"``
+            (pure-torch decode on any device and dtype). Prefill runs torch SDPA in every case.
+        device, dtype: of the parameters.
+        kv_norm: keyword-only; False drops the latent RMSNorm (TransGQLA conversions: the source has none).
+        norm_eps: keyword-only; epsilon of the RMSNorms.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_groups: int, head_dim: int = 128, rope_dim: int = 64,
                  kv_rank: int = 512, q_rank: int | None = None, v_head_dim: int | None = None,
                  rope_theta: float = 10000.0, softmax_scale: float | None = None, path: str = "auto",
-                 impl: str = "triton", device=None, dtype=None, *, kv_norm: bool = True, norm_eps: float = 1e-6):
+                 impl: str = "auto", device=None, dtype=None, *, kv_norm: bool = True, norm_eps: float = 1e-6):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
                         ("head_dim", head_dim), ("kv_rank", kv_rank)):
@@ -78,8 +78,7 @@ class GQLAttention(nn.Module):
             raise ValueError(f"v_head_dim: expected None or a positive int, got {v_head_dim!r}")
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
-        if impl not in _IMPLS:
-            raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
+        check_impl(impl, op="GQLAttention", gluon=True)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_groups = hidden_size, num_heads, num_groups
         self.head_dim, self.rope_dim, self.kv_rank, self.q_rank = head_dim, rope_dim, kv_rank, q_rank
@@ -99,7 +98,6 @@ class GQLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_rank, num_groups * (head_dim + self.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
         self._absorbed: dict = {}
-        self._sparse = (None, None)  # (indices, topk_length) of the decode call in flight
 
     # ---- shapes / path choice -------------------------------------------------------------------------
     @property
@@ -108,8 +106,9 @@ class GQLAttention(nn.Module):
                     v_head_dim=self.v_head_dim, rope_dim=self.rope_dim, kv_rank=self.kv_rank)
 
     def choose_path(self, *, batch: int = 1, seqlen: int = 8192, s_q: int = 1, device=None, gpu: str | None = None):
-        """``dispatch.choose_decode_path`` for this layer's shape (``path`` other than "auto" is an override)."""
+        """``choose_decode_path`` for this layer's shape (``path`` other than "auto" is an override)."""
         from .. import dispatch
+        from ..decode_path import choose_decode_path
 
         if gpu is not None:
             info = gpu
@@ -117,7 +116,7 @@ class GQLAttention(nn.Module):
             dev = torch.device(device) if device is not None else self.kv_b_proj.weight.device
             info = dispatch.device_info(dev) if (dev.type == "cuda" or dispatch.is_interpreter()) else "default"
         override = None if self.path == "auto" else self.path
-        return dispatch.choose_decode_path(self.layer_shape, s_q, info, batch=batch, seqlen=seqlen, override=override)
+        return choose_decode_path(self.layer_shape, s_q, info, batch=batch, seqlen=seqlen, override=override)
 
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
                    num_pages: int | None = None, dtype=None, device=None, s_q: int = 1):
@@ -239,7 +238,6 @@ class GQLAttention(nn.Module):
                 raise TypeError(f"indices: expected int32, got {indices.dtype}")
         elif topk_length is not None:
             raise ValueError("topk_length: given without indices")
-        self._sparse = (indices, topk_length) if sparse else (None, None)
         q_nope, q_rope, c, k_rope = self._project(hidden_states, pos)
         if cache is None or max(past) == 0:
             k_nope, v = self._expand(c)
@@ -250,11 +248,11 @@ class GQLAttention(nn.Module):
             o = self._prefill(q_nope, q_rope, k_nope, k_rope, v)
         elif isinstance(cache, LatentCache):
             cache.append(ids, c, k_rope)
-            o = self._decode_absorb(q_nope, q_rope, cache, ids)
+            o = self._decode_absorb(q_nope, q_rope, cache, ids, indices, topk_length)
         else:
             k_nope, v = self._expand(c)
             cache.append(ids, k_nope, v, k_rope)
-            o = self._decode_grouped(q_nope, q_rope, cache, ids)
+            o = self._decode_grouped(q_nope, q_rope, cache, ids, indices, topk_length)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
 
     def _check_cache(self, cache) -> None:
@@ -286,34 +284,34 @@ class GQLAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
-    def _decode_absorb(self, q_nope, q_rope, cache: LatentCache, ids) -> torch.Tensor:
+    def _decode_absorb(self, q_nope, q_rope, cache: LatentCache, ids, indices, topk_length) -> torch.Tensor:
         B, T, h, dh = q_nope.shape
         g, r = self.num_groups, self.kv_rank
         w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
         q_lat = torch.einsum("btgjd,gdr->btgjr", q_nope.reshape(B, T, g, h // g, dh), w_uk).reshape(B, T, h, r)
         q = torch.cat([q_lat, q_rope], -1).to(cache.dtype).contiguous()
         bt, sl = cache.tables(ids)
-        if self.impl == "triton":
-            from ..ops.mla.decode import mla_decode
+        if self.impl == "reference":
+            out = latent_cache_attention(q, cache, ids, r, self.softmax_scale, indices, topk_length)
+        else:
+            from ..ops.mla import mla_decode
 
             out, _ = mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True,
-                                indices=self._sparse[0], topk_length=self._sparse[1])
-        else:
-            out = _latent_attention_torch(q, cache, ids, r, self.softmax_scale, *self._sparse)
+                                indices=indices, topk_length=topk_length, impl=self.impl)
         out = out.to(w_uv.dtype).reshape(B, T, g, h // g, r)
         return torch.einsum("btgjr,gvr->btgjv", out, w_uv).reshape(B, T, h, self.v_head_dim)
 
-    def _decode_grouped(self, q_nope, q_rope, cache: GroupedCache, ids) -> torch.Tensor:
+    def _decode_grouped(self, q_nope, q_rope, cache: GroupedCache, ids, indices, topk_length) -> torch.Tensor:
         q = torch.cat([q_nope, q_rope], -1).to(cache.dtype).contiguous()
         bt, sl = cache.tables(ids)
-        if self.impl == "triton":
-            from ..ops.gqa.decode import gqa_decode
+        if self.impl == "reference":
+            return grouped_cache_attention(q, cache, ids, self.head_dim, self.softmax_scale, indices, topk_length)
+        from ..ops.gqa import gqa_decode
 
-            kr = cache.k_rope if self.rope_dim > 0 else None
-            out, _ = gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
-                                causal=True, indices=self._sparse[0], topk_length=self._sparse[1])
-            return out
-        return _grouped_attention_torch(q, cache, ids, self.head_dim, self.softmax_scale, *self._sparse)
+        kr = cache.k_rope if self.rope_dim > 0 else None
+        out, _ = gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
+                            causal=True, indices=indices, topk_length=topk_length, impl=self.impl)
+        return out
 
     # ---- tensor parallel ------------------------------------------------------------------------------
     def shard(self, tp_rank: int, tp_size: int) -> GQLAttention:
@@ -353,116 +351,3 @@ class GQLAttention(nn.Module):
         return (f"hidden={self.hidden_size}, h_q={self.num_heads}, g={self.num_groups}, d_h={self.head_dim}, "
                 f"d_v={self.v_head_dim}, d_R={self.rope_dim}, r={self.kv_rank}, q_rank={self.q_rank}, "
                 f"path={self.path!r}, impl={self.impl!r}")
-
-
-# ---- pure-torch decode attention (impl="reference") ---------------------------------------------------
-def _key_weights(L: int, T: int, indices=None, n=None, device=None) -> torch.Tensor:
-    """How often query ``t`` (at position ``L-T+t``) attends to each key: float64 ``[T, L]``; causal, and when
-    ``indices [T, topk]`` is given only its first ``n`` entries inside ``[0, L)`` (duplicates count twice)."""
-    last = L - T + torch.arange(T)
-    w = (torch.arange(L)[None, :] <= last[:, None]).double()
-    if indices is not None:
-        idx = indices.long().cpu()
-        if n is not None:
-            idx = idx[:, : max(0, min(idx.shape[1], int(n)))]
-        w = torch.zeros(T, L, dtype=torch.float64)
-        for t in range(T):
-            row = idx[t][(idx[t] >= 0) & (idx[t] < L) & (idx[t] <= last[t])]
-            w[t] = torch.bincount(row, minlength=L)[:L].double()
-    return w.to(device)
-
-
-def _attend(q, k, v, scale, weights):
-    """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]``, key multiplicities ``weights [T, L]`` (0 = masked);
-    a query with no key gives 0."""
-    L = k.shape[0]
-    s = torch.einsum("thd,lhd->htl", q, k.expand(L, q.shape[1], k.shape[-1])) * scale
-    p = torch.softmax(s + weights.to(s.dtype).log()[None], -1).nan_to_num(0.0)
-    return torch.einsum("htl,lhd->thd", p, v.expand(L, q.shape[1], v.shape[-1]))
-
-
-def _latent_attention_torch(q, cache: LatentCache, ids, r: int, scale: float, indices=None,
-                            topk_length=None) -> torch.Tensor:
-    """Absorb-path attention in torch (float32 or wider): ``q [B, T, h, r + d_R]`` -> ``[B, T, h, r]``."""
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    outs = []
-    for b, s in enumerate(ids):
-        c, kr = cache.gather(s)
-        key = torch.cat([c, kr], -1).to(cdt)[:, None]
-        w = _key_weights(c.shape[0], q.shape[1], None if indices is None else indices[b],
-                         None if topk_length is None else topk_length[b], q.device)
-        outs.append(_attend(q[b].to(cdt), key, c.to(cdt)[:, None], scale, w))
-    return torch.stack(outs).to(q.dtype)
-
-
-def _grouped_attention_torch(q, cache: GroupedCache, ids, dh: int, scale: float, indices=None,
-                             topk_length=None) -> torch.Tensor:
-    """Grouped-path attention in torch (float32 or wider): ``q [B, T, h, d_h + d_R]`` -> ``[B, T, h, d_v]``."""
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    B, T, h, _ = q.shape
-    g = cache.num_groups
-    outs = []
-    for b, s in enumerate(ids):
-        k, v, kr = cache.gather(s)
-        L = k.shape[0]
-        key = torch.cat([k, kr[:, None].expand(L, g, kr.shape[-1])], -1).to(cdt).repeat_interleave(h // g, 1)
-        w = _key_weights(L, T, None if indices is None else indices[b],
-                         None if topk_length is None else topk_length[b], q.device)
-        outs.append(_attend(q[b].to(cdt), key, v.to(cdt).repeat_interleave(h // g, 1), scale, w))
-    return torch.stack(outs).to(q.dtype)
-
-
-# ---- float64 reference of the whole layer --------------------------------------------------------------
-def gqla_reference(layer: GQLAttention, hidden_states: torch.Tensor, positions: torch.Tensor, past=None, *,
-                   params: dict | None = None, indices=None, topk_length=None):
-    """Float64 CPU reference of ``layer`` (einsums only): ``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
-
-    ``positions [B, T]`` rotate the new tokens. ``past`` (optional): per sequence a pair ``(c [L_b, r],
-    k_rope [L_b, d_R])`` of cached latent tokens (rope already applied) that precede the new ones; the new
-    tokens attend causally to past + themselves. ``params`` (float64 CPU tensors by state-dict name) replaces
-    the layer's weights, e.g. leaves to differentiate the reference; ``hidden_states`` keeps its graph.
-    ``indices [B, T, topk]`` / ``topk_length [B]``: sparse attention as in ``forward``.
-    """
-    if params is None:
-        params = {k: v.detach().to("cpu", torch.float64) for k, v in layer.state_dict().items()}
-    P = params
-    x = hidden_states.to("cpu", torch.float64)
-    pos = positions.to("cpu")
-    B, T, _ = x.shape
-    h, g, dh, dv, dR, r = (layer.num_heads, layer.num_groups, layer.head_dim, layer.v_head_dim, layer.rope_dim,
-                           layer.kv_rank)
-
-    def rms(t, w):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + layer.norm_eps) * w
-
-    if layer.q_rank is None:
-        q = x @ P["q_proj.weight"].T
-    else:
-        q = rms(x @ P["q_a_proj.weight"].T, P["q_a_layernorm.weight"]) @ P["q_b_proj.weight"].T
-    q = q.view(B, T, h, dh + dR)
-    q_nope, q_rope = q[..., :dh], apply_rope(q[..., dh:], pos, layer.rope_theta)
-    kv = x @ P["kv_a_proj.weight"].T
-    c = kv[..., :r]
-    if layer.kv_norm:
-        c = rms(c, P["kv_a_layernorm.weight"])
-    k_rope = apply_rope(kv[..., r:], pos, layer.rope_theta)
-    w = P["kv_b_proj.weight"].view(g, dh + dv, r)
-    w_uk, w_uv = w[:, :dh], w[:, dh:]
-    grp = torch.arange(h) // (h // g)
-    outs = []
-    for b in range(B):
-        if past is not None and past[b] is not None:
-            pc, pk = (t.detach().to("cpu", torch.float64) for t in past[b])
-        else:
-            pc, pk = torch.zeros(0, r, dtype=torch.float64), torch.zeros(0, dR, dtype=torch.float64)
-        call, kall = torch.cat([pc, c[b]]), torch.cat([pk, k_rope[b]])
-        K = torch.einsum("gdr,lr->lgd", w_uk, call)[:, grp]  # [L, h, dh]
-        V = torch.einsum("gdr,lr->lgd", w_uv, call)[:, grp]
-        s = (torch.einsum("thd,lhd->htl", q_nope[b], K) + torch.einsum("thd,ld->htl", q_rope[b], kall))
-        s = s * layer.softmax_scale
-        w = _key_weights(call.shape[0], T, None if indices is None else indices[b],
-                         None if topk_length is None else topk_length[b])
-        p = torch.softmax(s + w.log()[None], -1).nan_to_num(0.0)
-        outs.append(torch.einsum("htl,lhd->thd", p, V))
-    o = torch.stack(outs).reshape(B, T, h * dv)
-    return o @ P["o_proj.weight"].T

@@ -1,0 +1,35 @@
+"""RMS normalisation: ``RMSNorm`` (a module) and ``gated_rms_norm`` (Qwen3-Next's output gate)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RMSNorm", "gated_rms_norm"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) · weight`` over the last dim, computed in at least float32, returned in ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm(o) · weight · silu(z)`` over the last dim (per value head), in at least float32; z's dtype out."""
+    cdt = _compute_dtype(z.dtype)
+    of = o.to(cdt)
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    return (of * weight.to(cdt) * F.silu(z.to(cdt))).to(z.dtype)

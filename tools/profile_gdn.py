@@ -1,0 +1,131 @@
+"""Per-kernel time of the chunked GDN forward + backward under torch.profiler, for launch-config variants.
+
+    python -m tools.profile_gdn [--workload G1] [--iters 5] [--config 'name={"grad_bv": 32}' ...] [--out FILE]
+
+Runs ``gq.chunk_gated_delta_rule`` forward + backward on a bench workload (``bench/gdn.py``: bf16, K = V = 128)
+and prints the mean GPU time per call of every kernel, grouped by kernel name, with the total. The first
+variant is the GPU's table config; each ``--config`` adds a variant of ``gdn_chunk`` fields applied with
+``config_override`` (field names: ``gqla_triton/ops/gdn/config.py``). Because every kernel's time is read
+separately, one variant can move several kernels at once. Each variant runs in its own process (a variant that
+faults cannot end the others' CUDA context; it is re-run with ``CUDA_LAUNCH_BLOCKING=1`` to name the kernel), and
+its outputs and gradients are compared with the table config's (max relative error), so a fast but wrong variant
+shows. ``--fwd-only`` profiles the forward alone; ``--recompute`` uses ``save_states=False``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+
+def _inputs(name: str):
+    from bench.gdn import WORKLOADS, _inputs
+
+    q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
+    return [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)], cu
+
+
+def _step(xs, cu, do, fwd_only: bool, save_states: bool):
+    import torch
+
+    import gqla_triton as gq
+
+    o, ht = gq.chunk_gated_delta_rule(*xs, output_final_state=True, cu_seqlens=cu, save_states=save_states)
+    if fwd_only:
+        return [o, ht]
+    return [o, ht, *torch.autograd.grad(o, xs, do)]
+
+
+def _kernel_times(fn, iters: int) -> dict[str, float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t > 0:
+            out[e.key] += t / iters / 1e3  # ms per call
+    return dict(out)
+
+
+def _child(a, fields: dict) -> dict:
+    import torch
+
+    from gqla_triton.dispatch import config_override
+    from tools._common import rel_err
+
+    xs, cu = _inputs(a.workload)
+    do = torch.randn_like(xs[2])
+    step = lambda: _step(xs, cu, do, a.fwd_only, not a.recompute)  # noqa: E731
+    ref = [t.detach().clone() for t in step()]
+    with config_override({"gdn_chunk": fields} if fields else {}):
+        out = [t.detach() for t in step()]
+        times = _kernel_times(step, a.iters)
+    return {"max_rel_err_vs_table": max(rel_err(x, y) for x, y in zip(out, ref, strict=True)), "kernels_ms": times}
+
+
+def main(argv=None) -> int:
+    from tools._common import parse_configs, write_json
+
+    ap = argparse.ArgumentParser(prog="python -m tools.profile_gdn", description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="G1", help="a bench.gdn workload: G1 .. G5")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--config", action="append", default=[], help="a variant: JSON gdn_chunk fields or name=JSON")
+    ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--recompute", action="store_true", help="save_states=False (the backward recomputes states)")
+    ap.add_argument("--out", default=None, help="results JSON")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one variant's fields, in a child process
+    a = ap.parse_args(argv)
+    if a.child is not None:
+        print("RESULT " + json.dumps(_child(a, json.loads(a.child))), flush=True)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("tools.profile_gdn needs a CUDA GPU")
+    variants = {"table": {}, **parse_configs(a.config)}
+    base = [sys.executable, "-m", "tools.profile_gdn", "--workload", a.workload, "--iters", str(a.iters)]
+    base += ["--fwd-only"] * a.fwd_only + ["--recompute"] * a.recompute
+    results, failed = {}, {}
+    for vn, fields in variants.items():
+        cmd = base + ["--child", json.dumps(fields)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        res = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if not res:
+            p2 = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+            where = [x.strip() for x in p2.stderr.splitlines() if "_kernel" in x or "Error" in x][-8:]
+            failed[vn] = {"config": fields, "error": where or p.stderr.splitlines()[-5:]}
+            print(f"== {vn} {json.dumps(fields)} FAILED:\n    " + "\n    ".join(failed[vn]["error"]), flush=True)
+            continue
+        r = results[vn] = {"config": fields, **res[0]}
+        r["total_ms"] = sum(r["kernels_ms"].values())
+        print(f"== {vn} {json.dumps(fields)}  total {r['total_ms']:.3f} ms  max rel err vs table "
+              f"{r['max_rel_err_vs_table']:.2e}", flush=True)
+        for k, v in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
+            print(f"   {v:8.3f} ms  {k[:100]}", flush=True)
+    kernels = sorted({k for r in results.values() for k in r["kernels_ms"]})
+    for k in kernels:
+        ms, vn = min((r["kernels_ms"][k], vn) for vn, r in results.items() if k in r["kernels_ms"])
+        if ms >= 0.005:
+            print(f"BEST {k[:60]:<60} {ms:.3f} ms  {vn}")
+    if a.out:
+        write_json(a.out, {"command": "python -m tools.profile_gdn " + " ".join(sys.argv[1:] if argv is None else argv),
+                           "what": "mean ms per call of each kernel under torch.profiler", "variants": results,
+                           "failed": failed})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""``gq.chunk_gated_delta_rule`` forward + backward over small edge-case shapes, for ``compute-sanitizer``.
+
+    compute-sanitizer --tool memcheck python -m tools.sanitize_gdn      (also: --tool racecheck / initcheck)
+
+must report 0 errors and exit 0. Without a GPU, ``TRITON_INTERPRET=1 python -m tools.sanitize_gdn`` runs the same
+cases in float32 in Triton's interpreter (a check of the script and of the interpreter's address checks).
+bf16, K = V = 128, l2-normalised q/k, initial state + final state; T in (1, 63, 65, 200) for B in (1, 2) and
+GVA (HV = 2H), plus varlen (with an empty sequence). Each result (o, final state, all six gradients) is checked
+against the float64 recurrence with the data-derived tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2,
+so a wrong answer also fails (exit 1).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import gqla_triton as gq
+from tools._common import reference
+
+chunk_gated_delta_rule_ref = reference("chunk_gated_delta_rule_ref")
+recurrent_gated_delta_rule_ref = reference("recurrent_gated_delta_rule_ref")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test under TRITON_INTERPRET=1 in fp32
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
+K = V = 128
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def rel(a, r):
+    return ((a.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+
+
+def run(fn, xs, cu, dev, **kw):
+    xs = [x.detach().to(dev).requires_grad_() for x in xs]
+    o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu if cu is None else cu.to(dev),
+               **kw)
+    g = torch.Generator().manual_seed(7)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(dev, o.dtype)
+    dht = torch.randn(ht.shape, generator=g, dtype=torch.float64).to(dev, ht.dtype)
+    torch.autograd.backward([o, ht], [do, dht])
+    return [o, ht] + [x.grad for x in xs]
+
+
+def case(seed, B, T, H, HV, cu=None):
+    g = torch.Generator().manual_seed(seed)
+    N = B if cu is None else cu.numel() - 1
+    ins = [torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g),
+           torch.randn(B, T, HV, V, generator=g), -torch.rand(B, T, HV, generator=g),
+           torch.rand(B, T, HV, generator=g) * 0.9 + 0.05, torch.randn(N, HV, K, V, generator=g) * 0.5]
+    low = [x.to(DTYPE).double() if i < 5 else x.double() for i, x in enumerate(ins)]
+    out = run(gq.chunk_gated_delta_rule, [x.to(DTYPE) if i < 5 else x for i, x in enumerate(ins)], cu, DEV,
+              use_qk_l2norm_in_kernel=True)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    ref = run(recurrent_gated_delta_rule_ref, low, cu, "cpu", use_qk_l2norm=True)
+    lp = run(chunk_gated_delta_rule_ref, [x.float() for x in low], cu, "cpu", use_qk_l2norm=True,
+             compute_dtype=DTYPE if DTYPE != torch.float32 else None)
+    bad = []
+    for name, a, r, lw in zip(NAMES, out, ref, lp, strict=True):
+        a = a.cpu()
+        e, el = rel(a, r), rel(lw, r)
+        if not bool(torch.isfinite(a).all()) or e > 2 * el + 2e-2:
+            bad.append(f"{name}: err {e:.3g} vs torch bf16 {el:.3g}")
+    tag = f"seed={seed} B={B} T={T} H={H} HV={HV} cu={None if cu is None else cu.tolist()}"
+    print(("FAIL " if bad else "ok   ") + tag + ("  " + "; ".join(bad) if bad else ""), flush=True)
+    return not bad
+
+
+def main() -> int:
+    ok = True
+    for T in (1, 63, 65, 200):
+        for B, H, HV in ((1, 1, 1), (2, 1, 1), (2, 2, 4)):
+            ok &= case(T, B, T, H, HV)
+    for lens in ((0, 1, 64, 65), (63, 0, 137), (200,)):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        ok &= case(len(lens), 1, int(cu[-1]), 1, 2, cu)
+    print("ALL OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

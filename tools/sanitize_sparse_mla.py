@@ -1,0 +1,82 @@
+"""Adversarial sparse indices and block tables through ``gq.mla_decode`` on the GPU, for ``compute-sanitizer``.
+
+    compute-sanitizer --tool memcheck python -m tools.sanitize_sparse_mla [SEEDS=3] [--impl auto|triton|gluon]
+
+must report 0 errors and exit 0.
+Indices hold huge, negative, INT32 extremes, >= cache_seqlens, beyond the block table, repeated values; block
+tables hold junk page ids (each case also runs dense over them); topk_length is negative, 0, or past topk. Every
+result is also checked against the float64 reference, so the run fails loudly (exit 1) on a wrong answer too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import gqla_triton as gq
+from tools._common import reference
+
+mla_decode_ref = reference("mla_decode_ref")
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+DTYPE = torch.bfloat16
+
+
+def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits, impl="auto"):
+    g = torch.Generator().manual_seed(seed)
+    D = r + dr
+    max_pages = 5
+    num_pages = B * max_pages + 2
+    lens = torch.randint(0, max_pages * page + 1, (B,), generator=g).int()
+    bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
+    junk_bt = torch.tensor([-1, num_pages, I32_MAX, I32_MIN], dtype=torch.int32)
+    bt = torch.where(torch.rand(B, max_pages, generator=g) < 0.2, junk_bt[torch.randint(0, 4, (B, max_pages),
+                                                                                        generator=g)], bt)
+    idx = torch.randint(0, max_pages * page * 2, (B, s_q, topk), generator=g)
+    junk = torch.tensor([-1, -2, I32_MAX, I32_MIN, I32_MAX - 63, max_pages * page, 10**9], dtype=torch.int64)
+    kind = torch.randint(0, 4, (B, s_q, topk), generator=g)
+    idx = torch.where(kind == 0, junk[torch.randint(0, len(junk), (B, s_q, topk), generator=g)], idx)
+    idx = torch.where(kind == 1, idx[..., :1].expand_as(idx), idx)  # repeats
+    idx = idx.int()
+    topk_length = torch.tensor([[-3, 0, topk, topk + 100, 1][i % 5] for i in range(B)], dtype=torch.int32)
+    q = torch.randn(B, s_q, h_q, D, generator=g).to(DTYPE)
+    kv = torch.randn(num_pages, page, 1, D, generator=g).to(DTYPE)
+    cu = lambda t: t.cuda()  # noqa: E731
+    for ix, tkl in ((idx, None), (idx, topk_length), (None, None)):  # the last: dense over the junk block table
+        out, lse = gq.mla_decode(cu(q), cu(kv), cu(bt), cu(lens), head_dim_v=r, causal=causal,
+                              indices=None if ix is None else cu(ix), topk_length=None if tkl is None else cu(tkl),
+                              num_splits=num_splits, impl=impl)
+        torch.cuda.synchronize()
+        ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=ix, topk_length=tkl)
+        err = (out.double().cpu() - ro).norm() / ro.norm().clamp(min=1e-30)
+        fin = torch.isfinite(rl)
+        bad = (not torch.equal(torch.isfinite(lse.cpu()), fin)) or err > 3e-2 or not torch.isfinite(out).all()
+        if bad:
+            print(f"FAIL seed={seed} B={B} s_q={s_q} h_q={h_q} topk={topk} causal={causal} splits={num_splits} "
+                  f"err={float(err):.3e}")
+            return False
+    return True
+
+
+def main():
+    ok = True
+    n = 0
+    args = sys.argv[1:]
+    impl = "auto"
+    if "--impl" in args:
+        i = args.index("--impl")
+        impl = args[i + 1]
+        del args[i:i + 2]
+    seeds = int(args[0]) if args else 3
+    for seed in range(seeds):
+        for (r, dr, h_q, page) in ((512, 64, 128, 64), (512, 64, 16, 16), (256, 64, 64, 32)):
+            for topk, s_q, causal, ns in ((64, 1, True, 0), (200, 2, True, 3), (2048, 1, False, 0), (33, 3, True, 1)):
+                ok &= case(seed, 3, s_q, h_q, r, dr, page, topk, causal, ns, impl)
+                n += 1
+    print(f"{n} adversarial cases, impl={impl} (sparse twice, dense once each): {'all OK' if ok else 'FAILURES'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
