@@ -1,17 +1,22 @@
 """mla_decode (absorb path, dense + sparse) against the float64 reference in ops/mla/reference.py."""
 
-import json
 import math
 import os
 
 import pytest
 import torch
-from harness import P, assert_close, capture_graph, dtypes, empty_poisoned, gen, pick, randn, rel_err, seeds
-from hypothesis import given
+from harness import P, assert_close, capture_graph, dtypes, examples, gen, pick, randn, rel_err, seeds
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gqla_triton.ops._common import sparse_rows
-from gqla_triton.ops.mla import mla_decode, mla_decode_fwd, mla_decode_ref
+from gqla_triton.ops.mla import mla_decode, mla_decode_ref
+
+# every buffer the launchers allocate starts NaN-filled: an element a kernel does not write fails the comparison
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+# the config_override fixture holds no per-example state: hypothesis tests may take it
+FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                             HealthCheck.data_too_large])
 
 DIMS = pick([(32, 16), (64, 16)], [(512, 64), (256, 64)])  # (latent r = head_dim_v, rope d_R)
 HEADS = pick([16, 48], [16, 32, 64, 128])
@@ -56,10 +61,7 @@ def _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=None, topk_lengt
 def test_dense_vs_reference(B, s_q, h_q, dims, page_size, causal, num_splits, bad_pages, dtype, seed):
     r, dr = dims
     q, kv, bt, lens, _ = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
-    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
-    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
-    mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, None, None, num_splits, out=out, lse=lse,
-                   poison_partials=True)
+    out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, num_splits=num_splits)
     _check(out, lse, q, kv, bt, lens, r, causal, dtype)
 
 
@@ -103,64 +105,43 @@ def test_empty_and_negative_positions(s_q, seed):
 
 
 # launch variants selectable through the config table (bench.mla --sweep times them on the GPU); each must compute
-# the same function. The interpreter's tile sizes come from interpreter.json plus these fields.
+# the same function. The interpreter's tile sizes come from interpreter.json plus these fields; every flag the
+# override does not name is off (the base below), so each flag runs both ways.
 VARIANTS = [
+    {},
     {"paged_tiles": True},
-    {"dv_split": 2},
-    {"paged_tiles": True, "dv_split": 2},
-    {"paged_tiles": True, "BLOCK_N": 32},  # BLOCK_N > page 16: falls back to the per-token path there
-    {"transposed": True},
-    {"transposed": True, "paged_tiles": True, "dv_split": 2},
-    {"transposed": True, "BLOCK_H": 32, "BLOCK_N": 128, "num_stages": 1},  # 128 keys x 32 heads (bench.mla t128h32)
-    # P·V one iteration late (bench.mla cp32s2); the GPU tables' dv_split 2 is overridden
-    {"carry_p": True, "dv_split": 1, "BLOCK_N": pick(16, 32)},  # 64 keys at 2 stages: 360 KB of shared memory
-    {"carry_p": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32},
-    # P and alpha through a double-buffered global scratch tile (bench.mla ps64s2 on the GPU)
-    {"p_scratch": True, "dv_split": 1},
-    {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2},
+    {"paged_tiles": True, "block_n": 32},  # block_n > page 16: the per-token path there
+    {"block_h": 32, "block_n": 128, "num_stages": 1},  # 128 keys x 32 rows
+    # P and alpha through a double-buffered global scratch tile (the H200 table's dense entry)
+    {"p_scratch": True},
+    {"p_scratch": True, "paged_tiles": True, "block_h": 64, "block_n": pick(32, 64), "num_stages": 2},
     # the next tile's row indices (sparse) or block-table entry (dense, paged tiles) loaded one iteration ahead
-    {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": pick(32, 64), "num_stages": 2,
+    # (with p_scratch and paged_tiles: the H200 table's sparse entry)
+    {"p_scratch": True, "paged_tiles": True, "block_h": 64, "block_n": pick(32, 64), "num_stages": 2,
      "rows_ahead": True},
-    # 32-key tiles on 4 stages: with rows_ahead the sm_90 pipeliner keeps a whole tile in flight (bench.mla ra32s4)
-    {"p_scratch": True, "dv_split": 1, "paged_tiles": True, "BLOCK_H": 64, "BLOCK_N": 32, "num_stages": 4,
-     "rows_ahead": True},
+    # 32-key tiles on 4 stages: with rows_ahead the sm_90 pipeliner keeps a whole tile in flight
+    {"p_scratch": True, "paged_tiles": True, "block_h": 64, "block_n": 32, "num_stages": 4, "rows_ahead": True},
     {"rows_ahead": True},
+    {"paged_tiles": True, "rows_ahead": True},
 ]
+FLAGS_OFF = {"paged_tiles": False, "p_scratch": False, "rows_ahead": False}
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) or "plain")
+@FIXTURE_OK
 @given(B=st.integers(1, 2), s_q=st.integers(1, 3), page_size=st.sampled_from(PAGES), causal=st.booleans(),
        sparse=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), bad_pages=st.booleans(), dtype=dtypes(),
        seed=seeds())
-def test_variants_vs_reference(variant, B, s_q, page_size, causal, sparse, num_splits, bad_pages, dtype, seed):
+def test_variants_vs_reference(config_override, variant, B, s_q, page_size, causal, sparse, num_splits, bad_pages,
+                               dtype, seed):
     r, dr = DIMS[0]
     h_q = HEADS[0]
     q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
     idx = _adversarial_indices(g, B, s_q, pick(24, 256), lens).to(P.device) if sparse else None
-    # the override merges into the device's table entry: features a variant does not name are switched off
-    base = {"paged_tiles": False, "dv_split": 1, "transposed": False, "carry_p": False, "p_scratch": False,
-            "rows_ahead": False}
-    out, lse = _run_config({**base, **variant}, "triton", q, kv, bt, lens, r, dr, causal, idx, num_splits)
+    with config_override({"mla_decode": {**FLAGS_OFF, **variant}}):
+        out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, num_splits=num_splits,
+                              impl="triton")
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
-
-
-def _run_config(cfg, impl, q, kv, bt, lens, r, dr, causal, idx, num_splits):
-    """``mla_decode_fwd`` with ``cfg`` overriding the mla_decode config entry (GQLA_TRITON_CONFIG), into
-    NaN-poisoned outputs and split buffers."""
-    B, s_q, h_q, _ = q.shape
-    out = empty_poisoned((B, s_q, h_q, r), dtype=q.dtype)
-    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
-    old = os.environ.get("GQLA_TRITON_CONFIG")
-    os.environ["GQLA_TRITON_CONFIG"] = json.dumps({"mla_decode": cfg})
-    try:
-        mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, None, num_splits, impl=impl, out=out,
-                       lse=lse, poison_partials=True)
-    finally:
-        if old is None:
-            os.environ.pop("GQLA_TRITON_CONFIG")
-        else:
-            os.environ["GQLA_TRITON_CONFIG"] = old
-    return out, lse
 
 
 # ---------------------------------------------------------------- sparse
@@ -218,10 +199,8 @@ def test_sparse_vs_reference(B, s_q, h_q, dims, page_size, topk, causal, with_le
     q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=True)
     idx = _adversarial_indices(g, B, s_q, topk, lens).to(P.device)
     tl_ = torch.randint(-2, topk + 3, (B,), generator=g).int().to(P.device) if with_len else None
-    out = empty_poisoned((B, s_q, h_q, r), dtype=dtype)
-    lse = empty_poisoned((B, h_q, s_q), dtype=torch.float32)
-    mla_decode_fwd(q, kv, bt, lens, r, (r + dr) ** -0.5, causal, idx, tl_, num_splits, out=out, lse=lse,
-                   poison_partials=True)
+    out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, topk_length=tl_,
+                          num_splits=num_splits)
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx, topk_length=tl_)
 
 
@@ -347,6 +326,14 @@ def test_bad_inputs():
         mla_decode(q, kv, bt, lens, head_dim_v=D + 1)
     with pytest.raises(ValueError, match="num_splits"):
         mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=-1)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=True)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, num_splits=2.0)
+    with pytest.raises((TypeError, ValueError), match="softmax_scale"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, softmax_scale="x")
+    with pytest.raises((TypeError, ValueError), match="softmax_scale"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r, softmax_scale=float("nan"))
     with pytest.raises(ValueError, match="q"):
         mla_decode(q[0], kv, bt, lens, head_dim_v=r)
     with pytest.raises(ValueError, match="indices"):
@@ -355,8 +342,9 @@ def test_bad_inputs():
         mla_decode(q, kv, bt, lens, head_dim_v=r, indices=torch.zeros(1, 1, 4, dtype=torch.int64, device=dev))
     with pytest.raises(ValueError, match="topk_length"):
         mla_decode(q, kv, bt, lens, head_dim_v=r, topk_length=torch.ones(1, dtype=torch.int32, device=dev))
-    with pytest.raises(ValueError, match="impl"):
-        mla_decode(q, kv, bt, lens, head_dim_v=r, impl="cuda")
+    for bad in ("cuda", "", None):
+        with pytest.raises(ValueError, match="impl"):
+            mla_decode(q, kv, bt, lens, head_dim_v=r, impl=bad)
     if dev == "cpu":  # no Gluon kernel under the interpreter: asked for, it is refused by name
         with pytest.raises(ValueError, match="impl='gluon'"):
             mla_decode(q, kv, bt, lens, head_dim_v=r, impl="gluon")
@@ -375,6 +363,35 @@ def test_bad_inputs():
                 mla_decode(q, kv, bt, lens, head_dim_v=r)
         finally:
             v.is_interpreter = old
+        # the interpreter computes bfloat16 wrongly: refused there, by name (the reference takes it)
+        with pytest.raises(TypeError, match="bfloat16"):
+            mla_decode(q.bfloat16(), kv.bfloat16(), bt, lens, head_dim_v=r)
+        with pytest.raises(TypeError, match="bfloat16"):
+            mla_decode(q.bfloat16(), kv.bfloat16(), bt, lens, head_dim_v=r, impl="triton")
+        out, lse = mla_decode(q.bfloat16(), kv.bfloat16(), bt, lens, head_dim_v=r, impl="reference")
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+@settings(max_examples=examples(3, 6))
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), sparse=st.booleans(), num_splits=st.sampled_from([0, 2]),
+       dtype=dtypes(), seed=seeds())
+def test_reference_impl_equals_triton(B, s_q, sparse, num_splits, dtype, seed):
+    """``impl="reference"`` is the float64 reference in the kernel's output dtypes, shapes and device;
+    ``impl="triton"`` computes the same function (data-derived tolerance); the custom op (torch.compile's route)
+    gives the eager call's bits."""
+    r, dr = DIMS[0]
+    h_q = HEADS[0]
+    q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, PAGES[0], dtype, bad_pages=True)
+    idx = _adversarial_indices(g, B, s_q, pick(24, 256), lens).to(P.device) if sparse else None
+    o_ref, l_ref = mla_decode(q, kv, bt, lens, head_dim_v=r, indices=idx, num_splits=num_splits, impl="reference")
+    o_tri, l_tri = mla_decode(q, kv, bt, lens, head_dim_v=r, indices=idx, num_splits=num_splits, impl="triton")
+    for a, b in ((o_ref, o_tri), (l_ref, l_tri)):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+    ro, rl = _check(o_tri, l_tri, q, kv, bt, lens, r, True, dtype, indices=idx)
+    assert torch.equal(o_ref.cpu(), ro.to(dtype)) and torch.equal(l_ref.cpu(), rl.float())
+    o_op, l_op = torch.ops.gqla_triton.mla_decode(q, kv, bt, lens, r, (r + dr) ** -0.5, True, idx, None, num_splits,
+                                                  "triton")
+    assert torch.equal(o_op, o_tri) and torch.equal(l_op, l_tri)
 
 
 # ---------------------------------------------------------------- GPU only
@@ -417,25 +434,28 @@ def test_torch_compile_fullgraph():
 
 # ---------------------------------------------------------------- the warp-specialised Gluon kernel (Hopper)
 
-WS_VARIANTS = [{"BLOCK_N": 64, "num_stages": 2}, {"BLOCK_N": 32, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4},
-               {"BLOCK_N": 16, "num_stages": 4}]
+GLUON_VARIANTS = [{"block_n": 64, "num_stages": 2}, {"block_n": 32, "num_stages": 3},
+                  {"block_n": 32, "num_stages": 4}, {"block_n": 16, "num_stages": 4}]
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("variant", WS_VARIANTS, ids=lambda v: f"n{v['BLOCK_N']}s{v['num_stages']}")
+@pytest.mark.parametrize("variant", GLUON_VARIANTS, ids=lambda v: f"n{v['block_n']}s{v['num_stages']}")
+@FIXTURE_OK
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from([16, 64, 128]), page_size=st.sampled_from(
        [16, 48, 64]), causal=st.booleans(), sparse=st.booleans(), num_splits=st.sampled_from([0, 1, 3]),
        bad_pages=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=seeds())
-def test_gluon_variants_vs_reference(variant, B, s_q, h_q, page_size, causal, sparse, num_splits, bad_pages, dtype,
-                                     seed):
-    """Every stage ring / tile size of the Hopper kernel (config fields ``BLOCK_N``, ``num_stages``) against
+def test_gluon_variants_vs_reference(config_override, variant, B, s_q, h_q, page_size, causal, sparse, num_splits,
+                                     bad_pages, dtype, seed):
+    """Every stage ring / tile size of the Hopper kernel (config fields ``block_n``, ``num_stages``) against
     float64, dense and sparse with adversarial indices and block tables."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernel is Hopper-only (sm_90)")
     r, dr = 512, 64
     q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=bad_pages)
     idx = _adversarial_indices(g, B, s_q, 200, lens).to(P.device) if sparse else None
-    out, lse = _run_config(variant, "gluon", q, kv, bt, lens, r, dr, causal, idx, num_splits)
+    with config_override({"mla_decode": variant}):
+        out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, num_splits=num_splits,
+                              impl="gluon")
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
 
 
@@ -447,7 +467,7 @@ def test_gluon_kernel_compiles_for_sm90(sparse, split):
     import subprocess
     import sys
 
-    code = ("from gqla_triton.ops.mla.decode_ws import compile_sm90; "
+    code = ("from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
             f"k = compile_sm90(sparse={sparse}, split={split}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -3,13 +3,15 @@
 from .combine import combine_splits, finish_rows, softmax_step, store_rows
 from .host import cdiv, next_pow2
 from .paging import (
-    choose_num_splits,
     gather_pages,
+    key_capacity,
     logical_to_physical,
+    page_rows,
     sparse_positions,
     sparse_rows,
     split_bounds,
 )
+from .split import plan_splits
 from .validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -18,6 +20,7 @@ from .validation import (
     check_multiple,
     check_same_device,
     check_same_dtype,
+    check_softmax_scale,
     check_tensor,
 )
 
@@ -29,14 +32,17 @@ __all__ = [
     "check_multiple",
     "check_same_device",
     "check_same_dtype",
+    "check_softmax_scale",
     "check_tensor",
     "cdiv",
-    "choose_num_splits",
     "combine_splits",
     "finish_rows",
     "gather_pages",
+    "key_capacity",
     "logical_to_physical",
     "next_pow2",
+    "page_rows",
+    "plan_splits",
     "softmax_step",
     "sparse_positions",
     "sparse_rows",

@@ -1,8 +1,10 @@
-"""Paged-cache math (one place for it): logical token position -> physical cache row, split-KV planning.
+"""Paged-cache math (one place for it): logical token position -> physical cache row, for the kernels
+(``@triton.jit`` helpers) and the references (``page_rows``, ``gather_pages``) alike.
 
 A paged cache is ``[num_pages, page_size, ...]``; sequence ``b`` stores its token ``p`` at row
-``block_table[b, p // page_size] * page_size + p % page_size``. Every device-side lookup here is masked
-so that no position, page index or block-table entry can address memory outside the cache.
+``block_table[b, p // page_size] * page_size + p % page_size``. A position whose page lies beyond the block
+table, or whose block-table entry is outside ``[0, num_pages)``, has no row: every lookup here is masked so
+that no position, page index or block-table entry can address memory outside the cache.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .alloc import empty
 
 
 @triton.jit
@@ -36,32 +40,31 @@ def split_bounds(seqlen, split_id, num_splits, BLOCK_N: tl.constexpr):
     return start, end
 
 
-def choose_num_splits(
-    batch: int, programs_per_seq: int, max_seqlen: int, sm_count: int, *, block_n: int = 64, max_splits: int = 64
-) -> int:
-    """Split-KV count from shapes only (no device values read: no host sync, CUDA-graph safe).
+def key_capacity(max_pages: int, page_size: int, topk: int | None = None) -> int:
+    """Most keys one sequence can attend to, from shapes only: its index row (``topk``, sparse) or what its
+    block table addresses (``max_pages · page_size``, dense)."""
+    return topk if topk is not None else max_pages * page_size
 
-    Aim for about two waves of programs over the SMs, never splits shorter than four ``block_n`` tiles.
-    """
-    base = max(1, batch * programs_per_seq)
-    want = max(1, (2 * sm_count + base - 1) // base)
-    cap = max(1, max_seqlen // (4 * block_n))
-    return int(max(1, min(want, cap, max_splits)))
+
+def page_rows(block_table: torch.Tensor, num_pages: int, page_size: int, length: int):
+    """Torch twin of ``logical_to_physical`` for positions ``0 .. length-1``: ``(rows, ok)``, both ``[B, length]``
+    (rows int64, 0 where ``ok`` is false)."""
+    max_pages = block_table.shape[1]
+    pos = torch.arange(length, device=block_table.device)
+    page = pos // page_size
+    blk = block_table[:, page.clamp(max=max_pages - 1)].long()  # [B, length]
+    ok = (page < max_pages)[None, :] & (blk >= 0) & (blk < num_pages)
+    return torch.where(ok, blk * page_size + pos % page_size, torch.zeros_like(blk)), ok
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Reference gather: ``cache [num_pages, page_size, ...]`` -> ``[B, length, ...]`` in logical order.
 
-    Entries beyond the block table or pointing outside the cache give zeros (the kernels mask them).
+    Positions without a row (``page_rows``) give zeros (the kernels mask them).
     """
     num_pages, page_size = cache.shape[:2]
-    B, max_pages = block_table.shape
-    pos = torch.arange(length, device=cache.device)
-    page = pos // page_size
-    in_table = page < max_pages
-    blk = block_table[:, page.clamp(max=max_pages - 1)].long()  # [B, length]
-    ok = in_table[None, :] & (blk >= 0) & (blk < num_pages)
-    rows = torch.where(ok, blk * page_size + pos % page_size, torch.zeros_like(blk))
+    B = block_table.shape[0]
+    rows, ok = page_rows(block_table.to(cache.device), num_pages, page_size, length)
     flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
     out = flat[rows.reshape(-1)].reshape(B, length, *cache.shape[2:])
     mask = ok.reshape(B, length, *([1] * (cache.dim() - 2)))
@@ -114,7 +117,7 @@ def sparse_rows(indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens:
     if num_pages * page_size >= 2**31:
         raise ValueError(f"kv cache: {num_pages} pages x {page_size} tokens exceed int32 row indices (sparse path)")
     idx = indices.contiguous()
-    rows = torch.empty(idx.shape, dtype=torch.int32, device=idx.device)
+    rows = empty(idx.shape, dtype=torch.int32, device=idx.device)
     B, s_q, topk = idx.shape[0], idx.shape[1], idx.shape[-1]
     NI = idx.shape[2] if idx.dim() == 4 else 1
     BLOCK = min(1024, max(16, triton.next_power_of_2(topk)))

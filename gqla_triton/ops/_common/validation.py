@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -69,6 +71,18 @@ def check_multiple(name: str, value: int, multiple: int, *, upper: int | None = 
         raise ValueError(f"{name}: expected a positive multiple of {multiple}{bound}, got {value}")
 
 
+def check_softmax_scale(softmax_scale: object, default: float) -> float:
+    """``softmax_scale`` as a float: ``default`` for None, else a real finite number (not a bool)."""
+    if softmax_scale is None:
+        return float(default)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale: expected a finite real number or None, got {type(softmax_scale).__name__} "
+                        f"{softmax_scale!r}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite real number or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def check_kernel_device(device: torch.device, reference: str, dtype: torch.dtype | None = None) -> None:
     """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1``: never a silent fallback. The
     interpreter computes bfloat16 wrongly (triton#11584), so ``dtype`` bfloat16 is refused there."""
@@ -113,7 +127,7 @@ def check_decode_inputs(
     check_multiple("page_size", page_size, 16)
     if num_pages <= 0:
         raise ValueError(f"kv cache: expected at least one page, got {num_pages}")
-    if not isinstance(num_splits, int) or num_splits < 0:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = choose from shapes), got {num_splits!r}")
     if indices is not None:
         shapes = [(B, s_q, None)] + ([(B, s_q, num_groups, None)] if num_groups else [])

@@ -1,6 +1,6 @@
 """GQLA grouped path / GQA decode: ``gqa_decode`` (dense + sparse top-k) and its float64 reference."""
 
-from .decode import gqa_decode, gqa_decode_fwd
+from .api import gqa_decode
 from .reference import gqa_decode_reference
 
-__all__ = ["gqa_decode", "gqa_decode_fwd", "gqa_decode_reference"]
+__all__ = ["gqa_decode", "gqa_decode_reference"]

@@ -4,7 +4,7 @@ Every (query token, head) attends over a *multiset* of cached positions: dense =
 ``[0, cache_seqlens)`` (causal: up to the query's position ``cache_seqlens - s_q + j``); sparse = the valid
 entries of its index row, each counted as many times as it appears (gather-then-attend semantics).
 Positions whose page lies beyond the block table, or whose block-table entry is outside ``[0, num_pages)``,
-are skipped (the kernels never read them).
+are skipped (the kernels never read them); pages are gathered through ``_common.paging``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .._common import gather_pages
+from .._common.paging import gather_pages, page_rows
 
 __all__ = ["gqa_decode_reference", "position_counts"]
 
@@ -68,11 +68,7 @@ def gqa_decode_reference(
     counts = position_counts(cache_seqlens.cpu(), s_q, g, L, causal=causal, indices=None if indices is None
                              else indices.cpu(), topk_length=None if topk_length is None else topk_length.cpu())
     # tokens whose page is beyond the block table or names no page of the cache are skipped (never read)
-    pos = torch.arange(L)
-    page = pos // page_size
-    btc = block_table.cpu().long()
-    blk = btc[:, page.clamp(max=btc.shape[1] - 1)]
-    readable = (page < btc.shape[1])[None, :] & (blk >= 0) & (blk < num_pages)  # [B, L]
+    _, readable = page_rows(block_table.cpu().long(), num_pages, page_size, L)  # [B, L]
     counts = counts * readable[:, None, None, :]
     counts = counts.repeat_interleave(G, dim=2)  # [B, s_q, h_q, L]
     kh = k.repeat_interleave(G, dim=2)  # [B, L, h_q, d]

@@ -1,4 +1,5 @@
-"""Float64 reference of ``mla_decode`` (torch only): gather the paged latent cache, then einsum attention.
+"""Float64 reference of ``mla_decode`` (torch only): gather the paged latent cache (``_common.paging``), then
+einsum attention.
 
 Definitions (the kernels follow them exactly):
 - key ``s`` of sequence ``b`` = full cache row ``[latent ; rope]`` (``D = r + d_R`` channels); its value = the
@@ -21,15 +22,9 @@ import math
 
 import torch
 
+from .._common.paging import gather_pages, key_capacity, page_rows
 
-def _key_valid(block_table: torch.Tensor, num_pages: int, page_size: int, length: int) -> torch.Tensor:
-    """[B, length] bool: the logical position has a valid physical row."""
-    B, max_pages = block_table.shape
-    pos = torch.arange(length)
-    page = pos // page_size
-    in_table = page < max_pages
-    blk = block_table[:, page.clamp(max=max_pages - 1)].long()
-    return in_table[None, :] & (blk >= 0) & (blk < num_pages)
+__all__ = ["mla_decode_ref"]
 
 
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
@@ -47,14 +42,10 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     num_pages, page_size = kv_cache.shape[:2]
     if softmax_scale is None:
         softmax_scale = D ** -0.5
-    L = block_table.shape[1] * page_size
-    # gather_pages (in _common) does the same; inlined so the reference depends on torch only
+    L = key_capacity(block_table.shape[1], page_size)
     pos = torch.arange(L)
-    valid = _key_valid(block_table, num_pages, page_size, L)
-    blk = block_table[:, (pos // page_size).clamp(max=block_table.shape[1] - 1)]
-    rows = torch.where(valid, blk * page_size + pos % page_size, torch.zeros_like(blk))
-    keys = kv_cache.reshape(num_pages * page_size, D)[rows.reshape(-1)].reshape(B, L, D)
-    keys = torch.where(valid[..., None], keys, torch.zeros((), dtype=keys.dtype))
+    _, valid = page_rows(block_table, num_pages, page_size, L)  # [B, L]: the position has a physical row
+    keys = gather_pages(kv_cache, block_table, L)[:, :, 0]  # [B, L, D], zeros where not valid
 
     qpos = seqlens[:, None] - s_q + torch.arange(s_q)[None, :]  # [B, s_q]
     last = qpos if causal else (seqlens[:, None] - 1).expand(B, s_q)

@@ -10,8 +10,9 @@ One program per (batch entry, KV split, 64-row tile), three partitions:
   passed to the tensor cores from registers. Computing S twice costs tensor work but removes every exchange
   between the warpgroups: their only shared state is the stage ring (an mbarrier pair per stage).
 
-Tiles, masks and outputs follow ``decode.py`` (same grid, same rows, same split partials); the portable Triton
-kernel there remains the implementation for other GPUs, other widths and the interpreter.
+Tiles, masks and outputs follow the portable kernel (``triton.py``; same row tiles and split partials, geometry
+from ``plan.py``), which serves other GPUs, other widths and the interpreter. The register split between the
+partitions (``PRODUCER_REGS`` / ``CONSUMER_REGS`` under a ``MAXNREG`` cap) is a constant of the kernel.
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .plan import MLAPlan
+
 # Triton 3.6 names the cp.async copy async_copy_global_to_shared; later releases call it async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
 SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
 PRODUCER_WARPS = gl.constexpr(4)
+PRODUCER_REGS = gl.constexpr(40)  # registers per thread of the producer warpgroup (setmaxnreg)
+CONSUMER_REGS = gl.constexpr(232)  # registers per thread of each consumer warpgroup
+MAXNREG = 168  # register cap of the launch (4 default warps)
+
+__all__ = ["compile_sm90", "gluon_unsupported", "mla_decode_gluon", "mla_decode_gluon_kernel"]
 
 
 @gluon.jit
@@ -222,7 +230,7 @@ def _consumer1(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, B
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
                               "HPT", "QPT", "causal"])
-def mla_decode_ws_kernel(
+def mla_decode_gluon_kernel(
     q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part,
     qk_scale,  # softmax_scale * log2(e)
     s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal,
@@ -235,7 +243,6 @@ def mla_decode_ws_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = kv.dtype.element_ty
@@ -278,8 +285,8 @@ def mla_decode_ws_kernel(
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def ws_supported(q, kv_cache, head_dim_v: int) -> str | None:
-    """Why the warp-specialised kernel cannot run these inputs (None when it can)."""
+def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> str | None:
+    """Why the Gluon kernel cannot run these inputs (None when it can); the GPU itself is checked by the caller."""
     D = q.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
@@ -290,18 +297,21 @@ def ws_supported(q, kv_cache, head_dim_v: int) -> str | None:
     return None
 
 
-def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, causal, topk_length, sparse, cfg, HPT, QPT,
-                      h_tiles, q_tiles, S, out, lse, o_part, lse_part, qk_scale):
-    """Launch the warp-specialised kernel over the geometry ``decode._plan`` chose (64-row tiles).
-    ``rows_src``: the block table (dense) or ``sparse_rows``' physical rows (sparse)."""
+def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Tensor, cache_seqlens: torch.Tensor,
+                     topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float, causal: bool, sparse: bool,
+                     p: MLAPlan, out: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor,
+                     lse_part: torch.Tensor) -> None:
+    """Launch the Gluon kernel over plan ``p`` (64-row tiles, ``num_stages`` ring stages). ``rows_src``: the block
+    table (dense) or ``sparse_rows``' physical rows (sparse); outputs as ``triton.mla_decode_triton``."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
+    S = p.num_splits
     topk = rows_src.shape[-1] if sparse else 0
-    mla_decode_ws_kernel[(B * S * h_tiles * q_tiles,)](
+    mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
         q, kv_cache, rows_src, cache_seqlens, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, qk_scale,
-        s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, h_tiles * q_tiles, h_tiles, HPT, QPT,
-        int(bool(causal)),
+        s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, p.h_tiles * p.q_tiles, p.h_tiles,
+        p.HPT, p.QPT, int(bool(causal)),
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         rows_src.stride(0), rows_src.stride(1) if sparse else 0,
@@ -309,10 +319,9 @@ def mla_decode_ws_fwd(q, kv_cache, rows_src, cache_seqlens, head_dim_v, causal, 
         lse.stride(0), lse.stride(1), lse.stride(2),
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
-        D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
+        D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
         SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
-        PRODUCER_REGS=cfg.get("producer_regs", 40), CONSUMER_REGS=cfg.get("consumer_regs", 232),
-        num_warps=4, maxnreg=cfg.get("maxnreg", 168),
+        num_warps=4, maxnreg=MAXNREG,
     )
 
 
@@ -326,14 +335,14 @@ def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = mla_decode_ws_kernel
+    fn = mla_decode_gluon_kernel
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split, PRODUCER_REGS=40, CONSUMER_REGS=232)
+                 HAS_TOPK_LEN=sparse, SPLIT=split)
     ptr = {"q": f"*{dtype}", "kv": f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptr or n.startswith("s_kv")]
     src = GluonASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))

@@ -1,0 +1,35 @@
+"""Split-KV planning: how many key ranges each (sequence, row tile) is cut into, from shapes only.
+
+No device value is read (no host sync, CUDA-graph safe): the key count that bounds a sequence is the capacity
+of its block table (dense) or its index row (sparse), ``paging.key_capacity``. Splits combine through
+``combine.combine_splits``; ``paging.split_bounds`` gives each split's key range on the device.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MAX_SPLITS", "MIN_TILES_PER_SPLIT", "SPLIT_COST", "plan_splits"]
+
+MAX_SPLITS = 64  # upper bound of any split count
+MIN_TILES_PER_SPLIT = 4  # a split covers at least this many key tiles of the kernel
+SPLIT_COST = 0.02  # combine cost per partial tile, in units of one unsplit program (wave-cost rule)
+
+
+def plan_splits(programs: int, max_keys: int, sm_count: int, *, block_n: int, waves: int | None = None) -> int:
+    """Split-KV count for ``programs`` unsplit programs (sequences x row tiles) over at most ``max_keys`` keys.
+
+    The count lies in ``[1, min(MAX_SPLITS, max_keys // (MIN_TILES_PER_SPLIT · block_n))]`` (at least 1).
+    ``waves`` set: the count that gives about ``waves`` programs per SM. ``waves`` None: the count that
+    minimises the wave-quantised time of the split kernel, ``ceil(programs·S / sm_count) / S`` (in units of
+    one unsplit program), plus the combine's ``SPLIT_COST · programs·S / sm_count`` when S > 1; the smallest
+    such S on ties.
+    """
+    cap = max(1, min(MAX_SPLITS, max_keys // (MIN_TILES_PER_SPLIT * block_n)))
+    if waves is not None:
+        return max(1, min(-(-waves * sm_count // max(1, programs)), cap))
+    slots = max(1, sm_count)
+    best, best_cost = 1, float("inf")
+    for S in range(1, cap + 1):
+        cost = -(-programs * S // slots) / S + (SPLIT_COST * programs * S / slots if S > 1 else 0.0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = S, cost
+    return best

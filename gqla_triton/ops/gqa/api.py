@@ -1,0 +1,152 @@
+"""Public ``gqa_decode`` (GQLA grouped path / GQA decode): validation, the ``torch.library`` op and the eager
+launcher that allocates the outputs, runs the kernel and merges the splits."""
+
+from __future__ import annotations
+
+import torch
+
+from .._common import (
+    FLOAT_DTYPES,
+    check_decode_inputs,
+    check_kernel_device,
+    check_same_device,
+    check_same_dtype,
+    check_softmax_scale,
+    check_tensor,
+    combine_splits,
+    sparse_rows,
+)
+from .._common.alloc import empty
+from .._common.boundary import route
+from .._common.impl import check_impl
+from .plan import plan
+from .reference import gqa_decode_reference
+from .triton import gqa_decode_triton
+
+__all__ = ["gqa_decode", "gqa_decode_fwd"]
+
+_LOG2E = 1.4426950408889634
+_REFERENCE = "gqla_triton.ops.gqa.reference.gqa_decode_reference"
+
+
+def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
+                   indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int,
+                   impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager body of ``gqa_decode`` on validated inputs (``impl`` "auto", "triton" or "reference", ``softmax_scale``
+    a float). Returns ``(out [B, s_q, h_q, d_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
+    if impl == "reference":
+        o, lse = gqa_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale,
+                                      causal, indices, topk_length)
+        return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
+    B, s_q, h_q, _ = q.shape
+    num_pages, page_size, g, d_h = k_cache.shape
+    d_v = v_cache.shape[-1]
+    d_r = 0 if k_rope_cache is None else k_rope_cache.shape[-1]
+    sparse = indices is not None
+    p = plan(q, g, page_size, block_table.shape[1], d_h, d_r, d_v, indices.shape[-1] if sparse else None,
+             num_splits)
+    S = p.num_splits
+    out = empty(B, s_q, h_q, d_v, device=q.device, dtype=q.dtype)
+    lse = empty(B, h_q, s_q, device=q.device, dtype=torch.float32)
+    if S > 1:
+        o_part = empty(B, S, s_q, h_q, d_v, device=q.device, dtype=torch.float32)
+        lse_part = empty(B, S, s_q, h_q, device=q.device, dtype=torch.float32)
+    else:  # placeholders the kernel never touches
+        o_part, lse_part = out, lse
+    rows_src = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size,
+                            num_pages=num_pages, causal=causal) if sparse else None)
+    gqa_decode_triton(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, rows_src, topk_length,
+                      softmax_scale * _LOG2E, causal, p, out, lse, o_part, lse_part)
+    if S > 1:
+        combine_splits(o_part, lse_part, out, lse)
+    return out, lse
+
+
+@torch.library.custom_op("gqla_triton::gqa_decode", mutates_args=())
+def _gqa_decode_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
+    indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gqa_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
+                          indices, topk_length, num_splits, impl)
+
+
+@_gqa_decode_op.register_fake
+def _(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
+      topk_length, num_splits, impl):
+    B, s_q, h_q, _ = q.shape
+    return q.new_empty(B, s_q, h_q, v_cache.shape[-1]), q.new_empty(B, h_q, s_q, dtype=torch.float32)
+
+
+def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
+              topk_length, num_splits, impl) -> tuple[float, str]:
+    """Every check of ``gqa_decode`` (device values are never read); returns ``(softmax_scale, impl)``."""
+    impl = check_impl(impl, op="gqa_decode", gluon=False)
+    dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
+    check_tensor("q", q, ndim=4, dtypes=dtypes)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=dtypes)
+    num_pages, page_size, g, d_h = k_cache.shape
+    check_tensor("v_cache", v_cache, shape=(num_pages, page_size, g, None), dtypes=dtypes)
+    if k_rope_cache is not None:
+        check_tensor("k_rope_cache", k_rope_cache, shape=(num_pages, page_size, None), dtypes=dtypes)
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k_rope_cache=k_rope_cache)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, k_rope_cache=k_rope_cache, block_table=block_table,
+                      cache_seqlens=cache_seqlens, indices=indices, topk_length=topk_length)
+    if impl != "reference":
+        check_kernel_device(q.device, _REFERENCE, q.dtype)
+    d_v = v_cache.shape[-1]
+    d_r = 0 if k_rope_cache is None else k_rope_cache.shape[-1]
+    for name, d in (("d_h (k_cache.shape[-1])", d_h), ("d_v (v_cache.shape[-1])", d_v)):
+        if d <= 0 or d % 16 != 0 or d > 256:
+            raise ValueError(f"{name}: expected a positive multiple of 16 <= 256, got {d}")
+    if k_rope_cache is not None and (d_r <= 0 or d_r % 16 != 0 or d_r > 128):
+        raise ValueError(f"k_rope_cache: rope dim d_R must be a positive multiple of 16 <= 128, got {d_r}")
+    if g == 0:
+        raise ValueError("k_cache: number of groups g (dim 2) must be >= 1")
+    if q.shape[-1] != d_h + d_r:
+        raise ValueError(f"q: last dim must be d_h + d_R = {d_h} + {d_r} = {d_h + d_r}, got {q.shape[-1]}")
+    if q.shape[2] == 0 or q.shape[2] % g != 0:
+        raise ValueError(f"q: h_q = {q.shape[2]} must be a positive multiple of the number of groups g = {g}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_rope_cache", k_rope_cache)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (stride 1)")
+    scale = check_softmax_scale(softmax_scale, q.shape[-1] ** -0.5)
+    check_decode_inputs(q, block_table, cache_seqlens, num_pages=num_pages, page_size=page_size,
+                        indices=indices, topk_length=topk_length, num_groups=g, num_splits=num_splits)
+    return scale, impl
+
+
+def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=None, softmax_scale=None, causal=True,
+               indices=None, topk_length=None, num_splits=0, *, impl="auto"):
+    """Paged GQA / GQLA grouped-path decode attention, dense or sparse top-k. Forward only.
+
+    Args:
+        q: ``[B, s_q, h_q, d_h + d_R]`` (bf16 / fp16 / fp32); head ``i`` uses group ``i // (h_q / g)``.
+        k_cache: ``[num_pages, page_size, g, d_h]`` per-group keys (no rope part); page_size % 16 == 0.
+        v_cache: ``[num_pages, page_size, g, d_v]`` per-group values.
+        block_table: ``[B, max_pages]`` int32; token ``p`` of sequence ``b`` lives in page
+            ``block_table[b, p // page_size]``. Entries outside ``[0, num_pages)`` are never read through.
+        cache_seqlens: ``[B]`` int32 cached tokens per sequence (0 = empty: out 0, lse -inf).
+        k_rope_cache: ``[num_pages, page_size, d_R]`` rope key stored once for all groups, or None (plain
+            GQA, d_R = 0).
+        softmax_scale: a finite real number; default ``(d_h + d_R) ** -0.5``.
+        causal: query ``j`` sits at position ``cache_seqlens - s_q + j`` and sees keys up to it.
+        indices: sparse top-k, ``[B, s_q, topk]`` int32 logical positions shared by all groups, or
+            ``[B, s_q, g, topk]`` one set per group. Entries that are -1, outside ``[0, cache_seqlens)``,
+            (causal) after the query's position, or beyond ``topk_length`` are ignored. Duplicates count
+            as many times as they appear (exactly like gathering the selected keys, then attending).
+        topk_length: ``[B]`` int32; only the first ``topk_length[b]`` entries of each index row count.
+        num_splits: int >= 0, the split-KV count; 0 = chosen from shapes only (no host sync; CUDA-graph safe).
+        impl: ``"auto"`` or ``"triton"`` (the Triton kernel), ``"reference"`` (``gqa_decode_reference``, any
+            device, float64 too); ``"gluon"`` is a ValueError (this op has no Gluon kernel).
+
+    Returns:
+        ``out [B, s_q, h_q, d_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
+        that sees no key gives ``out = 0``, ``lse = -inf``.
+    """
+    scale, impl = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
+                            indices, topk_length, num_splits, impl)
+    return route(_gqa_decode_op, gqa_decode_fwd)(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, scale,
+                                                 bool(causal), indices, topk_length, num_splits, impl)

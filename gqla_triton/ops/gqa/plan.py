@@ -1,0 +1,61 @@
+"""Launch geometry of ``gqa_decode`` from shapes only (no device values).
+
+One program serves one group's query heads (and, dense, all ``s_q`` query tokens folded into the rows) as tiles
+of ``BLOCK_M >= 16`` rows; ``BLOCK_N`` keys per tile, halved until the pipelined K/V tiles fit the config's
+shared-memory budget. Grid: (groups x row tiles, splits, batch entries (x query tokens, sparse)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...dispatch import device_info, select_config
+from .._common import cdiv, key_capacity, next_pow2, plan_splits
+from .config import GQADecodeConfig
+
+__all__ = ["GQAPlan", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GQAPlan:
+    cfg: GQADecodeConfig
+    G: int  # query heads per group
+    BLOCK_M: int
+    BLOCK_N: int
+    BDH: int
+    BDR: int
+    BDV: int
+    num_warps: int
+    num_mt: int  # row tiles per group
+    nbq: int  # batch entries (dense) or batch entries x query tokens (sparse)
+    num_splits: int
+
+
+def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r: int, d_v: int, topk: int | None,
+         num_splits: int) -> GQAPlan:
+    """Geometry for ``q [B, s_q, h_q, d_h + d_r]`` over ``g`` groups; ``topk``: the index row length (sparse) or
+    None (dense); ``num_splits`` 0: planned here."""
+    B, s_q, h_q, _ = q.shape
+    G = h_q // g
+    sparse = topk is not None
+    rows = G if sparse else G * s_q
+    key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
+    cfg = select_config("gqa_decode", key, device=q.device)
+    block_m = min(cfg.max_m, max(16, next_pow2(rows)))
+    block_n = cfg.block_n
+    bdh, bdr, bdv = (next_pow2(d) for d in (d_h, d_r, d_v))
+    elt = 4 if q.dtype == torch.float32 else 2
+    # keep the pipelined K/V tiles within the shared-memory budget (d_R excluded: zero-rope == plain GQA)
+    while block_n > 16 and cfg.num_stages * block_n * (bdh + bdv + 64) * elt + block_m * (bdh + 64) * elt > cfg.smem:
+        block_n //= 2
+    warps = cfg.num_warps
+    if block_m * bdv > cfg.acc_elems_4w:  # fp32 accumulator too large for 4 warps
+        warps = max(warps, 8)
+    num_mt = cdiv(rows, block_m)
+    nbq = B * s_q if sparse else B
+    if num_splits == 0:
+        num_splits = plan_splits(nbq * g * num_mt, key_capacity(max_pages, page_size, topk),
+                                 device_info(q.device).sm_count, block_n=block_n, waves=cfg.waves)
+    return GQAPlan(cfg, G, block_m, block_n, bdh, max(bdr, 16), bdv, warps, num_mt, nbq, num_splits)

@@ -1,0 +1,168 @@
+"""Public ``mla_decode`` (GQLA absorb path / DeepSeek MLA decode): validation, the ``torch.library`` op and the
+eager launcher that picks a kernel, allocates the outputs and merges the splits."""
+
+from __future__ import annotations
+
+import torch
+
+from ...dispatch import device_info, select_config
+from .._common import (
+    FLOAT_DTYPES,
+    check_decode_inputs,
+    check_kernel_device,
+    check_same_device,
+    check_same_dtype,
+    check_softmax_scale,
+    check_tensor,
+    combine_splits,
+    sparse_rows,
+)
+from .._common.alloc import empty
+from .._common.boundary import route
+from .._common.impl import check_impl
+from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
+from .plan import config_key, plan
+from .reference import mla_decode_ref
+from .triton import mla_decode_triton
+
+__all__ = ["mla_decode", "mla_decode_fwd"]
+
+_LOG2E = 1.4426950408889634
+_REFERENCE = "gqla_triton.ops.mla.reference.mla_decode_ref"
+
+
+def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool) -> bool:
+    """Whether ``impl`` runs the Gluon kernel: ``"gluon"`` always (ValueError where it cannot), ``"auto"`` where the
+    inputs allow it and this GPU's table selects ``impl: "gluon"``."""
+    if impl == "triton":
+        return False
+    info = device_info(q)
+    why = ("the Triton interpreter runs no Gluon kernel" if info.interpreter
+           else f"{info.name} is not a Hopper GPU (sm_90)" if info.capability[0] != 9
+           else gluon_unsupported(q, kv_cache, head_dim_v))
+    if impl == "gluon":
+        if why is not None:
+            raise ValueError(f"impl='gluon': the Gluon MLA kernel cannot run here: {why}")
+        return True
+    return why is None and select_config("mla_decode", config_key(q, head_dim_v, sparse, "gluon"),
+                                         device=q.device).impl == "gluon"
+
+
+def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
+                   topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
+    Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
+    if impl == "reference":
+        o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                                topk_length)
+        return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
+    B, s_q, h_q, D = q.shape
+    num_pages, page_size = kv_cache.shape[:2]
+    sparse = indices is not None
+    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse)
+    p = plan(q, page_size, block_table.shape[1], head_dim_v, indices.shape[-1] if sparse else None, num_splits,
+             "gluon" if gluon else "triton")
+    S = p.num_splits
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = empty(B, s_q, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
+    if S > 1:
+        o_part = empty(B, S, s_q, h_q, head_dim_v, dtype=torch.float32, device=q.device)
+        lse_part = empty(B, S, s_q, h_q, dtype=torch.float32, device=q.device)
+    else:  # placeholders the kernel never touches
+        o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
+    rows_src = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size,
+                            num_pages=num_pages, causal=causal) if sparse else block_table)
+    if gluon:
+        mla_decode_gluon(q, kv_cache, rows_src, cache_seqlens, topk_length, head_dim_v, softmax_scale * _LOG2E,
+                         causal, sparse, p, out, lse, o_part, lse_part)
+    else:
+        mla_decode_triton(q, kv_cache, block_table, cache_seqlens, rows_src, topk_length, head_dim_v,
+                          softmax_scale * _LOG2E, causal, sparse, p, out, lse, o_part, lse_part)
+    if S > 1:
+        combine_splits(o_part, lse_part, out, lse)
+    return out, lse
+
+
+@torch.library.custom_op("gqla_triton::mla_decode", mutates_args=())
+def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
+                   topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                          topk_length, num_splits, impl)
+
+
+@_mla_decode_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
+      impl):
+    B, s_q, h_q, _ = q.shape
+    return q.new_empty(B, s_q, h_q, head_dim_v), q.new_empty(B, h_q, s_q, dtype=torch.float32)
+
+
+def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
+              num_splits, impl) -> tuple[float, str]:
+    """Every check of ``mla_decode`` (device values are never read); returns ``(softmax_scale, impl)``."""
+    impl = check_impl(impl, op="mla_decode", gluon=True)
+    dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
+    check_tensor("q", q, ndim=4, dtypes=dtypes)
+    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=dtypes)
+    check_same_dtype(q=q, kv_cache=kv_cache)
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                      indices=indices, topk_length=topk_length)
+    D = q.shape[-1]
+    if kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
+    if kv_cache.shape[3] != D:
+        raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
+    if q.shape[2] == 0:
+        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= D:
+        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
+                         f"got {head_dim_v!r}")
+    scale = check_softmax_scale(softmax_scale, D ** -0.5)
+    check_decode_inputs(q, block_table, cache_seqlens, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
+                        indices=indices, topk_length=topk_length, num_splits=num_splits)
+    if indices is not None and indices.dim() != 3:
+        raise ValueError(f"indices: expected shape [B, s_q, topk] (shared by all heads), got {list(indices.shape)}")
+    if impl != "reference":
+        check_kernel_device(q.device, _REFERENCE, q.dtype)
+    return scale, impl
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
+               indices=None, topk_length=None, num_splits=0, *, impl="auto"):
+    """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
+
+    Args:
+        q: ``[B, s_q, h_q, D]`` bf16/fp16/fp32, ``D = r + d_R`` (latent first, then rope; 512 + 64 tuned).
+        kv_cache: ``[num_pages, page_size, 1, D]``, same dtype; the value of a token is the first
+            ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16.
+        block_table: ``[B, max_pages]`` int32; token ``p`` of sequence ``b`` lives in page
+            ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
+        cache_seqlens: ``[B]`` int32 tokens in the cache per sequence (0 allowed).
+        head_dim_v: value width (default 512).
+        softmax_scale: a finite real number; default ``D ** -0.5``.
+        causal: with ``s_q > 1``, query ``j`` sits at ``cache_seqlens - s_q + j`` and sees keys up to it.
+        indices: optional ``[B, s_q, topk]`` int32 logical positions shared by all heads (sparse). Entries
+            < 0, >= ``cache_seqlens[b]`` or after the query's position (causal) are ignored; a duplicated
+            entry counts once per occurrence. Any value is safe (never addresses outside the cache).
+        topk_length: optional ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
+        num_splits: int >= 0, the split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph safe).
+        impl: ``"auto"`` (this GPU's config table: on Hopper the Gluon kernel for bf16/fp16 with latent 512 +
+            rope 64, the portable Triton kernel otherwise), ``"triton"``, ``"gluon"`` (ValueError where that
+            kernel cannot run) or ``"reference"`` (``mla_decode_ref``, any device, float64 too).
+
+    bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
+
+    Returns:
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
+        that sees no key gives ``out = 0`` and ``lse = -inf``.
+    """
+    scale, impl = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                            topk_length, num_splits, impl)
+    return route(_mla_decode_op, mla_decode_fwd)(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale,
+                                                 bool(causal), indices, topk_length, num_splits, impl)

@@ -1,0 +1,242 @@
+"""Portable Triton kernel of ``mla_decode`` (any CUDA GPU, every width and dtype, and the CPU interpreter).
+
+One program per (batch entry, KV split, row tile; ``plan.py``). ``S = Q_lat·K_latᵀ + Q_rope·K_ropeᵀ`` and
+``acc += P·V`` run on tensor cores with ``V`` = the latent tile already loaded for ``S`` (never reloaded).
+Keys are gathered per token through the block table (``logical_to_physical``), so ``BLOCK_N`` need not divide
+the page size. Sparse tiles load one physical row index per key (``sparse_rows`` translated the indices before
+the launch). Definitions of masking, empty rows and duplicate indices: ``reference.py``.
+
+Variants (config fields): ``paged_tiles`` (dense, ``BLOCK_N`` divides the page: one block-table load per tile,
+contiguous rows), ``p_scratch`` (P and its row rescale cross a per-program scratch tile, so the score product
+splits its keys over the warpgroups instead of running whole in both), ``rows_ahead`` (the next tile's row
+indices or block-table entry load one iteration ahead).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...dispatch import device_info
+from .._common import finish_rows, logical_to_physical, next_pow2, softmax_step, split_bounds, store_rows
+from .._common.alloc import empty
+from .plan import MLAPlan
+
+__all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
+
+
+@triton.jit
+def _cta_sync(dep, ASM: tl.constexpr):
+    """CTA barrier (``bar.sync 0``) returning 0, a data dependency for the loads that must follow it. As inline
+    assembly it is invisible to Triton 3.6's software pipeliner, which stops pipelining a loop that contains
+    ``tl.debug_barrier``; the interpreter (ASM false) takes ``tl.debug_barrier``."""
+    if ASM:
+        return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [dep], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
+        return dep * 0
+
+
+@triton.jit
+def _tile_block(bt_row, start, max_pages, PAGE_SIZE: tl.constexpr):
+    """[1] block-table entry of the page holding key ``start``; -1 when the page is outside the table."""
+    page = start // PAGE_SIZE + tl.zeros([1], tl.int32)  # [1]: a masked scalar load
+    pin = page < max_pages
+    return tl.load(bt_row + tl.where(pin, page, 0), mask=pin, other=-1)
+
+
+@triton.jit
+def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid, m_i, l_i,
+                      DOT_PREC: tl.constexpr, SPARSE: tl.constexpr):
+    """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
+    them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant)."""
+    s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
+         + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
+    if SPARSE:
+        keep = ok[None, :] & rvalid[:, None]
+    else:
+        keep = ok[None, :] & (pos[None, :] <= last[:, None])
+    return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, 1)
+
+
+# lengths and tile geometry are runtime values: one compiled variant serves every h_q / s_q / causal flag
+@triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles", "HPT", "QPT",
+                               "causal"])
+def mla_decode_fwd_kernel(
+    q, kv, block_table, seqlens, indices, topk_length,
+    out, lse, o_part, lse_part, pbuf, abuf,
+    qk_scale,  # softmax_scale * log2(e)
+    s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
+    s_qb, s_qq, s_qh,
+    s_kvp, s_kvt,
+    s_btb,
+    s_ib, s_iq,
+    s_ob, s_oq, s_oh,
+    s_lb, s_lh, s_lq,
+    s_pb, s_ps, s_pq, s_ph,
+    s_plb, s_pls, s_plq,
+    DV: tl.constexpr, DR: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
+    ROWS_AHEAD: tl.constexpr,
+):
+    pid_bs = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = pid_bs // num_splits
+    split = pid_bs % num_splits
+    ht = pid_t % h_tiles
+    qt = pid_t // h_tiles
+    b64 = b.to(tl.int64)
+
+    # rows of the tile: query token qi (major) x head h
+    r = tl.arange(0, BLOCK_H)
+    rq = r // HPT
+    qi = qt * QPT + rq
+    h = ht * HPT + (r % HPT)
+    rvalid = (rq < QPT) & (qi < s_q) & (h < h_q)
+
+    seqlen = tl.load(seqlens + b)
+    # [BLOCK_H] last key position each row sees (its own position under causal MTP)
+    last = seqlen - 1 + tl.where(causal != 0, qi + 1 - s_q, 0)
+
+    offs_r = tl.arange(0, BDR)
+    mr = offs_r < DR
+    q_row = q + b64 * s_qb + qi.to(tl.int64) * s_qq + h.to(tl.int64) * s_qh
+    offs_v = tl.arange(0, BDV)
+    mv = offs_v < DV
+    q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0.0)
+    q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0.0)
+
+    bt_row = block_table + b64 * s_btb
+    if SPARSE:
+        # one query token per tile (QPT == 1): its index row and position are scalars
+        n_valid = topk
+        if HAS_TOPK_LEN:
+            n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
+        lo, hi = split_bounds(n_valid, split, num_splits, BLOCK_N)
+        idx_row = indices + b64 * s_ib + qt.to(tl.int64) * s_iq
+        if ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
+            nxt = tl.load(idx_row + lo + tl.arange(0, BLOCK_N), mask=lo + tl.arange(0, BLOCK_N) < hi, other=-1)
+    else:
+        lo, hi = split_bounds(seqlen, split, num_splits, BLOCK_N)
+        if causal != 0:  # no key after the tile's last query
+            q_hi = tl.minimum(qt * QPT + QPT, s_q)
+            hi = tl.minimum(hi, seqlen - s_q + q_hi)
+        if PAGED_TILES and ROWS_AHEAD:  # the next tile's block-table entry loads one iteration ahead
+            nxt = _tile_block(bt_row, lo, max_pages, PAGE_SIZE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BDV], tl.float32)
+    if P_SCRATCH:  # this program's two [BLOCK_H, BLOCK_N] tiles of the P scratch buffer, two [BLOCK_H] of alpha's
+        pid_lin = (pid_bs * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
+        p_tile = pbuf + pid_lin * (2 * BLOCK_H * BLOCK_N) + r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        a_row = abuf + pid_lin * (2 * BLOCK_H) + r
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        pos = offs_n
+        if SPARSE:  # physical rows from sparse_rows (-1: the entry does not count)
+            # inline here and in gqa_decode: as one shared @triton.jit helper the sm_90 compile spilled 64-112 B
+            if ROWS_AHEAD:
+                prow = nxt
+                nxt = tl.load(idx_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < hi, other=-1)
+            else:
+                prow = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+            ok = prow >= 0
+            prow = tl.where(ok, prow, 0)
+            kv_row = kv + (prow // PAGE_SIZE).to(tl.int64) * s_kvp + (prow % PAGE_SIZE) * s_kvt
+        elif PAGED_TILES:
+            # the tile lies inside one page (start is a multiple of BLOCK_N, BLOCK_N divides PAGE_SIZE): one
+            # scalar block-table load, contiguous rows
+            if ROWS_AHEAD:
+                blk = nxt
+                nxt = _tile_block(bt_row, start + BLOCK_N, max_pages, PAGE_SIZE)
+            else:
+                blk = _tile_block(bt_row, start, max_pages, PAGE_SIZE)
+            pok = (blk >= 0) & (blk < num_pages)
+            ok = (offs_n < hi) & pok
+            kv_row = (kv + tl.where(pok, blk, 0).to(tl.int64) * s_kvp
+                      + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * s_kvt)
+        else:
+            row, ok = logical_to_physical(bt_row, pos, offs_n < hi, max_pages, num_pages, PAGE_SIZE)
+            kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
+        k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
+        k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+        if P_SCRATCH:
+            # P and alpha cross a global scratch tile (an L2 round trip): the store / load ends S's forward slice,
+            # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
+            # of its tile. The tiles alternate between two buffers, so one barrier per tile orders both the read
+            # after this tile's writes and the next write to the same buffer (two tiles later) after every read.
+            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid,
+                                                     m_i, l_i, DOT_PREC, SPARSE)
+            nb = ((start - lo) // BLOCK_N) % 2
+            tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
+            tl.store(a_row + nb * BLOCK_H, alpha)  # alpha too: it reaches the PV dot through the accumulator
+            z = _cta_sync(nb, ASM_SYNC)
+            pp = tl.load(p_tile + (nb * (BLOCK_H * BLOCK_N) + z))
+            aa = tl.load(a_row + (nb * BLOCK_H + z))
+            acc = acc * aa[:, None]
+            acc = tl.dot(pp, k_lat, acc, input_precision=DOT_PREC)
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+            if SPARSE:
+                keep = ok[None, :] & rvalid[:, None]
+            else:
+                keep = ok[None, :] & (pos[None, :] <= last[:, None])
+            s = tl.where(keep, s * qk_scale, float("-inf"))
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    o, lse_row = finish_rows(acc, m_i, l_i)
+    store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
+               h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
+               o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
+
+
+def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                      rows_src: torch.Tensor, topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float,
+                      causal: bool, sparse: bool, p: MLAPlan, out: torch.Tensor, lse: torch.Tensor,
+                      o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+    """Launch the portable kernel over plan ``p``. ``rows_src``: ``sparse_rows``' physical rows ``[B, s_q, topk]``
+    (sparse) or the block table (dense); ``qk_scale = softmax_scale · log2(e)``. Writes ``out``/``lse`` (one
+    split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``."""
+    B, s_q, h_q, D = q.shape
+    num_pages, page_size = kv_cache.shape[:2]
+    cfg, S = p.cfg, p.num_splits
+    DV = head_dim_v
+    DR = D - DV
+    BDV = max(16, next_pow2(DV))
+    paged = cfg.paged_tiles and not sparse and page_size % cfg.block_n == 0
+    grid = (B * S, p.h_tiles * p.q_tiles)
+    # p_scratch: two [BLOCK_H, block_n] tiles per program (in q's dtype: the PV operand) and two alpha rows
+    pbuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=q.dtype, device=q.device) if cfg.p_scratch \
+        else out
+    abuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H, dtype=torch.float32, device=q.device) if cfg.p_scratch else lse
+    mla_decode_fwd_kernel[grid](
+        q, kv_cache, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
+        out, lse, o_part, lse_part, pbuf, abuf,
+        qk_scale,
+        s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
+        int(bool(causal)),
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        rows_src.stride(0), rows_src.stride(1) if sparse else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
+        *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
+        DV=DV, DR=DR, BDV=BDV, BDR=max(16, next_pow2(max(DR, 1))),
+        PAGE_SIZE=page_size, BLOCK_H=p.BLOCK_H, BLOCK_N=cfg.block_n, SPARSE=sparse,
+        HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
+        ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
