@@ -20,7 +20,7 @@ OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla"]
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--op", default="combine", help=f"comma list of {','.join(OPS)}, or 'ceilings'")
+    ap.add_argument("--op", default=",".join(OPS), help=f"comma list of {','.join(OPS)} (default: all), or 'ceilings'")
     ap.add_argument("--workload", default="", help="comma list of workload names (default: all of each op)")
     ap.add_argument("--anchors", default=os.environ.get("GQLA_BENCH_ANCHORS", ""),
                     help="comma list of anchor names to time (default: every importable one; environment "

@@ -209,7 +209,7 @@ def format_table(headers: list[str], rows: list[list], align: str | None = None)
                         else "l" for i in range(len(headers)))
 
     def line(vals):
-        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(vals, widths, align, strict=True))
+        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(vals, widths, align, strict=True)).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]).rstrip()
 
@@ -252,7 +252,8 @@ def _path_table(gpus: list[str]) -> str:
             ours = choose_decode_path(PAPER_LAYER, s_q, g, batch=batch, seqlen=seqlen)
             rows.append([g, batch, seqlen, s_q, f"{hw.absorb_s * 1e6:.1f}", f"{hw.grouped_s * 1e6:.1f}", hw.path,
                          ours.path if ours.reason != hw.reason else "(same: no measured table)"])
-    heads = ["gpu", "batch", "seqlen", "s_q", "absorb us", "grouped us", "roofline pick", "pick with measured efficiency"]
+    heads = ["gpu", "batch", "seqlen", "s_q", "absorb us", "grouped us", "roofline pick",
+             "pick with measured efficiency"]
     return format_table(heads, rows, "lrrrrrll")
 
 

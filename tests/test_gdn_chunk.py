@@ -1,4 +1,5 @@
-"""Chunked Gated DeltaNet (ops/gdn/chunk.py) against the float64 token recurrence (ops/gdn/reference.py).
+"""Chunked Gated DeltaNet (ops/gdn: api.py, plan.py, launch.py, kernels/) against the float64 token recurrence
+(ops/gdn/reference.py).
 
 Tolerances: ``err(kernel, fp64) <= 2·err(lowp, fp64) + eps`` where ``lowp`` is torch at the kernel's
 precision: the chunked einsum reference run with ``compute_dtype`` = the test dtype (every matmul rounds to
@@ -7,28 +8,31 @@ inputs; gradients come from autograd through that same low-precision reference. 
 the fp32 chunk reference.
 """
 
+import contextlib
+
 import pytest
 import torch
 from harness import P, assert_close, dtypes, examples, gen, pick, rand, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gqla_triton.ops.gdn.chunk as chunk_mod
-from gqla_triton.ops.gdn.chunk import chunk_gated_delta_rule
+import gqla_triton.ops.gdn.api as api_mod
+import gqla_triton.ops.gdn.launch as launch_mod
+import gqla_triton.ops.gdn.plan as plan_mod
+from gqla_triton.dispatch import config_override
+from gqla_triton.ops.gdn import chunk_gated_delta_rule
+from gqla_triton.ops.gdn.config import ChunkConfig
 from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
+# every buffer the launchers allocate starts NaN-filled (ints: a large negative): unwritten elements fail
+pytestmark = pytest.mark.usefixtures("poison_buffers")
 
-@pytest.fixture(autouse=True)
-def _poison_buffers(monkeypatch):
-    """Every buffer the launchers allocate starts as NaN (ints: a huge negative): unwritten elements fail."""
-    def empty(*shape, dtype=None, device=None):
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-            shape = tuple(shape[0])
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
-    monkeypatch.setattr(chunk_mod, "_empty", empty)
+
+def _override(over):
+    """``config_override`` of gdn_chunk fields (the hypothesis tests cannot take the function-scoped fixture)."""
+    return config_override({"gdn_chunk": over}) if over else contextlib.nullcontext()
 
 
 def _inputs(seed, B, T, H, HV, K, V, N, *, gmin=-1.0, l2=True):
@@ -46,13 +50,14 @@ def _inputs(seed, B, T, H, HV, K, V, N, *, gmin=-1.0, l2=True):
     return [q, k, v, g, beta, h0]
 
 
-def _run_kernel(ins, dtype, *, cu=None, l2=True, grads=None):
-    """Kernel forward (+ backward with cotangents ``grads = (do, dht)``). Returns o, ht, [grads]."""
+def _run_kernel(ins, dtype, *, cu=None, l2=True, grads=None, **kw):
+    """Kernel forward (+ backward with cotangents ``grads = (do, dht)``). Returns o, ht, [grads]. ``kw``: more
+    options of chunk_gated_delta_rule (e.g. ``impl``)."""
     xs = [t.to(device=P.device, dtype=dtype if i < 3 else (torch.float32 if i == 5 else dtype)).requires_grad_()
           for i, t in enumerate(ins)]
     cu_d = cu.to(P.device) if cu is not None else None
     o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
-                                   use_qk_l2norm_in_kernel=l2, cu_seqlens=cu_d)
+                                   use_qk_l2norm_in_kernel=l2, cu_seqlens=cu_d, **kw)
     if grads is None:
         return o, ht, None
     do, dht = grads
@@ -82,10 +87,7 @@ def _lowp_inputs(ins, dtype):
 def _check_vs_refs(ins, dtype, grads, *, cu=None, l2=True, over=None):
     """Kernel forward + backward (with config fields ``over`` replacing the table's) against the float64
     recurrence, at the tolerance of the low-precision chunked reference. Returns the kernel's (o, ht, grads)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if over:
-            cfg = chunk_mod._cfg
-            mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), **over))
+    with _override(over):
         o, ht, dx = _run_kernel(ins, dtype, cu=cu, l2=l2, grads=grads)
     ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, l2=l2, grads=grads)
     lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
@@ -158,28 +160,65 @@ def test_varlen_equals_loop(lens, G, dtype, seed):
         assert_close(f"final seq {n}", ht[n:n + 1], hn.double(), hn.double(), dtype=dtype)
 
 
-def test_varlen_plan_follows_cu_seqlens_changes():
-    """The chunk plan of a cu_seqlens tensor is reused while the tensor is unchanged, rebuilt after an in-place
-    change (version counter), and a bad in-place value is still refused."""
+def test_varlen_plan_follows_cu_seqlens_changes(monkeypatch):
+    """cu_seqlens is read to the host one time per forward + backward (the forward's plan serves the backward); a change
+    in place, with the version counter bumped or not (``.data``, numpy), is honoured by the next call; a bad in-place
+    value is refused."""
     T, K, V = 100, 16, 32
     ins = _inputs(3, 1, T, 1, 1, K, V, 2)
     x = [t.to(P.device, torch.float32) for t in ins]
     cu = torch.tensor([0, 30, T], dtype=torch.int32, device=P.device)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda self: (reads.append(1) if self.data_ptr() == cu.data_ptr() else None, tolist(self))[1])
 
-    def run(cu_):
-        return chunk_gated_delta_rule(*x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu_)
+    def run(cu_, grad=False):
+        xs = [t.clone().requires_grad_(grad) for t in x]
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu_)
+        if grad:
+            torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+        return o.detach(), ht.detach()
 
-    o1, _ = run(cu)
-    assert chunk_mod._varlen_plan(cu, T) is chunk_mod._varlen_plan(cu, T)  # cached, no second host read
-    cu[1] = 70  # in place: the cached plan must not be used
-    o2, h2 = run(cu)
-    r2, rh2 = run(cu.clone())
-    torch.testing.assert_close(o2, r2, rtol=0, atol=0)
-    torch.testing.assert_close(h2, rh2, rtol=0, atol=0)
-    assert not torch.equal(o1, o2)
+    o1, _ = run(cu, grad=True)
+    assert len(reads) == 1, f"cu_seqlens read to the host {len(reads)} times in one forward + backward"
+
+    def same_as_fresh_copy(what):
+        o, h = run(cu)
+        r, rh = run(cu.clone())
+        torch.testing.assert_close(o, r, rtol=0, atol=0, msg=what)
+        torch.testing.assert_close(h, rh, rtol=0, atol=0, msg=what)
+        return o
+
+    cu[1] = 70  # in place, version counter bumped
+    assert not torch.equal(o1, same_as_fresh_copy("after cu[1] = 70"))
+    version = cu._version
+    cu.data[1] = 50  # in place without bumping cu's version counter
+    assert cu._version == version
+    same_as_fresh_copy("after cu.data[1] = 50")
+    if cu.device.type == "cpu":
+        cu.numpy()[1] = 20
+        assert cu._version == version
+        same_as_fresh_copy("after cu.numpy()[1] = 20")
     cu[1] = 120
     with pytest.raises(ValueError, match="cu_seqlens"):
         run(cu)
+
+
+def test_strided_cu_seqlens_equals_contiguous():
+    """A strided cu_seqlens (a view ``t[::2]``) gives bitwise the outputs and gradients of its contiguous copy."""
+    T, K, V = 100, 16, 32
+    ins = _inputs(5, 1, T, 1, 2, K, V, 3)
+    grads = (randn((1, T, 2, V), 6, dtype=torch.float64, device="cpu"),
+             randn((3, 2, K, V), 7, dtype=torch.float64, device="cpu"))
+    wide = torch.tensor([0, 1 << 20, 40, -(1 << 20), 64, 1 << 20, T], dtype=torch.int32, device=P.device)
+    strided = wide[::2]
+    assert not strided.is_contiguous()
+    a = _run_kernel(ins, torch.float32, cu=strided, grads=grads)
+    b = _run_kernel(ins, torch.float32, cu=strided.contiguous(), grads=grads)
+    for name, x, y in zip(("o", "final_state", *("d" + n for n in NAMES)), [*a[:2], *a[2]], [*b[:2], *b[2]],
+                          strict=True):
+        assert torch.equal(x, y), f"{name}: strided cu_seqlens differs from contiguous"
 
 
 @given(T=st.integers(1, pick(100, 400)), G=st.sampled_from([2, 4]), dtype=dtypes(), seed=seeds())
@@ -230,13 +269,10 @@ def test_saved_states_equal_recomputed(lens, varlen, seg, G, dtype, seed):
     do = randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu").to(P.device, dtype)
     dht = randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu").to(P.device, torch.float32)
     res, passes = [], []
-    with pytest.MonkeyPatch.context() as mp:
-        if seg:
-            cfg = chunk_mod._cfg
-            mp.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg(K, V, device), seg_units=1 << 20,
-                                                                     seg_below=1 << 20, seg_min=seg))
-        state_fwd = chunk_mod.chunk_gdn_state_fwd
-        mp.setattr(chunk_mod, "chunk_gdn_state_fwd", lambda *a, **kw: (passes.append(1), state_fwd(*a, **kw))[1])
+    over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg) if seg else None
+    with pytest.MonkeyPatch.context() as mp, _override(over):
+        state_fwd = launch_mod.chunk_gdn_state_fwd
+        mp.setattr(launch_mod, "chunk_gdn_state_fwd", lambda *a, **kw: (passes.append(1), state_fwd(*a, **kw))[1])
         for save in (True, False):
             xs = [t.to(P.device, dtype if i < 5 else torch.float32).requires_grad_() for i, t in enumerate(ins)]
             o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
@@ -268,23 +304,26 @@ def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
     _check_vs_refs(ins, dtype, grads, cu=cu, over=dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg_min))
 
 
+SEG = {"seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 1}
 STAGE_VARIANTS = [
-    {"wy_fuse": 1}, {"wy_prec": "tf32x3"}, {"wy_prec": "tf32"}, {"wy_fuse": 1, "wy_prec": "tf32x3"}, {"out_fuse": 1},
-    {"wy_bwd_trans": 1, "grad_trans": 1}, {"wy_bwd_trans": 0, "grad_trans": 0},
-    {"grad_early": 1, "grad_trans": 0}, {"grad_early": 0},
-    {"grad_late": 1, "wy_bwd_late": 1}, {"grad_late": 1, "wy_bwd_late": 1, "grad_trans": 0, "wy_bwd_trans": 0},
-    {"grad_late": 0, "wy_bwd_late": 0}, {"out_early": 1, "dvl_early": 1}, {"out_early": 0, "dvl_early": 0},
-    {"out_fuse": 1, "wy_fuse": 1, "seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 1}]
+    {"wy_prec": "tf32"}, {"wy_prec": "ieee"},
+    {"wy_bwd_trans": True, "grad_trans": True}, {"wy_bwd_trans": False, "grad_trans": False},
+    {"grad_early": True, "grad_trans": False}, {"grad_early": False},
+    {"grad_late": True, "wy_bwd_late": True},
+    {"grad_late": True, "wy_bwd_late": True, "grad_trans": False, "wy_bwd_trans": False},
+    {"grad_late": False, "wy_bwd_late": False}, {"out_early": True, "dvl_early": True},
+    {"out_early": False, "dvl_early": False},
+    {"wy_prec": "tf32", "grad_trans": True, "wy_bwd_trans": True, **SEG}]
 
 
 @pytest.mark.parametrize("over", STAGE_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @settings(max_examples=examples(1, 2))
 @given(T=st.integers(1, pick(150, 400)), G=st.sampled_from([1, 2, 4]), dtype=dtypes(), seed=seeds())
 def test_stage_variants(over, T, G, dtype, seed):
-    """The stage variants (w and u computed in the wy kernel; the 16x16 inverse on tf32x3 or tf32 tensor-core
-    products; the output computed in the state pass, also per segment of a split sequence; the backward's wy and
-    grad stages with transposed dot results; grad_chunk's q / k loads before or after its V loop; the GVA sums'
-    late waits) against the float64 recurrence, forward and backward."""
+    """The stage variants, each flag both ways (the 16x16 inverse on fp32 FMA or tf32 tensor-core products; the
+    backward's wy and grad stages with transposed dot results; grad_chunk's q / k loads before or after its V loop;
+    the output's and dv_local's loads before their K loop; the GVA sums' late waits; the H200's choices together
+    with sequence splitting) against the float64 recurrence, forward and backward."""
     B, H, K, V = 1, 1, pick(32, 128), pick(32, 128)
     HV = H * G
     ins = _inputs(seed, B, T, H, HV, K, V, B)
@@ -295,10 +334,10 @@ def test_stage_variants(over, T, G, dtype, seed):
 
 def test_config_key_is_padded():
     """K between two table entries takes the entry of its padded tile width (K = 192 tiles like K = 256)."""
-    from gqla_triton.dispatch import _table_config
+    from gqla_triton.dispatch import table_config
 
     def h200(K, V):
-        return _table_config("h200", "gdn_chunk", chunk_mod._cfg_key(K, V))
+        return table_config("h200", "gdn_chunk", plan_mod.config_key(K, V))
 
     assert h200(192, 128) == h200(256, 128) != h200(128, 128)
     assert h200(80, 96) == h200(128, 128)
@@ -306,16 +345,16 @@ def test_config_key_is_padded():
 
 def test_segment_plan():
     """Segments tile every sequence in order, L chunks each (the last one shorter), empty sequences get one."""
-    n, cu, rows, soff = chunk_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, torch.device("cpu"))
+    n, cu, rows, soff = plan_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, torch.device("cpu"))
     assert n == 3 + 1 + 1
     assert cu.tolist() == [0, 128, 256, 323, 323, 448]
     assert rows.tolist() == [0, 2, 4, 6, 6]
     assert soff.tolist() == [0, 3, 4, 5]
-    cfg = dict(seg_units=64, seg_below=16, seg_min=16)
-    assert chunk_mod._seg_len(cfg, 8, 512) == 64
-    assert chunk_mod._seg_len(cfg, 16, 512) == 0
-    assert chunk_mod._seg_len(cfg, 8, 16) == 0
-    assert chunk_mod._seg_len(dict(cfg, seg_units=0), 1, 512) == 0
+    cfg = ChunkConfig(seg_units=64, seg_below=16, seg_min=16)
+    assert plan_mod.seg_len(cfg, 8, 512) == 64
+    assert plan_mod.seg_len(cfg, 16, 512) == 0
+    assert plan_mod.seg_len(cfg, 8, 16) == 0
+    assert plan_mod.seg_len(cfg.replace(seg_units=0), 1, 512) == 0
 
 
 @given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]),
@@ -389,6 +428,15 @@ def test_bad_inputs():
         f(q, q, v, g, g, initial_state=torch.zeros(2, 4, 16, 16, device=d), cu_seqlens=torch.tensor([0, 8], device=d))
     with pytest.raises(TypeError, match="initial_state"):
         f(q, q, v, g, g, initial_state=torch.zeros(1, 4, 16, 16, device=d, dtype=torch.float64))
+    with pytest.raises(ValueError, match="impl"):
+        f(q, q, v, g, g, impl="gluon")
+    with pytest.raises(ValueError, match="impl"):
+        f(q, q, v, g, g, impl="cuda")
+    # validation comes before the choice of implementation
+    with pytest.raises(ValueError, match="HV"):
+        f(q, q, torch.zeros(1, 8, 3, 16, device=d), g[..., :3], g[..., :3], impl="reference")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 5], device=d), impl="reference")
     if d == "cuda":
         with pytest.raises(ValueError, match="g"):
             f(q, q, v, g.cpu(), g)
@@ -400,6 +448,70 @@ def test_bad_inputs():
                 f(q, q, v, g, g)
         finally:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def test_bfloat16_under_the_interpreter():
+    """bfloat16 inputs raise a TypeError under the interpreter (it computes bf16 wrongly, triton#11584), before any
+    kernel runs; the reference implementation takes them anywhere."""
+    d = P.device
+    q = torch.randn(1, 8, 1, 16, device=d, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 2, 16, device=d, dtype=torch.bfloat16)
+    g = -torch.rand(1, 8, 2, device=d)
+    if not P.big:
+        with pytest.raises(TypeError, match="bfloat16"):
+            chunk_gated_delta_rule(q, q, v, g, g.neg())
+    else:
+        assert chunk_gated_delta_rule(q, q, v, g, g.neg())[0].dtype == torch.bfloat16
+    o, ht = chunk_gated_delta_rule(q, q, v, g, g.neg(), output_final_state=True, impl="reference")
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32 and torch.isfinite(o).all()
+
+
+@settings(max_examples=examples(2, 4))
+@given(T=st.integers(1, pick(150, 400)), varlen=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(),
+       seed=seeds())
+def test_reference_impl_equals_triton(T, varlen, G, dtype, seed):
+    """``impl="reference"`` (torch) and ``impl="triton"`` give the same outputs and gradients: both within the usual
+    tolerance of the float64 recurrence, with the same return conventions (o in v's dtype, final state fp32)."""
+    H, K, V = 1, pick(16, 128), pick(32, 128)
+    HV = H * G
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
+    N = 2 if varlen else 1
+    ins = _inputs(seed, 1, T, H, HV, K, V, N)
+    grads = (randn((1, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, grads=grads)
+    lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
+                            grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
+    for impl in ("triton", "reference"):
+        o, ht, dx = _run_kernel(ins, dtype, cu=cu, grads=grads, impl=impl)
+        assert o.dtype == dtype and ht.dtype == torch.float32 and o.device.type == P.device
+        assert_close(f"o ({impl})", o, ro, lo, dtype=dtype)
+        assert_close(f"final_state ({impl})", ht, rht, lht, dtype=dtype)
+        for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
+            assert a.dtype == (torch.float32 if name == "h0" else dtype)
+            assert_close(f"d{name} ({impl})", a, r, lw, dtype=dtype)
+
+
+@pytest.mark.parametrize("varlen,save_states", [(False, True), (True, False)])
+def test_torch_compile_inference(varlen, save_states):
+    """``torch.compile(fullgraph=True)`` of the op without autograd (``torch.no_grad``) traces the custom op (its
+    outputs may not alias each other) and matches the eager call."""
+    B, T, H, HV, K, V = 1, 100, 1, 2, 16, 32
+    N = 2 if varlen else B
+    ins = _inputs(11, B, T, H, HV, K, V, N)
+    cu = torch.tensor([0, 37, T], dtype=torch.int32, device=P.device) if varlen else None
+    dt = P.dtypes[0]
+    xs = [t.to(P.device, dt if i < 5 else torch.float32) for i, t in enumerate(ins)]
+
+    def fn(q, k, v, g, beta, h0):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, save_states=save_states)
+
+    with torch.no_grad():
+        eager = fn(*xs)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*xs)
+    for name, a, b in zip(("o", "final_state"), eager, compiled, strict=True):
+        assert torch.equal(a, b), f"{name}: compiled differs from eager"
 
 
 @pytest.mark.gpu_only
@@ -426,31 +538,28 @@ def test_torch_compile_fullgraph():
 
 
 # ------------------------------------------------------------------ bounds checking at the H200 launch config
-def _h200_cfg(bv_state=None, seg=0, fuse=0):
-    import json
-    from pathlib import Path
+def _h200_cfg(bv_state=None, seg=0):
+    """Every field of the H200 table's K = V = 128 entry (to override the interpreter's pinned config with)."""
+    from gqla_triton.dispatch import table_config
 
-    import gqla_triton
-    table = json.loads((Path(gqla_triton.__file__).parent / "configs" / "h200.json").read_text())["gdn_chunk"]
-    cfg = dict(chunk_mod._DEFAULT_CFG)
-    cfg.update(next(e["config"] for e in table if all(v == 128 for v in e["match"].values())))
+    cfg = table_config("h200", "gdn_chunk", plan_mod.config_key(128, 128)).as_dict()
     if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
-        cfg["state_BV"] = cfg["state_bwd_BV"] = bv_state
+        cfg["state_bv"] = cfg["state_bwd_bv"] = bv_state
     if seg:
         cfg.update(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg)
-    cfg["wy_fuse"] = cfg["out_fuse"] = fuse
     return cfg
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
-@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg,fuse,save", [
-    (2, 1, 1, 8, False, None, 0, 0, True), (2, 1, 2, 63, False, 16, 0, 1, True), (1, 2, 4, 130, True, None, 0, 0, True),
-    (1, 1, 1, 1, False, 16, 0, 0, True), (2, 1, 2, 70, False, 64, 0, 0, True), (2, 1, 2, 200, False, None, 1, 0, True),
-    (1, 1, 2, 200, True, 16, 1, 1, True), (1, 2, 4, 130, True, None, 0, 0, False),
-    (1, 1, 2, 200, True, 16, 1, 1, False)])
-def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, bv_state, seg, fuse, save):
+@pytest.mark.parametrize("B,H,HV,T,varlen,bv_state,seg,save", [
+    (2, 1, 1, 8, False, None, 0, True), (2, 1, 2, 63, False, 16, 0, True), (1, 2, 4, 130, True, None, 0, True),
+    (1, 1, 1, 1, False, 16, 0, True), (2, 1, 2, 70, False, 64, 0, True), (2, 1, 2, 200, False, None, 1, True),
+    (1, 1, 2, 200, True, 16, 1, True), (1, 2, 4, 130, True, None, 0, False),
+    (1, 1, 2, 200, True, 16, 1, False)])
+def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H, HV, T, varlen, bv_state, seg,
+                                             save):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
-    H200 config (B > 1 once read chunk states past the end of h on the GPU: illegal memory access)."""
+    H200 config (with B > 1, a chunk-state row read past the end of h is an illegal memory access on the GPU)."""
     import numpy as np
     from triton.runtime import interpreter as ti
 
@@ -473,24 +582,28 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, B, H, HV, T, varlen, b
                         lambda self, p, m, o, c, v: (check(p, m, "load"), load(self, p, m, o, c, v))[1])
     monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_store",
                         lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
-    cfg = _h200_cfg(bv_state, seg, fuse)
-    monkeypatch.setattr(chunk_mod, "_cfg", lambda K, V, device: dict(cfg))
-    alloc, chunks, l2 = chunk_mod._empty, chunk_mod._chunks, chunk_mod._l2norm
-    monkeypatch.setattr(chunk_mod, "_empty", lambda *a, **kw: reg(alloc(*a, **kw)))
-    monkeypatch.setattr(chunk_mod, "_chunks", lambda *a: [reg(x) if torch.is_tensor(x) else x for x in chunks(*a)])
-    segs = chunk_mod._seg_plan
-    monkeypatch.setattr(chunk_mod, "_seg_plan", lambda *a: [reg(x) if torch.is_tensor(x) else x for x in segs(*a)])
-    monkeypatch.setattr(chunk_mod, "_l2norm", lambda x: reg(l2(x).contiguous()))
+    alloc, l2 = launch_mod.empty, api_mod._l2norm
+    monkeypatch.setattr(launch_mod, "empty", lambda *a, **kw: reg(alloc(*a, **kw)))
+    index, segs = plan_mod._chunk_index, plan_mod._seg_plan
+
+    def reg_all(tup):  # the plan's index tensors (cached by value: possibly built by an earlier test)
+        items = [reg(x) if torch.is_tensor(x) else x for x in tup]
+        return type(tup)._make(items) if hasattr(tup, "_make") else tuple(items)
+
+    monkeypatch.setattr(plan_mod, "_chunk_index", lambda *a: reg_all(index(*a)))
+    monkeypatch.setattr(plan_mod, "_seg_plan", lambda *a: reg_all(segs(*a)))
+    monkeypatch.setattr(api_mod, "_l2norm", lambda x: reg(l2(x).contiguous()))
     K = V = 128
     N = 2 if varlen else B
     ins = _inputs(0, B, T, H, HV, K, V, N)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
     xs = [reg(t.float().contiguous()).requires_grad_() for t in ins]
-    o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
-                                   use_qk_l2norm_in_kernel=True, cu_seqlens=reg(cu) if varlen else None,
-                                   save_states=save)
-    assert not bad, f"forward: out-of-bounds {sorted(set(bad))}"
-    do, dht = reg(torch.randn_like(o)), reg(torch.randn_like(ht))
-    torch.autograd.backward([o, ht], [do, dht])
+    with config_override({"gdn_chunk": _h200_cfg(bv_state, seg)}):
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=reg(cu) if varlen else None,
+                                       save_states=save)
+        assert not bad, f"forward: out-of-bounds {sorted(set(bad))}"
+        do, dht = reg(torch.randn_like(o)), reg(torch.randn_like(ht))
+        torch.autograd.backward([o, ht], [do, dht])
     assert not bad, f"backward: out-of-bounds {sorted(set(bad))}"
     assert all(torch.isfinite(t).all() for t in [o, ht] + [x.grad for x in xs])

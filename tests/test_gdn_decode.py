@@ -6,8 +6,11 @@ from harness import EPS, P, assert_close, dtypes, examples, gen, pick, rand, ran
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gqla_triton.ops.gdn.decode import gated_delta_rule_decode
+from gqla_triton.ops.gdn.decode import gated_delta_rule_decode, gated_delta_rule_decode_fwd
 from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
+
+# every buffer the launcher allocates starts NaN-filled: an output element the kernel does not write fails
+pytestmark = pytest.mark.usefixtures("poison_buffers")
 
 DIMS = pick([16, 32, 64], [64, 128])
 FEW = settings(max_examples=examples(3, 25))  # tests that run the chunked op: slow under the interpreter
@@ -85,7 +88,7 @@ def test_multi_token_equals_single_steps(B, s, K, V, seed):
        dtype=dtypes(), seed=seeds())
 def test_decode_equals_chunk_op(B, s, G, K, V, l2, dtype, seed):
     """Decoding s tokens from a state == the chunked op on the same tokens (outputs and final state)."""
-    from gqla_triton.ops.gdn.chunk import chunk_gated_delta_rule
+    from gqla_triton.ops.gdn import chunk_gated_delta_rule
 
     g = gen(seed)
     H = 2
@@ -134,6 +137,70 @@ def test_decode_bad_inputs():
     with pytest.raises(ValueError, match="state"):  # default indices need P >= B
         b = _small(Pn=1)
         gated_delta_rule_decode(**b)
+    with pytest.raises(ValueError, match="impl"):
+        gated_delta_rule_decode(**a, impl="gluon")
+    with pytest.raises(ValueError, match="impl"):
+        gated_delta_rule_decode(**a, impl="cuda")
+    with pytest.raises(ValueError, match="HV"):  # validation comes before the choice of implementation
+        gated_delta_rule_decode(**_small(H=3, HV=4), impl="reference")
+
+
+def test_decode_bfloat16_under_the_interpreter():
+    """bfloat16 inputs raise a TypeError under the interpreter (it computes bf16 wrongly, triton#11584) and leave
+    the pool untouched; the reference implementation takes them."""
+    a = _small(dtype=torch.bfloat16)
+    a["state"].normal_()
+    a["beta"].fill_(0.5)
+    a["k"].fill_(0.25)
+    before = a["state"].clone()
+    if not P.big:
+        with pytest.raises(TypeError, match="bfloat16"):
+            gated_delta_rule_decode(**a)
+        assert torch.equal(a["state"], before)
+    else:
+        assert gated_delta_rule_decode(**a).dtype == torch.bfloat16
+    assert gated_delta_rule_decode(**{**a, "state": before}, impl="reference").dtype == torch.bfloat16
+
+
+@settings(max_examples=examples(3, 12))
+@given(B=st.integers(1, pick(3, 16)), s=st.integers(1, 3), G=st.sampled_from([1, 2]), K=st.sampled_from(DIMS),
+       V=st.sampled_from(DIMS), l2=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_decode_reference_impl_equals_triton(B, s, G, K, V, l2, dtype, seed):
+    """``impl="reference"`` and ``impl="triton"``: the same outputs and in-place pool updates (skipped rows: o = 0,
+    pool rows untouched), both within the usual tolerance of the float64 recurrence."""
+    g = gen(seed)
+    H = 2
+    HV = H * G
+    q, k, v, gate, beta = _inputs(B, s, H, HV, K, V, dtype, g)
+    if not l2:
+        q, k = q * K**-0.5, k * K**-0.5
+    Pn = B + 2
+    pool = randn((Pn, HV, K, V), g, scale=0.5)
+    idx = torch.randperm(Pn, generator=g)[:B].to(torch.int32)
+    idx[torch.rand(B, generator=g) < 0.25] = -1
+    live = (idx >= 0).nonzero().flatten()
+    rows = idx[live].long()
+    before = pool.clone()
+    pools, outs = {}, {}
+    for impl in ("triton", "reference"):
+        pools[impl] = before.clone()
+        outs[impl] = gated_delta_rule_decode(q, k, v, gate, beta, pools[impl], idx.to(P.device),
+                                             use_qk_l2norm_in_kernel=l2, impl=impl)
+        assert outs[impl].dtype == dtype
+    untouched = torch.ones(Pn, dtype=torch.bool)
+    untouched[rows] = False
+    for impl in ("triton", "reference"):
+        assert torch.equal(pools[impl][untouched.to(P.device)].cpu(), before[untouched.to(P.device)].cpu())
+        assert torch.equal(outs[impl][(idx < 0).to(P.device)].cpu(),
+                           torch.zeros_like(outs[impl][(idx < 0).to(P.device)].cpu()))
+    if len(live) == 0:
+        return
+    sel = [t[live.to(P.device)] for t in (q, k, v, gate, beta)]
+    o64, s64 = _ref(*sel, before[rows.to(P.device)], l2, torch.float64)
+    o32, s32 = _ref(*sel, before[rows.to(P.device)], l2, torch.float32)
+    for impl in ("triton", "reference"):
+        assert_close(f"o ({impl})", outs[impl][live.to(P.device)], o64, o32.to(dtype), dtype=dtype)
+        assert_close(f"state ({impl})", pools[impl][rows.to(P.device)], s64, s32, dtype=torch.float32)
 
 
 @pytest.mark.skipif(P.device != "cpu", reason="host check applies to CPU index tensors")
@@ -151,8 +218,7 @@ def test_decode_out_of_pool_index_on_device_is_skipped():
     before = pool.clone()
     idx = torch.tensor([1, 3], dtype=torch.int32, device=P.device)
     if P.device == "cpu":  # bypass the host check to exercise the kernel's own guard
-        from gqla_triton.ops.gdn.decode import _decode_fwd
-        o = _decode_fwd(q, k, v, gate, beta, pool, idx, 0.25, False)
+        o = gated_delta_rule_decode_fwd(q, k, v, gate, beta, pool, idx, 0.25, False)
     else:
         o = gated_delta_rule_decode(q, k, v, gate, beta, pool, idx)
     assert torch.equal(o[1].cpu(), torch.zeros(1, 4, 16))

@@ -6,9 +6,9 @@ Per value head, for each of the ``s`` new tokens in order (state ``S`` is ``[K, 
     S = S + beta_t * k_t (v_t - S^T k_t)^T
     o_t = scale * S^T q_t
 
-One program owns one (sequence, value head, BV-wide slice of V): it loads its ``K x BV`` state slice
-once, runs the ``s`` tokens in registers and writes the slice back once, so the step is bound by the
-2 x state bytes it must move. Not differentiable (inference only; training uses ``chunk_gated_delta_rule``).
+One program owns one (sequence, value head, BV-wide slice of V): it loads its ``K x BV`` state slice,
+runs the ``s`` tokens in registers and writes the slice back (one load and one store per state element), so
+the step is bound by the 2 x state bytes it must move. Not differentiable (inference only; training uses ``chunk_gated_delta_rule``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ import triton
 import triton.language as tl
 
 from ...dispatch import select_config
+from .._common.alloc import empty
+from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
+from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
+from .reference import recurrent_gated_delta_rule_ref
 
-__all__ = ["gated_delta_rule_decode"]
+__all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
 
 _REFERENCE = "gqla_triton.ops.gdn.reference.recurrent_gated_delta_rule_ref"
 
@@ -74,37 +78,60 @@ def gated_delta_rule_decode_fwd_kernel(
     tl.store(p_s, b_s, mask=m_s)
 
 
-def _decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel):
+def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: float,
+                                use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+    """Launch the step on contiguous inputs (shapes as ``gated_delta_rule_decode``; state_indices ``[B]`` int32).
+    Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows in place."""
     B, S, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state.shape[0]
-    o = torch.empty_like(v)
+    o = empty(v.shape, dtype=v.dtype, device=v.device)
     cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q.device)
     BK = next_pow2(K)
-    BV = min(int(cfg.get("BV", 32)), next_pow2(V))
+    BV = min(cfg.bv, next_pow2(V))
     grid = (cdiv(V, BV), B * HV)
     gated_delta_rule_decode_fwd_kernel[grid](
         q, k, v, g, beta, o, state, state_indices, float(scale), S, P,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
-        num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 1)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o
+
+
+def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
+    """A CPU ``state_indices`` is checked against the pool size (no device sync); device indices are not read."""
+    if state_indices.device.type == "cpu" and state_indices.numel():
+        hi = int(state_indices.max())
+        if hi >= pool_rows:
+            raise ValueError(f"state_indices: index {hi} is outside the state pool [0, {pool_rows})")
 
 
 @torch.library.custom_op("gqla_triton::gated_delta_rule_decode", mutates_args=("state",))
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, state_indices: torch.Tensor, scale: float,
                use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
-    if state_indices.device.type == "cpu" and state_indices.numel():  # host-checkable: no device sync
-        hi = int(state_indices.max())
-        if hi >= state.shape[0]:
-            raise ValueError(f"state_indices: index {hi} is outside the state pool [0, {state.shape[0]})")
-    return _decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel)
+    _check_pool_rows(state_indices, state.shape[0])  # the public function cannot read it while tracing
+    return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel)
 
 
 @_decode_op.register_fake
 def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel):
     return torch.empty_like(v)
+
+
+def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2):
+    """The step by ``recurrent_gated_delta_rule_ref``, with the kernel's conventions: rows outside [0, P) are
+    skipped (o = 0), the live rows of ``state`` are updated in place."""
+    o = torch.zeros_like(v)
+    live = ((state_indices >= 0) & (state_indices < state.shape[0])).nonzero().flatten()
+    if live.numel():
+        rows = state_indices[live].long()
+        ol, fin = recurrent_gated_delta_rule_ref(q[live], k[live], v[live], g[live], beta[live], scale=scale,
+                                                 initial_state=state[rows], output_final_state=True,
+                                                 use_qk_l2norm=l2)
+        o[live] = ol.to(o.dtype)
+        state[rows] = fin.to(state.dtype)
+    return o
 
 
 def gated_delta_rule_decode(
@@ -117,6 +144,8 @@ def gated_delta_rule_decode(
     state_indices: torch.Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Gated DeltaNet recurrent step for ``s >= 1`` new tokens per sequence; updates ``state`` in place.
 
@@ -131,10 +160,13 @@ def gated_delta_rule_decode(
             sync); on the GPU such a row is treated like a negative one (skipped, never accessed).
         scale: output scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (``x / sqrt(sum(x^2) + 1e-6)``) first.
+        impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` on
+            the live rows (any device; the state is updated in place alike); ``"gluon"`` is refused.
 
     Returns:
         o: ``[B, s, HV, V]`` in ``v``'s dtype.
     """
+    check_impl(impl, op="gated_delta_rule_decode", gluon=False)
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     B, S, H, K = q.shape
     check_tensor("k", k, shape=(B, S, H, K), dtypes=(q.dtype,), device=q.device)
@@ -162,6 +194,11 @@ def gated_delta_rule_decode(
         check_tensor("state_indices", state_indices, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
     if scale is None:
         scale = K**-0.5
-    check_kernel_device(q.device, _REFERENCE)
-    return _decode_op(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
-                      state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel))
+    if not torch.compiler.is_compiling():
+        _check_pool_rows(state_indices, state.shape[0])
+    if impl == "reference":
+        return _decode_reference(q, k, v, g, beta, state, state_indices, float(scale), bool(use_qk_l2norm_in_kernel))
+    check_kernel_device(q.device, _REFERENCE, q.dtype)
+    step = route(_decode_op, gated_delta_rule_decode_fwd)
+    return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
+                state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel))

@@ -2,7 +2,7 @@
 
 One program serves one group's query heads (and, dense, all ``s_q`` query tokens folded into the rows) as tiles
 of ``BLOCK_M >= 16`` rows; ``BLOCK_N`` keys per tile, halved until the pipelined K/V tiles fit the config's
-shared-memory budget. Grid: (groups x row tiles, splits, batch entries (x query tokens, sparse)).
+shared-memory limit. Grid: (groups x row tiles, splits, batch entries (x query tokens, sparse)).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     block_n = cfg.block_n
     bdh, bdr, bdv = (next_pow2(d) for d in (d_h, d_r, d_v))
     elt = 4 if q.dtype == torch.float32 else 2
-    # keep the pipelined K/V tiles within the shared-memory budget (d_R excluded: zero-rope == plain GQA)
+    # keep the pipelined K/V tiles within the shared-memory limit (d_R excluded: zero-rope == plain GQA)
     while block_n > 16 and cfg.num_stages * block_n * (bdh + bdv + 64) * elt + block_m * (bdh + 64) * elt > cfg.smem:
         block_n //= 2
     warps = cfg.num_warps

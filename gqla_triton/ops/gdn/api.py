@@ -1,0 +1,225 @@
+"""``chunk_gated_delta_rule``: chunked Gated DeltaNet for prefill and training, fla / FlashQLA compatible.
+
+The public function validates its inputs, then either runs the torch reference (``impl="reference"``) or the
+Triton stages (``launch.py``): eager calls through ``_ChunkGDN`` (an autograd.Function calling the launchers),
+torch.compile through the one custom op pair ``gqla_triton::chunk_gated_delta_rule_fwd`` / ``_bwd`` (with fakes
+and ``register_autograd``). Both routes run the same launchers with the same autograd formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .._common.boundary import route
+from .._common.impl import check_impl
+from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
+from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
+from .plan import BT, ChunkPlan, chunk_plan, read_cu_seqlens
+from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
+
+__all__ = ["chunk_gated_delta_rule"]
+
+_REFERENCE = "gqla_triton.ops.gdn.reference.chunk_gated_delta_rule_ref"
+
+
+def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: bool):
+    """chunk_gdn_fwd's outputs with the saved states flattened: (o, ht, gc, Ainv, w, h, vnew); without save_states
+    w, h and vnew are three distinct empty tensors (outputs of a custom op may not alias each other)."""
+    if not save_states:
+        o, ht, gc, Ainv = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan)
+        return o, ht, gc, Ainv, q.new_empty(0), q.new_empty(0), q.new_empty(0)
+    o, ht, gc, Ainv, st = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, keep_h=True)
+    return o, ht, gc, Ainv, *st
+
+
+def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, dht, w, h, vnew):
+    states = States(w, h, vnew) if w is not None else None
+    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, plan, gc, Ainv, do, dht, states)
+
+
+# ----------------------------------------------------------------------------------- torch.library + autograd
+@torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor]:
+    return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), save_states)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    out = (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
+           q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=mid_dtype(k.dtype)))
+    if not save_states:
+        return (*out, q.new_empty(0), q.new_empty(0), q.new_empty(0))
+    return (*out, k.new_empty(B, T, HV, K), k.new_empty(h_rows(B, T, N, cu_seqlens is not None), HV, K, V),
+            v.new_empty(B, T, HV, V))
+
+
+@torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, gc: torch.Tensor,
+            Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, w: torch.Tensor | None,
+            h: torch.Tensor | None, vnew: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), gc, Ainv, do, dht, w, h,
+                vnew)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), q.new_empty(N, HV, K, V, dtype=torch.float32))
+
+
+def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, output):
+    """What both backward routes read: the inputs, gc, Ainv and (with save_states) the forward's states."""
+    _, _, gc, Ainv, w, h, vnew = output
+    ctx.scale = scale
+    ctx.has_h0 = initial_state is not None
+    ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv, states) pass None, not zero tensors
+    states = (w, h, vnew) if save_states else (None, None, None)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, *states)
+
+
+def _backward_with(bwd, plan, ctx, do, dht):
+    """The gradients of the forward's inputs: ``bwd`` is ``_bwd`` (eager, with the forward's ``plan``) or ``_bwd_op``
+    (traced; plan None: the op takes the saved cu_seqlens and plans inside itself)."""
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, w, h, vnew = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state,
+                                     cu_seqlens if plan is None else plan, gc, Ainv, do, dht, w, h, vnew)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, *inputs, output)
+
+
+def _backward(ctx, do, dht, *_unused):
+    # AOT autograd traces this backward on fake tensors (where is_compiling() is False): it stays an opaque op
+    return _backward_with(_bwd_op, None, ctx, do, dht)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _ChunkGDN(torch.autograd.Function):
+    """Eager route: the launchers and autograd formulas of the custom op, without torch.library's dispatch (tens
+    of microseconds per call, which set the pace of small forwards such as G3). The forward's plan is kept for
+    the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states):
+        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states)
+        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, out)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(*out[2:])
+        return out
+
+    @staticmethod
+    def backward(ctx, do, dht, *_unused):
+        return _backward_with(_bwd, ctx.plan, ctx, do, dht)
+
+
+def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, *, cu_host):
+    return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host),
+                           save_states)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, cu_host):
+    cu = torch.tensor(cu_host) if cu_host is not None else cu_seqlens  # the host copy: no second device read
+    o, ht = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state, use_qk_l2norm=l2, cu_seqlens=cu)
+    return o.to(v.dtype), (ht.float() if ht is not None else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, save_states=True, impl="auto"):
+    """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); K, V multiples of 16, <= 256.
+        g: ``[B, T, HV]`` log-space decay (<= 0), any float dtype; beta: ``[B, T, HV]`` in (0, 1).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` float32 or None (N = B, or the number of sequences with varlen).
+        output_final_state: also return the final states ``[N, HV, K, V]`` float32.
+        use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts, non-decreasing from 0 to T (varlen; then B
+            must be 1); any strides. One host read per call (forward and backward together).
+        save_states: when a gradient is needed, keep the forward's per-chunk states for the backward: w
+            ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
+            at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
+            state pass run again). No effect without autograd.
+        impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
+            (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
+        beta, initial_state. Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
+    """
+    check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    B, T, H, K = q.shape
+    check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
+    check_tensor("v", v, shape=(B, T, None, None), dtypes=FLOAT_DTYPES)
+    HV, V = v.shape[2], v.shape[3]
+    check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_tensor("beta", beta, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_same_dtype(q=q, k=k, v=v)
+    dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if H == 0 or HV == 0 or HV % H != 0:
+        raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
+    for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
+        if d <= 0 or d % 16 or d > 256:
+            raise ValueError(f"{name}: expected a positive multiple of 16 and <= 256, got {d}")
+    if T < 1 or B < 1:
+        raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
+    N = B
+    cu_host = None
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen input needs B == 1, got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
+    if scale is None:
+        scale = K ** -0.5
+    if not isinstance(save_states, bool):
+        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
+    if impl != "reference":
+        check_kernel_device(dev, _REFERENCE, q.dtype)
+    if cu_seqlens is not None and not torch.compiler.is_compiling():
+        # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
+        cu_host = read_cu_seqlens(cu_seqlens, T)
+    if impl == "reference":
+        return _reference(q, k, v, g, beta, float(scale), initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                          cu_seqlens, cu_host)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    save = save_states and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
+    fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
+    o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save)
+    return o, (ht if output_final_state else None)

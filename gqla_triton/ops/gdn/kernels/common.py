@@ -1,0 +1,93 @@
+"""@triton.jit helpers shared by the chunk kernels: which tokens, chunk rows and state rows a program covers, and
+one step of the state recurrence.
+
+Layouts (rows = flattened tokens ``B*T``): q, k ``[rows, H, K]``; v, u, v_new, o ``[rows, HV, V]``;
+w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv ``[rows, HV, BT]`` (bf16 for
+bf16 inputs, else fp32; row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h
+``[chunks, HV, K, V]`` (state at each chunk's start). Sequences come from ``cu`` (varlen: token bounds
+``[N+1]``, with ``cidx [chunks, 2]`` (sequence, chunk within it) and ``coff [N+1]`` (first chunk-state row of
+each sequence)) or are the B rows of length T. Head counts and lengths are runtime values that Triton does not
+specialise on: one compiled variant per (K, V, dtype, launch config) serves every H, HV and T.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _seq_bounds(i_t, i_b, cu, cidx, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(bos int64, sequence length, chunk start within the sequence) of chunk program i_t."""
+    if IS_VARLEN:
+        i_n = tl.load(cidx + 2 * i_t).to(tl.int64)
+        i_c = tl.load(cidx + 2 * i_t + 1)
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+    else:
+        i_c = i_t
+        bos = i_b.to(tl.int64) * T
+        eos = bos + T
+    return bos, (eos - bos).to(tl.int32), i_c * BT
+
+
+@triton.jit
+def _state_span(i_n, cu, coff, T, NT, IS_VARLEN: tl.constexpr):
+    """(bos int64, length, first chunk-state row int64) of sequence i_n, for the sequential state passes."""
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        Tn = (tl.load(cu + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(coff + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        Tn = T
+        boh = i_n.to(tl.int64) * NT
+    return bos, Tn, boh
+
+
+@triton.jit
+def _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk program (i_t, i_bh = batch row x value head): (i_b, i_hv, i_h, bos, length, chunk start,
+    t [BT] positions in the sequence, valid [BT], x [BT] int64 flat rows)."""
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, Tn, t0 = _seq_bounds(i_t, i_b, cu, cidx, T, BT, IS_VARLEN)
+    t = t0 + tl.arange(0, BT)
+    return i_b, i_hv, i_h, bos, Tn, t0, t, t < Tn, bos + t
+
+
+@triton.jit
+def _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN: tl.constexpr):
+    """Sequential state program over sequence x value head i_nh: (i_hv, i_h, bos, length, first state row)."""
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos, Tn, boh = _state_span(i_n, cu, coff, T, NT, IS_VARLEN)
+    return i_hv, i_hv // (HV // H), bos, Tn, boh
+
+
+@triton.jit
+def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
+    """Row (int64) of chunk program i_t's state in h ``[chunks, HV, K, V]``."""
+    if IS_VARLEN:
+        i_ch = tl.load(coff + tl.load(cidx + 2 * i_t)).to(tl.int64) + tl.load(cidx + 2 * i_t + 1)
+    else:
+        i_ch = i_b.to(tl.int64) * NT + i_t
+    return i_ch
+
+
+@triton.jit
+def _chunk_k_g(k, gc, x, valid, mk, bos, t0, Tn, i_hv, i_h, ck, H, HV, K: tl.constexpr, BT: tl.constexpr):
+    """One chunk's k rows [BT, BK], gc [BT] and gl = gc of its last valid row (the chunk starts at token t0)."""
+    last = tl.minimum(t0 + BT, Tn) - 1
+    gl = tl.load(gc + (bos + last) * HV + i_hv)
+    gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
+    kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+    return kk, gg, gl
+
+
+@triton.jit
+def _decay_update(S, vn, kk, gg, gl, valid):
+    """End of one chunk step of the state recurrence: S ← e^gl·S + kᵀ (e^(gl−gc)·v_new). The decay scales the
+    rows of v_new ([BT, BV]), not of k ([BT, K]): k goes from memory to the dot as is."""
+    vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
+    return S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(kk.dtype))
+

@@ -1,0 +1,75 @@
+"""Stage ``seg`` (sequence splitting of the state passes): per-segment state maps, then their chaining per
+sequence."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _chunk_k_g, _decay_update, _state_heads
+
+
+@triton.jit(do_not_specialize=["H", "HV"])
+def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr):
+    """Sequence splitting, pass 1: per segment (cu/coff index segments, not sequences) and value head, the state
+    map S_end = M·S_start + b over the segment's chunks, as the state recurrence on X = [M | b] from [I | 0]
+    (u = 0 in the M columns). Program i_c < BK/BV owns BV columns of M, the others BV columns of b; X is stored
+    to mb ``[segments, HV, K, K + V]`` fp32."""
+    i_c, i_sh = tl.program_id(0), tl.program_id(1)
+    i_hv, i_h, bos, Tn, _ = _state_heads(i_sh, cu, coff, 0, 0, H, HV, True)
+    ck = tl.arange(0, BK)
+    c = i_c * BV + tl.arange(0, BV)  # column of X: c < BK in M, else value column c - BK in b
+    cv = c - BK
+    X = ((ck[:, None] == c[None, :]) & (ck[:, None] < K)).to(tl.float32)
+    mu = (c >= BK) & (cv < V)
+    dt = w.dtype.element_ty
+    for i_n in range(0, tl.cdiv(Tn, BT)):
+        t = i_n * BT + tl.arange(0, BT)
+        valid = t < Tn
+        x = bos + t
+        mk = valid[:, None] & (ck[None, :] < K)
+        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=valid[:, None] & mu[None, :],
+                     other=0.0).to(tl.float32)
+        vn = uu - tl.dot(ww, X.to(dt))
+        kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_n * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        X = _decay_update(X, vn, kk, gg, gl, valid)
+    col = tl.where(c < BK, c, K + cv)
+    mcol = tl.where(c < BK, c < K, mu)
+    tl.store(mb + (i_sh.to(tl.int64) * K + ck[:, None]) * (K + V) + col[None, :], X,
+             mask=(ck[:, None] < K) & mcol[None, :])
+
+
+@triton.jit(do_not_specialize=["HV"])
+def gdn_state_prefix_kernel(mb, rb, h0, s0, ht, soff, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, USE_H0: tl.constexpr, REVERSE: tl.constexpr):
+    """Sequence splitting, pass 2: per sequence, value head and V block, walk the segment maps in order:
+    s0[seg] = state at the segment's start (fp32 ``[segments, HV, K, V]``), then S ← M·S + b (tf32x3 dot,
+    near fp32); the last S is the final state ht. REVERSE (backward): segments last to first, s0[seg] = dS at
+    the segment's end, dS ← Mᵀ·dS + r with r from rb ``[segments, HV, K, V]``; the last dS is dh0."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkk = (ck[:, None] < K) & (ck[None, :] < K)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+    first = tl.load(soff + i_n)
+    nseg = tl.load(soff + i_n + 1) - first
+    for j in range(0, nseg):
+        i_s = first + nseg - 1 - j if REVERSE else first + j
+        i_sh = (i_s * HV + i_hv).to(tl.int64)
+        tl.store(s0 + (i_sh * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
+        base = mb + i_sh * K * (K + V)
+        if REVERSE:
+            M = tl.load(base + ck[None, :] * (K + V) + ck[:, None], mask=mkk, other=0.0)
+            b = tl.load(rb + (i_sh * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        else:
+            M = tl.load(base + ck[:, None] * (K + V) + ck[None, :], mask=mkk, other=0.0)
+            b = tl.load(base + ck[:, None] * (K + V) + K + cv[None, :], mask=mkv, other=0.0)
+        S = tl.dot(M, S, input_precision="tf32x3") + b
+    tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
+

@@ -1,0 +1,45 @@
+"""Stage ``state``: the sequential pass over each sequence's chunks (chunk states h, v_new, final state)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _chunk_k_g, _decay_update, _state_heads
+
+
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start
+    (h's dtype), v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new); with STORE_HT the final S (fp32) to ht.
+    BK = K rounded up to a power of two. Under sequence splitting cu / coff index segments and h0 holds each
+    segment's start state."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+    dt = w.dtype.element_ty
+    r = tl.arange(0, BT)
+    for i_c in range(0, tl.cdiv(Tn, BT)):
+        tl.store(h + (((boh + i_c) * HV + i_hv) * K + ck[:, None]) * V + cv[None, :], S.to(h.dtype.element_ty),
+                 mask=mkv)
+        t = i_c * BT + r
+        valid = t < Tn
+        x = bos + t
+        mk = valid[:, None] & (ck[None, :] < K)
+        mv = valid[:, None] & (cv[None, :] < V)
+        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+        uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        vn = uu - tl.dot(ww, S.to(dt))
+        tl.store(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], vn.to(vnew.dtype.element_ty), mask=mv)
+        kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        S = _decay_update(S, vn, kk, gg, gl, valid)
+    if STORE_HT:
+        tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
+

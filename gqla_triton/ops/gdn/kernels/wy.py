@@ -1,0 +1,140 @@
+"""Stage ``wy``: gc (chunk-local cumsum of g) and Ainv = (I + A)^-1 of each chunk (layouts: ``common.py``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _chunk_rows
+
+
+@triton.jit
+def _inv16(L, PREC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block. L is nilpotent (L^16 = 0), so the inverse is
+    the finite series sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)(I + L^8): six fp32 dots, no sequential
+    row-by-row substitution."""
+    r = tl.arange(0, 16)
+    L2 = _dot32(L, L, PREC)
+    L4 = _dot32(L2, L2, PREC)
+    L8 = _dot32(L4, L4, PREC)
+    X = (r[:, None] == r[None, :]).to(tl.float32) - L
+    X += _dot32(X, L2, PREC)
+    X += _dot32(X, L4, PREC)
+    X += _dot32(X, L8, PREC)
+    return X
+
+
+@triton.jit
+def _dot32(a, b, PREC: tl.constexpr):
+    """fp32 product for the inverse: PREC "ieee" (FMA) or "tf32" (one tf32 tensor-core product: every consumer
+    of the inverse reads it at tf32 precision or below)."""
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _store16(ptr, rows, valid, c0, blk, HV, BT: tl.constexpr):
+    c = tl.arange(0, 16)
+    tl.store(ptr + rows[:, None] * (HV * BT) + c0 + c[None, :], blk.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
+    return tl.load(k + rows[:, None] * (H * K) + i_h * K + c[None, :], mask=valid[:, None] & (c[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
+    """acc · beta_i · exp(gc_i − gc_j) on one 16x16 block of k kᵀ (strictly lower if DIAG)."""
+    r = tl.arange(0, 16)
+    if DIAG:
+        m = r[:, None] > r[None, :]
+    else:
+        m = r[:, None] >= 0
+    m = m & vi[:, None] & vj[None, :]
+    return tl.where(m, acc * bi[:, None] * tl.exp(tl.where(m, gci[:, None] - gcj[None, :], 0.0)), 0.0)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
+    solved in fp32 (16x16 block dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is
+    only ever a tensor-core operand)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
+    r = tl.arange(0, 16)
+    t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
+    v0, v1, v2, v3 = t_0 < Tn, t_1 < Tn, t_2 < Tn, t_3 < Tn
+    x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
+    # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
+    # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
+    g0 = tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float64)
+    g1 = tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float64)
+    g2 = tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float64)
+    g3 = tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float64)
+    c0 = tl.cumsum(g0, 0).to(tl.float32)
+    c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
+    c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
+    c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
+    tl.store(gc + x0 * HV + i_hv, c0, mask=v0)
+    tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
+    tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
+    tl.store(gc + x3 * HV + i_hv, c3, mask=v3)
+    b0 = tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a00, a11, a22, a33, a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z, z, z, z, z
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        k0t = _ld16(k, x0, v0, i_h, c, H, K)
+        k1t = _ld16(k, x1, v1, i_h, c, H, K)
+        k2t = _ld16(k, x2, v2, i_h, c, H, K)
+        k3t = _ld16(k, x3, v3, i_h, c, H, K)
+        a00 += tl.dot(k0t, tl.trans(k0t))
+        a11 += tl.dot(k1t, tl.trans(k1t))
+        a22 += tl.dot(k2t, tl.trans(k2t))
+        a33 += tl.dot(k3t, tl.trans(k3t))
+        a10 += tl.dot(k1t, tl.trans(k0t))
+        a20 += tl.dot(k2t, tl.trans(k0t))
+        a21 += tl.dot(k2t, tl.trans(k1t))
+        a30 += tl.dot(k3t, tl.trans(k0t))
+        a31 += tl.dot(k3t, tl.trans(k1t))
+        a32 += tl.dot(k3t, tl.trans(k2t))
+    T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True), PREC)
+    T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True), PREC)
+    T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True), PREC)
+    T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True), PREC)
+    A10 = _decay(a10, v1, v0, c1, c0, b1, False)
+    A20 = _decay(a20, v2, v0, c2, c0, b2, False)
+    A21 = _decay(a21, v2, v1, c2, c1, b2, False)
+    A30 = _decay(a30, v3, v0, c3, c0, b3, False)
+    A31 = _decay(a31, v3, v1, c3, c1, b3, False)
+    A32 = _decay(a32, v3, v2, c3, c2, b3, False)
+    T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
+    T21 = -_dot32(_dot32(T22, A21, PREC), T11, PREC)
+    T32 = -_dot32(_dot32(T33, A32, PREC), T22, PREC)
+    T20 = -_dot32(T22, _dot32(A20, T00, PREC) + _dot32(A21, T10, PREC), PREC)
+    T31 = -_dot32(T33, _dot32(A31, T11, PREC) + _dot32(A32, T21, PREC), PREC)
+    T30 = -_dot32(T33, _dot32(A30, T00, PREC) + _dot32(A31, T10, PREC) + _dot32(A32, T20, PREC), PREC)
+    Z = tl.zeros([16, 16], dtype=tl.float32)
+    p = Ainv + i_hv * BT
+    _store16(p, x0, v0, 0, T00, HV, BT)
+    _store16(p, x0, v0, 16, Z, HV, BT)
+    _store16(p, x0, v0, 32, Z, HV, BT)
+    _store16(p, x0, v0, 48, Z, HV, BT)
+    _store16(p, x1, v1, 0, T10, HV, BT)
+    _store16(p, x1, v1, 16, T11, HV, BT)
+    _store16(p, x1, v1, 32, Z, HV, BT)
+    _store16(p, x1, v1, 48, Z, HV, BT)
+    _store16(p, x2, v2, 0, T20, HV, BT)
+    _store16(p, x2, v2, 16, T21, HV, BT)
+    _store16(p, x2, v2, 32, T22, HV, BT)
+    _store16(p, x2, v2, 48, Z, HV, BT)
+    _store16(p, x3, v3, 0, T30, HV, BT)
+    _store16(p, x3, v3, 16, T31, HV, BT)
+    _store16(p, x3, v3, 32, T32, HV, BT)
+    _store16(p, x3, v3, 48, T33, HV, BT)
+

@@ -1,0 +1,269 @@
+"""Launchers of the chunked gated delta rule: the forward (``chunk_gdn_fwd``) and backward (``chunk_gdn_bwd``) stage
+sequences, the state pass and the chaining of split sequences.
+
+Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state; long sequences split into segments:
+``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). Backward (after w, u, h, v_new are recomputed
+or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes
+from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*`` (``ChunkConfig``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ...dispatch import device_info
+from .._common.alloc import empty
+from .._common.host import cdiv, next_pow2
+from .kernels.dv_local import gdn_dv_local_kernel
+from .kernels.grad import gdn_grad_chunk_kernel
+from .kernels.output import gdn_output_fwd_kernel
+from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
+from .kernels.state import gdn_state_fwd_kernel
+from .kernels.state_bwd import gdn_state_bwd_kernel
+from .kernels.wu import gdn_wu_fwd_kernel
+from .kernels.wy import gdn_wy_fwd_kernel
+from .kernels.wy_bwd import gdn_wy_bwd_kernel
+from .plan import BT, ChunkPlan
+
+__all__ = ["States", "chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_state_fwd", "h_rows", "mid_dtype"]
+
+# wy_bwd_num_stages: 2 and 3 stages are bitwise deterministic on the H200 (Triton 3.6) with k kᵀ taking kᵀ from its
+# own load and the transposed dk term (wy_bwd_trans); check determinism (tools/determinism_gdn.py) before changing them.
+
+
+class States(NamedTuple):
+    """What the forward's state pass leaves for the backward (``save_states``): w ``[B, T, HV, K]``, h
+    ``[h_rows, HV, K, V]`` (one row per chunk) and v_new ``[B, T, HV, V]``, in the input dtypes."""
+
+    w: torch.Tensor
+    h: torch.Tensor
+    vnew: torch.Tensor
+
+
+class _Split(NamedTuple):
+    """Sequence splitting of one state pass: the plan's segments and their maps mb ``[nseg, HV, K, K + V]`` fp32."""
+
+    nseg: int
+    cu: torch.Tensor
+    coff: torch.Tensor
+    soff: torch.Tensor
+    mb: torch.Tensor
+
+
+def mid_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of Ainv and of the gradients passed between backward stages: bf16 for bf16 inputs (fp32's
+    exponent range at half the bytes), fp32 otherwise (in fp16, decayed terms and small gradients underflow)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def h_rows(B: int, T: int, N: int, varlen: bool) -> int:
+    """Rows of the saved chunk-state buffer h: B·ceil(T/BT), or under varlen the bound ceil(T/BT) + N on the number
+    of chunks (so torch.compile's fake kernel knows the shape without reading cu_seqlens)."""
+    return cdiv(T, BT) + N if varlen else B * cdiv(T, BT)
+
+
+def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) -> int:
+    """Narrow the V block of the sequential state passes (not below ``floor``) while they would leave half the
+    SMs idle."""
+    info = device_info(t)
+    bv = min(bv, next_pow2(V))
+    if info.interpreter:
+        return bv
+    while bv > floor and cdiv(V, bv) * programs * 2 <= info.sm_count:
+        bv //= 2
+    return bv
+
+
+def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool):
+    """Walk each sequence's segment maps (``gdn_state_prefix_kernel``): s_seg [segments, HV, K, V] gets the state
+    entering each segment, s_out [N, HV, K, V] the state leaving the sequence; s_in may be None (zeros)."""
+    HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
+    BV = min(32, next_pow2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
+    gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
+        mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff, HV, K=K, V=V,
+        BK=next_pow2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
+
+
+def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
+    """The segment maps of the plan's sequence splitting (``gdn_state_seg_kernel``), or None without splitting.
+    ``u`` None: only the M columns (all the backward's reverse chain reads; the b columns stay unwritten)."""
+    if plan.seg is None:
+        return None
+    cfg = plan.cfg
+    B, T, H, K = k.shape
+    HV = w.shape[2]
+    nseg, cu, co, soff = plan.seg
+    BK = next_pow2(K)
+    BVs = min(cfg.seg_bv, BK)
+    mb = empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
+    gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None else 0), nseg * HV)](
+        k, w, u if u is not None else w, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs,
+        **cfg.launch("seg"))
+    return _Split(nseg, cu, co, soff, mb)
+
+
+def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None):
+    """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final state
+    ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. Long sequences
+    with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
+    parallel, then chained; see ``gdn_state_seg_kernel``)."""
+    cfg = plan.cfg
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    N = plan.N
+    h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device)
+    vnew = empty(u.shape, dtype=u.dtype, device=u.device)
+    ht = empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    BK = next_pow2(K)
+    dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
+    h0, cu, co, units, store_ht, varlen = initial_state, plan.cu, plan.coff, N, True, plan.varlen
+    split = _segments(k, w, u, gc, V, plan)
+    if split is not None:
+        h0 = empty(split.nseg, HV, K, V, dtype=torch.float32, device=k.device)
+        _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False)
+        cu, co, units, store_ht, varlen = split.cu, split.coff, split.nseg, False, True
+    BV = _state_bv(cfg.state_bv, V, units * HV, k)
+    gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
+        k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
+        co if co is not None else dummy, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        USE_H0=h0 is not None, STORE_HT=store_ht, IS_VARLEN=varlen, **cfg.launch("state"))
+    return h, vnew, ht, split
+
+
+def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
+    """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage."""
+    cfg = plan.cfg
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    w = empty(B, T, HV, K, dtype=k.dtype, device=k.device)
+    u = empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    dummy = k
+    gdn_wu_fwd_kernel[(plan.NG, B * HV)](
+        k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.wu_bk, next_pow2(K)), BV=min(cfg.wu_bv, next_pow2(V)),
+        IS_VARLEN=plan.varlen, **cfg.launch("wu"))
+    return w, u
+
+
+def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False):
+    """The forward stages on contiguous inputs (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``,
+    initial_state ``[N, HV, K, V]`` fp32 or None). Returns (o ``[B, T, HV, V]`` v's dtype, final state
+    ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
+    the ``States`` the backward would otherwise recompute."""
+    cfg = plan.cfg
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BKp = next_pow2(K)
+    dummy = q
+    cu = plan.cu if plan.varlen else dummy
+    cidx = plan.cidx if plan.varlen else dummy
+    coff = plan.coff if plan.varlen else dummy
+    gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
+    Ainv = empty(B, T, HV, BT, dtype=mid_dtype(k.dtype), device=q.device)
+    if plan.NTT > 0:
+        gdn_wy_fwd_kernel[(plan.NG, B * HV)](
+            k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
+            IS_VARLEN=plan.varlen, **cfg.launch("wy"))
+        w, u = _wu(k, v, beta, gc, Ainv, plan)
+    else:
+        w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
+        u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+    o = empty(v.shape, dtype=v.dtype, device=v.device)
+    h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
+                                         rows=h_rows(B, T, plan.N, plan.varlen) if keep_h else None)
+    if plan.NTT > 0:
+        BV = min(cfg.out_bv, next_pow2(V))
+        gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
+            q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=BT,
+            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, **cfg.launch("out"))
+    if keep_h:
+        return o, ht, gc, Ainv, States(w, h, vnew)
+    return o, ht, gc, Ainv
+
+
+def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, gc, Ainv, do, dht,
+                  states: States | None = None):
+    """The backward stages (inputs as ``chunk_gdn_fwd``'s, its gc and Ainv, the output gradient do and the final
+    state's dht ``[N, HV, K, V]`` or None). Returns dq, dk ``[B, T, H, K]``, dv ``[B, T, HV, V]``, dg, dbeta
+    ``[B, T, HV]`` (input dtypes) and dh0 ``[N, HV, K, V]`` fp32. ``states``: the forward's ``States``; None
+    recomputes them (the wu stage, then the state pass)."""
+    cfg = plan.cfg
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N, NTT, NT, NG, varlen = plan.N, plan.NTT, plan.NT, plan.NG, plan.varlen
+    dev = q.device
+    BKp = next_pow2(K)
+    BVp = next_pow2(V)
+    dummy = q
+    cu = plan.cu if varlen else dummy
+    cidx = plan.cidx if varlen else dummy
+    coff = plan.coff if varlen else dummy
+    do = do.contiguous()
+    if dht is not None:  # e.g. ht.sum().backward() passes an expanded (stride 0) gradient
+        dht = dht.contiguous()
+    dv = empty(v.shape, dtype=v.dtype, device=dev)
+    dg = empty(g.shape, dtype=g.dtype, device=dev)
+    dbeta = empty(beta.shape, dtype=beta.dtype, device=dev)
+    dh0 = empty(N, HV, K, V, dtype=torch.float32, device=dev)
+    if states is None:
+        w, u = _wu(k, v, beta, gc, Ainv, plan)
+        h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan)
+        del u
+    else:
+        w, h, vnew = states
+        split = _segments(k, w, None, gc, V, plan)  # the reverse chain needs the maps' M part
+    # gradients passed between stages (and dk's partial terms) are stored in mid_dtype, the GVA sums in fp32
+    dvl = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
+    BV = min(cfg.dvl_bv, BVp)
+    gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
+        q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
+        EARLY=cfg.dvl_early, IS_VARLEN=varlen, **cfg.launch("dvl"))
+    dhe = empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
+    dvn = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
+    BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, k)
+    NVB = cdiv(V, BV)
+    if split is None:
+        gdn_state_bwd_kernel[(NVB, N * HV)](
+            q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff, scale, T, NT,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
+            IS_VARLEN=varlen, **cfg.launch("state_bwd"))
+    else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
+        grid = (NVB, split.nseg * HV)
+        r = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
+        gdn_state_bwd_kernel[grid](
+            q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
+            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
+            IS_VARLEN=True, **cfg.launch("state_bwd"))
+        dse = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
+        _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
+        gdn_state_bwd_kernel[grid](
+            q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
+            K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
+            IS_VARLEN=True, **cfg.launch("state_bwd"))
+    del dvl
+    dw = empty(B, T, HV, K, dtype=mid_dtype(k.dtype), device=dev)
+    dgc = empty(B, T, HV, dtype=torch.float32, device=dev)
+    dkp = empty(B, T, HV, K, dtype=mid_dtype(k.dtype), device=dev)
+    # GVA: the value heads of one q/k head pass an fp32 running sum of their dq / dk terms along (part), the last
+    # one stores the total; cnt: two int32 per tile (chunk x q/k head), one set for dq and one for dk
+    gsum = HV > H
+    dq = empty(B, T, H, K, dtype=q.dtype, device=dev)
+    dk = empty(B, T, H, K, dtype=k.dtype, device=dev)
+    if gsum:
+        part = empty(B, T, H, K, dtype=torch.float32, device=dev)
+        cnt = empty(2, 2 * NG * B * H, dtype=torch.int32, device=dev).zero_()
+    else:
+        part, cnt = dummy, (dummy, dummy)
+    gdn_grad_chunk_kernel[(NG, B * HV)](
+        q, k, vnew, gc, h, dhe, initial_state if initial_state is not None else dummy,
+        dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
+        EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
+        IS_VARLEN=varlen, **cfg.launch("grad"))
+    gdn_wy_bwd_kernel[(NG, B * HV)](
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
+        BT=BT, BK=min(cfg.wy_bwd_bk, BKp), BV=min(cfg.wy_bwd_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
+        LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, **cfg.launch("wy_bwd"))
+    return dq, dk, dv, dg, dbeta, dh0

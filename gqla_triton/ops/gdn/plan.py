@@ -1,0 +1,128 @@
+"""What one call of the chunked op launches: its config, the chunk programs and the segments of sequence splitting.
+
+``chunk_plan`` is built per call, before the forward, and the backward reuses the forward's plan: one host read of
+cu_seqlens per forward + backward (under torch.compile each custom op builds its plan inside itself, one read
+each). The index tensors are cached by value (``_chunk_index``, ``_seg_plan``): a cu_seqlens changed in
+place gives a new plan on the next call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ...dispatch import select_config
+from .._common.host import cdiv, next_pow2
+from .config import ChunkConfig
+
+__all__ = ["BT", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "read_cu_seqlens", "seg_len"]
+
+BT = 64  # chunk size
+
+
+class SegPlan(NamedTuple):
+    """Sequence splitting of the state passes: each sequence cut into segments of L chunks (an empty sequence keeps
+    one empty segment)."""
+
+    nseg: int  # segments over all sequences
+    cu: torch.Tensor  # [nseg+1] int64 token bounds of the segments
+    coff: torch.Tensor  # [nseg] int32 first chunk-state row of each segment
+    soff: torch.Tensor  # [N+1] int32 first segment of each sequence
+
+
+class ChunkPlan(NamedTuple):
+    """Launch plan of one call. Chunk programs run on a grid ``(NG, B·HV)``: dense inputs have NG = NT chunks per
+    batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``."""
+
+    cfg: ChunkConfig
+    N: int  # sequences
+    seq_cu: tuple[int, ...]  # token bounds of the sequences in the flattened [B·T] rows, N+1 values
+    cu: torch.Tensor | None  # [N+1] cu_seqlens as the kernels read it (contiguous), None for dense inputs
+    NTT: int  # chunks over all sequences
+    NT: int  # chunks per sequence (dense inputs), 0 under varlen
+    NG: int  # grid axis 0 of the chunk programs
+    cidx: torch.Tensor | None  # [NTT, 2] int32 (sequence, chunk within it), varlen only
+    coff: torch.Tensor | None  # [N+1] int32 first chunk-state row of each sequence, varlen only
+    seg: SegPlan | None  # sequence splitting of the state passes, or None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu is not None
+
+
+def config_key(K: int, V: int) -> dict:
+    """The tables match the padded widths the kernels tile with: K = 192 runs [.., 256] state tiles, where the
+    K = 128 entry's state passes would need 254-333 KB of shared memory."""
+    return {"K": next_pow2(K), "V": next_pow2(V)}
+
+
+def read_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """Host copy of ``cu_seqlens`` (any strides), checked: non-decreasing from 0 to T."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens: must be non-decreasing from 0 to T={T}, got {cu}")
+    return cu
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_index(seq_cu: tuple[int, ...], device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Varlen chunk programs of the sequences ``seq_cu``: (NTT, cidx [NTT, 2] int32, coff [N+1] int32)."""
+    pairs, offs = [], [0]
+    for n in range(len(seq_cu) - 1):
+        c = cdiv(seq_cu[n + 1] - seq_cu[n], BT)
+        pairs.extend((n, i) for i in range(c))
+        offs.append(offs[-1] + c)
+    cidx = torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2)
+    return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+def seg_len(cfg: ChunkConfig, units: int, max_chunks: int) -> int:
+    """Chunks per segment for sequence splitting, or 0 to keep one sequential program per sequence: split when the
+    (sequence x value head) units are fewer than ``seg_below``, into about ``seg_units`` units in all, with
+    segments of at least ``seg_min`` chunks."""
+    if not cfg.seg_units or units >= cfg.seg_below:
+        return 0
+    L = max(cfg.seg_min, cdiv(max_chunks, cdiv(cfg.seg_units, units)))
+    return L if L < max_chunks else 0
+
+
+@functools.lru_cache(maxsize=32)
+def _seg_plan(seq_cu: tuple[int, ...], L: int, device: torch.device) -> SegPlan:
+    """Split each sequence (token bounds ``seq_cu``) into segments of L chunks."""
+    cu, rows, soff = [0], [], [0]
+    row = 0
+    for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True):
+        nc = cdiv(b - a, BT)
+        for c in range(0, nc, L):
+            rows.append(row + c)
+            cu.append(min(a + (c + L) * BT, b))
+        if nc == 0:
+            rows.append(row)
+            cu.append(b)
+        row += nc
+        soff.append(len(rows))
+    t = functools.partial(torch.tensor, device=device)
+    return SegPlan(len(rows), t(cu, dtype=torch.int64), t(rows, dtype=torch.int32), t(soff, dtype=torch.int32))
+
+
+def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+               cu_host: list[int] | None = None) -> ChunkPlan:
+    """The plan of a call with q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and ``cu_seqlens`` (or None). ``cu_host``:
+    ``read_cu_seqlens``' copy where the caller has it; otherwise cu_seqlens is read here."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cfg = select_config("gdn_chunk", config_key(K, V), device=q.device)
+    if cu_seqlens is None:
+        NT = cdiv(T, BT)
+        seq_cu = tuple(range(0, (B + 1) * T, T))
+        NTT, NG, cidx, coff, cu = B * NT, NT, None, None, None
+    else:
+        seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))
+        NTT, cidx, coff = _chunk_index(seq_cu, cu_seqlens.device)
+        NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
+    N = len(seq_cu) - 1
+    L = seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
+    seg = _seg_plan(seq_cu, L, q.device) if L else None
+    return ChunkPlan(cfg, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg)
