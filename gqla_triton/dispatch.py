@@ -216,22 +216,28 @@ def _match(table: dict, op: str, key: Mapping[str, Any]):
 def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fallback: bool = True):
     """First matching entry for ``op`` in ``configs/<gpu>.json`` (then ``default.json`` if ``fallback``), with the
     overrides applied; None when no entry matches and nothing is overridden."""
+    frozen = tuple(sorted((key or {}).items()))
+    cfg = _table_entry(gpu, op, frozen, fallback, os.environ.get("GQLA_TRITON_CONFIG"))
+    for layer in _OVERRIDES:
+        if op in layer:
+            cfg = schema(op).from_fields(layer[op], base=cfg, where=" (override)")
+    return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | None):
+    """``table_config`` without the in-process overrides, cached: the tables are read once and a launcher's lookup
+    costs a dictionary hit (the key, the tables and ``GQLA_TRITON_CONFIG`` determine the answer)."""
     from .ops._common.config import check_match_key
 
     cls = schema(op)
-    key = dict(key or {})
+    key = dict(frozen)
     check_match_key(cls, key, where=" (select_config key)")
     cfg = _match(_load_table(gpu), op, key)
     if cfg is None and fallback:
         cfg = _match(_load_table("default"), op, key)
-    layers = []
-    raw = os.environ.get("GQLA_TRITON_CONFIG")
-    if raw:
-        layers.append(_env_override(raw))
-    layers.extend(_OVERRIDES)
-    for layer in layers:
-        if op in layer:
-            cfg = cls.from_fields(layer[op], base=cfg, where=" (override)")
+    if env and op in _env_override(env):
+        cfg = cls.from_fields(_env_override(env)[op], base=cfg, where=" (GQLA_TRITON_CONFIG)")
     return cfg
 
 

@@ -209,7 +209,8 @@ def format_table(headers: list[str], rows: list[list], align: str | None = None)
                         else "l" for i in range(len(headers)))
 
     def line(vals):
-        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(vals, widths, align, strict=True)).rstrip()
+        cols = (v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(vals, widths, align, strict=True))
+        return "  ".join(cols).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]).rstrip()
 

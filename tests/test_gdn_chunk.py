@@ -607,3 +607,45 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H,
         torch.autograd.backward([o, ht], [do, dht])
     assert not bad, f"backward: out-of-bounds {sorted(set(bad))}"
     assert all(torch.isfinite(t).all() for t in [o, ht] + [x.grad for x in xs])
+
+
+@settings(max_examples=examples(3, 4), deadline=None)
+@given(lens=st.lists(st.integers(0, pick(70, 300)), min_size=1, max_size=4), as_tensor=st.booleans(), seed=seeds())
+def test_cu_seqlens_cpu_gives_the_same_result_without_reading_the_device_copy(lens, as_tensor, seed):
+    """``cu_seqlens_cpu`` (fla's option) plans from the host copy: bitwise the same outputs, and the device copy
+    of cu_seqlens is never read on the host."""
+    from unittest import mock
+
+    T = max(1, sum(lens))
+    lens = lens if sum(lens) else [1]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta = (t.to(P.device) for t in _inputs(seed, 1, T, 1, 2, 16, 16, len(lens))[:5])
+    q, k, v = (t.to(torch.float32) for t in (q, k, v))
+    g, beta = g.float(), beta.float()
+    cu_dev = torch.tensor(cu, dtype=torch.int64, device=P.device)
+    ref, ref_h = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_dev, output_final_state=True)
+
+    def no_read(*a, **k):
+        raise AssertionError("read_cu_seqlens called although cu_seqlens_cpu was given")
+
+    host = torch.tensor(cu, dtype=torch.int32) if as_tensor else cu
+    with mock.patch.object(plan_mod, "read_cu_seqlens", no_read), mock.patch.object(api_mod, "read_cu_seqlens",
+                                                                                    no_read):
+        out, out_h = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_dev, cu_seqlens_cpu=host,
+                                            output_final_state=True)
+    assert torch.equal(out, ref) and torch.equal(out_h, ref_h)
+
+
+def test_cu_seqlens_cpu_is_checked():
+    q = torch.zeros(1, 8, 1, 16, device=P.device)
+    v = torch.zeros(1, 8, 1, 16, device=P.device)
+    g = torch.zeros(1, 8, 1, device=P.device)
+    cu = torch.tensor([0, 3, 8], device=P.device)
+    for bad, err in (([0, 3], ValueError), ([0, 9, 8], ValueError), ([0, 5, 3], ValueError), ([0.0, 3, 8], TypeError),
+                     (torch.tensor([0, 3, 8.0]), TypeError)):
+        with pytest.raises(err, match="cu_seqlens_cpu"):
+            chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens=cu, cu_seqlens_cpu=bad)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu: given without cu_seqlens"):
+        chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens_cpu=[0, 8])

@@ -111,7 +111,7 @@ VARIANTS = [
     {},
     {"paged_tiles": True},
     {"paged_tiles": True, "block_n": 32},  # block_n > page 16: the per-token path there
-    {"block_h": 32, "block_n": 128, "num_stages": 1},  # 128 keys x 32 rows
+    {"block_h": 16, "block_n": 16, "num_stages": 1},  # the fp32 entries' small tiles, here in bf16 / fp16
     # P and alpha through a double-buffered global scratch tile (the H200 table's dense entry)
     {"p_scratch": True},
     {"p_scratch": True, "paged_tiles": True, "block_h": 64, "block_n": pick(32, 64), "num_stages": 2},

@@ -16,7 +16,7 @@ from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
-from .plan import BT, ChunkPlan, chunk_plan, read_cu_seqlens
+from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
 
 __all__ = ["chunk_gated_delta_rule"]
@@ -150,7 +150,8 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, save_states=True, impl="auto"):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, save_states=True,
+                           impl="auto"):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
@@ -162,7 +163,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         output_final_state: also return the final states ``[N, HV, K, V]`` float32.
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts, non-decreasing from 0 to T (varlen; then B
-            must be 1); any strides. One host read per call (forward and backward together).
+            must be 1); any strides. One host read per call (forward and backward together), which waits for the
+            work already queued on the device; ``cu_seqlens_cpu`` avoids it.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's
+            option of the same name): the plan is built from it without reading the device tensor, so a varlen call
+            needs no host sync. It must hold the same values as ``cu_seqlens`` (checked: shape, 0..T,
+            non-decreasing; not compared with the device copy, which would need the sync it avoids).
         save_states: when a gradient is needed, keep the forward's per-chunk states for the backward: w
             ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
             at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
@@ -207,7 +213,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     if impl != "reference":
         check_kernel_device(dev, _REFERENCE, q.dtype)
-    if cu_seqlens is not None and not torch.compiler.is_compiling():
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
+        cu_host = host_cu_seqlens(cu_seqlens_cpu, N + 1, T)
+    elif cu_seqlens is not None and not torch.compiler.is_compiling():
         # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
         cu_host = read_cu_seqlens(cu_seqlens, T)
     if impl == "reference":

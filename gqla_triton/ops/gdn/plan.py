@@ -17,7 +17,7 @@ from ...dispatch import select_config
 from .._common.host import cdiv, next_pow2
 from .config import ChunkConfig
 
-__all__ = ["BT", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "read_cu_seqlens", "seg_len"]
+__all__ = ["BT", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "host_cu_seqlens", "read_cu_seqlens", "seg_len"]
 
 BT = 64  # chunk size
 
@@ -58,12 +58,34 @@ def config_key(K: int, V: int) -> dict:
     return {"K": next_pow2(K), "V": next_pow2(V)}
 
 
+def _check_cu(name: str, cu: list[int], T: int) -> list[int]:
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"{name}: must be non-decreasing from 0 to T={T}, got {cu}")
+    return cu
+
+
 def read_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """Host copy of ``cu_seqlens`` (any strides), checked: non-decreasing from 0 to T."""
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        raise ValueError(f"cu_seqlens: must be non-decreasing from 0 to T={T}, got {cu}")
-    return cu
+    return _check_cu("cu_seqlens", cu_seqlens.tolist(), T)
+
+
+def host_cu_seqlens(cu_seqlens_cpu, n: int, T: int) -> list[int]:
+    """``cu_seqlens_cpu`` (a CPU integer tensor or a sequence of ints) as a checked list of ``n`` values."""
+    if isinstance(cu_seqlens_cpu, torch.Tensor):
+        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens_cpu: expected a CPU int32/int64 tensor, got a {cu_seqlens_cpu.dtype} "
+                            f"tensor on {cu_seqlens_cpu.device}")
+        cu = cu_seqlens_cpu.reshape(-1).tolist() if cu_seqlens_cpu.dim() == 1 else None
+    elif isinstance(cu_seqlens_cpu, (list, tuple)) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens_cpu):
+        cu = list(cu_seqlens_cpu)
+    else:
+        raise TypeError(f"cu_seqlens_cpu: expected a CPU integer tensor or a sequence of ints, got "
+                        f"{type(cu_seqlens_cpu).__name__}")
+    if cu is None or len(cu) != n:
+        raise ValueError(f"cu_seqlens_cpu: expected {n} values (the shape of cu_seqlens), got "
+                         f"{list(cu_seqlens_cpu.shape) if isinstance(cu_seqlens_cpu, torch.Tensor) else len(cu)}")
+    return _check_cu("cu_seqlens_cpu", cu, T)
 
 
 @functools.lru_cache(maxsize=32)
