@@ -29,9 +29,7 @@ class DecodePathConfig(KernelConfig):
     source: str = ""
 
     def check(self) -> None:
-        for name in ("absorb_efficiency", "grouped_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"decode_path config: {name!r} must lie in (0, 1], got {getattr(self, name)}")
+        self.within(("absorb_efficiency", "grouped_efficiency"), 0, 1, open_lo=True)
 
 
 class DecodePathChoice(NamedTuple):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...dispatch import select_config
-from .config import KernelConfig
+from .config import WARPS, KernelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +30,8 @@ class CombineConfig(KernelConfig):
     num_warps: int = 4
 
     def check(self) -> None:
-        if self.elems < 16 or self.elems & (self.elems - 1):
-            raise ValueError(f"combine config: 'elems' must be a power of two >= 16, got {self.elems}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"combine config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        self.one_of("elems", tuple(2**i for i in range(4, 17)))
+        self.one_of("num_warps", WARPS)
 
 
 @triton.jit

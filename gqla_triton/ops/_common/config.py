@@ -13,7 +13,10 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
-__all__ = ["KernelConfig", "check_match_key"]
+__all__ = ["KernelConfig", "check_match_key", "TILES", "WARPS"]
+
+TILES = (16, 32, 64, 128)  # tile widths the kernels take (powers of two; tl.dot needs >= 16)
+WARPS = (1, 2, 4, 8, 16)
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -44,7 +47,21 @@ class KernelConfig:
     MATCH: ClassVar[Mapping[str, Any]] = {}
 
     def check(self) -> None:
-        """Range checks beyond the field types; raise ``ValueError`` naming the field."""
+        """Range checks beyond the field types (``one_of`` / ``within``); raise ``ValueError`` naming the field."""
+
+    def one_of(self, names, allowed) -> None:
+        """Each field of ``names`` (a name or several) holds one of ``allowed``."""
+        for name in (names,) if isinstance(names, str) else names:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{self.OP} config: {name!r} must be one of {tuple(allowed)}, got {getattr(self, name)}")
+
+    def within(self, names, lo, hi=None, *, open_lo: bool = False) -> None:
+        """Each field of ``names`` lies in ``[lo, hi]`` (``(lo, hi]`` with ``open_lo``; no upper bound for None)."""
+        for name in (names,) if isinstance(names, str) else names:
+            v = getattr(self, name)
+            if (v <= lo if open_lo else v < lo) or (hi is not None and v > hi):
+                span = f"{'(' if open_lo else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
+                raise ValueError(f"{self.OP} config: {name!r} must lie in {span}, got {v}")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from .._common.config import KernelConfig
+from .._common.config import WARPS, KernelConfig
 
 __all__ = ["ChunkConfig", "DecodeConfig"]
 
@@ -75,17 +75,11 @@ class ChunkConfig(KernelConfig):
     wy_bwd_late: bool = False
 
     def check(self) -> None:
-        for name in self.field_names():
-            value = getattr(self, name)
-            if name.endswith(("_bk", "_bv")) and value not in _POW2:
-                raise ValueError(f"gdn_chunk config: {name!r} must be one of {_POW2}, got {value}")
-            if name.endswith("_num_warps") and value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"gdn_chunk config: {name!r} must be 1, 2, 4, 8 or 16, got {value}")
-            if name.endswith("_num_stages") and not 1 <= value <= 6:
-                raise ValueError(f"gdn_chunk config: {name!r} must be in [1, 6], got {value}")
-        for name in ("seg_units", "seg_below", "seg_min"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"gdn_chunk config: {name!r} must be >= 0, got {getattr(self, name)}")
+        names = self.field_names()
+        self.one_of([n for n in names if n.endswith(("_bk", "_bv"))], _POW2)
+        self.one_of([n for n in names if n.endswith("_num_warps")], WARPS)
+        self.within([n for n in names if n.endswith("_num_stages")], 1, 6)
+        self.within(("seg_units", "seg_below", "seg_min"), 0)
 
     def launch(self, stage: str) -> dict:
         """Triton launch options of one stage."""
@@ -104,7 +98,5 @@ class DecodeConfig(KernelConfig):
     num_stages: int = 1
 
     def check(self) -> None:
-        if self.bv not in _POW2:
-            raise ValueError(f"gdn_decode config: 'bv' must be one of {_POW2}, got {self.bv}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"gdn_decode config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        self.one_of("bv", _POW2)
+        self.one_of("num_warps", WARPS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from .._common.config import KernelConfig
+from .._common.config import TILES, WARPS, KernelConfig
 
 __all__ = ["GQADecodeConfig"]
 
@@ -32,11 +32,6 @@ class GQADecodeConfig(KernelConfig):
     rows_ahead: bool = False
 
     def check(self) -> None:
-        for name in ("block_n", "max_m"):
-            if getattr(self, name) not in (16, 32, 64, 128):
-                raise ValueError(f"gqa_decode config: {name!r} must be 16, 32, 64 or 128, got {getattr(self, name)}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"gqa_decode config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        for name in ("num_stages", "smem", "acc_elems_4w", "waves"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"gqa_decode config: {name!r} must be >= 1, got {getattr(self, name)}")
+        self.one_of(("block_n", "max_m"), TILES)
+        self.one_of("num_warps", WARPS)
+        self.within(("num_stages", "smem", "acc_elems_4w", "waves"), 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from .._common.config import KernelConfig
+from .._common.config import TILES, WARPS, KernelConfig
 
 __all__ = ["MLADecodeConfig"]
 
@@ -32,10 +32,6 @@ class MLADecodeConfig(KernelConfig):
     rows_ahead: bool = False
 
     def check(self) -> None:
-        for name in ("block_h", "block_n"):
-            if getattr(self, name) not in (16, 32, 64, 128):
-                raise ValueError(f"mla_decode config: {name!r} must be 16, 32, 64 or 128, got {getattr(self, name)}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"mla_decode config: 'num_warps' must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 6:
-            raise ValueError(f"mla_decode config: 'num_stages' must be in [1, 6], got {self.num_stages}")
+        self.one_of(("block_h", "block_n"), TILES)
+        self.one_of("num_warps", WARPS)
+        self.within("num_stages", 1, 6)
