@@ -2,7 +2,7 @@
 
 ``python -m gqla_triton.roofline`` prints the GPU specs, the floor time of each standard benchmark workload
 (``docs/design.md``) per GPU, the decode-path choice per GPU for the paper's layer at several batch sizes and
-lengths, and the GQLA paper's decode-throughput figures.
+lengths, and the GQLA paper's decode-throughput figures; ``--plot DIR`` also draws them (``gqla_triton.plots``).
 
 Peak numbers are vendor datasheet values (dense bf16 tensor-core FLOP/s, HBM bandwidth); ``measured``
 entries are the ceilings measured on our H200 (device-to-device copy, 8192^3 bf16 GEMM).
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="h100,h200,h200-measured,h20,a100,l40s",
                     help="comma list of GPU keys (%(default)s)")
+    ap.add_argument("--plot", metavar="DIR", help="also draw the roofline pictures (PNG, needs matplotlib) into DIR")
     args = ap.parse_args(argv)
     gpus = [g for g in args.gpus.split(",") if g]
     for g in gpus:
@@ -279,6 +280,11 @@ def main(argv: list[str] | None = None) -> None:
             for g in ("h100", "h200", "h20") for path, s_q in (("absorb", 1), ("absorb", 2), ("grouped", 1),
                                                               ("grouped", 2))]
     print(format_table(["gpu", "path", "s_q", "k tok/s"], rows, "llrr"))
+    if args.plot:
+        from .plots import plot_roofline
+
+        for path in plot_roofline(args.plot):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ if [ "${GQLA_NEED_TESTS:-0}" = 1 ]; then
   missing pytest && need+=(pytest)
   missing xdist && need+=(pytest-xdist)
   missing hypothesis && need+=(hypothesis)
+  missing matplotlib && need+=(matplotlib)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   python -m pip install -q "${need[@]}"

@@ -229,3 +229,14 @@ def test_the_repository_speaks_of_the_product_only():
         hits += [f"{rel}:{i + 1}: {line.strip()[:100]}" for i, line in enumerate(text.splitlines())
                  if pattern.search(line)]
     assert not hits, "\n".join(hits[:20])
+
+
+def test_roofline_plots_are_drawn(tmp_path):
+    """``python -m gqla_triton.roofline --plot DIR``: one PNG per GPU and the side-by-side figure, non-trivial."""
+    out = subprocess.run([sys.executable, "-m", "gqla_triton.roofline", "--plot", str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    names = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert names == ["roofline-h100.png", "roofline-h20.png", "roofline-h200.png", "roofline-paths.png"], names
+    for p in tmp_path.glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 20_000, p
+        assert f"wrote {p}" in out
