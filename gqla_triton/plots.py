@@ -36,7 +36,7 @@ def plot_roofline(out_dir: str | Path, gpus: tuple[str, ...] = ("h100", "h200", 
     / s_q: its intensity (FLOP per byte moved) and the rate the roofline allows at that intensity (filled), and,
     where the GPU's config table holds measured kernel efficiencies, that rate times the efficiency (hollow).
     The path the decode-path choice picks is ringed. The paper's argument as a picture: on the H100 / H200 the
-    absorb path sits at the ridge (its 4-16x fewer bytes win), on the H20 far right of a low ridge (compute-bound),
+    absorb path sits at the ridge (its 3.7x fewer cache bytes win), on the H20 far right of a low ridge (compute-bound),
     where the grouped path, memory-bound either way, is faster; MTP (s_q 2) doubles the grouped path's intensity
     for free."""
     plt = _pyplot()
