@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla"]
 
@@ -26,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="comma list of anchor names to time (default: every importable one; environment "
                          "variable GQLA_BENCH_ANCHORS sets the default), e.g. fla,flashqla,flash_mla,torch_sdpa")
     ap.add_argument("--no-anchors", action="store_true", help="time only gqla_triton")
+    ap.add_argument("--plot", metavar="DIR", help="draw the committed results (bench/results) into DIR and exit "
+                    "(no GPU needed)")
     ap.add_argument("--list", action="store_true", help="print each op's workloads and exit (no GPU needed)")
     return ap
 
@@ -44,6 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     for op in ops:
         if op not in OPS + ["ceilings"]:
             sys.exit(f"unknown op {op!r}; choose from {OPS} or 'ceilings'")
+    if args.plot:
+        from bench.plot import plot_results
+
+        for path in plot_results(Path(__file__).parent / "results", args.plot):
+            print(f"wrote {path}")
+        return
     if args.list:
         for op in ops if ops != ["ceilings"] else OPS:
             mod = importlib.import_module(f"bench.{op}")

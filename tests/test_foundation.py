@@ -240,3 +240,13 @@ def test_roofline_plots_are_drawn(tmp_path):
     for p in tmp_path.glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 20_000, p
         assert f"wrote {p}" in out
+
+
+def test_bench_results_plot_without_a_gpu(tmp_path):
+    """``python -m bench.run --plot DIR`` draws every committed result file (no GPU needed)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-m", "bench.run", "--plot", str(tmp_path)], cwd=root, env=env, check=True,
+                   capture_output=True, text=True)
+    want = sorted(p.stem for p in (root / "bench" / "results").glob("h200-*.json"))
+    assert sorted(p.stem for p in tmp_path.glob("*.png")) == want
