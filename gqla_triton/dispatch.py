@@ -10,10 +10,12 @@ Config tables live in ``gqla_triton/configs/<gpu>.json``::
 
 The first entry whose ``match`` items all equal the caller's key wins (an empty match is the default); fields an
 entry leaves out take the schema's defaults. Unknown GPUs use ``default.json`` (conservative configs sized for
-about 100 KB of shared memory per program). Every entry of a table is checked against its op's schema when
-the table is first read: an unknown op, match key or field, or a value of the wrong type, is a ``ValueError``
-naming it. ``GQLA_TRITON_CONFIG`` (a JSON object or the path of a JSON file, ``{"<op>": {"<field>": value}}``)
-and ``config_override`` (in-process, for tools and tests) override fields of the selected entry, checked alike.
+about 100 KB of shared memory per program). A table written by ``python -m gqla_triton.tune`` into the user
+config directory (``user_config_dir()``) takes precedence for its GPU. Every entry of a table is checked against
+its op's schema when the table is first read: an unknown op, match key or field, or a value of the wrong type, is
+a ``ValueError`` naming it. ``GQLA_TRITON_CONFIG`` (a JSON object or the path of a JSON file,
+``{"<op>": {"<field>": value}}``) and ``config_override`` (in-process, for tools and tests) override fields of the
+selected entry, checked alike.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "gpu_key",
     "select_config",
     "config_override",
+    "user_config_dir",
     "schema",
     "OPS",
 ]
@@ -163,13 +166,20 @@ def parse_table(raw: Mapping, *, where: str) -> dict[str, list[tuple[dict, Any]]
     return table
 
 
+def user_config_dir() -> Path:
+    """Where tuned tables live: ``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``."""
+    return Path(os.environ.get("GQLA_TRITON_CONFIG_DIR") or Path.home() / ".config" / "gqla_triton")
+
+
 @functools.cache
 def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
-    path = _CONFIG_DIR / f"{key}.json"
-    if not path.exists():
-        path = _CONFIG_DIR / "default.json"
+    """The table of GPU ``key``: a tuned one in the user config directory (``gqla_triton.tune``), else the shipped
+    ``configs/<key>.json``, else ``configs/default.json``. The interpreter reads only the shipped table."""
+    paths = ([] if key == "interpreter" else [user_config_dir() / f"{key}.json"]) + [_CONFIG_DIR / f"{key}.json",
+                                                                              _CONFIG_DIR / "default.json"]
+    path = next(p for p in paths if p.exists())
     with open(path) as f:
-        return parse_table(json.load(f), where=f"configs/{path.name}")
+        return parse_table(json.load(f), where=str(path))
 
 
 @functools.lru_cache(maxsize=4)

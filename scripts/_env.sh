@@ -23,6 +23,7 @@ need=()
 missing triton && need+=("triton>=3.6")
 missing einops && need+=(einops)
 missing numpy && need+=(numpy)
+missing tqdm && need+=(tqdm)
 if [ "${GQLA_NEED_TESTS:-0}" = 1 ]; then
   missing pytest && need+=(pytest)
   missing xdist && need+=(pytest-xdist)

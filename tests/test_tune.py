@@ -1,0 +1,77 @@
+"""The per-GPU tuner (gqla_triton.tune) under a tiny search: candidates checked against float64, the best kept,
+a complete table written that dispatch accepts, and a resumed run measures nothing twice."""
+
+import json
+
+import pytest
+
+from gqla_triton import dispatch, tune
+
+SPACE = {"combine": {"num_warps": (2, 8), "elems": (1024,)}, "gdn_decode": {"bv": (16, 32)}}
+
+
+def test_tuner_writes_a_complete_valid_table_and_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "configs" / "tuned.json"
+    res = tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
+    table = json.loads(out.read_text())
+    parsed = dispatch.parse_table(table, where=str(out))  # dispatch accepts what the tuner writes
+    assert set(parsed) >= {"combine", "gdn_decode", "gdn_chunk", "mla_decode", "gqa_decode"}  # complete
+    assert {r["target"].split()[0] for r in res["report"]} == {"combine", "gdn_decode"}
+    for r in res["report"]:
+        assert "error" not in r and r["tuned_ms"] > 0
+        op = r["target"].split()[0]
+        assert parsed[op][-1][1].as_dict() == r["config"]  # the tuned entry is the catch-all it tuned
+    state = json.loads(out.with_name(out.name + ".partial.json").read_text())
+    assert len(state["measured"]) >= 1 + 2  # the current entry of each target plus candidates
+    calls = []
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: calls.append(1) or 1.0)
+    monkeypatch.setattr(tune, "_retime", lambda t, cfg: calls.append(1) or 1.0)
+    tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
+    assert not calls, "a resumed run timed candidates it had already measured"
+
+
+def test_an_inaccurate_candidate_never_wins(tmp_path, monkeypatch):
+    """A candidate whose check fails (here: NaN for num_warps 8) is dropped, however fast it runs."""
+    target = tune.targets(["combine"])[0]
+    honest = target.check
+
+    def check():
+        if dispatch.select_config("combine", {"D": 32}).num_warps == 8:
+            return float("nan")
+        return honest()
+
+    target.check = check
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0 if dispatch.select_config(
+        "combine", {"D": 32}).num_warps == 8 else 2.0)
+    res = tune.tune(["combine"], out=tmp_path / "t.json", space={"combine": {"num_warps": (8,)}}, progress=False,
+                    target_list=[target])
+    assert res["report"][0]["config"]["num_warps"] != 8
+
+
+def test_a_faster_accurate_candidate_wins(tmp_path, monkeypatch):
+    target = tune.targets(["combine"])[0]
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0 if dispatch.select_config(
+        "combine", {"D": 32}).num_warps == 8 else 2.0)
+    res = tune.tune(["combine"], out=tmp_path / "t.json", space={"combine": {"num_warps": (8,)}}, progress=False,
+                    target_list=[target])
+    assert res["report"][0]["config"]["num_warps"] == 8 and res["report"][0]["tuned_ms"] == 1.0
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="ops: unknown"):
+        tune.targets(["gdn_chnuk"])
+
+
+def test_user_table_takes_precedence(tmp_path, monkeypatch):
+    """dispatch reads a tuned table from the user config directory before the shipped one (not under the
+    interpreter, whose pinned table is fixed)."""
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "h200.json").write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": 64}}]}))
+    dispatch._load_table.cache_clear()
+    dispatch._table_entry.cache_clear()
+    try:
+        assert dispatch.table_config("h200", "combine", {"D": 64}).elems == 64
+        assert dispatch.table_config("interpreter", "combine", {"D": 64}).elems != 64
+    finally:
+        dispatch._load_table.cache_clear()
+        dispatch._table_entry.cache_clear()
