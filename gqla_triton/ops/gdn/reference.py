@@ -145,7 +145,8 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
             oc = scale * ((torch.exp(gc)[..., None] * (qc @ S.to(cdt))) + _causal_mm(att, vn))
             o_parts[b].append((s, oc.transpose(0, 1).to(cdt)))
             gl = gc[:, -1]
-            kd = (kc * torch.exp(gd[:, -1, :])[..., None]).to(cdt)  # e^(gc_last - gc_j)
+            # e^(gc_last - gc_j): the difference itself where gc_j is finite, gd after a -inf gate
+            kd = (kc * torch.exp(torch.where(torch.isfinite(gc), gl[:, None] - gc, gd[:, -1, :]))[..., None]).to(cdt)
             S = torch.exp(gl)[:, None, None] * S + (kd.transpose(1, 2) @ vn).to(sdt)
         finals.append(S)
     o = torch.zeros(B, T, HV, V, dtype=cdt, device=q.device)

@@ -171,16 +171,16 @@ def gqa_decode_fwd_kernel(
             kok = kok & (blk >= 0) & (blk < num_pages)
             base = tl.where(kok, blk, 0).to(tl.int64)
             slot = t % PAGE_SIZE
-            k1 = tl.load(k_cache + base * s_kp + slot * s_kt + grp * s_kg + offs_dh, mask=m_dh & kok,
+            k1 = tl.load(k_cache + base * s_kp + slot * s_kt + grp * s_kg + offs_dh, mask=m_dh & ((offs_dh * 0 + kok.to(tl.int32)) != 0),
                          other=0.0).to(tl.float32)
             s1 = tl.sum(qn.to(tl.float32) * k1[None, :], 1)
             if DR > 0:
-                kr1 = tl.load(kr_cache + base * s_rp + slot * s_rt + offs_dr, mask=m_dr & kok,
+                kr1 = tl.load(kr_cache + base * s_rp + slot * s_rt + offs_dr, mask=m_dr & ((offs_dr * 0 + kok.to(tl.int32)) != 0),
                               other=0.0).to(tl.float32)
                 s1 += tl.sum(qr.to(tl.float32) * kr1[None, :], 1)
             sees = (t <= qpos) & kok
             s1 = tl.where(sees, s1 * qk_scale, float("-inf"))
-            v1 = tl.load(v_cache + base * s_vp + slot * s_vt + grp * s_vg + offs_dv, mask=m_dv & kok,
+            v1 = tl.load(v_cache + base * s_vp + slot * s_vt + grp * s_vg + offs_dv, mask=m_dv & ((offs_dv * 0 + kok.to(tl.int32)) != 0),
                          other=0.0).to(tl.float32)
             m_new = max_nan(m_i, s1)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -210,8 +210,8 @@ def mla_decode_fwd_kernel(
             blk = tl.load(bt_row + tl.where(kok, page, 0))  # column 0 exists: in bounds
             kok = kok & (blk >= 0) & (blk < num_pages)
             kv_t = kv + tl.where(kok, blk, 0).to(tl.int64) * s_kvp + (t % PAGE_SIZE) * s_kvt
-            k_lat = tl.load(kv_t + offs_v, mask=mv & kok, other=0.0).to(tl.float32)
-            k_rope = tl.load(kv_t + DV + offs_r, mask=mr & kok, other=0.0).to(tl.float32)
+            k_lat = tl.load(kv_t + offs_v, mask=mv & ((offs_v * 0 + kok.to(tl.int32)) != 0), other=0.0).to(tl.float32)
+            k_rope = tl.load(kv_t + DV + offs_r, mask=mr & ((offs_r * 0 + kok.to(tl.int32)) != 0), other=0.0).to(tl.float32)
             s1 = (tl.sum(q_lat.to(tl.float32) * k_lat[None, :], 1)
                   + tl.sum(q_rope.to(tl.float32) * k_rope[None, :], 1)) * qk_scale
             sees = (t <= last) & kok
