@@ -226,8 +226,9 @@ def test_the_repository_speaks_of_the_product_only():
             text = path.read_text()
         except UnicodeDecodeError:
             continue
+        # the tuner's time limit (--budget-minutes) is a product option, not history
         hits += [f"{rel}:{i + 1}: {line.strip()[:100]}" for i, line in enumerate(text.splitlines())
-                 if pattern.search(line)]
+                 if pattern.search(re.sub(r"budget[-_]minutes", "", line))]
     assert not hits, "\n".join(hits[:20])
 
 

@@ -12,123 +12,66 @@ Unused block-table entries point at page 0; kernels only read pages below ``cach
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
 from collections.abc import Sequence
 
 import torch
 
-from ._check import as_ids, check_device, check_float_dtype, check_ids_range, check_int
-
 __all__ = ["PagedCache", "LatentCache", "GroupedCache"]
 
 
-def _as_ids(seq_ids, n: int | None = None, name: str = "seq_ids") -> list[int]:
-    return as_ids(name, seq_ids, n)
+def _as_ids(seq_ids, n: int | None = None) -> list[int]:
+    if seq_ids is None:
+        if n is None:
+            raise ValueError("seq_ids: required")
+        return list(range(n))
+    if isinstance(seq_ids, torch.Tensor):
+        seq_ids = seq_ids.tolist()
+    elif isinstance(seq_ids, int):
+        seq_ids = [seq_ids]
+    return [int(s) for s in seq_ids]
 
 
 class PagedCache(abc.ABC):
-    """Page allocator + block table shared by the two cache kinds (storage tensors live in subclasses).
-
-    Every method validates its arguments before it changes anything, and a call that raises leaves the cache
-    exactly as it was (host bookkeeping, block table, lengths and storage rows); ``transaction()`` extends that
-    guarantee over a block of calls (``GQLAttention.forward`` wraps its append and attention in one).
-    """
+    """Page allocator + block table shared by the two cache kinds (storage tensors live in subclasses)."""
 
     def __init__(self, max_batch: int, max_seqlen: int, *, page_size: int = 64, num_pages: int | None = None,
                  device=None):
-        max_batch = check_int("max_batch", max_batch, lo=1)
-        max_seqlen = check_int("max_seqlen", max_seqlen, lo=1)
-        page_size = check_int("page_size", page_size, lo=1)
-        if page_size % 16 != 0:
+        if max_batch <= 0:
+            raise ValueError(f"max_batch: expected a positive int, got {max_batch}")
+        if max_seqlen <= 0:
+            raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen}")
+        if page_size <= 0 or page_size % 16 != 0:
             raise ValueError(f"page_size: expected a positive multiple of 16, got {page_size}")
-        num_pages = check_int("num_pages", num_pages, lo=1, optional=True)
         self.max_batch = max_batch
         self.max_seqlen = max_seqlen
         self.page_size = page_size
         self.max_pages = math.ceil(max_seqlen / page_size)
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
-        self.device = check_device("device", device) if device is not None else torch.device("cpu")
+        if self.num_pages <= 0:
+            raise ValueError(f"num_pages: expected a positive int, got {num_pages}")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._pages: list[list[int]] = [[] for _ in range(max_batch)]
         self._lens: list[int] = [0] * max_batch
-        self._undo: list | None = None  # storage rows overwritten inside the open transaction
         self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=self.device)
         self.cache_seqlens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
-
-    # ---- transactions --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def transaction(self):
-        """Run a block of cache calls (and anything else) all-or-nothing: if the block raises, the host
-        bookkeeping, ``block_table``, ``cache_seqlens`` and every storage row written inside it are restored.
-        Nested transactions join the outermost one."""
-        if getattr(self, "_undo", None) is not None:
-            yield
-            return
-        snap = (list(self._free), [list(p) for p in self._pages], list(self._lens), self.block_table.clone(),
-                self.cache_seqlens.clone())
-        self._undo = []
-        try:
-            yield
-        except BaseException:
-            for storage, index, old in reversed(self._undo):
-                storage.index_put_(index, old)
-            self._free, self._pages, self._lens = snap[0], snap[1], snap[2]
-            self.block_table.copy_(snap[3])
-            self.cache_seqlens.copy_(snap[4])
-            raise
-        finally:
-            self._undo = None
-
-    def _write(self, storage: torch.Tensor, index: tuple, values: torch.Tensor) -> None:
-        """``storage[index] = values``, remembering the old rows for the open transaction."""
-        if self._undo is not None:
-            self._undo.append((storage, index, storage[index].clone()))
-        storage.index_put_(index, values)
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
 
-    def _ids(self, name: str, seq_ids, *, default_all: bool, unique: bool) -> list[int]:
-        ids = as_ids(name, seq_ids, self.max_batch if default_all else None)
-        check_ids_range(name, ids, self.max_batch, unique=unique)
-        return ids
-
     def seqlens(self, seq_ids=None) -> list[int]:
         """Host copy of the token counts of ``seq_ids`` (all slots by default)."""
-        return [self._lens[s] for s in self._ids("seq_ids", seq_ids, default_all=True, unique=False)]
+        return [self._lens[s] for s in _as_ids(seq_ids, self.max_batch)]
 
-    def _check_ids(self, ids: list[int], name: str = "seq_ids") -> None:
-        check_ids_range(name, ids, self.max_batch, unique=True)
-
-    def _counts(self, ids: list[int], num_tokens) -> list[int]:
-        if isinstance(num_tokens, torch.Tensor) or (hasattr(num_tokens, "__iter__") and
-                                                    not isinstance(num_tokens, (str, bytes))):
-            counts = as_ids("num_tokens", num_tokens)
-            if len(counts) != len(ids):
-                raise ValueError(f"num_tokens: expected {len(ids)} counts, got {len(counts)}")
-        else:
-            counts = [check_int("num_tokens", num_tokens)] * len(ids)
-        for n in counts:
-            if n < 0:
-                raise ValueError(f"num_tokens: expected counts >= 0, got {n}")
-        return counts
-
-    def check_room(self, ids: list[int], num_tokens, name: str = "num_tokens") -> list[int]:
-        """Pages each of ``ids`` needs for ``num_tokens`` more tokens; ``ValueError`` naming ``name`` (nothing
-        changed) when a slot would pass ``max_seqlen`` or the free list cannot supply them."""
-        counts = self._counts(ids, num_tokens)
-        need = []
-        for s, n in zip(ids, counts, strict=True):
-            total = self._lens[s] + n
-            if total > self.max_seqlen:
-                raise ValueError(f"{name}: slot {s} would hold {total} tokens > max_seqlen {self.max_seqlen}")
-            need.append(max(0, math.ceil(total / self.page_size) - len(self._pages[s])))
-        if sum(need) > len(self._free):
-            raise ValueError(f"{name}: out of pages (need {sum(need)}, {len(self._free)} free)")
-        return need
+    def _check_ids(self, ids: list[int]) -> None:
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids: duplicate slots in {ids}")
+        for s in ids:
+            if not 0 <= s < self.max_batch:
+                raise ValueError(f"seq_ids: slot {s} outside [0, {self.max_batch})")
 
     def allocate(self, batch_slots, num_tokens) -> None:
         """Make room for ``num_tokens`` more tokens (an int or one per slot) in each of ``batch_slots``.
@@ -136,20 +79,33 @@ class PagedCache(abc.ABC):
         Raises ``ValueError`` (and allocates nothing) when the slot would pass ``max_seqlen`` or the free
         list runs out of pages.
         """
-        ids = self._ids("batch_slots", batch_slots, default_all=False, unique=True)
-        need = self.check_room(ids, num_tokens)
-        if not any(need):
-            return
+        ids = _as_ids(batch_slots)
+        self._check_ids(ids)
+        counts = [int(num_tokens)] * len(ids) if isinstance(num_tokens, int) else [int(n) for n in num_tokens]
+        if len(counts) != len(ids):
+            raise ValueError(f"num_tokens: expected {len(ids)} counts, got {len(counts)}")
+        need = []
+        for s, n in zip(ids, counts, strict=True):
+            if n < 0:
+                raise ValueError(f"num_tokens: expected >= 0, got {n}")
+            total = self._lens[s] + n
+            if total > self.max_seqlen:
+                raise ValueError(f"num_tokens: slot {s} would hold {total} tokens > max_seqlen {self.max_seqlen}")
+            need.append(max(0, math.ceil(total / self.page_size) - len(self._pages[s])))
+        if sum(need) > len(self._free):
+            raise ValueError(f"allocate: out of pages (need {sum(need)}, {len(self._free)} free)")
+        changed = False
         for s, k in zip(ids, need, strict=True):
             for _ in range(k):
                 self._pages[s].append(self._free.pop())
-        self._sync_table(ids)
+                changed = True
+        if changed:
+            self._sync_table(ids)
 
     def free(self, seq_ids) -> None:
         """Release the pages of ``seq_ids`` and reset their lengths to 0."""
-        ids = self._ids("seq_ids", seq_ids, default_all=False, unique=True)
-        if not ids:
-            return
+        ids = _as_ids(seq_ids)
+        self._check_ids(ids)
         for s in ids:
             self._free.extend(reversed(self._pages[s]))
             self._pages[s] = []
@@ -168,9 +124,8 @@ class PagedCache(abc.ABC):
         self.cache_seqlens.copy_(torch.tensor(self._lens, dtype=torch.int32))
 
     def tables(self, seq_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_table [B, max_pages] int32, cache_seqlens [B] int32)`` for the slots ``seq_ids`` (a slot may
-        repeat: its rows repeat)."""
-        ids = self._ids("seq_ids", seq_ids, default_all=True, unique=False)
+        """``(block_table [B, max_pages] int32, cache_seqlens [B] int32)`` for the slots ``seq_ids``."""
+        ids = _as_ids(seq_ids, self.max_batch)
         if ids == list(range(self.max_batch)):
             return self.block_table, self.cache_seqlens
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -197,26 +152,10 @@ class PagedCache(abc.ABC):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         want = [B, T if T is not None else t.shape[1] if t.dim() > 1 else -1, *tail]
         if t.dim() != len(want) or list(t.shape) != want:
-            shown = ["T" if T is None and i == 1 else w for i, w in enumerate(want)]
-            raise ValueError(f"{name}: expected shape {shown}, got {list(t.shape)}")
+            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating tensor, got {t.dtype}")
-        if t.device != self.device:
-            raise ValueError(f"{name}: expected a tensor on the cache's device {self.device}, got one on {t.device}")
         return t.shape[1]
-
-    def _append_ids(self, seq_ids, first) -> list[int]:
-        """``seq_ids`` of an append (default: ``0..B-1`` for the B rows of the first tensor)."""
-        if seq_ids is None and isinstance(first, torch.Tensor) and first.dim() > 0:
-            seq_ids = list(range(first.shape[0]))
-        return self._ids("seq_ids", seq_ids, default_all=False, unique=True)
-
-    def _check_slot(self, seq_id) -> int:
-        ids = as_ids("seq_id", seq_id)
-        if len(ids) != 1 or (isinstance(seq_id, torch.Tensor) and seq_id.dim() != 0):
-            raise ValueError(f"seq_id: expected one slot id, got {seq_id!r}")
-        check_ids_range("seq_id", ids, self.max_batch, unique=False)
-        return ids[0]
 
     @abc.abstractmethod
     def gather(self, seq_id: int) -> tuple[torch.Tensor, ...]:
@@ -229,9 +168,8 @@ class LatentCache(PagedCache):
     def __init__(self, max_batch: int, max_seqlen: int, kv_rank: int, rope_dim: int, *, page_size: int = 64,
                  num_pages: int | None = None, dtype=torch.bfloat16, device=None):
         super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device)
-        kv_rank = check_int("kv_rank", kv_rank, lo=1)
-        rope_dim = check_int("rope_dim", rope_dim, lo=0)
-        dtype = check_float_dtype("dtype", dtype)
+        if kv_rank <= 0 or rope_dim < 0:
+            raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
         self.kv_rank, self.rope_dim, self.dtype = kv_rank, rope_dim, dtype
         self.kv = torch.zeros(self.num_pages, page_size, 1, kv_rank + rope_dim, dtype=dtype, device=self.device)
 
@@ -241,21 +179,19 @@ class LatentCache(PagedCache):
 
     def append(self, seq_ids, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write ``c_kv [B, T, kv_rank]`` and (roped) ``k_rope [B, T, rope_dim]`` after each slot's tokens."""
-        ids = self._append_ids(seq_ids, c_kv)
+        ids = _as_ids(seq_ids, c_kv.shape[0] if isinstance(c_kv, torch.Tensor) else None)
+        self._check_ids(ids)
         T = self._check_new("c_kv", c_kv, len(ids), None, [self.kv_rank])
         self._check_new("k_rope", k_rope, len(ids), T, [self.rope_dim])
-        self.check_room(ids, T, name="c_kv")
-        if T == 0 or not ids:
+        if T == 0:
             return
-        with self.transaction():
-            page, off = self._write_index(ids, T)
-            val = torch.cat([c_kv, k_rope], -1).detach().to(self.dtype)
-            self._write(self.kv, (page, off, torch.zeros_like(page)), val)
-            self._advance(ids, T)
+        page, off = self._write_index(ids, T)
+        val = torch.cat([c_kv, k_rope], -1).detach().to(self.dtype)
+        self.kv.index_put_((page, off, torch.zeros_like(page)), val)
+        self._advance(ids, T)
 
     def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``(c_kv [L, kv_rank], k_rope [L, rope_dim])`` of one slot."""
-        seq_id = self._check_slot(seq_id)
         L = self._lens[seq_id]
         pages = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.device)
         flat = self.kv[pages, :, 0].reshape(-1, self.kv_rank + self.rope_dim)[:L]
@@ -270,11 +206,9 @@ class GroupedCache(PagedCache):
                  v_head_dim: int | None = None, *, page_size: int = 64, num_pages: int | None = None,
                  dtype=torch.bfloat16, device=None):
         super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device)
-        num_groups = check_int("num_groups", num_groups, lo=1)
-        head_dim = check_int("head_dim", head_dim, lo=1)
-        rope_dim = check_int("rope_dim", rope_dim, lo=0)
-        dv = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, lo=1)
-        dtype = check_float_dtype("dtype", dtype)
+        dv = head_dim if v_head_dim is None else v_head_dim
+        if num_groups <= 0 or head_dim <= 0 or dv <= 0 or rope_dim < 0:
+            raise ValueError("num_groups/head_dim/v_head_dim: expected positive ints, rope_dim >= 0")
         self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim, self.dtype = (
             num_groups, head_dim, dv, rope_dim, dtype)
         P = self.num_pages
@@ -288,23 +222,21 @@ class GroupedCache(PagedCache):
 
     def append(self, seq_ids, k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write ``k [B, T, g, d_h]``, ``v [B, T, g, d_v]``, ``k_rope [B, T, d_R]`` after each slot's tokens."""
-        ids = self._append_ids(seq_ids, k)
+        ids = _as_ids(seq_ids, k.shape[0] if isinstance(k, torch.Tensor) else None)
+        self._check_ids(ids)
         T = self._check_new("k", k, len(ids), None, [self.num_groups, self.head_dim])
         self._check_new("v", v, len(ids), T, [self.num_groups, self.v_head_dim])
         self._check_new("k_rope", k_rope, len(ids), T, [self.rope_dim])
-        self.check_room(ids, T, name="k")
-        if T == 0 or not ids:
+        if T == 0:
             return
-        with self.transaction():
-            page, off = self._write_index(ids, T)
-            self._write(self.k, (page, off), k.detach().to(self.dtype))
-            self._write(self.v, (page, off), v.detach().to(self.dtype))
-            self._write(self.k_rope, (page, off), k_rope.detach().to(self.dtype))
-            self._advance(ids, T)
+        page, off = self._write_index(ids, T)
+        self.k.index_put_((page, off), k.detach().to(self.dtype))
+        self.v.index_put_((page, off), v.detach().to(self.dtype))
+        self.k_rope.index_put_((page, off), k_rope.detach().to(self.dtype))
+        self._advance(ids, T)
 
     def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Contiguous ``(k [L, g, d_h], v [L, g, d_v], k_rope [L, d_R])`` of one slot."""
-        seq_id = self._check_slot(seq_id)
         L = self._lens[seq_id]
         pages = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.device)
         k = self.k[pages].reshape(-1, self.num_groups, self.head_dim)[:L]
@@ -319,14 +251,8 @@ class GroupedCache(PagedCache):
         Keeps the slot structure (same pages, block tables and lengths); ``layer`` is the GQLAttention
         whose ``kv_b_proj`` produced the latent. The rope key is copied unchanged.
         """
-        from .gqla import GQLAttention
-
         if not isinstance(latent_cache, LatentCache):
             raise TypeError(f"latent_cache: expected a LatentCache, got {type(latent_cache).__name__}")
-        if not isinstance(layer, GQLAttention):
-            raise TypeError(f"layer: expected a GQLAttention, got {type(layer).__name__}")
-        if dtype is not None:
-            check_float_dtype("dtype", dtype)
         if latent_cache.kv_rank != layer.kv_rank or latent_cache.rope_dim != layer.rope_dim:
             raise ValueError(f"latent_cache: kv_rank/rope_dim {latent_cache.kv_rank}/{latent_cache.rope_dim} do not "
                              f"match the layer's {layer.kv_rank}/{layer.rope_dim}")

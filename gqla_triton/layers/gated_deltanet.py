@@ -18,7 +18,6 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
-from ._check import check_device, check_float_dtype, check_int, check_kernel_inputs, check_real
 from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
@@ -29,74 +28,31 @@ class GatedDeltaNetCache:
 
     ``conv_state [num_seqs, conv_dim, conv_size - 1]`` (last pre-conv inputs, layer dtype) and
     ``recurrent_state [num_seqs, HV, K, V]`` fp32 (the decode op's in-place pool; fp64 for a fp64
-    layer). ``slots`` (``[B]`` int32 on the cache's device, or None = ``arange(B)``) maps the sequences of the
-    current batch to rows: distinct, in ``[0, num_seqs)``; checked when assigned (one host read) and again
-    before a forward whenever the tensor was written in place since.
+    layer). ``slots`` (``[B]`` int32
+    or None = ``arange(B)``) maps the sequences of the current batch to rows: distinct, in ``[0, num_seqs)``.
     ``seqlen`` counts tokens fed through the layer (host int): 0 means the next forward is a prefill.
     """
 
     def __init__(self, num_seqs: int, conv_dim: int, conv_size: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, *, device=None, dtype=torch.float32):
-        num_seqs = check_int("num_seqs", num_seqs, lo=1)
-        conv_dim = check_int("conv_dim", conv_dim, lo=1)
-        conv_size = check_int("conv_size", conv_size, lo=2)
-        for name, v in (("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
-            check_int(name, v, lo=1)
-        dtype = check_float_dtype("dtype", dtype)
-        device = check_device("device", device) if device is not None else None
         self.conv_state = torch.zeros(num_seqs, conv_dim, conv_size - 1, device=device, dtype=dtype)
         sdt = torch.float64 if dtype == torch.float64 else torch.float32  # fp64 only for the reference impl
         self.recurrent_state = torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device, dtype=sdt)
-        self._slots: torch.Tensor | None = None
-        self._slots_key = None
+        self.slots: torch.Tensor | None = None
         self.seqlen = 0
 
     @property
     def num_seqs(self) -> int:
         return self.recurrent_state.shape[0]
 
-    @property
-    def slots(self) -> torch.Tensor | None:
-        return self._slots
-
-    @slots.setter
-    def slots(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            self._check_slots(value)
-        self._slots = value
-        self._slots_key = None if value is None else (value._version, value.data_ptr())
-
-    def _check_slots(self, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"cache.slots: expected None or an int32 tensor [B], got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise ValueError(f"cache.slots: expected int32, got {t.dtype}")
-        if t.dim() != 1 or t.numel() == 0:
-            raise ValueError(f"cache.slots: expected a non-empty 1-D tensor [B], got shape {list(t.shape)}")
-        dev = self.recurrent_state.device
-        if t.device != dev:
-            raise ValueError(f"cache.slots: expected a tensor on the cache's device {dev}, got one on {t.device}")
-        vals = t.tolist()
-        bad = [s for s in vals if not 0 <= s < self.num_seqs]
-        if bad:
-            raise ValueError(f"cache.slots: rows {bad} outside [0, {self.num_seqs})")
-        if len(set(vals)) != len(vals):
-            raise ValueError(f"cache.slots: duplicate rows in {vals}")
-
-    def rows(self, n: int, device=None) -> torch.Tensor:
-        """The ``[n]`` int32 rows of the batch: ``slots`` (checked) or ``arange(n)``."""
-        if self._slots is None:
+    def rows(self, n: int, device) -> torch.Tensor:
+        if self.slots is None:
             if n > self.num_seqs:
                 raise ValueError(f"cache: batch of {n} sequences but the cache holds {self.num_seqs}")
-            return torch.arange(n, dtype=torch.int32, device=self.recurrent_state.device)
-        t = self._slots
-        if tuple(t.shape) != (n,) or t.dtype != torch.int32:
-            raise ValueError(f"cache.slots: expected int32 [{n}] (one row per sequence), got {t.dtype} "
-                             f"{list(t.shape)}")
-        if t.device.type == "cpu" or self._slots_key != (t._version, t.data_ptr()):  # CPU: always (no sync)
-            self._check_slots(t)
-            self._slots_key = (t._version, t.data_ptr())
-        return t
+            return torch.arange(n, dtype=torch.int32, device=device)
+        if tuple(self.slots.shape) != (n,) or self.slots.dtype != torch.int32:
+            raise ValueError(f"cache.slots: expected int32 [{n}], got {self.slots.dtype} {list(self.slots.shape)}")
+        return self.slots.to(device)
 
 
 class GatedDeltaNet(nn.Module):
@@ -123,23 +79,11 @@ class GatedDeltaNet(nn.Module):
                  conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int | None = None, impl: str = "auto",
                  device=None, dtype=None, *, save_states: bool = True):
         super().__init__()
-        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_v_heads", num_v_heads),
-                        ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
-            check_int(name, v, lo=1)
         if num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
-        check_int("conv_size", conv_size)
         if conv_size < 2:
             raise ValueError(f"conv_size: expected >= 2, got {conv_size}")
-        norm_eps = check_real("norm_eps", norm_eps)
-        if norm_eps < 0:
-            raise ValueError(f"norm_eps: expected a finite real number >= 0, got {norm_eps!r}")
-        check_int("layer_idx", layer_idx, optional=True)
         check_impl(impl, op="GatedDeltaNet", gluon=False)
-        if dtype is not None:
-            check_float_dtype("dtype", dtype)
-        if device is not None:
-            device = check_device("device", device)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
@@ -217,80 +161,24 @@ class GatedDeltaNet(nn.Module):
                                       save_states=self.save_states, impl=self.impl)
 
     # --------------------------------------------------------------------------------------- forward
-    def _check_cache(self, cache, x: torch.Tensor) -> None:
-        if not isinstance(cache, GatedDeltaNetCache):
-            raise TypeError(f"cache: expected a GatedDeltaNetCache, got {type(cache).__name__}")
-        cs, rs = cache.conv_state, cache.recurrent_state
-        want_c = [cs.shape[0], self.conv_dim, self.conv_size - 1]
-        want_r = [cs.shape[0], self.num_v_heads, self.head_k_dim, self.head_v_dim]
-        if list(cs.shape) != want_c or list(rs.shape) != want_r:
-            raise ValueError(f"cache: conv_state {list(cs.shape)} / recurrent_state {list(rs.shape)} do not fit this "
-                             f"layer (expected {want_c} / {want_r}); make it with init_cache")
-        if cs.device != x.device or rs.device != x.device:
-            raise ValueError(f"cache: expected its states on {x.device} (the layer's device), got {cs.device} / "
-                             f"{rs.device}")
-        if not cs.is_floating_point():
-            raise TypeError(f"cache: conv_state must be a floating tensor, got {cs.dtype}")
-        want_sdt = (torch.float32,) if self.impl != "reference" else (torch.float32, torch.float64)
-        if rs.dtype not in want_sdt:
-            raise TypeError(f"cache: recurrent_state must be {' or '.join(map(str, want_sdt))} for impl="
-                            f"{self.impl!r}, got {rs.dtype}")
-        if not isinstance(cache.seqlen, int) or isinstance(cache.seqlen, bool) or cache.seqlen < 0:
-            raise ValueError(f"cache: seqlen must be an int >= 0, got {cache.seqlen!r}")
-
-    def _check_cu_seqlens(self, cu_seqlens, x: torch.Tensor) -> list[int]:
-        """Host copy of a valid ``cu_seqlens`` (1-D integer, from 0 to T, non-decreasing; B == 1)."""
-        B, T = x.shape[:2]
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise TypeError(f"cu_seqlens: expected None or a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N+1], N >= 1, got shape {list(cu_seqlens.shape)}")
-        if cu_seqlens.device != x.device:
-            raise ValueError(f"cu_seqlens: expected a tensor on {x.device} (hidden_states' device), got one on "
-                             f"{cu_seqlens.device}")
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {cu}")
-        return cu
-
-    # --------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        x = hidden_states
-        w = self.q_proj.weight
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(x.shape)}")
-        if not x.is_floating_point() or x.dtype != w.dtype:
-            raise TypeError(f"hidden_states: expected the layer's dtype {w.dtype} (cast the input or the layer), got "
-                            f"{x.dtype}")
-        if x.device != w.device:
-            raise ValueError(f"hidden_states: expected a tensor on the layer's device {w.device}, got one on "
-                             f"{x.device}")
-        B, T, _ = x.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(x.shape)}")
-        check_kernel_inputs("hidden_states", x.dtype, x.device, self.impl, "GatedDeltaNet")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
+        B, T, _ = hidden_states.shape
         if cu_seqlens is not None:
-            self._check_cu_seqlens(cu_seqlens, x)
+            if B != 1:
+                raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}")
+            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                raise ValueError(f"cu_seqlens: expected a 1-D tensor [N+1], got shape {list(cu_seqlens.shape)}")
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        rows = None
-        if cache is not None:
-            self._check_cache(cache, x)
-            rows = cache.rows(N)
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        x = hidden_states
         warm = cache is not None and cache.seqlen > 0  # the cache holds these sequences' states
         decode = warm and cu_seqlens is None and T <= self.max_decode_tokens
+        rows = cache.rows(N, x.device) if cache is not None else None
         rows_l = rows.long() if rows is not None else None
 
-        # everything below runs on validated inputs. The cache changes at one point only: the decode op's
-        # in-place update of its pool rows (after the op's own checks), or the writes after the chunked op;
-        # what follows that point is arithmetic on tensors already computed
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         conv0 = cache.conv_state[rows_l] if warm else None
         mixed, conv_fin = self._conv(mixed, conv0, cu_seqlens)
@@ -301,22 +189,17 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(cdt))
         g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
 
-        z = self.z_proj(x).reshape(B, T, HV, V)
-
-        def output(o):
-            return self.o_proj(gated_rms_norm(o, z, self.norm_weight, self.norm_eps).reshape(B, T, self.value_dim))
-
-        if decode and self.impl != "reference":  # the op updates its pool rows in place: the commit point
+        if decode and self.impl != "reference":
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
                                         impl=self.impl)
-            cache.conv_state.index_copy_(0, rows_l, conv_fin.detach().to(cache.conv_state.dtype))
-            cache.seqlen += T
-            return output(o)
-        state0 = cache.recurrent_state[rows_l] if warm else None
-        o, fin = self._rule(q, k, v, g, beta, state0, cu_seqlens, cache is not None)
-        out = output(o)
+        else:
+            state0 = cache.recurrent_state[rows_l] if warm else None
+            o, fin = self._rule(q, k, v, g, beta, state0, cu_seqlens, cache is not None)
+            if cache is not None:
+                cache.recurrent_state.index_copy_(0, rows_l, fin.detach().to(cache.recurrent_state.dtype))
         if cache is not None:
-            cache.recurrent_state.index_copy_(0, rows_l, fin.detach().to(cache.recurrent_state.dtype))
             cache.conv_state.index_copy_(0, rows_l, conv_fin.detach().to(cache.conv_state.dtype))
             cache.seqlen += T
-        return out
+
+        o = gated_rms_norm(o, self.z_proj(x).reshape(B, T, HV, V), self.norm_weight, self.norm_eps)
+        return self.o_proj(o.reshape(B, T, self.value_dim))

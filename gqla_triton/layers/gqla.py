@@ -21,25 +21,13 @@ The cache kind decides the path; ``path`` fixes it ("absorb" / "grouped") or lea
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops._common.impl import check_impl
-from ..testing.attention import attend, grouped_cache_attention, key_weights, latent_cache_attention
-from ._check import (
-    as_ids,
-    check_device,
-    check_float_dtype,
-    check_ids_range,
-    check_index_tensor,
-    check_int,
-    check_kernel_inputs,
-    check_real,
-)
-from .cache import GroupedCache, LatentCache
+from ..testing.attention import grouped_cache_attention, latent_cache_attention
+from .cache import GroupedCache, LatentCache, _as_ids
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -65,7 +53,7 @@ class GQLAttention(nn.Module):
         path: ``"auto"`` (``choose_decode_path`` picks per batch / length when a cache is made), ``"absorb"``
             (MLA over a ``LatentCache``) or ``"grouped"`` (GQA over a ``GroupedCache``).
         impl: ``"auto"`` | ``"triton"`` | ``"gluon"`` (decode kernels, passed to the ops) or ``"reference"``
-            (pure-torch decode and prefill on any device and dtype). Prefill runs torch SDPA otherwise.
+            (pure-torch decode on any device and dtype). Prefill runs torch SDPA in every case.
         device, dtype: of the parameters.
         kv_norm: keyword-only; False drops the latent RMSNorm (TransGQLA conversions: the source has none).
         norm_eps: keyword-only; epsilon of the RMSNorms.
@@ -78,29 +66,19 @@ class GQLAttention(nn.Module):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
                         ("head_dim", head_dim), ("kv_rank", kv_rank)):
-            check_int(name, v, lo=1)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if num_heads % num_groups:
             raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
-        check_int("rope_dim", rope_dim, lo=0)
-        if rope_dim % 2:
+        if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2:
             raise ValueError(f"rope_dim: expected an even int >= 0, got {rope_dim!r}")
-        check_int("q_rank", q_rank, lo=1, optional=True)
-        check_int("v_head_dim", v_head_dim, lo=1, optional=True)
-        rope_theta = check_real("rope_theta", rope_theta, positive=True)
-        if softmax_scale is not None:
-            softmax_scale = check_real("softmax_scale", softmax_scale)
-        if not isinstance(path, str) or path not in _PATHS:
+        if q_rank is not None and (not isinstance(q_rank, int) or q_rank <= 0):
+            raise ValueError(f"q_rank: expected None or a positive int, got {q_rank!r}")
+        if v_head_dim is not None and (not isinstance(v_head_dim, int) or v_head_dim <= 0):
+            raise ValueError(f"v_head_dim: expected None or a positive int, got {v_head_dim!r}")
+        if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
         check_impl(impl, op="GQLAttention", gluon=True)
-        if not isinstance(kv_norm, bool):
-            raise TypeError(f"kv_norm: expected a bool, got {type(kv_norm).__name__} {kv_norm!r}")
-        norm_eps = check_real("norm_eps", norm_eps)
-        if norm_eps < 0:
-            raise ValueError(f"norm_eps: expected a finite real number >= 0, got {norm_eps!r}")
-        if dtype is not None:
-            check_float_dtype("dtype", dtype)
-        if device is not None:
-            device = check_device("device", device)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_groups = hidden_size, num_heads, num_groups
         self.head_dim, self.rope_dim, self.kv_rank, self.q_rank = head_dim, rope_dim, kv_rank, q_rank
@@ -143,15 +121,12 @@ class GQLAttention(nn.Module):
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
                    num_pages: int | None = None, dtype=None, device=None, s_q: int = 1):
         """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch."""
-        path = self.path if path is None else path
-        if not isinstance(path, str) or path not in _PATHS:
+        path = path or self.path
+        if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
-        check_int("max_batch", max_batch, lo=1)
-        check_int("max_seqlen", max_seqlen, lo=1)
-        check_int("s_q", s_q, lo=1)
         w = self.kv_b_proj.weight
-        device = check_device("device", device) if device is not None else w.device
-        dtype = w.dtype if dtype is None else check_float_dtype("dtype", dtype)
+        device = device if device is not None else w.device
+        dtype = dtype or w.dtype
         if path == "auto":
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
         if path == "absorb":
@@ -208,7 +183,7 @@ class GQLAttention(nn.Module):
             return (torch.tensor(past, dtype=torch.long)[:, None] + torch.arange(T)).to(device)
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
-        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        if positions.is_floating_point() or positions.is_complex():
             raise TypeError(f"positions: expected an integer tensor, got {positions.dtype}")
         if positions.dim() == 1 and positions.shape[0] == T:
             positions = positions[None].expand(B, T)
@@ -229,82 +204,58 @@ class GQLAttention(nn.Module):
         Sparse decode: ``indices [B, T, topk]`` int32 logical positions (shared by all heads and groups; -1 and
         out-of-range entries ignored, duplicates count twice as the kernels do), ``topk_length [B]``.
         """
-        x = hidden_states
-        w = self.kv_b_proj.weight
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states: expected shape [B, T, {self.hidden_size}], got {list(x.shape)}")
-        if not x.is_floating_point() or x.dtype != w.dtype:
-            raise TypeError(f"hidden_states: expected the layer's dtype {w.dtype} (cast the input or the layer), got "
-                            f"{x.dtype}")
-        if x.device != w.device:
-            raise ValueError(f"hidden_states: expected a tensor on the layer's device {w.device}, got one on "
-                             f"{x.device}")
-        B, T, _ = x.shape
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected shape [B, T, {self.hidden_size}], "
+                             f"got {list(hidden_states.shape)}")
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states: expected a floating dtype, got {hidden_states.dtype}")
+        B, T, _ = hidden_states.shape
         if B == 0 or T == 0:
-            raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(x.shape)}")
-        ids, past = None, [0] * B
+            raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(hidden_states.shape)}")
+        ids = None
         if cache is not None:
             self._check_cache(cache)
-            if cache.device != x.device:
-                raise ValueError(f"cache: expected a cache on {x.device} (the layer's device), got one on "
-                                 f"{cache.device}")
-            ids = as_ids("seq_ids", seq_ids, B)
+            ids = _as_ids(seq_ids, B)
             if len(ids) != B:
-                raise ValueError(f"seq_ids: expected {B} slots (one per sequence of hidden_states), got {len(ids)}")
-            check_ids_range("seq_ids", ids, cache.max_batch, unique=True)
+                raise ValueError(f"seq_ids: expected {B} slots, got {len(ids)}")
+            cache._check_ids(ids)
             past = cache.seqlens(ids)
-            cache.check_room(ids, T, name="hidden_states")
-        elif seq_ids is not None:
-            raise ValueError("seq_ids: given without a cache")
-        decode = cache is not None and max(past) > 0
-        pos = self._positions(positions, B, T, past, x.device)
-        if indices is not None:
-            if not decode:
+        else:
+            if seq_ids is not None:
+                raise ValueError("seq_ids: given without a cache")
+            past = [0] * B
+        pos = self._positions(positions, B, T, past, hidden_states.device)
+        sparse = indices is not None
+        if sparse:
+            if cache is None or max(past) == 0:
                 raise ValueError("indices: sparse attention is a decode option (needs a cache holding tokens)")
-            indices = check_index_tensor("indices", indices, shape=[B, T, None], dtypes=(torch.int32,),
-                                         device=x.device).contiguous()
-        if topk_length is not None:
-            if indices is None:
-                raise ValueError("topk_length: given without indices")
-            topk_length = check_index_tensor("topk_length", topk_length, shape=[B], dtypes=(torch.int32,),
-                                             device=x.device).contiguous()
-        if decode:
-            self._check_decode_impl(cache)
-        with cache.transaction() if cache is not None else contextlib.nullcontext():
-            q_nope, q_rope, c, k_rope = self._project(x, pos)
-            if not decode:
-                k_nope, v = self._expand(c)
-                if isinstance(cache, LatentCache):
-                    cache.append(ids, c.detach(), k_rope.detach())
-                elif cache is not None:
-                    cache.append(ids, k_nope.detach(), v.detach(), k_rope.detach())
-                o = self._prefill(q_nope, q_rope, k_nope, k_rope, v)
-            elif isinstance(cache, LatentCache):
-                cache.append(ids, c, k_rope)
-                o = self._decode_absorb(q_nope, q_rope, cache, ids, indices, topk_length)
-            else:
-                k_nope, v = self._expand(c)
-                cache.append(ids, k_nope, v, k_rope)
-                o = self._decode_grouped(q_nope, q_rope, cache, ids, indices, topk_length)
-            return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(x.dtype))
-
-    def _check_decode_impl(self, cache) -> None:
-        """What the decode kernels need of the cache (q is cast to the cache's dtype), checked before any write."""
-        check_kernel_inputs("cache", cache.dtype, cache.device, self.impl, "GQLAttention")
-        if self.impl == "gluon":
-            from ..dispatch import is_interpreter
-
-            if isinstance(cache, GroupedCache):
-                raise ValueError("impl='gluon': the grouped path (gqa_decode) has no Gluon kernel; use 'auto', "
-                                 "'triton' or 'reference', or a LatentCache (absorb path)")
-            if is_interpreter():
-                raise ValueError("impl='gluon': the Triton interpreter runs no Gluon kernel; use 'triton' there")
+            if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or list(indices.shape[:2]) != [B, T]:
+                raise ValueError(f"indices: expected shape [{B}, {T}, topk], got "
+                                 f"{list(indices.shape) if isinstance(indices, torch.Tensor) else indices}")
+            if indices.dtype != torch.int32:
+                raise TypeError(f"indices: expected int32, got {indices.dtype}")
+        elif topk_length is not None:
+            raise ValueError("topk_length: given without indices")
+        q_nope, q_rope, c, k_rope = self._project(hidden_states, pos)
+        if cache is None or max(past) == 0:
+            k_nope, v = self._expand(c)
+            if isinstance(cache, LatentCache):
+                cache.append(ids, c.detach(), k_rope.detach())
+            elif cache is not None:
+                cache.append(ids, k_nope.detach(), v.detach(), k_rope.detach())
+            o = self._prefill(q_nope, q_rope, k_nope, k_rope, v)
+        elif isinstance(cache, LatentCache):
+            cache.append(ids, c, k_rope)
+            o = self._decode_absorb(q_nope, q_rope, cache, ids, indices, topk_length)
+        else:
+            k_nope, v = self._expand(c)
+            cache.append(ids, k_nope, v, k_rope)
+            o = self._decode_grouped(q_nope, q_rope, cache, ids, indices, topk_length)
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
 
     def _check_cache(self, cache) -> None:
-        if not isinstance(cache, (LatentCache, GroupedCache)):
-            raise TypeError(f"cache: expected a LatentCache or GroupedCache, got {type(cache).__name__}")
         if isinstance(cache, LatentCache):
             if self.path == "grouped":
                 raise ValueError("cache: a LatentCache needs path 'absorb' or 'auto' (this layer has path='grouped')")
@@ -330,10 +281,6 @@ class GQLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, self.num_groups, self.rope_dim)], -1)
         k = k.transpose(1, 2).repeat_interleave(rep, dim=1)
         vv = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-        if self.impl == "reference":  # masked keys never contribute (SDPA's P·V lets a later token's NaN in)
-            w = key_weights(T, T, device=q.device)
-            return torch.stack([attend(q[b].transpose(0, 1), k[b].transpose(0, 1), vv[b].transpose(0, 1),
-                                       self.softmax_scale, w) for b in range(B)])
         o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
@@ -373,11 +320,9 @@ class GQLAttention(nn.Module):
         q (or q_b) and kv_b rows are column-parallel, o_proj columns row-parallel; kv_a_proj, q_a_proj and the
         norms are replicated. Summing the shards' outputs gives the full layer's output.
         """
-        check_int("tp_size", tp_size)
-        check_int("tp_rank", tp_rank)
-        if tp_size <= 0 or self.num_groups % tp_size:
+        if not isinstance(tp_size, int) or tp_size <= 0 or self.num_groups % tp_size:
             raise ValueError(f"tp_size: expected a positive divisor of num_groups {self.num_groups}, got {tp_size!r}")
-        if not 0 <= tp_rank < tp_size:
+        if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank!r}")
         g, h = self.num_groups // tp_size, self.num_heads // tp_size
         w = self.kv_b_proj.weight

@@ -27,20 +27,11 @@ def key_weights(L: int, T: int, indices=None, n=None, device=None) -> torch.Tens
 
 def attend(q, k, v, scale, weights):
     """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]``, key multiplicities ``weights [T, L]`` (0 = masked);
-    a query with no key gives 0. Each query attends to its selected keys only, gathered first, so a masked key
-    never contributes (a NaN or inf in it reaches no query that cannot see it)."""
-    T, H = q.shape[:2]
-    outs = []
-    for t in range(T):
-        sel = torch.nonzero(weights[t] > 0).flatten().to(k.device)
-        if sel.numel() == 0:
-            outs.append(q.new_zeros(H, v.shape[-1]))
-            continue
-        kt, vt = k[sel].expand(-1, H, -1), v[sel].expand(-1, H, -1)
-        s = torch.einsum("hd,lhd->hl", q[t], kt) * scale
-        s = s + weights[t, sel].to(device=s.device, dtype=s.dtype).log()[None]
-        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vt))
-    return torch.stack(outs)
+    a query with no key gives 0."""
+    L = k.shape[0]
+    s = torch.einsum("thd,lhd->htl", q, k.expand(L, q.shape[1], k.shape[-1])) * scale
+    p = torch.softmax(s + weights.to(s.dtype).log()[None], -1).nan_to_num(0.0)
+    return torch.einsum("htl,lhd->thd", p, v.expand(L, q.shape[1], v.shape[-1]))
 
 
 def latent_cache_attention(q, cache, ids, r: int, scale: float, indices=None,

@@ -4,10 +4,6 @@ shared epilogue (``finish_rows``, ``store_rows``) that writes either final rows 
 ``o_partial [B, S, Q, H, D]`` fp32 and ``lse_partial [B, S, Q, H]`` fp32 (natural log; ``-inf`` marks a
 split that saw no key) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any float
 dtype) and ``lse [B, H, Q]`` fp32. Rows with no key anywhere give ``out = 0``, ``lse = -inf``.
-
-Non-finite values follow the math of softmax (the references define it, float64): a NaN score makes its row's
-out and lse NaN; a +inf score (and no NaN) gives lse = +inf and out NaN (inf / inf); a split whose lse is NaN
-makes the merged row NaN. Maxima are NaN-propagating (``max_nan``) so a NaN is never dropped by a max.
 """
 
 from __future__ import annotations
@@ -39,18 +35,12 @@ class CombineConfig(KernelConfig):
 
 
 @triton.jit
-def max_nan(a, b):
-    """Elementwise maximum that propagates NaN (``tl.maximum`` by default returns the non-NaN operand)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def softmax_step(s, m_i, l_i, AXIS: tl.constexpr):
     """One online-softmax step over a tile of log2-scaled scores (-inf where masked), reduced along ``AXIS``
     (1: s is [rows, keys]; 0: [keys, rows]). Returns ``(m_new, alpha, p, l_new)``: the running max, the rescale
     of the old accumulator, the tile's probabilities and the running sum. A row with no key so far keeps
-    m = -inf and gets p = 0; a NaN score makes m (and so everything after it) NaN."""
-    m_new = max_nan(m_i, tl.reduce(s, AXIS, max_nan))
+    m = -inf and gets p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     if AXIS == 1:
@@ -63,14 +53,12 @@ def softmax_step(s, m_i, l_i, AXIS: tl.constexpr):
 @triton.jit
 def finish_rows(acc, m_log2, l):
     """Normalise a [rows, D] online-softmax accumulator: ``(o, lse)`` with lse in natural log. ``m_log2`` is
-    the running max of the log2-scaled scores, ``l`` the running sum. A row whose weights sum to exactly 0 (no
-    key) gets o = 0 and lse = -inf; a NaN sum (NaN or +inf scores) gives o NaN and lse NaN, or +inf when the
-    max is +inf and no score was NaN."""
-    empty = l == 0
-    safe_l = tl.where(empty, 1.0, l)
-    o = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
-    lse = tl.where(empty, float("-inf"),
-                   tl.where(m_log2 == float("inf"), float("inf"), m_log2 * 0.6931471805599453 + tl.log(safe_l)))
+    the running max of the log2-scaled scores, ``l`` the running sum; a row that saw no key gets o = 0 and
+    lse = -inf."""
+    has = l > 0
+    safe_l = tl.where(has, l, 1.0)
+    o = tl.where(has[:, None], acc / safe_l[:, None], 0.0)
+    lse = tl.where(has, m_log2 * 0.6931471805599453 + tl.log(safe_l), float("-inf"))
     return o, lse
 
 
@@ -117,20 +105,18 @@ def combine_splits_kernel(
         lse_s = tl.load(lse_part + b64 * s_lb + s * s_ls + q * s_lq + offs_h, mask=mh, other=float("-inf"))
         o_ptr = o_part + b64 * s_ob + s * s_os + q * s_oq + offs_h[:, None] * s_oh + offs_d[None, :]
         o_s = tl.load(o_ptr, mask=mh[:, None] & md[None, :], other=0.0)
-        m_new = max_nan(m, lse_s)  # a NaN split makes the row NaN
-        safe = m_new != float("-inf")
+        m_new = tl.maximum(m, lse_s)
+        safe = m_new > float("-inf")
         alpha = tl.where(safe, tl.exp(m - m_new), 0.0)
         w = tl.where(safe, tl.exp(lse_s - m_new), 0.0)
-        # a split that saw nothing (lse -inf) may hold anything: never let it into the sum; every other split
-        # enters with IEEE arithmetic (a NaN partial output stays NaN even where its weight underflows)
-        o_s = tl.where((lse_s == float("-inf"))[:, None], 0.0, o_s)
+        # a split that saw nothing may hold anything: never let it into the sum
+        o_s = tl.where((w > 0)[:, None], o_s, 0.0)
         acc = acc * alpha[:, None] + w[:, None] * o_s
         l = l * alpha + w
         m = m_new
-    empty = l == 0
-    safe_l = tl.where(empty, 1.0, l)
-    o = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
-    lse = tl.where(empty, float("-inf"), tl.where(m == float("inf"), float("inf"), m + tl.log(safe_l)))
+    has = l > 0
+    o = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
     tl.store(out + b64 * s_outb + q * s_outq + offs_h[:, None] * s_outh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=mh[:, None] & md[None, :])
     tl.store(lse_out + b64 * s_lob + offs_h * s_loh + q * s_loq, lse, mask=mh)

@@ -33,21 +33,11 @@ def logical_to_physical(bt_row_ptr, pos, valid, max_pages, num_pages, PAGE_SIZE:
 
 @triton.jit
 def split_bounds(seqlen, split_id, num_splits, BLOCK_N: tl.constexpr):
-    """Token range ``[start, end)`` of split ``split_id`` over ``seqlen`` keys (``0 <= seqlen < 2**31``): equal
-    shares rounded up to ``BLOCK_N``. Computed in int64 (no overflow near INT32_MAX); both bounds lie in
-    ``[0, seqlen]`` and come back as int32."""
-    n = seqlen.to(tl.int64)
-    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    start = tl.minimum(split_id.to(tl.int64) * per, n)
-    end = tl.minimum(start + per, n)
-    return start.to(tl.int32), end.to(tl.int32)
-
-
-@triton.jit
-def dense_keys(seqlen, max_pages, PAGE_SIZE: tl.constexpr):
-    """Keys a dense sequence can hold: ``cache_seqlens[b]`` clamped to ``[0, max_pages · PAGE_SIZE]`` (positions
-    at or past the block table's capacity have no page and count as absent; a negative length is empty)."""
-    return tl.minimum(tl.maximum(seqlen, 0), max_pages * PAGE_SIZE)
+    """Token range ``[start, end)`` of split ``split_id``: equal shares rounded up to ``BLOCK_N``."""
+    per = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = split_id * per
+    end = tl.minimum(start + per, seqlen)
+    return start, end
 
 
 def key_capacity(max_pages: int, page_size: int, topk: int | None = None) -> int:
@@ -108,7 +98,7 @@ def sparse_rows_kernel(indices, block_table, seqlens, topk_length, rows, topk, s
     n_valid = topk
     if HAS_TOPK_LEN:
         n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
-    seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
+    seqlen = tl.load(seqlens + b)
     last_pos = tl.where(causal != 0, seqlen - s_q + qi, seqlen - 1)
     base = pid_r.to(tl.int64) * topk
     pos, ok = sparse_positions(indices + base, offs, n_valid, seqlen, last_pos)
@@ -126,7 +116,7 @@ def sparse_rows(indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens:
     sequence."""
     if num_pages * page_size >= 2**31:
         raise ValueError(f"kv cache: {num_pages} pages x {page_size} tokens exceed int32 row indices (sparse path)")
-    idx = indices.contiguous()  # a no-op for the launchers' (already contiguous) indices
+    idx = indices.contiguous()
     rows = empty(idx.shape, dtype=torch.int32, device=idx.device)
     B, s_q, topk = idx.shape[0], idx.shape[1], idx.shape[-1]
     NI = idx.shape[2] if idx.dim() == 4 else 1

@@ -15,7 +15,6 @@ import torch
 from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
-from .checks import check_bool, check_scale
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
@@ -189,9 +188,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
     check_tensor("beta", beta, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
     check_same_dtype(q=q, k=k, v=v)
-    for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if H == 0 or HV == 0 or HV % H != 0:
         raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
@@ -211,11 +207,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
-    scale = check_scale(scale, K ** -0.5)
-    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel",
-                                                                     use_qk_l2norm_in_kernel),
-                       ("save_states", save_states)):
-        check_bool(name, flag)
+    if scale is None:
+        scale = K ** -0.5
+    if not isinstance(save_states, bool):
+        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     if impl != "reference":
         check_kernel_device(dev, _REFERENCE, q.dtype)
     if cu_seqlens_cpu is not None:

@@ -23,7 +23,6 @@ from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
-from .checks import check_bool, check_scale, check_state_indices, forward_only
 from .reference import recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
@@ -99,11 +98,19 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     return o
 
 
+def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
+    """A CPU ``state_indices`` is checked against the pool size (no device sync); device indices are not read."""
+    if state_indices.device.type == "cpu" and state_indices.numel():
+        hi = int(state_indices.max())
+        if hi >= pool_rows:
+            raise ValueError(f"state_indices: index {hi} is outside the state pool [0, {pool_rows})")
+
+
 @torch.library.custom_op("gqla_triton::gated_delta_rule_decode", mutates_args=("state",))
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, state_indices: torch.Tensor, scale: float,
                use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
-    check_state_indices(state_indices, state.shape[0])  # the public function cannot read it while tracing
+    _check_pool_rows(state_indices, state.shape[0])  # the public function cannot read it while tracing
     return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel)
 
 
@@ -148,19 +155,16 @@ def gated_delta_rule_decode(
         g: ``[B, s, HV]`` log-space decay (<= 0), any float dtype. beta: ``[B, s, HV]``, any float dtype.
         state: ``[P, HV, K, V]`` fp32 contiguous pool; rows ``state_indices`` are read and written in place.
         state_indices: ``[B]`` int32 pool row of each sequence (default ``arange(B)``, needs ``P >= B``).
-            A negative index skips that sequence: its output is 0 and no state row is touched. The other
-            indices must lie in ``[0, P)`` and be distinct (``ValueError`` otherwise, before any state is
-            touched): checked on the host, one read of ``state_indices`` (a device sync for device indices),
-            except while a CUDA graph is captured; there the kernel treats an index ``>= P`` like a negative
-            one (output 0, never dereferenced) and duplicates are the caller's contract.
+            A negative index skips that sequence: its output is 0 and no state row is touched. An index
+            ``>= P`` raises ``ValueError`` when ``state_indices`` is on the CPU (checked without any device
+            sync); on the GPU such a row is treated like a negative one (skipped, never accessed).
         scale: output scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (``x / sqrt(sum(x^2) + 1e-6)``) first.
         impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` on
             the live rows (any device; the state is updated in place alike); ``"gluon"`` is refused.
 
     Returns:
-        o: ``[B, s, HV, V]`` in ``v``'s dtype. Forward-only: with an input that requires grad, a backward through
-        ``o`` raises ``RuntimeError``.
+        o: ``[B, s, HV, V]`` in ``v``'s dtype.
     """
     check_impl(impl, op="gated_delta_rule_decode", gluon=False)
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
@@ -188,18 +192,13 @@ def gated_delta_rule_decode(
         state_indices = torch.arange(B, dtype=torch.int32, device=q.device)
     else:
         check_tensor("state_indices", state_indices, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
-    scale = check_scale(scale, K**-0.5)
-    l2 = check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
-    if impl != "reference":
-        check_kernel_device(q.device, _REFERENCE, q.dtype)
+    if scale is None:
+        scale = K**-0.5
     if not torch.compiler.is_compiling():
-        check_state_indices(state_indices, state.shape[0])
+        _check_pool_rows(state_indices, state.shape[0])
     if impl == "reference":
-        with torch.no_grad():
-            o = _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2)
-        return forward_only(o, q, k, v, g, beta, state)
+        return _decode_reference(q, k, v, g, beta, state, state_indices, float(scale), bool(use_qk_l2norm_in_kernel))
+    check_kernel_device(q.device, _REFERENCE, q.dtype)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
-    with torch.no_grad():
-        o = step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
-                 state_indices.contiguous(), scale, l2)
-    return forward_only(o, q, k, v, g, beta, state)
+    return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
+                state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel))

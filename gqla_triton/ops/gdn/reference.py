@@ -77,36 +77,11 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=N
     return o, (torch.stack(finals) if output_final_state else None)
 
 
-def _chunk_decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decays of one chunk from its gates g ``[HV, C]``: ``gc`` = cumsum(g) (log of e^(g_0 + .. + g_i)) and
-    ``gd[h, i, j]`` = g_(j+1) + .. + g_i (log of the decay from row j to row i >= j; arbitrary above the diagonal).
-
-    Exact with g = -inf (full decay): ``gd`` is -inf when a -inf gate lies in (j, i], else the difference of the
-    cumulative sums of the finite gates, so two rows after one -inf never meet as -inf - (-inf)."""
-    ninf = torch.isneginf(g)
-    f = torch.where(ninf, 0.0, g).cumsum(-1)
-    n = ninf.cumsum(-1)
-    neg = torch.tensor(-torch.inf, dtype=g.dtype, device=g.device)
-    gc = torch.where(n > 0, neg, f)
-    gd = torch.where(n[:, :, None] > n[:, None, :], neg, f[:, :, None] - f[:, None, :])
-    return gc, gd
-
-
-def _causal_mm(Tm: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """``Tm @ X`` for lower-triangular ``Tm [HV, C, C]`` whose row i reads rows j <= i of X only: a non-finite
-    ``X[j, c]`` makes column c of rows >= j NaN and leaves rows < j exact (a plain product would spread it to
-    every row through the zeros above the diagonal, 0·NaN = NaN)."""
-    ok = torch.isfinite(X)
-    Y = Tm @ torch.where(ok, X, 0.0)
-    return torch.where((~ok).cumsum(-2) > 0, torch.nan, Y)
-
-
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm=False, cu_seqlens=None, chunk_size=64, compute_dtype=None):
     """The chunked (WY) form the kernels implement, in einsums. Same arguments and results as the recurrence.
 
-    Per chunk (length C, ``gc`` = cumulative sum of g within the chunk, S the state at the chunk start; the
-    decays ``exp(gc_i − gc_j)`` are those of ``_chunk_decays``, exact for g = -inf):
+    Per chunk (length C, ``gc`` = cumulative sum of g within the chunk, S the state at the chunk start):
     ``A = tril(beta_i k_i·k_j exp(gc_i − gc_j), −1)``, ``Tm = (I + A)^-1``, ``w = Tm (beta·exp(gc)·k)``,
     ``u = Tm (beta·v)``, ``v_new = u − w S``,
     ``o = scale·(exp(gc)·q S + (q kᵀ ⊙ exp(gc_i − gc_j) ⊙ [i >= j]) v_new)``,
@@ -128,25 +103,24 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
             e = min(s + chunk_size, hi)
             C = e - s
             qc, kc, vc = q[b, s:e].transpose(0, 1), k[b, s:e].transpose(0, 1), v[b, s:e].transpose(0, 1)
-            gc, gd = _chunk_decays(g[b, s:e].transpose(0, 1).to(sdt))  # [HV, C], [HV, C, C]
+            gc = g[b, s:e].transpose(0, 1).to(sdt).cumsum(-1)  # [HV, C]
             bc = beta[b, s:e].transpose(0, 1)
+            diff = gc[:, :, None] - gc[:, None, :]
             lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
             incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(0)
-            decay_strict = torch.where(lower, torch.exp(torch.where(lower, gd, 0.0)), 0.0)
-            decay_incl = torch.where(incl, torch.exp(torch.where(incl, gd, 0.0)), 0.0)
-            A = torch.where(lower, bc[:, :, None].to(sdt) * torch.einsum("hik,hjk->hij", kc, kc).to(sdt)
-                            * decay_strict, 0.0)
+            decay_strict = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+            decay_incl = torch.where(incl, torch.exp(torch.where(incl, diff, 0.0)), 0.0)
+            A = bc[:, :, None].to(sdt) * torch.einsum("hik,hjk->hij", kc, kc).to(sdt) * decay_strict
             eye = torch.eye(C, dtype=sdt, device=q.device).expand(HV, C, C)
             Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True).to(cdt)
-            w = _causal_mm(Tm, (bc[..., None] * torch.exp(gc)[..., None] * kc).to(cdt))
-            u = _causal_mm(Tm, bc[..., None] * vc)
+            w = Tm @ (bc[..., None] * torch.exp(gc)[..., None] * kc).to(cdt)
+            u = Tm @ (bc[..., None] * vc)
             vn = u - w @ S.to(cdt)
-            att = torch.where(incl, torch.einsum("hik,hjk->hij", qc, kc).to(sdt) * decay_incl, 0.0).to(cdt)
-            oc = scale * ((torch.exp(gc)[..., None] * (qc @ S.to(cdt))) + _causal_mm(att, vn))
+            att = (torch.einsum("hik,hjk->hij", qc, kc).to(sdt) * decay_incl).to(cdt)
+            oc = scale * ((torch.exp(gc)[..., None] * (qc @ S.to(cdt))) + att @ vn)
             o_parts[b].append((s, oc.transpose(0, 1).to(cdt)))
             gl = gc[:, -1]
-            # e^(gc_last - gc_j): the difference itself where gc_j is finite, gd after a -inf gate
-            kd = (kc * torch.exp(torch.where(torch.isfinite(gc), gl[:, None] - gc, gd[:, -1, :]))[..., None]).to(cdt)
+            kd = (kc * torch.exp(gl[:, None] - gc)[..., None]).to(cdt)
             S = torch.exp(gl)[:, None, None] * S + (kd.transpose(1, 2) @ vn).to(sdt)
         finals.append(S)
     o = torch.zeros(B, T, HV, V, dtype=cdt, device=q.device)

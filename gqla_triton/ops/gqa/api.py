@@ -19,7 +19,6 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
-from .._common.validation import contiguous_index_tensors, forward_only, register_forward_only
 from .plan import plan
 from .reference import gqa_decode_reference
 from .triton import gqa_decode_triton
@@ -36,8 +35,6 @@ def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``gqa_decode`` on validated inputs (``impl`` "auto", "triton" or "reference", ``softmax_scale``
     a float). Returns ``(out [B, s_q, h_q, d_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
-    block_table, cache_seqlens, indices, topk_length = contiguous_index_tensors(block_table, cache_seqlens, indices,
-                                                                                topk_length)
     if impl == "reference":
         o, lse = gqa_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale,
                                       causal, indices, topk_length)
@@ -74,9 +71,6 @@ def _gqa_decode_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return gqa_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
                           indices, topk_length, num_splits, impl)
-
-
-register_forward_only(_gqa_decode_op, "gqa_decode")
 
 
 @_gqa_decode_op.register_fake
@@ -154,8 +148,5 @@ def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=Non
     """
     scale, impl = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
                             indices, topk_length, num_splits, impl)
-    args = (q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, scale, bool(causal), indices, topk_length,
-            num_splits, impl)
-    if torch.compiler.is_compiling():
-        return route(_gqa_decode_op, gqa_decode_fwd)(*args)
-    return forward_only("gqa_decode", gqa_decode_fwd, *args)
+    return route(_gqa_decode_op, gqa_decode_fwd)(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, scale,
+                                                 bool(causal), indices, topk_length, num_splits, impl)

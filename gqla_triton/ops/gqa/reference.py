@@ -4,10 +4,7 @@ Every (query token, head) attends over a *multiset* of cached positions: dense =
 ``[0, cache_seqlens)`` (causal: up to the query's position ``cache_seqlens - s_q + j``); sparse = the valid
 entries of its index row, each counted as many times as it appears (gather-then-attend semantics).
 Positions whose page lies beyond the block table, or whose block-table entry is outside ``[0, num_pages)``,
-are skipped (the kernels never read them), and so are positions at or past the block table's capacity
-(``max_pages · page_size``), dense and sparse; a negative ``cache_seqlens`` is empty. Pages are gathered through
-``_common.paging``. Empty rows and non-finite values: as ``mla.reference`` (IEEE arithmetic over the keys a
-query sees, nothing from the keys it does not see; weights summing to 0 give out 0, lse -inf).
+are skipped (the kernels never read them); pages are gathered through ``_common.paging``.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ import math
 
 import torch
 
-from .._common.paging import gather_pages, key_capacity, page_rows
-from ..mla.reference import seen_pv
+from .._common.paging import gather_pages, page_rows
 
 __all__ = ["gqa_decode_reference", "position_counts"]
 
@@ -61,8 +57,7 @@ def gqa_decode_reference(
     B, s_q, h_q, _ = q.shape
     num_pages, page_size, g, d_h = k_cache.shape
     G = h_q // g
-    # positions past the block table's capacity do not exist (and are never allocated here)
-    L = max(1, min(int(cache_seqlens.max().clamp(min=0)), key_capacity(block_table.shape[1], page_size)))
+    L = max(1, int(cache_seqlens.max().clamp(min=0)))
     k = gather_pages(k_cache.detach().cpu().double(), block_table.cpu(), L)  # [B, L, g, d_h]
     v = gather_pages(v_cache.detach().cpu().double(), block_table.cpu(), L)
     if k_rope_cache is not None:
@@ -83,12 +78,14 @@ def gqa_decode_reference(
         return t.to(compute_dtype).double()
 
     s = torch.einsum("bjhd,blhd->bjhl", rnd(q), rnd(kh)) * softmax_scale
-    seen = counts > 0
-    logw = torch.where(seen, counts.log(), torch.full_like(counts, -math.inf))
-    s = torch.where(seen, s + logw, torch.full_like(s, -math.inf))  # unseen keys: no arithmetic
-    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]
-    empty = lse == -math.inf
-    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
-    out = seen_pv(rnd(p), rnd(vh), seen)
-    out = torch.where(empty[..., None], 0.0, out)
+    s = torch.where(counts > 0, s, torch.full_like(s, -math.inf))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = counts * torch.exp(s - m)
+    lsum = w.sum(-1, keepdim=True)
+    has = lsum > 0
+    p = torch.where(has, w / torch.where(has, lsum, torch.ones_like(lsum)), torch.zeros_like(w))
+    out = torch.einsum("bjhl,blhd->bjhd", rnd(p), rnd(vh))
+    lse = torch.where(has, m + torch.log(torch.where(has, lsum, torch.ones_like(lsum))),
+                      torch.full_like(lsum, -math.inf))[..., 0]
     return out, lse.permute(0, 2, 1).contiguous()

@@ -16,8 +16,6 @@ import triton
 import triton.language as tl
 
 from .._common import finish_rows, logical_to_physical, softmax_step, split_bounds, store_rows
-from .._common.combine import max_nan
-from .._common.paging import dense_keys
 from .plan import GQAPlan
 
 __all__ = ["gqa_decode_fwd_kernel", "gqa_decode_triton"]
@@ -91,16 +89,9 @@ def gqa_decode_fwd_kernel(
         length = tl.maximum(length, 0)
         idx_row = indices + b64 * s_ib + j0.to(tl.int64) * s_is + grp.to(tl.int64) * s_ig
     else:
-        length = dense_keys(seqlen, max_pages, PAGE_SIZE)  # never past the block table's capacity
+        length = seqlen
         qpos = seqlen - S_Q + jj  # causal position of each row's query token
     start, end = split_bounds(length, split, num_splits, BLOCK_N)
-    t_end = end
-    if not SPARSE:
-        if CAUSAL:
-            # the tiles cover the keys every query token sees; the (at most S_Q - 1) keys only later tokens see run
-            # one at a time after them, so a non-finite value there reaches exactly the rows that see it
-            end = tl.minimum(end, seqlen - S_Q + 1)
-    t_start = tl.maximum(start, end)
     bt_row = block_table + b64 * s_btb
     if SPARSE and ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
         nxt = tl.load(idx_row + start + tl.arange(0, BLOCK_N), mask=start + tl.arange(0, BLOCK_N) < end, other=-1)
@@ -161,34 +152,6 @@ def gqa_decode_fwd_kernel(
                     mask=ok[:, None] & m_dv[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new
-
-    if not SPARSE:
-        for t in range(t_start, t_end):  # causal MTP: keys seen by some rows only, one at a time
-            t = t + tl.zeros([], dtype=tl.int32)  # a tensor (interpreter: not a python int)
-            pg = t // PAGE_SIZE
-            kok = pg < max_pages
-            blk = tl.load(bt_row + tl.where(kok, pg, 0))  # column 0 exists: in bounds
-            kok = kok & (blk >= 0) & (blk < num_pages)
-            base = tl.where(kok, blk, 0).to(tl.int64)
-            slot = t % PAGE_SIZE
-            k1 = tl.load(k_cache + base * s_kp + slot * s_kt + grp * s_kg + offs_dh, mask=m_dh & ((offs_dh * 0 + kok.to(tl.int32)) != 0),
-                         other=0.0).to(tl.float32)
-            s1 = tl.sum(qn.to(tl.float32) * k1[None, :], 1)
-            if DR > 0:
-                kr1 = tl.load(kr_cache + base * s_rp + slot * s_rt + offs_dr, mask=m_dr & ((offs_dr * 0 + kok.to(tl.int32)) != 0),
-                              other=0.0).to(tl.float32)
-                s1 += tl.sum(qr.to(tl.float32) * kr1[None, :], 1)
-            sees = (t <= qpos) & kok
-            s1 = tl.where(sees, s1 * qk_scale, float("-inf"))
-            v1 = tl.load(v_cache + base * s_vp + slot * s_vt + grp * s_vg + offs_dv, mask=m_dv & ((offs_dv * 0 + kok.to(tl.int32)) != 0),
-                         other=0.0).to(tl.float32)
-            m_new = max_nan(m_i, s1)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p1 = tl.exp2(s1 - m_safe)
-            l_i = l_i * alpha + p1
-            acc = acc * alpha[:, None] + tl.where(sees[:, None], p1[:, None] * v1[None, :], 0.0)
-            m_i = m_new
 
     o, lse = finish_rows(acc, m_i, l_i)
     store_rows(o, lse, row_ok[:, None] & m_dv[None, :], row_ok, offs_dv, b64, split, jj.to(tl.int64),

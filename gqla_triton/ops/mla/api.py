@@ -20,7 +20,6 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
-from .._common.validation import contiguous_index_tensors, forward_only, register_forward_only
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref
@@ -54,8 +53,6 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                    topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
     Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
-    block_table, cache_seqlens, indices, topk_length = contiguous_index_tensors(block_table, cache_seqlens, indices,
-                                                                                topk_length)
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                                 topk_length)
@@ -95,9 +92,6 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                    topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                           topk_length, num_splits, impl)
-
-
-register_forward_only(_mla_decode_op, "mla_decode")
 
 
 @_mla_decode_op.register_fake
@@ -170,8 +164,5 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     """
     scale, impl = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                             topk_length, num_splits, impl)
-    args = (q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, bool(causal), indices, topk_length,
-            num_splits, impl)
-    if torch.compiler.is_compiling():
-        return route(_mla_decode_op, mla_decode_fwd)(*args)
-    return forward_only("mla_decode", mla_decode_fwd, *args)
+    return route(_mla_decode_op, mla_decode_fwd)(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale,
+                                                 bool(causal), indices, topk_length, num_splits, impl)

@@ -27,14 +27,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.language import PropagateNan
 
 from .plan import MLAPlan
 
 # Triton 3.6 names the cp.async copy async_copy_global_to_shared; later releases call it async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-NAN_ALL = gl.constexpr(PropagateNan.ALL)
 NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
 SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
 PRODUCER_WARPS = gl.constexpr(4)
@@ -46,14 +44,8 @@ __all__ = ["compile_sm90", "gluon_unsupported", "mla_decode_gluon", "mla_decode_
 
 
 @gluon.jit
-def _max_nan(a, b):
-    """NaN-propagating maximum (as ``_common.combine.max_nan``)."""
-    return gl.maximum(a, b, propagate_nan=NAN_ALL)
-
-
-@gluon.jit
-def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length, topk, max_pages,
-               SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length, topk,
+               SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
     """Program coordinates and its key range ``[lo, hi)`` (the same in every partition). The row tiles of one
     (batch entry, split) are consecutive programs, so they run at the same time and read their keys through
     the L2 once."""
@@ -63,19 +55,16 @@ def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqle
     split = pid_bs % num_splits
     ht = pid_t % h_tiles
     qt = pid_t // h_tiles
-    seqlen = gl.maximum(gl.load(seqlens + b), 0)  # a negative length is empty
+    seqlen = gl.load(seqlens + b)
     if SPARSE:
         n = topk
         if HAS_TOPK_LEN:
             n = gl.maximum(gl.minimum(gl.load(topk_length + b), topk), 0)
     else:
-        n = gl.minimum(seqlen, max_pages * PAGE_SIZE)  # never past the block table's capacity
-    # split bounds in int64 (as _common.paging.split_bounds): no overflow near INT32_MAX
-    n64 = n.to(gl.int64)
-    per = gl.cdiv(gl.cdiv(n64, num_splits), BLOCK_N) * BLOCK_N
-    lo64 = gl.minimum(split.to(gl.int64) * per, n64)
-    lo = lo64.to(gl.int32)
-    hi = gl.minimum(lo64 + per, n64).to(gl.int32)
+        n = seqlen
+    per = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = gl.minimum(lo + per, n)
     if not SPARSE:
         if causal != 0:  # no key after the tile's last query
             hi = gl.minimum(hi, seqlen - s_q + gl.minimum(qt * QPT + QPT, s_q))
@@ -112,7 +101,7 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
         row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
-        topk, max_pages, SPARSE, HAS_TOPK_LEN, BLOCK_N, PAGE_SIZE)
+        topk, SPARSE, HAS_TOPK_LEN, BLOCK_N)
     b64 = b.to(gl.int64)
     rk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp))
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
@@ -152,7 +141,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
         row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
-        topk, max_pages, SPARSE, HAS_TOPK_LEN, BLOCK_N, PAGE_SIZE)
+        topk, SPARSE, HAS_TOPK_LEN, BLOCK_N)
     b64 = b.to(gl.int64)
 
     r = gl.arange(0, BLOCK_H, layout=row_s)
@@ -177,7 +166,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
                                  use_acc=c > 0, is_async=True)
         sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
         sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
-        m_new = _max_nan(m_i, gl.reduce(sc, 1, _max_nan))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
@@ -193,13 +182,10 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         mbarrier.arrive(empty.index(s), count=1)
 
     # epilogue: normalise and store this half's value columns (and lse from half 0)
-    # as _common.combine.finish_rows: weights summing to 0 -> o 0, lse -inf; a NaN sum -> NaN (lse +inf under a
-    # +inf max without NaN)
-    empty = l_i == 0
-    safe_l = gl.where(empty, 1.0, l_i)
-    lse_row = gl.where(empty, float("-inf"), gl.where(m_i == float("inf"), float("inf"),
-                                                     m_i * 0.6931471805599453 + gl.log(safe_l)))
-    inv = gl.convert_layout(gl.where(empty, 0.0, 1.0 / safe_l), row_o)[:, None]
+    has = l_i > 0
+    safe_l = gl.where(has, l_i, 1.0)
+    lse_row = gl.where(has, m_i * 0.6931471805599453 + gl.log(safe_l), float("-inf"))
+    inv = gl.convert_layout(gl.where(has, 1.0 / safe_l, 0.0), row_o)[:, None]
     ro = gl.arange(0, BLOCK_H, layout=row_o)
     qo = (qt * QPT + ro // HPT).to(gl.int64)
     ho = (ht * HPT + ro % HPT).to(gl.int64)

@@ -12,14 +12,8 @@ Definitions (the kernels follow them exactly):
   entries that are negative, ``>= cache_seqlens[b]``, after the query's position (causal), or whose page is
   invalid as above, are ignored. A **duplicated index counts once per occurrence** (exactly as gathering
   the selected rows and attending to them would): its weight in the softmax is multiplied by its count.
-- a negative ``cache_seqlens`` is an empty sequence; positions at or past the block table's capacity
-  (``max_pages · page_size``) have no page and are ignored, dense and sparse alike.
-- a query whose softmax weights sum to 0 (no key it sees, or every score -inf): ``out = 0``, ``lse = -inf``.
-  ``lse`` is the natural-log log-sum-exp of the scaled scores (``[B, h_q, s_q]``).
-- non-finite values follow IEEE arithmetic over the keys a query sees and nothing else: a NaN score (NaN in q
-  or in a seen key) makes out and lse NaN; a +inf score gives lse = +inf and out NaN (``exp(inf - inf)``); a
-  seen key enters ``P·V`` as ``p · v`` even where ``p == 0`` (``0 · inf = NaN``). Keys a query does not see
-  (causal, outside the length, ignored sparse entries, missing pages) never enter its arithmetic.
+- a query that sees no key: ``out = 0``, ``lse = -inf``. ``lse`` is the natural-log log-sum-exp of the
+  scaled scores (``[B, h_q, s_q]``).
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ import torch
 
 from .._common.paging import gather_pages, key_capacity, page_rows
 
-__all__ = ["mla_decode_ref", "seen_pv"]
+__all__ = ["mla_decode_ref"]
 
 
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
@@ -48,7 +42,6 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     num_pages, page_size = kv_cache.shape[:2]
     if softmax_scale is None:
         softmax_scale = D ** -0.5
-    seqlens = seqlens.clamp(min=0)  # a negative length is empty
     L = key_capacity(block_table.shape[1], page_size)
     pos = torch.arange(L)
     _, valid = page_rows(block_table, num_pages, page_size, L)  # [B, L]: the position has a physical row
@@ -64,44 +57,21 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
         topk = idx.shape[-1]
         n = torch.full((B,), topk) if topk_length is None else topk_length.detach().long().cpu().clamp(0, topk)
         inside = torch.arange(topk)[None, None, :] < n[:, None, None]
-        # positions at or past the capacity have no page: ignored (never clamped onto a real key)
-        ok = inside & (idx >= 0) & (idx < seqlens[:, None, None]) & (idx <= last[..., None]) & (idx < L)
-        safe = torch.where(ok, idx, torch.zeros_like(idx))
+        ok = inside & (idx >= 0) & (idx < seqlens[:, None, None]) & (idx <= last[..., None])
+        safe = torch.where(ok, idx, torch.zeros_like(idx)).clamp(max=L - 1)
         ok = ok & torch.gather(valid[:, None, :].expand(B, s_q, L), 2, safe)
         count = torch.zeros(B, s_q, L, dtype=torch.float64)
         count.scatter_add_(2, safe, ok.double())
 
-    seen = count > 0  # [B, s_q, L]
     s = torch.einsum("bqhd,bnd->bqhn", q, keys) * softmax_scale
-    logw = torch.where(seen, count.log(), torch.full_like(count, -math.inf))[:, :, None, :]
-    s = torch.where(seen[:, :, None, :], s + logw, torch.full_like(s, -math.inf))  # unseen: no arithmetic
-    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]: +inf for a +inf score, NaN for a NaN one
-    empty = lse == -math.inf
-    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
+    logw = torch.where(count > 0, count.log(), torch.full_like(count, -math.inf))[:, :, None, :]
+    s = s + logw
+    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]
+    seen = torch.isfinite(lse)
+    p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse, 0.0)[..., None]), 0.0)
     if p_dtype is not None:
         p = p.to(p_dtype).double()
-    out = seen_pv(p, keys[..., :head_dim_v], seen[:, :, None, :].expand_as(p))
-    out = torch.where(empty[..., None], 0.0, out)
+    out = torch.einsum("bqhn,bnd->bqhd", p, keys[..., :head_dim_v])
     if p_dtype is not None:
         out = out.to(p_dtype).double()
     return out, lse.permute(0, 2, 1).contiguous()
-
-
-def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """``out[b, q, h] = Σ_n p[b, q, h, n] · v[b, n, h?]`` over the keys each row sees only, in IEEE arithmetic.
-
-    ``p, seen``: ``[B, Q, H, N]``; ``v``: ``[B, N, D]`` (shared by the heads) or ``[B, N, H, D]``. Finite values go
-    through one einsum; each non-finite value (rare) is added to exactly the rows that see its key.
-    """
-    shared = v.dim() == 3
-    fin = torch.isfinite(v)
-    vf = torch.where(fin, v, torch.zeros((), dtype=v.dtype))
-    out = torch.einsum("bqhn,bnd->bqhd" if shared else "bqhn,bnhd->bqhd", p, vf)
-    for ix in (~fin).nonzero().tolist():
-        if shared:
-            b, n, d = ix
-            out[b, :, :, d] += torch.where(seen[b, :, :, n], p[b, :, :, n] * v[b, n, d], 0.0)
-        else:
-            b, n, h, d = ix
-            out[b, :, h, d] += torch.where(seen[b, :, h, n], p[b, :, h, n] * v[b, n, h, d], 0.0)
-    return out

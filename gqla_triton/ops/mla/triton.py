@@ -21,8 +21,6 @@ import triton.language as tl
 from ...dispatch import device_info
 from .._common import finish_rows, logical_to_physical, next_pow2, softmax_step, split_bounds, store_rows
 from .._common.alloc import empty
-from .._common.combine import max_nan
-from .._common.paging import dense_keys
 from .plan import MLAPlan
 
 __all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
@@ -101,7 +99,7 @@ def mla_decode_fwd_kernel(
     h = ht * HPT + (r % HPT)
     rvalid = (rq < QPT) & (qi < s_q) & (h < h_q)
 
-    seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
+    seqlen = tl.load(seqlens + b)
     # [BLOCK_H] last key position each row sees (its own position under causal MTP)
     last = seqlen - 1 + tl.where(causal != 0, qi + 1 - s_q, 0)
 
@@ -124,16 +122,10 @@ def mla_decode_fwd_kernel(
         if ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
             nxt = tl.load(idx_row + lo + tl.arange(0, BLOCK_N), mask=lo + tl.arange(0, BLOCK_N) < hi, other=-1)
     else:
-        # keys at or past the block table's capacity have no page: the loop never runs past it
-        lo, hi = split_bounds(dense_keys(seqlen, max_pages, PAGE_SIZE), split, num_splits, BLOCK_N)
-        t_hi = hi
-        if causal != 0:
-            # the tiles cover the keys every query token of the row tile sees; the keys only some of them see
-            # (at most QPT - 1, after the first token's position) run one at a time after the tiles, so that a
-            # non-finite value there reaches exactly the rows that see it (no 0·NaN through P·V)
-            t_hi = tl.minimum(hi, seqlen - s_q + tl.minimum(qt * QPT + QPT, s_q))
-            hi = tl.minimum(hi, seqlen - s_q + qt * QPT + 1)
-        t_lo = tl.maximum(lo, hi)
+        lo, hi = split_bounds(seqlen, split, num_splits, BLOCK_N)
+        if causal != 0:  # no key after the tile's last query
+            q_hi = tl.minimum(qt * QPT + QPT, s_q)
+            hi = tl.minimum(hi, seqlen - s_q + q_hi)
         if PAGED_TILES and ROWS_AHEAD:  # the next tile's block-table entry loads one iteration ahead
             nxt = _tile_block(bt_row, lo, max_pages, PAGE_SIZE)
 
@@ -201,28 +193,6 @@ def mla_decode_fwd_kernel(
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
-
-    if not SPARSE:
-        for t in range(t_lo, t_hi):  # causal MTP: keys seen by some rows of the tile only, one at a time
-            t = t + tl.zeros([], dtype=tl.int32)  # a tensor (interpreter: not a python int)
-            page = t // PAGE_SIZE
-            kok = page < max_pages
-            blk = tl.load(bt_row + tl.where(kok, page, 0))  # column 0 exists: in bounds
-            kok = kok & (blk >= 0) & (blk < num_pages)
-            kv_t = kv + tl.where(kok, blk, 0).to(tl.int64) * s_kvp + (t % PAGE_SIZE) * s_kvt
-            k_lat = tl.load(kv_t + offs_v, mask=mv & ((offs_v * 0 + kok.to(tl.int32)) != 0), other=0.0).to(tl.float32)
-            k_rope = tl.load(kv_t + DV + offs_r, mask=mr & ((offs_r * 0 + kok.to(tl.int32)) != 0), other=0.0).to(tl.float32)
-            s1 = (tl.sum(q_lat.to(tl.float32) * k_lat[None, :], 1)
-                  + tl.sum(q_rope.to(tl.float32) * k_rope[None, :], 1)) * qk_scale
-            sees = (t <= last) & kok
-            s1 = tl.where(sees, s1, float("-inf"))
-            m_new = max_nan(m_i, s1)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p1 = tl.exp2(s1 - m_safe)
-            l_i = l_i * alpha + p1
-            acc = acc * alpha[:, None] + tl.where(sees[:, None], p1[:, None] * k_lat[None, :], 0.0)
-            m_i = m_new
 
     o, lse_row = finish_rows(acc, m_i, l_i)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),

@@ -41,9 +41,6 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
     P = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
     if not EARLY:
         vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-    # a non-finite v_new[j, c] reaches rows >= j (v_new is non-finite there too: u, w and the state carry it
-    # forward) and never rows < j: the product takes v_new with it zeroed, the row's own NaN is added back
-    vd = vn - vn  # 0 where finite, NaN elsewhere
-    out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), tl.where(vd == 0, vn, 0.0).to(vn.dtype)) + vd) * scale
+    out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
 

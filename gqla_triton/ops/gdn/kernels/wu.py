@@ -32,24 +32,12 @@ def _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K: tl.const
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        wk = _causal_dot(Ad, (kk * (b * eg)[:, None]).to(Ad.dtype), BT)
+        wk = tl.dot(Ad, (kk * (b * eg)[:, None]).to(Ad.dtype))
         tl.store(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], wk.to(w.dtype.element_ty), mask=mk)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        uv = _causal_dot(Ad, (vv * b[:, None]).to(Ad.dtype), BT)
+        uv = tl.dot(Ad, (vv * b[:, None]).to(Ad.dtype))
         tl.store(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], uv.to(u.dtype.element_ty), mask=mv)
 
-
-
-@triton.jit
-def _causal_dot(A, X, BT: tl.constexpr):
-    """A·X over the chunk rows for a lower-triangular A (row i reads rows j <= i of X): a non-finite X[j, c] makes
-    column c of rows >= j NaN and leaves rows < j exact (in the plain product it would reach every row through
-    the zeros above the diagonal, 0·NaN = NaN)."""
-    r = tl.arange(0, BT)
-    d = X - X  # 0 where finite, NaN elsewhere
-    first = tl.min(tl.where(d == 0, BT, r[:, None]), 0)  # first non-finite row of each column
-    Y = tl.dot(A, tl.where(d == 0, X, 0.0).to(A.dtype))
-    return tl.where(r[:, None] >= first[None, :], float("nan"), Y)

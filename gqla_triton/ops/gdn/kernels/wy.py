@@ -38,34 +38,6 @@ def _store16(ptr, rows, valid, c0, blk, HV, BT: tl.constexpr):
 
 
 @triton.jit
-def _gate(g):
-    """g clamped below at -110 (NaN kept): e^(x - 110) is exactly 0 in fp32 for any x <= 0 (the smallest
-    subnormal is e^-103.3), so a gate of -inf (full decay) or anything below -110 gives the same fp32 decays
-    as exact math, and no cumulative sum or decay ratio meets -inf - (-inf). Two rows after such a gate in one
-    chunk keep their ratio e^(gc_i - gc_j) at the fp32 rounding of |gc| >= 110 (relative 2^-17)."""
-    return tl.where(g < -110.0, -110.0, g)
-
-
-@triton.jit
-def _finite(a):
-    """(a with its non-finite entries zeroed, [rows] true where a row held one)."""
-    d = a - a  # 0 where finite, NaN elsewhere
-    return tl.where(d == 0, a, 0.0), tl.sum(d, 1) != 0
-
-
-@triton.jit
-def _first(bad, r0, BT: tl.constexpr):
-    """Chunk row of the first true entry of bad (rows r0 + 0..15), BT if none."""
-    return tl.min(tl.where(bad, r0 + tl.arange(0, 16), BT), 0)
-
-
-@triton.jit
-def _poison(blk, r0, p):
-    """blk (rows r0 + 0..15) with rows >= p set to NaN."""
-    return tl.where((r0 + tl.arange(0, 16))[:, None] >= p, float("nan"), blk)
-
-
-@triton.jit
 def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
     return tl.load(k + rows[:, None] * (H * K) + i_h * K + c[None, :], mask=valid[:, None] & (c[None, :] < K),
                    other=0.0)
@@ -86,7 +58,7 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """gc = chunk-local cumsum of g (fp32, g clamped by ``_gate``) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
+    """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
     solved in fp32 (16x16 block dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is
     only ever a tensor-core operand)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -97,10 +69,10 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
     # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
     # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
-    g0 = _gate(tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float64))
-    g1 = _gate(tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float64))
-    g2 = _gate(tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float64))
-    g3 = _gate(tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float64))
+    g0 = tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float64)
+    g1 = tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float64)
+    g2 = tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float64)
+    g3 = tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float64)
     c0 = tl.cumsum(g0, 0).to(tl.float32)
     c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
     c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
@@ -131,34 +103,22 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
         a30 += tl.dot(k3t, tl.trans(k0t))
         a31 += tl.dot(k3t, tl.trans(k1t))
         a32 += tl.dot(k3t, tl.trans(k2t))
-    # causality under NaN / Inf: the inverse is taken of A with its non-finite entries zeroed (0·NaN in the block
-    # products would reach every row), which is exact for the rows before the first row p of A holding one; rows
-    # >= p of the inverse are NaN, as (I + A)^-1 has them
-    D00, e0 = _finite(_decay(a00, v0, v0, c0, c0, b0, True))
-    D11, e1 = _finite(_decay(a11, v1, v1, c1, c1, b1, True))
-    D22, e2 = _finite(_decay(a22, v2, v2, c2, c2, b2, True))
-    D33, e3 = _finite(_decay(a33, v3, v3, c3, c3, b3, True))
-    A10, f10 = _finite(_decay(a10, v1, v0, c1, c0, b1, False))
-    A20, f20 = _finite(_decay(a20, v2, v0, c2, c0, b2, False))
-    A21, f21 = _finite(_decay(a21, v2, v1, c2, c1, b2, False))
-    A30, f30 = _finite(_decay(a30, v3, v0, c3, c0, b3, False))
-    A31, f31 = _finite(_decay(a31, v3, v1, c3, c1, b3, False))
-    A32, f32 = _finite(_decay(a32, v3, v2, c3, c2, b3, False))
-    pb = tl.minimum(tl.minimum(_first(e0, 0, BT), _first(e1 | f10, 16, BT)),
-                   tl.minimum(_first(e2 | f20 | f21, 32, BT), _first(e3 | f30 | f31 | f32, 48, BT)))
-    T00 = _inv16(D00, PREC)
-    T11 = _inv16(D11, PREC)
-    T22 = _inv16(D22, PREC)
-    T33 = _inv16(D33, PREC)
+    T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True), PREC)
+    T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True), PREC)
+    T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True), PREC)
+    T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True), PREC)
+    A10 = _decay(a10, v1, v0, c1, c0, b1, False)
+    A20 = _decay(a20, v2, v0, c2, c0, b2, False)
+    A21 = _decay(a21, v2, v1, c2, c1, b2, False)
+    A30 = _decay(a30, v3, v0, c3, c0, b3, False)
+    A31 = _decay(a31, v3, v1, c3, c1, b3, False)
+    A32 = _decay(a32, v3, v2, c3, c2, b3, False)
     T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
     T21 = -_dot32(_dot32(T22, A21, PREC), T11, PREC)
     T32 = -_dot32(_dot32(T33, A32, PREC), T22, PREC)
     T20 = -_dot32(T22, _dot32(A20, T00, PREC) + _dot32(A21, T10, PREC), PREC)
     T31 = -_dot32(T33, _dot32(A31, T11, PREC) + _dot32(A32, T21, PREC), PREC)
     T30 = -_dot32(T33, _dot32(A30, T00, PREC) + _dot32(A31, T10, PREC) + _dot32(A32, T20, PREC), PREC)
-    T00, T10, T11 = _poison(T00, 0, pb), _poison(T10, 16, pb), _poison(T11, 16, pb)
-    T20, T21, T22 = _poison(T20, 32, pb), _poison(T21, 32, pb), _poison(T22, 32, pb)
-    T30, T31, T32, T33 = _poison(T30, 48, pb), _poison(T31, 48, pb), _poison(T32, 48, pb), _poison(T33, 48, pb)
     Z = tl.zeros([16, 16], dtype=tl.float32)
     p = Ainv + i_hv * BT
     _store16(p, x0, v0, 0, T00, HV, BT)
