@@ -142,3 +142,11 @@ def check_decode_inputs(
         if indices is None:
             raise ValueError("topk_length: given without indices (it limits each sparse index row)")
         check_tensor("topk_length", topk_length, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
+
+
+def contiguous_indices(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The decode kernels read index tensors (``block_table``, ``cache_seqlens``, ``indices``, ``topk_length``) with
+    unit stride along their last dimension and a contiguous row layout: strided, expanded (stride 0) or transposed
+    views are copied (cheap for these small int32 tensors, and safe inside a CUDA graph); contiguous ones pass
+    through untouched."""
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)

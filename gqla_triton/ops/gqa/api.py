@@ -19,6 +19,7 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
+from .._common.validation import contiguous_indices
 from .plan import plan
 from .reference import gqa_decode_reference
 from .triton import gqa_decode_triton
@@ -39,6 +40,8 @@ def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         o, lse = gqa_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale,
                                       causal, indices, topk_length)
         return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
+    block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
+                                                                          topk_length)
     B, s_q, h_q, _ = q.shape
     num_pages, page_size, g, d_h = k_cache.shape
     d_v = v_cache.shape[-1]

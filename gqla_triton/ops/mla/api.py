@@ -20,6 +20,7 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
+from .._common.validation import contiguous_indices
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref
@@ -57,6 +58,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                                 topk_length)
         return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
+    block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
+                                                                          topk_length)
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
