@@ -1,153 +1,424 @@
 """Paged KV caches for GQLAttention: ``LatentCache`` (absorb path) and ``GroupedCache`` (grouped path).
 
-Both hold ``max_batch`` sequence slots. Each slot owns a list of pages taken from a shared free list;
-``block_table [max_batch, max_pages] int32`` maps logical page ``p`` of slot ``b`` to a physical page and
-``cache_seqlens [max_batch] int32`` counts the tokens of each slot. Kernels take the rows of the slots in
-a batch: ``block_table[seq_ids]``, ``cache_seqlens[seq_ids]`` (see ``tables``). Page bookkeeping is kept on
-the host (python lists), so ``allocate`` / ``append`` / ``free`` never read device memory.
+Both hold ``max_batch`` sequence slots over ``num_pages`` pages of ``page_size`` tokens. The device tensors are
+the truth the kernels read:
 
-Unused block-table entries point at page 0; kernels only read pages below ``cache_seqlens``.
+- ``block_table [max_batch, max_pages] int32``: logical page ``p`` of slot ``s`` lives in physical page
+  ``block_table[s, p]``; entries past a slot's pages hold ``scratch_page``;
+- ``cache_seqlens [max_batch] int32``: the tokens of each slot;
+- ``overflow [max_batch] bool``: set where an append went past the slot's reserved pages (see below).
+
+The storage has ``num_pages + 1`` pages: the last, ``scratch_page``, is never handed out and receives the
+writes that have no reserved page. The host keeps the page bookkeeping (free list, each slot's pages, page
+reference counts) and per slot a flag "holds tokens".
+
+**Decode steps on the device.** ``append`` writes token ``t`` of slot ``s`` at position
+``pos = cache_seqlens[s] + t``, in page ``block_table[s, pos // page_size]`` at offset ``pos % page_size``,
+then advances ``cache_seqlens`` with a device op: no host sync, no host-to-device copy and no data-dependent
+Python, so a step can be captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)``.
+Pages come from ``reserve(seq_ids, num_tokens)``, a host call made before such steps. In eager mode (neither
+capturing nor compiling) ``append`` reserves what it needs itself (``auto_reserve=True``, the default), so
+plain eager loops need no ``reserve``. Inside a capture or a compiled function nothing is reserved: a token
+past the reserved pages (or past ``max_seqlen``) goes to the scratch page, the slot's length stops at its
+reservation and ``overflow[s]`` is set; ``check()`` turns the flags into an error.
+
+Eager ``append`` / ``reserve`` take the lengths from a host mirror. After an append inside a capture or a
+compiled function (or with ``auto_reserve=False``), or a write to ``cache_seqlens`` from outside the cache's
+methods (seen through its version counter), they read the device lengths instead: one host sync per call.
+``reserve``, ``free`` and ``fork`` move page lists to the device: a ``RuntimeError`` inside a capture / compile.
+
+**Slot ids** are host values (an int, a sequence of ints, a CPU tensor; a CUDA tensor would need a host sync:
+``TypeError``). The device index of a tuple of slots is made on its first eager use and kept (64 tuples, the
+oldest out first; a tuple that a CUDA graph captured is never dropped; the prefix ``0 .. B-1`` needs none, its
+rows are a slice). A captured or compiled step with a tuple that has no index yet raises ``ValueError``: call
+``slot_index(seq_ids)`` (or run one eager step) first.
+
+**Prefix sharing.** ``fork(src, dst)`` gives ``dst`` the tokens of ``src``: the full pages are shared
+(reference counted), the partly filled last page is copied. Written pages are never written again (appends
+only go past a slot's length), so shared pages stay valid; ``free`` returns a page to the free list when its
+last user frees it.
+
+Every call that raises (``TypeError`` / ``ValueError``) leaves the cache as it was.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
+from .paged_append import append_rows, append_rows_torch
+
 __all__ = ["PagedCache", "LatentCache", "GroupedCache"]
 
+_INDEX_CACHE_SIZE = 64  # slot-index tensors kept per cache (one per distinct tuple of slots), pinned ones aside
+_MISSING = object()
 
-def _as_ids(seq_ids, n: int | None = None) -> list[int]:
-    if seq_ids is None:
-        if n is None:
-            raise ValueError("seq_ids: required")
-        return list(range(n))
-    if isinstance(seq_ids, torch.Tensor):
-        seq_ids = seq_ids.tolist()
-    elif isinstance(seq_ids, int):
-        seq_ids = [seq_ids]
-    return [int(s) for s in seq_ids]
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _positive_int(name: str, v) -> int:
+    if not _is_int(v) or v <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    return int(v)
 
 
 class PagedCache(abc.ABC):
-    """Page allocator + block table shared by the two cache kinds (storage tensors live in subclasses)."""
+    """Page allocator, block table and lengths shared by the two cache kinds (storage lives in subclasses).
+
+    Args:
+        max_batch: sequence slots.
+        max_seqlen: most tokens one slot may hold.
+        page_size: tokens per page, a positive multiple of 16 (keyword-only, default 64).
+        num_pages: pages to share among the slots (default ``max_batch * ceil(max_seqlen / page_size)``).
+        device: of every tensor of the cache.
+        auto_reserve: eager appends reserve the pages they need (default). With False every append behaves
+            as inside a captured step: only ``reserve`` takes pages, and an append past the reservation is
+            flagged for ``check()`` (no host sync in any append).
+    """
 
     def __init__(self, max_batch: int, max_seqlen: int, *, page_size: int = 64, num_pages: int | None = None,
-                 device=None):
-        if max_batch <= 0:
-            raise ValueError(f"max_batch: expected a positive int, got {max_batch}")
-        if max_seqlen <= 0:
-            raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen}")
-        if page_size <= 0 or page_size % 16 != 0:
-            raise ValueError(f"page_size: expected a positive multiple of 16, got {page_size}")
-        self.max_batch = max_batch
-        self.max_seqlen = max_seqlen
-        self.page_size = page_size
-        self.max_pages = math.ceil(max_seqlen / page_size)
-        self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
-        if self.num_pages <= 0:
-            raise ValueError(f"num_pages: expected a positive int, got {num_pages}")
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+                 device=None, auto_reserve: bool = True):
+        self.max_batch = _positive_int("max_batch", max_batch)
+        self.max_seqlen = _positive_int("max_seqlen", max_seqlen)
+        if not _is_int(page_size) or page_size <= 0 or page_size % 16 != 0:
+            raise ValueError(f"page_size: expected a positive multiple of 16, got {page_size!r}")
+        self.page_size = int(page_size)
+        self.max_pages = math.ceil(self.max_seqlen / self.page_size)
+        self.num_pages = (self.max_batch * self.max_pages if num_pages is None
+                          else _positive_int("num_pages", num_pages))
+        if (self.num_pages + 1) * self.page_size >= 2**31:
+            raise ValueError(f"num_pages: {self.num_pages} pages x {self.page_size} tokens exceed int32 rows")
+        if not isinstance(auto_reserve, bool):
+            raise TypeError(f"auto_reserve: expected a bool, got {type(auto_reserve).__name__}")
+        self.auto_reserve = auto_reserve
+        self.scratch_page = self.num_pages
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.cache_seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
+        self.device = self.cache_seqlens.device  # index resolved ("cuda" -> "cuda:0")
+        self.block_table = torch.full((self.max_batch, self.max_pages), self.scratch_page, dtype=torch.int32,
+                                      device=self.device)
+        self.overflow = torch.zeros(self.max_batch, dtype=torch.bool, device=self.device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._pages: list[list[int]] = [[] for _ in range(max_batch)]
-        self._lens: list[int] = [0] * max_batch
-        self.block_table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=self.device)
-        self.cache_seqlens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self._refs: list[int] = [0] * self.num_pages
+        self._pages: list[list[int]] = [[] for _ in range(self.max_batch)]
+        self._cap: list[int] = [0] * self.max_batch  # tokens each slot's pages hold: min(pages·page_size, max_seqlen)
+        self._holds: list[bool] = [False] * self.max_batch
+        self._lens: list[int] = [0] * self.max_batch  # host mirror of cache_seqlens while _lens_known
+        self._lens_known = True  # False once an append ran inside a capture / compiled function
+        self._lens_stamp = self._stamp()
+        self._index: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self._pinned: set[tuple[int, ...]] = set()
 
-    # ---- bookkeeping -------------------------------------------------------------------------------
+    # ---- storage (subclasses) ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _storages(self) -> tuple[torch.Tensor, ...]:
+        """The storage tensors, each ``[num_pages + 1, page_size, ...]``."""
+
+    @abc.abstractmethod
+    def gather(self, seq_id: int) -> tuple[torch.Tensor, ...]:
+        """One slot's cached tensors in logical token order (read through the device tables)."""
+
+    # ---- slot ids ----------------------------------------------------------------------------------
+    def _slots(self, seq_ids, n: int | None = None, name: str = "seq_ids") -> tuple[int, ...]:
+        """Validated slot ids as a tuple: ``None`` (slots ``0 .. n-1``), an int, a host sequence of ints or a
+        CPU integer tensor; distinct, inside ``[0, max_batch)``, ``n`` of them when ``n`` is given."""
+        if seq_ids is None:
+            if n is None:
+                raise ValueError(f"{name}: required (a host sequence of slot ids)")
+            if n > self.max_batch:
+                raise ValueError(f"{name}: {n} sequences need {n} slots, the cache has max_batch {self.max_batch}")
+            return tuple(range(n))
+        if type(seq_ids) is tuple or type(seq_ids) is list:
+            ids = tuple(seq_ids)
+            if ids in self._index and all(type(s) is int for s in ids):  # validated when it was cached
+                if n is not None and len(ids) != n:
+                    raise ValueError(f"{name}: expected {n} slots, got {len(ids)}")
+                return ids
+        elif isinstance(seq_ids, torch.Tensor):
+            if seq_ids.device.type != "cpu":
+                raise TypeError(f"{name}: expected host slot ids (a sequence of ints or a CPU tensor), got a tensor "
+                                f"on {seq_ids.device} (reading it would need a host sync)")
+            if seq_ids.dtype == torch.bool or seq_ids.is_floating_point() or seq_ids.is_complex():
+                raise TypeError(f"{name}: expected an integer tensor, got {seq_ids.dtype}")
+            if seq_ids.dim() > 1:
+                raise ValueError(f"{name}: expected a 0-d or 1-d tensor, got shape {list(seq_ids.shape)}")
+            ids = tuple(seq_ids.reshape(-1).tolist())
+        elif _is_int(seq_ids):
+            ids = (int(seq_ids),)
+        elif isinstance(seq_ids, (range, Sequence)) and not isinstance(seq_ids, (str, bytes)):
+            ids = tuple(seq_ids)
+        else:
+            raise TypeError(f"{name}: expected None, an int, a sequence of ints or a CPU integer tensor, got "
+                            f"{type(seq_ids).__name__}")
+        for s in ids:
+            if not _is_int(s):
+                raise TypeError(f"{name}: expected int slot ids, got {type(s).__name__} {s!r}")
+        ids = tuple(int(s) for s in ids)
+        for s in ids:
+            if not 0 <= s < self.max_batch:
+                raise ValueError(f"{name}: slot {s} outside [0, {self.max_batch})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{name}: duplicate slots in {list(ids)}")
+        if n is not None and len(ids) != n:
+            raise ValueError(f"{name}: expected {n} slots, got {len(ids)}")
+        return ids
+
+    def _slot(self, seq_id, name: str = "seq_id") -> int:
+        if not _is_int(seq_id):
+            raise TypeError(f"{name}: expected an int slot id, got {type(seq_id).__name__} {seq_id!r}")
+        if not 0 <= seq_id < self.max_batch:
+            raise ValueError(f"{name}: slot {seq_id} outside [0, {self.max_batch})")
+        return int(seq_id)
+
+    def _index_of(self, ids: tuple[int, ...]) -> torch.Tensor | None:
+        """Device index (int64) of validated slots, ``None`` for the prefix ``0 .. B-1`` (rows are then a
+        slice). Made once per tuple in eager mode and kept (``_remember``): no host-to-device copy after that.
+        A CUDA-graph capture or a torch.compile trace finds it there (and a captured graph pins it)."""
+        idx = self._index.get(ids, _MISSING)
+        if idx is not _MISSING:
+            if idx is not None and not torch.compiler.is_compiling() and self._capturing():
+                self._pinned.add(ids)  # the graph reads this tensor at every replay: never evict it
+            return idx
+        if ids == tuple(range(len(ids))):
+            return None
+        if self._device_only():
+            raise ValueError(f"seq_ids: slots {list(ids)} have no device index yet; call cache.slot_index(seq_ids) "
+                             "(or run one eager step with them) before capturing or compiling a step")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _remember(self, ids: tuple[int, ...], idx: torch.Tensor | None) -> None:
+        if ids in self._index or torch.compiler.is_compiling():
+            return
+        if idx is not None:  # prefixes (no tensor) stay; other tuples: least recently made first out
+            old = [k for k, v in self._index.items() if v is not None and k not in self._pinned]
+            if len(old) >= _INDEX_CACHE_SIZE:
+                del self._index[old[0]]
+        self._index[ids] = idx
+
+    def slot_index(self, seq_ids) -> torch.Tensor | None:
+        """The cached device index (``[B]`` int64) of ``seq_ids``, ``None`` when they are ``0 .. B-1``.
+        Call it (or run one eager step) before capturing a step with other slots in a CUDA graph."""
+        ids = self._slots(seq_ids)
+        idx = self._index_of(ids)
+        self._remember(ids, idx)
+        return idx
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _device_only(self) -> bool:
+        """Inside a CUDA-graph capture or a torch.compile trace: no host reads, no host bookkeeping."""
+        return torch.compiler.is_compiling() or self._capturing()
+
+    # ---- host queries ------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
 
+    def _stamp(self) -> int | None:
+        """Version counter of ``cache_seqlens`` (None for inference-mode tensors, which keep none)."""
+        try:
+            return self.cache_seqlens._version
+        except RuntimeError:
+            return None
+
+    def _mark_lens(self) -> None:
+        self._lens_stamp = self._stamp()
+
+    def _mirror_valid(self) -> bool:
+        return self._lens_known and self._stamp() == self._lens_stamp
+
+    def _host_lens(self) -> list[int]:
+        """Every slot's length: the host mirror, or one read of the device after device-only appends or a
+        write to ``cache_seqlens`` from outside the cache's methods (seen through its version counter)."""
+        if self._mirror_valid():
+            return self._lens
+        lens = self.cache_seqlens.tolist()
+        if self._lens_known:  # an outside write, no device-only append: the mirror can follow the device again
+            self._lens = lens
+            self._mark_lens()
+        return lens
+
     def seqlens(self, seq_ids=None) -> list[int]:
-        """Host copy of the token counts of ``seq_ids`` (all slots by default)."""
-        return [self._lens[s] for s in _as_ids(seq_ids, self.max_batch)]
+        """Token counts of ``seq_ids`` (all slots by default) as host ints."""
+        ids = self._slots(seq_ids, self.max_batch if seq_ids is None else None)
+        lens = self._host_lens()
+        return [lens[s] for s in ids]
 
-    def _check_ids(self, ids: list[int]) -> None:
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"seq_ids: duplicate slots in {ids}")
-        for s in ids:
-            if not 0 <= s < self.max_batch:
-                raise ValueError(f"seq_ids: slot {s} outside [0, {self.max_batch})")
+    def reserved(self, seq_ids=None) -> list[int]:
+        """Tokens each slot of ``seq_ids`` (all by default) can hold without taking pages."""
+        ids = self._slots(seq_ids, self.max_batch if seq_ids is None else None)
+        return [self._cap[s] for s in ids]
 
-    def allocate(self, batch_slots, num_tokens) -> None:
-        """Make room for ``num_tokens`` more tokens (an int or one per slot) in each of ``batch_slots``.
+    def holds_tokens(self, seq_ids=None) -> list[bool]:
+        """Per slot: has it received tokens since it was last freed (host flags, no device read)."""
+        ids = self._slots(seq_ids, self.max_batch if seq_ids is None else None)
+        return [self._holds[s] for s in ids]
 
-        Raises ``ValueError`` (and allocates nothing) when the slot would pass ``max_seqlen`` or the free
-        list runs out of pages.
-        """
-        ids = _as_ids(batch_slots)
-        self._check_ids(ids)
-        counts = [int(num_tokens)] * len(ids) if isinstance(num_tokens, int) else [int(n) for n in num_tokens]
-        if len(counts) != len(ids):
-            raise ValueError(f"num_tokens: expected {len(ids)} counts, got {len(counts)}")
+    def tables(self, seq_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_table [B, max_pages] int32, cache_seqlens [B] int32)`` of the slots ``seq_ids``."""
+        if seq_ids is None:
+            return self.block_table, self.cache_seqlens
+        ids = self._slots(seq_ids)
+        idx = self._index_of(ids)
+        self._remember(ids, idx)
+        return self._rows(idx, len(ids))
+
+    def _rows(self, idx: torch.Tensor | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if idx is None:
+            return self.block_table[:B], self.cache_seqlens[:B]
+        return self.block_table.index_select(0, idx), self.cache_seqlens.index_select(0, idx)
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` if an append inside a captured / compiled step (or with ``auto_reserve``
+        off) went past a slot's reserved pages; one host sync. ``free`` clears a slot's flag."""
+        bad = self.overflow.nonzero().flatten().tolist()
+        if bad:
+            raise RuntimeError(
+                f"cache overflow: slots {bad} received tokens past their reserved pages (or max_seqlen "
+                f"{self.max_seqlen}); those tokens went to the scratch page and the lengths stopped at the "
+                "reservation. Call reserve(seq_ids, num_tokens) before the steps.")
+
+    # ---- page bookkeeping --------------------------------------------------------------------------
+    def _counts(self, ids: tuple[int, ...], num_tokens) -> list[int]:
+        if _is_int(num_tokens):
+            counts = [int(num_tokens)] * len(ids)
+        elif isinstance(num_tokens, (Sequence, range)) and not isinstance(num_tokens, (str, bytes)):
+            counts = list(num_tokens)
+            if len(counts) != len(ids):
+                raise ValueError(f"num_tokens: expected {len(ids)} counts (one per slot), got {len(counts)}")
+            for n in counts:
+                if not _is_int(n):
+                    raise TypeError(f"num_tokens: expected ints, got {type(n).__name__} {n!r}")
+            counts = [int(n) for n in counts]
+        else:
+            raise TypeError(f"num_tokens: expected an int or a sequence of ints, got {type(num_tokens).__name__}")
+        for n in counts:
+            if n < 0:
+                raise ValueError(f"num_tokens: expected counts >= 0, got {n}")
+        return counts
+
+    def _plan(self, ids: tuple[int, ...], counts: list[int]) -> list[int]:
+        """Pages each slot needs for ``counts`` more tokens; ValueError (nothing changed) when it cannot."""
+        lens = self._host_lens()
         need = []
         for s, n in zip(ids, counts, strict=True):
-            if n < 0:
-                raise ValueError(f"num_tokens: expected >= 0, got {n}")
-            total = self._lens[s] + n
+            total = lens[s] + n
             if total > self.max_seqlen:
                 raise ValueError(f"num_tokens: slot {s} would hold {total} tokens > max_seqlen {self.max_seqlen}")
             need.append(max(0, math.ceil(total / self.page_size) - len(self._pages[s])))
         if sum(need) > len(self._free):
-            raise ValueError(f"allocate: out of pages (need {sum(need)}, {len(self._free)} free)")
-        changed = False
+            raise ValueError(f"reserve: out of pages (need {sum(need)}, {len(self._free)} free)")
+        return need
+
+    def _take(self, ids: tuple[int, ...], need: list[int]) -> None:
+        changed = []
         for s, k in zip(ids, need, strict=True):
             for _ in range(k):
-                self._pages[s].append(self._free.pop())
-                changed = True
-        if changed:
-            self._sync_table(ids)
+                p = self._free.pop()
+                self._refs[p] = 1
+                self._pages[s].append(p)
+            if k:
+                changed.append(s)
+                self._cap[s] = min(len(self._pages[s]) * self.page_size, self.max_seqlen)
+        self._sync_table(changed)
+
+    def reserve(self, seq_ids, num_tokens) -> None:
+        """Guarantee pages for the next ``num_tokens`` tokens (an int, or one count per slot) of each slot.
+
+        A host call, made outside captured / compiled steps (it may read the device lengths once). Raises
+        ``ValueError`` and takes nothing when a slot would pass ``max_seqlen`` or the free pages run out.
+        """
+        self._host_call("reserve")
+        ids = self._slots(seq_ids)
+        counts = self._counts(ids, num_tokens)
+        self._take(ids, self._plan(ids, counts))
+
+    allocate = reserve
 
     def free(self, seq_ids) -> None:
-        """Release the pages of ``seq_ids`` and reset their lengths to 0."""
-        ids = _as_ids(seq_ids)
-        self._check_ids(ids)
+        """Empty the slots ``seq_ids``: length 0, no pages, overflow flag cleared. A page returns to the free
+        list when its last user frees it (forked slots share pages)."""
+        self._host_call("free")
+        ids = self._slots(seq_ids)
+        mirror = self._mirror_valid()
         for s in ids:
-            self._free.extend(reversed(self._pages[s]))
+            for p in reversed(self._pages[s]):
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    self._free.append(p)
             self._pages[s] = []
+            self._cap[s] = 0
+            self._holds[s] = False
             self._lens[s] = 0
-        self._sync_table(ids)
-        self._sync_lens()
+        if ids:
+            self._sync_table(list(ids))
+            dev = torch.tensor(ids, dtype=torch.long, device=self.device)
+            self.cache_seqlens.index_fill_(0, dev, 0)
+            self.overflow.index_fill_(0, dev, False)
+            if mirror:
+                self._mark_lens()
 
-    def _sync_table(self, ids: list[int]) -> None:
-        rows = torch.zeros(len(ids), self.max_pages, dtype=torch.int32)
-        for i, s in enumerate(ids):
+    def fork(self, src: int, dst: int) -> None:
+        """Make empty slot ``dst`` a copy of slot ``src``: the full pages of ``src`` are shared, its partly
+        filled last page is copied into a fresh page. The two then decode independently. Raises
+        ``ValueError`` (nothing changed) when ``dst`` holds pages or no page is free for the copy."""
+        self._host_call("fork")
+        src, dst = self._slot(src, "src"), self._slot(dst, "dst")
+        if src == dst:
+            raise ValueError(f"dst: expected a slot other than src ({src})")
+        if self._pages[dst] or self._holds[dst]:
+            raise ValueError(f"dst: slot {dst} holds pages or tokens; free it first")
+        L = self._host_lens()[src]
+        mirror = self._mirror_valid()
+        full, part = divmod(L, self.page_size)
+        if part and not self._free:
+            raise ValueError("fork: out of pages (the partly filled last page needs a copy, 0 free)")
+        shared = self._pages[src][:full]
+        for p in shared:
+            self._refs[p] += 1
+        pages = list(shared)
+        if part:
+            p = self._free.pop()
+            self._refs[p] = 1
+            old = self._pages[src][full]
+            for t in self._storages():
+                t[p].copy_(t[old])
+            pages.append(p)
+        self._pages[dst] = pages
+        self._cap[dst] = min(len(pages) * self.page_size, self.max_seqlen)
+        self._holds[dst] = self._holds[src]
+        self._lens[dst] = L
+        self._sync_table([dst])
+        self.cache_seqlens[dst] = self.cache_seqlens[src]
+        self.overflow[dst] = self.overflow[src]
+        if mirror:
+            self._mark_lens()
+
+    def _host_call(self, name: str) -> None:
+        if self._device_only():
+            raise RuntimeError(f"{name}: a host call (it moves page lists to the device); make it outside CUDA-graph "
+                               "capture and torch.compile")
+
+    def _sync_table(self, slots: list[int]) -> None:
+        """Write the block-table rows of ``slots`` from the host page lists (one host-to-device copy)."""
+        if not slots:
+            return
+        rows = torch.full((len(slots), self.max_pages), self.scratch_page, dtype=torch.int32)
+        for i, s in enumerate(slots):
             if self._pages[s]:
                 rows[i, : len(self._pages[s])] = torch.tensor(self._pages[s], dtype=torch.int32)
-        self.block_table[torch.tensor(ids, dtype=torch.long, device=self.device)] = rows.to(self.device)
+        idx = torch.tensor(slots, dtype=torch.long)
+        self.block_table.index_copy_(0, idx.to(self.device), rows.to(self.device))
 
-    def _sync_lens(self) -> None:
-        self.cache_seqlens.copy_(torch.tensor(self._lens, dtype=torch.int32))
-
-    def tables(self, seq_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_table [B, max_pages] int32, cache_seqlens [B] int32)`` for the slots ``seq_ids``."""
-        ids = _as_ids(seq_ids, self.max_batch)
-        if ids == list(range(self.max_batch)):
-            return self.block_table, self.cache_seqlens
-        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.block_table[idx].contiguous(), self.cache_seqlens[idx].contiguous()
-
-    def _write_index(self, ids: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical (page, offset) of the next ``T`` tokens of each slot: two LongTensors [B, T]."""
-        self.allocate(ids, T)
-        pages, offs = [], []
-        for s in ids:
-            pos = range(self._lens[s], self._lens[s] + T)
-            pages.append([self._pages[s][p // self.page_size] for p in pos])
-            offs.append([p % self.page_size for p in pos])
-        return (torch.tensor(pages, dtype=torch.long, device=self.device),
-                torch.tensor(offs, dtype=torch.long, device=self.device))
-
-    def _advance(self, ids: list[int], T: int) -> None:
-        for s in ids:
-            self._lens[s] += T
-        self._sync_lens()
-
-    def _check_new(self, name: str, t: torch.Tensor, B: int, T: int | None, tail: Sequence[int]) -> int:
+    # ---- append ------------------------------------------------------------------------------------
+    def _check_new(self, name: str, t, B: int, T: int | None, tail: Sequence[int]) -> int:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         want = [B, T if T is not None else t.shape[1] if t.dim() > 1 else -1, *tail]
@@ -155,90 +426,157 @@ class PagedCache(abc.ABC):
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating tensor, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name}: expected a tensor on the cache's device {self.device}, got one on {t.device}")
         return t.shape[1]
 
-    @abc.abstractmethod
-    def gather(self, seq_id: int) -> tuple[torch.Tensor, ...]:
-        """One sequence's cached tensors in logical token order."""
+    @staticmethod
+    def _batch_of(name: str, t, ndim: int) -> int:
+        """``B`` of new tokens ``t`` (for ``seq_ids=None``)."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {list(t.shape)}")
+        return t.shape[0]
+
+    def _write(self, ids: tuple[int, ...], T: int, values: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               idx=_MISSING) -> None:
+        """Append ``T`` tokens to each validated slot: ``values`` pairs a flat storage view ``[rows, ...]``
+        with the new rows ``[B * T, ...]`` (already in the storage dtype)."""
+        B = len(ids)
+        device_only = self._device_only()
+        need, mirror = None, False
+        if not device_only:
+            if self.auto_reserve:
+                lens, cap = self._host_lens(), self._cap
+                if not all(lens[s] + T <= cap[s] for s in ids):
+                    need = self._plan(ids, [T] * B)  # the only check that can fail: before any change
+            mirror = self._mirror_valid()
+        if idx is _MISSING:
+            idx = self._index_of(ids)
+        self._remember(ids, idx)
+        if need is not None:
+            self._take(ids, need)
+        if device_only:
+            self._lens_known = False
+        plan = append_rows_torch if torch.compiler.is_compiling() else append_rows
+        rows = plan(self.block_table, self.cache_seqlens, self.overflow, idx, B, T, max_seqlen=self.max_seqlen,
+                    num_pages=self.num_pages, page_size=self.page_size)
+        for dst, src in values:
+            dst.index_copy_(0, rows, src)
+        holds = self._holds
+        if not all(holds[s] for s in ids):
+            for s in ids:
+                holds[s] = True
+        if mirror and self.auto_reserve:  # every token had a page: the mirror advances by T
+            for s in ids:
+                self._lens[s] += T
+            self._mark_lens()
+        elif not self.auto_reserve:  # the device may have stopped short of T: later host calls read it
+            self._lens_known = False
 
 
 class LatentCache(PagedCache):
-    """Absorb-path cache: ``kv [num_pages, page_size, 1, kv_rank + rope_dim]`` (latent, then rope key)."""
+    """Absorb-path cache: ``kv [num_pages + 1, page_size, 1, kv_rank + rope_dim]`` (latent, then rope key; the
+    last page is the scratch page). Other arguments as ``PagedCache``."""
 
     def __init__(self, max_batch: int, max_seqlen: int, kv_rank: int, rope_dim: int, *, page_size: int = 64,
-                 num_pages: int | None = None, dtype=torch.bfloat16, device=None):
-        super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device)
-        if kv_rank <= 0 or rope_dim < 0:
+                 num_pages: int | None = None, dtype=torch.bfloat16, device=None, auto_reserve: bool = True):
+        super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device,
+                         auto_reserve=auto_reserve)
+        if not _is_int(kv_rank) or not _is_int(rope_dim) or kv_rank <= 0 or rope_dim < 0:
             raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
-        self.kv_rank, self.rope_dim, self.dtype = kv_rank, rope_dim, dtype
-        self.kv = torch.zeros(self.num_pages, page_size, 1, kv_rank + rope_dim, dtype=dtype, device=self.device)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+        self.kv_rank, self.rope_dim, self.dtype = int(kv_rank), int(rope_dim), dtype
+        self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, self.kv_rank + self.rope_dim, dtype=dtype,
+                              device=self.device)
+
+    def _storages(self):
+        return (self.kv,)
 
     @property
     def bytes_per_token(self) -> int:
         return self.kv.element_size() * (self.kv_rank + self.rope_dim)
 
     def append(self, seq_ids, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
-        """Write ``c_kv [B, T, kv_rank]`` and (roped) ``k_rope [B, T, rope_dim]`` after each slot's tokens."""
-        ids = _as_ids(seq_ids, c_kv.shape[0] if isinstance(c_kv, torch.Tensor) else None)
-        self._check_ids(ids)
+        """Write ``c_kv [B, T, kv_rank]`` and (roped) ``k_rope [B, T, rope_dim]`` after each slot's tokens
+        (``seq_ids``: ``B`` distinct slots, default ``0 .. B-1``)."""
+        ids = self._slots(seq_ids, self._batch_of("c_kv", c_kv, 3) if seq_ids is None else None)
         T = self._check_new("c_kv", c_kv, len(ids), None, [self.kv_rank])
         self._check_new("k_rope", k_rope, len(ids), T, [self.rope_dim])
-        if T == 0:
-            return
-        page, off = self._write_index(ids, T)
-        val = torch.cat([c_kv, k_rope], -1).detach().to(self.dtype)
-        self.kv.index_put_((page, off, torch.zeros_like(page)), val)
-        self._advance(ids, T)
+        if T:
+            self._append(ids, c_kv, k_rope)
+
+    def _append(self, ids, c_kv, k_rope, idx=_MISSING) -> None:
+        D = self.kv_rank + self.rope_dim
+        val = torch.cat([c_kv.detach(), k_rope.detach()], -1).to(self.dtype).reshape(-1, D)
+        self._write(ids, c_kv.shape[1], [(self.kv.view(-1, D), val)], idx)
 
     def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous ``(c_kv [L, kv_rank], k_rope [L, rope_dim])`` of one slot."""
-        L = self._lens[seq_id]
-        pages = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.device)
+        """Contiguous ``(c_kv [L, kv_rank], k_rope [L, rope_dim])`` of one slot (read through the device
+        tables; one host sync)."""
+        s = self._slot(seq_id)
+        L = int(self.cache_seqlens[s])
+        pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
         flat = self.kv[pages, :, 0].reshape(-1, self.kv_rank + self.rope_dim)[:L]
         return flat[:, : self.kv_rank], flat[:, self.kv_rank:]
 
 
 class GroupedCache(PagedCache):
-    """Grouped-path cache: ``k [pages, page, g, d_h]``, ``v [pages, page, g, d_v]``, ``k_rope [pages, page, d_R]``
-    (the rope key stored once per token, shared by all groups)."""
+    """Grouped-path cache: ``k [P, page, g, d_h]``, ``v [P, page, g, d_v]``, ``k_rope [P, page, d_R]`` with
+    ``P = num_pages + 1`` (the last page is the scratch page; the rope key is stored once per token, shared by
+    all groups). Other arguments as ``PagedCache``."""
 
     def __init__(self, max_batch: int, max_seqlen: int, num_groups: int, head_dim: int, rope_dim: int,
                  v_head_dim: int | None = None, *, page_size: int = 64, num_pages: int | None = None,
-                 dtype=torch.bfloat16, device=None):
-        super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device)
+                 dtype=torch.bfloat16, device=None, auto_reserve: bool = True):
+        super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device,
+                         auto_reserve=auto_reserve)
         dv = head_dim if v_head_dim is None else v_head_dim
-        if num_groups <= 0 or head_dim <= 0 or dv <= 0 or rope_dim < 0:
+        if (not all(_is_int(v) for v in (num_groups, head_dim, dv, rope_dim)) or num_groups <= 0 or head_dim <= 0
+                or dv <= 0 or rope_dim < 0):
             raise ValueError("num_groups/head_dim/v_head_dim: expected positive ints, rope_dim >= 0")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim, self.dtype = (
-            num_groups, head_dim, dv, rope_dim, dtype)
-        P = self.num_pages
-        self.k = torch.zeros(P, page_size, num_groups, head_dim, dtype=dtype, device=self.device)
-        self.v = torch.zeros(P, page_size, num_groups, dv, dtype=dtype, device=self.device)
-        self.k_rope = torch.zeros(P, page_size, rope_dim, dtype=dtype, device=self.device)
+            int(num_groups), int(head_dim), int(dv), int(rope_dim), dtype)
+        P, ps = self.num_pages + 1, self.page_size
+        self.k = torch.zeros(P, ps, self.num_groups, self.head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros(P, ps, self.num_groups, self.v_head_dim, dtype=dtype, device=self.device)
+        self.k_rope = torch.zeros(P, ps, self.rope_dim, dtype=dtype, device=self.device)
+
+    def _storages(self):
+        return (self.k, self.v, self.k_rope)
 
     @property
     def bytes_per_token(self) -> int:
         return self.k.element_size() * (self.num_groups * (self.head_dim + self.v_head_dim) + self.rope_dim)
 
     def append(self, seq_ids, k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor) -> None:
-        """Write ``k [B, T, g, d_h]``, ``v [B, T, g, d_v]``, ``k_rope [B, T, d_R]`` after each slot's tokens."""
-        ids = _as_ids(seq_ids, k.shape[0] if isinstance(k, torch.Tensor) else None)
-        self._check_ids(ids)
+        """Write ``k [B, T, g, d_h]``, ``v [B, T, g, d_v]``, ``k_rope [B, T, d_R]`` after each slot's tokens
+        (``seq_ids``: ``B`` distinct slots, default ``0 .. B-1``)."""
+        ids = self._slots(seq_ids, self._batch_of("k", k, 4) if seq_ids is None else None)
         T = self._check_new("k", k, len(ids), None, [self.num_groups, self.head_dim])
         self._check_new("v", v, len(ids), T, [self.num_groups, self.v_head_dim])
         self._check_new("k_rope", k_rope, len(ids), T, [self.rope_dim])
-        if T == 0:
-            return
-        page, off = self._write_index(ids, T)
-        self.k.index_put_((page, off), k.detach().to(self.dtype))
-        self.v.index_put_((page, off), v.detach().to(self.dtype))
-        self.k_rope.index_put_((page, off), k_rope.detach().to(self.dtype))
-        self._advance(ids, T)
+        if T:
+            self._append(ids, k, v, k_rope)
+
+    def _append(self, ids, k, v, k_rope, idx=_MISSING) -> None:
+        g, dh, dv, dR = self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim
+        pairs = [(self.k.view(-1, g, dh), k.detach().to(self.dtype).reshape(-1, g, dh)),
+                 (self.v.view(-1, g, dv), v.detach().to(self.dtype).reshape(-1, g, dv))]
+        if dR:
+            pairs.append((self.k_rope.view(-1, dR), k_rope.detach().to(self.dtype).reshape(-1, dR)))
+        self._write(ids, k.shape[1], pairs, idx)
 
     def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Contiguous ``(k [L, g, d_h], v [L, g, d_v], k_rope [L, d_R])`` of one slot."""
-        L = self._lens[seq_id]
-        pages = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.device)
+        """Contiguous ``(k [L, g, d_h], v [L, g, d_v], k_rope [L, d_R])`` of one slot (read through the device
+        tables; one host sync)."""
+        s = self._slot(seq_id)
+        L = int(self.cache_seqlens[s])
+        pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
         k = self.k[pages].reshape(-1, self.num_groups, self.head_dim)[:L]
         v = self.v[pages].reshape(-1, self.num_groups, self.v_head_dim)[:L]
         kr = self.k_rope[pages].reshape(-1, self.rope_dim)[:L]
@@ -248,8 +586,8 @@ class GroupedCache(PagedCache):
     def from_latent(cls, latent_cache: LatentCache, layer, *, dtype=None) -> GroupedCache:
         """One-time switch: expand every token of ``latent_cache`` to per-group K = W_UK c, V = W_UV c.
 
-        Keeps the slot structure (same pages, block tables and lengths); ``layer`` is the GQLAttention
-        whose ``kv_b_proj`` produced the latent. The rope key is copied unchanged.
+        Keeps the slot structure (same pages, reference counts, block tables, lengths and flags); ``layer`` is
+        the GQLAttention whose ``kv_b_proj`` produced the latent. The rope key is copied unchanged.
         """
         if not isinstance(latent_cache, LatentCache):
             raise TypeError(f"latent_cache: expected a LatentCache, got {type(latent_cache).__name__}")
@@ -258,16 +596,23 @@ class GroupedCache(PagedCache):
                              f"match the layer's {layer.kv_rank}/{layer.rope_dim}")
         lc = latent_cache
         out = cls(lc.max_batch, lc.max_seqlen, layer.num_groups, layer.head_dim, layer.rope_dim, layer.v_head_dim,
-                  page_size=lc.page_size, num_pages=lc.num_pages, dtype=dtype or lc.dtype, device=lc.device)
+                  page_size=lc.page_size, num_pages=lc.num_pages, dtype=dtype or lc.dtype, device=lc.device,
+                  auto_reserve=lc.auto_reserve)
         out._free = list(lc._free)
+        out._refs = list(lc._refs)
         out._pages = [list(p) for p in lc._pages]
-        out._lens = list(lc._lens)
+        out._cap = list(lc._cap)
+        out._holds = list(lc._holds)
+        out._lens = list(lc._host_lens())
+        out._lens_known = lc._lens_known
         out.block_table.copy_(lc.block_table)
         out.cache_seqlens.copy_(lc.cache_seqlens)
+        out.overflow.copy_(lc.overflow)
+        out._mark_lens()
         w = layer.kv_b_proj.weight.detach().to(device=lc.device, dtype=torch.float32)
         w = w.view(layer.num_groups, layer.head_dim + layer.v_head_dim, layer.kv_rank)
         with torch.no_grad():
-            for p0 in range(0, lc.num_pages, 256):  # bounded temporary memory
+            for p0 in range(0, lc.num_pages + 1, 256):  # bounded temporary memory
                 c = lc.kv[p0:p0 + 256, :, 0, : lc.kv_rank].float()
                 kv = torch.einsum("ptr,gdr->ptgd", c, w)
                 out.k[p0:p0 + 256] = kv[..., : layer.head_dim].to(out.dtype)

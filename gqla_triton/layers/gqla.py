@@ -17,6 +17,11 @@ already holds tokens of these sequences, ``s_q = T >= 1`` new tokens) runs
 
 The cache kind decides the path; ``path`` fixes it ("absorb" / "grouped") or leaves it to
 ``choose_decode_path`` ("auto", used by ``make_cache``).
+
+A decode step (cache write, attention, projections) runs on the device only: positions come from the cache's
+device lengths, and the prefill-or-decode choice from host flags that decode steps never change. So a step can
+be captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)`` after ``cache.reserve`` (see
+``layers.cache`` for what happens past the reservation).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import nn
 
 from ..ops._common.impl import check_impl
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
-from .cache import GroupedCache, LatentCache, _as_ids
+from .cache import GroupedCache, LatentCache
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -53,7 +58,8 @@ class GQLAttention(nn.Module):
         path: ``"auto"`` (``choose_decode_path`` picks per batch / length when a cache is made), ``"absorb"``
             (MLA over a ``LatentCache``) or ``"grouped"`` (GQA over a ``GroupedCache``).
         impl: ``"auto"`` | ``"triton"`` | ``"gluon"`` (decode kernels, passed to the ops) or ``"reference"``
-            (pure-torch decode on any device and dtype). Prefill runs torch SDPA in every case.
+            (pure-torch decode on any device and dtype; it reads the cache on the host, so it is not for
+            CUDA graphs or torch.compile). Prefill runs torch SDPA in every case.
         device, dtype: of the parameters.
         kv_norm: keyword-only; False drops the latent RMSNorm (TransGQLA conversions: the source has none).
         norm_eps: keyword-only; epsilon of the RMSNorms.
@@ -119,8 +125,9 @@ class GQLAttention(nn.Module):
         return choose_decode_path(self.layer_shape, s_q, info, batch=batch, seqlen=seqlen, override=override)
 
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
-                   num_pages: int | None = None, dtype=None, device=None, s_q: int = 1):
-        """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch."""
+                   num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True):
+        """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch.
+        ``auto_reserve``: see ``PagedCache``."""
         path = path or self.path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
@@ -131,9 +138,10 @@ class GQLAttention(nn.Module):
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
         if path == "absorb":
             return LatentCache(max_batch, max_seqlen, self.kv_rank, self.rope_dim, page_size=page_size,
-                               num_pages=num_pages, dtype=dtype, device=device)
+                               num_pages=num_pages, dtype=dtype, device=device, auto_reserve=auto_reserve)
         return GroupedCache(max_batch, max_seqlen, self.num_groups, self.head_dim, self.rope_dim, self.v_head_dim,
-                            page_size=page_size, num_pages=num_pages, dtype=dtype, device=device)
+                            page_size=page_size, num_pages=num_pages, dtype=dtype, device=device,
+                            auto_reserve=auto_reserve)
 
     # ---- weights --------------------------------------------------------------------------------------
     def w_uk_uv(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,10 +155,11 @@ class GQLAttention(nn.Module):
     def absorbed_weights(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorb-path weights ``W_UK [g, d_h, r]``, ``W_UV [g, d_v, r]`` contiguous in ``dtype``, computed once
         and reused until ``kv_b_proj.weight`` changes (tracked by its version counter and storage pointer).
-        Under autograd with a trainable weight they are recomputed (and differentiable)."""
+        Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
+        they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly)."""
         w = self.kv_b_proj.weight
         dtype = dtype or w.dtype
-        if torch.is_grad_enabled() and w.requires_grad:
+        if (torch.is_grad_enabled() and w.requires_grad) or torch.compiler.is_compiling():
             return self.w_uk_uv(dtype)
         key = (w._version, w.data_ptr(), w.device, dtype)
         hit = self._absorbed.get(dtype)
@@ -167,23 +176,21 @@ class GQLAttention(nn.Module):
         h, dh, dR, r = self.num_heads, self.head_dim, self.rope_dim, self.kv_rank
         q = self.q_proj(x) if self.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(B, T, h, dh + dR)
-        q_nope, q_rope = q[..., :dh], apply_rope(q[..., dh:], positions, self.rope_theta)
         kv = self.kv_a_proj(x)
         c = self.kv_a_layernorm(kv[..., :r])
-        k_rope = apply_rope(kv[..., r:], positions, self.rope_theta)
-        return q_nope, q_rope, c, k_rope
+        # one rotation for the h query rope parts and the shared rope key (same positions)
+        roped = apply_rope(torch.cat([q[..., dh:], kv[..., None, r:]], 2), positions, self.rope_theta)
+        return q[..., :dh], roped[:, :, :h], c, roped[:, :, h]
 
     def _expand(self, c: torch.Tensor):
         B, T, _ = c.shape
         kv = self.kv_b_proj(c).view(B, T, self.num_groups, self.head_dim + self.v_head_dim)
         return kv[..., : self.head_dim], kv[..., self.head_dim:]
 
-    def _positions(self, positions, B: int, T: int, past: list[int], device) -> torch.Tensor:
-        if positions is None:
-            return (torch.tensor(past, dtype=torch.long)[:, None] + torch.arange(T)).to(device)
+    def _check_positions(self, positions, B: int, T: int, device) -> torch.Tensor:
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
-        if positions.is_floating_point() or positions.is_complex():
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
             raise TypeError(f"positions: expected an integer tensor, got {positions.dtype}")
         if positions.dim() == 1 and positions.shape[0] == T:
             positions = positions[None].expand(B, T)
@@ -197,12 +204,19 @@ class GQLAttention(nn.Module):
                 topk_length: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden_states [B, T, hidden]`` -> ``[B, T, hidden]``.
 
-        ``positions [B, T]`` or ``[T]`` (int; default: each sequence's cached length + 0..T-1) rotate the rope
-        parts. ``cache`` (``LatentCache`` / ``GroupedCache``) receives the new tokens of slots ``seq_ids``
-        (default ``0..B-1``). With no cache, or a cache empty for all these slots, attention is causal
-        prefill (SDPA, differentiable); otherwise the T new tokens decode against the cache (MTP when T > 1).
+        ``cache`` (``LatentCache`` / ``GroupedCache``, on the device of ``hidden_states``) receives the new
+        tokens of slots ``seq_ids``: a host sequence of ``B`` distinct ints (validated on the host; its device
+        index is made once per tuple and cached), default ``0 .. B-1``. When no slot holds tokens yet
+        (host flags, ``cache.holds_tokens``), or without a cache, attention is causal prefill over the T
+        tokens (SDPA, differentiable); otherwise the T new tokens decode against the cache (MTP when T > 1).
+        ``positions [B, T]`` or ``[T]`` (int) rotate the rope parts; default: each slot's cached length
+        (``cache_seqlens``, read on the device) + 0..T-1, or 0..T-1 for prefill.
+
+        A decode step makes no host sync and no host-to-device copy, so it can be captured in a CUDA graph or
+        compiled with ``torch.compile(fullgraph=True)``: reserve the cache pages before (``cache.reserve``).
+        Every check runs before the cache is written: a call that raises leaves the cache unchanged.
         Sparse decode: ``indices [B, T, topk]`` int32 logical positions (shared by all heads and groups; -1 and
-        out-of-range entries ignored, duplicates count twice as the kernels do), ``topk_length [B]``.
+        out-of-range entries ignored, duplicates count twice as the kernels do), ``topk_length [B]`` int32.
         """
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
@@ -214,22 +228,20 @@ class GQLAttention(nn.Module):
         B, T, _ = hidden_states.shape
         if B == 0 or T == 0:
             raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(hidden_states.shape)}")
-        ids = None
+        dev = hidden_states.device
+        ids, decode = None, False
         if cache is not None:
             self._check_cache(cache)
-            ids = _as_ids(seq_ids, B)
-            if len(ids) != B:
-                raise ValueError(f"seq_ids: expected {B} slots, got {len(ids)}")
-            cache._check_ids(ids)
-            past = cache.seqlens(ids)
-        else:
-            if seq_ids is not None:
-                raise ValueError("seq_ids: given without a cache")
-            past = [0] * B
-        pos = self._positions(positions, B, T, past, hidden_states.device)
-        sparse = indices is not None
-        if sparse:
-            if cache is None or max(past) == 0:
+            if dev != cache.device:
+                raise ValueError(f"hidden_states: expected a tensor on the cache's device {cache.device}, got one "
+                                 f"on {dev}")
+            ids = cache._slots(seq_ids, B)
+            holds = cache._holds
+            decode = any(holds[s] for s in ids)
+        elif seq_ids is not None:
+            raise ValueError("seq_ids: given without a cache")
+        if indices is not None:
+            if not decode:
                 raise ValueError("indices: sparse attention is a decode option (needs a cache holding tokens)")
             if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or list(indices.shape[:2]) != [B, T]:
                 raise ValueError(f"indices: expected shape [{B}, {T}, topk], got "
@@ -238,21 +250,26 @@ class GQLAttention(nn.Module):
                 raise TypeError(f"indices: expected int32, got {indices.dtype}")
         elif topk_length is not None:
             raise ValueError("topk_length: given without indices")
+        idx = cache._index_of(ids) if decode and seq_ids is not None else None
+        if positions is not None:
+            pos = self._check_positions(positions, B, T, dev)
+        elif decode:
+            past = cache.cache_seqlens[:B] if idx is None else cache.cache_seqlens.index_select(0, idx)
+            pos = past[:, None] + torch.arange(T, device=dev)
+        else:
+            pos = torch.arange(T, device=dev)[None].expand(B, T)
         q_nope, q_rope, c, k_rope = self._project(hidden_states, pos)
-        if cache is None or max(past) == 0:
+        if not decode:
             k_nope, v = self._expand(c)
             if isinstance(cache, LatentCache):
-                cache.append(ids, c.detach(), k_rope.detach())
+                cache._append(ids, c, k_rope)
             elif cache is not None:
-                cache.append(ids, k_nope.detach(), v.detach(), k_rope.detach())
+                cache._append(ids, k_nope, v, k_rope)
             o = self._prefill(q_nope, q_rope, k_nope, k_rope, v)
         elif isinstance(cache, LatentCache):
-            cache.append(ids, c, k_rope)
-            o = self._decode_absorb(q_nope, q_rope, cache, ids, indices, topk_length)
+            o = self._decode_absorb(q_nope, q_rope, c, k_rope, cache, ids, idx, indices, topk_length)
         else:
-            k_nope, v = self._expand(c)
-            cache.append(ids, k_nope, v, k_rope)
-            o = self._decode_grouped(q_nope, q_rope, cache, ids, indices, topk_length)
+            o = self._decode_grouped(q_nope, q_rope, c, k_rope, cache, ids, idx, indices, topk_length)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
 
     def _check_cache(self, cache) -> None:
@@ -284,33 +301,46 @@ class GQLAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
-    def _decode_absorb(self, q_nope, q_rope, cache: LatentCache, ids, indices, topk_length) -> torch.Tensor:
+    def _decode_absorb(self, q_nope, q_rope, c, k_rope, cache: LatentCache, ids, idx, indices,
+                       topk_length) -> torch.Tensor:
+        from ..ops.mla import api as mla
+
         B, T, h, dh = q_nope.shape
         g, r = self.num_groups, self.kv_rank
         w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
         q_lat = torch.einsum("btgjd,gdr->btgjr", q_nope.reshape(B, T, g, h // g, dh), w_uk).reshape(B, T, h, r)
         q = torch.cat([q_lat, q_rope], -1).to(cache.dtype).contiguous()
-        bt, sl = cache.tables(ids)
+        # every check of the attention op (on the tables' shapes) before the cache is written
+        mla._validate(q, cache.kv, cache.block_table[:B], cache.cache_seqlens[:B], r, self.softmax_scale, True,
+                      indices, topk_length, 0, self.impl)
+        if self.impl == "gluon":
+            mla._use_gluon(self.impl, q, cache.kv, r, indices is not None)
+        cache._append(ids, c, k_rope, idx)
         if self.impl == "reference":
             out = latent_cache_attention(q, cache, ids, r, self.softmax_scale, indices, topk_length)
         else:
-            from ..ops.mla import mla_decode
-
-            out, _ = mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True,
-                                indices=indices, topk_length=topk_length, impl=self.impl)
+            bt, sl = cache._rows(idx, B)
+            out, _ = mla.mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True,
+                                    indices=indices, topk_length=topk_length, impl=self.impl)
         out = out.to(w_uv.dtype).reshape(B, T, g, h // g, r)
         return torch.einsum("btgjr,gvr->btgjv", out, w_uv).reshape(B, T, h, self.v_head_dim)
 
-    def _decode_grouped(self, q_nope, q_rope, cache: GroupedCache, ids, indices, topk_length) -> torch.Tensor:
+    def _decode_grouped(self, q_nope, q_rope, c, k_rope, cache: GroupedCache, ids, idx, indices,
+                        topk_length) -> torch.Tensor:
+        from ..ops.gqa import api as gqa
+
+        B = q_nope.shape[0]
+        k_nope, v = self._expand(c)
         q = torch.cat([q_nope, q_rope], -1).to(cache.dtype).contiguous()
-        bt, sl = cache.tables(ids)
+        kr = cache.k_rope if self.rope_dim > 0 else None
+        gqa._validate(q, cache.k, cache.v, cache.block_table[:B], cache.cache_seqlens[:B], kr, self.softmax_scale,
+                      True, indices, topk_length, 0, self.impl)
+        cache._append(ids, k_nope, v, k_rope, idx)
         if self.impl == "reference":
             return grouped_cache_attention(q, cache, ids, self.head_dim, self.softmax_scale, indices, topk_length)
-        from ..ops.gqa import gqa_decode
-
-        kr = cache.k_rope if self.rope_dim > 0 else None
-        out, _ = gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
-                            causal=True, indices=indices, topk_length=topk_length, impl=self.impl)
+        bt, sl = cache._rows(idx, B)
+        out, _ = gqa.gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
+                                causal=True, indices=indices, topk_length=topk_length, impl=self.impl)
         return out
 
     # ---- tensor parallel ------------------------------------------------------------------------------

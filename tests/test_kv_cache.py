@@ -1,0 +1,452 @@
+"""Paged KV caches (LatentCache / GroupedCache): paging invariants under random reserve / append / free / fork
+against a host model; rejected calls change nothing; scratch-page overflow flagged by check(); the append
+write-plan kernel against its torch twin (and inside the tensors it is given)."""
+
+import copy
+import math
+
+import pytest
+import torch
+from harness import P, gen, randn, seeds
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gqla_triton.layers.cache import GroupedCache, LatentCache
+from gqla_triton.layers.paged_append import append_rows, append_rows_torch
+
+PS = 16
+R, DR, G, DH, DV = 16, 16, 2, 16, 16  # latent / rope / grouped widths (tiny: bookkeeping, not math)
+
+
+def make_cache(kind, max_batch=4, max_seqlen=40, num_pages=7, **kw):
+    if kind == "latent":
+        return LatentCache(max_batch, max_seqlen, R, DR, page_size=PS, num_pages=num_pages, dtype=torch.float32,
+                           device=P.device, **kw)
+    return GroupedCache(max_batch, max_seqlen, G, DH, DR, DV, page_size=PS, num_pages=num_pages,
+                        dtype=torch.float32, device=P.device, **kw)
+
+
+def new_tokens(kind, B, T, gg):
+    """Random new tokens for ``append`` and their flat host form [B, T, width] (what ``gather`` returns)."""
+    if kind == "latent":
+        parts = [randn((B, T, R), gg), randn((B, T, DR), gg)]
+    else:
+        parts = [randn((B, T, G, DH), gg), randn((B, T, G, DV), gg), randn((B, T, DR), gg)]
+    return parts, torch.cat([p.reshape(B, T, -1).cpu() for p in parts], -1)
+
+
+def gathered(cache, s):
+    return torch.cat([t.reshape(t.shape[0], -1).cpu() for t in cache.gather(s)], -1)
+
+
+def snapshot(cache) -> dict:
+    """Every attribute of the cache: tensors cloned, host structures deep-copied."""
+    out = {}
+    for k, v in vars(cache).items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.clone()
+        elif isinstance(v, dict):
+            out[k] = {kk: None if t is None else t.clone() for kk, t in v.items()}
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def assert_unchanged(before: dict, cache) -> None:
+    after = snapshot(cache)
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        w = after[k]
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, w), f"{k} changed"
+        elif isinstance(v, dict):
+            assert v.keys() == w.keys(), f"{k} changed"
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(v.values(), w.values(),
+                                                                                        strict=True)), k
+        else:
+            assert v == w, f"{k} changed: {v!r} -> {w!r}"
+
+
+def rejected(cache, exc, fn, *args, **kw):
+    before = snapshot(cache)
+    with pytest.raises(exc):
+        fn(*args, **kw)
+    assert_unchanged(before, cache)
+
+
+class Model:
+    """Host model of a cache: tokens per slot and, per slot, the identities of its pages (shared ids after
+    a fork), independent of the cache's own bookkeeping."""
+
+    def __init__(self, max_batch, max_seqlen, num_pages):
+        self.tokens = [torch.zeros(0, 0) for _ in range(max_batch)]
+        self.pages = [[] for _ in range(max_batch)]
+        self.holds = [False] * max_batch
+        self.max_seqlen, self.num_pages, self.next_id = max_seqlen, num_pages, 0
+
+    def length(self, s):
+        return self.tokens[s].shape[0]
+
+    def used(self):
+        return len({p for ps in self.pages for p in ps})
+
+    def need(self, ids, counts):
+        """Pages to take, or None when the reservation must fail."""
+        need = []
+        for s, n in zip(ids, counts, strict=True):
+            if self.length(s) + n > self.max_seqlen:
+                return None
+            need.append(max(0, math.ceil((self.length(s) + n) / PS) - len(self.pages[s])))
+        return need if sum(need) <= self.num_pages - self.used() else None
+
+    def take(self, ids, need):
+        for s, k in zip(ids, need, strict=True):
+            for _ in range(k):
+                self.pages[s].append(self.next_id)
+                self.next_id += 1
+
+
+def check_invariants(cache, model):
+    mb = cache.max_batch
+    lens = [model.length(s) for s in range(mb)]
+    assert cache.seqlens() == lens and cache.cache_seqlens.tolist() == lens
+    assert cache.holds_tokens() == model.holds
+    assert not bool(cache.overflow.any())
+    # the cache's pages mirror the model's page identities: a bijection (sharing exactly where the model shares)
+    ident = {}
+    for s in range(mb):
+        assert len(cache._pages[s]) == len(model.pages[s])
+        for mid, p in zip(model.pages[s], cache._pages[s], strict=True):
+            assert ident.setdefault(mid, p) == p
+    assert len(set(ident.values())) == len(ident)
+    used = set(ident.values())
+    assert all(0 <= p < cache.num_pages for p in used)
+    assert sorted(cache._free + sorted(used)) == list(range(cache.num_pages)) and not used & set(cache._free)
+    assert cache.num_free_pages == cache.num_pages - model.used()
+    counts = {}
+    for s in range(mb):
+        for p in cache._pages[s]:
+            counts[p] = counts.get(p, 0) + 1
+    assert all(cache._refs[p] == counts.get(p, 0) for p in range(cache.num_pages))
+    bt = cache.block_table.cpu()
+    for s in range(mb):
+        n = len(cache._pages[s])
+        assert bt[s, :n].tolist() == cache._pages[s]
+        assert bool((bt[s, n:] == cache.scratch_page).all())
+        # copy-on-write: a shared page is full in every slot that uses it (appends never write it again)
+        for k, p in enumerate(cache._pages[s]):
+            if counts[p] > 1:
+                assert (k + 1) * PS <= lens[s]
+        assert cache.reserved([s]) == [min(n * PS, cache.max_seqlen)]
+        if lens[s]:
+            assert torch.equal(gathered(cache, s), model.tokens[s])
+
+
+@given(kind=st.sampled_from(["latent", "grouped"]), seed=seeds())
+def test_random_operations_keep_paging_invariants(kind, seed):
+    gg = gen(seed)
+    mb, ms, npg = 4, 40, 7
+    cache = make_cache(kind, mb, ms, npg)
+    model = Model(mb, ms, npg)
+
+    def rint(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gg))
+
+    for _ in range(14):
+        op = ["append", "append", "reserve", "free", "fork"][rint(0, 4)]
+        ids = torch.randperm(mb, generator=gg)[: rint(1, 3)].tolist()
+        if op == "append":
+            T = rint(1, 20)
+            parts, flat = new_tokens(kind, len(ids), T, gg)
+            need = model.need(ids, [T] * len(ids))
+            if need is None:
+                rejected(cache, ValueError, cache.append, ids, *parts)
+            else:
+                cache.append(ids, *parts)
+                model.take(ids, need)
+                for b, s in enumerate(ids):
+                    model.tokens[s] = torch.cat([model.tokens[s].reshape(-1, flat.shape[-1]), flat[b]])
+                    model.holds[s] = True
+        elif op == "reserve":
+            counts = [rint(0, 30) for _ in ids]
+            need = model.need(ids, counts)
+            if need is None:
+                rejected(cache, ValueError, cache.reserve, ids, counts)
+            else:
+                cache.reserve(ids, counts)
+                model.take(ids, need)
+        elif op == "free":
+            cache.free(ids)
+            for s in ids:
+                model.tokens[s], model.pages[s], model.holds[s] = torch.zeros(0, 0), [], False
+        else:
+            src, dst = ids[0], rint(0, mb - 1)
+            full, part = divmod(model.length(src), PS)
+            if src == dst or model.pages[dst] or model.holds[dst] or (part and model.used() == npg):
+                rejected(cache, ValueError, cache.fork, src, dst)
+            else:
+                cache.fork(src, dst)
+                model.pages[dst] = model.pages[src][:full]
+                if part:
+                    model.take([dst], [1])
+                model.tokens[dst], model.holds[dst] = model.tokens[src].clone(), model.holds[src]
+        check_invariants(cache, model)
+    cache.free(range(mb))
+    assert cache.num_free_pages == npg and all(r == 0 for r in cache._refs)
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+def test_rejected_calls_change_nothing(kind):
+    gg = gen(0)
+    cache = make_cache(kind, 4, 40, 7)
+    parts, _ = new_tokens(kind, 2, 5, gg)
+    cache.append([1, 3], *parts)
+    cache.reserve([0], 3)
+    good, _ = new_tokens(kind, 2, 3, gg)
+    for bad_ids, exc in (([-1, 0], ValueError), ([0, 4], ValueError), ([2, 2], ValueError), ([0.0, 1], TypeError),
+                         ([True, 0], TypeError), (["0", 1], TypeError), ([0], ValueError), ([0, 1, 2], ValueError),
+                         (torch.tensor([0.0, 1.0]), TypeError), ("01", TypeError), (3.0, TypeError)):
+        rejected(cache, exc, cache.append, bad_ids, *good)
+    rejected(cache, ValueError, cache.append, None, *new_tokens(kind, 5, 1, gg)[0])  # more sequences than slots
+    for i, t in enumerate(good):  # wrong shape, dtype and device of each new-token tensor
+        for bad, exc in ((t[:, :, None], ValueError), (t[:1], ValueError), (t[..., :-1] if t.shape[-1] > 1 else
+                         t[:, :1], ValueError), (t.to(torch.int32), TypeError), (t.to("meta"), ValueError),
+                         (t.tolist(), TypeError)):
+            args = list(good)
+            args[i] = bad
+            rejected(cache, exc, cache.append, [0, 2], *args)
+    rejected(cache, ValueError, cache.append, [0, 2], *new_tokens(kind, 2, 40, gg)[0])  # past max_seqlen
+    rejected(cache, ValueError, cache.append, [0, 2], *new_tokens(kind, 2, 33, gg)[0])  # out of pages (7)
+    for args, exc in ((([0], 41), ValueError), (([0, 2], [40, 40]), ValueError), (([0], -1), ValueError),
+                      (([0], [1, 2]), ValueError), (([0], 1.5), TypeError), (([0], [True]), TypeError),
+                      (([-1], 1), ValueError), ((None, 1), ValueError)):
+        rejected(cache, exc, cache.reserve, *args)
+    for args, exc in (((1, 1), ValueError), ((0, 3), ValueError), ((1, 0), ValueError), ((-1, 2), ValueError),
+                      ((1, 4), ValueError), ((1.0, 2), TypeError)):  # dst holds pages / tokens, bad slots
+        rejected(cache, exc, cache.fork, *args)
+    for bad_ids, exc in (([-1], ValueError), ([1, 1], ValueError), ([4], ValueError), (["a"], TypeError)):
+        rejected(cache, exc, cache.free, bad_ids)
+        rejected(cache, exc, cache.tables, bad_ids)
+        rejected(cache, exc, cache.seqlens, bad_ids)
+    for s, exc in ((-1, ValueError), (4, ValueError), (1.0, TypeError), (True, TypeError)):
+        rejected(cache, exc, cache.gather, s)
+    cache.free([0, 1, 3])
+    cache.reserve([0, 1, 2, 3], 16)  # 4 of 7 pages
+    cache.append([1, 3], *new_tokens(kind, 2, 5, gg)[0])
+    cache.reserve([0], 40)
+    cache.reserve([2], 16)
+    cache.free([1])
+    cache.reserve([2], 40)  # every page taken
+    assert cache.num_free_pages == 0
+    rejected(cache, ValueError, cache.fork, 3, 1)  # the partly filled page needs a copy: out of pages
+
+
+def test_cache_constructor_checks():
+    for kw, exc in ((dict(max_batch=0), ValueError), (dict(max_seqlen=0), ValueError),
+                    (dict(page_size=8), ValueError), (dict(page_size=24), ValueError), (dict(num_pages=0), ValueError),
+                    (dict(max_batch=2.0), ValueError), (dict(auto_reserve=1), TypeError),
+                    (dict(dtype=torch.int32), TypeError)):
+        args = dict(max_batch=2, max_seqlen=32, page_size=16) | kw
+        with pytest.raises(exc):
+            LatentCache(args.pop("max_batch"), args.pop("max_seqlen"), 16, 16, device=P.device, **args)
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+def test_overflow_goes_to_the_scratch_page_and_check_raises(kind):
+    """With ``auto_reserve=False`` every append runs as inside a captured step: past the reservation (or
+    max_seqlen) tokens land on the scratch page only, the length stops at the reservation, ``check`` raises."""
+    gg = gen(1)
+    cache = make_cache(kind, 3, 40, 7, auto_reserve=False)
+    cache.reserve([0, 1, 2], [16, 40, 5])  # 1, 3 and 1 pages
+    assert cache.reserved() == [16, 40, 16]
+    first, flat0 = new_tokens(kind, 3, 10, gg)
+    cache.append(None, *first)
+    cache.check()
+    pages = [list(p) for p in cache._pages]
+    storage = [t.clone() for t in cache._storages()]
+    more, flat1 = new_tokens(kind, 3, 35, gg)  # slot 0: 6 fit; slot 1: max_seqlen 40 stops it at 40; slot 2: 6 fit
+    cache.append([0, 1, 2], *more)
+    assert cache.seqlens() == [16, 40, 16] == cache.cache_seqlens.tolist()
+    assert cache.overflow.tolist() == [True, True, True]
+    with pytest.raises(RuntimeError, match=r"slots \[0, 1, 2\]"):
+        cache.check()
+    assert [list(p) for p in cache._pages] == pages  # nothing reserved by the append
+    for s, n in enumerate([6, 30, 6]):
+        assert torch.equal(gathered(cache, s), torch.cat([flat0[s], flat1[s, :n]]))
+    # every row outside the written positions is untouched, except on the scratch page
+    for t, old in zip(cache._storages(), storage, strict=True):
+        written = torch.zeros(t.shape[:2], dtype=torch.bool)
+        for s in range(3):
+            for pos in range(10, cache.seqlens([s])[0]):
+                written[cache._pages[s][pos // PS], pos % PS] = True
+        written[cache.scratch_page] = True
+        keep = ~written.to(t.device)
+        assert torch.equal(t[keep], old[keep])
+    cache.free([0, 1])
+    with pytest.raises(RuntimeError, match=r"slots \[2\]"):
+        cache.check()
+    cache.free([2])
+    cache.check()
+
+
+def test_eager_calls_follow_outside_writes_of_the_lengths():
+    """Eager appends take lengths from a host mirror; a write to ``cache_seqlens`` from outside the cache (a
+    benchmark restoring lengths) is seen through the tensor's version counter."""
+    gg = gen(2)
+    cache = make_cache("latent", 2, 64, 8)
+    parts, flat = new_tokens("latent", 2, 20, gg)
+    cache.append(None, *parts)
+    saved = cache.cache_seqlens.clone()
+    cache.append(None, *new_tokens("latent", 2, 30, gg)[0])
+    cache.cache_seqlens.copy_(saved)  # back to 20 tokens each
+    assert cache.seqlens() == [20, 20]
+    more, flat2 = new_tokens("latent", 2, 44, gg)  # 64 in all: fits only if the lengths are read as 20
+    cache.append(None, *more)
+    for s in range(2):
+        assert torch.equal(gathered(cache, s), torch.cat([flat[s], flat2[s]]))
+    cache.check()
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+def test_fork_shares_full_pages_and_copies_the_last(kind):
+    gg = gen(3)
+    cache = make_cache(kind, 4, 64, 12)
+    parts, flat = new_tokens(kind, 1, 37, gg)  # 2 full pages + 5 tokens
+    cache.append([0], *parts)
+    cache.fork(0, 2)
+    assert cache._pages[2][:2] == cache._pages[0][:2] and cache._pages[2][2] != cache._pages[0][2]
+    assert cache.num_free_pages == 12 - 4 and cache.seqlens([0, 2]) == [37, 37]
+    a, fa = new_tokens(kind, 2, 20, gg)
+    cache.append([2, 0], *a)  # both grow past their copied / own partial page
+    assert torch.equal(gathered(cache, 0), torch.cat([flat[0], fa[1]]))
+    assert torch.equal(gathered(cache, 2), torch.cat([flat[0], fa[0]]))
+    cache.free([0])
+    assert torch.equal(gathered(cache, 2), torch.cat([flat[0], fa[0]]))  # shared pages survive src's free
+    cache.fork(2, 1)  # a fork of a fork
+    cache.free([2])
+    assert torch.equal(gathered(cache, 1), torch.cat([flat[0], fa[0]]))
+    cache.free([1])
+    assert cache.num_free_pages == 12 and all(r == 0 for r in cache._refs)
+    empty = make_cache(kind, 2, 32, 2)
+    empty.fork(0, 1)  # an empty source: nothing shared, nothing copied
+    assert empty.seqlens() == [0, 0] and empty.holds_tokens() == [False, False] and empty.num_free_pages == 2
+
+
+def test_from_latent_keeps_the_slot_structure():
+    from gqla_triton.layers.gqla import GQLAttention
+
+    layer = GQLAttention(32, 4, 2, 16, 16, 16, device=P.device, dtype=torch.float32)
+    lat = LatentCache(3, 48, 16, 16, page_size=PS, num_pages=8, dtype=torch.float32, device=P.device)
+    gg = gen(4)
+    lat.append([0], randn((1, 21, 16), gg), randn((1, 21, 16), gg))
+    lat.fork(0, 2)
+    lat.reserve([1], 3)
+    grp = GroupedCache.from_latent(lat, layer)
+    for name in ("_free", "_refs", "_pages", "_holds"):
+        assert getattr(grp, name) == getattr(lat, name)
+    for name in ("block_table", "cache_seqlens", "overflow"):
+        assert torch.equal(getattr(grp, name), getattr(lat, name))
+    assert grp.seqlens() == [21, 0, 21] and grp.k.shape[0] == lat.kv.shape[0] == 9
+
+
+def test_slot_id_forms():
+    cache = make_cache("latent", 5, 32, 10)
+    for ids, want in ((3, (3,)), ([4, 1], (4, 1)), ((2,), (2,)), (range(1, 3), (1, 2)),
+                      (torch.tensor([0, 4]), (0, 4)), (torch.tensor(2), (2,)), (None, tuple(range(5)))):
+        assert cache._slots(ids) == want if ids is not None else cache._slots(None, 5) == want
+    assert cache.slot_index([0, 1, 2]) is None  # a prefix: rows are a slice
+    idx = cache.slot_index([3, 1])
+    assert idx.tolist() == [3, 1] and idx.dtype == torch.long and idx.device == cache.device
+    assert cache.slot_index((3, 1)) is idx  # cached per tuple
+    bt, sl = cache.tables([3, 1])
+    assert torch.equal(bt, cache.block_table[[3, 1]]) and torch.equal(sl, cache.cache_seqlens[[3, 1]])
+    with pytest.raises(TypeError):
+        cache.tables(torch.tensor([0], device="meta"))
+    from gqla_triton.layers.cache import _INDEX_CACHE_SIZE as N
+
+    big = make_cache("latent", N + 8, 32, 8)
+    for i in range(N + 4):  # more tuples than are kept: the oldest go first, prefixes stay
+        big.slot_index([i + 1, 0])
+        big.slot_index(list(range(i % 5 + 1)))
+    kept = [k for k, v in big._index.items() if v is not None]
+    assert len(kept) == N and kept[0] == (5, 0) and (N + 4, 0) in big._index
+    assert all(tuple(range(n)) in big._index for n in range(1, 6))
+
+
+# ---- the append write plan ------------------------------------------------------------------------------
+@given(B=st.integers(1, 5), T=st.integers(1, 40), slots=st.booleans(), seed=seeds())
+def test_append_rows_kernel_equals_torch_twin(B, T, slots, seed):
+    """Random (also corrupt) tables, lengths and flags: the kernel and the torch plan agree on every row and
+    update lengths and flags alike; rows always lie inside the storage."""
+    gg = gen(seed)
+    mb, mp, npg = 5, 4, 9
+    bt = torch.randint(-2, npg + 3, (mb, mp), generator=gg, dtype=torch.int32)
+    sl = torch.randint(-3, mp * PS + 5, (mb,), generator=gg, dtype=torch.int32)
+    ov = torch.rand(mb, generator=gg) < 0.3
+    ms = int(torch.randint(1, mp * PS + 1, (1,), generator=gg))
+    idx = torch.randperm(mb, generator=gg)[:B].to(P.device) if slots else None
+    a = [t.to(P.device, copy=True) for t in (bt, sl, ov)]
+    b = [t.clone() for t in a]
+    ra = append_rows(*a, idx, B, T, max_seqlen=ms, num_pages=npg, page_size=PS)
+    rb = append_rows_torch(*b, idx, B, T, max_seqlen=ms, num_pages=npg, page_size=PS)
+    assert torch.equal(ra, rb)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert int(ra.min()) >= 0 and int(ra.max()) < (npg + 1) * PS
+    # a scalar oracle of the plan (module docstring of paged_append)
+    want_sl, want_ov = sl.tolist(), ov.tolist()
+    for b in range(B):
+        s = int(idx[b]) if slots else b
+        n = 0
+        for t in range(T):
+            pos = sl[s].item() + t
+            blk = bt[s, pos // PS].item() if 0 <= pos < ms and pos // PS < mp else -1
+            landed = 0 <= blk < npg
+            n += landed
+            assert ra[b * T + t].item() == (blk * PS + pos % PS if landed else npg * PS + t % PS)
+        want_sl[s] += n
+        want_ov[s] |= n < T
+    assert a[1].tolist() == want_sl and a[2].tolist() == want_ov
+
+
+@pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
+def test_append_rows_kernel_stays_inside_its_tensors(monkeypatch):
+    """Every address the kernel forms where unmasked lies inside the tensors it is given (corrupt tables)."""
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    ranges, bad = [], []
+
+    def check(ptrs, mask, what):
+        a = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.uint64)
+        if a.size:
+            r = np.array(ranges, dtype=np.uint64)
+            if not ((a[:, None] >= r[None, :, 0]) & (a[:, None] < r[None, :, 1])).any(1).all():
+                bad.append(what)
+
+    load, store = ti.InterpreterBuilder.create_masked_load, ti.InterpreterBuilder.create_masked_store
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_load",
+                        lambda self, p, m, o, c, v: (check(p, m, "load"), load(self, p, m, o, c, v))[1])
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_store",
+                        lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
+    from gqla_triton.layers import paged_append as pa
+
+    alloc = pa.empty
+
+    def reg(*a, **kw):
+        t = alloc(*a, **kw)
+        ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        return t
+
+    monkeypatch.setattr(pa, "empty", reg)
+    gg = gen(5)
+    for T in (1, 3, 37):
+        bt = torch.tensor([[-(2**31), 2**31 - 1, 3], [9, -1, 0], [1, 2, 8]], dtype=torch.int32)
+        sl = torch.tensor([2**31 - 1, -(2**31), 40], dtype=torch.int32)
+        ov = torch.zeros(3, dtype=torch.bool)
+        idx = torch.randperm(3, generator=gg)[:2]
+        ranges[:] = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (bt, sl, ov, idx)]
+        for slots in (idx, None):
+            rows = append_rows(bt, sl, ov, slots, 2, T, max_seqlen=48, num_pages=9, page_size=PS)
+            assert int(rows.min()) >= 0 and int(rows.max()) < 10 * PS
+    assert not bad, f"out-of-bounds {sorted(set(bad))}"
