@@ -399,6 +399,51 @@ def test_strong_decay_finite_and_correct(T, dtype, seed):
     _check_vs_refs(ins, dtype, grads)
 
 
+def _full_decays(g, seed, *, rate=0.04):
+    """g with about ``rate`` of its (token, value head) entries set to -inf (a full decay, the state reset there), and
+    always one at the first token and one at a chunk's last row (or the last token)."""
+    B, T, HV = g.shape
+    hit = rand((B, T, HV), seed + 3, dtype=torch.float64, device="cpu") < rate
+    hit[:, 0, 0] = True
+    hit[:, min(T, 64) - 1, -1] = True
+    return torch.where(hit, float("-inf"), g)
+
+
+@given(T=st.integers(1, 200), G=st.sampled_from([1, 2]), seed=seeds())
+def test_full_decay_references(T, G, seed):
+    """g = -inf: the float64 recurrence resets the state at that token (from there on it equals the recurrence
+    started from a zero state), and the chunked reference (g floored at G_FLOOR) equals the recurrence."""
+    H, K, V = 1, 16, 32
+    ins = _inputs(seed, 1, T, H, H * G, K, V, 1)
+    ins[3] = _full_decays(ins[3], seed)
+    ro, rht, _ = _run_ref(recurrent_gated_delta_rule_ref, ins)
+    assert torch.isfinite(ro).all() and torch.isfinite(rht).all()
+    t = int(torch.randint(0, T, (1,), generator=gen(seed)))
+    ins[3][:, t] = float("-inf")  # every head reset at token t
+    ro, rht, _ = _run_ref(recurrent_gated_delta_rule_ref, ins)
+    tail = [x[:, t:] if i < 5 else torch.zeros_like(x) for i, x in enumerate(ins)]
+    to, tht, _ = _run_ref(recurrent_gated_delta_rule_ref, tail)
+    assert_close("o after the reset", ro[:, t:], to, dtype=torch.float64)
+    assert_close("final_state after the reset", rht, tht, dtype=torch.float64)
+    co, cht, _ = _run_ref(chunk_gated_delta_rule_ref, ins, chunk_size=16 if T % 2 else 64)
+    assert_close("o (chunked)", co, ro, dtype=torch.float64)
+    assert_close("final_state (chunked)", cht, rht, dtype=torch.float64)
+
+
+@given(T=st.integers(1, pick(150, 500)), varlen=st.booleans(), seg=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_full_decay_kernel_vs_recurrence(T, varlen, seg, dtype, seed):
+    """g with -inf entries (the state reset at those tokens) against the float64 recurrence (exp(-inf) = 0),
+    forward and backward, with and without varlen and sequence splitting: finite and within the usual tolerance."""
+    B, H, HV, K, V = 1, 1, 2, pick(16, 128), pick(32, 128)
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
+    N = 2 if varlen else 1
+    ins = _inputs(seed, B, T, H, HV, K, V, N)
+    ins[3] = _full_decays(ins[3], seed)
+    grads = (randn((B, T, HV, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((N, HV, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    _check_vs_refs(ins, dtype, grads, cu=cu, over=SEG if seg else None)
+
+
 def test_bad_inputs():
     d = P.device
     q = torch.zeros(1, 8, 2, 16, device=d)

@@ -3,7 +3,9 @@
 The public function validates its inputs, then either runs the torch reference (``impl="reference"``) or the
 Triton stages (``launch.py``): eager calls through ``_ChunkGDN`` (an autograd.Function calling the launchers),
 torch.compile through the one custom op pair ``gqla_triton::chunk_gated_delta_rule_fwd`` / ``_bwd`` (with fakes
-and ``register_autograd``). Both routes run the same launchers with the same autograd formulas.
+and ``register_autograd``). Both routes run the same launchers with the same autograd formulas. A call over a
+state pool (``state_indices``, inference only) is the custom op ``gqla_triton::chunk_gated_delta_rule_pool``, which
+mutates the pool, or its launcher directly when eager.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import torch
 
 from .._common.boundary import route
 from .._common.impl import check_impl
-from .._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_same_dtype, check_tensor
+from .._common.validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kernel_device,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
@@ -136,7 +145,69 @@ def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, *, c
                            save_states)
 
 
+# ------------------------------------------------------------------------------------------- state pool (inference)
+def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
+    """A CPU ``state_indices`` is checked: every row it names (>= 0) lies in the pool and is named once. Indices on
+    a device are not read (no sync)."""
+    if state_indices.device.type != "cpu":
+        return
+    rows = state_indices[state_indices >= 0]
+    if not rows.numel():
+        return
+    hi = int(rows.max())
+    if hi >= pool_rows:
+        raise ValueError(f"state_indices: row {hi} is outside the state pool [0, {pool_rows})")
+    uniq, counts = rows.unique(return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"state_indices: pool row {int(uniq[counts > 1][0])} is named by more than one sequence")
+
+
+def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, *, cu_host):
+    return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host),
+                         state_indices=state_indices)[0]
+
+
+@torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_pool", mutates_args=("state_pool",))
+def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+             state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    _check_pool_rows(state_indices, state_pool.shape[0])  # the public function cannot read it while tracing
+    return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, cu_host=None)
+
+
+@_pool_op.register_fake
+def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens):
+    return torch.empty_like(v)
+
+
+def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_seqlens, cu_host):
+    """The reference over gathered pool rows (zeros for rows outside [0, P)), its final states scattered back."""
+    P = state_pool.shape[0]
+    live = (state_indices >= 0) & (state_indices < P)
+    rows = torch.where(live, state_indices, 0).long()
+    h0 = torch.where(live[:, None, None, None], state_pool[rows], 0.0)
+    o, ht = _reference(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens, cu_host)
+    state_pool[rows[live]] = ht[live]
+    return o, None
+
+
 # ------------------------------------------------------------------------------------------------ public op
+def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, HV, K, V, dev) -> None:
+    check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=dev)
+    if pool is None:
+        raise ValueError("initial_state: state_indices needs the state pool [P, HV, K, V] as initial_state")
+    check_tensor("initial_state", pool, shape=(None, HV, K, V), dtypes=(torch.float32,))
+    if pool.shape[0] == 0:
+        raise ValueError("initial_state: the state pool has no rows")
+    if not pool.is_contiguous():
+        raise ValueError("initial_state: the state pool must be contiguous (its rows are updated in place)")
+    if output_final_state:
+        raise ValueError("output_final_state: must be False with state_indices (the final states are written into "
+                         "the pool rows)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, pool)):
+        raise ValueError("state_indices: the call over a state pool is inference only, but an input requires grad; "
+                         "run it under torch.no_grad() / torch.inference_mode() or detach the inputs")
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
@@ -150,17 +221,20 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, save_states=True,
-                           impl="auto"):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, state_indices=None,
+                           save_states=True, impl="auto"):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
             ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); K, V multiples of 16, <= 256.
-        g: ``[B, T, HV]`` log-space decay (<= 0), any float dtype; beta: ``[B, T, HV]`` in (0, 1).
+        g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
+            float dtype; beta: ``[B, T, HV]`` in (0, 1).
         scale: defaults to ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]`` float32 or None (N = B, or the number of sequences with varlen).
-        output_final_state: also return the final states ``[N, HV, K, V]`` float32.
+        initial_state: ``[N, HV, K, V]`` float32 or None (N = B, or the number of sequences with varlen); with
+            ``state_indices`` the state pool ``[P, HV, K, V]`` float32, contiguous.
+        output_final_state: also return the final states ``[N, HV, K, V]`` float32 (must be False with
+            ``state_indices``: the final states go into the pool).
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts, non-decreasing from 0 to T (varlen; then B
             must be 1); any strides. One host read per call (forward and backward together), which waits for the
@@ -169,6 +243,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             option of the same name): the plan is built from it without reading the device tensor, so a varlen call
             needs no host sync. It must hold the same values as ``cu_seqlens`` (checked: shape, 0..T,
             non-decreasing; not compared with the device copy, which would need the sync it avoids).
+        state_indices: ``[N]`` int32 on the inputs' device, or None. Given, ``initial_state`` is a state pool:
+            sequence n starts from pool row ``state_indices[n]`` and its final state is written back into that row
+            in place (the kernels read and write the rows through the index; no other row is touched). A negative
+            index means a zero initial state and no write. An index ``>= P`` raises ``ValueError`` when
+            ``state_indices`` is a CPU tensor, and on a device is treated like a negative one (never accessed);
+            likewise a row named twice raises ``ValueError`` on the CPU, and on a device leaves that row's content
+            unspecified (memory-safe). Inference only: a ``ValueError`` when any input requires grad under
+            autograd. Returns ``(o, None)``.
         save_states: when a gradient is needed, keep the forward's per-chunk states for the backward: w
             ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
             at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
@@ -177,7 +259,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
-        beta, initial_state. Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
+        beta, initial_state (with ``state_indices``: ``(o, None)``, not differentiable).
+        Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
     """
     check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
@@ -205,7 +288,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens.numel() < 2:
             raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
         N = cu_seqlens.numel() - 1
-    if initial_state is not None:
+    if state_indices is not None:
+        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, HV, K, V, dev)
+    elif initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
     if scale is None:
         scale = K ** -0.5
@@ -220,13 +305,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     elif cu_seqlens is not None and not torch.compiler.is_compiling():
         # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
         cu_host = read_cu_seqlens(cu_seqlens, T)
+    if state_indices is not None and not torch.compiler.is_compiling():
+        _check_pool_rows(state_indices, initial_state.shape[0])
     if impl == "reference":
+        if state_indices is not None:
+            return _reference_pool(q, k, v, g, beta, float(scale), initial_state, state_indices,
+                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host)
         return _reference(q, k, v, g, beta, float(scale), initial_state, output_final_state, use_qk_l2norm_in_kernel,
                           cu_seqlens, cu_host)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
+    if state_indices is not None:
+        run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
+        return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens), None
     h0 = initial_state.contiguous() if initial_state is not None else None
     save = save_states and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))

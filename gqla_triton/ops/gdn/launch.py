@@ -76,14 +76,17 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) 
     return bv
 
 
-def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool):
+def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool, state_indices=None):
     """Walk each sequence's segment maps (``gdn_state_prefix_kernel``): s_seg [segments, HV, K, V] gets the state
-    entering each segment, s_out [N, HV, K, V] the state leaving the sequence; s_in may be None (zeros)."""
+    entering each segment, s_out [N, HV, K, V] the state leaving the sequence; s_in may be None (zeros). With
+    ``state_indices`` [N] int32, s_in and s_out are one state pool [P, HV, K, V], read and written at those rows."""
     HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
     BV = min(32, next_pow2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
+    pool = state_indices is not None
     gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
-        mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff, HV, K=K, V=V,
-        BK=next_pow2(K), BV=BV, USE_H0=s_in is not None, REVERSE=reverse, num_warps=8, num_stages=1)
+        mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff,
+        state_indices if pool else soff, HV, s_out.shape[0] if pool else 0, K=K, V=V, BK=next_pow2(K), BV=BV,
+        USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, num_warps=8, num_stages=1)
 
 
 def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
@@ -104,31 +107,40 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
     return _Split(nseg, cu, co, soff, mb)
 
 
-def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None):
+def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None,
+                        state_indices: torch.Tensor | None = None):
     """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final state
     ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. Long sequences
     with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
-    parallel, then chained; see ``gdn_state_seg_kernel``)."""
+    parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]`` int32: initial_state is a
+    state pool ``[P, HV, K, V]`` fp32 contiguous, sequence n starts from row state_indices[n] and its final state
+    is written back there in place (rows outside [0, P): a zero start, no write); the pool is returned as the final
+    state. One program reads its slice of a row and later writes the same slice, so every read of a row comes
+    before its write (unless two sequences share a row)."""
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     N = plan.N
+    pool = state_indices is not None
     h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = empty(u.shape, dtype=u.dtype, device=u.device)
-    ht = empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    ht = initial_state if pool else empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = next_pow2(K)
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
     h0, cu, co, units, store_ht, varlen = initial_state, plan.cu, plan.coff, N, True, plan.varlen
     split = _segments(k, w, u, gc, V, plan)
     if split is not None:
         h0 = empty(split.nseg, HV, K, V, dtype=torch.float32, device=k.device)
-        _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False)
+        _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False,
+                        state_indices=state_indices)
         cu, co, units, store_ht, varlen = split.cu, split.coff, split.nseg, False, True
+    row_pool = pool and split is None  # the state pass itself reads and writes the pool
     BV = _state_bv(cfg.state_bv, V, units * HV, k)
     gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
         k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
-        co if co is not None else dummy, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_H0=h0 is not None, STORE_HT=store_ht, IS_VARLEN=varlen, **cfg.launch("state"))
+        co if co is not None else dummy, state_indices if row_pool else dummy, T, plan.NT,
+        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
+        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, **cfg.launch("state"))
     return h, vnew, ht, split
 
 
@@ -147,11 +159,13 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
     return w, u
 
 
-def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False):
+def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False,
+                  state_indices: torch.Tensor | None = None):
     """The forward stages on contiguous inputs (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``,
     initial_state ``[N, HV, K, V]`` fp32 or None). Returns (o ``[B, T, HV, V]`` v's dtype, final state
     ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
-    the ``States`` the backward would otherwise recompute."""
+    the ``States`` the backward would otherwise recompute. ``state_indices``: initial_state is a state pool
+    updated in place (``chunk_gdn_state_fwd``), returned in the final state's place."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -172,7 +186,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
-                                         rows=h_rows(B, T, plan.N, plan.varlen) if keep_h else None)
+                                         rows=h_rows(B, T, plan.N, plan.varlen) if keep_h else None,
+                                         state_indices=state_indices)
     if plan.NTT > 0:
         BV = min(cfg.out_bv, next_pow2(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](

@@ -1,8 +1,8 @@
 """Pure-torch references of the gated delta rule (any device, float64-capable, differentiable by autograd).
 
-Shapes (both functions): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g (log-space decay, <= 0) and beta
-``[B, T, HV]``; initial_state ``[N, HV, K, V]``; ``cu_seqlens`` ``[N+1]`` integer (then B == 1, N sequences),
-else N == B. Value head ``i`` uses q/k head ``i // (HV // H)``.
+Shapes (both functions): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g (log-space decay, <= 0; -inf resets the
+state) and beta ``[B, T, HV]``; initial_state ``[N, HV, K, V]``; ``cu_seqlens`` ``[N+1]`` integer (then B == 1,
+N sequences), else N == B. Value head ``i`` uses q/k head ``i // (HV // H)``.
 
 Computation runs in ``float64`` if any of q, k, v, g, beta is float64, else ``float32``; the outputs
 ``o [B, T, HV, V]`` and ``final_state [N, HV, K, V]`` (or None) come back in that compute dtype.
@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["l2norm_ref", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "L2NORM_EPS"]
+__all__ = ["l2norm_ref", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "L2NORM_EPS", "G_FLOOR"]
 
 L2NORM_EPS = 1e-6  # x / sqrt(sum(x^2) + eps), as fla and FlashQLA
+# The chunked forms take g no lower than this: exp(-104) is below half of fp32's smallest subnormal, so every fp32
+# decay through such a token is 0, as through g = -inf (a full reset of the state), while the chunk's cumulative
+# sums stay finite (-inf - -inf would be NaN in their differences).
+G_FLOOR = -104.0
 
 
 def l2norm_ref(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -88,7 +92,8 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
     ``S ← exp(gc_C)·S + (k·exp(gc_C − gc))ᵀ v_new``.
 
     ``compute_dtype`` (e.g. bfloat16) runs every einsum in that dtype ("torch at the kernel's precision";
-    the triangular solve runs in float32 and is rounded; g's cumsum and the state stay float32).
+    the triangular solve runs in float32 and is rounded; g's cumsum and the state stay float32). g is floored at
+    ``G_FLOOR`` first, as in the kernels (g = -inf resets the state).
     """
     q, k, v, g, beta, scale, h0, bounds, cdt = _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
                                                      cu_seqlens, compute_dtype)
@@ -103,7 +108,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
             e = min(s + chunk_size, hi)
             C = e - s
             qc, kc, vc = q[b, s:e].transpose(0, 1), k[b, s:e].transpose(0, 1), v[b, s:e].transpose(0, 1)
-            gc = g[b, s:e].transpose(0, 1).to(sdt).cumsum(-1)  # [HV, C]
+            gc = g[b, s:e].transpose(0, 1).to(sdt).clamp(min=G_FLOOR).cumsum(-1)  # [HV, C]
             bc = beta[b, s:e].transpose(0, 1)
             diff = gc[:, :, None] - gc[:, None, :]
             lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)

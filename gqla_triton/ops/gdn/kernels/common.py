@@ -65,6 +65,25 @@ def _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _pool_row(idx, i_nh, HV, P):
+    """Row (int64) of state pool ``[P, HV, K, V]`` that sequence x value head i_nh reads and writes, and whether it is
+    live: ``idx[sequence]`` in [0, P) (a row that is not is never accessed)."""
+    r = tl.load(idx + i_nh // HV).to(tl.int64)
+    live = (r >= 0) & (r < P)
+    return tl.where(live, r, 0) * HV + i_nh % HV, live
+
+
+@triton.jit
+def _h_row(idx, i_nh, ck, cv, mkv, HV, P, K: tl.constexpr, V: tl.constexpr, POOL: tl.constexpr):
+    """Row (int64) of the initial / final state of sequence x value head i_nh and the mask of its [BK, BV] slice
+    (``mkv``): row i_nh, or with POOL ``_pool_row``'s, masked off entirely when not live."""
+    if POOL:
+        row, live = _pool_row(idx, i_nh, HV, P)
+        return row, (ck[:, None] < K) & (cv[None, :] < tl.where(live, V, 0))
+    return i_nh.to(tl.int64), mkv
+
+
+@triton.jit
 def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
     """Row (int64) of chunk program i_t's state in h ``[chunks, HV, K, V]``."""
     if IS_VARLEN:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_k_g, _decay_update, _state_heads
+from .common import _chunk_k_g, _decay_update, _h_row, _state_heads
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
+@triton.jit(do_not_specialize=["T", "NT", "P", "H", "HV"])
+def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, idx, T, NT, P, H, HV,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         POOL: tl.constexpr):
     """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start
     (h's dtype), v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new); with STORE_HT the final S (fp32) to ht.
     BK = K rounded up to a power of two. Under sequence splitting cu / coff index segments and h0 holds each
-    segment's start state."""
+    segment's start state. POOL: h0 and ht are one state pool ``[P, HV, K, V]``, sequence n reads and then writes
+    row idx[n] (none outside [0, P): a zero start, no write)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -23,7 +25,8 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
     mkv = (ck[:, None] < K) & (cv[None, :] < V)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        S += tl.load(h0 + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], mask=mkv, other=0.0)
+        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
+        S += tl.load(h0 + (row * K + ck[:, None]) * V + cv[None, :], mask=mrow, other=0.0)
     dt = w.dtype.element_ty
     r = tl.arange(0, BT)
     for i_c in range(0, tl.cdiv(Tn, BT)):
@@ -41,5 +44,6 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, T, NT, H, HV,
         kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
         S = _decay_update(S, vn, kk, gg, gl, valid)
     if STORE_HT:
-        tl.store(ht + (i_nh.to(tl.int64) * K + ck[:, None]) * V + cv[None, :], S, mask=mkv)
+        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)  # formed again: nothing of it lives in the loop
+        tl.store(ht + (row * K + ck[:, None]) * V + cv[None, :], S, mask=mrow)
 

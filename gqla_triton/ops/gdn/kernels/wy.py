@@ -5,7 +5,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..reference import G_FLOOR
 from .common import _chunk_rows
+
+_G_FLOOR = tl.constexpr(G_FLOOR)
 
 
 @triton.jit
@@ -44,6 +47,13 @@ def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
 
 
 @triton.jit
+def _ld_g(g, rows, valid, i_hv, HV):
+    """g of 16 rows in fp64, floored at G_FLOOR: every fp32 decay through a floored token is 0, as for g = -inf,
+    and the cumulative sums stay finite."""
+    return tl.maximum(tl.load(g + rows * HV + i_hv, mask=valid, other=0.0).to(tl.float64), _G_FLOOR)
+
+
+@triton.jit
 def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
     """acc · beta_i · exp(gc_i − gc_j) on one 16x16 block of k kᵀ (strictly lower if DIAG)."""
     r = tl.arange(0, 16)
@@ -58,9 +68,9 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """gc = chunk-local cumsum of g (fp32) and Ainv = (I + A)^-1, A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1),
-    solved in fp32 (16x16 block dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is
-    only ever a tensor-core operand)."""
+    """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
+    A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
+    Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
@@ -69,10 +79,10 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
     # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
     # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
-    g0 = tl.load(g + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float64)
-    g1 = tl.load(g + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float64)
-    g2 = tl.load(g + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float64)
-    g3 = tl.load(g + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float64)
+    g0 = _ld_g(g, x0, v0, i_hv, HV)
+    g1 = _ld_g(g, x1, v1, i_hv, HV)
+    g2 = _ld_g(g, x2, v2, i_hv, HV)
+    g3 = _ld_g(g, x3, v3, i_hv, HV)
     c0 = tl.cumsum(g0, 0).to(tl.float32)
     c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
     c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
