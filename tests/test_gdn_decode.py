@@ -242,3 +242,278 @@ def test_decode_torch_compile():
     o_ref = f(q, k, v, gate, beta, pool2, idx)
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(pool, pool2)
+
+
+# ------------------------------------------------------------------ speculative verification and packed sequences
+def _ref_steps(q, k, v, gate, beta, h0, l2, cdt):
+    """The recurrence token by token on the CPU in ``cdt``: ``(o [B, s, HV, V], states [B, s + 1, HV, K, V])``,
+    ``states[:, t]`` being the state after the first t tokens (``states[:, 0] = h0``)."""
+    q, k, v, gate, beta, h = (t.to("cpu", cdt) for t in (q, k, v, gate, beta, h0))
+    outs, states = [], [h]
+    for t in range(q.shape[1]):
+        sl = slice(t, t + 1)
+        o, h = recurrent_gated_delta_rule_ref(q[:, sl], k[:, sl], v[:, sl], gate[:, sl], beta[:, sl],
+                                              initial_state=h, output_final_state=True, use_qk_l2norm=l2)
+        outs.append(o)
+        states.append(h)
+    return torch.cat(outs, 1), torch.stack(states, 1)
+
+
+def _dev(t):
+    return t.to(P.device) if t is not None else None
+
+
+@settings(max_examples=examples(4, 12))
+@given(B=st.integers(1, pick(4, 32)), s=st.integers(1, 4), G=st.sampled_from([1, 2]), K=st.sampled_from(DIMS),
+       V=st.sampled_from(DIMS), l2=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_decode_accepted_commits_the_accepted_prefix(B, s, G, K, V, l2, dtype, seed):
+    """``accepted``: the outputs of all s tokens are those of a plain step; each row holds the state after its first
+    ``clamp(accepted, 0, s)`` tokens (float64 recurrence), which equals decoding only those tokens; a row with 0
+    accepted and every row not indexed stay bitwise unchanged."""
+    g = gen(seed)
+    H = 2
+    HV = H * G
+    q, k, v, gate, beta = _inputs(B, s, H, HV, K, V, dtype, g)
+    if not l2:
+        q, k = q * K**-0.5, k * K**-0.5
+    Pn = B + 2
+    pool = randn((Pn, HV, K, V), g, scale=0.5)
+    idx = torch.randperm(Pn, generator=g)[:B].to(torch.int32)
+    acc = torch.randint(-2, s + 3, (B,), generator=g).to(torch.int32)
+    before = pool.clone()
+    o = gated_delta_rule_decode(q, k, v, gate, beta, pool, _dev(idx), accepted=_dev(acc), use_qk_l2norm_in_kernel=l2)
+    o_plain = gated_delta_rule_decode(q, k, v, gate, beta, before.clone(), _dev(idx), use_qk_l2norm_in_kernel=l2)
+    torch.testing.assert_close(o, o_plain)
+
+    rows = idx.long()
+    n_acc = acc.long().clamp(0, s)
+    o64, st64 = _ref_steps(q, k, v, gate, beta, before[_dev(rows)], l2, torch.float64)
+    o32, st32 = _ref_steps(q, k, v, gate, beta, before[_dev(rows)], l2, torch.float32)
+    assert_close("o", o, o64, o32.to(dtype), dtype=dtype)
+    b = torch.arange(B)
+    assert_close("committed state", pool[_dev(rows)], st64[b, n_acc], st32[b, n_acc], dtype=torch.float32)
+    same = torch.ones(Pn, dtype=torch.bool)
+    same[rows[n_acc > 0]] = False
+    assert torch.equal(pool[_dev(same)].cpu(), before[_dev(same)].cpu())
+    for a in sorted(set(n_acc.tolist()) - {0}):  # the same rows decoding only their first a tokens
+        sel = _dev((n_acc == a).nonzero().flatten())
+        alone = before.clone()
+        gated_delta_rule_decode(q[sel, :a], k[sel, :a], v[sel, :a], gate[sel, :a], beta[sel, :a], alone,
+                                _dev(idx)[sel], use_qk_l2norm_in_kernel=l2)
+        r = _dev(rows)[sel]
+        torch.testing.assert_close(pool[r], alone[r], rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=examples(4, 12))
+@given(B=st.integers(1, pick(3, 16)), s=st.integers(1, 4), G=st.sampled_from([1, 2]), K=st.sampled_from(DIMS),
+       V=st.sampled_from(DIMS), with_acc=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_decode_intermediate_states(B, s, G, K, V, with_acc, dtype, seed):
+    """``intermediate_states[b, t]`` is the state after the first t + 1 tokens (float64 recurrence); entries of
+    skipped sequences keep the caller's values (NaN here); without ``accepted`` the pool row is the last one."""
+    g = gen(seed)
+    H = 2
+    HV = H * G
+    q, k, v, gate, beta = _inputs(B, s, H, HV, K, V, dtype, g)
+    Pn = B + 1
+    pool = randn((Pn, HV, K, V), g, scale=0.5)
+    idx = torch.randperm(Pn, generator=g)[:B].to(torch.int32)
+    skip = torch.rand(B, generator=g) < 0.3
+    idx[skip] = -1
+    acc = torch.randint(0, s + 1, (B,), generator=g).to(torch.int32) if with_acc else None
+    inter = torch.full((B, s, HV, K, V), float("nan"), device=P.device)
+    before = pool.clone()
+    gated_delta_rule_decode(q, k, v, gate, beta, pool, _dev(idx), use_qk_l2norm_in_kernel=True, accepted=_dev(acc),
+                            intermediate_states=inter)
+    assert torch.isnan(inter[_dev(skip)]).all()
+    live = (~skip).nonzero().flatten()
+    if not len(live):
+        return
+    rows = idx[live].long()
+    sel = [t[_dev(live)] for t in (q, k, v, gate, beta)]
+    _, st64 = _ref_steps(*sel, before[_dev(rows)], True, torch.float64)
+    _, st32 = _ref_steps(*sel, before[_dev(rows)], True, torch.float32)
+    assert_close("intermediate states", inter[_dev(live)], st64[:, 1:], st32[:, 1:], dtype=torch.float32)
+    if acc is None:
+        assert torch.equal(pool[_dev(rows)], inter[_dev(live), -1])
+    else:
+        a = acc[live].long()
+        last = inter[_dev(live), _dev((a - 1).clamp(min=0))]
+        want = torch.where(_dev(a > 0)[:, None, None, None], last, before[_dev(rows)])
+        assert torch.equal(pool[_dev(rows)], want)
+
+
+@settings(max_examples=examples(5, 12))
+@given(lens=st.lists(st.integers(0, 3), min_size=1, max_size=pick(4, 24)), pad=st.integers(0, 2),
+       G=st.sampled_from([1, 2]), K=st.sampled_from(DIMS), V=st.sampled_from(DIMS), with_acc=st.booleans(),
+       with_inter=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_decode_varlen_equals_per_sequence_loop(lens, pad, G, K, V, with_acc, with_inter, dtype, seed):
+    """``cu_seqlens`` (ragged counts, 0 allowed, padding tokens after the last sequence) == one call per sequence
+    (outputs, pool, intermediate states, accepted), and the float64 recurrence; padding tokens output 0."""
+    g = gen(seed)
+    H = 2
+    HV = H * G
+    N, used = len(lens), sum(lens)
+    T = used + max(pad, 1 if used == 0 else 0)
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    q, k, v, gate, beta = _inputs(1, T, H, HV, K, V, dtype, g)
+    Pn = N + 1
+    pool = randn((Pn, HV, K, V), g, scale=0.5)
+    idx = torch.randperm(Pn, generator=g)[:N].to(torch.int32)
+    idx[torch.rand(N, generator=g) < 0.25] = -1
+    acc = torch.randint(-1, 5, (N,), generator=g).to(torch.int32) if with_acc else None
+    inter = torch.full((T, HV, K, V), float("nan"), device=P.device) if with_inter else None
+    before = pool.clone()
+    o = gated_delta_rule_decode(q, k, v, gate, beta, pool, _dev(idx), use_qk_l2norm_in_kernel=True,
+                                cu_seqlens=_dev(cu), accepted=_dev(acc), intermediate_states=inter)
+    assert torch.equal(o[:, used:].cpu(), torch.zeros_like(o[:, used:].cpu()))
+    loop = before.clone()
+    for n in range(N):
+        a, b = int(cu[n]), int(cu[n + 1])
+        if a == b:
+            continue
+        tok = [t[:, a:b] for t in (q, k, v, gate, beta)]
+        it = torch.full((1, b - a, HV, K, V), float("nan"), device=P.device) if with_inter else None
+        o_n = gated_delta_rule_decode(*tok, loop, _dev(idx[n:n + 1]), use_qk_l2norm_in_kernel=True,
+                                      accepted=_dev(acc[n:n + 1]) if with_acc else None, intermediate_states=it)
+        torch.testing.assert_close(o[:, a:b], o_n, rtol=1e-6, atol=1e-6)
+        if with_inter:
+            torch.testing.assert_close(inter[a:b], it[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+        if idx[n] >= 0:
+            o64, st64 = _ref_steps(*tok, before[int(idx[n])][None], True, torch.float64)
+            o32, _ = _ref_steps(*tok, before[int(idx[n])][None], True, torch.float32)
+            assert_close(f"o (sequence {n})", o[:, a:b], o64, o32.to(dtype), dtype=dtype)
+    torch.testing.assert_close(pool, loop, rtol=1e-6, atol=1e-6)
+    if with_inter:
+        assert torch.isnan(inter[used:]).all()
+
+
+@settings(max_examples=examples(4, 8))
+@given(varlen=st.booleans(), with_acc=st.booleans(), with_inter=st.booleans(), G=st.sampled_from([1, 2]),
+       K=st.sampled_from(DIMS), V=st.sampled_from(DIMS), dtype=dtypes(), seed=seeds())
+def test_decode_options_reference_impl_equals_triton(varlen, with_acc, with_inter, G, K, V, dtype, seed):
+    """``impl="reference"`` takes every option with the kernel's conventions: same outputs, pool and intermediate
+    states as ``impl="triton"``."""
+    g = gen(seed)
+    H, HV = 2, 2 * G
+    if varlen:
+        cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+        B, s, N = 1, 6, 3
+    else:
+        cu, B, s = None, 3, 3
+        N = B
+    q, k, v, gate, beta = _inputs(B, s, H, HV, K, V, dtype, g)
+    pool = randn((N + 1, HV, K, V), g, scale=0.5)
+    idx = torch.randperm(N + 1, generator=g)[:N].to(torch.int32)
+    idx[int(torch.randint(0, N, (1,), generator=g))] = -1
+    acc = _dev(torch.randint(-1, 5, (N,), generator=g).to(torch.int32)) if with_acc else None
+    shape = (s, HV, K, V) if varlen else (B, s, HV, K, V)
+    res = {}
+    for impl in ("triton", "reference"):
+        p = pool.clone()
+        it = torch.full(shape, float("nan"), device=P.device) if with_inter else None
+        o = gated_delta_rule_decode(q, k, v, gate, beta, p, _dev(idx), use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=_dev(cu), accepted=acc, intermediate_states=it, impl=impl)
+        res[impl] = (o, p, it)
+    (o_t, p_t, i_t), (o_r, p_r, i_r) = res["triton"], res["reference"]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(o_t, o_r, **tol)
+    torch.testing.assert_close(p_t, p_r, rtol=1e-5, atol=1e-5)
+    if with_inter:
+        torch.testing.assert_close(i_t, i_r, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.skipif(P.device != "cpu", reason="interpreter address check")
+def test_decode_malformed_device_indices_stay_in_bounds():
+    """cu_seqlens, accepted and state_indices values the host never checks (negative, past T or P, decreasing)
+    cause no access outside the tensors the call is given or creates (interpreter address check)."""
+    from addresscheck import AddressCheck
+
+    g = gen(5)
+    T, H, HV, K, V = 5, 1, 2, 16, 16
+    q, k, v, gate, beta = _inputs(1, T, H, HV, K, V, torch.float32, g)
+    pool = randn((3, HV, K, V), g)
+    inter = torch.zeros(T, HV, K, V)
+    for cu in ([-4, 9, 2, 100, 3], [3, 1, 1, 7, -1], [0, 2, 5, 5, 5]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        idx = torch.tensor([0, 7, -3, 2], dtype=torch.int32)
+        acc = torch.tensor([-5, 100, 2, 1], dtype=torch.int32)
+        with AddressCheck(q, k, v, gate, beta, pool, idx, cu, acc, inter) as ac:
+            o = gated_delta_rule_decode_fwd(q, k, v, gate, beta, pool, idx, 0.25, True, cu, acc, inter)
+        ac.assert_clean()
+        assert torch.isfinite(o).all() and torch.isfinite(pool).all()
+
+
+def test_decode_option_bad_inputs_change_nothing():
+    a = _small(B=2, s=2)
+    a["state"].normal_()
+    before = a["state"].clone()
+    dev = P.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    packed = _small(B=1, s=4)
+    packed["state"] = a["state"]
+    cases = [
+        (ValueError, "cu_seqlens", dict(a, cu_seqlens=torch.tensor([0, 1, 2], **i32))),  # B != 1
+        (TypeError, "cu_seqlens", dict(packed, cu_seqlens=torch.tensor([0, 4], dtype=torch.float32, device=dev))),
+        (ValueError, "cu_seqlens", dict(packed, cu_seqlens=torch.tensor([4], **i32))),
+        (ValueError, "state_indices", dict(packed, cu_seqlens=torch.tensor([0, 2, 4], **i32),
+                                           state_indices=torch.tensor([0], **i32))),
+        (ValueError, "accepted", dict(a, accepted=torch.tensor([1], **i32))),
+        (TypeError, "accepted", dict(a, accepted=torch.tensor([1, 1], dtype=torch.int64, device=dev))),
+        (ValueError, "intermediate_states", dict(a, intermediate_states=torch.zeros(2, 1, 4, 16, 16, device=dev))),
+        (TypeError, "intermediate_states", dict(a, intermediate_states=torch.zeros(2, 2, 4, 16, 16, device=dev,
+                                                                                    dtype=torch.float16))),
+        (ValueError, "intermediate_states", dict(a, intermediate_states=torch.zeros(2, 2, 4, 16, 16, device=dev)
+                                                 .transpose(3, 4))),
+        (ValueError, "intermediate_states", dict(packed, cu_seqlens=torch.tensor([0, 4], **i32),
+                                                 intermediate_states=torch.zeros(1, 4, 4, 16, 16, device=dev))),
+    ]
+    if dev == "cpu":  # a CPU cu_seqlens is checked on the host
+        cases += [(ValueError, "cu_seqlens", dict(packed, cu_seqlens=torch.tensor([0, 3, 2], **i32))),
+                  (ValueError, "cu_seqlens", dict(packed, cu_seqlens=torch.tensor([0, 5], **i32))),
+                  (ValueError, "cu_seqlens", dict(packed, cu_seqlens=torch.tensor([-1, 2], **i32)))]
+    for impl in ("triton", "reference"):
+        for exc, match, kw in cases:
+            with pytest.raises(exc, match=match):
+                gated_delta_rule_decode(**kw, impl=impl)
+            assert torch.equal(a["state"], before), (match, kw.keys())
+
+
+def test_decode_is_forward_only():
+    """Inputs requiring grad under autograd: a RuntimeError that names the op and chunk_gated_delta_rule, before
+    the pool changes; under no_grad the same call runs."""
+    a = _small()
+    a["state"].normal_()
+    before = a["state"].clone()
+    for name in ("q", "v", "g", "beta"):
+        b = dict(a, **{name: a[name].clone().requires_grad_(True)})
+        for impl in ("triton", "reference"):
+            with pytest.raises(RuntimeError, match=r"gated_delta_rule_decode is forward-only.*chunk_gated_delta_rule"):
+                gated_delta_rule_decode(**b, impl=impl)
+            assert torch.equal(a["state"], before)
+        with torch.no_grad():
+            gated_delta_rule_decode(**b)
+
+
+def test_decode_options_torch_compile_aot_eager():
+    """The custom op with every option under ``torch.compile(fullgraph=True)`` equals the eager call."""
+    g = gen(9)
+    H, HV, K, V = 1, 2, 16, 16
+    q, k, v, gate, beta = _inputs(1, 5, H, HV, K, V, torch.float32, g)
+    pool = randn((4, HV, K, V), g, scale=0.5)
+    dev = P.device
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32, device=dev)
+    idx = torch.tensor([3, 0, -1], dtype=torch.int32, device=dev)
+    acc = torch.tensor([1, 0, 2], dtype=torch.int32, device=dev)
+
+    def f(q, k, v, gate, beta, pool, inter):
+        return gated_delta_rule_decode(q, k, v, gate, beta, pool, idx, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                       accepted=acc, intermediate_states=inter) * 2
+
+    pools = [pool.clone(), pool.clone()]
+    inters = [torch.zeros(5, HV, K, V, device=dev), torch.zeros(5, HV, K, V, device=dev)]
+    o1 = torch.compile(f, fullgraph=True, backend="aot_eager" if dev == "cpu" else "inductor")(
+        q, k, v, gate, beta, pools[0], inters[0])
+    o2 = f(q, k, v, gate, beta, pools[1], inters[1])
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(pools[0], pools[1])
+    torch.testing.assert_close(inters[0], inters[1])

@@ -5,54 +5,272 @@ short causal depthwise conv (width ``conv_size``) + SiLU over ``[q; k; v]``; q, 
 (inside the op); ``g = -exp(A_log)·softplus(a + dt_bias)``, ``beta = sigmoid(b)``; the gated delta rule
 (``chunk_gated_delta_rule`` for prefill/training, ``gated_delta_rule_decode`` for decode steps);
 gated RMSNorm per value head ``RMSNorm(o)·w·silu(z)``; output projection back to ``hidden``.
+
+Serving: ``GatedDeltaNetCache`` holds one row per sequence slot. A decode step reads and writes the rows of its
+slots with device ops only (no host sync, no host-to-device copy, no branch on device values), so it can be
+captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)``. A verify step (``verify=True``)
+decodes draft tokens without committing them; ``GatedDeltaNetCache.commit(accepted)`` then advances every
+sequence by its accepted tokens.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import inspect
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops._common.impl import check_impl
+from ..ops._common.validation import check_tensor
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
+# chunk_gated_delta_rule reads initial states from and writes final states to pool rows (state_indices)
+_POOLED_PREFILL = "state_indices" in inspect.signature(chunk_gated_delta_rule).parameters
+_CU_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The cache rows of one call's sequences.
+
+    ``ids``: the host slot ids (None for a device slot tensor). ``op [n] int32``: pool rows for the ops, negative =
+    skipped. ``write [n] int64``: rows of the scratch-extended buffers (a skipped sequence maps to the scratch row
+    ``num_seqs``). ``live [n] bool``: which sequences are live (None: all, host slots).
+    """
+
+    ids: tuple[int, ...] | None
+    op: torch.Tensor
+    write: torch.Tensor
+    live: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draft:
+    """A verify step awaiting ``commit``: its rows, the draft tokens' pre-conv inputs ``xf [tokens, conv_dim]``, the
+    inputs of the recurrence (q, k, v, g, beta as the decode op took them), the sequences' first token ``bos [n]``
+    and token count ``n_tok [n]`` (int64) in ``xf``, ``cu_seqlens`` (packed drafts) and the decode op's impl."""
+
+    batch: _Batch
+    xf: torch.Tensor
+    qkvgb: tuple[torch.Tensor, ...]
+    bos: torch.Tensor
+    n_tok: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    impl: str
+
+
+def _packed_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bos [N], eos [N])`` int64 of packed sequences, clamped as the decode kernel clamps them: each bound to
+    ``[0, T]``, each end to at least its start (device ops; no value is read on the host)."""
+    cu = cu_seqlens.long()
+    bos = cu[:-1].clamp(0, T)
+    eos = torch.maximum(cu[1:].clamp(max=T), bos)
+    return bos, eos
+
+
+def _windows(old: torch.Tensor, xf: torch.Tensor, seq: torch.Tensor, bos: torch.Tensor,
+             pos: torch.Tensor) -> torch.Tensor:
+    """Entries of the virtual per-sequence streams ``[old[n] (W-1 entries), xf[bos[n]], xf[bos[n] + 1], ...]``.
+
+    ``old [N, W-1, C]``, ``xf [L, C]``; ``seq [R]`` (sequence of each query row), ``bos [R]`` (its first token in
+    ``xf``), ``pos [R, M]`` (virtual positions). Returns ``[R, M, C]``. Every index is clamped into the
+    concatenated buffer, so no position can read outside it."""
+    N, W1, C = old.shape
+    ext = torch.cat([old.reshape(N * W1, C), xf], 0)
+    idx = torch.where(pos < W1, seq[:, None] * W1 + pos, N * W1 + bos[:, None] + pos - W1)
+    return ext[idx.clamp(0, ext.shape[0] - 1)]
+
+
+def _check_cu_host(cu: list[int], T: int, *, padded: bool) -> None:
+    """Host values of ``cu_seqlens``: non-decreasing from 0 to T; ``padded`` (a decode step): within [0, T], the
+    tokens outside ``[cu[0], cu[N])`` being padding."""
+    ok = cu[0] >= 0 and cu[-1] <= T and all(b >= a for a, b in zip(cu[:-1], cu[1:], strict=True))
+    if not (ok and (padded or (cu[0] == 0 and cu[-1] == T))):
+        want = "non-decreasing within [0, T]" if padded else "non-decreasing from 0 to T"
+        raise ValueError(f"cu_seqlens: expected {want} (T={T}), got {cu}")
+
 
 class GatedDeltaNetCache:
-    """State of one ``GatedDeltaNet`` layer for ``num_seqs`` sequences (one row per sequence).
+    """State of one ``GatedDeltaNet`` layer for ``num_seqs`` sequence slots (one row per slot).
 
-    ``conv_state [num_seqs, conv_dim, conv_size - 1]`` (last pre-conv inputs, layer dtype) and
-    ``recurrent_state [num_seqs, HV, K, V]`` fp32 (the decode op's in-place pool; fp64 for a fp64
-    layer). ``slots`` (``[B]`` int32
-    or None = ``arange(B)``) maps the sequences of the current batch to rows: distinct, in ``[0, num_seqs)``.
-    ``seqlen`` counts tokens fed through the layer (host int): 0 means the next forward is a prefill.
+    Tensors (device):
+        conv_state ``[num_seqs, conv_dim, conv_size - 1]``: the last pre-conv inputs of each slot, layer dtype.
+        recurrent_state ``[num_seqs, HV, K, V]`` fp32 (fp64 for a fp64 layer): the decode op's in-place pool.
+        seqlens ``[num_seqs]`` int32: tokens fed through the layer per slot.
+    Host: one flag per slot, "holds a state" (``holds``), set by a prefill and cleared by ``reset`` / ``free``; it
+    decides between prefill and decode for host slot ids and does not change across decode steps.
+
+    ``slots`` (attribute, default None = ``0..n-1``): the slots used by forward calls that pass none.
+
+    A forward's ``slots`` are either a host sequence of ints (checked: ints in ``[0, num_seqs)``, distinct; its
+    device index tensors are made once per distinct tuple and reused: a tuple other than ``0..n-1`` is copied to the
+    device on its first use, so use it once before capturing a CUDA graph) or a device int32 tensor ``[n]``, which
+    always runs a decode step and is never read on the host: a negative entry is padding (that sequence is skipped,
+    its output is 0 and no row is touched), an entry ``>= num_seqs`` is skipped alike. Live entries must be distinct
+    and name slots that hold a state (or were ``reset``: a zeroed row decodes as a fresh sequence); a decode through a
+    device tensor does not change the host flags.
     """
+
+    _INDEX_CACHE = 256  # distinct host slot tuples whose device index tensors are kept
 
     def __init__(self, num_seqs: int, conv_dim: int, conv_size: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, *, device=None, dtype=torch.float32):
-        self.conv_state = torch.zeros(num_seqs, conv_dim, conv_size - 1, device=device, dtype=dtype)
+        for name, val, lo in (("num_seqs", num_seqs, 1), ("conv_dim", conv_dim, 1), ("conv_size", conv_size, 2),
+                              ("num_v_heads", num_v_heads, 1), ("head_k_dim", head_k_dim, 1),
+                              ("head_v_dim", head_v_dim, 1)):
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {val!r}")
+        # one scratch row past the slots receives the writes of skipped (padding) sequences
+        self._conv = torch.zeros(num_seqs + 1, conv_dim, conv_size - 1, device=device, dtype=dtype)
+        self.conv_state = self._conv[:num_seqs]
         sdt = torch.float64 if dtype == torch.float64 else torch.float32  # fp64 only for the reference impl
         self.recurrent_state = torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device, dtype=sdt)
-        self.slots: torch.Tensor | None = None
-        self.seqlen = 0
+        self._lens = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
+        self.seqlens = self._lens[:num_seqs]
+        self.slots = None
+        self._held = [False] * num_seqs
+        self._index: collections.OrderedDict[tuple[int, ...], _Batch] = collections.OrderedDict()
+        self._draft: _Draft | None = None
+        self._committed: _Draft | None = None  # a committed draft: its buffers stay alive until the next commit
 
     @property
     def num_seqs(self) -> int:
         return self.recurrent_state.shape[0]
 
-    def rows(self, n: int, device) -> torch.Tensor:
-        if self.slots is None:
+    @property
+    def device(self) -> torch.device:
+        return self.recurrent_state.device
+
+    @property
+    def pending(self) -> bool:
+        """A verify step awaits ``commit``."""
+        return self._draft is not None
+
+    # ------------------------------------------------------------------------------------ host bookkeeping
+    def _host_ids(self, slots, n: int | None, *, tensors: bool = False) -> tuple[int, ...]:
+        if slots is None:
+            if n is None:
+                return tuple(range(self.num_seqs))
             if n > self.num_seqs:
-                raise ValueError(f"cache: batch of {n} sequences but the cache holds {self.num_seqs}")
-            return torch.arange(n, dtype=torch.int32, device=device)
-        if tuple(self.slots.shape) != (n,) or self.slots.dtype != torch.int32:
-            raise ValueError(f"cache.slots: expected int32 [{n}], got {self.slots.dtype} {list(self.slots.shape)}")
-        return self.slots.to(device)
+                raise ValueError(f"slots: a batch of {n} sequences but the cache holds {self.num_seqs} slots")
+            return tuple(range(n))
+        if isinstance(slots, (str, bytes)) or not isinstance(slots, (list, tuple, range)):
+            want = "a sequence of ints or an int32 tensor" if tensors else "a sequence of host slot ids (ints)"
+            raise TypeError(f"slots: expected {want}, got {type(slots).__name__}")
+        for s in slots:
+            if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+                raise TypeError(f"slots: expected ints, got {type(s).__name__} {s!r}")
+        ids = tuple(int(s) for s in slots)
+        if n is not None and len(ids) != n:
+            raise ValueError(f"slots: expected {n} slots (one per sequence), got {len(ids)}")
+        for s in ids:
+            if not 0 <= s < self.num_seqs:
+                raise ValueError(f"slots: slot {s} outside [0, {self.num_seqs})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"slots: duplicate slots in {list(ids)}")
+        return ids
+
+    def _host_batch(self, ids: tuple[int, ...]) -> _Batch:
+        """The index tensors of host slot ids, kept per tuple. ``0..n-1`` is made by a device op (capturable); any
+        other tuple by a host-to-device copy on its first use. Tensors made while torch.compile traces or a CUDA
+        graph captures are not kept (a captured tensor holds its values only once the graph replays)."""
+        b = self._index.get(ids)
+        tracing = torch.compiler.is_compiling()
+        if b is not None:
+            if not tracing:
+                self._index.move_to_end(ids)
+            return b
+        if ids == tuple(range(len(ids))):
+            op = torch.arange(len(ids), dtype=torch.int32, device=self.device)
+        else:
+            op = torch.tensor(ids, dtype=torch.int32, device=self.device)
+        b = _Batch(ids, op, op.long(), None)
+        if not tracing and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._index[ids] = b
+            if len(self._index) > self._INDEX_CACHE:
+                self._index.popitem(last=False)
+        return b
+
+    def _batch(self, slots, n: int) -> _Batch:
+        """The rows of ``n`` sequences (validated; nothing is changed)."""
+        if slots is None:
+            slots = self.slots
+        if isinstance(slots, torch.Tensor):
+            check_tensor("slots", slots, shape=(n,), dtypes=(torch.int32,), device=self.device)
+            live = (slots >= 0) & (slots < self.num_seqs)
+            return _Batch(None, torch.where(live, slots, -1), torch.where(live, slots, self.num_seqs).long(), live)
+        return self._host_batch(self._host_ids(slots, n, tensors=True))
+
+    def holds(self, slots=None) -> list[bool]:
+        """Host flags: whether each of ``slots`` (host ids; default all) holds a sequence's state."""
+        return [self._held[s] for s in self._host_ids(slots, None)]
+
+    def _check_idle(self, what: str) -> None:
+        if self._draft is not None:
+            raise ValueError(f"{what}: a verify step is pending; call commit(accepted) first (zeros keep every "
+                             "sequence as it was before the verify step)")
+
+    def reset(self, slots=None) -> None:
+        """Zero the rows of ``slots`` (host ids; default all): states, lengths and flags; the slots are free."""
+        ids = self._host_ids(slots, None)
+        self._check_idle("reset")
+        if not ids:
+            return
+        w = self._host_batch(ids).write
+        with torch.no_grad():
+            self._conv.index_fill_(0, w, 0)
+            self.recurrent_state.index_fill_(0, w, 0)
+            self._lens.index_fill_(0, w, 0)
+        for s in ids:
+            self._held[s] = False
+
+    def free(self, slots=None) -> None:
+        """Release the rows of ``slots`` (host ids; default all) for new sequences: flags cleared, lengths zeroed.
+        The states are left in place (a prefill into a free slot starts from zero states regardless)."""
+        ids = self._host_ids(slots, None)
+        self._check_idle("free")
+        if not ids:
+            return
+        with torch.no_grad():
+            self._lens.index_fill_(0, self._host_batch(ids).write, 0)
+        for s in ids:
+            self._held[s] = False
+
+    # ------------------------------------------------------------------------------------ speculative decoding
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Finish the pending verify step: every sequence advances by its first ``accepted[n]`` draft tokens.
+
+        ``accepted``: ``[n]`` int32 on the cache's device, one count per sequence of the verify step (clamped to
+        ``[0, its draft tokens]``; 0 leaves the sequence as it was). Recurrent states, conv windows and lengths
+        become those of a decode step over only the accepted tokens. Device ops only: capturable in a CUDA graph,
+        with the verify step or in a graph of its own (the verify step's buffers stay referenced until the next
+        commit, so a graph of each stays valid)."""
+        d = self._draft
+        if d is None:
+            raise ValueError("commit: no verify step is pending (run the layer with verify=True first)")
+        n = d.batch.op.shape[0]
+        check_tensor("accepted", accepted, shape=(n,), dtypes=(torch.int32,), device=self.device)
+        with torch.no_grad():
+            q, k, v, g, beta = d.qkvgb
+            gated_delta_rule_decode(q, k, v, g, beta, self.recurrent_state, d.batch.op, use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=d.cu_seqlens, accepted=accepted, impl=d.impl)
+            a = torch.minimum(accepted.long().clamp(min=0), d.n_tok)
+            W1 = self._conv.shape[2]
+            old = self._conv[d.batch.write].transpose(1, 2)
+            pos = a[:, None] + torch.arange(W1, device=a.device)
+            win = _windows(old, d.xf, torch.arange(n, device=a.device), d.bos, pos)
+            self._conv.index_copy_(0, d.batch.write, win.transpose(1, 2))
+            self._lens.index_add_(0, d.batch.write, a.to(torch.int32))
+        self._draft, self._committed = None, d
 
 
 class GatedDeltaNet(nn.Module):
@@ -66,11 +284,8 @@ class GatedDeltaNet(nn.Module):
         save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
-    ``forward(hidden_states [B, T, hidden], cache=None, cu_seqlens=None) -> [B, T, hidden]``:
-    without a cache (or with an empty one) runs the chunked op (training/prefill; ``cu_seqlens`` LongTensor
-    ``[N+1]`` packs N sequences with ``B == 1``) and, given a cache, stores the final conv/recurrent states in
-    it; with a cache already holding these sequences, ``T <= max_decode_tokens`` (16) new tokens per sequence
-    run through the decode op (more: the chunked op continues from the cached states).
+    ``forward(hidden_states, cache=None, cu_seqlens=None, *, slots=None, verify=False) -> [B, T, hidden]``; see
+    ``forward``.
     """
 
     max_decode_tokens = 16
@@ -115,7 +330,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def init_cache(self, num_seqs: int, device=None) -> GatedDeltaNetCache:
-        """An empty cache for ``num_seqs`` sequences on the layer's device and dtype."""
+        """An empty cache for ``num_seqs`` sequence slots on the layer's device and dtype."""
         w = self.q_proj.weight
         return GatedDeltaNetCache(num_seqs, self.conv_dim, self.conv_size, self.num_v_heads, self.head_k_dim,
                                   self.head_v_dim, device=device or w.device, dtype=w.dtype)
@@ -124,7 +339,8 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, x, init, cu_seqlens):
         """Causal depthwise conv over ``x [B, T, C]`` starting from ``init [N, C, W-1]`` (None = zeros).
 
-        Returns ``(y [B, T, C], final [N, C, W-1])``; with ``cu_seqlens`` no sequence sees another's tokens.
+        Returns ``(y [B, T, C], final [N, C, W-1])``; with ``cu_seqlens`` (values checked: non-decreasing from 0 to
+        T) no sequence sees another's tokens.
         """
         W, C = self.conv_size, x.shape[-1]
         w = self.conv1d.weight
@@ -134,72 +350,241 @@ class GatedDeltaNet(nn.Module):
             xf = torch.cat([pad, x], 1)
             y = F.conv1d(xf.transpose(1, 2), w, groups=C).transpose(1, 2)
             return y, xf[:, T:].transpose(1, 2)
-        # varlen: give every sequence its own W-1 leading slots (zeros or its initial state), conv once
+        # varlen: give every sequence its own W-1 leading slots (zeros or its initial state), conv once. Every index
+        # stays inside its buffer whatever cu_seqlens holds (a device tensor is not checked under torch.compile)
         T = x.shape[1]
-        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        dev = x.device
+        cu = cu_seqlens.to(device=dev, dtype=torch.long).clamp(0, T)
         N = cu.numel() - 1
-        seq = torch.repeat_interleave(torch.arange(N, device=x.device), cu.diff(), output_size=T)
-        dest = torch.arange(T, device=x.device) + (seq + 1) * (W - 1)
-        j = torch.arange(W - 1, device=x.device)
-        head = (cu[:-1] + torch.arange(N, device=x.device) * (W - 1))[:, None] + j  # [N, W-1] leading slots
+        t = torch.arange(T, device=dev)
+        seq = torch.searchsorted(cu[1:], t, right=True).clamp(max=N - 1)
+        dest = t + (seq + 1) * (W - 1)
+        j = torch.arange(W - 1, device=dev)
+        head = (cu[:-1] + torch.arange(N, device=dev) * (W - 1))[:, None] + j  # [N, W-1] leading slots
         xp = x.new_zeros(T + N * (W - 1), C)
         if init is not None:
             xp = xp.index_copy(0, head.flatten(), init.transpose(1, 2).reshape(-1, C).to(x.dtype))
         xp = xp.index_copy(0, dest, x[0])
         y = F.conv1d(xp.t()[None], w, groups=C)[0].t()
-        tail = (cu[1:] + torch.arange(1, N + 1, device=x.device) * (W - 1))[:, None] - (W - 1) + j
+        tail = (cu[1:] + torch.arange(N, device=dev) * (W - 1))[:, None] + j
         return y[dest - (W - 1)][None], xp[tail.flatten()].reshape(N, W - 1, C).transpose(1, 2)
 
-    def _rule(self, q, k, v, g, beta, state0, cu_seqlens, want_final):
+    def _conv_packed(self, x, init, bos, eos):
+        """The conv of packed decode tokens ``x [1, T, C]`` from ``init [N, C, W-1]``, bounds from ``_packed_bounds``,
+        by index gathers that no bound value can move out of range (device ops only).
+
+        Returns ``(y [1, T, C], final [N, C, W-1], in_seq [T] bool)``; tokens outside every sequence get
+        unspecified values and ``in_seq`` False."""
+        W, T, N = self.conv_size, x.shape[1], bos.shape[0]
+        dev = x.device
+        xf, old = x[0], init.transpose(1, 2)
+        t = torch.arange(T, device=dev)
+        seq = torch.searchsorted(eos, t, right=True).clamp(max=N - 1)
+        in_seq = (t >= bos[seq]) & (t < eos[seq])
+        win = _windows(old, xf, seq, bos[seq], (t - bos[seq])[:, None] + torch.arange(W, device=dev))  # [T, W, C]
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        y = (win.to(cdt) * self.conv1d.weight[:, 0].t().to(cdt)).sum(1).to(x.dtype)
+        n = torch.arange(N, device=dev)
+        fin = _windows(old, xf, n, bos, (eos - bos)[:, None] + torch.arange(W - 1, device=dev))
+        return y[None], fin.transpose(1, 2), in_seq
+
+    def _qkv_gates(self, x, y):
+        """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` from the conv output ``y``; g, beta ``[B, T, HV]`` from ``x``."""
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q, k, v = F.silu(y).split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        beta = torch.sigmoid(self.b_proj(x).to(cdt))
+        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
+        return q, k, v, g, beta
+
+    def _project_in(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+
+    def _project_out(self, o, x):
+        B, T, _ = x.shape
+        o = gated_rms_norm(o, self.z_proj(x).reshape(B, T, self.num_v_heads, self.head_v_dim), self.norm_weight,
+                           self.norm_eps)
+        return self.o_proj(o.reshape(B, T, self.value_dim))
+
+    def _rule(self, q, k, v, g, beta, state0, cu_seqlens, want_final, cu_host=None):
         if self.impl == "reference":
             o, fin = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state0,
                                                     output_final_state=want_final, use_qk_l2norm=True,
                                                     cu_seqlens=cu_seqlens)
             return o.to(v.dtype), fin
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0, output_final_state=want_final,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_host,
                                       save_states=self.save_states, impl=self.impl)
 
+    def _pool_rule(self, q, k, v, g, beta, cache, batch, cu_seqlens, cu_host):
+        """The chunked rule from the pool rows ``batch`` of ``cache``, final states written back into them: in place
+        through ``state_indices`` (no copies) for the inference kernels, else by ``_gather_rule``."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+        if self.impl == "reference" or grad or not _POOLED_PREFILL:
+            return self._gather_rule(q, k, v, g, beta, cache, batch, cu_seqlens, cu_host)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=cache.recurrent_state,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_host,
+                                      state_indices=batch.op, impl=self.impl)
+        return o
+
+    def _gather_rule(self, q, k, v, g, beta, cache, batch, cu_seqlens, cu_host):
+        """``_pool_rule`` by copies: the rows gathered, the rule run (differentiable), final states scattered back."""
+        o, fin = self._rule(q, k, v, g, beta, cache.recurrent_state[batch.write], cu_seqlens, True, cu_host)
+        cache.recurrent_state.index_copy_(0, batch.write, fin.detach().to(cache.recurrent_state.dtype))
+        return o
+
     # --------------------------------------------------------------------------------------- forward
+    def _check_cache(self, cache) -> None:
+        if not isinstance(cache, GatedDeltaNetCache):
+            raise TypeError(f"cache: expected a GatedDeltaNetCache, got {type(cache).__name__}")
+        want_conv = (self.conv_dim, self.conv_size - 1)
+        want_rec = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if tuple(cache.conv_state.shape[1:]) != want_conv or tuple(cache.recurrent_state.shape[1:]) != want_rec:
+            raise ValueError(f"cache: conv/recurrent rows {list(cache.conv_state.shape[1:])} / "
+                             f"{list(cache.recurrent_state.shape[1:])} do not match the layer's {list(want_conv)} / "
+                             f"{list(want_rec)} (make it with layer.init_cache)")
+        w = self.q_proj.weight
+        if cache.device != w.device:
+            raise ValueError(f"cache: on {cache.device}, the layer on {w.device}")
+        if cache.conv_state.dtype != w.dtype:
+            raise TypeError(f"cache: conv_state is {cache.conv_state.dtype}, the layer {w.dtype}")
+        cache._check_idle("forward")
+
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
-        B, T, _ = hidden_states.shape
+                cu_seqlens: torch.Tensor | None = None, *, slots=None, verify: bool = False) -> torch.Tensor:
+        """``hidden_states [B, T, hidden]`` (the layer's dtype and device) -> ``[B, T, hidden]``.
+
+        ``cu_seqlens [N+1]`` int32/int64 packs N sequences along T (then ``B == 1``); without it the B rows are the
+        sequences. Without a cache: the chunked op (training / prefill). With a ``cache`` the sequences live in the
+        slots ``slots`` (a host sequence of ints or a device int32 tensor, see ``GatedDeltaNetCache``; default
+        ``cache.slots``, else ``0..N-1``):
+
+        - host slots that all hold a state: a decode step (the recurrent op) when there are at most
+          ``max_decode_tokens`` new tokens per sequence (with ``cu_seqlens``: on average), else the chunked op
+          continuing from the cached states;
+        - host slots not all holding a state: a prefill; the fresh slots start from zero states (whatever their
+          rows held), the others continue from theirs; initial states are read from and final states written to
+          the cache rows (the chunked op over the state pool). Sets the slots' flags;
+        - a device slot tensor: a decode step (any number of tokens).
+
+        A decode step has no host sync, host-to-device copy or branch on device values (``cu_seqlens`` on a GPU is
+        never read; a malformed one cannot cause an out-of-bounds access). Skipped (padding) sequences output 0.
+        ``verify=True`` (decode only): the tokens are drafts; outputs of all of them are returned, the cache is left
+        as it was until ``cache.commit(accepted)`` advances each sequence by its accepted tokens. A decode step is
+        inference only (a ``RuntimeError`` under autograd with parameters requiring grad). Invalid arguments raise
+        ``TypeError`` / ``ValueError`` before anything in the cache changes.
+        """
+        x = hidden_states
+        w = self.q_proj.weight
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(x.shape)}")
+        if x.dtype != w.dtype:
+            raise TypeError(f"hidden_states: expected the layer's dtype {w.dtype}, got {x.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"hidden_states: expected a tensor on the layer's device {w.device}, got {x.device}")
+        B, T, _ = x.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"hidden_states: expected B >= 1 and T >= 1, got {list(x.shape)}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify: expected a bool, got {type(verify).__name__}")
+        N = B
         if cu_seqlens is not None:
+            check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=x.device)
             if B != 1:
                 raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}")
-            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            if cu_seqlens.numel() < 2:
                 raise ValueError(f"cu_seqlens: expected a 1-D tensor [N+1], got shape {list(cu_seqlens.shape)}")
-        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        x = hidden_states
-        warm = cache is not None and cache.seqlen > 0  # the cache holds these sequences' states
-        decode = warm and cu_seqlens is None and T <= self.max_decode_tokens
-        rows = cache.rows(N, x.device) if cache is not None else None
-        rows_l = rows.long() if rows is not None else None
-
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        conv0 = cache.conv_state[rows_l] if warm else None
-        mixed, conv_fin = self._conv(mixed, conv0, cu_seqlens)
-        mixed = F.silu(mixed)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
-        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        beta = torch.sigmoid(self.b_proj(x).to(cdt))
-        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
-
-        if decode and self.impl != "reference":
-            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
-                                        impl=self.impl)
+            N = cu_seqlens.numel() - 1
+        if cache is None:
+            if slots is not None:
+                raise ValueError("slots: given without a cache")
+            if verify:
+                raise ValueError("verify: a verify step needs a cache")
         else:
-            state0 = cache.recurrent_state[rows_l] if warm else None
-            o, fin = self._rule(q, k, v, g, beta, state0, cu_seqlens, cache is not None)
-            if cache is not None:
-                cache.recurrent_state.index_copy_(0, rows_l, fin.detach().to(cache.recurrent_state.dtype))
-        if cache is not None:
-            cache.conv_state.index_copy_(0, rows_l, conv_fin.detach().to(cache.conv_state.dtype))
-            cache.seqlen += T
+            self._check_cache(cache)
+        batch = cache._batch(slots, N) if cache is not None else None
+        decode = batch is not None and batch.ids is None
+        fresh = []
+        if batch is not None and not decode:
+            fresh = [not cache._held[s] for s in batch.ids]
+            decode = not any(fresh) and (verify or T <= self.max_decode_tokens * (1 if cu_seqlens is None else N))
+            if verify and any(fresh):
+                raise ValueError("verify: every slot must hold a state (prefill first); fresh slots "
+                                 f"{[s for s, f in zip(batch.ids, fresh, strict=True) if f]}")
+        cu_host = None
+        if cu_seqlens is not None and not torch.compiler.is_compiling() and (
+                not decode or cu_seqlens.device.type == "cpu"):  # a prefill reads it anyway; a CPU read: no sync
+            cu_host = cu_seqlens.tolist()
+            _check_cu_host(cu_host, T, padded=decode)
+        if cache is None:
+            o, _ = self._rule(*self._qkv_gates(x, self._conv(self._project_in(x), None, cu_seqlens)[0]), None,
+                              cu_seqlens, False, cu_host)
+            return self._project_out(o, x)
+        if decode:
+            if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+                raise RuntimeError("GatedDeltaNet: decode steps are inference only (gated_delta_rule_decode is "
+                                   "forward-only); run them under torch.no_grad() / torch.inference_mode()")
+            return self._decode(x, cache, batch, cu_seqlens, verify)
+        return self._prefill(x, cache, batch, cu_seqlens, cu_host, fresh)
 
-        o = gated_rms_norm(o, self.z_proj(x).reshape(B, T, HV, V), self.norm_weight, self.norm_eps)
-        return self.o_proj(o.reshape(B, T, self.value_dim))
+    def _prefill(self, x, cache, batch, cu_seqlens, cu_host, fresh):
+        B, T, _ = x.shape
+        rows = batch.write
+        with torch.no_grad():
+            if any(fresh):
+                new = rows if all(fresh) else rows[torch.tensor([i for i, f in enumerate(fresh) if f],
+                                                                device=rows.device)]
+                cache._conv.index_fill_(0, new, 0)
+                cache.recurrent_state.index_fill_(0, new, 0)
+                cache._lens.index_fill_(0, new, 0)
+        mixed = self._project_in(x)
+        y, conv_fin = self._conv(mixed, cache._conv[rows], cu_seqlens)
+        q, k, v, g, beta = self._qkv_gates(x, y)
+        o = self._pool_rule(q, k, v, g, beta, cache, batch, cu_seqlens, cu_host)
+        with torch.no_grad():
+            cache._conv.index_copy_(0, rows, conv_fin.detach().to(cache._conv.dtype))
+            counts = cu_seqlens.diff() if cu_seqlens is not None else torch.full_like(rows, T)
+            cache._lens.index_add_(0, rows, counts.to(torch.int32))
+        for s in batch.ids:
+            cache._held[s] = True
+        return self._project_out(o, x)
+
+    def _decode(self, x, cache, batch, cu_seqlens, verify):
+        B, T, _ = x.shape
+        N = batch.op.shape[0]
+        mixed = self._project_in(x)
+        init = cache._conv[batch.write]
+        if cu_seqlens is None:
+            y, conv_fin = self._conv(mixed, init, None)
+            bos = torch.arange(B, device=x.device) * T if verify else None
+            n_tok = torch.full((B,), T, dtype=torch.long, device=x.device)
+            keep = batch.live[:, None] if batch.live is not None else None  # [B, 1]: rows to output
+        else:
+            bos, eos = _packed_bounds(cu_seqlens, T)
+            y, conv_fin, in_seq = self._conv_packed(mixed, init, bos, eos)
+            n_tok = eos - bos
+            keep = in_seq[None, :]  # [1, T]: tokens of some live sequence
+            if batch.live is not None:
+                seq = torch.searchsorted(eos, torch.arange(T, device=x.device), right=True).clamp(max=N - 1)
+                keep = keep & batch.live[seq][None, :]
+        q, k, v, g, beta = self._qkv_gates(x, y)
+        if verify:
+            accepted = torch.zeros(N, dtype=torch.int32, device=x.device)  # nothing committed until commit()
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, accepted=accepted,
+                                        impl=self.impl)
+            cache._draft = _Draft(batch, mixed.reshape(-1, mixed.shape[-1]).detach(),
+                                  tuple(t.detach() for t in (q, k, v, g, beta)), bos, n_tok, cu_seqlens, self.impl)
+        else:
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, impl=self.impl)
+            cache._conv.index_copy_(0, batch.write, conv_fin.to(cache._conv.dtype))
+            cache._lens.index_add_(0, batch.write, n_tok.to(torch.int32))
+        out = self._project_out(o, x)
+        if keep is not None:
+            out = torch.where(keep[..., None], out, 0.0)
+        return out

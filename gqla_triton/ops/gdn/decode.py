@@ -7,8 +7,11 @@ Per value head, for each of the ``s`` new tokens in order (state ``S`` is ``[K, 
     o_t = scale * S^T q_t
 
 One program owns one (sequence, value head, BV-wide slice of V): it loads its ``K x BV`` state slice,
-runs the ``s`` tokens in registers and writes the slice back (one load and one store per state element), so
-the step is bound by the 2 x state bytes it must move. Not differentiable (inference only; training uses ``chunk_gated_delta_rule``).
+runs the sequence's tokens in registers and writes the slice back (one load and one store per state element), so
+the step is bound by the 2 x state bytes it must move. Options, each a compile-time specialisation that is off by
+default: ragged sequences packed along one token axis (``cu_seqlens``), the state after every token stored
+(``intermediate_states``), and only the state after the first ``accepted`` tokens committed (``accepted``:
+speculative verification). Forward only (inference); training uses ``chunk_gated_delta_rule``.
 """
 
 from __future__ import annotations
@@ -28,15 +31,18 @@ from .reference import recurrent_gated_delta_rule_ref
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
 
 _REFERENCE = "gqla_triton.ops.gdn.reference.recurrent_gated_delta_rule_ref"
+_CU_DTYPES = (torch.int32, torch.int64)
 
 
-@triton.jit(do_not_specialize=["S", "P"])
+@triton.jit(do_not_specialize=["S", "P", "N"])
 def gated_delta_rule_decode_fwd_kernel(
-    q, k, v, g, beta, o, state, idx,
-    scale, S, P,
+    q, k, v, g, beta, o, state, idx, cu, acc, inter,
+    scale, S, P, N,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    VARLEN: tl.constexpr, ACCEPT: tl.constexpr, INTER: tl.constexpr,
 ):
+    # S: tokens per sequence (VARLEN: the packed token count T); N: sequences (VARLEN only)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -48,18 +54,33 @@ def gated_delta_rule_decode_fwd_kernel(
     m_k = o_k < K
     m_v = o_v < V
 
+    if VARLEN:
+        # clamped to [0, T] and to non-decreasing: no cu_seqlens value can move an access outside the tensors
+        bos = tl.minimum(tl.maximum(tl.load(cu + i_b), 0), S).to(tl.int32)
+        eos = tl.minimum(tl.maximum(tl.load(cu + i_b + 1), bos), S).to(tl.int32)
+        n_tok = eos - bos
+        tok0 = bos.to(tl.int64)
+    else:
+        n_tok = S
+        tok0 = i_b.to(tl.int64) * S
+
     # negative or out-of-pool rows are skipped: the K bound of every state access becomes 0 for them
     row = tl.load(idx + i_b).to(tl.int64)
     live = (row >= 0) & (row < P)
+    if VARLEN:
+        live = live & (n_tok > 0)
     row = tl.where(live, row, 0)
     k_end = tl.where(live, K, 0)
     m_s = (o_k < k_end)[:, None] & m_v[None, :]
 
+    if ACCEPT:
+        n_acc = tl.minimum(tl.maximum(tl.load(acc + i_b), 0), n_tok)
+
     p_s = state + (row * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
 
-    for t in range(S):
-        tok = i_b.to(tl.int64) * S + t
+    for t in range(n_tok):
+        tok = tok0 + t
         b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -74,25 +95,48 @@ def gated_delta_rule_decode_fwd_kernel(
         b_o = tl.sum(b_s * b_q[:, None], 0) * scale
         b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if INTER:
+            tl.store(inter + (tok * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :], b_s, mask=m_s)
+        if ACCEPT:
+            if t + 1 == n_acc:
+                tl.store(p_s, b_s, mask=m_s)
 
-    tl.store(p_s, b_s, mask=m_s)
+    if not ACCEPT:
+        tl.store(p_s, b_s, mask=m_s)
+
+    if VARLEN:
+        # tokens before the first sequence or after the last belong to none: o = 0
+        zero = tl.zeros([BV], dtype=o.dtype.element_ty)
+        if i_b == 0:
+            for t in range(bos):
+                tl.store(o + (t * HV + i_hv).to(tl.int64) * V + o_v, zero, mask=m_v)
+        if i_b == N - 1:
+            for t in range(eos, S):
+                tl.store(o + (t * HV + i_hv).to(tl.int64) * V + o_v, zero, mask=m_v)
 
 
 def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: float,
-                                use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
-    """Launch the step on contiguous inputs (shapes as ``gated_delta_rule_decode``; state_indices ``[B]`` int32).
-    Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows in place."""
+                                use_qk_l2norm_in_kernel: bool, cu_seqlens=None, accepted=None,
+                                intermediate_states=None) -> torch.Tensor:
+    """Launch the step on contiguous inputs (shapes as ``gated_delta_rule_decode``; state_indices ``[B]`` or ``[N]``
+    int32). Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows (and ``intermediate_states``) in place."""
     B, S, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state.shape[0]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if varlen else B
     o = empty(v.shape, dtype=v.dtype, device=v.device)
     cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q.device)
     BK = next_pow2(K)
     BV = min(cfg.bv, next_pow2(V))
-    grid = (cdiv(V, BV), B * HV)
+    grid = (cdiv(V, BV), N * HV)
     gated_delta_rule_decode_fwd_kernel[grid](
-        q, k, v, g, beta, o, state, state_indices, float(scale), S, P,
+        q, k, v, g, beta, o, state, state_indices,
+        cu_seqlens if varlen else state_indices, accepted if accepted is not None else state_indices,
+        intermediate_states if intermediate_states is not None else state,
+        float(scale), S, P, N,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
+        VARLEN=varlen, ACCEPT=accepted is not None, INTER=intermediate_states is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o
@@ -106,32 +150,78 @@ def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
             raise ValueError(f"state_indices: index {hi} is outside the state pool [0, {pool_rows})")
 
 
-@torch.library.custom_op("gqla_triton::gated_delta_rule_decode", mutates_args=("state",))
+def _check_cu_values(cu_seqlens: torch.Tensor | None, T: int) -> None:
+    """A CPU ``cu_seqlens`` is checked (non-decreasing, within [0, T]); device values are not read (the kernel
+    clamps them)."""
+    if cu_seqlens is None or cu_seqlens.device.type != "cpu":
+        return
+    cu = cu_seqlens.tolist()
+    if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens: expected non-decreasing values within [0, T={T}], got {cu}")
+
+
+@torch.library.custom_op("gqla_triton::gated_delta_rule_decode", mutates_args=("state", "intermediate_states"))
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor, state_indices: torch.Tensor, scale: float,
-               use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
-    _check_pool_rows(state_indices, state.shape[0])  # the public function cannot read it while tracing
-    return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel)
+               state: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool,
+               cu_seqlens: torch.Tensor | None, accepted: torch.Tensor | None,
+               intermediate_states: torch.Tensor | None) -> torch.Tensor:
+    # the public function cannot read CPU index tensors while tracing: checked here
+    _check_pool_rows(state_indices, state.shape[0])
+    _check_cu_values(cu_seqlens, q.shape[1])
+    return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel,
+                                       cu_seqlens, accepted, intermediate_states)
 
 
 @_decode_op.register_fake
-def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, accepted,
+      intermediate_states):
     return torch.empty_like(v)
 
 
-def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2):
-    """The step by ``recurrent_gated_delta_rule_ref``, with the kernel's conventions: rows outside [0, P) are
-    skipped (o = 0), the live rows of ``state`` are updated in place."""
+def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter):
+    """The step by ``recurrent_gated_delta_rule_ref``, one token at a time, with the kernel's conventions: rows
+    outside [0, P) are skipped (o = 0, nothing written), the committed rows of ``state`` and the live rows of
+    ``inter`` are updated in place. Reads the index tensors on the host."""
+    B, S = q.shape[:2]
     o = torch.zeros_like(v)
-    live = ((state_indices >= 0) & (state_indices < state.shape[0])).nonzero().flatten()
-    if live.numel():
-        rows = state_indices[live].long()
-        ol, fin = recurrent_gated_delta_rule_ref(q[live], k[live], v[live], g[live], beta[live], scale=scale,
-                                                 initial_state=state[rows], output_final_state=True,
-                                                 use_qk_l2norm=l2)
-        o[live] = ol.to(o.dtype)
-        state[rows] = fin.to(state.dtype)
+    if inter is not None and cu_seqlens is not None:
+        inter = inter[None]  # [1, T, HV, K, V]: indexed like o
+    if cu_seqlens is not None:
+        _check_cu_values(cu_seqlens.cpu(), S)
+        cu = cu_seqlens.tolist()
+        seqs = [(0, a, b) for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    else:
+        seqs = [(b, 0, S) for b in range(B)]
+    rows = state_indices.tolist()
+    acc = accepted.tolist() if accepted is not None else None
+    for n, (b, lo, hi) in enumerate(seqs):
+        row = rows[n]
+        if not 0 <= row < state.shape[0] or hi == lo:
+            continue
+        n_acc = min(max(acc[n], 0), hi - lo) if acc is not None else hi - lo
+        h = state[row][None]
+        for t in range(lo, hi):
+            sl = slice(t, t + 1)
+            ot, h = recurrent_gated_delta_rule_ref(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], g[b:b + 1, sl],
+                                                   beta[b:b + 1, sl], scale=scale, initial_state=h,
+                                                   output_final_state=True, use_qk_l2norm=l2)
+            o[b, t] = ot[0, 0].to(o.dtype)
+            if inter is not None:
+                inter[b, t] = h[0].to(inter.dtype)
+            if t + 1 - lo == n_acc:
+                state[row] = h[0].to(state.dtype)
     return o
+
+
+def _check_forward_only(**tensors: torch.Tensor | None) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise RuntimeError(
+                f"gated_delta_rule_decode is forward-only (inference): {name} requires grad under autograd. Run it "
+                "under torch.no_grad() / torch.inference_mode(), or use chunk_gated_delta_rule (differentiable in "
+                "q, k, v, g, beta and initial_state) to train through the recurrence.")
 
 
 def gated_delta_rule_decode(
@@ -145,6 +235,9 @@ def gated_delta_rule_decode(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     *,
+    cu_seqlens: torch.Tensor | None = None,
+    accepted: torch.Tensor | None = None,
+    intermediate_states: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Gated DeltaNet recurrent step for ``s >= 1`` new tokens per sequence; updates ``state`` in place.
@@ -154,28 +247,46 @@ def gated_delta_rule_decode(
         v: ``[B, s, HV, V]``, same dtype; ``HV % H == 0`` (value head ``i`` uses q/k head ``i // (HV // H)``).
         g: ``[B, s, HV]`` log-space decay (<= 0), any float dtype. beta: ``[B, s, HV]``, any float dtype.
         state: ``[P, HV, K, V]`` fp32 contiguous pool; rows ``state_indices`` are read and written in place.
-        state_indices: ``[B]`` int32 pool row of each sequence (default ``arange(B)``, needs ``P >= B``).
-            A negative index skips that sequence: its output is 0 and no state row is touched. An index
-            ``>= P`` raises ``ValueError`` when ``state_indices`` is on the CPU (checked without any device
-            sync); on the GPU such a row is treated like a negative one (skipped, never accessed).
+        state_indices: ``[B]`` int32 pool row of each sequence (``[N]`` with ``cu_seqlens``; default ``arange``, needs
+            ``P`` >= that many rows). A negative index skips that sequence: its output is 0 and no state row (nor
+            intermediate state) is touched. An index ``>= P`` raises ``ValueError`` when ``state_indices`` is on the
+            CPU (checked without any device sync); on the GPU such a row is treated like a negative one.
         scale: output scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (``x / sqrt(sum(x^2) + 1e-6)``) first.
-        impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` on
-            the live rows (any device; the state is updated in place alike); ``"gluon"`` is refused.
+        cu_seqlens: ``[N+1]`` int32/int64 (then ``B == 1``): the ``s = T`` tokens hold ``N`` sequences packed in order,
+            sequence ``n`` owning tokens ``[cu[n], cu[n+1])`` (0 tokens allowed: its row is untouched). Never read on
+            the host for a GPU tensor: the kernel clamps each bound to ``[0, T]`` and each end to at least its start,
+            so no value can cause an out-of-bounds access; a CPU tensor is checked (non-decreasing within ``[0, T]``,
+            ``ValueError``). Tokens outside ``[cu[0], cu[N])`` belong to no sequence: o = 0.
+        accepted: ``[B]`` (``[N]`` with ``cu_seqlens``) int32: commit to the pool only the state after each sequence's
+            first ``accepted[b]`` tokens (clamped to ``[0, s]``, with ``cu_seqlens`` to ``[0, its tokens]``; 0 leaves
+            the row unchanged). Outputs of all tokens are computed alike (speculative verification: the outputs of
+            the first accepted tokens equal those of decoding only them).
+        intermediate_states: ``[B, s, HV, K, V]`` fp32 contiguous output buffer (``[T, HV, K, V]`` with
+            ``cu_seqlens``; must not overlap ``state``): the state after every token is written there; entries of
+            skipped sequences (and of tokens outside every sequence) are left as they are.
+        impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` token
+            by token (any device, float64 too; reads the index tensors on the host; the state is updated in place
+            alike); ``"gluon"`` is refused.
 
     Returns:
         o: ``[B, s, HV, V]`` in ``v``'s dtype.
+
+    Forward only: a ``RuntimeError`` if an input requires grad while autograd is enabled.
     """
     check_impl(impl, op="gated_delta_rule_decode", gluon=False)
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    ref = impl == "reference"
+    fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
+    check_tensor("q", q, ndim=4, dtypes=fdt)
     B, S, H, K = q.shape
     check_tensor("k", k, shape=(B, S, H, K), dtypes=(q.dtype,), device=q.device)
     check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
     HV, V = v.shape[2], v.shape[3]
     check_tensor("v", v, shape=(B, S, HV, V))
-    check_tensor("g", g, shape=(B, S, HV), dtypes=FLOAT_DTYPES, device=q.device)
-    check_tensor("beta", beta, shape=(B, S, HV), dtypes=FLOAT_DTYPES, device=q.device)
-    check_tensor("state", state, ndim=4, dtypes=(torch.float32,), device=q.device)
+    check_tensor("g", g, shape=(B, S, HV), dtypes=fdt, device=q.device)
+    check_tensor("beta", beta, shape=(B, S, HV), dtypes=fdt, device=q.device)
+    check_tensor("state", state, ndim=4, dtypes=(torch.float32, torch.float64) if ref else (torch.float32,),
+                 device=q.device)
     if B == 0 or S == 0 or H == 0 or K == 0 or V == 0:
         raise ValueError(f"q/v: expected non-empty B, s, heads and dims, got q {list(q.shape)}, v {list(v.shape)}")
     if HV % H != 0:
@@ -186,19 +297,40 @@ def gated_delta_rule_decode(
         raise ValueError("state: expected a contiguous tensor (it is updated in place)")
     if K > 256 or V > 1024:
         raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported, got K={K}, V={V}")
+    N = B
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=q.device)
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q of shape {list(q.shape)}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+        N = cu_seqlens.numel() - 1
     if state_indices is None:
-        if state.shape[0] < B:
-            raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than batch {B} (pass state_indices)")
-        state_indices = torch.arange(B, dtype=torch.int32, device=q.device)
+        if state.shape[0] < N:
+            raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than the {N} sequences "
+                             "(pass state_indices)")
+        state_indices = torch.arange(N, dtype=torch.int32, device=q.device)
     else:
-        check_tensor("state_indices", state_indices, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
+        check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
+    if accepted is not None:
+        check_tensor("accepted", accepted, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
+    if intermediate_states is not None:
+        want = (B, S, HV, K, V) if cu_seqlens is None else (S, HV, K, V)
+        check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=(state.dtype,), device=q.device)
+        if not intermediate_states.is_contiguous():
+            raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
     if scale is None:
         scale = K**-0.5
+    _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states)
     if not torch.compiler.is_compiling():
         _check_pool_rows(state_indices, state.shape[0])
-    if impl == "reference":
-        return _decode_reference(q, k, v, g, beta, state, state_indices, float(scale), bool(use_qk_l2norm_in_kernel))
+        _check_cu_values(cu_seqlens, S)
+    if ref:
+        return _decode_reference(q, k, v, g, beta, state, state_indices, float(scale), bool(use_qk_l2norm_in_kernel),
+                                 cu_seqlens, accepted, intermediate_states)
     check_kernel_device(q.device, _REFERENCE, q.dtype)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
+    cont = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
-                state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel))
+                state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel), cont(cu_seqlens),
+                cont(accepted), intermediate_states)

@@ -1,0 +1,466 @@
+"""GatedDeltaNet serving (layers/gated_deltanet.py): slots, packed decode steps, speculative verify + commit, pooled
+prefill, rejected calls, torch.compile and CUDA graphs of a decode step.
+
+Low-precision results are judged against the float64 reference layer (same weights) with the harness's data-derived
+tolerance; two low-precision computations that must agree (verify + commit against decoding only the accepted
+tokens) are held to a few times the error of torch at that precision.
+"""
+
+import copy
+
+import pytest
+import torch
+from harness import EPS, P, assert_close, capture_graph, dtypes, examples, gen, pick, randn, rel_err, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_gated_deltanet_layer import IMPLS, _as, _layer
+
+from gqla_triton.layers.gated_deltanet import GatedDeltaNetCache
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+FEW = settings(max_examples=examples(3, 10))
+I32 = dict(dtype=torch.int32, device=P.device)
+
+
+def _agree(name, out, other, ref64, lowp, dtype):
+    """``out`` and ``other`` (two low-precision computations of ``ref64``) are each within the data-derived tolerance
+    of the float64 result and within 4x torch's low-precision error of each other."""
+    assert_close(name, out, ref64, lowp, dtype=dtype)
+    e_low = rel_err(lowp, ref64)
+    assert rel_err(out, other) <= 4 * e_low + 2 * EPS[dtype], (name, rel_err(out, other), e_low)
+
+
+def _reference_run(base, dtype, seqs):
+    """Each sequence's tokens ``x [1, L, hidden]`` through the pure-torch layer in one call from a fresh cache:
+    ``[(out, cache)]`` in float64 and at ``dtype``."""
+    r64, rlp = _as(base, "reference", torch.float64), _as(base, "reference", dtype)
+    res = []
+    with torch.no_grad():
+        for x in seqs:
+            c64, clp = r64.init_cache(1), rlp.init_cache(1)
+            res.append((r64(x.to(torch.float64), c64), c64, rlp(x.to(dtype), clp), clp))
+    return res
+
+
+def _snapshot(cache):
+    return (cache._conv.clone(), cache.recurrent_state.clone(), cache._lens.clone(), list(cache._held),
+            cache._draft)
+
+
+def _assert_unchanged(cache, snap, what=""):
+    conv, rec, lens, held, draft = snap
+    assert torch.equal(cache._conv, conv), what
+    assert torch.equal(cache.recurrent_state, rec), what
+    assert torch.equal(cache._lens, lens), what
+    assert cache._held == held and cache._draft is draft, what
+
+
+def _split(x, cu):
+    return [x[:, a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
+# ------------------------------------------------------------------------------------------ speculative decoding
+@pytest.mark.parametrize("impl", IMPLS)
+@FEW
+@given(N=st.integers(1, pick(3, 8)), s=st.integers(1, 4), varlen=st.booleans(), device_slots=st.booleans(),
+       H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_commit_after_verify_equals_decoding_the_accepted_tokens(impl, N, s, varlen, device_slots, H, G, dtype,
+                                                                 seed):
+    """Verify s draft tokens (ragged counts through cu_seqlens when ``varlen``), commit(accepted): outputs of the
+    accepted tokens, recurrent states, conv windows and lengths equal those of decoding only the accepted tokens;
+    the verify step leaves the cache as it was; the next decode step agrees too (float64 reference layer)."""
+    D = pick(16, 128)
+    base = _layer(H, G, D, torch.float64, seed)
+    g = gen(seed)
+    m = _as(base, impl, dtype)
+    hidden = base.hidden_size
+    num = N + 2
+    slots = torch.randperm(num, generator=g)[:N].tolist()
+    prompt = pick(3, 40)
+    lens = torch.randint(0, s + 1, (N,), generator=g).tolist() if varlen else [s] * N
+    acc = torch.randint(-1, s + 2, (N,), generator=g).to(torch.int32)
+    n_acc = [min(max(int(a), 0), n) for a, n in zip(acc, lens, strict=True)]
+    xp = randn((N, prompt, hidden), g, dtype=dtype)
+    nxt = randn((N, 1, hidden), g, dtype=dtype)
+    if varlen:
+        cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        xd = randn((1, max(cu[-1], 1), hidden), g, dtype=dtype)
+        drafts = _split(xd, cu)
+        cu_t = torch.tensor(cu, **I32)
+    else:
+        xd = randn((N, s, hidden), g, dtype=dtype)
+        drafts = [xd[n:n + 1] for n in range(N)]
+        cu_t = None
+    sl = torch.tensor(slots, **I32) if device_slots else slots
+
+    cv = m.init_cache(num)
+    with torch.no_grad():
+        m(xp, cv, slots=slots)
+        cd = copy.deepcopy(cv)
+        snap = _snapshot(cv)
+        out_v = m(xd, cv, cu_t, slots=sl, verify=True)
+        assert cv.pending
+        conv, rec, lens_, held, _ = snap
+        _assert_unchanged(cv, (conv, rec, lens_, held, cv._draft), "verify changed the cache")
+        cv.commit(acc.to(P.device))
+        assert not cv.pending
+        outs_d = []
+        for n in range(N):  # each sequence alone, only its accepted tokens
+            outs_d.append(m(drafts[n][:, :n_acc[n]], cd, slots=[slots[n]]) if n_acc[n] else None)
+        o1 = m(nxt, cv, slots=sl)
+        o2 = m(nxt, cd, slots=slots)
+
+    r = _reference_run(base, dtype, [torch.cat([xp[n:n + 1], drafts[n][:, :n_acc[n]], nxt[n:n + 1]], 1)
+                                     for n in range(N)])
+    rows = torch.tensor(slots, device=P.device)
+    for n, (out64, _, outlp, _) in enumerate(r):
+        a = n_acc[n]
+        vn = out_v[:, cu[n]:cu[n + 1]] if varlen else out_v[n:n + 1]
+        if a:
+            _agree(f"accepted outputs (seq {n})", vn[:, :a], outs_d[n], out64[:, prompt:prompt + a],
+                   outlp[:, prompt:prompt + a], dtype)
+        _agree(f"next step after commit (seq {n})", o1[n:n + 1], o2[n:n + 1], out64[:, -1:], outlp[:, -1:], dtype)
+    assert torch.equal(cv.seqlens, cd.seqlens)
+    want = torch.tensor([prompt + a + 1 for a in n_acc], **I32)
+    assert torch.equal(cv.seqlens[rows], want)
+    c64 = torch.cat([x[1].recurrent_state for x in r])
+    clp = torch.cat([x[3].recurrent_state for x in r])
+    _agree("recurrent state", cv.recurrent_state[rows], cd.recurrent_state[rows], c64, clp, torch.float32)
+    c64 = torch.cat([x[1].conv_state for x in r])
+    clp = torch.cat([x[3].conv_state for x in r])
+    _agree("conv state", cv.conv_state[rows], cd.conv_state[rows], c64, clp, dtype)
+
+
+# ------------------------------------------------------------------------------------------ packed decode steps
+@pytest.mark.parametrize("impl", IMPLS)
+@FEW
+@given(lens=st.lists(st.integers(0, 3), min_size=1, max_size=pick(4, 8)), pad=st.integers(0, 2),
+       device_slots=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_packed_decode_equals_per_sequence_decode(impl, lens, pad, device_slots, G, dtype, seed):
+    """New tokens of N sequences packed through cu_seqlens (ragged counts, 0 allowed, padding tokens after cu[N])
+    in one decode step == each sequence decoding its tokens alone; padding tokens output 0; float64 reference."""
+    H, D = 2, pick(16, 128)
+    base = _layer(H, G, D, torch.float64, seed)
+    g = gen(seed)
+    m = _as(base, impl, dtype)
+    N = len(lens)
+    num = N + 1
+    slots = torch.randperm(num, generator=g)[:N].tolist()
+    prompt = pick(2, 20)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    T = cu[-1] + max(pad, 1 if cu[-1] == 0 else 0)
+    xp = randn((N, prompt, base.hidden_size), g, dtype=dtype)
+    xd = randn((1, T, base.hidden_size), g, dtype=dtype)
+    cache = m.init_cache(num)
+    with torch.no_grad():
+        m(xp, cache, slots=slots)
+        alone = copy.deepcopy(cache)
+        before = cache.recurrent_state.clone()
+        out = m(xd, cache, torch.tensor(cu, **I32), slots=torch.tensor(slots, **I32) if device_slots else slots)
+        outs = [m(x, alone, slots=[slots[n]]) if x.shape[1] else None for n, x in enumerate(_split(xd, cu))]
+    assert out.shape == xd.shape
+    assert torch.equal(out[:, cu[-1]:], torch.zeros_like(out[:, cu[-1]:]))
+    r = _reference_run(base, dtype, [torch.cat([xp[n:n + 1], x], 1) for n, x in enumerate(_split(xd, cu))])
+    for n, (out64, _, outlp, _) in enumerate(r):
+        if lens[n]:
+            _agree(f"seq {n}", out[:, cu[n]:cu[n + 1]], outs[n], out64[:, prompt:], outlp[:, prompt:], dtype)
+    assert torch.equal(cache.seqlens, alone.seqlens)
+    rows = torch.tensor(slots, device=P.device)
+    assert torch.equal(cache.seqlens[rows], torch.tensor([prompt + n for n in lens], **I32))
+    c64 = torch.cat([x[1].recurrent_state for x in r])
+    clp = torch.cat([x[3].recurrent_state for x in r])
+    _agree("recurrent state", cache.recurrent_state[rows], alone.recurrent_state[rows], c64, clp, torch.float32)
+    c64 = torch.cat([x[1].conv_state for x in r])
+    clp = torch.cat([x[3].conv_state for x in r])
+    _agree("conv state", cache.conv_state[rows], alone.conv_state[rows], c64, clp, dtype)
+    free = [i for i in range(num) if i not in slots]
+    assert torch.equal(cache.recurrent_state[free], before[free])
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_device_slot_padding_is_skipped(verify):
+    """A device slot tensor with padding (-1) and out-of-range entries: those rows output exactly 0 (even from NaN
+    hidden states) and touch no slot; the live rows equal the same step over host slots."""
+    base = _layer(1, 2, 16, torch.float64, 3)
+    m = _as(base, "triton", P.dtypes[0])
+    g = gen(3)
+    cache = m.init_cache(4)
+    xp = randn((2, 3, m.hidden_size), g, dtype=m.q_proj.weight.dtype)
+    x = randn((4, 2, m.hidden_size), g, dtype=m.q_proj.weight.dtype)
+    x[[1, 3]] = float("nan")  # whatever a padding row holds, its output is 0
+    with torch.no_grad():
+        m(xp, cache, slots=[3, 1])
+        twin = copy.deepcopy(cache)
+        before = _snapshot(cache)
+        out = m(x, cache, slots=torch.tensor([3, -1, 1, 9], **I32), verify=verify)
+        ref = m(x[[0, 2]], twin, slots=[3, 1], verify=verify)
+        if verify:
+            acc = torch.tensor([2, 1, 1, 2], **I32)
+            cache.commit(acc)
+            twin.commit(acc[[0, 2]])
+    assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+    torch.testing.assert_close(out[[0, 2]], ref)
+    for name in ("conv_state", "recurrent_state", "seqlens"):
+        torch.testing.assert_close(getattr(cache, name), getattr(twin, name))
+    for t, t0 in ((cache.conv_state, before[0][:4]), (cache.recurrent_state, before[1]), (cache.seqlens,
+                                                                                          before[2][:4])):
+        assert torch.equal(t[[0, 2]], t0[[0, 2]])  # rows of no live sequence
+    assert cache.holds() == [False, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------ pooled prefill
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_into_fresh_and_held_slots(impl):
+    """A packed prefill over a held slot (continues from its states) and two free slots whose rows hold garbage
+    (start from zero) == each sequence prefilled alone (float64 reference); the other slot stays bitwise as it
+    was; reset() zeroes rows and frees them."""
+    base = _layer(2, 2, pick(16, 128), torch.float64, 8)
+    dt = P.dtypes[0]
+    m = _as(base, impl, dt)
+    g = gen(8)
+    hid = m.hidden_size
+    first = [randn((1, n, hid), g, dtype=dt) for n in (4, 6)]
+    second = [randn((1, n, hid), g, dtype=dt) for n in (pick(18, 70), 5, 7)]
+    cache = m.init_cache(4)
+    with torch.no_grad():
+        m(torch.cat(first, 1), cache, torch.tensor([0, 4, 10], device=P.device), slots=[0, 2])
+        assert cache.holds() == [True, False, True, False]
+        cache.free([2])
+        cache.recurrent_state[[1, 2, 3]] = randn((3, *cache.recurrent_state.shape[1:]), g)
+        cache.conv_state[[1, 2, 3]] = randn((3, *cache.conv_state.shape[1:]), g, dtype=dt)
+        keep = cache.recurrent_state[3].clone(), cache.conv_state[3].clone()
+        cu = torch.tensor([0, *torch.tensor([x.shape[1] for x in second]).cumsum(0).tolist()], device=P.device)
+        out = m(torch.cat(second, 1), cache, cu, slots=[0, 2, 1])
+    assert cache.holds() == [True, True, True, False]
+    assert torch.equal(cache.recurrent_state[3], keep[0]) and torch.equal(cache.conv_state[3], keep[1])
+    r = _reference_run(base, dt, [torch.cat([first[0], second[0]], 1), second[1], second[2]])
+    pieces = _split(out, cu.tolist())
+    skip = [first[0].shape[1], 0, 0]
+    for n, (out64, _, outlp, _) in enumerate(r):
+        assert_close(f"seq {n}", pieces[n], out64[:, skip[n]:], outlp[:, skip[n]:], dtype=dt)
+    rows = [0, 2, 1]
+    assert_close("recurrent state", cache.recurrent_state[rows], torch.cat([x[1].recurrent_state for x in r]),
+                 torch.cat([x[3].recurrent_state for x in r]), dtype=torch.float32)
+    assert_close("conv state", cache.conv_state[rows], torch.cat([x[1].conv_state for x in r]),
+                 torch.cat([x[3].conv_state for x in r]), dtype=dt)
+    assert cache.seqlens.tolist() == [first[0].shape[1] + second[0].shape[1], 7, 5, 0]
+    cache.reset([0, 3])
+    assert cache.holds() == [False, True, True, False]
+    assert not cache.recurrent_state[0].any() and not cache.conv_state[0].any() and cache.seqlens[0] == 0
+
+
+# ------------------------------------------------------------------------------------------ rejected calls
+def test_rejected_calls_change_nothing():
+    """Every invalid call raises TypeError / ValueError and leaves every cache tensor, flag and pending step as it
+    was (snapshots before and after)."""
+    m = _as(_layer(2, 2, 16, torch.float64, 1), "triton", P.dtypes[0])
+    dt = m.q_proj.weight.dtype
+    g = gen(1)
+    cache = m.init_cache(3)
+    x = randn((2, 1, m.hidden_size), g, dtype=dt)
+    with torch.no_grad():
+        m(randn((2, 2, m.hidden_size), g, dtype=dt), cache, slots=[2, 0])
+    dev = P.device
+    x1 = randn((1, 4, m.hidden_size), g, dtype=dt)
+    bad = [
+        (TypeError, "slots", dict(x=x, slots=[2, 0.0])),
+        (TypeError, "slots", dict(x=x, slots=[True, 0])),
+        (TypeError, "slots", dict(x=x, slots="02")),
+        (TypeError, "slots", dict(x=x, slots={0, 2})),
+        (ValueError, "slots", dict(x=x, slots=[2, 2])),
+        (ValueError, "slots", dict(x=x, slots=[2, 3])),
+        (ValueError, "slots", dict(x=x, slots=[-1, 0])),
+        (ValueError, "slots", dict(x=x, slots=[2])),
+        (TypeError, "slots", dict(x=x, slots=torch.tensor([2, 0], dtype=torch.int64, device=dev))),
+        (ValueError, "slots", dict(x=x, slots=torch.tensor([[2, 0]], **I32))),
+        (ValueError, "slots", dict(x=x, slots=torch.tensor([2, 0, 1], **I32))),
+        (TypeError, "hidden_states", dict(x=x.double() if dt != torch.float64 else x.float(), slots=[2, 0])),
+        (ValueError, "hidden_states", dict(x=x[..., :-1], slots=[2, 0])),
+        (ValueError, "hidden_states", dict(x=x[0], slots=[2, 0])),
+        (ValueError, "hidden_states", dict(x=x[:, :0], slots=[2, 0])),
+        (TypeError, "hidden_states", dict(x=x.tolist(), slots=[2, 0])),
+        (ValueError, "cu_seqlens", dict(x=x, cu=torch.tensor([0, 1, 2], **I32), slots=[2, 0])),  # B != 1
+        (TypeError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 4.0], device=dev), slots=[2, 0])),
+        (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([[0, 2, 4]], **I32), slots=[2, 0])),
+        (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([4], **I32), slots=[2, 0])),
+        (ValueError, "slots", dict(x=x1, cu=torch.tensor([0, 4], **I32), slots=[2, 0])),
+        (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[1, 0])),  # prefill: read
+        (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 3], **I32), slots=[1, 0])),  # must end at T
+        (ValueError, "verify", dict(x=x, slots=[1, 0], verify=True)),  # slot 1 holds no state
+        (TypeError, "verify", dict(x=x, slots=[2, 0], verify=1)),
+        (TypeError, "cache", dict(x=x, cache=object())),
+        (ValueError, "cache", dict(x=x, cache=GatedDeltaNetCache(3, m.conv_dim, 4, 4, 16, 32, device=dev,
+                                                                 dtype=dt))),
+    ]
+    if dev == "cpu":  # a CPU cu_seqlens is checked on the host for a decode step too (no sync)
+        bad += [(ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[2, 0])),
+                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 5], **I32), slots=[2, 0]))]
+    snap = _snapshot(cache)
+    with torch.no_grad():
+        for exc, match, kw in bad:
+            with pytest.raises(exc, match=match):
+                m(kw["x"], kw.get("cache", cache), kw.get("cu"), slots=kw["slots"] if "slots" in kw else None,
+                  verify=kw.get("verify", False))
+            _assert_unchanged(cache, snap, match)
+        with pytest.raises(ValueError, match="slots"):
+            m(x, None, slots=[0, 1])
+        with pytest.raises(ValueError, match="commit"):
+            cache.commit(torch.zeros(2, **I32))
+        _assert_unchanged(cache, snap)
+        # a pending verify step: forward, reset and free refuse; commit checks its argument
+        m(x, cache, slots=[2, 0], verify=True)
+        snap = _snapshot(cache)
+        for call in (lambda: m(x, cache, slots=[2, 0]), lambda: cache.reset([1]), lambda: cache.free()):
+            with pytest.raises(ValueError, match="pending"):
+                call()
+            _assert_unchanged(cache, snap)
+        for acc, exc in ((torch.zeros(3, **I32), ValueError), (torch.zeros(2, dtype=torch.int64, device=dev),
+                                                                TypeError), ([0, 0], TypeError)):
+            with pytest.raises(exc, match="accepted"):
+                cache.commit(acc)
+            _assert_unchanged(cache, snap)
+        for call in (lambda: cache.reset([3]), lambda: cache.free([0, 0]), lambda: cache.holds([5])):
+            with pytest.raises(ValueError, match="slots"):
+                call()
+        cache.commit(torch.zeros(2, **I32))  # nothing accepted: the cache as before the verify step
+        _assert_unchanged(cache, (*snap[:4], None))
+    with pytest.raises(RuntimeError, match="inference only"):  # a decode step under autograd
+        m(x, cache, slots=[2, 0])
+    _assert_unchanged(cache, (*snap[:4], None))
+
+
+# ------------------------------------------------------------------------------------------ capturable decode step
+def test_decode_step_torch_compile_fullgraph_no_recompiles():
+    """The layer's decode step (device slots with padding; dense, packed and verify + commit) under
+    ``torch.compile(fullgraph=True, backend="aot_eager")``, several steps == eager, one compile per step kind."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    base = _layer(1, 1, 16, torch.float64, 4)
+    m = _as(base, "triton", torch.float32)
+    g = gen(4)
+    eager = m.init_cache(4)
+    with torch.no_grad():
+        m(randn((3, 3, m.hidden_size), g), eager, slots=[2, 0, 3])
+    comp = copy.deepcopy(eager)
+    slots = torch.tensor([2, -1, 0, 3], **I32)
+    cu = torch.tensor([0, 2, 2, 3, 5], **I32)
+
+    def dense(x, cache):
+        return m(x, cache, slots=slots)
+
+    def packed(x, cache):
+        return m(x, cache, cu, slots=slots)
+
+    def spec(x, acc, cache):
+        out = m(x, cache, slots=slots, verify=True)
+        cache.commit(acc)
+        return out
+
+    counters = {f: CompileCounterWithBackend("aot_eager") for f in ("dense", "packed", "spec")}
+    fns = {"dense": dense, "packed": packed, "spec": spec}
+    compiled = {k: torch.compile(f, fullgraph=True, backend=counters[k]) for k, f in fns.items()}
+    with torch.no_grad():
+        for step in range(3):
+            xs = {"dense": (randn((4, 1, m.hidden_size), g),), "packed": (randn((1, 6, m.hidden_size), g),),
+                  "spec": (randn((4, 3, m.hidden_size), g), torch.tensor([step, 3, 1, 2], **I32))}
+            for k in fns:
+                o_c = compiled[k](*xs[k], comp)
+                o_e = fns[k](*xs[k], eager)
+                torch.testing.assert_close(o_c, o_e, rtol=1e-5, atol=1e-6)
+                for name in ("conv_state", "recurrent_state", "seqlens"):
+                    torch.testing.assert_close(getattr(comp, name), getattr(eager, name), rtol=1e-5, atol=1e-6)
+    assert {k: c.frame_count for k, c in counters.items()} == {"dense": 1, "packed": 1, "spec": 1}
+
+
+def _gpu_layer():
+    base = _layer(4, 2, 128, torch.float64, 6)
+    m = _as(base, "triton", torch.bfloat16)
+    g = gen(6)
+    cache = m.init_cache(12)
+    with torch.no_grad():
+        m(randn((8, 24, m.hidden_size), g, dtype=torch.bfloat16), cache, slots=[11, 0, 3, 5, 7, 2, 9, 4])
+    return m, cache, g, torch.tensor([11, 0, -1, 3, 5, 7, 2, 9, 4], **I32)
+
+
+@pytest.mark.gpu_only
+def test_decode_step_cuda_graph_replays():
+    """One decode step (device slots with padding) captured in a CUDA graph and replayed 24 times == eager steps;
+    the same for a verify step + commit captured in one graph."""
+    m, cache, g, slots = _gpu_layer()
+    eager = copy.deepcopy(cache)
+    B = slots.numel()
+    with torch.no_grad():
+        x = torch.zeros(B, 1, m.hidden_size, device="cuda", dtype=torch.bfloat16)
+        graph, out = capture_graph(lambda: m(x, cache, slots=slots))
+        m(x, eager, slots=slots)  # capture_graph's warm-up ran one real step
+        for _ in range(24):
+            xi = randn((B, 1, m.hidden_size), g, dtype=torch.bfloat16)
+            x.copy_(xi)
+            graph.replay()
+            torch.testing.assert_close(out, m(xi, eager, slots=slots))
+        for name in ("conv_state", "recurrent_state", "seqlens"):
+            torch.testing.assert_close(getattr(cache, name), getattr(eager, name))
+
+        xd = torch.zeros(B, 3, m.hidden_size, device="cuda", dtype=torch.bfloat16)
+        acc = torch.zeros(B, **I32)
+
+        def spec(xd, acc, c):
+            o = m(xd, c, slots=slots, verify=True)
+            c.commit(acc)
+            return o
+
+        graph, out = capture_graph(lambda: spec(xd, acc, cache))
+        spec(xd, acc, eager)
+        for _ in range(20):
+            xi = randn((B, 3, m.hidden_size), g, dtype=torch.bfloat16)
+            ai = torch.randint(0, 4, (B,), generator=g).to(**I32)
+            xd.copy_(xi)
+            acc.copy_(ai)
+            graph.replay()
+            torch.testing.assert_close(out, spec(xi, ai, eager))
+        for name in ("conv_state", "recurrent_state", "seqlens"):
+            torch.testing.assert_close(getattr(cache, name), getattr(eager, name))
+
+
+@pytest.mark.gpu_only
+def test_host_slots_decode_step_cuda_graph():
+    """Host slots in a captured decode step: ``0..n-1`` (made by a device op during the capture, not kept) and a
+    tuple used once before the capture; replays == eager steps."""
+    m, cache, g, _ = _gpu_layer()
+    with torch.no_grad():
+        m(randn((12, 4, m.hidden_size), g, dtype=torch.bfloat16), cache, slots=list(range(12)))  # every slot held
+    x = torch.zeros(12, 1, m.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.zeros(3, 1, m.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        m(x, cache)
+        m(x2, cache, slots=[7, 1, 4])  # the tuple's index tensors are made here, before the capture
+        eager = copy.deepcopy(cache)
+        del cache._index[tuple(range(12))]  # made during the capture instead
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = (m(x, cache), m(x2, cache, slots=[7, 1, 4]))
+        assert tuple(range(12)) not in cache._index
+        for _ in range(20):
+            xi, x2i = (randn(t.shape, g, dtype=torch.bfloat16) for t in (x, x2))
+            x.copy_(xi)
+            x2.copy_(x2i)
+            graph.replay()
+            torch.testing.assert_close(out[0], m(xi, eager))
+            torch.testing.assert_close(out[1], m(x2i, eager, slots=[7, 1, 4]))
+    for name in ("conv_state", "recurrent_state", "seqlens"):
+        torch.testing.assert_close(getattr(cache, name), getattr(eager, name))
+
+
+@pytest.mark.gpu_only
+def test_decode_step_torch_compile_default_backend():
+    m, cache, g, slots = _gpu_layer()
+    eager = copy.deepcopy(cache)
+    B = slots.numel()
+    step = torch.compile(lambda x, c: m(x, c, slots=slots), fullgraph=True)
+    with torch.no_grad():
+        for _ in range(4):
+            xi = randn((B, 1, m.hidden_size), g, dtype=torch.bfloat16)
+            torch.testing.assert_close(step(xi, cache), m(xi, eager, slots=slots))
+    for name in ("conv_state", "recurrent_state", "seqlens"):
+        torch.testing.assert_close(getattr(cache, name), getattr(eager, name))
