@@ -1,12 +1,13 @@
 """GQLA layer-level decode attention, both paths on one weight set (h_q 128, g 8, d_h = d_v 128, d_R 64, r 512,
-page 64, bf16), M1/Q1-like shapes.
+page 64, bf16), the M / Q shapes and the small batches of the path-choice table, timed in CUDA graphs.
 
 - absorb:  ``q_lat = W_UK[γ(i)]ᵀ q_nope`` (bmm per group) ++ q_rope -> ``mla_decode`` -> ``W_UV[γ(i)] õ``
 - grouped: q_nope ++ q_rope -> ``gqa_decode`` over the per-group K/V cache with one shared rope key
 
-Each workload adds one row per path (op ``gqla_absorb`` / ``gqla_grouped``, impl ``gqla_triton``) with extra
-fields: ``attn_ms`` (the decode kernel alone), ``model_ms`` (roofline time of the kernel on this GPU),
-``auto_pick`` (``gq.choose_decode_path``: roofline x the kernels' measured efficiency in the config
+Each workload adds one row per path (op ``gqla_absorb`` / ``gqla_grouped``, impl ``gqla_triton``; ``ms`` is the
+whole decode attention in a CUDA graph: absorb projections + kernel) with extra fields: ``attn_ms`` (the decode
+kernel alone, in a graph), ``eager_ms`` (the whole attention called eagerly), ``model_ms`` (roofline time of the
+kernel on this GPU), ``auto_pick`` (``gq.choose_decode_path``: roofline x the kernels' measured efficiency in the config
 table), ``roofline_pick`` (hardware bounds alone, ``kernel_efficiency=False``), ``winner`` (measured, whole decode
 attention) and ``pick_ok``. ``python -m bench.run --op gqla`` (add ``--no-anchors``: there are no anchors here).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import gqla_triton as gq
-from bench.common import time_ms
+from bench.common import time_graph_ms, time_ms
 from gqla_triton.roofline import gpu_spec, gqa_decode_model, mla_decode_model
 
 H, G, DH, DR, R, PAGE = 128, 8, 128, 64, 512, 64
@@ -26,6 +27,11 @@ WORKLOADS = {
     "M2": dict(B=128, S=4096, s_q=2),  # = Q2 (MTP)
     "M3": dict(B=64, S=8192, s_q=1),
     "M4": dict(B=32, S=16384, s_q=1),  # = Q3
+    "P1": dict(B=1, S=4096, s_q=1),  # small batches: the split-KV regime
+    "P2": dict(B=1, S=32768, s_q=1),
+    "P3": dict(B=8, S=8192, s_q=1),
+    "P4": dict(B=16, S=2048, s_q=1),
+    "P5": dict(B=32, S=4096, s_q=1),
 }
 
 
@@ -102,11 +108,11 @@ def run(names, ctx, anchors=True):
         for path, fns, model, extra_flops in (("absorb", absorb_fns(x, scale), m_abs, proj),
                                               ("grouped", grouped_fns(x, scale), m_grp, 0)):
             attn, full = fns
-            res[path] = (time_ms(full), time_ms(attn), model, extra_flops)
+            res[path] = (time_graph_ms(full), time_graph_ms(attn), time_ms(full), model, extra_flops)
         winner = min(res, key=lambda p: res[p][0])
-        for path, (ms, attn_ms, model, extra_flops) in res.items():
+        for path, (ms, attn_ms, eager_ms, model, extra_flops) in res.items():
             ctx.row(f"gqla_{path}", name, "gqla_triton", ms, flops=model.flops + extra_flops, nbytes=model.bytes,
-                    path=path, attn_ms=attn_ms, model_ms=model.time(spec) * 1e3, auto_pick=pick.path,
+                    path=path, attn_ms=attn_ms, eager_ms=eager_ms, model_ms=model.time(spec) * 1e3, auto_pick=pick.path,
                     model_absorb_ms=pick.absorb_s * 1e3, model_grouped_ms=pick.grouped_s * 1e3,
                     roofline_pick=hw.path, winner=winner, pick_ok=pick.path == winner, B=B, S=S, s_q=s_q)
         del x

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla"]
+OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla", "layers"]
 
 
 def _parser() -> argparse.ArgumentParser:

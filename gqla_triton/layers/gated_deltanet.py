@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 import math
 import numbers
 
@@ -33,8 +32,6 @@ from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
-# chunk_gated_delta_rule reads initial states from and writes final states to pool rows (state_indices)
-_POOLED_PREFILL = "state_indices" in inspect.signature(chunk_gated_delta_rule).parameters
 _CU_DTYPES = (torch.int32, torch.int64)
 
 
@@ -422,7 +419,7 @@ class GatedDeltaNet(nn.Module):
         """The chunked rule from the pool rows ``batch`` of ``cache``, final states written back into them: in place
         through ``state_indices`` (no copies) for the inference kernels, else by ``_gather_rule``."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-        if self.impl == "reference" or grad or not _POOLED_PREFILL:
+        if self.impl == "reference" or grad:
             return self._gather_rule(q, k, v, g, beta, cache, batch, cu_seqlens, cu_host)
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=cache.recurrent_state,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_host,

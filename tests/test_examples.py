@@ -1,0 +1,20 @@
+"""The examples run end to end (tiny sizes under the interpreter in the ci profile) and their self-checks pass."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", ["hybrid_lm.py"])
+def test_example_runs_and_agrees(script):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, f"{script} failed:\n{res.stdout}\n{res.stderr[-4000:]}"
+    assert "outputs agree" in res.stdout, res.stdout
