@@ -76,3 +76,30 @@ def test_combine_rejects_bad_shapes():
     with pytest.raises(ValueError, match="lse_partial"):
         combine_splits(o_p, torch.zeros(1, 3, 1, 4, device=P.device), torch.zeros(1, 1, 4, 16, device=P.device),
                        torch.zeros(1, 4, 1, device=P.device))
+
+
+def test_combine_nonfinite_partials():
+    """A NaN split lse makes its row NaN; a +inf one gives lse +inf and out NaN; a split of weight 0 (lse -inf)
+    enters as 0 · o: a NaN there (a -inf score against an infinite value) reaches its row's column, a 0 changes
+    nothing. Rows of finite splits only: the float64 merge."""
+    B, S, H, D = 1, 3, 5, 16
+    o = randn((B, S, 1, H, D), 3).float()
+    lse = randn((B, S, 1, H), 4).float()
+    lse[0, 1, 0, 0] = math.nan
+    lse[0, 2, 0, 1], o[0, 2, 0, 1] = math.inf, math.nan  # what a kernel writes for a +inf score
+    lse[0, 0, 0, 2], o[0, 0, 0, 2] = -math.inf, 0.0
+    o[0, 0, 0, 2, 5] = math.nan
+    lse[0, 0, 0, 3], o[0, 0, 0, 3] = -math.inf, 0.0
+    out = alloc.empty(B, 1, H, D, dtype=torch.float32, device=P.device)
+    lse_out = alloc.empty(B, H, 1, dtype=torch.float32, device=P.device)
+    combine_splits(o, lse, out, lse_out)
+    out, lse_out = out.cpu().double(), lse_out.cpu().double()
+    assert out[0, 0, 0].isnan().all() and lse_out[0, 0, 0].isnan()
+    assert out[0, 0, 1].isnan().all() and lse_out[0, 1, 0] == math.inf
+    assert out[0, 0, 2, 5].isnan() and torch.isfinite(out[0, 0, 2, :5]).all() and torch.isfinite(lse_out[0, 2])
+    o64, l64 = o.cpu().double(), lse.cpu().double()
+    for h in (2, 3, 4):
+        ref_l = torch.logsumexp(l64[0, :, 0, h], 0)
+        ref_o = (torch.exp(l64[0, :, 0, h] - ref_l)[:, None] * torch.nan_to_num(o64[0, :, 0, h], nan=0.0)).sum(0)
+        keep = torch.isfinite(out[0, 0, h])
+        assert (out[0, 0, h][keep] - ref_o[keep]).abs().max() < 1e-5 and abs(lse_out[0, h, 0] - ref_l) < 1e-5

@@ -2,8 +2,15 @@
 shared epilogue (``finish_rows``, ``store_rows``) that writes either final rows or a split's partials.
 
 ``o_partial [B, S, Q, H, D]`` fp32 and ``lse_partial [B, S, Q, H]`` fp32 (natural log; ``-inf`` marks a
-split that saw no key) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any float
-dtype) and ``lse [B, H, Q]`` fp32. Rows with no key anywhere give ``out = 0``, ``lse = -inf``.
+split whose softmax weights sum to 0) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any
+float dtype) and ``lse [B, H, Q]`` fp32. Rows whose weights sum to 0 in every split give ``out = 0``,
+``lse = -inf``.
+
+Non-finite values follow IEEE arithmetic (the references define it): a NaN score poisons its row's running sum
+``l`` (out and lse NaN); a ``+inf`` score makes the running max ``+inf``, which the steps below rescale from 0
+instead of from itself, so lse is ``+inf`` (NaN with a NaN score too) and out NaN. A split enters the merge as
+``w · o`` even where ``w`` is 0, so its partial for a row of weight 0 must be 0 or that row's ``Σ 0 · v``
+(what the kernels write: ``finish_rows(..., SPLIT=True)``).
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ def softmax_step(s, m_i, l_i, AXIS: tl.constexpr):
     """One online-softmax step over a tile of log2-scaled scores (-inf where masked), reduced along ``AXIS``
     (1: s is [rows, keys]; 0: [keys, rows]). Returns ``(m_new, alpha, p, l_new)``: the running max, the rescale
     of the old accumulator, the tile's probabilities and the running sum. A row with no key so far keeps
-    m = -inf and gets p = 0."""
+    m = -inf and gets p = 0. The max skips NaN scores; they reach ``l`` (and P·V) through ``p = NaN``. A ``+inf``
+    max rescales from 0, so a ``+inf`` score gives ``p = +inf`` and ``l = +inf`` (lse ``+inf``) instead of
+    ``inf - inf``."""
     m_new = tl.maximum(m_i, tl.max(s, AXIS))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     if AXIS == 1:
         p = tl.exp2(s - m_safe[:, None])
@@ -51,14 +60,17 @@ def softmax_step(s, m_i, l_i, AXIS: tl.constexpr):
 
 
 @triton.jit
-def finish_rows(acc, m_log2, l):
+def finish_rows(acc, m_log2, l, SPLIT: tl.constexpr):
     """Normalise a [rows, D] online-softmax accumulator: ``(o, lse)`` with lse in natural log. ``m_log2`` is
-    the running max of the log2-scaled scores, ``l`` the running sum; a row that saw no key gets o = 0 and
-    lse = -inf."""
-    has = l > 0
-    safe_l = tl.where(has, l, 1.0)
-    o = tl.where(has[:, None], acc / safe_l[:, None], 0.0)
-    lse = tl.where(has, m_log2 * 0.6931471805599453 + tl.log(safe_l), float("-inf"))
+    the running max of the log2-scaled scores, ``l`` the running sum. A row whose weights sum to 0 (no key, or
+    every score -inf) gets lse = -inf and o = 0, or under ``SPLIT`` its raw accumulator (0, or NaN where a
+    -inf score met an infinite value) for ``combine_splits``. A NaN ``l`` gives NaN o and lse."""
+    empty = l == 0
+    safe_l = tl.where(empty, 1.0, l)
+    o = acc / safe_l[:, None]
+    if not SPLIT:
+        o = tl.where(empty[:, None], 0.0, o)
+    lse = tl.where(empty, float("-inf"), m_log2 * 0.6931471805599453 + tl.log(safe_l))
     return o, lse
 
 
@@ -69,9 +81,10 @@ def store_rows(o, lse, o_mask, lse_mask, cols, b64, split, q64, h64,
     """Store a decode tile's rows (query token q64, head h64 per row; value columns ``cols``): the final
     ``out`` (its dtype) and ``lse_out``, or under split-KV this split's fp32 partials for combine_splits."""
     if SPLIT:
-        po = o_part + b64 * s_pb + split * s_ps + q64 * s_pq + h64 * s_ph
+        s64 = split.to(tl.int64)
+        po = o_part + b64 * s_pb + s64 * s_ps + q64 * s_pq + h64 * s_ph
         tl.store(po[:, None] + cols[None, :], o, mask=o_mask)
-        tl.store(lse_part + b64 * s_plb + split * s_pls + q64 * s_plq + h64, lse, mask=lse_mask)
+        tl.store(lse_part + b64 * s_plb + s64 * s_pls + q64 * s_plq + h64, lse, mask=lse_mask)
     else:
         po = out + b64 * s_ob + q64 * s_oq + h64 * s_oh
         tl.store(po[:, None] + cols[None, :], o.to(out.dtype.element_ty), mask=o_mask)
@@ -101,22 +114,26 @@ def combine_splits_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(lse_part + b64 * s_lb + s * s_ls + q * s_lq + offs_h, mask=mh, other=float("-inf"))
-        o_ptr = o_part + b64 * s_ob + s * s_os + q * s_oq + offs_h[:, None] * s_oh + offs_d[None, :]
+    # pointers advance split by split (64-bit: no int32 product of the split index and its stride)
+    lse_ptr = lse_part + b64 * s_lb + q * s_lq + offs_h
+    o_ptr = o_part + b64 * s_ob + q * s_oq + offs_h[:, None] * s_oh + offs_d[None, :]
+    for _ in range(num_splits):
+        lse_s = tl.load(lse_ptr, mask=mh, other=float("-inf"))
         o_s = tl.load(o_ptr, mask=mh[:, None] & md[None, :], other=0.0)
+        # as softmax_step: the max skips NaN (it reaches l through w), an infinite max rescales from 0
         m_new = tl.maximum(m, lse_s)
-        safe = m_new > float("-inf")
-        alpha = tl.where(safe, tl.exp(m - m_new), 0.0)
-        w = tl.where(safe, tl.exp(lse_s - m_new), 0.0)
-        # a split that saw nothing may hold anything: never let it into the sum
-        o_s = tl.where((w > 0)[:, None], o_s, 0.0)
+        m_ref = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        w = tl.exp(lse_s - m_ref)
         acc = acc * alpha[:, None] + w[:, None] * o_s
         l = l * alpha + w
         m = m_new
-    has = l > 0
-    o = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        lse_ptr += s_ls
+        o_ptr += s_os
+    empty = l == 0
+    safe_l = tl.where(empty, 1.0, l)
+    o = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
+    lse = tl.where(empty, float("-inf"), m + tl.log(safe_l))
     tl.store(out + b64 * s_outb + q * s_outq + offs_h[:, None] * s_outh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=mh[:, None] & md[None, :])
     tl.store(lse_out + b64 * s_lob + offs_h * s_loh + q * s_loq, lse, mask=mh)

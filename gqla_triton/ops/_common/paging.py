@@ -32,8 +32,17 @@ def logical_to_physical(bt_row_ptr, pos, valid, max_pages, num_pages, PAGE_SIZE:
 
 
 @triton.jit
+def table_keys(seqlen, max_pages, PAGE_SIZE: tl.constexpr):
+    """Key positions a dense loop covers for a length ``seqlen >= 0``: at most the block table's capacity
+    ``max_pages · PAGE_SIZE`` (positions past it have no page, so a length beyond it neither reads nor loops
+    there; the validated capacity is <= 2**30)."""
+    return tl.minimum(seqlen, max_pages * PAGE_SIZE)
+
+
+@triton.jit
 def split_bounds(seqlen, split_id, num_splits, BLOCK_N: tl.constexpr):
-    """Token range ``[start, end)`` of split ``split_id``: equal shares rounded up to ``BLOCK_N``."""
+    """Token range ``[start, end)`` of split ``split_id``: equal shares rounded up to ``BLOCK_N``. In int32 for
+    ``0 <= seqlen <= 2**30`` and ``num_splits <= 1024`` (the validated bounds: no overflow)."""
     per = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     start = split_id * per
     end = tl.minimum(start + per, seqlen)
@@ -42,7 +51,7 @@ def split_bounds(seqlen, split_id, num_splits, BLOCK_N: tl.constexpr):
 
 def key_capacity(max_pages: int, page_size: int, topk: int | None = None) -> int:
     """Most keys one sequence can attend to, from shapes only: its index row (``topk``, sparse) or what its
-    block table addresses (``max_pages · page_size``, dense)."""
+    block table addresses (``max_pages · page_size``, dense; ``table_keys`` on the device)."""
     return topk if topk is not None else max_pages * page_size
 
 
@@ -85,20 +94,22 @@ def sparse_positions(idx_row_ptr, offs, n_valid, seqlen, last_pos):
     return tl.where(ok, pos, 0), ok
 
 
-@triton.jit(do_not_specialize=["topk", "s_q", "NI", "max_pages", "num_pages", "causal"])
+@triton.jit(do_not_specialize=["topk", "s_q", "NI", "max_pages", "num_pages", "causal", "n_blk"])
 def sparse_rows_kernel(indices, block_table, seqlens, topk_length, rows, topk, s_q, NI, max_pages, num_pages, causal,
-                       s_btb, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr):
+                       s_btb, n_blk, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr):
     """One index row (batch entry, query token, index set) x ``BLOCK`` entries: ``rows = page·PAGE_SIZE + slot``
-    (int32) of each entry that counts, -1 for the others (``sparse_positions`` then ``logical_to_physical``)."""
-    pid_k = tl.program_id(0)
-    pid_r = tl.program_id(1)
+    (int32) of each entry that counts, -1 for the others (``sparse_positions`` then ``logical_to_physical``).
+    A 1-D grid of (index rows x ``n_blk`` blocks), so no grid dimension limit applies to the batch."""
+    pid = tl.program_id(0)
+    pid_k = pid % n_blk
+    pid_r = pid // n_blk
     b = pid_r // (s_q * NI)
     qi = (pid_r // NI) % s_q
     offs = pid_k * BLOCK + tl.arange(0, BLOCK)
     n_valid = topk
     if HAS_TOPK_LEN:
         n_valid = tl.maximum(tl.minimum(tl.load(topk_length + b), topk), 0)
-    seqlen = tl.load(seqlens + b)
+    seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
     last_pos = tl.where(causal != 0, seqlen - s_q + qi, seqlen - 1)
     base = pid_r.to(tl.int64) * topk
     pos, ok = sparse_positions(indices + base, offs, n_valid, seqlen, last_pos)
@@ -121,8 +132,9 @@ def sparse_rows(indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens:
     B, s_q, topk = idx.shape[0], idx.shape[1], idx.shape[-1]
     NI = idx.shape[2] if idx.dim() == 4 else 1
     BLOCK = min(1024, max(16, triton.next_power_of_2(topk)))
-    sparse_rows_kernel[(triton.cdiv(topk, BLOCK), B * s_q * NI)](
+    n_blk = triton.cdiv(topk, BLOCK)
+    sparse_rows_kernel[(n_blk * B * s_q * NI,)](
         idx, block_table, cache_seqlens, topk_length if topk_length is not None else cache_seqlens, rows, topk, s_q,
-        NI, block_table.shape[1], num_pages, int(bool(causal)), block_table.stride(0), PAGE_SIZE=page_size,
+        NI, block_table.shape[1], num_pages, int(bool(causal)), block_table.stride(0), n_blk, PAGE_SIZE=page_size,
         BLOCK=BLOCK, HAS_TOPK_LEN=topk_length is not None, num_warps=4)
     return rows

@@ -12,6 +12,10 @@ from ...dispatch import is_interpreter
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32,)
+MAX_KEYS = 2**30  # most key positions one sequence may address (block-table capacity, topk): int32-safe tiles
+MAX_NUM_SPLITS = 1024  # largest explicit split-KV count
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_LOG2E = 1.4426950408889634
 
 
 def check_tensor(
@@ -56,8 +60,11 @@ def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
-    """All tensors live on one device; returns it."""
+    """All tensors (None: absent) are tensors on one device; returns it."""
     items = [(k, v) for k, v in tensors.items() if v is not None]
+    for k, v in items:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{k}: expected a torch.Tensor, got {type(v).__name__}")
     dev = items[0][1].device
     for k, v in items[1:]:
         if v.device != dev:
@@ -72,15 +79,38 @@ def check_multiple(name: str, value: int, multiple: int, *, upper: int | None = 
 
 
 def check_softmax_scale(softmax_scale: object, default: float) -> float:
-    """``softmax_scale`` as a float: ``default`` for None, else a real finite number (not a bool)."""
+    """``softmax_scale`` as a float: ``default`` for None, else a real number (not a bool) that stays finite in
+    float32 once multiplied by log2(e) (the kernels take ``softmax_scale · log2 e`` as a float32)."""
     if softmax_scale is None:
         return float(default)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale: expected a finite real number or None, got {type(softmax_scale).__name__} "
                         f"{softmax_scale!r}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite real number or None, got {softmax_scale!r}")
-    return float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        scale = math.inf
+    if not math.isfinite(scale) or abs(scale) * _LOG2E > _F32_MAX:
+        raise ValueError(f"softmax_scale: expected a finite real number of magnitude <= {_F32_MAX / _LOG2E:.3g} "
+                         f"(float32 range) or None, got {softmax_scale!r}")
+    return scale
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A boolean option: ``bool`` (or an integer 0 / 1); anything else is a ``TypeError``."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def check_num_splits(num_splits: object) -> int:
+    """The split-KV count of the decode ops: an int in ``[0, MAX_NUM_SPLITS]`` (0 = chosen from shapes); bools and
+    non-integers are refused."""
+    if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+            or not 0 <= num_splits <= MAX_NUM_SPLITS):
+        raise ValueError(f"num_splits: expected an int in [0, {MAX_NUM_SPLITS}] (0 = choose from shapes), "
+                         f"got {type(num_splits).__name__} {num_splits!r}")
+    return int(num_splits)
 
 
 def check_kernel_device(device: torch.device, reference: str, dtype: torch.dtype | None = None) -> None:
@@ -127,8 +157,10 @@ def check_decode_inputs(
     check_multiple("page_size", page_size, 16)
     if num_pages <= 0:
         raise ValueError(f"kv cache: expected at least one page, got {num_pages}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = choose from shapes), got {num_splits!r}")
+    if block_table.shape[1] * page_size > MAX_KEYS:
+        raise ValueError(f"block_table: {block_table.shape[1]} pages x page_size {page_size} address more than "
+                         f"{MAX_KEYS} tokens per sequence")
+    check_num_splits(num_splits)
     if indices is not None:
         shapes = [(B, s_q, None)] + ([(B, s_q, num_groups, None)] if num_groups else [])
         if not any(indices.dim() == len(s) for s in shapes):
@@ -136,8 +168,8 @@ def check_decode_inputs(
             raise ValueError(f"indices: expected shape {want}, got {list(indices.shape)}")
         check_tensor("indices", indices, shape=shapes[0] if indices.dim() == 3 else shapes[1],
                      dtypes=INDEX_DTYPES, device=q.device)
-        if indices.shape[-1] == 0:
-            raise ValueError("indices: topk (last dimension) must be >= 1")
+        if not 1 <= indices.shape[-1] <= MAX_KEYS:
+            raise ValueError(f"indices: topk (last dimension) must be in [1, {MAX_KEYS}], got {indices.shape[-1]}")
     if topk_length is not None:
         if indices is None:
             raise ValueError("topk_length: given without indices (it limits each sparse index row)")
@@ -150,3 +182,20 @@ def contiguous_indices(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | No
     views are copied (cheap for these small int32 tensors, and safe inside a CUDA graph); contiguous ones pass
     through untouched."""
     return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
+
+
+def requires_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a call on these inputs (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def forward_only(custom_op, name: str) -> None:
+    """Register a backward for the ``torch.library`` op ``custom_op`` that raises a ``RuntimeError`` naming ``name``:
+    its outputs keep a ``grad_fn`` when an input requires grad, so a backward through them fails loudly instead of
+    the graph being cut silently. Callers route such calls through the custom op (``requires_grad``)."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{name} is forward-only: no gradient flows through it to q or the caches; call it under "
+                           "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
+
+    custom_op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)

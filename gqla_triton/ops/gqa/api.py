@@ -19,7 +19,7 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
-from .._common.validation import contiguous_indices
+from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
 from .plan import plan
 from .reference import gqa_decode_reference
 from .triton import gqa_decode_triton
@@ -83,9 +83,13 @@ def _(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_sca
     return q.new_empty(B, s_q, h_q, v_cache.shape[-1]), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
 
+forward_only(_gqa_decode_op, "gqa_decode")
+
+
 def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
-              topk_length, num_splits, impl) -> tuple[float, str]:
-    """Every check of ``gqa_decode`` (device values are never read); returns ``(softmax_scale, impl)``."""
+              topk_length, num_splits, impl) -> tuple[float, str, bool, int]:
+    """Every check of ``gqa_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
+    num_splits)`` as the kernel takes them."""
     impl = check_impl(impl, op="gqa_decode", gluon=False)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     check_tensor("q", q, ndim=4, dtypes=dtypes)
@@ -118,7 +122,7 @@ def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, sof
     scale = check_softmax_scale(softmax_scale, q.shape[-1] ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=num_pages, page_size=page_size,
                         indices=indices, topk_length=topk_length, num_groups=g, num_splits=num_splits)
-    return scale, impl
+    return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
 
 
 def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=None, softmax_scale=None, causal=True,
@@ -129,27 +133,39 @@ def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=Non
         q: ``[B, s_q, h_q, d_h + d_R]`` (bf16 / fp16 / fp32); head ``i`` uses group ``i // (h_q / g)``.
         k_cache: ``[num_pages, page_size, g, d_h]`` per-group keys (no rope part); page_size % 16 == 0.
         v_cache: ``[num_pages, page_size, g, d_v]`` per-group values.
-        block_table: ``[B, max_pages]`` int32; token ``p`` of sequence ``b`` lives in page
-            ``block_table[b, p // page_size]``. Entries outside ``[0, num_pages)`` are never read through.
-        cache_seqlens: ``[B]`` int32 cached tokens per sequence (0 = empty: out 0, lse -inf).
+        block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
+            lives in page ``block_table[b, p // page_size]``. Entries outside ``[0, num_pages)`` are never read
+            through.
+        cache_seqlens: ``[B]`` int32 cached tokens per sequence (0 or negative = empty: out 0, lse -inf). Any value
+            is safe: positions past the block table (``>= max_pages · page_size``) hold no key, so a longer length
+            attends to the table's keys (query positions still follow ``cache_seqlens``).
         k_rope_cache: ``[num_pages, page_size, d_R]`` rope key stored once for all groups, or None (plain
             GQA, d_R = 0).
         softmax_scale: a finite real number; default ``(d_h + d_R) ** -0.5``.
         causal: query ``j`` sits at position ``cache_seqlens - s_q + j`` and sees keys up to it.
         indices: sparse top-k, ``[B, s_q, topk]`` int32 logical positions shared by all groups, or
             ``[B, s_q, g, topk]`` one set per group. Entries that are -1, outside ``[0, cache_seqlens)``,
-            (causal) after the query's position, or beyond ``topk_length`` are ignored. Duplicates count
+            past the block table (``>= max_pages · page_size``, or on an invalid page), (causal) after the
+            query's position, or beyond ``topk_length`` are ignored, never clamped onto a key. Duplicates count
             as many times as they appear (exactly like gathering the selected keys, then attending).
         topk_length: ``[B]`` int32; only the first ``topk_length[b]`` entries of each index row count.
-        num_splits: int >= 0, the split-KV count; 0 = chosen from shapes only (no host sync; CUDA-graph safe).
+        num_splits: int in ``[0, 1024]``, the split-KV count; 0 = chosen from shapes only (no host sync;
+            CUDA-graph safe).
         impl: ``"auto"`` or ``"triton"`` (the Triton kernel), ``"reference"`` (``gqa_decode_reference``, any
             device, float64 too); ``"gluon"`` is a ValueError (this op has no Gluon kernel).
 
     Returns:
         ``out [B, s_q, h_q, d_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
-        that sees no key gives ``out = 0``, ``lse = -inf``.
+        that sees no key (or only ``-inf`` scores) gives ``out = 0``, ``lse = -inf``. NaN / inf follow IEEE
+        arithmetic over the keys a query sees and reach no other query: a NaN in q or in a key it sees makes its
+        out and lse NaN, a NaN in a value it sees that column of its out (``reference.py`` defines it all).
+
+    Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
-    scale, impl = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
-                            indices, topk_length, num_splits, impl)
-    return route(_gqa_decode_op, gqa_decode_fwd)(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, scale,
-                                                 bool(causal), indices, topk_length, num_splits, impl)
+    scale, impl, causal, num_splits = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache,
+                                                softmax_scale, causal, indices, topk_length, num_splits, impl)
+    # inputs that require grad go through the custom op, whose backward raises (forward_only)
+    fn = (_gqa_decode_op if requires_grad(q, k_cache, v_cache, k_rope_cache)
+          else route(_gqa_decode_op, gqa_decode_fwd))
+    return fn(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, scale, causal, indices, topk_length,
+              num_splits, impl)

@@ -55,6 +55,9 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
         warps = max(warps, 8)
     num_mt = cdiv(rows, block_m)
     nbq = B * s_q if sparse else B
+    if nbq > 65535:  # the grid's third dimension (CUDA allows 65535)
+        raise ValueError(f"q: batch {B}{f' x {s_q} query tokens (sparse)' if sparse else ''} = {nbq} exceeds "
+                         "the 65535 sequences one launch takes")
     if num_splits == 0:
         num_splits = plan_splits(nbq * g * num_mt, key_capacity(max_pages, page_size, topk),
                                  device_info(q.device).sm_count, block_n=block_n, waves=cfg.waves)

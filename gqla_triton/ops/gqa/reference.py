@@ -3,8 +3,12 @@
 Every (query token, head) attends over a *multiset* of cached positions: dense = all positions in
 ``[0, cache_seqlens)`` (causal: up to the query's position ``cache_seqlens - s_q + j``); sparse = the valid
 entries of its index row, each counted as many times as it appears (gather-then-attend semantics).
-Positions whose page lies beyond the block table, or whose block-table entry is outside ``[0, num_pages)``,
-are skipped (the kernels never read them); pages are gathered through ``_common.paging``.
+Positions whose page lies beyond the block table (``>= max_pages · page_size``, so a length above that
+capacity sees only what the table holds; query positions still follow ``cache_seqlens``), or whose
+block-table entry is outside ``[0, num_pages)``, are skipped (the kernels never read them); a negative
+``cache_seqlens`` is an empty sequence. Pages are gathered through ``_common.paging``. Empty rows and non-finite
+values: as ``mla.reference`` (IEEE arithmetic over the keys a query sees and nothing from the keys it does not
+see; weights summing to 0 give ``out = 0``, ``lse = -inf``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import math
 
 import torch
 
-from .._common.paging import gather_pages, page_rows
+from .._common.paging import gather_pages, key_capacity, page_rows
+from ..mla.reference import seen_pv
 
 __all__ = ["gqa_decode_reference", "position_counts"]
 
@@ -27,7 +32,7 @@ def position_counts(
     counts = torch.zeros(B, s_q, g, length, dtype=torch.float64)
     pos = torch.arange(length)
     for b in range(B):
-        L = int(cache_seqlens[b])
+        L = max(0, int(cache_seqlens[b]))
         for j in range(s_q):
             last = L - s_q + j if causal else L - 1
             if indices is None:
@@ -57,7 +62,8 @@ def gqa_decode_reference(
     B, s_q, h_q, _ = q.shape
     num_pages, page_size, g, d_h = k_cache.shape
     G = h_q // g
-    L = max(1, int(cache_seqlens.max().clamp(min=0)))
+    # positions past the block table's capacity hold no key (and are never allocated here)
+    L = max(1, min(int(cache_seqlens.max().clamp(min=0)), key_capacity(block_table.shape[1], page_size)))
     k = gather_pages(k_cache.detach().cpu().double(), block_table.cpu(), L)  # [B, L, g, d_h]
     v = gather_pages(v_cache.detach().cpu().double(), block_table.cpu(), L)
     if k_rope_cache is not None:
@@ -78,14 +84,11 @@ def gqa_decode_reference(
         return t.to(compute_dtype).double()
 
     s = torch.einsum("bjhd,blhd->bjhl", rnd(q), rnd(kh)) * softmax_scale
-    s = torch.where(counts > 0, s, torch.full_like(s, -math.inf))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = counts * torch.exp(s - m)
-    lsum = w.sum(-1, keepdim=True)
-    has = lsum > 0
-    p = torch.where(has, w / torch.where(has, lsum, torch.ones_like(lsum)), torch.zeros_like(w))
-    out = torch.einsum("bjhl,blhd->bjhd", rnd(p), rnd(vh))
-    lse = torch.where(has, m + torch.log(torch.where(has, lsum, torch.ones_like(lsum))),
-                      torch.full_like(lsum, -math.inf))[..., 0]
+    seen = counts > 0
+    # a key a query does not see takes no part in its arithmetic (a NaN or inf score there included)
+    s = torch.where(seen, s + torch.where(seen, counts, 1.0).log(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]: +inf for a +inf score, NaN for a NaN one
+    empty = lse == -math.inf
+    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
+    out = torch.where(empty[..., None], 0.0, seen_pv(rnd(p), rnd(vh), seen[:, :, ::G]))
     return out, lse.permute(0, 2, 1).contiguous()

@@ -7,6 +7,11 @@ fastest-varying program id so the ``g`` programs of one (sequence, split) run to
 rope key from L2. Variants (config fields): ``paged`` (dense, ``BLOCK_N`` divides the page: one block-table
 lookup per tile, contiguous in-page addressing), ``rows_ahead`` (sparse: the next tile's row indices load one
 iteration ahead).
+
+Every row sees every key of a tile: dense tiles stop at token 0's position (and at the block table's capacity),
+and under causal MTP the ``S_Q - 1`` keys only later tokens see run after the key loop in 16-key tiles (``TAIL``;
+the first one loads before the loop), each key entering only the accumulators of the rows that see it, so a NaN
+or inf value never multiplies into a row that does not see it (``0 · NaN``). Definitions: ``reference.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._common import finish_rows, logical_to_physical, softmax_step, split_bounds, store_rows
+from .._common.paging import table_keys
 from .plan import GQAPlan
 
 __all__ = ["gqa_decode_fwd_kernel", "gqa_decode_triton"]
@@ -27,6 +33,26 @@ def _dot(a, b, FP32: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _tail_tile(k_cache, v_cache, kr_cache, bt_row, t0, t_hi, grp, max_pages, num_pages, s_kp, s_kt, s_kg, s_vp, s_vt,
+               s_vg, s_rp, s_rt, offs_dh, offs_dv, offs_dr, m_dh, m_dv, m_dr, PAGE_SIZE: tl.constexpr,
+               DR: tl.constexpr):
+    """K, rope K and V of the 16 boundary keys from ``t0`` (``< t_hi``; the others zero) and which exist."""
+    pos = t0 + tl.arange(0, 16)
+    row, ok = logical_to_physical(bt_row, pos, pos < t_hi, max_pages, num_pages, PAGE_SIZE)
+    page = row // PAGE_SIZE
+    slot = row % PAGE_SIZE
+    k = tl.load(k_cache + (page * s_kp + slot * s_kt + grp * s_kg)[:, None] + offs_dh[None, :],
+                mask=ok[:, None] & m_dh[None, :], other=0.0)
+    v = tl.load(v_cache + (page * s_vp + slot * s_vt + grp * s_vg)[:, None] + offs_dv[None, :],
+                mask=ok[:, None] & m_dv[None, :], other=0.0)
+    kr = k  # placeholder without rope (never read)
+    if DR > 0:
+        kr = tl.load(kr_cache + (page * s_rp + slot * s_rt)[:, None] + offs_dr[None, :],
+                     mask=ok[:, None] & m_dr[None, :], other=0.0)
+    return k, kr, v, ok
 
 
 @triton.jit(do_not_specialize=["num_pages", "max_pages", "topk", "num_splits"])
@@ -48,7 +74,7 @@ def gqa_decode_fwd_kernel(
     DH: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr,
+    FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -77,9 +103,9 @@ def gqa_decode_fwd_kernel(
 
     q_row = q + b64 * s_qb + jj.to(tl.int64) * s_qs + hh.to(tl.int64) * s_qh
     qn = tl.load(q_row[:, None] + offs_dh[None, :], mask=row_ok[:, None] & m_dh[None, :], other=0.0)
+    offs_dr = tl.arange(0, BDR)
+    m_dr = offs_dr < DR
     if DR > 0:
-        offs_dr = tl.arange(0, BDR)
-        m_dr = offs_dr < DR
         qr = tl.load(q_row[:, None] + DH + offs_dr[None, :], mask=row_ok[:, None] & m_dr[None, :], other=0.0)
 
     if SPARSE:
@@ -89,12 +115,26 @@ def gqa_decode_fwd_kernel(
         length = tl.maximum(length, 0)
         idx_row = indices + b64 * s_ib + j0.to(tl.int64) * s_is + grp.to(tl.int64) * s_ig
     else:
-        length = seqlen
-        qpos = seqlen - S_Q + jj  # causal position of each row's query token
+        length = table_keys(seqlen, max_pages, PAGE_SIZE)
     start, end = split_bounds(length, split, num_splits, BLOCK_N)
+    if not SPARSE:
+        if CAUSAL:
+            # the tiles cover the keys every query token sees (up to token 0's position); the S_Q - 1 keys after
+            # it, which only later tokens see, run after the tiles (TAIL), so that no row multiplies a value it
+            # does not see (0 · NaN) in P·V
+            if TAIL:
+                t_lo = tl.minimum(tl.maximum(start, seqlen - S_Q + 1), end)
+                t_hi = end
+            end = tl.minimum(end, seqlen - S_Q + 1)
     bt_row = block_table + b64 * s_btb
     if SPARSE and ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
         nxt = tl.load(idx_row + start + tl.arange(0, BLOCK_N), mask=start + tl.arange(0, BLOCK_N) < end, other=-1)
+
+    if TAIL:  # the first tile of them loads before the key loop: its latency hides behind the loop
+        offs_t = tl.arange(0, 16)
+        nk, nkr, nv, n_ok = _tail_tile(k_cache, v_cache, kr_cache, bt_row, t_lo, t_hi, grp, max_pages, num_pages,
+                                       s_kp, s_kt, s_kg, s_vp, s_vt, s_vg, s_rp, s_rt, offs_dh, offs_dv, offs_dr,
+                                       m_dh, m_dv, m_dr, PAGE_SIZE, DR)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -142,18 +182,37 @@ def gqa_decode_fwd_kernel(
         if DR > 0:
             s += _dot(qr, tl.trans(kr), FP32)
         s = s * qk_scale  # log2 units
-        valid = ok[None, :]
-        if not SPARSE:
-            if CAUSAL:
-                valid = valid & (pos[None, :] <= qpos[:, None])
-        s = tl.where(valid, s, float("-inf"))
+        # every row sees every key of a tile (dense: the loop bounds; sparse: one index row per program)
+        s = tl.where(ok[None, :], s, float("-inf"))
         m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
         v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
                     mask=ok[:, None] & m_dv[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new
 
-    o, lse = finish_rows(acc, m_i, l_i)
+    if TAIL:  # causal MTP: the keys only later query tokens see, 16 per tile, each entering only those rows
+        qpos = seqlen - S_Q + jj  # [BLOCK_M] each row's own position
+        for t0 in range(t_lo, t_hi, 16):
+            if t0 == t_lo:
+                tk, tkr, tv, t_ok = nk, nkr, nv, n_ok
+            else:
+                tk, tkr, tv, t_ok = _tail_tile(k_cache, v_cache, kr_cache, bt_row, t0, t_hi, grp, max_pages,
+                                               num_pages, s_kp, s_kt, s_kg, s_vp, s_vt, s_vg, s_rp, s_rt, offs_dh,
+                                               offs_dv, offs_dr, m_dh, m_dv, m_dr, PAGE_SIZE, DR)
+            t_pos = t0 + offs_t
+            s = _dot(qn, tl.trans(tk), FP32)
+            if DR > 0:
+                s += _dot(qr, tl.trans(tkr), FP32)
+            s = tl.where(t_ok[None, :] & (t_pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            acc = acc * alpha[:, None]
+            # one key at a time through P·V, into the rows that see it only (no 0 · v for the others)
+            for t in range(t0, tl.minimum(t0 + 16, t_hi)):
+                one = offs_t == t - t0
+                pv = _dot(tl.where(one[None, :], p, 0.0).to(tv.dtype), tl.where(one[:, None], tv, 0.0), FP32)
+                acc += tl.where((t <= qpos)[:, None], pv, 0.0)
+
+    o, lse = finish_rows(acc, m_i, l_i, SPLIT)
     store_rows(o, lse, row_ok[:, None] & m_dv[None, :], row_ok, offs_dv, b64, split, jj.to(tl.int64),
                hh.to(tl.int64), out, s_ob, s_os, s_oh, lse_out, s_lb, s_lh, s_ls,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
@@ -203,5 +262,6 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
         PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
+        TAIL=bool(causal) and not sparse and s_q > 1,
         num_warps=p.num_warps, num_stages=p.cfg.num_stages,
     )

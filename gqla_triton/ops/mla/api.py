@@ -20,7 +20,7 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
-from .._common.validation import contiguous_indices
+from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref
@@ -104,9 +104,13 @@ def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal
     return q.new_empty(B, s_q, h_q, head_dim_v), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
 
+forward_only(_mla_decode_op, "mla_decode")
+
+
 def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-              num_splits, impl) -> tuple[float, str]:
-    """Every check of ``mla_decode`` (device values are never read); returns ``(softmax_scale, impl)``."""
+              num_splits, impl) -> tuple[float, str, bool, int]:
+    """Every check of ``mla_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
+    num_splits)`` as the kernels take them."""
     impl = check_impl(impl, op="mla_decode", gluon=True)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     check_tensor("q", q, ndim=4, dtypes=dtypes)
@@ -133,7 +137,7 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"indices: expected shape [B, s_q, topk] (shared by all heads), got {list(indices.shape)}")
     if impl != "reference":
         check_kernel_device(q.device, _REFERENCE, q.dtype)
-    return scale, impl
+    return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
@@ -144,17 +148,21 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
         q: ``[B, s_q, h_q, D]`` bf16/fp16/fp32, ``D = r + d_R`` (latent first, then rope; 512 + 64 tuned).
         kv_cache: ``[num_pages, page_size, 1, D]``, same dtype; the value of a token is the first
             ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16.
-        block_table: ``[B, max_pages]`` int32; token ``p`` of sequence ``b`` lives in page
-            ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
-        cache_seqlens: ``[B]`` int32 tokens in the cache per sequence (0 allowed).
+        block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
+            lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
+        cache_seqlens: ``[B]`` int32 tokens in the cache per sequence; 0 or negative = empty. Any value is safe:
+            positions past the block table (``>= max_pages · page_size``) hold no key, so a longer length attends to
+            the table's keys (query positions still follow ``cache_seqlens``) and never loops past them.
         head_dim_v: value width (default 512).
         softmax_scale: a finite real number; default ``D ** -0.5``.
         causal: with ``s_q > 1``, query ``j`` sits at ``cache_seqlens - s_q + j`` and sees keys up to it.
         indices: optional ``[B, s_q, topk]`` int32 logical positions shared by all heads (sparse). Entries
-            < 0, >= ``cache_seqlens[b]`` or after the query's position (causal) are ignored; a duplicated
+            < 0, >= ``cache_seqlens[b]``, past the block table (``>= max_pages · page_size``, or on an invalid
+            page) or after the query's position (causal) are ignored, never clamped onto a key; a duplicated
             entry counts once per occurrence. Any value is safe (never addresses outside the cache).
         topk_length: optional ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
-        num_splits: int >= 0, the split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph safe).
+        num_splits: int in ``[0, 1024]``, the split-KV count; 0 = chosen from shapes (no host sync, CUDA-graph
+            safe).
         impl: ``"auto"`` (this GPU's config table: on Hopper the Gluon kernel for bf16/fp16 with latent 512 +
             rope 64, the portable Triton kernel otherwise), ``"triton"``, ``"gluon"`` (ValueError where that
             kernel cannot run) or ``"reference"`` (``mla_decode_ref``, any device, float64 too).
@@ -163,9 +171,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
 
     Returns:
         ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
-        that sees no key gives ``out = 0`` and ``lse = -inf``.
+        that sees no key (or only ``-inf`` scores) gives ``out = 0`` and ``lse = -inf``. NaN / inf follow IEEE
+        arithmetic over the keys a query sees and reach no other query: a NaN in q or in a key it sees makes its
+        out and lse NaN; a ``+inf`` score gives ``lse = +inf``, out NaN (``reference.py`` defines it all).
+
+    Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
-    scale, impl = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                            topk_length, num_splits, impl)
-    return route(_mla_decode_op, mla_decode_fwd)(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale,
-                                                 bool(causal), indices, topk_length, num_splits, impl)
+    scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                                                causal, indices, topk_length, num_splits, impl)
+    # inputs that require grad go through the custom op, whose backward raises (forward_only)
+    fn = _mla_decode_op if requires_grad(q, kv_cache) else route(_mla_decode_op, mla_decode_fwd)
+    return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
+              impl)

@@ -44,32 +44,42 @@ __all__ = ["compile_sm90", "gluon_unsupported", "mla_decode_gluon", "mla_decode_
 
 
 @gluon.jit
-def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length, topk,
-               SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Program coordinates and its key range ``[lo, hi)`` (the same in every partition). The row tiles of one
-    (batch entry, split) are consecutive programs, so they run at the same time and read their keys through
-    the L2 once."""
+def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length, topk, max_pages,
+               SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               TAIL: gl.constexpr):
+    """Program coordinates, its key range ``[lo, hi)`` of ``n_tiles`` tiles and the ``n_tail`` boundary keys from
+    ``t_lo`` (the same in every partition). The row tiles of one (batch entry, split) are consecutive programs, so
+    they run at the same time and read their keys through the L2 once. Dense: at most the block table's capacity
+    (``_common.paging.table_keys``); a negative length is empty. Causal: the tiles end at the keys every query
+    token of the row tile sees; under ``TAIL`` (several tokens per tile) the keys only its later tokens see come
+    one per tile after them (as the portable kernel: no row multiplies a key it does not see in P·V)."""
     pid_bs = gl.program_id(0) // row_tiles
     pid_t = gl.program_id(0) % row_tiles
     b = pid_bs // num_splits
     split = pid_bs % num_splits
     ht = pid_t % h_tiles
     qt = pid_t // h_tiles
-    seqlen = gl.load(seqlens + b)
+    seqlen = gl.maximum(gl.load(seqlens + b), 0)
     if SPARSE:
         n = topk
         if HAS_TOPK_LEN:
             n = gl.maximum(gl.minimum(gl.load(topk_length + b), topk), 0)
     else:
-        n = seqlen
+        n = gl.minimum(seqlen, max_pages * PAGE_SIZE)
     per = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per
     hi = gl.minimum(lo + per, n)
+    t_lo = hi
+    t_hi = hi
     if not SPARSE:
-        if causal != 0:  # no key after the tile's last query
-            hi = gl.minimum(hi, seqlen - s_q + gl.minimum(qt * QPT + QPT, s_q))
+        if causal != 0:
+            first = seqlen - s_q + qt * QPT  # the tile's first query token
+            if TAIL:
+                t_lo = gl.maximum(lo, first + 1)
+                t_hi = gl.minimum(hi, seqlen - s_q + gl.minimum(qt * QPT + QPT, s_q))
+            hi = gl.minimum(hi, first + 1)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    return b, split, ht, qt, seqlen, lo, hi, n_tiles
+    return b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, gl.maximum(t_hi - t_lo, 0)
 
 
 @gluon.jit
@@ -93,15 +103,15 @@ def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
 @gluon.jit
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr):
     (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
      s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
+    b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, n_tail = _tile_rows(
         row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
-        topk, SPARSE, HAS_TOPK_LEN, BLOCK_N)
+        topk, max_pages, SPARSE, HAS_TOPK_LEN, BLOCK_N, PAGE_SIZE, TAIL)
     b64 = b.to(gl.int64)
     rk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp))
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
@@ -123,12 +133,26 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         # more arrival publishes the key mask (after the partition's barrier)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
         mbarrier.arrive(ready.index(s), count=1)
+    if TAIL:  # the boundary keys, one per tile (row 0; the others zero-filled), through the same ring
+        for jt in range(n_tail):
+            j = n_tiles + jt
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            kpos = t_lo + jt + rk
+            row, ok = _key_rows(kpos, t_lo + jt + 1, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+                                SPARSE, PAGE_SIZE)
+            base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
+            for c in gl.static_range(NSLAB):
+                _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
+            first_q_smem.index(s).store(gl.where(ok, gl.maximum(kpos - (seqlen - s_q), 0), NEVER))
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, HALF: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, HALF: gl.constexpr):
     (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
      s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
@@ -139,9 +163,9 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    b, split, ht, qt, seqlen, lo, hi, n_tiles = _tile_rows(
+    b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, n_tail = _tile_rows(
         row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
-        topk, SPARSE, HAS_TOPK_LEN, BLOCK_N)
+        topk, max_pages, SPARSE, HAS_TOPK_LEN, BLOCK_N, PAGE_SIZE, TAIL)
     b64 = b.to(gl.int64)
 
     r = gl.arange(0, BLOCK_H, layout=row_s)
@@ -166,8 +190,9 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
                                  use_acc=c > 0, is_async=True)
         sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
         sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
+        # as _common.combine.softmax_step: NaN reaches l through p, an infinite max rescales from 0
         m_new = gl.maximum(m_i, gl.max(sc, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
@@ -180,34 +205,79 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         o3 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 3), o3 * a_o, is_async=True)
         o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
         mbarrier.arrive(empty.index(s), count=1)
+    if TAIL:  # boundary keys, one per tile: the rows that do not see it keep their accumulator (alpha is 1 there)
+        ro_t = gl.arange(0, BLOCK_H, layout=row_o)
+        last_o = seqlen - s_q + qt * QPT + ro_t // HPT  # each row's own position
+        for jt in range(n_tail):
+            j = n_tiles + jt
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))
+            fence_async_shared()
+            sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+            for c in gl.static_range(NSLAB):
+                sacc = warpgroup_mma(q_smem.index(c), kv_smem.index(s * NSLAB + c).permute((1, 0)), sacc,
+                                     use_acc=c > 0, is_async=True)
+            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+            sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sc - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(kv.dtype.element_ty), p_l)
+            a_o = gl.convert_layout(alpha, row_o)[:, None]
+            sees = ((t_lo + jt) <= last_o)[:, None]
+            t0 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 0), zero, use_acc=False)
+            o0 = o0 * a_o + gl.where(sees, t0, 0.0)
+            t1 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 1), zero, use_acc=False)
+            o1 = o1 * a_o + gl.where(sees, t1, 0.0)
+            t2 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 2), zero, use_acc=False)
+            o2 = o2 * a_o + gl.where(sees, t2, 0.0)
+            t3 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 3), zero, use_acc=False)
+            o3 = o3 * a_o + gl.where(sees, t3, 0.0)
+            mbarrier.arrive(empty.index(s), count=1)
 
-    # epilogue: normalise and store this half's value columns (and lse from half 0)
-    has = l_i > 0
-    safe_l = gl.where(has, l_i, 1.0)
-    lse_row = gl.where(has, m_i * 0.6931471805599453 + gl.log(safe_l), float("-inf"))
-    inv = gl.convert_layout(gl.where(has, 1.0 / safe_l, 0.0), row_o)[:, None]
+    # epilogue: normalise and store this half's value columns (and lse from half 0). As
+    # _common.combine.finish_rows: a row whose weights sum to 0 gets lse -inf and o 0 (split partials: its raw
+    # accumulator); a NaN sum gives NaN
+    empty_r = l_i == 0
+    safe_l = gl.where(empty_r, 1.0, l_i)
+    lse_row = gl.where(empty_r, float("-inf"), m_i * 0.6931471805599453 + gl.log(safe_l))
+    inv = gl.convert_layout(1.0 / safe_l, row_o)[:, None]
+    o0 = o0 * inv
+    o1 = o1 * inv
+    o2 = o2 * inv
+    o3 = o3 * inv
+    if not SPLIT:
+        keep_o = gl.convert_layout(l_i, row_o)[:, None] != 0
+        o0 = gl.where(keep_o, o0, 0.0)
+        o1 = gl.where(keep_o, o1, 0.0)
+        o2 = gl.where(keep_o, o2, 0.0)
+        o3 = gl.where(keep_o, o3, 0.0)
     ro = gl.arange(0, BLOCK_H, layout=row_o)
     qo = (qt * QPT + ro // HPT).to(gl.int64)
     ho = (ht * HPT + ro % HPT).to(gl.int64)
     mo = ((ro // HPT < QPT) & (qt * QPT + ro // HPT < s_q) & (ht * HPT + ro % HPT < h_q))[:, None]
     cols = HALF * (VS * SLAB) + gl.arange(0, SLAB, layout=gl.SliceLayout(0, o_l))
     if SPLIT:
-        po = o_part + b64 * s_pb + split * s_ps + qo * s_pq + ho * s_ph
-        gl.store(po[:, None] + cols[None, :], o0 * inv, mask=mo)
-        gl.store(po[:, None] + (cols + SLAB)[None, :], o1 * inv, mask=mo)
-        gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2 * inv, mask=mo)
-        gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3 * inv, mask=mo)
+        po = o_part + b64 * s_pb + split.to(gl.int64) * s_ps + qo * s_pq + ho * s_ph
+        gl.store(po[:, None] + cols[None, :], o0, mask=mo)
+        gl.store(po[:, None] + (cols + SLAB)[None, :], o1, mask=mo)
+        gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2, mask=mo)
+        gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3, mask=mo)
         if HALF == 0:
             qr = (qt * QPT + r // HPT).to(gl.int64)
             hr = (ht * HPT + r % HPT).to(gl.int64)
-            gl.store(lse_part + b64 * s_plb + split * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
+            gl.store(lse_part + b64 * s_plb + split.to(gl.int64) * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
     else:
         ty = out.dtype.element_ty
         po = out + b64 * s_ob + qo * s_oq + ho * s_oh
-        gl.store(po[:, None] + cols[None, :], (o0 * inv).to(ty), mask=mo)
-        gl.store(po[:, None] + (cols + SLAB)[None, :], (o1 * inv).to(ty), mask=mo)
-        gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], (o2 * inv).to(ty), mask=mo)
-        gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], (o3 * inv).to(ty), mask=mo)
+        gl.store(po[:, None] + cols[None, :], o0.to(ty), mask=mo)
+        gl.store(po[:, None] + (cols + SLAB)[None, :], o1.to(ty), mask=mo)
+        gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2.to(ty), mask=mo)
+        gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3.to(ty), mask=mo)
         if HALF == 0:
             qr = (qt * QPT + r // HPT).to(gl.int64)
             hr = (ht * HPT + r % HPT).to(gl.int64)
@@ -217,15 +287,15 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 @gluon.jit
 def _consumer0(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-               SPLIT: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 0)
+               SPLIT: gl.constexpr, TAIL: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, 0)
 
 
 @gluon.jit
 def _consumer1(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-               SPLIT: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, 1)
+               SPLIT: gl.constexpr, TAIL: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, 1)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
@@ -243,6 +313,7 @@ def mla_decode_gluon_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
+    TAIL: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = kv.dtype.element_ty
@@ -279,9 +350,9 @@ def mla_decode_gluon_kernel(
           qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
           s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq)
     gl.warp_specialize([
-        (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
-        (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
-        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT)),
+        (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
+        (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
+        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -320,13 +391,13 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
-        SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
+        SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
         num_warps=4, maxnreg=MAXNREG,
     )
 
 
 def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 2, dtype: str = "bf16",
-                 page_size: int = 64):
+                 page_size: int = 64, tail: bool = False):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -338,7 +409,7 @@ def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 
     fn = mla_decode_gluon_kernel
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split)
+                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail)
     ptr = {"q": f"*{dtype}", "kv": f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}

@@ -4,16 +4,25 @@ einsum attention.
 Definitions (the kernels follow them exactly):
 - key ``s`` of sequence ``b`` = full cache row ``[latent ; rope]`` (``D = r + d_R`` channels); its value = the
   first ``head_dim_v`` channels of the same row.
+- a negative ``cache_seqlens[b]`` counts as 0 (an empty sequence).
 - dense: query ``j`` of ``s_q`` sits at position ``cache_seqlens[b] - s_q + j`` when ``causal`` and sees the
   keys at positions ``0 .. that position``; without ``causal`` every query sees ``[0, cache_seqlens[b])``.
   A query whose position is negative sees nothing.
-- a key whose page lies beyond the block table, or whose block id is outside ``[0, num_pages)``, is ignored.
+- a key whose page lies beyond the block table (position ``>= max_pages · page_size``), or whose block id is
+  outside ``[0, num_pages)``, is ignored. A length above the block table's capacity therefore sees the
+  ``max_pages · page_size`` positions the table holds; query positions still follow ``cache_seqlens``.
 - sparse: ``indices[b, j, :n]`` (``n = min(topk, topk_length[b])``, clamped at 0) are logical positions;
   entries that are negative, ``>= cache_seqlens[b]``, after the query's position (causal), or whose page is
-  invalid as above, are ignored. A **duplicated index counts once per occurrence** (exactly as gathering
-  the selected rows and attending to them would): its weight in the softmax is multiplied by its count.
-- a query that sees no key: ``out = 0``, ``lse = -inf``. ``lse`` is the natural-log log-sum-exp of the
-  scaled scores (``[B, h_q, s_q]``).
+  invalid as above (including positions at or past the capacity), are ignored (never clamped onto a key). A
+  **duplicated index counts once per occurrence** (exactly as gathering the selected rows and attending to them
+  would): its weight in the softmax is multiplied by its count.
+- ``lse`` is the natural-log log-sum-exp of the scaled scores of the keys a query sees (``[B, h_q, s_q]``). A query
+  whose weights sum to 0 (it sees no key, or every score it sees is -inf) has ``lse = -inf`` and ``out = 0``.
+- non-finite values follow IEEE arithmetic over the keys a query sees and nothing else: a NaN score (NaN in q or
+  in a seen key) makes its out and lse NaN; a ``+inf`` score gives ``lse = +inf`` and out NaN
+  (``exp(inf - inf)``); a seen key enters ``P·V`` as ``p · v`` even where ``p = 0`` (``0 · inf = NaN``). Keys a
+  query does not see (beyond its length or position, ignored sparse entries, missing pages) never enter its
+  arithmetic.
 """
 
 from __future__ import annotations
@@ -24,7 +33,33 @@ import torch
 
 from .._common.paging import gather_pages, key_capacity, page_rows
 
-__all__ = ["mla_decode_ref"]
+__all__ = ["mla_decode_ref", "seen_pv"]
+
+
+def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``out[b, j, h] = Σ_n p[b, j, h, n] · v[b, n, h]`` over the keys ``n`` that row sees only, in IEEE arithmetic
+    (a key a row does not see never multiplies into it, so a NaN or inf value there cannot reach it).
+
+    ``p``: ``[B, Q, H, N]``; ``v``: ``[B, N, D]`` (shared by the heads) or ``[B, N, H, D]``; ``seen``: bool
+    ``[B, Q, H, N]`` (or broadcastable to it, e.g. ``[B, Q, 1, N]`` when the heads share their keys)."""
+    B, Q, H, N = p.shape
+    D = v.shape[-1]
+    seen = seen.expand(B, Q, seen.shape[2], N)
+    out = torch.zeros(B, Q, H, D, dtype=p.dtype)
+    hs = H // seen.shape[2]  # heads per distinct key set
+    for b in range(B):
+        for j in range(Q):
+            for g in range(seen.shape[2]):
+                sel = seen[b, j, g].nonzero()[:, 0]
+                if sel.numel() == 0:
+                    continue
+                h = slice(g * hs, (g + 1) * hs)
+                pv = p[b, j, h][:, sel]  # [hs, n]
+                if v.dim() == 3:
+                    out[b, j, h] = pv @ v[b, sel]
+                else:
+                    out[b, j, h] = torch.einsum("hn,nhd->hd", pv, v[b, sel][:, h])
+    return out
 
 
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
@@ -37,7 +72,7 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     q = q.detach().double().cpu()
     kv_cache = kv_cache.detach().double().cpu()
     block_table = block_table.detach().long().cpu()
-    seqlens = cache_seqlens.detach().long().cpu()
+    seqlens = cache_seqlens.detach().long().cpu().clamp(min=0)
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     if softmax_scale is None:
@@ -57,21 +92,22 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
         topk = idx.shape[-1]
         n = torch.full((B,), topk) if topk_length is None else topk_length.detach().long().cpu().clamp(0, topk)
         inside = torch.arange(topk)[None, None, :] < n[:, None, None]
-        ok = inside & (idx >= 0) & (idx < seqlens[:, None, None]) & (idx <= last[..., None])
-        safe = torch.where(ok, idx, torch.zeros_like(idx)).clamp(max=L - 1)
+        ok = inside & (idx >= 0) & (idx < seqlens[:, None, None]) & (idx <= last[..., None]) & (idx < L)
+        safe = torch.where(ok, idx, torch.zeros_like(idx))
         ok = ok & torch.gather(valid[:, None, :].expand(B, s_q, L), 2, safe)
         count = torch.zeros(B, s_q, L, dtype=torch.float64)
         count.scatter_add_(2, safe, ok.double())
 
+    seen = (count > 0)[:, :, None, :]  # [B, s_q, 1, L]
     s = torch.einsum("bqhd,bnd->bqhn", q, keys) * softmax_scale
-    logw = torch.where(count > 0, count.log(), torch.full_like(count, -math.inf))[:, :, None, :]
-    s = s + logw
-    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]
-    seen = torch.isfinite(lse)
-    p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+    # a key a query does not see takes no part in its arithmetic (a NaN or inf score there included)
+    s = torch.where(seen, s + torch.where(seen, count[:, :, None, :], 1.0).log(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]: +inf for a +inf score, NaN for a NaN one
+    empty = lse == -math.inf
+    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
     if p_dtype is not None:
         p = p.to(p_dtype).double()
-    out = torch.einsum("bqhn,bnd->bqhd", p, keys[..., :head_dim_v])
+    out = torch.where(empty[..., None], 0.0, seen_pv(p, keys[..., :head_dim_v], seen))
     if p_dtype is not None:
         out = out.to(p_dtype).double()
     return out, lse.permute(0, 2, 1).contiguous()

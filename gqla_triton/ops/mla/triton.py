@@ -4,7 +4,12 @@ One program per (batch entry, KV split, row tile; ``plan.py``). ``S = Q_lat·K_l
 ``acc += P·V`` run on tensor cores with ``V`` = the latent tile already loaded for ``S`` (never reloaded).
 Keys are gathered per token through the block table (``logical_to_physical``), so ``BLOCK_N`` need not divide
 the page size. Sparse tiles load one physical row index per key (``sparse_rows`` translated the indices before
-the launch). Definitions of masking, empty rows and duplicate indices: ``reference.py``.
+the launch). Definitions of masking, empty rows, duplicate indices and non-finite values: ``reference.py``.
+
+Every row of a tile sees every key of it: dense tiles stop at the tile's first query token's position (and at
+the block table's capacity), so a key only later MTP tokens see (at most ``QPT - 1`` per row tile, ``TAIL``)
+runs alone after the tiles and enters only the accumulators of the rows that see it. No row ever multiplies a
+value it does not see, so a NaN or inf there cannot reach it (``0 · NaN``).
 
 Variants (config fields): ``paged_tiles`` (dense, ``BLOCK_N`` divides the page: one block-table load per tile,
 contiguous rows), ``p_scratch`` (P and its row rescale cross a per-program scratch tile, so the score product
@@ -21,6 +26,7 @@ import triton.language as tl
 from ...dispatch import device_info
 from .._common import finish_rows, logical_to_physical, next_pow2, softmax_step, split_bounds, store_rows
 from .._common.alloc import empty
+from .._common.paging import table_keys
 from .plan import MLAPlan
 
 __all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
@@ -48,7 +54,7 @@ def _tile_block(bt_row, start, max_pages, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid, m_i, l_i,
+def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l_i,
                       DOT_PREC: tl.constexpr, SPARSE: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
     them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant)."""
@@ -56,8 +62,8 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rva
          + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
     if SPARSE:
         keep = ok[None, :] & rvalid[:, None]
-    else:
-        keep = ok[None, :] & (pos[None, :] <= last[:, None])
+    else:  # every row sees every key of a dense tile (the loop bounds; the boundary keys: the TAIL loop)
+        keep = ok[None, :]
     return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, 1)
 
 
@@ -82,7 +88,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
-    ROWS_AHEAD: tl.constexpr,
+    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -99,9 +105,7 @@ def mla_decode_fwd_kernel(
     h = ht * HPT + (r % HPT)
     rvalid = (rq < QPT) & (qi < s_q) & (h < h_q)
 
-    seqlen = tl.load(seqlens + b)
-    # [BLOCK_H] last key position each row sees (its own position under causal MTP)
-    last = seqlen - 1 + tl.where(causal != 0, qi + 1 - s_q, 0)
+    seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
 
     offs_r = tl.arange(0, BDR)
     mr = offs_r < DR
@@ -122,10 +126,19 @@ def mla_decode_fwd_kernel(
         if ROWS_AHEAD:  # the next tile's row indices load one iteration ahead (loop-carried)
             nxt = tl.load(idx_row + lo + tl.arange(0, BLOCK_N), mask=lo + tl.arange(0, BLOCK_N) < hi, other=-1)
     else:
-        lo, hi = split_bounds(seqlen, split, num_splits, BLOCK_N)
-        if causal != 0:  # no key after the tile's last query
-            q_hi = tl.minimum(qt * QPT + QPT, s_q)
-            hi = tl.minimum(hi, seqlen - s_q + q_hi)
+        lo, hi = split_bounds(table_keys(seqlen, max_pages, PAGE_SIZE), split, num_splits, BLOCK_N)
+        if causal != 0:
+            # the tiles cover the keys every query token of the row tile sees (up to its first token's position);
+            # the at most QPT - 1 keys after it, which only its later tokens see, run one by one after the tiles
+            # (TAIL), so that no row multiplies a key it does not see (0 · NaN) in P·V
+            first = seqlen - s_q + qt * QPT
+            if TAIL:  # TAIL implies causal
+                t_lo = tl.maximum(lo, first + 1)
+                t_hi = tl.minimum(hi, seqlen - s_q + tl.minimum(qt * QPT + QPT, s_q))
+            hi = tl.minimum(hi, first + 1)
+        elif TAIL:
+            t_lo = hi
+            t_hi = hi
         if PAGED_TILES and ROWS_AHEAD:  # the next tile's block-table entry loads one iteration ahead
             nxt = _tile_block(bt_row, lo, max_pages, PAGE_SIZE)
 
@@ -171,8 +184,8 @@ def mla_decode_fwd_kernel(
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
             # of its tile. The tiles alternate between two buffers, so one barrier per tile orders both the read
             # after this tile's writes and the next write to the same buffer (two tiles later) after every read.
-            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, pos, last, rvalid,
-                                                     m_i, l_i, DOT_PREC, SPARSE)
+            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l_i,
+                                                     DOT_PREC, SPARSE)
             nb = ((start - lo) // BLOCK_N) % 2
             tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
             tl.store(a_row + nb * BLOCK_H, alpha)  # alpha too: it reaches the PV dot through the accumulator
@@ -186,15 +199,32 @@ def mla_decode_fwd_kernel(
             s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
             if SPARSE:
                 keep = ok[None, :] & rvalid[:, None]
-            else:
-                keep = ok[None, :] & (pos[None, :] <= last[:, None])
+            else:  # every row sees every key of a dense tile (the loop bounds)
+                keep = ok[None, :]
             s = tl.where(keep, s * qk_scale, float("-inf"))
             m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
 
-    o, lse_row = finish_rows(acc, m_i, l_i)
+    if TAIL:  # causal MTP, QPT > 1: each key only the later query tokens of the tile see, alone in a 16-key tile
+        last = seqlen - s_q + qi  # [BLOCK_H] each row's own position
+        offs_t = tl.arange(0, 16)
+        for t in range(t_lo, t_hi):
+            row, ok = logical_to_physical(bt_row, t + offs_t, offs_t == 0, max_pages, num_pages, PAGE_SIZE)
+            kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
+            k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
+            k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+            sees = t <= last
+            s = tl.where(ok[None, :] & sees[:, None], s * qk_scale, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            # rows that do not see the key keep their accumulator (alpha is 1 there): no 0 · v enters them
+            acc = acc * alpha[:, None] + tl.where(sees[:, None], tl.dot(p.to(k_lat.dtype), k_lat,
+                                                                         input_precision=DOT_PREC), 0.0)
+
+    o, lse_row = finish_rows(acc, m_i, l_i, SPLIT)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
                h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
@@ -238,5 +268,6 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
+        TAIL=causal and not sparse and p.QPT > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
