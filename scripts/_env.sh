@@ -29,6 +29,7 @@ if [ "${GQLA_NEED_TESTS:-0}" = 1 ]; then
   missing xdist && need+=(pytest-xdist)
   missing hypothesis && need+=(hypothesis)
   missing matplotlib && need+=(matplotlib)
+  missing transformers && need+=(transformers)  # the Hugging Face conversion / loading tests
 fi
 if [ ${#need[@]} -gt 0 ]; then
   python -m pip install -q "${need[@]}"
