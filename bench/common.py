@@ -30,8 +30,9 @@ def time_ms(fn, *, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def time_graph_ms(fn, *, replays=20, reps=15) -> float:
-    """Median milliseconds of one ``fn()`` inside a CUDA graph of ``replays`` calls (launch gaps removed)."""
+def time_graph_ms(fn, *, replays=20, reps=15, before=None) -> float:
+    """Median milliseconds of one ``fn()`` inside a CUDA graph of ``replays`` calls (launch gaps removed);
+    ``before()``, when given, runs eagerly before every replay (untimed), e.g. to restore a cache's lengths."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -42,10 +43,14 @@ def time_graph_ms(fn, *, replays=20, reps=15) -> float:
     with torch.cuda.graph(g):
         for _ in range(replays):
             fn()
+    if before is not None:
+        before()
     g.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()

@@ -29,30 +29,11 @@ STEPS = 16  # decode steps per graph replay
 DT = torch.bfloat16
 
 
-def _time_steps(step, restore, *, reps=15) -> float:
+def _time_steps(step, restore) -> float:
     """Median ms of one ``step()`` in a CUDA graph of ``STEPS`` steps, ``restore()`` run before each replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
+    ms = time_graph_ms(step, replays=STEPS, before=restore)
     restore()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(STEPS):
-            step()
-    times = []
-    for _ in range(reps):
-        restore()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / STEPS)
-    times.sort()
-    return times[len(times) // 2]
+    return ms
 
 
 def _eager_ms(step, restore, n=20) -> float:
