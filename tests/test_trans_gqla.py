@@ -1,13 +1,14 @@
-"""TransGQLA (GQA -> GQLA conversion) and tensor-parallel sharding of GQLAttention along groups."""
+"""TransGQLA (GQA with RoPE -> GQLA conversion) and tensor-parallel sharding of GQLAttention along groups."""
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, gen, pick, randn, rel_err, seeds
+from harness import P, assert_close, dtypes, gen, pick, rand, randn, rel_err, seeds
 from hypothesis import given
 from hypothesis import strategies as st
 from test_gqla_layer import PAGE, make_layer
 
-from gqla_triton.convert import gqa_attention_reference, trans_gqla
+from gqla_triton.convert import gqa_attention_reference, load_gqla, mla_to_gqla, trans_gqla
+from gqla_triton.layers import GQLAttention
 from gqla_triton.testing import gqla_reference
 
 
@@ -32,6 +33,13 @@ def test_full_rank_reproduces_norope_gqa_exactly(g, d, T, seed):
         assert rel_err(layer(x, pos), ref) < 1e-12  # the module's own (SDPA) prefill
 
 
+def balanced(src, g, d, hidden):
+    """The stacked per-group [α·K; V] maps of a rope-free conversion, α = ‖W_V‖ / ‖W_K‖ (the K/V balancing)."""
+    k, v = src["k_proj"].view(g, d, hidden), src["v_proj"].view(g, d, hidden)
+    alpha = (v.norm() / k.norm()).item()
+    return alpha, torch.cat([alpha * k, v], 1).reshape(-1, hidden)
+
+
 @given(g=st.sampled_from([2, 4]), seed=seeds())
 def test_error_decreases_with_rank(g, seed):
     hidden, h, d = 64, 8, 16
@@ -39,14 +47,16 @@ def test_error_decreases_with_rank(g, seed):
     x = randn((2, 16, hidden), seed + 1, dtype=torch.float64, device="cpu")
     ref = gqa_attention_reference(src, x, num_heads=h, num_groups=g, head_dim=d)
     pos = torch.arange(16)[None].expand(2, 16)
-    W = torch.cat([src["k_proj"].view(g, d, hidden), src["v_proj"].view(g, d, hidden)], 1).reshape(-1, hidden)
+    alpha, W = balanced(src, g, d, hidden)
+    scale = torch.ones(g, 2 * d, 1, dtype=torch.float64)
+    scale[:, :d] = alpha
     full = min(W.shape[0], hidden)
     w_errs, o_errs = [], []
     for r in sorted({1, full // 8, full // 4, full // 2, 3 * full // 4, full}):
         layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=r, impl="reference")
         wb = layer.kv_b_proj.weight.detach().double()
         wa = layer.kv_a_proj.weight.detach().double()
-        w_errs.append(rel_err(wb @ wa, W))  # reconstructed per-group K/V maps
+        w_errs.append(rel_err((scale * (wb @ wa).view(g, 2 * d, hidden)).reshape(W.shape), W))  # balanced K/V maps
         o_errs.append(rel_err(gqla_reference(layer, x, pos), ref))
     assert all(a > b for a, b in zip(w_errs[:-1], w_errs[1:], strict=True)), w_errs
     assert w_errs[-1] < 1e-12 and o_errs[-1] < 1e-12
@@ -69,21 +79,77 @@ def test_calibrated_factorization_beats_plain_on_its_data():
     assert e_cal < 1e-10 < e_plain
 
 
-def test_rope_conversion_keeps_frequencies():
-    """d_R = d: with g = 1 (MQA) every head shares the one rope key, so the rotary source is reproduced."""
-    hidden, h, g, d = 48, 4, 1, 16
-    src = gqa_source(7, hidden=hidden, h=h, g=g, d=d)
-    x = randn((1, 9, hidden), 8, dtype=torch.float64, device="cpu")
-    pos = torch.arange(9) * 3 + 2
-    ref = gqa_attention_reference(src, x, num_heads=h, num_groups=g, head_dim=d, positions=pos, rope_theta=500.0)
-    # all rotary pairs kept (d_R = d - 2 leaves one pair unrotated: approximate; d_R must be < d)
-    layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=2 * d, rope_dim=d - 2, rope_theta=500.0,
-                       impl="reference")
-    err_most = rel_err(gqla_reference(layer, x, pos[None]), ref)
-    layer0 = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=2 * d, rope_dim=0, impl="reference")
-    err_none = rel_err(gqla_reference(layer0, x, pos[None]), ref)
-    assert err_most < err_none  # keeping the rotary dims (at their frequencies) is closer than dropping rope
-    assert abs(layer.rope_theta - 500.0 ** ((d - 2) / d)) < 1e-9
+def rope_setup(seed, *, hidden, h, g, d, T, dv=None):
+    """A source with RoPE at random (sorted, positive) inverse frequencies and attention scaling, its input, the
+    positions (strided, so large angles) and the float64 reference output."""
+    src = gqa_source(seed, hidden=hidden, h=h, g=g, d=d, dv=dv)
+    inv = rand((d // 2,), seed + 2, lo=0.01, hi=1.0, dtype=torch.float64, device="cpu").sort(descending=True).values
+    x = randn((2, T, hidden), seed + 1, dtype=torch.float64, device="cpu")
+    pos = torch.arange(T) * 5 + 3
+    rope = dict(rope_inv_freq=inv, rope_attention_scaling=1.1)
+    ref = gqa_attention_reference(src, x, num_heads=h, num_groups=g, head_dim=d, v_head_dim=dv, positions=pos,
+                                  **rope)
+    return src, rope, x, pos, ref
+
+
+@given(g=st.sampled_from([1, 2, 4]), d=st.sampled_from([8, 16]), dv=st.sampled_from([None, 8]),
+       T=st.integers(1, 10), seed=seeds())
+def test_full_rank_with_rope_is_exact(g, d, dv, T, seed):
+    """d_R = g·d keeps every rotary component, r = g·(d + d_v) every K/V direction: the RoPE source exactly."""
+    hidden, h = 48, 8
+    src, rope, x, pos, ref = rope_setup(seed, hidden=hidden, h=h, g=g, d=d, T=T, dv=dv)
+    layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, v_head_dim=dv, kv_rank=g * (d + (dv or d)),
+                       rope_dim=g * d, impl="reference", **rope)
+    with torch.no_grad():
+        assert rel_err(layer(x, pos), ref) < 1e-12
+    assert layer.rope_inv_freq is not None and layer.rope_inv_freq.shape == (g * d // 2,)
+
+
+@given(g=st.sampled_from([2, 4]), seed=seeds())
+def test_rope_error_decreases_with_rope_dim(g, seed):
+    """At full latent rank, keeping more rotary components never hurts much and keeping all of them is exact."""
+    hidden, h, d = 64, 8, 16
+    src, rope, x, pos, ref = rope_setup(seed, hidden=hidden, h=h, g=g, d=d, T=12)
+    errs = []
+    for dR in range(0, g * d + 1, g * d // 4):
+        layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=2 * g * d, rope_dim=dR,
+                           impl="reference", **rope)
+        with torch.no_grad():
+            errs.append(rel_err(layer(x, pos), ref))
+    assert all(b <= a * 1.05 for a, b in zip(errs[:-1], errs[1:], strict=True)), errs
+    assert errs[0] > 10 * errs[-2] or errs[-2] > 2 * errs[-1]
+    assert errs[-1] < 1e-12 < errs[0]
+
+
+def test_rope_calibrated_beats_plain_on_its_data():
+    """RoPE kept exactly (d_R = g·d), values through a rank-10 latent: activations in a 10-dim subspace make the
+    calibrated latent exact on them, the weight-only one not."""
+    hidden, h, g, d = 64, 8, 4, 16
+    src, rope, _, pos, _ = rope_setup(11, hidden=hidden, h=h, g=g, d=d, T=16)
+    basis = randn((10, hidden), 12, dtype=torch.float64, device="cpu")
+    x = randn((2, 16, 10), 13, dtype=torch.float64, device="cpu") @ basis
+    ref = gqa_attention_reference(src, x, num_heads=h, num_groups=g, head_dim=d, positions=pos, **rope)
+    kw = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=10, rope_dim=g * d, impl="reference", **rope)
+    with torch.no_grad():
+        e_plain = rel_err(trans_gqla(src, **kw)(x, pos), ref)
+        e_cal = rel_err(trans_gqla(src, **kw, calib=x)(x, pos), ref)
+    assert e_cal < 1e-10 < e_plain, (e_cal, e_plain)
+
+
+@given(seed=seeds())
+def test_kv_balancing_helps_when_keys_dominate(seed):
+    """Keys 10x the values' norm: unbalanced, the joint PCA spends the latent on the keys and the values suffer."""
+    hidden, h, g, d = 64, 8, 4, 16
+    src = gqa_source(seed, hidden=hidden, h=h, g=g, d=d)
+    src["v_proj"] = src["v_proj"] * 0.1
+    x = randn((2, 12, hidden), seed + 1, dtype=torch.float64, device="cpu")
+    pos = torch.arange(12)
+    ref = gqa_attention_reference(src, x, num_heads=h, num_groups=g, head_dim=d, positions=pos, rope_theta=100.0)
+    kw = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=48, rope_dim=16, rope_theta=100.0, impl="reference")
+    with torch.no_grad():
+        e_bal = rel_err(trans_gqla(src, **kw)(x, pos), ref)
+        e_raw = rel_err(trans_gqla(src, **kw, balance_kv=False)(x, pos), ref)
+    assert e_bal < 0.9 * e_raw, (e_bal, e_raw)
 
 
 @given(path=st.sampled_from(["absorb", "grouped"]), dtype=dtypes(), seed=seeds())
@@ -91,18 +157,29 @@ def test_converted_layer_decodes_on_both_paths(path, dtype, seed):
     hidden, h, g, d = pick((64, 8, 2, 32), (1024, 32, 8, 128))
     dR = 16 if not P.big else 64
     src = gqa_source(seed, hidden=hidden, h=h, g=g, d=d)
-    layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=pick(32, 512), rope_dim=dR,
-                       device=P.device, dtype=dtype)
+    kw = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=pick(32, 512), rope_dim=dR, rope_theta=500.0)
+    layer = trans_gqla(src, **kw, device=P.device, dtype=dtype)
+    layer64 = trans_gqla(src, **kw, dtype=torch.float64, device="cpu", impl="reference")
     T0, B = pick(20, 300), 2
     x = randn((B, T0 + 2, hidden), seed + 1, dtype=dtype)
     pos = torch.arange(T0 + 2)
-    ref = gqla_reference(layer, x, pos[None].expand(B, -1))
     with torch.no_grad():
+        ref = layer64(x.double().cpu(), pos)  # the converted layer in float64 (its frequencies are not theta's)
         full = layer(x, pos)
         cache = layer.make_cache(B, T0 + 2, path=path, page_size=PAGE)
         layer(x[:, :T0], pos[:T0], cache)
         y = torch.cat([layer(x[:, T0:T0 + 1], None, cache), layer(x[:, T0 + 1:], None, cache)], 1)
     assert_close("converted decode", y, ref[:, T0:], full[:, T0:], dtype=dtype)
+
+
+def test_shards_of_converted_layer_keep_frequencies():
+    hidden, h, g, d = 48, 8, 4, 8
+    src, rope, x, pos, ref = rope_setup(5, hidden=hidden, h=h, g=g, d=d, T=6)
+    layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=g * 2 * d, rope_dim=g * d,
+                       impl="reference", **rope)
+    with torch.no_grad():
+        parts = [layer.shard(r, 2)(x, pos) for r in range(2)]
+    assert rel_err(sum(parts), ref) < 1e-12
 
 
 @given(tp=st.sampled_from([1, 2, 4]), q_rank=st.sampled_from([None, 24]), decode=st.booleans(), seed=seeds())
@@ -141,8 +218,136 @@ def test_trans_gqla_bad_inputs():
     with pytest.raises(ValueError, match="rope_dim"):
         trans_gqla(src, **kw, rope_dim=3)
     with pytest.raises(ValueError, match="rope_dim"):
-        trans_gqla(src, **kw, rope_dim=8)
+        trans_gqla(src, **kw, rope_dim=18)  # > g·d
     with pytest.raises(ValueError, match="kv_rank"):
         trans_gqla(src, **{**kw, "kv_rank": 0})
-    with pytest.raises(ValueError, match="rope_group"):
-        trans_gqla(src, **kw, rope_dim=2, rope_group=2)
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        trans_gqla(src, **kw, rope_dim=4, rope_inv_freq=torch.ones(3))
+    with pytest.raises(ValueError, match="rope_attention_scaling"):
+        trans_gqla(src, **kw, rope_dim=4, rope_attention_scaling=0.0)
+    with pytest.raises(ValueError, match="calib"):
+        trans_gqla(src, **kw, calib=torch.ones(5, 31))
+
+
+# ---- DeepSeek-layout checkpoints: the paper's GQLA layout and MLA -> GQLA ----------------------------------------
+
+def deepseek_checkpoint(seed, *, hidden, h, n, dn, dR, dv, r, q_rank=None):
+    """Random float64 weights of one attention in the DeepSeek layout with ``n`` up-projection blocks."""
+    gg = gen(seed)
+    shapes = {"kv_a_proj_with_mqa.weight": (r + dR, hidden), "kv_b_proj.weight": (n * (dn + dv), r),
+              "o_proj.weight": (hidden, h * dv)}
+    if q_rank is None:
+        shapes["q_proj.weight"] = (h * (dn + dR), hidden)
+    else:
+        shapes.update({"q_a_proj.weight": (q_rank, hidden), "q_b_proj.weight": (h * (dn + dR), q_rank)})
+    sd = {k: randn(s, gg, dtype=torch.float64, device="cpu", scale=s[1] ** -0.5) for k, s in shapes.items()}
+    sd["kv_a_layernorm.weight"] = rand((r,), gg, lo=0.5, hi=1.5, dtype=torch.float64, device="cpu")
+    if q_rank is not None:
+        sd["q_a_layernorm.weight"] = rand((q_rank,), gg, lo=0.5, hi=1.5, dtype=torch.float64, device="cpu")
+    return sd
+
+
+def deepseek_reference(sd, x, pos, *, h, n, dn, dR, dv, r, theta, eps=1e-6):
+    """Float64 DeepSeek-style attention (interleaved rope pairs rotated as complex numbers), head i reading
+    up-projection block ``i // (h / n)``."""
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    B, T, _ = x.shape
+    if "q_proj.weight" in sd:
+        q = x @ sd["q_proj.weight"].T
+    else:
+        q = rms(x @ sd["q_a_proj.weight"].T, sd["q_a_layernorm.weight"]) @ sd["q_b_proj.weight"].T
+    q = q.view(B, T, h, dn + dR)
+    kva = x @ sd["kv_a_proj_with_mqa.weight"].T
+    c, kpe = rms(kva[..., :r], sd["kv_a_layernorm.weight"]), kva[..., r:]
+    ang = pos[:, None].double() * theta ** (-torch.arange(0, dR, 2, dtype=torch.float64) / dR)
+    rot = torch.polar(torch.ones_like(ang), ang)  # [T, dR/2]
+
+    def rope(t):
+        tc = torch.view_as_complex(t.reshape(*t.shape[:-1], dR // 2, 2).contiguous())
+        return torch.view_as_real(tc * rot.view(T, *([1] * (t.dim() - 3)), dR // 2)).flatten(-2)
+
+    qn, qr, kr = q[..., :dn], rope(q[..., dn:]), rope(kpe)
+    kv = (c @ sd["kv_b_proj.weight"].T).view(B, T, n, dn + dv).repeat_interleave(h // n, 2)
+    s = torch.einsum("bthd,bshd->bhts", qn, kv[..., :dn]) + torch.einsum("bthd,bsd->bhts", qr, kr)
+    s = (s * (dn + dR) ** -0.5).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bhts,bshd->bthd", s.softmax(-1), kv[..., dn:]).reshape(B, T, h * dv)
+    return o @ sd["o_proj.weight"].T
+
+
+@given(q_rank=st.sampled_from([None, 24]), g=st.sampled_from([1, 2, 4]), seed=seeds())
+def test_load_gqla_paper_layout(q_rank, g, seed):
+    hidden, h, dn, dR, dv, r = 48, 8, 16, 16, 16, 32
+    sd = deepseek_checkpoint(seed, hidden=hidden, h=h, n=g, dn=dn, dR=dR, dv=dv, r=r, q_rank=q_rank)
+    x = randn((2, 7, hidden), seed + 1, dtype=torch.float64, device="cpu")
+    pos = torch.arange(7) * 3 + 1
+    ref = deepseek_reference(sd, x, pos, h=h, n=g, dn=dn, dR=dR, dv=dv, r=r, theta=300.0)
+    layer = load_gqla({"layers.0.attn." + k: v for k, v in sd.items()}, prefix="layers.0.attn.", num_heads=h,
+                      num_groups=g, head_dim=dn, rope_dim=dR, kv_rank=r, q_rank=q_rank, v_head_dim=dv,
+                      rope_theta=300.0, impl="reference", dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(layer(x, pos), ref) < 1e-12
+        cache = layer.make_cache(2, 8, path="grouped" if seed % 2 else "absorb", page_size=PAGE)
+        layer(x[:, :5], pos[:5], cache)
+        assert rel_err(layer(x[:, 5:], pos[5:], cache), ref[:, 5:]) < 1e-12  # cached decode (MTP 2)
+
+
+@given(g=st.sampled_from([1, 2, 4]), seed=seeds())
+def test_mla_to_gqla_exact_at_full_width_and_monotone(g, seed):
+    hidden, h, dn, dR, dv, r = 48, 8, 8, 8, 8, 24
+    sd = deepseek_checkpoint(seed, hidden=hidden, h=h, n=h, dn=dn, dR=dR, dv=dv, r=r)
+    x = randn((2, 6, hidden), seed + 1, dtype=torch.float64, device="cpu")
+    pos = torch.arange(6) * 2
+    ref = deepseek_reference(sd, x, pos, h=h, n=h, dn=dn, dR=dR, dv=dv, r=r, theta=1000.0)
+    kw = dict(num_heads=h, num_groups=g, qk_nope_head_dim=dn, qk_rope_head_dim=dR, v_head_dim=dv, kv_rank=r,
+              rope_theta=1000.0, impl="reference", dtype=torch.float64)
+    full = min(h // g * dn, r)
+    errs = []
+    with torch.no_grad():
+        for w in sorted({max(1, full // 4), max(1, full // 2), full}):
+            errs.append(rel_err(mla_to_gqla(sd, **kw, head_dim=w, group_v_head_dim=w)(x, pos), ref))
+        default = mla_to_gqla(sd, **kw)
+        assert default.head_dim % 16 == 0 and rel_err(default(x, pos), ref) < 1e-12
+    assert errs[-1] < 1e-12, errs
+    assert all(a >= b for a, b in zip(errs[:-1], errs[1:], strict=True)), errs
+    assert errs[0] > 1e-6  # truncating the group width costs something
+
+
+def test_loaders_bad_inputs():
+    sd = deepseek_checkpoint(0, hidden=32, h=4, n=2, dn=8, dR=4, dv=8, r=16)
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, rope_dim=4, kv_rank=16)
+    with pytest.raises(ValueError, match="kv_b_proj"):
+        load_gqla(sd, **{**kw, "num_groups": 4})  # the checkpoint has 2 blocks
+    with pytest.raises(ValueError, match="missing"):
+        load_gqla({k: v for k, v in sd.items() if k != "o_proj.weight"}, **kw)
+    with pytest.raises(ValueError, match="q_a_proj"):
+        load_gqla(sd, **kw, q_rank=8)
+    with pytest.raises(ValueError, match="num_groups"):
+        load_gqla(sd, **{**kw, "num_groups": 3})
+    with pytest.raises(TypeError, match="state_dict"):
+        load_gqla([sd], **kw)
+    with pytest.raises(ValueError, match="head_dim"):
+        mla_to_gqla(deepseek_checkpoint(0, hidden=32, h=4, n=4, dn=8, dR=4, dv=8, r=16), num_heads=4,
+                    num_groups=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_rank=16, head_dim=0)
+
+
+def test_rope_inv_freq_buffer_survives_casts_and_state_dict():
+    inv = torch.tensor([1.0, 0.1234567890123, 3e-4, 2.0], dtype=torch.float64)
+    layer = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=inv, impl="reference", dtype=torch.float32)
+    assert torch.equal(layer.to(torch.float16).rope_inv_freq, inv)  # the bits are int64: dtype casts skip them
+    other = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=torch.ones(4), impl="reference")
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other.rope_inv_freq, inv)
+    x = randn((1, 5, 32), 1, dtype=torch.float64, device="cpu")
+    layer, pos = layer.double(), torch.arange(5) * 11
+    with torch.no_grad():
+        _, q_rope, _, k_rope = layer._project(x, pos[None])
+    raw = (x @ layer.kv_a_proj.weight.T)[..., 16:]
+    ang = pos[:, None].double() * inv
+    want = torch.cat([raw[..., :4] * ang.cos() - raw[..., 4:] * ang.sin(),
+                      raw[..., 4:] * ang.cos() + raw[..., :4] * ang.sin()], -1)
+    assert rel_err(k_rope, want) < 1e-13
+    for bad in (torch.ones(3), torch.tensor([1.0, float("nan"), 1.0, 1.0]), [1.0] * 4):
+        with pytest.raises(ValueError, match="rope_inv_freq"):
+            GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=bad)

@@ -1,33 +1,36 @@
-"""TransGQLA: convert a pretrained GQA attention (LLaMA-style q/k/v/o) into a ``GQLAttention``.
+"""TransGQLA: convert a pretrained GQA attention (LLaMA-style q/k/v/o with RoPE) into a ``GQLAttention``.
 
-Source (``h`` query heads, ``g`` KV groups, head size ``d``, value size ``d_v``, rotate-half RoPE on all
-``d`` dims or no RoPE)::
+Source (``h`` query heads, ``g`` KV groups, head size ``d``, value size ``d_v``, rotate-half RoPE on all ``d``
+dims: pair ``m`` is dims ``(m, m + d/2)`` at inverse frequency ``ω_m``)::
 
-    q = W_Q x [h, d],  k = W_K x [g, d],  v = W_V x [g, d_v],  o = W_O · attn(q, k, v) (head i reads group γ(i))
+    q_i = W_Q[i] x,  k_j = W_K[j] x,  v_j = W_V[j] x,  score(i, t, s) = Σ_m q_i,m(t)ᵀ R((s - t) ω_m) k_γ(i),m(s)
 
-Conversion:
+where ``q_i,m``, ``k_j,m`` are 2-vectors and ``R`` a 2-D rotation. Conversion (all in float64):
 
-1. RoPE split (``rope_dim = d_R > 0``): the ``d_R/2`` highest-frequency rotary pairs ``(i, i + d/2)``,
-   ``i < d_R/2``, become the GQLA rope part; their frequencies are kept by setting
-   ``rope_theta' = theta^(d_R/d)``. The shared rope key is group ``rope_group``'s key rows for those dims
-   (every group then uses that group's rope key: this is the approximation MHA2MLA-style conversions make).
-   The remaining ``d - d_R`` dims become the no-rope part (``head_dim = d - d_R``): their rotation is dropped.
-   ``d_R = 0`` keeps no RoPE at all.
-2. Joint low-rank factorization of the stacked no-rope key and value projections of all groups,
-   ``W = [W_K,nope[0]; W_V[0]; ...; W_K,nope[g-1]; W_V[g-1]]`` (``g·(d_h + d_v)`` rows): with ``U_r`` the top
-   ``r`` left singular vectors of ``W`` (or of ``W Xᵀ`` for calibration activations ``X``, which minimizes the
-   K/V error on that data), ``kv_a_proj``'s latent rows are ``W_down = U_rᵀ W`` and ``kv_b_proj = U_r``, whose
-   per-group row blocks are ``W_UK[j]``, ``W_UV[j]``. ``W_UK W_down = U_r U_rᵀ W`` is the orthogonal projection
-   of the K/V maps onto the top-r subspace, so its error ``‖(I - U_r U_rᵀ) W‖`` never grows with ``r``.
-3. ``q_proj`` rows per head = [no-rope dims; rope dims] of ``W_Q``; ``o_proj = W_O``; ``softmax_scale = d^-0.5``.
-   The latent RMSNorm is left out (``kv_norm=False``): the source has none.
+1. Per-frequency PCA of the rotary keys across the KV heads. For each pair ``m`` stack the groups' ``2 x hidden``
+   maps ``K_m = [W_K[0]_m; ...; W_K[g-1]_m]`` and take the eigenvectors ``U_m [g, g]`` of the Gram matrix
+   ``G_m[j, j'] = <W_K[j]_m, W_K[j']_m>`` (with calibration activations ``X``: ``<W_K[j]_m Xᵀ, W_K[j']_m Xᵀ>``).
+   The components ``u_m,l = Σ_j U_m[j, l] W_K[j]_m`` give ``k_j,m = Σ_l U_m[j, l] u_m,l x``; a rotation commutes
+   with this scalar mixing, so ``q_i,mᵀ R k_j,m = Σ_l (U_m[j, l] q_i,m)ᵀ R (u_m,l x)`` exactly.
+2. Shared rope key: the ``d_R / 2`` components ``(m, l)`` of largest energy (eigenvalue) over all frequencies
+   become the rope pairs of the one shared key, each at its own frequency ``ω_m`` (``rope_inv_freq`` of the
+   layer); query head ``i`` gets ``U_m[γ(i), l] q_i,m`` there. Every other component stays in the group's key,
+   ``k_j,res = Σ_(m,l) not kept U_m[j, l] u_m,l x`` (``d`` dims), which becomes the no-rope key (``d_h = d``),
+   matched by the full ``q_i`` as no-rope query: only these folded components lose their rotation.
+3. K/V norm balancing and joint PCA: ``W = [α W_K,res[0]; W_V[0]; ...]`` (``g·(d + d_v)`` rows) with
+   ``α = ‖W_V‖ / ‖W_K,res‖`` (norms on ``X`` when calibrating), so neither side dominates the factorization.
+   With ``U_r`` the top-``r`` eigenvectors of ``W Wᵀ`` (or ``W XᵀX Wᵀ``), ``kv_a_proj``'s latent rows are
+   ``U_rᵀ W`` and ``kv_b_proj = D⁻¹ U_r`` (``D`` the ``α`` row scaling): the per-group K/V maps become
+   ``D⁻¹ U_r U_rᵀ D W``, an orthogonal projection of the balanced maps whose error never grows with ``r``.
+4. ``q_proj`` rows per head = [``W_Q[i]`` (no-rope, ``d``); rope part (``d_R``)] times the square of the
+   source's RoPE attention scaling; ``o_proj = W_O``; ``softmax_scale`` the source's (default ``d^-0.5``);
+   no latent RMSNorm (``kv_norm=False``).
 
-Exact: with ``r >= rank(W)`` (always when ``r >= min(g·(d_h + d_v), hidden)``) the K/V maps are reproduced
-exactly, so a source without RoPE converted with ``d_R = 0`` gives the same layer output (up to rounding).
-Also exact: sources whose RoPE is already decoupled (one rope key shared by all groups, as GQLA/MLA have).
-Approximate: ``r < rank(W)`` (truncation error above), and any RoPE source with coupled per-group rotary keys
-(groups other than ``rope_group`` lose their own rope key; no-rope dims lose their rotation) — such models
-need the fine-tuning the paper describes after conversion.
+Exact (to float rounding, RoPE active) when nothing is truncated: ``d_R = g·d`` keeps every rotary component
+and ``r >= min(g·(d + d_v), hidden)`` every K/V direction. Truncating ``r`` costs the dropped directions'
+energy; a smaller ``d_R`` drops the rotation of the folded components (models converted that way need the
+fine-tuning the paper describes). The error per rank of a converted model against the original, and the command
+that measures it: ``examples/convert_llama.py`` (its docstring holds the table).
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ import math
 import torch
 
 from ..layers.gqla import GQLAttention
+from ..layers.rope import apply_rope, rope_inv_freq
 
 __all__ = ["trans_gqla", "gqa_attention_reference"]
+
+_F64 = dict(dtype=torch.float64, device="cpu")
 
 
 def _weights(source, names):
@@ -58,93 +64,150 @@ def _weights(source, names):
     return out
 
 
+def _source_inv_freq(d: int, rope_theta: float, inv_freq) -> torch.Tensor:
+    if inv_freq is None:
+        return rope_inv_freq(d, rope_theta)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (d // 2,):
+        got = list(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else inv_freq
+        raise ValueError(f"rope_inv_freq: expected a tensor of shape [{d // 2}] (head_dim / 2), got {got!r}")
+    return inv_freq.detach().to(**_F64)
+
+
+def _top_eigh(G: torch.Tensor):
+    """Eigenvalues / eigenvectors of symmetric ``G [..., n, n]``, largest first."""
+    lam, U = torch.linalg.eigh(G)
+    return lam.flip(-1), U.flip(-1)
+
+
+def _gram(A: torch.Tensor, C: torch.Tensor | None) -> torch.Tensor:
+    """``A Aᵀ`` (or ``A C Aᵀ``) for ``A [..., n, hidden]``."""
+    return A @ A.transpose(-1, -2) if C is None else A @ C @ A.transpose(-1, -2)
+
+
 def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_rank: int, rope_dim: int = 0,
-               v_head_dim: int | None = None, rope_theta: float = 10000.0, rope_group: int = 0,
-               calib: torch.Tensor | None = None, path: str = "auto", impl: str = "triton", device=None,
-               dtype=None) -> GQLAttention:
-    """Convert a GQA attention into a ``GQLAttention`` (see module docstring for the math and exactness).
+               v_head_dim: int | None = None, rope_theta: float = 10000.0,
+               rope_inv_freq: torch.Tensor | None = None, rope_attention_scaling: float = 1.0,
+               softmax_scale: float | None = None, calib: torch.Tensor | None = None, balance_kv: bool = True,
+               path: str = "auto", impl: str = "triton", device=None, dtype=None) -> GQLAttention:
+    """Convert a GQA attention into a ``GQLAttention`` (module docstring: the math and when it is exact).
 
     ``source``: a module with bias-free ``q_proj [h·d, hidden]``, ``k_proj [g·d, hidden]``, ``v_proj
     [g·d_v, hidden]``, ``o_proj [hidden, h·d_v]`` (LLaMA naming) or a dict of those weight tensors.
-    ``kv_rank``: latent rank r. ``rope_dim``: d_R dims kept as the shared rope part (0: none; even, <= d).
-    ``calib``: optional activations ``[N, hidden]`` for a data-aware factorization. The factorization runs
-    in float64; the result has ``dtype`` (default: the source's) on ``device``.
+    ``kv_rank``: latent rank r (ranks past ``g·(d + d_v)`` get zero latent rows). ``rope_dim``: d_R, even, at most
+    ``g·d`` (= exact RoPE); 0 keeps no rotation. The source's RoPE: ``rope_inv_freq [d/2]`` (default
+    ``rope_theta^(-2m/d)``) and ``rope_attention_scaling`` (the factor on its cos / sin).
+    ``calib``: optional activations ``[..., hidden]`` (the attention's inputs) for a data-aware factorization.
+    ``balance_kv``: scale keys to the values' norm before the joint PCA. The factorization runs in float64;
+    the result has ``dtype`` (default: the source's) on ``device`` (default: the source's).
     """
     wq, wk, wv, wo = _weights(source, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    for name, v in (("num_heads", num_heads), ("num_groups", num_groups), ("head_dim", head_dim)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
     h, g, d = num_heads, num_groups, head_dim
     dv = d if v_head_dim is None else v_head_dim
     if h % g:
         raise ValueError(f"num_heads: {h} is not a multiple of num_groups {g}")
+    if d % 2:
+        raise ValueError(f"head_dim: rotary sources need an even head_dim, got {d}")
     hidden = wq.shape[1]
     for name, w, shape in (("q_proj", wq, (h * d, hidden)), ("k_proj", wk, (g * d, hidden)),
                            ("v_proj", wv, (g * dv, hidden)), ("o_proj", wo, (hidden, h * dv))):
         if tuple(w.shape) != shape:
             raise ValueError(f"{name}: expected weight shape {list(shape)}, got {list(w.shape)}")
-    if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim >= d:
-        raise ValueError(f"rope_dim: expected an even int in [0, {d}), got {rope_dim!r}")
-    if d % 2 and rope_dim:
-        raise ValueError(f"head_dim: rotary sources need an even head_dim, got {d}")
-    if not 0 <= rope_group < g:
-        raise ValueError(f"rope_group: expected a group in [0, {g}), got {rope_group}")
+    if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > g * d:
+        raise ValueError(f"rope_dim: expected an even int in [0, {g * d}] (num_groups * head_dim), got {rope_dim!r}")
     if not isinstance(kv_rank, int) or kv_rank <= 0:
         raise ValueError(f"kv_rank: expected a positive int, got {kv_rank!r}")
+    if not math.isfinite(rope_attention_scaling) or rope_attention_scaling <= 0:
+        raise ValueError(f"rope_attention_scaling: expected a positive float, got {rope_attention_scaling!r}")
+    C = None
+    if calib is not None:
+        if not isinstance(calib, torch.Tensor) or calib.shape[-1] != hidden or calib.numel() == 0:
+            raise ValueError(f"calib: expected a non-empty tensor [..., {hidden}]")
+        X = calib.detach().to(**_F64).reshape(-1, hidden)
+        C = X.T @ X / X.shape[0]
+    inv = _source_inv_freq(d, rope_theta, rope_inv_freq)
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     dtype = dtype or wq.dtype
     device = device if device is not None else wq.device
-    f64 = dict(dtype=torch.float64, device="cpu")
-    wq, wk, wv, wo = (w.detach().to(**f64) for w in (wq, wk, wv, wo))
+    wq3, wk3, wv3 = (w.detach().to(**_F64).view(n, -1, hidden) for w, n in ((wq, h), (wk, g), (wv, g)))
+    wo = wo.detach().to(**_F64)
+    half, n = d // 2, rope_dim // 2
+    grp = torch.arange(h) // (h // g)
 
-    half, dR = d // 2, rope_dim
-    rope_idx = torch.cat([torch.arange(dR // 2), half + torch.arange(dR // 2)])  # empty when d_R = 0
-    keep = torch.ones(d, dtype=torch.bool)
-    keep[rope_idx] = False
-    nope_idx = torch.nonzero(keep).flatten()
-    dn = d - dR
+    # 1-2. per-frequency PCA across groups; the n components of largest energy form the shared rope key
+    Km = torch.stack([wk3[:, :half], wk3[:, half:]], 2).permute(1, 0, 2, 3)  # [half, g, 2, hidden]
+    lam, U = _top_eigh(_gram(Km.reshape(half, g, 2 * hidden), None) if C is None else _calib_gram(Km, C))
+    comps = torch.einsum("mjl,mjah->mlah", U, Km)  # u_{m,l}: [half, g, 2, hidden]
+    order = torch.argsort(-lam.flatten(), stable=True)[:n]
+    km, kl = order // g, order % g
+    keep = torch.zeros(half, g, dtype=torch.bool)
+    keep[km, kl] = True
+    rope_k = torch.cat([comps[km, kl, 0], comps[km, kl, 1]], 0)  # [d_R, hidden]
+    coef = U[km[None, :], grp[:, None], kl[None, :]]  # [h, n]: U_m[γ(i), l] per head and kept pair
+    q_pairs = torch.stack([wq3[:, :half], wq3[:, half:]], 2)  # [h, half, 2, hidden]
+    rope_q = (coef[..., None, None] * q_pairs[:, km]).transpose(1, 2).reshape(h, 2 * n, hidden)
+    res = torch.einsum("mjl,mlah->jamh", U * (~keep)[:, None, :], comps).reshape(g, d, hidden)
 
-    wq3 = wq.view(h, d, hidden)
-    wk3 = wk.view(g, d, hidden)
-    W = torch.cat([wk3[:, nope_idx], wv.view(g, dv, hidden)], 1).reshape(g * (dn + dv), hidden)
-    M = W if calib is None else W @ calib.detach().to(**f64).reshape(-1, hidden).T
-    U, _, _ = torch.linalg.svd(M, full_matrices=False)
-    r_eff = min(kv_rank, U.shape[1])
-    U_r = torch.zeros(W.shape[0], kv_rank, **f64)
-    U_r[:, :r_eff] = U[:, :r_eff]
-    down = U_r.T @ W  # [r, hidden] (zero rows past the rank)
+    # 3. balanced joint PCA of the residual keys and the values of all groups
+    nk, nv = (_gram(w.reshape(-1, hidden), C).trace().clamp_min(0).sqrt() for w in (res, wv3))
+    alpha = (nv / nk).item() if balance_kv and nk > 0 and nv > 0 else 1.0
+    W = torch.cat([alpha * res, wv3], 1).reshape(g * (d + dv), hidden)
+    _, Uw = _top_eigh(_gram(W, C))
+    r_eff = min(kv_rank, Uw.shape[1])
+    U_r = torch.zeros(W.shape[0], kv_rank, **_F64)
+    U_r[:, :r_eff] = Uw[:, :r_eff]
+    down = U_r.T @ W  # [r, hidden]
+    up = U_r.view(g, d + dv, kv_rank).clone()
+    up[:, :d] /= alpha
 
-    theta = rope_theta ** (dR / d) if dR else rope_theta
-    layer = GQLAttention(hidden, h, g, dn, dR, kv_rank, None, dv, theta, 1.0 / math.sqrt(d), path, impl,
-                         device=device, dtype=dtype, kv_norm=False)
+    layer = GQLAttention(hidden, h, g, d, rope_dim, kv_rank, None, dv, rope_theta, scale, path, impl,
+                         device=device, dtype=dtype, kv_norm=False,
+                         rope_inv_freq=inv[km] if n else None)
+    s2 = rope_attention_scaling ** 2
     with torch.no_grad():
-        layer.q_proj.weight.copy_(torch.cat([wq3[:, nope_idx], wq3[:, rope_idx]], 1).reshape(h * d, hidden))
-        layer.kv_a_proj.weight.copy_(torch.cat([down, wk3[rope_group, rope_idx]], 0))
-        layer.kv_b_proj.weight.copy_(U_r)
+        layer.q_proj.weight.copy_(s2 * torch.cat([wq3, rope_q], 1).reshape(h * (d + rope_dim), hidden))
+        layer.kv_a_proj.weight.copy_(torch.cat([down, rope_k], 0))
+        layer.kv_b_proj.weight.copy_(up.reshape(g * (d + dv), kv_rank))
         layer.o_proj.weight.copy_(wo)
     return layer
 
 
+def _calib_gram(Km: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """``G_m[j, j'] = Σ_a W_K[j]_m,a C W_K[j']_m,aᵀ`` for ``Km [half, g, 2, hidden]``."""
+    return torch.einsum("mjah,hk,mbak->mjb", Km, C, Km)
+
+
 def gqa_attention_reference(source, x: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int,
                             v_head_dim: int | None = None, positions: torch.Tensor | None = None,
-                            rope_theta: float | None = None) -> torch.Tensor:
+                            rope_theta: float | None = None, rope_inv_freq: torch.Tensor | None = None,
+                            rope_attention_scaling: float = 1.0, softmax_scale: float | None = None,
+                            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Float64 causal GQA attention of the source weights: ``x [B, T, hidden]`` -> ``[B, T, hidden]``.
 
-    ``rope_theta=None``: no RoPE; else rotate-half RoPE on all ``head_dim`` dims of q and k at ``positions``.
+    ``rope_theta`` and ``rope_inv_freq`` both None: no RoPE; else rotate-half RoPE on all ``head_dim`` dims of
+    q and k at ``positions [T]`` or ``[B, T]`` (default ``0..T-1``), cos / sin times ``rope_attention_scaling``.
+    ``attention_mask [B, T]`` (1 = token, 0 = padding) hides padded keys.
     """
-    from ..layers.rope import apply_rope
-
-    wq, wk, wv, wo = (w.detach().to("cpu", torch.float64) for w in _weights(source, ("q_proj", "k_proj",
-                                                                                      "v_proj", "o_proj")))
-    x = x.detach().to("cpu", torch.float64)
+    wq, wk, wv, wo = (w.detach().to(**_F64) for w in _weights(source, ("q_proj", "k_proj", "v_proj", "o_proj")))
+    x = x.detach().to(**_F64)
     B, T, _ = x.shape
     h, g, d = num_heads, num_groups, head_dim
     dv = d if v_head_dim is None else v_head_dim
     q = (x @ wq.T).view(B, T, h, d)
     k = (x @ wk.T).view(B, T, g, d)
     v = (x @ wv.T).view(B, T, g, dv)
-    if rope_theta is not None:
-        pos = positions if positions is not None else torch.arange(T)
+    if rope_theta is not None or rope_inv_freq is not None:
+        inv = _source_inv_freq(d, rope_theta if rope_theta is not None else 1.0, rope_inv_freq)
+        pos = positions.to("cpu") if positions is not None else torch.arange(T)
         pos = pos.expand(B, T) if pos.dim() == 1 else pos
-        q, k = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+        q, k = (apply_rope(t, pos, inv_freq=inv) * rope_attention_scaling for t in (q, k))
     k, v = k.repeat_interleave(h // g, 2), v.repeat_interleave(h // g, 2)
-    s = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
-    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
-    o = torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v).reshape(B, T, h * dv)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * (d ** -0.5 if softmax_scale is None else softmax_scale)
+    hide = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]
+    if attention_mask is not None:
+        hide = hide | (attention_mask.to("cpu") == 0)[:, None, None, :]
+    s = s.masked_fill(hide, -math.inf)
+    o = torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1).nan_to_num(0.0), v).reshape(B, T, h * dv)
     return o @ wo.T

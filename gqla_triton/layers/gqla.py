@@ -63,12 +63,16 @@ class GQLAttention(nn.Module):
         device, dtype: of the parameters.
         kv_norm: keyword-only; False drops the latent RMSNorm (TransGQLA conversions: the source has none).
         norm_eps: keyword-only; epsilon of the RMSNorms.
+        rope_inv_freq: keyword-only; ``[rope_dim / 2]`` inverse frequencies of the rope pairs replacing
+            ``rope_theta``'s (converted models). Kept in the int64 buffer ``rope_inv_freq_bits`` (the bits of the
+            float64 values), so casting the module's dtype leaves the frequencies exact.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_groups: int, head_dim: int = 128, rope_dim: int = 64,
                  kv_rank: int = 512, q_rank: int | None = None, v_head_dim: int | None = None,
                  rope_theta: float = 10000.0, softmax_scale: float | None = None, path: str = "auto",
-                 impl: str = "auto", device=None, dtype=None, *, kv_norm: bool = True, norm_eps: float = 1e-6):
+                 impl: str = "auto", device=None, dtype=None, *, kv_norm: bool = True, norm_eps: float = 1e-6,
+                 rope_inv_freq: torch.Tensor | None = None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
                         ("head_dim", head_dim), ("kv_rank", kv_rank)):
@@ -85,6 +89,13 @@ class GQLAttention(nn.Module):
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
         check_impl(impl, op="GQLAttention", gluon=True)
+        if rope_inv_freq is not None:
+            if not isinstance(rope_inv_freq, torch.Tensor) or rope_inv_freq.shape != (rope_dim // 2,):
+                got = list(rope_inv_freq.shape) if isinstance(rope_inv_freq, torch.Tensor) else rope_inv_freq
+                raise ValueError(f"rope_inv_freq: expected a tensor of shape [{rope_dim // 2}], got {got!r}")
+            rope_inv_freq = rope_inv_freq.detach().to("cpu", torch.float64)
+            if not torch.isfinite(rope_inv_freq).all():
+                raise ValueError("rope_inv_freq: expected finite values")
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_groups = hidden_size, num_heads, num_groups
         self.head_dim, self.rope_dim, self.kv_rank, self.q_rank = head_dim, rope_dim, kv_rank, q_rank
@@ -104,6 +115,14 @@ class GQLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_rank, num_groups * (head_dim + self.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
         self._absorbed: dict = {}
+        bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device)
+        self.register_buffer("rope_inv_freq_bits", bits)
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        """Float64 ``[rope_dim / 2]`` inverse frequencies, or None (``rope_theta``'s)."""
+        bits = self.rope_inv_freq_bits
+        return None if bits is None else bits.view(torch.float64)
 
     # ---- shapes / path choice -------------------------------------------------------------------------
     @property
@@ -179,7 +198,8 @@ class GQLAttention(nn.Module):
         kv = self.kv_a_proj(x)
         c = self.kv_a_layernorm(kv[..., :r])
         # one rotation for the h query rope parts and the shared rope key (same positions)
-        roped = apply_rope(torch.cat([q[..., dh:], kv[..., None, r:]], 2), positions, self.rope_theta)
+        roped = apply_rope(torch.cat([q[..., dh:], kv[..., None, r:]], 2), positions, self.rope_theta,
+                           inv_freq=self.rope_inv_freq)
         return q[..., :dh], roped[:, :, :h], c, roped[:, :, h]
 
     def _expand(self, c: torch.Tensor):
@@ -358,7 +378,8 @@ class GQLAttention(nn.Module):
         w = self.kv_b_proj.weight
         out = GQLAttention(self.hidden_size, h, g, self.head_dim, self.rope_dim, self.kv_rank, self.q_rank,
                            self.v_head_dim, self.rope_theta, self.softmax_scale, self.path, self.impl,
-                           device=w.device, dtype=w.dtype, kv_norm=self.kv_norm, norm_eps=self.norm_eps)
+                           device=w.device, dtype=w.dtype, kv_norm=self.kv_norm, norm_eps=self.norm_eps,
+                           rope_inv_freq=self.rope_inv_freq)
         qd, kvd, vd = self.head_dim + self.rope_dim, self.head_dim + self.v_head_dim, self.v_head_dim
         hs = slice(tp_rank * h, (tp_rank + 1) * h)
         gs = slice(tp_rank * g, (tp_rank + 1) * g)

@@ -1,0 +1,201 @@
+"""Hugging Face ``transformers`` Llama-family models -> the same model with GQLA attention.
+
+``convert_llama(model, kv_rank=..., rope_dim=...)`` replaces every decoder layer's ``self_attn`` by a
+``GQLAHFAttention``: a ``GQLAttention`` (made by ``trans_gqla`` from the layer's q/k/v/o and the model's rotary
+frequencies) behind the HF attention signature, so ``model(...)`` and ``model.generate(...)`` run unchanged.
+With a HF cache the adapter keeps its own per-layer GQLA cache (``LatentCache`` for ``decode_path="absorb"``,
+``GroupedCache`` for ``"grouped"``) and records only the token count in the HF cache (one-element-wide
+placeholders), so HF's masks and positions stay right. ``transformers`` is an optional dependency
+(``pip install -e ".[hf]"``); this module imports it only where a model is converted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.gqla import GQLAttention
+from .trans_gqla import trans_gqla
+
+__all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
+
+_DECODE_PATHS = ("absorb", "grouped")
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """HF 4-D mask (bool: True = attend; float: 0 = attend, large negative = hidden) -> bool."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+class GQLAHFAttention(nn.Module):
+    """A ``GQLAttention`` with the HF attention forward: ``(hidden_states [B, T, hidden], position_embeddings,
+    attention_mask, cache / past_key_values, position_ids, **kwargs) -> (attn_output [B, T, hidden], None)``.
+
+    Positions come from ``position_ids`` (else ``cache_position``, else the HF cache's length + 0..T-1); the
+    model's ``position_embeddings`` are not used (the layer rotates with its own frequencies in float64).
+    Without a HF cache any 4-D ``attention_mask`` is honoured (padding included). With one, a call whose HF cache
+    is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls decode against it. Cached
+    calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
+    ``ValueError``.
+    """
+
+    def __init__(self, attn: GQLAttention, layer_idx: int, *, decode_path: str = "absorb", max_seqlen: int = 4096,
+                 page_size: int = 64):
+        super().__init__()
+        if not isinstance(attn, GQLAttention):
+            raise TypeError(f"attn: expected a GQLAttention, got {type(attn).__name__}")
+        if decode_path not in _DECODE_PATHS:
+            raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
+        if not isinstance(max_seqlen, int) or max_seqlen <= 0:
+            raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
+        self.attn, self.layer_idx, self.decode_path = attn, layer_idx, decode_path
+        self.max_seqlen, self.page_size = max_seqlen, page_size
+        self.is_causal = True
+        self.gqla_cache = None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                position_ids=None, past_key_values=None, cache_position=None, **kwargs):
+        hf_cache = cache if cache is not None else past_key_values
+        B, T = hidden_states.shape[:2]
+        past = hf_cache.get_seq_length(self.layer_idx) if hf_cache is not None else 0
+        dev = hidden_states.device
+        if position_ids is not None:
+            pos = position_ids.to(dev).expand(B, T)
+        elif cache_position is not None:
+            pos = cache_position.to(dev)[None].expand(B, T)
+        else:
+            pos = (past + torch.arange(T, device=dev))[None].expand(B, T)
+        causal = attention_mask is None or self._is_causal_mask(attention_mask, past, B, T)
+        if hf_cache is None:
+            out = self.attn(hidden_states, pos) if causal else self._masked_prefill(hidden_states, pos, attention_mask)
+            return out, None
+        if not causal:
+            raise ValueError("attention_mask: the GQLA caches need a purely causal mask (no padding); pass prompts "
+                             "of equal length or call without a cache (use_cache=False)")
+        if past == 0:
+            self.gqla_cache = self.attn.make_cache(B, self.max_seqlen, path=self.decode_path,
+                                                   page_size=self.page_size, dtype=hidden_states.dtype, device=dev)
+        elif self.gqla_cache is None or self.gqla_cache.max_batch != B:
+            raise ValueError(f"cache: the HF cache holds {past} tokens but layer {self.layer_idx} has no GQLA cache "
+                             f"for batch {B} (start from an empty HF cache)")
+        out = self.attn(hidden_states, pos, self.gqla_cache)
+        mark = hidden_states.new_zeros(B, 1, T, 1)
+        hf_cache.update(mark, mark, self.layer_idx)
+        return out, None
+
+    @staticmethod
+    def _is_causal_mask(mask: torch.Tensor, past: int, B: int, T: int) -> bool:
+        if mask.dim() != 4 or mask.shape[-2] != T or mask.shape[-1] < past + T:
+            raise ValueError(f"attention_mask: expected a 4-D mask [B, 1, {T}, >= {past + T}], "
+                             f"got {list(mask.shape)}")
+        kv = mask.shape[-1]
+        want = torch.arange(kv, device=mask.device)[None] <= (past + torch.arange(T, device=mask.device))[:, None]
+        return bool((_allowed(mask) == want).all())
+
+    def _masked_prefill(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention over the T tokens under a HF 4-D mask (e.g. left padding); rows with no key give 0."""
+        a = self.attn
+        B, T, _ = x.shape
+        q_nope, q_rope, c, k_rope = a._project(x, pos)
+        k_nope, v = a._expand(c)
+        rep = a.num_heads // a.num_groups
+        q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, a.num_groups, a.rope_dim)], -1)
+        k, v = (t.transpose(1, 2).repeat_interleave(rep, dim=1) for t in (k, v))
+        allow = _allowed(mask)[..., :T].expand(B, 1, T, T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, scale=a.softmax_scale)
+        o = o.masked_fill(~allow.any(-1, keepdim=True), 0.0).transpose(1, 2)
+        return a.o_proj(o.reshape(B, T, a.num_heads * a.v_head_dim).to(x.dtype))
+
+
+def _decoder_layers(model):
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    rotary = getattr(base, "rotary_emb", None)
+    if layers is None or rotary is None:
+        raise TypeError(f"model: expected a transformers Llama-family model (model.layers, model.rotary_emb), got "
+                        f"{type(model).__name__}")
+    return base, layers, rotary
+
+
+def _check_supported(model) -> None:
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind in ("dynamic", "longrope"):
+        raise ValueError(f"model: rope_type {kind!r} changes its frequencies with the sequence length; "
+                         "TransGQLA needs fixed frequencies")
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    if getattr(cfg, "sliding_window", None) or any(t != "full_attention" for t in layer_types):
+        raise ValueError("model: sliding-window attention layers are not supported")
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError("model: attention biases / dropout are not supported (bias-free, dropout-free only)")
+
+
+def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.Tensor | None = None,
+                  decode_path: str = "absorb", impl: str = "auto", max_seqlen: int = 4096, page_size: int = 64,
+                  balance_kv: bool = True):
+    """Replace every attention of a HF Llama-family model (``LlamaForCausalLM`` / ``LlamaModel`` and models with
+    the same layout: bias-free q/k/v/o, RoPE with fixed frequencies, full attention, any ``num_key_value_heads``)
+    by a ``GQLAHFAttention`` in place; returns ``model``.
+
+    ``kv_rank`` / ``rope_dim``: see ``trans_gqla`` (``rope_dim = num_key_value_heads·head_dim`` and ``kv_rank >=
+    2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
+    per-layer attention inputs calibrate the factorizations. ``decode_path``, ``max_seqlen``, ``page_size``: the
+    adapters' GQLA caches (``set_decode_path`` switches later); ``impl``: the decode kernels.
+    """
+    if decode_path not in _DECODE_PATHS:
+        raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
+    base, layers, rotary = _decoder_layers(model)
+    _check_supported(model)
+    cfg = model.config
+    h, g = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    inv = rotary.inv_freq.detach().to("cpu", torch.float64)
+    if inv.shape != (d // 2,):
+        raise ValueError(f"model: partial rotary embeddings ({2 * inv.numel()} of {d} dims) are not supported")
+    acts = None
+    if calib_input_ids is not None:
+        acts = [[] for _ in layers]
+        hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, kw, i=i: acts[i].append((kw.get("hidden_states", args[0] if args else None)).detach()),
+            with_kwargs=True) for i, layer in enumerate(layers)]
+        try:
+            with torch.no_grad():
+                model(input_ids=calib_input_ids, use_cache=False)
+        finally:
+            for hk in hooks:
+                hk.remove()
+    for i, layer in enumerate(layers):  # every check before the first layer is replaced
+        sa = layer.self_attn
+        if isinstance(sa, GQLAHFAttention):
+            raise ValueError(f"model: layer {i}'s attention is already converted")
+        if any(hasattr(sa, n) for n in ("q_norm", "k_norm")):
+            raise ValueError(f"model: layer {i} normalizes q / k per head (q_norm / k_norm); not supported")
+    new = []
+    for i, layer in enumerate(layers):
+        sa = layer.self_attn
+        w = sa.q_proj.weight
+        gq = trans_gqla(sa, num_heads=h, num_groups=g, head_dim=d, kv_rank=kv_rank, rope_dim=rope_dim,
+                        rope_inv_freq=inv, rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+                        softmax_scale=getattr(sa, "scaling", d ** -0.5),
+                        calib=None if acts is None else torch.cat([a.reshape(-1, a.shape[-1]) for a in acts[i]]),
+                        balance_kv=balance_kv, path="auto", impl=impl, device=w.device, dtype=w.dtype)
+        new.append(GQLAHFAttention(gq, getattr(sa, "layer_idx", i), decode_path=decode_path, max_seqlen=max_seqlen,
+                                   page_size=page_size))
+    for layer, m in zip(layers, new, strict=True):
+        layer.self_attn = m
+    return model
+
+
+def set_decode_path(model, path: str):
+    """Set every converted attention's decode path ("absorb" | "grouped"); applies from the next empty cache."""
+    if path not in _DECODE_PATHS:
+        raise ValueError(f"path: expected one of {_DECODE_PATHS}, got {path!r}")
+    mods = [m for m in model.modules() if isinstance(m, GQLAHFAttention)]
+    if not mods:
+        raise ValueError("model: holds no converted attention (run convert_llama first)")
+    for m in mods:
+        m.decode_path, m.gqla_cache = path, None
+    return model

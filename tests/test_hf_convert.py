@@ -1,0 +1,147 @@
+"""Model-level TransGQLA: a tiny random ``transformers`` Llama (built from a config, nothing downloaded) converted
+by ``convert_llama``, against the original model."""
+
+import copy
+
+import pytest
+import torch
+from harness import P, assert_close, gen, pick
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers", reason="the [hf] extra: pip install -e '.[hf]'")
+
+from gqla_triton.convert import GQLAHFAttention, convert_llama, set_decode_path  # noqa: E402
+
+
+def tiny_llama(seed, *, g, h=4, d=16, layers=2, vocab=96, attn="sdpa", dtype=torch.float32, rope_type=None):
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 500.0}
+    if rope_type == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=pick(48, 256), intermediate_size=pick(64, 512),
+                                   num_hidden_layers=layers, num_attention_heads=h, num_key_value_heads=g,
+                                   head_dim=d, max_position_embeddings=256, rope_parameters=rope,
+                                   attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg).eval().to(device=P.device, dtype=dtype)
+
+
+def float64_model(model):
+    """The original model in float64 with its rotary angles in float64 too (HF computes them in float32)."""
+    m = copy.deepcopy(model).to("cpu", torch.float64)
+    rot = m.model.rotary_emb
+
+    def forward(x, position_ids):
+        ang = position_ids[..., None].to(torch.float64) * rot.inv_freq.to(torch.float64)
+        emb = torch.cat([ang, ang], -1)
+        return emb.cos() * rot.attention_scaling, emb.sin() * rot.attention_scaling
+
+    rot.forward = forward
+    return m
+
+
+def full_rank(model):
+    c = model.config
+    return dict(kv_rank=2 * c.num_key_value_heads * c.head_dim, rope_dim=c.num_key_value_heads * c.head_dim)
+
+
+def ids_for(seed, B, T, vocab=96):
+    return torch.randint(0, vocab, (B, T), generator=gen(seed)).to(P.device)
+
+
+@given(g=st.sampled_from([1, 2, 4]), rope_type=st.sampled_from([None, "llama3"]), seed=st.integers(0, 2**16))
+@settings(max_examples=pick(4, 6))
+def test_full_rank_conversion_gives_the_original_logits(g, rope_type, seed):
+    dtype = torch.float32 if not P.big else torch.bfloat16
+    model = tiny_llama(seed, g=g, dtype=dtype, rope_type=rope_type)
+    ids = ids_for(seed + 1, 2, 12)
+    with torch.no_grad():
+        ref = float64_model(model)(ids.cpu()).logits
+        lowp = model(ids).logits
+        conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference")
+        out = conv(ids).logits
+    assert_close("converted logits", out, ref, lowp, dtype=dtype)
+    assert sum(isinstance(m, GQLAHFAttention) for m in conv.modules()) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_padded_batch_without_cache(attn):
+    """A left-padded batch (HF's 4-D mask: float for eager, bool for sdpa) without a cache: the real tokens'
+    logits are those of each sequence run alone."""
+    model = tiny_llama(3, g=2, attn=attn)
+    ids = ids_for(4, 2, 10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    kw = dict(attention_mask=mask, position_ids=pos, use_cache=False)
+    with torch.no_grad():
+        m64 = float64_model(model)
+        ref = torch.cat([m64(ids[:1, 3:].cpu()).logits[0], m64(ids[1:].cpu()).logits[0]])
+        keep = mask.bool()
+        lowp = model(ids, **kw).logits[keep]
+        conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference")
+        out = conv(ids, **kw).logits[keep]
+        assert_close("padded logits", out, ref, lowp, dtype=torch.float32)
+        with pytest.raises(ValueError, match="attention_mask"):  # the GQLA caches hold no padding
+            conv(ids, attention_mask=mask, use_cache=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_generate_greedy_matches_on_both_paths(impl):
+    """float32 in both profiles: greedy tokens are compared exactly, and low-precision rounding may flip a near tie."""
+    model = tiny_llama(5, g=2)
+    ids = ids_for(6, 2, 9)
+    kw = dict(max_new_tokens=pick(5, 16), do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl=impl, max_seqlen=32, page_size=16)
+        got = {"no cache": conv.generate(ids, attention_mask=torch.ones_like(ids), use_cache=False, **kw)}
+        for path in ("absorb", "grouped"):
+            set_decode_path(conv, path)
+            got[path] = conv.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            caches = [m.gqla_cache for m in conv.modules() if isinstance(m, GQLAHFAttention)]
+            assert all(type(c).__name__ == ("LatentCache" if path == "absorb" else "GroupedCache") for c in caches)
+    for name, tokens in got.items():
+        assert torch.equal(tokens, want), (name, tokens.tolist(), want.tolist())
+
+
+def test_truncated_conversion_calibration_helps():
+    """Below full rank the error grows as the rank falls; calibrating on token ids lowers it on those ids."""
+    model = tiny_llama(7, g=2, layers=1)
+    ids = ids_for(8, 2, 16)
+    with torch.no_grad():
+        ref = float64_model(model)(ids.cpu()).logits
+        errs, cal = [], None
+        for r in (8, 16, 24, 32):  # rope_dim = g·d: RoPE exact, the values through the rank-r latent
+            conv = convert_llama(copy.deepcopy(model), kv_rank=r, rope_dim=32, impl="reference")
+            errs.append(((conv(ids).logits.double() - ref).norm() / ref.norm()).item())
+            if r == 16:
+                conv = convert_llama(copy.deepcopy(model), kv_rank=r, rope_dim=32, calib_input_ids=ids,
+                                     impl="reference")
+                cal = ((conv(ids).logits.double() - ref).norm() / ref.norm()).item()
+    assert all(a > b for a, b in zip(errs[:-1], errs[1:], strict=True)), errs
+    assert errs[-1] < 1e-5 and cal < errs[1], (errs, cal)
+
+
+def test_convert_llama_bad_inputs():
+    model = tiny_llama(9, g=2, layers=1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="rope_dim"):
+        convert_llama(model, kv_rank=8, rope_dim=34)  # > g·d
+    with pytest.raises(ValueError, match="decode_path"):
+        convert_llama(model, kv_rank=8, rope_dim=8, decode_path="mla")
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())  # rejected calls changed nothing
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(TypeError, match="model"):
+        convert_llama(torch.nn.Linear(2, 2), kv_rank=8, rope_dim=8)
+    biased = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, attention_bias=True))
+    with pytest.raises(ValueError, match="bias"):
+        convert_llama(biased, kv_rank=8, rope_dim=8)
+    convert_llama(model, kv_rank=8, rope_dim=8)
+    with pytest.raises(ValueError, match="already converted"):
+        convert_llama(model, kv_rank=8, rope_dim=8)
+    with pytest.raises(ValueError, match="path"):
+        set_decode_path(model, "mla")
