@@ -26,6 +26,8 @@ def gqla_reference(layer, hidden_states: torch.Tensor, positions: torch.Tensor, 
     P = params
     x = hidden_states.to("cpu", torch.float64)
     pos = positions.to("cpu")
+    inv_freq = layer.rope_inv_freq
+    inv_freq = None if inv_freq is None else inv_freq.to("cpu")
     B, T, _ = x.shape
     h, g, dh, dv, dR, r = (layer.num_heads, layer.num_groups, layer.head_dim, layer.v_head_dim, layer.rope_dim,
                            layer.kv_rank)
@@ -38,12 +40,12 @@ def gqla_reference(layer, hidden_states: torch.Tensor, positions: torch.Tensor, 
     else:
         q = rms(x @ P["q_a_proj.weight"].T, P["q_a_layernorm.weight"]) @ P["q_b_proj.weight"].T
     q = q.view(B, T, h, dh + dR)
-    q_nope, q_rope = q[..., :dh], apply_rope(q[..., dh:], pos, layer.rope_theta)
+    q_nope, q_rope = q[..., :dh], apply_rope(q[..., dh:], pos, layer.rope_theta, inv_freq=inv_freq)
     kv = x @ P["kv_a_proj.weight"].T
     c = kv[..., :r]
     if layer.kv_norm:
         c = rms(c, P["kv_a_layernorm.weight"])
-    k_rope = apply_rope(kv[..., r:], pos, layer.rope_theta)
+    k_rope = apply_rope(kv[..., r:], pos, layer.rope_theta, inv_freq=inv_freq)
     w = P["kv_b_proj.weight"].view(g, dh + dv, r)
     w_uk, w_uv = w[:, :dh], w[:, dh:]
     grp = torch.arange(h) // (h // g)
