@@ -248,3 +248,24 @@ def test_layer_decode_torch_compile():
         o2 = m(x[:, 8:], c2)
     torch.testing.assert_close(o1, o2)
     torch.testing.assert_close(c1.recurrent_state, c2.recurrent_state)
+
+
+@settings(max_examples=examples(4, 12))
+@given(B=st.integers(1, 3), L=st.integers(1, 40), C=st.integers(1, 48), W=st.integers(2, 5), dtype=dtypes(),
+       seed=seeds())
+def test_depthwise_conv_matches_conv1d(B, L, C, W, dtype, seed):
+    """The layer's short conv on either device == torch's depthwise conv1d in float64 (the data-derived bound:
+    conv1d at the low precision)."""
+    import torch.nn.functional as F
+
+    from gqla_triton.layers.gated_deltanet import _depthwise_conv
+
+    L = L + W - 1
+    x64 = randn((B, L, C), seed, dtype=torch.float64)
+    w64 = randn((C, 1, W), seed + 1, dtype=torch.float64)
+    ref = F.conv1d(x64.cpu().transpose(1, 2), w64.cpu(), groups=C).transpose(1, 2)
+    x, w = x64.to(dtype), w64.to(dtype)
+    lowp = F.conv1d(x.float().cpu().transpose(1, 2), w.float().cpu(), groups=C).transpose(1, 2).to(dtype)
+    out = _depthwise_conv(x, w)
+    assert out.dtype == dtype and out.shape == (B, L - W + 1, C)
+    assert_close("depthwise conv", out, ref, lowp, dtype=dtype)

@@ -96,6 +96,33 @@ def _check_cu_host(cu: list[int], T: int, *, padded: bool) -> None:
         raise ValueError(f"cu_seqlens: expected {want} (T={T}), got {cu}")
 
 
+def _depthwise_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Valid depthwise conv along time: ``x [B, L, C]``, ``w [C, 1, W]`` -> ``[B, L - W + 1, C]`` in x's dtype. On the
+    CPU as W shifted multiply-adds in at least float32 (torch's CPU depthwise conv1d is orders of magnitude
+    slower at these shapes), elsewhere ``F.conv1d``."""
+    if x.device.type != "cpu":
+        return F.conv1d(x.transpose(1, 2), w, groups=x.shape[-1]).transpose(1, 2)
+    W = w.shape[-1]
+    L = x.shape[1] - W + 1
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    wc = w[:, 0].t().to(cdt)  # [W, C]
+    y = x[:, 0:L].to(cdt) * wc[0]
+    for j in range(1, W):
+        y = y + x[:, j:j + L].to(cdt) * wc[j]
+    return y.to(x.dtype)
+
+def _hf_tensor(state_dict, prefix: str, key: str) -> torch.Tensor:
+    """``state_dict[prefix + key]``, checked to be a floating-point tensor."""
+    name = prefix + key
+    if name not in state_dict:
+        raise ValueError(f"state_dict: missing {name!r} (a Qwen3-Next linear-attention layer's weight)")
+    t = state_dict[name]
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"state_dict: {name} must be a floating-point tensor, got "
+                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return t.detach()
+
+
 class GatedDeltaNetCache:
     """State of one ``GatedDeltaNet`` layer for ``num_seqs`` sequence slots (one row per slot).
 
@@ -115,6 +142,10 @@ class GatedDeltaNetCache:
     its output is 0 and no row is touched), an entry ``>= num_seqs`` is skipped alike. Live entries must be distinct
     and name slots that hold a state (or were ``reset``: a zeroed row decodes as a fresh sequence); a decode through a
     device tensor does not change the host flags.
+
+    transformers' linear-attention cache holds per layer a conv state ``[batch, conv_dim, conv_size]`` (one column
+    more than the ``conv_size - 1`` a next token reads) and the recurrent state ``[batch, HV, K, V]``, one row per
+    batch row: ``load_hf_states`` takes them over into slots, ``hf_states`` gives them back in that layout.
     """
 
     _INDEX_CACHE = 256  # distinct host slot tuples whose device index tensors are kept
@@ -269,6 +300,59 @@ class GatedDeltaNetCache:
             self._lens.index_add_(0, d.batch.write, a.to(torch.int32))
         self._draft, self._committed = None, d
 
+    # ------------------------------------------------------------------------------------ transformers interop
+    def load_hf_states(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, *, slots=None,
+                       seqlen: int = 0) -> None:
+        """Take over the states of a transformers linear-attention cache (Qwen3-Next) into host ``slots``.
+
+        ``conv_state [n, conv_dim, W']`` (``Cache.get_conv_state(layer_idx)``: transformers keeps the last
+        ``W' = conv_size`` pre-conv inputs; the last ``conv_size - 1`` of them, all a next token's conv reads, are
+        kept, so ``W' >= conv_size - 1``), ``recurrent_state [n, HV, K, V]`` (``get_recurrent_state``), both on the
+        cache's device, any float dtype (cast to the rows' dtypes). ``slots``: host slot ids (default ``0..n-1``).
+        The slots then hold a state (the next call on them is a decode step or a continued prefill) and their
+        ``seqlens`` become ``seqlen`` (transformers' linear cache does not count tokens). Both tensors are checked
+        before any row changes.
+        """
+        for name, t in (("conv_state", conv_state), ("recurrent_state", recurrent_state)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name}: on {t.device}, the cache on {self.device}")
+        C, W1 = self._conv.shape[1:]
+        if conv_state.dim() != 3 or conv_state.shape[1] != C or conv_state.shape[2] < W1:
+            raise ValueError(f"conv_state: expected [n, {C}, >= {W1}] (transformers' [batch, conv_dim, conv_size]), "
+                             f"got {list(conv_state.shape)}")
+        n = conv_state.shape[0]
+        want = (n, *self.recurrent_state.shape[1:])
+        if tuple(recurrent_state.shape) != want:
+            raise ValueError(f"recurrent_state: expected {list(want)}, got {list(recurrent_state.shape)}")
+        if isinstance(seqlen, bool) or not isinstance(seqlen, numbers.Integral) or not 0 <= seqlen < 2**31:
+            raise ValueError(f"seqlen: expected an int in [0, 2**31), got {seqlen!r}")
+        if n == 0:
+            raise ValueError("conv_state: expected at least one sequence")
+        ids = self._host_ids(slots, n)
+        self._check_idle("load_hf_states")
+        w = self._host_batch(ids).write
+        with torch.no_grad():
+            self._conv.index_copy_(0, w, conv_state[..., conv_state.shape[2] - W1:].to(self._conv.dtype))
+            self.recurrent_state.index_copy_(0, w, recurrent_state.to(self.recurrent_state.dtype))
+            self._lens.index_fill_(0, w, int(seqlen))
+        for s in ids:
+            self._held[s] = True
+
+    def hf_states(self, slots=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of host ``slots`` (default all) in a transformers linear-attention cache's layout:
+        ``(conv_state [n, conv_dim, conv_size], recurrent_state [n, HV, K, V])``, copies. The conv state's first
+        column is zero: transformers keeps ``conv_size`` inputs, of which a next token's conv reads only the last
+        ``conv_size - 1`` (the ones held here)."""
+        ids = self._host_ids(slots, None)
+        w = self._host_batch(ids).write if ids else torch.zeros(0, dtype=torch.long, device=self.device)
+        conv = self._conv[w]
+        conv = torch.cat([conv.new_zeros(conv.shape[0], conv.shape[1], 1), conv], 2)
+        return conv, self.recurrent_state[w].clone()
+
 
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next Gated DeltaNet layer.
@@ -282,7 +366,8 @@ class GatedDeltaNet(nn.Module):
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
     ``forward(hidden_states, cache=None, cu_seqlens=None, *, slots=None, verify=False) -> [B, T, hidden]``; see
-    ``forward``.
+    ``forward``. ``GatedDeltaNet.from_hf(layer)`` / ``load_hf_state_dict`` take the weights of a transformers
+    Qwen3-Next linear-attention layer, ``GatedDeltaNetCache.load_hf_states`` / ``hf_states`` its cache's states.
     """
 
     max_decode_tokens = 16
@@ -332,6 +417,111 @@ class GatedDeltaNet(nn.Module):
         return GatedDeltaNetCache(num_seqs, self.conv_dim, self.conv_size, self.num_v_heads, self.head_k_dim,
                                   self.head_v_dim, device=device or w.device, dtype=w.dtype)
 
+    # ------------------------------------------------------------------------------------ transformers interop
+    @classmethod
+    def from_hf(cls, layer_or_config, state_dict=None, *, prefix: str = "", layer_idx: int | None = None,
+                impl: str = "auto", device=None, dtype=None, save_states: bool = True) -> GatedDeltaNet:
+        """A layer computing what a transformers Qwen3-Next linear-attention layer (``Qwen3NextGatedDeltaNet``)
+        computes, with its weights.
+
+        ``layer_or_config``: the transformers layer (its sizes and ``state_dict()`` are read; ``state_dict`` must
+        then be None), or its ``Qwen3NextConfig`` (sizes from ``hidden_size``, ``linear_num_key_heads``,
+        ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``,
+        ``rms_norm_eps``) with ``state_dict`` holding the layer's weights under ``prefix`` (e.g.
+        ``"model.layers.0.linear_attn."`` for a model's state dict): see ``load_hf_state_dict``. ``device`` /
+        ``dtype`` default to those of ``in_proj_qkvz.weight``. transformers is not imported; the conv activation
+        must be SiLU (``hidden_act``), the layer's only one. transformers' ``attention_mask`` (zeroing padded tokens'
+        inputs) has no counterpart here: pack sequences of different lengths with ``cu_seqlens`` instead.
+        """
+        if isinstance(layer_or_config, nn.Module):
+            m = layer_or_config
+            if not hasattr(m, "in_proj_qkvz"):
+                raise TypeError(f"layer_or_config: expected a Qwen3-Next linear-attention layer (in_proj_qkvz, ...) "
+                                f"or its config, got {type(m).__name__}")
+            if state_dict is not None:
+                raise ValueError("state_dict: the weights are read from the given layer; pass None")
+            if prefix:
+                raise ValueError("prefix: only with a config and a state_dict")
+            sizes = (m.hidden_size, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.conv_kernel_size,
+                     m.layer_norm_epsilon, m.activation)
+            state_dict = m.state_dict()
+            layer_idx = m.layer_idx if layer_idx is None else layer_idx
+        else:
+            c = layer_or_config
+            names = ("hidden_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps", "hidden_act")
+            missing = [a for a in names if not hasattr(c, a)]
+            if missing:
+                raise TypeError(f"layer_or_config: expected a Qwen3-Next layer or config; {type(c).__name__} has no "
+                                f"{', '.join(missing)}")
+            if state_dict is None:
+                raise ValueError("state_dict: a config needs the layer's state dict")
+            sizes = tuple(getattr(c, a) for a in names)
+        hidden, H, HV, K, V, W, eps, act = sizes
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act: the conv activation must be SiLU ('silu'), got {act!r}")
+        w = _hf_tensor(state_dict, prefix, "in_proj_qkvz.weight")
+        m = cls(hidden, H, HV, K, V, conv_size=W, norm_eps=float(eps), layer_idx=layer_idx, impl=impl,
+                device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype,
+                save_states=save_states)
+        m.load_hf_state_dict(state_dict, prefix=prefix)
+        return m
+
+    def load_hf_state_dict(self, state_dict, *, prefix: str = "") -> None:
+        """Copy the weights of a transformers Qwen3-Next linear-attention layer of this layer's sizes.
+
+        Keys (after ``prefix``) and shapes: ``in_proj_qkvz.weight [2·H·K + 2·HV·V, hidden]``, rows grouped per q/k
+        head ``h``: ``[q_h (K), k_h (K), v (r·V), z (r·V)]`` with ``r = HV // H`` (value heads ``h·r .. h·r + r-1``);
+        ``in_proj_ba.weight [2·HV, hidden]``, per q/k head ``[b (r), a (r)]``; ``conv1d.weight [conv_dim, 1,
+        conv_size]`` (channels ``[q; k; v]`` as here); ``A_log [HV]``, ``dt_bias [HV]``, ``norm.weight [V]``,
+        ``out_proj.weight [hidden, HV·V]``. Any float dtype (cast to the layer's). Other keys under ``prefix`` (a
+        conv bias, say) raise ``ValueError``; everything is checked before a parameter changes.
+        """
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+        H, HV, K, V, hid = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.hidden_size
+        r = HV // H
+        want = {"in_proj_qkvz.weight": (2 * H * K + 2 * HV * V, hid), "in_proj_ba.weight": (2 * HV, hid),
+                "conv1d.weight": (self.conv_dim, 1, self.conv_size), "A_log": (HV,), "dt_bias": (HV,),
+                "norm.weight": (V,), "out_proj.weight": (hid, HV * V)}
+        if not hasattr(state_dict, "keys"):
+            raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+        extra = sorted(key for key in state_dict.keys()
+                       if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in want)
+        if extra:
+            raise ValueError(f"state_dict: unexpected keys {extra} (a Qwen3-Next linear-attention layer has "
+                             f"{[prefix + key for key in want]})")
+        t = {}
+        for key, shape in want.items():
+            t[key] = _hf_tensor(state_dict, prefix, key)
+            if tuple(t[key].shape) != shape:
+                raise ValueError(f"state_dict: {prefix + key} has shape {list(t[key].shape)}, the layer's sizes "
+                                 f"give {list(shape)}")
+        qkvz = t["in_proj_qkvz.weight"].reshape(H, 2 * K + 2 * r * V, hid)
+        q, k, v, z = qkvz.split([K, K, r * V, r * V], 1)
+        b, a = t["in_proj_ba.weight"].reshape(H, 2 * r, hid).split([r, r], 1)
+        pairs = ((self.q_proj.weight, q), (self.k_proj.weight, k), (self.v_proj.weight, v), (self.z_proj.weight, z),
+                 (self.b_proj.weight, b), (self.a_proj.weight, a), (self.conv1d.weight, t["conv1d.weight"]),
+                 (self.A_log, t["A_log"]), (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
+                 (self.o_proj.weight, t["out_proj.weight"]))
+        with torch.no_grad():
+            for p, src in pairs:
+                p.copy_(src.reshape(p.shape))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights in the layout of a transformers Qwen3-Next linear-attention layer (the inverse of
+        ``load_hf_state_dict``; new tensors, detached)."""
+        H, HV, K, V, hid = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.hidden_size
+        r = HV // H
+        with torch.no_grad():
+            qkvz = torch.cat([self.q_proj.weight.reshape(H, K, hid), self.k_proj.weight.reshape(H, K, hid),
+                              self.v_proj.weight.reshape(H, r * V, hid), self.z_proj.weight.reshape(H, r * V, hid)], 1)
+            ba = torch.cat([self.b_proj.weight.reshape(H, r, hid), self.a_proj.weight.reshape(H, r, hid)], 1)
+            return {"in_proj_qkvz.weight": qkvz.reshape(-1, hid), "in_proj_ba.weight": ba.reshape(-1, hid),
+                    "conv1d.weight": self.conv1d.weight.clone(), "A_log": self.A_log.detach().clone(),
+                    "dt_bias": self.dt_bias.detach().clone(), "norm.weight": self.norm_weight.detach().clone(),
+                    "out_proj.weight": self.o_proj.weight.detach().clone()}
+
     # --------------------------------------------------------------------------------------- pieces
     def _conv(self, x, init, cu_seqlens):
         """Causal depthwise conv over ``x [B, T, C]`` starting from ``init [N, C, W-1]`` (None = zeros).
@@ -345,7 +535,7 @@ class GatedDeltaNet(nn.Module):
             B, T = x.shape[:2]
             pad = init.transpose(1, 2).to(x.dtype) if init is not None else x.new_zeros(B, W - 1, C)
             xf = torch.cat([pad, x], 1)
-            y = F.conv1d(xf.transpose(1, 2), w, groups=C).transpose(1, 2)
+            y = _depthwise_conv(xf, w)
             return y, xf[:, T:].transpose(1, 2)
         # varlen: give every sequence its own W-1 leading slots (zeros or its initial state), conv once. Every index
         # stays inside its buffer whatever cu_seqlens holds (a device tensor is not checked under torch.compile)
@@ -362,7 +552,7 @@ class GatedDeltaNet(nn.Module):
         if init is not None:
             xp = xp.index_copy(0, head.flatten(), init.transpose(1, 2).reshape(-1, C).to(x.dtype))
         xp = xp.index_copy(0, dest, x[0])
-        y = F.conv1d(xp.t()[None], w, groups=C)[0].t()
+        y = _depthwise_conv(xp[None], w)[0]
         tail = (cu[1:] + torch.arange(N, device=dev) * (W - 1))[:, None] + j
         return y[dest - (W - 1)][None], xp[tail.flatten()].reshape(N, W - 1, C).transpose(1, 2)
 

@@ -24,6 +24,7 @@ from .._common.validation import (
     check_same_dtype,
     check_tensor,
 )
+from .compat import check_chunk_indices, check_fla_options
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
@@ -221,8 +222,8 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, state_indices=None,
-                           save_states=True, impl="auto"):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_indices=None,
+                           state_indices=None, save_states=True, impl="auto", **fla_options):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
@@ -243,6 +244,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             option of the same name): the plan is built from it without reading the device tensor, so a varlen call
             needs no host sync. It must hold the same values as ``cu_seqlens`` (checked: shape, 0..T,
             non-decreasing; not compared with the device copy, which would need the sync it avoids).
+        chunk_indices: fla's precomputed ``[NT, 2]`` (sequence, chunk) pairs of the varlen input's 64-token chunks;
+            accepted and unused (the plan comes from ``cu_seqlens``), it must describe the chunks of ``cu_seqlens``
+            (``ValueError`` otherwise: its shape is checked against the host copy of ``cu_seqlens``, its values when
+            it is a CPU tensor).
         state_indices: ``[N]`` int32 on the inputs' device, or None. Given, ``initial_state`` is a state pool:
             sequence n starts from pool row ``state_indices[n]`` and its final state is written back into that row
             in place (the kernels read and write the rows through the index; no other row is touched). A negative
@@ -257,12 +262,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             state pass run again). No effect without autograd.
         impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
             (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
+        **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
+            ``use_gate_in_kernel=False``, ``use_beta_sigmoid_in_kernel=False``, ``allow_neg_eigval=False``,
+            ``state_v_first=False`` (and its older name ``transpose_state_layout``), ``head_first=False``,
+            ``chunk_size=64``, ``A_log=None``, ``dt_bias=None``, ``cp_context=None``. Any other value of these (the
+            in-kernel gate or beta sigmoid, negative eigenvalues, V-first states, head-first inputs, other chunk
+            sizes, context parallelism) is a ``ValueError`` naming the option as unsupported; any other keyword a
+            ``TypeError`` naming it.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
         beta, initial_state (with ``state_indices``: ``(o, None)``, not differentiable).
         Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
     """
     check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
+    check_fla_options("chunk_gated_delta_rule", fla_options)
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, K = q.shape
     check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
@@ -305,6 +318,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     elif cu_seqlens is not None and not torch.compiler.is_compiling():
         # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
         cu_host = read_cu_seqlens(cu_seqlens, T)
+    check_chunk_indices(chunk_indices, cu_seqlens, cu_host)
     if state_indices is not None and not torch.compiler.is_compiling():
         _check_pool_rows(state_indices, initial_state.shape[0])
     if impl == "reference":

@@ -26,6 +26,7 @@ from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
+from .compat import check_decode_cu_seqlens_cpu, check_fla_options
 from .reference import recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
@@ -236,9 +237,11 @@ def gated_delta_rule_decode(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu=None,
     accepted: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
     impl: str = "auto",
+    **fla_options,
 ) -> torch.Tensor:
     """Gated DeltaNet recurrent step for ``s >= 1`` new tokens per sequence; updates ``state`` in place.
 
@@ -258,6 +261,9 @@ def gated_delta_rule_decode(
             the host for a GPU tensor: the kernel clamps each bound to ``[0, T]`` and each end to at least its start,
             so no value can cause an out-of-bounds access; a CPU tensor is checked (non-decreasing within ``[0, T]``,
             ``ValueError``). Tokens outside ``[cu[0], cu[N])`` belong to no sequence: o = 0.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's option
+            of the same name). The step never reads ``cu_seqlens`` on the host, so it changes nothing; it is
+            checked (``[N+1]``, non-decreasing within ``[0, T]``; not compared with the device copy).
         accepted: ``[B]`` (``[N]`` with ``cu_seqlens``) int32: commit to the pool only the state after each sequence's
             first ``accepted[b]`` tokens (clamped to ``[0, s]``, with ``cu_seqlens`` to ``[0, its tokens]``; 0 leaves
             the row unchanged). Outputs of all tokens are computed alike (speculative verification: the outputs of
@@ -268,6 +274,12 @@ def gated_delta_rule_decode(
         impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` token
             by token (any device, float64 too; reads the index tensors on the host; the state is updated in place
             alike); ``"gluon"`` is refused.
+        **fla_options: keywords of fla's recurrent step, accepted at the value that computes what this function
+            computes: ``inplace_final_state=True``, ``output_final_state=False`` (the pool rows are the final
+            states), ``use_gate_in_kernel=False``, ``use_beta_sigmoid_in_kernel=False``, ``allow_neg_eigval=False``,
+            ``state_v_first=False`` (and its older name ``transpose_state_layout``), ``head_first=False``,
+            ``A_log=None``, ``dt_bias=None``, ``num_accepted_tokens=None``. Any other value of these is a
+            ``ValueError`` naming the option as unsupported; any other keyword a ``TypeError`` naming it.
 
     Returns:
         o: ``[B, s, HV, V]`` in ``v``'s dtype.
@@ -275,6 +287,7 @@ def gated_delta_rule_decode(
     Forward only: a ``RuntimeError`` if an input requires grad while autograd is enabled.
     """
     check_impl(impl, op="gated_delta_rule_decode", gluon=False)
+    check_fla_options("gated_delta_rule_decode", fla_options)
     ref = impl == "reference"
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("q", q, ndim=4, dtypes=fdt)
@@ -305,6 +318,10 @@ def gated_delta_rule_decode(
         if cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
         N = cu_seqlens.numel() - 1
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
+        check_decode_cu_seqlens_cpu(cu_seqlens_cpu, N + 1, S)
     if state_indices is None:
         if state.shape[0] < N:
             raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than the {N} sequences "

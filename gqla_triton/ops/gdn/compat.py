@@ -1,0 +1,120 @@
+"""fla's keyword options of the gated delta rule, as the public GDN functions take them.
+
+Options that leave the math as computed here are accepted at the value that does so (fla's default), with their
+consistency checked where that costs no device read; every other value is refused by name (``ValueError``: not
+supported here), and a keyword neither function knows is a ``TypeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .plan import BT
+
+__all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_options"]
+
+# option -> (the value accepted here, what another value asks for)
+_FLAGS = {
+    "use_gate_in_kernel": (False, "g as the raw gate input, -exp(A_log)·softplus(g + dt_bias) computed in the kernel"),
+    "use_beta_sigmoid_in_kernel": (False, "beta as logits, sigmoid(beta) computed in the kernel"),
+    "allow_neg_eigval": (False, "beta scaled to [0, 2) (2·sigmoid(beta))"),
+    "state_v_first": (False, "states in the V-first [V, K] layout"),
+    "transpose_state_layout": (False, "states in the V-first [V, K] layout"),
+    "head_first": (False, "inputs in the head-first [B, H, T, ...] layout"),
+}
+_DECODE_FLAGS = {
+    "inplace_final_state": (True, "the final states returned in a new tensor (here the state pool is updated in "
+                                  "place: its rows are the final states)"),
+    "output_final_state": (False, "the final states returned (here the state pool is updated in place: its rows "
+                                  "are the final states)"),
+}
+# option -> what a value other than None asks for
+_NONE = {
+    "A_log": "the gate computed in the kernel (use_gate_in_kernel)",
+    "dt_bias": "the gate computed in the kernel (use_gate_in_kernel)",
+}
+_CHUNK_NONE = {"cp_context": "context parallelism"}
+_DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by its accepted draft count (here "
+                                       "`accepted` commits the state after the accepted tokens instead)"}
+
+CHUNK_OPTIONS = (*_FLAGS, *_NONE, *_CHUNK_NONE, "chunk_size")
+DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_NONE, *_DECODE_NONE)
+
+
+def check_fla_options(op: str, options: dict) -> None:
+    """Check the fla keyword ``options`` of ``op`` (``"chunk_gated_delta_rule"`` or ``"gated_delta_rule_decode"``):
+    each at the value that changes nothing here, else a ``ValueError`` naming it; unknown names: ``TypeError``."""
+    chunk = op == "chunk_gated_delta_rule"
+    known = CHUNK_OPTIONS if chunk else DECODE_OPTIONS
+    unknown = [name for name in options if name not in known]
+    if unknown:
+        raise TypeError(f"{op}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    flags = {**_FLAGS, **({} if chunk else _DECODE_FLAGS)}
+    nones = {**_NONE, **(_CHUNK_NONE if chunk else _DECODE_NONE)}
+    for name, value in options.items():
+        if name in flags:
+            ok, meaning = flags[name]
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+            if value is not ok:
+                raise ValueError(f"{name}={value} is not supported by {op} ({meaning}); only {name}={ok}")
+        elif name in nones:
+            if value is not None:
+                raise ValueError(f"{name}: not supported by {op} ({nones[name]}); pass None or leave it out")
+        elif name == "chunk_size":
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"chunk_size: expected an int, got {type(value).__name__}")
+            if value != BT:
+                raise ValueError(f"chunk_size={value} is not supported by {op}; only chunk_size={BT}")
+
+
+def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None) -> None:
+    """fla's ``chunk_indices [NT, 2]`` (the (sequence, chunk-in-sequence) pair of every 64-token chunk of the
+    varlen input, in order): the plan here is built from ``cu_seqlens``, so it must describe the same chunks. Its
+    shape is checked against the host copy of ``cu_seqlens`` (``cu_host``, when one exists), its values when it is
+    a CPU tensor; values on a device are not read (no sync)."""
+    if chunk_indices is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError("chunk_indices: given without cu_seqlens (it indexes the chunks of a varlen input)")
+    if not isinstance(chunk_indices, torch.Tensor):
+        raise TypeError(f"chunk_indices: expected a torch.Tensor, got {type(chunk_indices).__name__}")
+    if chunk_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"chunk_indices: expected int32 or int64, got {chunk_indices.dtype}")
+    if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+        raise ValueError(f"chunk_indices: expected [NT, 2], got shape {list(chunk_indices.shape)}")
+    if cu_host is None:
+        return
+    want = [(n, c) for n, (a, b) in enumerate(zip(cu_host[:-1], cu_host[1:], strict=True))
+            for c in range(-(-(b - a) // BT))]
+    if chunk_indices.shape[0] != len(want):
+        raise ValueError(f"chunk_indices: {chunk_indices.shape[0]} chunks, but cu_seqlens {cu_host} has "
+                         f"{len(want)} chunks of {BT} tokens")
+    reads = chunk_indices.device.type == "cpu" and not torch.compiler.is_compiling()
+    if reads and [tuple(r) for r in chunk_indices.tolist()] != want:
+        raise ValueError(f"chunk_indices: does not match cu_seqlens {cu_host} (expected the (sequence, chunk) "
+                         f"pairs {want})")
+
+
+def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int) -> None:
+    """The decode step's ``cu_seqlens_cpu`` (a CPU int32/int64 tensor or a sequence of ints): ``n`` values,
+    non-decreasing within ``[0, T]`` (tokens outside ``[cu[0], cu[-1])`` are padding)."""
+    if isinstance(cu_seqlens_cpu, torch.Tensor):
+        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens_cpu: expected a CPU int32/int64 tensor, got a {cu_seqlens_cpu.dtype} "
+                            f"tensor on {cu_seqlens_cpu.device}")
+        if cu_seqlens_cpu.dim() != 1:
+            raise ValueError(f"cu_seqlens_cpu: expected a 1-D tensor, got shape {list(cu_seqlens_cpu.shape)}")
+        cu = cu_seqlens_cpu.tolist()
+    elif isinstance(cu_seqlens_cpu, (list, tuple)) and all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens_cpu):
+        cu = [int(x) for x in cu_seqlens_cpu]
+    else:
+        raise TypeError(f"cu_seqlens_cpu: expected a CPU integer tensor or a sequence of ints, got "
+                        f"{type(cu_seqlens_cpu).__name__}")
+    if len(cu) != n:
+        raise ValueError(f"cu_seqlens_cpu: expected {n} values (the shape of cu_seqlens), got {len(cu)}")
+    if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens_cpu: expected non-decreasing values within [0, T={T}], got {cu}")

@@ -1,0 +1,188 @@
+"""fla's keyword options on ``chunk_gated_delta_rule`` and ``gated_delta_rule_decode``.
+
+Options at the value that changes nothing give bit-identical results to the call without them (which the op tests
+check against float64 references); every other value is a ``ValueError`` naming the option as unsupported and
+changes nothing; unknown keywords are a ``TypeError`` naming them.
+"""
+
+import pytest
+import torch
+from harness import P, assert_close, rand, randn
+
+from gqla_triton.ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
+from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+H, HV, K, V = 1, 2, 16, 16
+NOOP_COMMON = dict(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                   state_v_first=False, transpose_state_layout=False, head_first=False, A_log=None, dt_bias=None)
+UNSUPPORTED_COMMON = [("use_gate_in_kernel", True), ("use_beta_sigmoid_in_kernel", True),
+                      ("allow_neg_eigval", True), ("state_v_first", True), ("transpose_state_layout", True),
+                      ("head_first", True), ("A_log", "tensor"), ("dt_bias", "tensor")]
+UNSUPPORTED_CHUNK = [*UNSUPPORTED_COMMON, ("chunk_size", 32), ("chunk_size", 128), ("cp_context", object())]
+UNSUPPORTED_DECODE = [*UNSUPPORTED_COMMON, ("inplace_final_state", False), ("output_final_state", True),
+                      ("num_accepted_tokens", "tensor")]
+
+
+def _inputs(B, T, seed, dtype=torch.float32):
+    q = randn((B, T, H, K), seed, dtype=dtype)
+    k = randn((B, T, H, K), seed + 1, dtype=dtype)
+    v = randn((B, T, HV, V), seed + 2, dtype=dtype)
+    g = -rand((B, T, HV), seed + 3, lo=0.01, hi=0.5)
+    beta = rand((B, T, HV), seed + 4, lo=0.1, hi=0.9)
+    return q, k, v, g, beta
+
+
+def _value(v):
+    return torch.zeros(HV, device=P.device) if isinstance(v, str) else v
+
+
+def _chunk_indices(cu, bt=64):
+    pairs = [(n, c) for n in range(len(cu) - 1) for c in range(-(-(cu[n + 1] - cu[n]) // bt))]
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_chunk_noop_options_change_nothing(impl):
+    """head_first=False, chunk_size=64, chunk_indices consistent with cu_seqlens, cu_seqlens_cpu, and the off
+    values of the in-kernel gate / beta / eigenvalue / layout options: bit-identical to the plain call."""
+    cu_list = [0, 5, 5, 70, 72]
+    T = cu_list[-1]
+    q, k, v, g, beta = _inputs(1, T, 11)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=P.device)
+    h0 = randn((4, HV, K, V), 12)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, impl=impl)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    ref = dict(output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu)
+    o64, ht64 = chunk_gated_delta_rule_ref(*(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double(), **ref)
+    olp, htlp = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, **ref)
+    assert_close("o", o, o64, olp, dtype=torch.float32)
+    assert_close("final state", ht, ht64, htlp, dtype=torch.float32)
+    o2, ht2 = chunk_gated_delta_rule(q, k, v, g, beta, **kw, **NOOP_COMMON, chunk_size=64, cp_context=None,
+                                     chunk_indices=_chunk_indices(cu_list), cu_seqlens_cpu=torch.tensor(cu_list))
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    assert _chunk_indices(cu_list).shape[0] == 1 + 0 + 2 + 1  # 5, 0, 65, 2 tokens
+
+
+def test_chunk_noop_options_without_varlen():
+    q, k, v, g, beta = _inputs(2, 9, 21)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+    o2, _ = chunk_gated_delta_rule(q, k, v, g, beta, head_first=False, chunk_size=64, use_gate_in_kernel=False)
+    assert torch.equal(o, o2)
+
+
+@pytest.mark.parametrize(("name", "value"), UNSUPPORTED_CHUNK)
+def test_chunk_unsupported_options_are_refused(name, value):
+    q, k, v, g, beta = _inputs(1, 4, 31)
+    pool = randn((3, HV, K, V), 32)
+    keep = pool.clone()
+    idx = torch.tensor([2], dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match=f"{name}.*not supported"):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=idx, **{name: _value(value)})
+    assert torch.equal(pool, keep)
+
+
+@pytest.mark.parametrize("name", ["foo", "ssm_state_indices", "inplace_final_state", "num_accepted_tokens"])
+def test_chunk_unknown_keywords_raise_type_error(name):
+    q, k, v, g, beta = _inputs(1, 4, 41)
+    with pytest.raises(TypeError, match=f"unexpected keyword argument.*'{name}'"):
+        chunk_gated_delta_rule(q, k, v, g, beta, **{name: None})
+
+
+def test_chunk_option_types_and_chunk_indices_checks():
+    q, k, v, g, beta = _inputs(1, 70, 51)
+    cu_list = [0, 64, 70]
+    cu = torch.tensor(cu_list, device=P.device)
+    ci = _chunk_indices(cu_list)
+    call = lambda **kw: chunk_gated_delta_rule(q, k, v, g, beta, **kw)  # noqa: E731
+    for name in ("head_first", "use_gate_in_kernel", "state_v_first"):
+        with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+            call(**{name: 0})
+    with pytest.raises(TypeError, match="chunk_size: expected an int"):
+        call(chunk_size=64.0)
+    with pytest.raises(ValueError, match="chunk_indices: given without cu_seqlens"):
+        call(chunk_indices=ci)
+    with pytest.raises(ValueError, match="chunk_indices: 3 chunks, but cu_seqlens"):
+        call(cu_seqlens=cu, chunk_indices=_chunk_indices([0, 64, 65, 70]))
+    with pytest.raises(ValueError, match="chunk_indices: does not match cu_seqlens"):
+        call(cu_seqlens=cu, chunk_indices=ci.flip(0))
+    with pytest.raises(ValueError, match=r"chunk_indices: expected \[NT, 2\]"):
+        call(cu_seqlens=cu, chunk_indices=ci[:, :1])
+    with pytest.raises(TypeError, match="chunk_indices: expected int32 or int64"):
+        call(cu_seqlens=cu, chunk_indices=ci.float())
+    with pytest.raises(TypeError, match="chunk_indices: expected a torch.Tensor"):
+        call(cu_seqlens=cu, chunk_indices=ci.tolist())
+    # matching shape, values on a device are not read: only checkable on the host
+    o, _ = call(cu_seqlens=cu, chunk_indices=ci.to(torch.int32), cu_seqlens_cpu=cu_list, impl="reference")
+    assert o.shape == v.shape
+
+
+def _pool_call(**kw):
+    B, s = 2, 3
+    q, k, v, g, beta = _inputs(B, s, 61)
+    state = randn((4, HV, K, V), 62)
+    idx = torch.tensor([3, 1], dtype=torch.int32, device=P.device)
+    return (q, k, v, g, beta, state, idx), kw
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_decode_noop_options_change_nothing(impl):
+    """cu_seqlens_cpu, inplace_final_state=True, output_final_state=False and the off values of the other
+    options: bit-identical outputs and state pools to the plain call."""
+    cu_list = [0, 2, 2, 5]
+    q, k, v, g, beta = _inputs(1, 6, 71)  # token 5 is padding
+    state = randn((4, HV, K, V), 72)
+    idx = torch.tensor([3, 0, 1], dtype=torch.int32, device=P.device)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=P.device)
+    s1, s2 = state.clone(), state.clone()
+    o1 = gated_delta_rule_decode(q, k, v, g, beta, s1, idx, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, impl=impl)
+    o2 = gated_delta_rule_decode(q, k, v, g, beta, s2, idx, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                 cu_seqlens_cpu=torch.tensor(cu_list), inplace_final_state=True,
+                                 output_final_state=False, num_accepted_tokens=None, impl=impl, **NOOP_COMMON)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    assert not torch.equal(s1, state)  # the step did update the pool
+    o3 = gated_delta_rule_decode(q, k, v, g, beta, state.clone(), idx, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                 cu_seqlens_cpu=cu_list, impl=impl)
+    assert torch.equal(o1, o3)
+
+
+@pytest.mark.parametrize(("name", "value"), UNSUPPORTED_DECODE)
+def test_decode_unsupported_options_are_refused(name, value):
+    (q, k, v, g, beta, state, idx), _ = _pool_call()
+    keep = state.clone()
+    with pytest.raises(ValueError, match=f"{name}.*not supported"):
+        gated_delta_rule_decode(q, k, v, g, beta, state, idx, **{name: _value(value)})
+    assert torch.equal(state, keep)
+
+
+@pytest.mark.parametrize("name", ["foo", "chunk_indices", "chunk_size", "cp_context", "initial_state"])
+def test_decode_unknown_keywords_raise_type_error(name):
+    (q, k, v, g, beta, state, idx), _ = _pool_call()
+    keep = state.clone()
+    with pytest.raises(TypeError, match=f"unexpected keyword argument.*'{name}'"):
+        gated_delta_rule_decode(q, k, v, g, beta, state, idx, **{name: None})
+    assert torch.equal(state, keep)
+
+
+def test_decode_cu_seqlens_cpu_checks():
+    q, k, v, g, beta = _inputs(1, 5, 81)
+    state = randn((2, HV, K, V), 82)
+    keep = state.clone()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=P.device)
+    call = lambda **kw: gated_delta_rule_decode(q, k, v, g, beta, state, **kw)  # noqa: E731
+    for bad, exc, match in (([0, 2], ValueError, "expected 3 values"), ([0, 3, 2], ValueError, "non-decreasing"),
+                            ([0, 2, 6], ValueError, "within"), ([-1, 2, 5], ValueError, "within"),
+                            (torch.tensor([0.0, 2, 5]), TypeError, "CPU int32/int64"),
+                            (torch.tensor([[0, 2, 5]]), ValueError, "1-D"), ("0,2,5", TypeError, "sequence of ints")):
+        with pytest.raises(exc, match=f"cu_seqlens_cpu: .*{match}"):
+            call(cu_seqlens=cu, cu_seqlens_cpu=bad)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu: given without cu_seqlens"):
+        gated_delta_rule_decode(q.reshape(5, 1, H, K), k.reshape(5, 1, H, K), v.reshape(5, 1, HV, V),
+                                g.reshape(5, 1, HV), beta.reshape(5, 1, HV), randn((5, HV, K, V), 83),
+                                cu_seqlens_cpu=[0, 5])
+    with pytest.raises(TypeError, match="inplace_final_state: expected a bool"):
+        call(inplace_final_state=1)
+    assert torch.equal(state, keep)
+    call(cu_seqlens=cu, cu_seqlens_cpu=[0, 2, 4])  # padded: token 4 belongs to no sequence
+    assert not torch.equal(state, keep)
