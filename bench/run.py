@@ -16,12 +16,14 @@ import shlex
 import sys
 from pathlib import Path
 
-OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla", "layers"]
+OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla", "layers", "tp"]
+SINGLE_GPU = [op for op in OPS if op != "tp"]  # the default: tp spawns one rank per GPU (2 GPUs)
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--op", default=",".join(OPS), help=f"comma list of {','.join(OPS)} (default: all), or 'ceilings'")
+    ap.add_argument("--op", default=",".join(SINGLE_GPU),
+                    help=f"comma list of {','.join(OPS)} (default: all but tp), or 'ceilings'")
     ap.add_argument("--workload", default="", help="comma list of workload names (default: all of each op)")
     ap.add_argument("--anchors", default=os.environ.get("GQLA_BENCH_ANCHORS", ""),
                     help="comma list of anchor names to time (default: every importable one; environment "
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {path}")
         return
     if args.list:
-        for op in ops if ops != ["ceilings"] else OPS:
+        for op in ops if ops != ["ceilings"] else SINGLE_GPU:
             mod = importlib.import_module(f"bench.{op}")
             print(f"{op}: " + ", ".join(f"{n} {w}" for n, w in mod.WORKLOADS.items()))
         return

@@ -1,0 +1,135 @@
+"""What both tensor-parallel layers share: the process group, the state-dict sharding rule, the all-reduce."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+
+def resolve_group(group) -> tuple[object, int, int]:
+    """``(group, rank, size)`` of ``group`` (None: the default group) in an initialised ``torch.distributed``."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group (NCCL "
+                           "on GPUs, gloo on the CPU) in every rank before building a tensor-parallel layer")
+    if group is None:
+        group = dist.group.WORLD
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns in the ranks it leaves out
+        raise ValueError("group: this process is not a member of the process group")
+    elif not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected None or a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the process group")
+    return group, rank, dist.get_world_size(group)
+
+
+def check_backend_device(group, device: torch.device) -> None:
+    """NCCL reduces CUDA tensors only."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and device.type != "cuda":
+        raise ValueError(f"device: the process group uses NCCL, which reduces CUDA tensors only; got {device}")
+
+
+def check_divides(tp_size: int, n: int, what: str) -> None:
+    if n % tp_size:
+        raise ValueError(f"tp_size: the process group has {tp_size} ranks, which does not divide {what} {n}")
+
+
+def check_rank(tp_rank, tp_size) -> None:
+    for name, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if tp_size <= 0:
+        raise ValueError(f"tp_size: expected a positive int, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank}")
+
+
+def check_dtype(dtype) -> None:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+
+
+def _chunk(src: torch.Tensor, shape: torch.Size, tp_rank: int) -> torch.Tensor:
+    """The rank's contiguous block of ``src`` along the one dim where ``shape`` (the shard's) is smaller."""
+    dims = [d for d in range(src.dim()) if src.shape[d] != shape[d]]
+    if not dims:
+        return src
+    (d,) = dims
+    return src.narrow(d, tp_rank * shape[d], shape[d])
+
+
+def shard_state_dict(state_dict: Mapping[str, torch.Tensor], full: nn.Module, local: nn.Module, tp_rank: int,
+                     special: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> dict:
+    """Views of the shard of ``state_dict`` (a full layer's) that ``local`` holds.
+
+    ``full`` / ``local``: the full and the shard layer (meta modules suffice: only keys and shapes are read). A
+    tensor whose shard is smaller along one dim is split there into equal contiguous blocks; one of equal shape is
+    replicated; ``special[key]`` maps the full tensor to its shard where the rule is another.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    want, mine = full.state_dict(), local.state_dict()
+    missing, unexpected = sorted(set(want) - set(state_dict)), sorted(set(state_dict) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"state_dict: does not match the layer's parameters (missing {missing}, unexpected "
+                         f"{unexpected})")
+    for k, w in want.items():
+        t = state_dict[k]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict: {k!r} is a {type(t).__name__}, expected a tensor")
+        if t.shape != w.shape:
+            raise ValueError(f"state_dict: {k!r} has shape {list(t.shape)}, the layer expects {list(w.shape)}")
+    out = {}
+    for k, w in mine.items():
+        part = special[k](state_dict[k]) if special and k in special else _chunk(state_dict[k], w.shape, tp_rank)
+        if part.shape != w.shape:  # a sharding rule that disagrees with the shard layer's shapes
+            raise AssertionError(f"{k}: shard shape {list(part.shape)} != {list(w.shape)}")
+        out[k] = part
+    return out
+
+
+def load_into(local: nn.Module, shards: Mapping[str, torch.Tensor], device) -> nn.Module:
+    """Materialise the meta module ``local`` on ``device`` from ``shards``; parameters frozen."""
+    local = local.to_empty(device=device)
+    params = local.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(shards[k])
+    for p in local.parameters():
+        p.requires_grad_(False)
+    return local
+
+
+class TensorParallel(nn.Module):
+    """A rank's shard ``local`` of a layer and the group it reduces over: ``forward`` runs the shard, whose output
+    projection is row-parallel, and sums the ranks' partial outputs with one all-reduce."""
+
+    def __init__(self, local: nn.Module, group, tp_rank: int, tp_size: int, config: dict):
+        super().__init__()
+        self.local = local
+        self.group, self.tp_rank, self.tp_size = group, tp_rank, tp_size
+        self.config = dict(config)
+
+    def _check_inference(self, x) -> None:
+        if torch.is_grad_enabled() and ((isinstance(x, torch.Tensor) and x.requires_grad)
+                                        or any(p.requires_grad for p in self.local.parameters())):
+            raise RuntimeError(f"{type(self).__name__}: inference only (the all-reduce has no backward here); run it "
+                               "under torch.no_grad() / torch.inference_mode() with frozen parameters")
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.group)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"

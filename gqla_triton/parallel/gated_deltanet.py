@@ -1,0 +1,127 @@
+"""Tensor-parallel ``GatedDeltaNet`` along its heads.
+
+Rank ``p`` of ``tp`` holds q/k heads ``[p·H/tp, (p+1)·H/tp)`` and value heads ``[p·HV/tp, (p+1)·HV/tp)``: value
+head ``i`` reads q/k head ``i // (HV/H)``, so the two ranges stay paired. Column-parallel: ``q_proj``, ``k_proj``
+(the rank's q/k heads), ``v_proj``, ``z_proj``, ``b_proj``, ``a_proj``, ``A_log``, ``dt_bias`` (its value heads)
+and the depthwise conv (its q, k and v channels); replicated: the gated RMSNorm weight (shared by the heads);
+row-parallel: ``o_proj`` (the columns of its value heads), whose partial outputs one all-reduce sums. Each rank's
+``GatedDeltaNetCache`` holds its conv channels and its value heads' recurrent states (``HV/tp`` per slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from ._common import (
+    TensorParallel,
+    check_backend_device,
+    check_divides,
+    check_dtype,
+    check_rank,
+    load_into,
+    resolve_group,
+    shard_state_dict,
+)
+
+__all__ = ["TPGatedDeltaNet", "shard_gated_deltanet_state_dict"]
+
+_CONFIG = ("hidden_size", "num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_size", "norm_eps",
+           "layer_idx", "impl", "save_states")
+
+
+def _config_of(layer: GatedDeltaNet) -> dict:
+    return {k: getattr(layer, k) for k in _CONFIG}
+
+
+def _check_config(config) -> dict:
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a mapping of GatedDeltaNet arguments, got {type(config).__name__}")
+    bad = sorted(set(config) - set(_CONFIG) - {"device", "dtype"})
+    if bad:
+        raise ValueError(f"config: unknown GatedDeltaNet arguments {bad} (expected some of {list(_CONFIG)})")
+    return {k: v for k, v in config.items() if k not in ("device", "dtype")}
+
+
+def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:
+    full = GatedDeltaNet(**config, device="meta", dtype=dtype)
+    check_divides(tp_size, full.num_heads, "num_heads (the q/k heads; the value heads split alike)")
+    cfg = _config_of(full)
+    local = GatedDeltaNet(**{**cfg, "num_heads": full.num_heads // tp_size,
+                             "num_v_heads": full.num_v_heads // tp_size}, device="meta", dtype=dtype)
+    return full, local
+
+
+def _shard(state_dict, full: GatedDeltaNet, local: GatedDeltaNet, tp_rank: int) -> dict:
+    kd, vd, KD = local.key_dim, local.value_dim, full.key_dim
+
+    def conv(w: torch.Tensor) -> torch.Tensor:  # channels [q; k; v]: the rank's block of each
+        return torch.cat([w.narrow(0, tp_rank * kd, kd), w.narrow(0, KD + tp_rank * kd, kd),
+                          w.narrow(0, 2 * KD + tp_rank * vd, vd)], 0)
+
+    return shard_state_dict(state_dict, full, local, tp_rank, {"conv1d.weight": conv})
+
+
+def shard_gated_deltanet_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapping, tp_rank: int,
+                                    tp_size: int) -> dict[str, torch.Tensor]:
+    """The state dict of rank ``tp_rank``'s shard of a full ``GatedDeltaNet`` (``config``: its constructor
+    arguments; ``state_dict``: its weights). Views of ``state_dict`` except the conv weight (its q, k and v blocks
+    joined). No ``torch.distributed`` call."""
+    check_rank(tp_rank, tp_size)
+    full, local = _meta_layers(_check_config(config), tp_size)
+    return _shard(state_dict, full, local, tp_rank)
+
+
+class TPGatedDeltaNet(TensorParallel):
+    """This rank's shard of a ``GatedDeltaNet`` in a tensor-parallel group (see the module docstring).
+
+    Build it with ``from_layer`` or ``from_state_dict`` in every rank of ``group``. ``local`` is the shard, a
+    ``GatedDeltaNet`` of ``H/tp`` q/k heads and ``HV/tp`` value heads. Inference only.
+    """
+
+    @classmethod
+    def from_layer(cls, layer: GatedDeltaNet, *, group=None, device=None, dtype=None) -> TPGatedDeltaNet:
+        """Shard of the full ``layer`` on ``device`` (default the layer's) in ``dtype`` (default the layer's)."""
+        if not isinstance(layer, GatedDeltaNet):
+            raise TypeError(f"layer: expected a GatedDeltaNet, got {type(layer).__name__}")
+        w = layer.q_proj.weight
+        out = cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
+                                  device=device if device is not None else w.device, dtype=dtype or w.dtype)
+        out.local.max_decode_tokens = layer.max_decode_tokens
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: Mapping, *, group=None, device=None,
+                        dtype=None) -> TPGatedDeltaNet:
+        """Shard of ``GatedDeltaNet(**config)`` with the weights ``state_dict``; only the rank's slices are copied to
+        ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). The size of ``group`` (default: the
+        default group) must divide ``num_heads``."""
+        cfg = _check_config(config)
+        check_dtype(dtype)
+        group, rank, size = resolve_group(group)
+        src = state_dict.get("q_proj.weight") if isinstance(state_dict, Mapping) else None
+        dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)
+        full, local = _meta_layers(cfg, size, dtype)
+        shards = _shard(state_dict, full, local, rank)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        check_backend_device(group, dev)
+        return cls(load_into(local, shards, dev), group, rank, size, _config_of(full))
+
+    def init_cache(self, num_seqs: int, device=None) -> GatedDeltaNetCache:
+        """The rank's cache: ``num_seqs`` slots of its conv channels and its ``HV/tp`` value heads' states."""
+        return self.local.init_cache(num_seqs, device)
+
+    def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,
+                cu_seqlens: torch.Tensor | None = None, *, slots=None, verify: bool = False) -> torch.Tensor:
+        """``hidden_states [B, T, hidden]`` (the same on every rank) -> ``[B, T, hidden]``, the full layer's output
+        on every rank; arguments as ``GatedDeltaNet.forward`` (``cache``: this rank's, from ``init_cache``; a
+        verify step is committed on it with ``cache.commit``). Every rank must make the same call."""
+        self._check_inference(hidden_states)
+        out = self.local(hidden_states, cache, cu_seqlens, slots=slots, verify=verify)
+        return self._reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"tp_rank={self.tp_rank}, tp_size={self.tp_size}, heads {self.local.num_heads} of "
+                f"{self.config['num_heads']}, value heads {self.local.num_v_heads} of {self.config['num_v_heads']}")

@@ -1,0 +1,315 @@
+"""Tensor parallelism (gqla_triton.parallel) in real processes: gloo on the CPU under the interpreter (4 processes:
+TP 2 in two process groups of 2 ranks side by side, then TP 4 over all of them), NCCL on 2 or 4 GPUs. Every rank's
+output equals the unsharded layer's (prefill, decode steps, MTP, both GQLA paths; GatedDeltaNet prefill, decode,
+verify + commit), every rank's caches hold exactly its groups / value heads / conv channels, and group sizes that do
+not divide the groups or heads are refused.
+
+The parent builds the full layers and runs them (float64 reference, and torch at the ranks' precision for the
+tolerance); the ranks build their shards from the full state dicts and run the same calls. One spawned run carries
+every check (spawning costs seconds under the interpreter).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+from harness import EPS, P, assert_close, capture_graph, gen, pick, randn, rel_err, seeds
+from hypothesis import Phase, given, settings
+
+from gqla_triton.layers import GatedDeltaNet, GQLAttention
+from gqla_triton.parallel import (
+    TPGatedDeltaNet,
+    TPGQLAttention,
+    shard_gated_deltanet_state_dict,
+    shard_gqla_state_dict,
+    tensor_parallel,
+)
+
+GQLA = pick(dict(hidden_size=32, num_heads=8, num_groups=4, head_dim=16, rope_dim=16, kv_rank=32, q_rank=24),
+            dict(hidden_size=1024, num_heads=32, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512, q_rank=256))
+GDN = pick(dict(hidden_size=32, num_heads=4, num_v_heads=8, head_k_dim=16, head_v_dim=16),
+           dict(hidden_size=256, num_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128))
+PAGE = pick(16, 64)
+T0 = pick(5, 100)  # prefill tokens
+STEPS = (1, 1, 2)  # GQLA decode steps after the prefill (the last one MTP)
+IDS = [2, 0]  # the batch's cache slots (of 3)
+ACCEPTED = [1, 2]  # GatedDeltaNet: draft tokens kept per sequence after a verify step of 2
+JOIN_S = 240
+ONCE = settings(max_examples=1, phases=[Phase.generate])  # each example spawns processes: no shrinking
+
+
+def _gqla_layer(seed: int) -> GQLAttention:
+    """Full layer, float64 on the CPU, seeded weights: projections ~ N(0, 1/fan_in), norms ~ 1."""
+    layer = GQLAttention(**GQLA, impl="reference", dtype=torch.float64)
+    g = gen(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = 0.1 if "layernorm" in name else p.shape[1] ** -0.5
+            p.copy_((1.0 if "layernorm" in name else 0.0) + randn(p.shape, g, dtype=torch.float64, device="cpu",
+                                                                  scale=scale))
+    return layer
+
+
+def _gdn_layer(seed: int) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    return GatedDeltaNet(**GDN, impl="reference", dtype=torch.float64)
+
+
+def _gqla_run(layer, path: str, x: torch.Tensor):
+    """Prefill ``T0`` tokens into slots ``IDS``, then the decode steps ``STEPS``: ``(outputs [B, T, hidden],
+    cache)``."""
+    with torch.no_grad():
+        cache = layer.make_cache(3, x.shape[1], path=path, page_size=PAGE, dtype=x.dtype)
+        outs, t = [layer(x[:, :T0], cache=cache, seq_ids=IDS)], T0
+        for s in STEPS:
+            outs.append(layer(x[:, t:t + s], cache=cache, seq_ids=IDS))
+            t += s
+    return torch.cat(outs, 1), cache
+
+
+def _gdn_run(layer, x: torch.Tensor):
+    """Prefill, a decode step, a verify step of 2 drafts committed with ``ACCEPTED``, a decode step."""
+    with torch.no_grad():
+        cache = layer.init_cache(3)
+        outs = [layer(x[:, :T0], cache, slots=IDS), layer(x[:, T0:T0 + 1], cache, slots=IDS),
+                layer(x[:, T0 + 1:T0 + 3], cache, slots=IDS, verify=True)]
+        cache.commit(torch.tensor(ACCEPTED, dtype=torch.int32, device=x.device))
+        outs.append(layer(x[:, T0 + 3:T0 + 4], cache, slots=IDS))
+    return torch.cat(outs, 1), cache
+
+
+def _grouped_kv(cache) -> torch.Tensor:
+    """``[slots, L, g, d_h + d_v]``: the cached keys and values of ``IDS``."""
+    return torch.stack([torch.cat(cache.gather(s)[:2], -1) for s in IDS]).double().cpu()
+
+
+def _gqla_graph_step(tp, x: torch.Tensor) -> torch.Tensor:
+    """GPU: the prefill, then the first decode step replayed from a CUDA graph (with its all-reduce)."""
+    with torch.no_grad():
+        cache = tp.make_cache(3, x.shape[1], path="grouped", page_size=PAGE, dtype=x.dtype)
+        tp(x[:, :T0], cache=cache, seq_ids=IDS)
+        cache.slot_index(IDS)
+        cache.reserve(IDS, 1)
+        step = x[:, T0:T0 + 1].clone()
+        saved = cache.cache_seqlens.clone()
+        graph, out = capture_graph(lambda: tp(step, cache=cache, seq_ids=IDS))
+        cache.cache_seqlens.copy_(saved)  # the warm-up call of the capture advanced the lengths
+        graph.replay()
+        torch.cuda.synchronize()
+        cache.check()
+    return out.clone()
+
+
+def _groups(world: int, tp: int):
+    """This rank's process group of ``tp`` ranks: the default group, or one of the blocks ``[k·tp, (k+1)·tp)``
+    (every rank makes every block, as ``new_group`` requires)."""
+    import torch.distributed as dist
+
+    if tp == world:
+        return None
+    mine = None
+    for k in range(world // tp):
+        g = dist.new_group(list(range(k * tp, (k + 1) * tp)))
+        if dist.get_rank() // tp == k:
+            mine = g
+    return mine
+
+
+def _worker(rank: int, world: int, backend: str, store: str, payload: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        data = torch.load(payload)
+        dtype, res = data["dtype"], {}
+        xg, xd = data["x_gqla"].to(dev, dtype), data["x_gdn"].to(dev, dtype)
+        for tp in data["tps"]:
+            group, out = _groups(world, tp), {}
+            for path in ("absorb", "grouped"):
+                if path == "absorb":  # one layer from a state dict, one from the full layer
+                    layer = TPGQLAttention.from_state_dict(data["gqla_sd"], data["gqla_cfg"], group=group, device=dev,
+                                                           dtype=dtype)
+                else:
+                    full = GQLAttention(**data["gqla_cfg"], dtype=torch.float64)
+                    full.load_state_dict(data["gqla_sd"])
+                    layer = tensor_parallel(full, group=group, device=dev, dtype=dtype)
+                assert (layer.tp_size, layer.tp_rank) == (tp, rank % tp)
+                y, cache = _gqla_run(layer, path, xg)
+                out[f"gqla_{path}"] = y.cpu()
+                if path == "grouped":
+                    out["gqla_kv"] = _grouped_kv(cache)
+                    out["gqla_cache_groups"] = cache.num_groups
+                    if dev.type == "cuda":
+                        out["gqla_graph"] = _gqla_graph_step(layer, xg).cpu()
+                else:
+                    out["gqla_latent_width"] = cache.kv.shape[-1]
+            gdn = TPGatedDeltaNet.from_state_dict(data["gdn_sd"], data["gdn_cfg"], group=group, device=dev,
+                                                  dtype=dtype)
+            y, cache = _gdn_run(gdn, xd)
+            out["gdn"] = y.cpu()
+            out["gdn_state"] = cache.recurrent_state[IDS].double().cpu()
+            out["gdn_conv"] = cache.conv_state[IDS].double().cpu()
+            res[tp] = out
+        errors = []
+        try:  # inference only: refused under autograd before anything runs
+            with torch.enable_grad():
+                layer(xg[:, :1].clone().requires_grad_())
+        except RuntimeError as e:
+            errors.append(str(e))
+        # group sizes that do not divide the groups / heads: refused in every member rank
+        if world >= 4:
+            sub = dist.new_group([0, 1, 2])
+            try:
+                TPGQLAttention.from_state_dict(data["gqla_sd"], data["gqla_cfg"], group=sub, device=dev)
+            except ValueError as e:
+                errors.append(str(e))
+        try:
+            TPGatedDeltaNet.from_state_dict(data["gdn_sd"], {**data["gdn_cfg"], "num_heads": 3, "num_v_heads": 6},
+                                            device=dev)
+        except ValueError as e:
+            errors.append(str(e))
+        res["errors"] = errors
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, backend: str, data: dict) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        payload = os.path.join(d, "payload.pt")
+        torch.save(data, payload)
+        ctx = mp.spawn(_worker, args=(world, backend, os.path.join(d, "store"), payload, d), nprocs=world,
+                       join=False)
+        deadline = time.monotonic() + JOIN_S
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"tensor-parallel ranks did not finish within {JOIN_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+
+
+def _check(world: int, backend: str, seed: int) -> None:
+    """Spawn ``world`` ranks; tensor parallelism of 2 (in blocks of 2 ranks) and of 4 where ``world`` allows. The
+    full layers run in this process: in float64 (the reference) and in torch at the ranks' precision (the
+    tolerance, ``harness.assert_close``)."""
+    dtype = P.dtypes[0]
+    tps = [t for t in (2, 4) if world % t == 0]
+    gq, gd = _gqla_layer(seed), _gdn_layer(seed + 1)
+    B, total = len(IDS), T0 + sum(STEPS)
+    xg = randn((B, total, gq.hidden_size), seed + 2, dtype=torch.float64, device="cpu")
+    xd = randn((B, T0 + 4, gd.hidden_size), seed + 3, dtype=torch.float64, device="cpu")
+    ref, low = {}, {}
+    for path in ("absorb", "grouped"):
+        ref[path], _ = _gqla_run(gq, path, xg)
+        low[path], low_cache = _gqla_run(_gqla_layer(seed).to(P.device, dtype), path, xg.to(P.device, dtype))
+    low_kv = _grouped_kv(low_cache)
+    ref_gdn, ref_cache = _gdn_run(gd, xd)
+    low_gdn, low_gdn_cache = _gdn_run(_gdn_layer(seed + 1).to(P.device, dtype), xd.to(P.device, dtype))
+    cfg_g = {k: getattr(gq, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank",
+                                         "q_rank", "v_head_dim", "rope_theta", "softmax_scale", "kv_norm")}
+    cfg_d = dict(GDN, conv_size=gd.conv_size)
+    data = dict(dtype=dtype, tps=tps, x_gqla=xg, x_gdn=xd, gqla_sd=gq.state_dict(), gqla_cfg=cfg_g,
+                gdn_sd=gd.state_dict(), gdn_cfg=cfg_d)
+    res = _spawn(world, backend, data)
+    KD = GDN["num_heads"] * GDN["head_k_dim"]
+    conv_full = low_gdn_cache.conv_state[IDS].double().cpu()
+    for tp in tps:
+        g_r, hv_r = GQLA["num_groups"] // tp, GDN["num_v_heads"] // tp
+        kd_r, vd_r = GDN["num_heads"] // tp * GDN["head_k_dim"], hv_r * GDN["head_v_dim"]
+        for rank, all_out in enumerate(res):
+            o, r, first = all_out[tp], rank % tp, res[rank - rank % tp][tp]
+            name = f"tp {tp} rank {rank}"
+            for path in ("absorb", "grouped"):
+                assert_close(f"{name} {path}", o[f"gqla_{path}"], ref[path], low[path].cpu(), dtype=dtype)
+                assert torch.equal(o[f"gqla_{path}"], first[f"gqla_{path}"]), f"{name} {path}: ranks disagree"
+            assert_close(f"{name} gated deltanet", o["gdn"], ref_gdn, low_gdn.cpu(), dtype=dtype)
+            assert torch.equal(o["gdn"], first["gdn"]), f"{name} gated deltanet: ranks disagree"
+            # each rank's caches hold its groups / value heads / conv channels, with the full layer's values
+            assert o["gqla_cache_groups"] == g_r and o["gqla_latent_width"] == GQLA["kv_rank"] + GQLA["rope_dim"]
+            assert rel_err(o["gqla_kv"], low_kv[:, :, r * g_r:(r + 1) * g_r]) <= EPS[dtype], f"{name}: grouped cache"
+            hv = slice(r * hv_r, (r + 1) * hv_r)
+            assert_close(f"{name} recurrent state", o["gdn_state"], ref_cache.recurrent_state[IDS][:, hv],
+                         low_gdn_cache.recurrent_state[IDS][:, hv].cpu(), dtype=dtype)
+            want_conv = torch.cat([conv_full[:, r * kd_r:(r + 1) * kd_r],
+                                   conv_full[:, KD + r * kd_r:KD + (r + 1) * kd_r],
+                                   conv_full[:, 2 * KD + r * vd_r:2 * KD + (r + 1) * vd_r]], 1)
+            assert rel_err(o["gdn_conv"], want_conv) <= EPS[dtype], f"{name}: conv state is not the full layer's"
+            if "gqla_graph" in o:
+                assert_close(f"{name} graph step", o["gqla_graph"], ref["grouped"][:, T0:T0 + 1],
+                             low["grouped"][:, T0:T0 + 1].cpu(), dtype=dtype)
+    for rank, all_out in enumerate(res):
+        errs = all_out["errors"]
+        assert any("does not divide num_heads" in e for e in errs), errs
+        assert any("TPGQLAttention: inference only" in e for e in errs), errs
+        if world >= 4:
+            want = "3 ranks, which does not divide num_groups" if rank < 3 else "not a member of the process group"
+            assert any(want in e for e in errs), errs
+
+
+@ONCE
+@given(seed=seeds())
+def test_gloo_ranks_equal_the_full_layers(seed):
+    """4 CPU processes over gloo: tensor parallelism 2 (two groups of 2 ranks side by side) and 4."""
+    if P.name != "ci":
+        pytest.skip("the gloo run is the CPU profile's; the gpu profile runs test_nccl_ranks_equal_the_full_layers")
+    _check(4, "gloo", seed)
+
+
+@pytest.mark.gpu_only
+@ONCE
+@given(seed=seeds())
+def test_nccl_ranks_equal_the_full_layers(seed):
+    """One process per GPU over NCCL (2 or 4 GPUs; with 4, tensor parallelism 2 and 4), and a decode step with its
+    all-reduce replayed from a CUDA graph."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    _check(4 if n >= 4 else 2, "nccl", seed)
+
+
+# ---- in the test process (no process group) ----------------------------------------------------------------------
+def test_shards_are_the_layers_shard_and_need_a_process_group():
+    layer = _gqla_layer(0)
+    cfg = {k: getattr(layer, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim",
+                                          "kv_rank", "q_rank")}
+    for r in range(2):
+        mine, want = shard_gqla_state_dict(layer.state_dict(), cfg, r, 2), layer.shard(r, 2).state_dict()
+        assert sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want)
+    sd = layer.state_dict()
+    with pytest.raises(ValueError, match="tp_size: the process group has 3 ranks, which does not divide num_groups"):
+        shard_gqla_state_dict(sd, cfg, 0, 3)
+    with pytest.raises(ValueError, match="tp_rank"):
+        shard_gqla_state_dict(sd, cfg, 2, 2)
+    with pytest.raises(ValueError, match=r"state_dict: .*missing \['o_proj.weight'\]"):
+        shard_gqla_state_dict({k: v for k, v in sd.items() if k != "o_proj.weight"}, cfg, 0, 2)
+    with pytest.raises(ValueError, match="state_dict: 'kv_b_proj.weight' has shape"):
+        shard_gqla_state_dict({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"][1:]}, cfg, 0, 2)
+    with pytest.raises(ValueError, match="config: unknown GQLAttention arguments"):
+        shard_gqla_state_dict(sd, {**cfg, "groups": 4}, 0, 2)
+    gdn = _gdn_layer(0)
+    with pytest.raises(ValueError, match="does not divide num_heads"):
+        shard_gated_deltanet_state_dict(gdn.state_dict(), GDN, 0, 3)
+    with pytest.raises(TypeError, match="dtype: expected None or a floating torch.dtype"):
+        TPGQLAttention.from_state_dict(sd, cfg, dtype="bf16")
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        TPGQLAttention.from_layer(layer)
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        TPGatedDeltaNet.from_layer(gdn)
+    with pytest.raises(TypeError, match="layer: expected a GQLAttention or a GatedDeltaNet"):
+        tensor_parallel(torch.nn.Linear(2, 2))
