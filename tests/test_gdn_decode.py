@@ -122,7 +122,9 @@ def _small(device=None, dtype=torch.float32, B=2, s=1, H=2, HV=4, K=16, V=16, Pn
 def test_decode_bad_inputs():
     a = _small()
     with pytest.raises(TypeError, match="state"):
-        gated_delta_rule_decode(**{**a, "state": a["state"].half()})
+        gated_delta_rule_decode(**{**a, "state": a["state"].double()})
+    with pytest.raises(TypeError, match="state"):
+        gated_delta_rule_decode(**{**a, "state": a["state"].int()}, impl="reference")
     with pytest.raises(ValueError, match="HV"):
         b = _small(H=3, HV=4)
         gated_delta_rule_decode(**b)

@@ -2,7 +2,8 @@
 
 Options at the value that changes nothing give bit-identical results to the call without them (which the op tests
 check against float64 references); every other value is a ``ValueError`` naming the option as unsupported and
-changes nothing; unknown keywords are a ``TypeError`` naming them.
+changes nothing; unknown keywords are a ``TypeError`` naming them. The decode step's in-kernel options are tested
+in test_gdn_decode_options.py.
 """
 
 import pytest
@@ -21,7 +22,9 @@ UNSUPPORTED_COMMON = [("use_gate_in_kernel", True), ("use_beta_sigmoid_in_kernel
                       ("allow_neg_eigval", True), ("state_v_first", True), ("transpose_state_layout", True),
                       ("head_first", True), ("A_log", "tensor"), ("dt_bias", "tensor")]
 UNSUPPORTED_CHUNK = [*UNSUPPORTED_COMMON, ("chunk_size", 32), ("chunk_size", 128), ("cp_context", object())]
-UNSUPPORTED_DECODE = [*UNSUPPORTED_COMMON, ("inplace_final_state", False), ("output_final_state", True),
+# the decode step computes the in-kernel gate / beta / eigenvalue options and the V-first layout
+# (tests/test_gdn_decode_options.py)
+UNSUPPORTED_DECODE = [("head_first", True), ("inplace_final_state", False), ("output_final_state", True),
                       ("num_accepted_tokens", "tensor")]
 
 

@@ -1,4 +1,5 @@
-"""Recurrent Gated DeltaNet decode step over a pooled fp32 state, updated in place.
+"""Recurrent Gated DeltaNet decode step over a pooled state (fp32, bf16 or fp16; ``[K, V]`` or ``[V, K]`` rows),
+updated in place.
 
 Per value head, for each of the ``s`` new tokens in order (state ``S`` is ``[K, V]`` fp32)::
 
@@ -10,8 +11,10 @@ One program owns one (sequence, value head, BV-wide slice of V): it loads its ``
 runs the sequence's tokens in registers and writes the slice back (one load and one store per state element), so
 the step is bound by the 2 x state bytes it must move. Options, each a compile-time specialisation that is off by
 default: ragged sequences packed along one token axis (``cu_seqlens``), the state after every token stored
-(``intermediate_states``), and only the state after the first ``accepted`` tokens committed (``accepted``:
-speculative verification). Forward only (inference); training uses ``chunk_gated_delta_rule``.
+(``intermediate_states``), only the state after the first ``accepted`` tokens committed (``accepted``:
+speculative verification), fla's in-kernel gate ``g = -exp(A_log)·softplus(a + dt_bias)``, in-kernel
+``beta = sigmoid(b)``, beta doubled (``allow_neg_eigval``), and V-first ``[V, K]`` state rows. Forward only
+(inference); training uses ``chunk_gated_delta_rule``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
-from .compat import check_decode_cu_seqlens_cpu, check_fla_options
+from .compat import check_decode_cu_seqlens_cpu, check_fla_options, decode_state_v_first
 from .reference import recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
@@ -42,8 +45,13 @@ def gated_delta_rule_decode_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, ACCEPT: tl.constexpr, INTER: tl.constexpr,
+    a_log=None, dt_bias=None,
+    GATE: tl.constexpr = False, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
+    V_FIRST: tl.constexpr = False,
 ):
     # S: tokens per sequence (VARLEN: the packed token count T); N: sequences (VARLEN only)
+    # GATE: g holds the raw gate input a, g = -exp(a_log) * softplus(a + dt_bias); BETA_SIGMOID: beta holds logits;
+    # NEG_EIGVAL: beta doubled; V_FIRST: state (and inter) rows laid out [V, K]
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -77,8 +85,15 @@ def gated_delta_rule_decode_fwd_kernel(
     if ACCEPT:
         n_acc = tl.minimum(tl.maximum(tl.load(acc + i_b), 0), n_tok)
 
-    p_s = state + (row * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if V_FIRST:
+        p_s = state + (row * HV + i_hv) * (K * V) + o_v[None, :] * K + o_k[:, None]
+    else:
+        p_s = state + (row * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    if GATE:
+        b_na = -tl.exp(tl.load(a_log + i_hv).to(tl.float32))
+        if dt_bias is not None:
+            b_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
 
     for t in range(n_tok):
         tok = tok0 + t
@@ -87,6 +102,15 @@ def gated_delta_rule_decode_fwd_kernel(
         b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + tok * HV + i_hv).to(tl.float32)
         b_beta = tl.load(beta + tok * HV + i_hv).to(tl.float32)
+        if GATE:
+            if dt_bias is not None:
+                b_g = b_g + b_dtb
+            # softplus with threshold 20 (x above it); the clamp keeps the branch not taken finite
+            b_g = b_na * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(tl.minimum(b_g, 20.0))))
+        if BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
+        if NEG_EIGVAL:
+            b_beta = b_beta * 2.0
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -97,13 +121,16 @@ def gated_delta_rule_decode_fwd_kernel(
         b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if INTER:
-            tl.store(inter + (tok * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :], b_s, mask=m_s)
+            if V_FIRST:
+                tl.store(inter + (tok * HV + i_hv) * (K * V) + o_v[None, :] * K + o_k[:, None], b_s, mask=m_s)
+            else:
+                tl.store(inter + (tok * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :], b_s, mask=m_s)
         if ACCEPT:
             if t + 1 == n_acc:
-                tl.store(p_s, b_s, mask=m_s)
+                tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
     if not ACCEPT:
-        tl.store(p_s, b_s, mask=m_s)
+        tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
 
     if VARLEN:
         # tokens before the first sequence or after the last belong to none: o = 0
@@ -118,9 +145,12 @@ def gated_delta_rule_decode_fwd_kernel(
 
 def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: float,
                                 use_qk_l2norm_in_kernel: bool, cu_seqlens=None, accepted=None,
-                                intermediate_states=None) -> torch.Tensor:
+                                intermediate_states=None, *, A_log=None, dt_bias=None, use_gate_in_kernel=False,
+                                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                                v_first=False) -> torch.Tensor:
     """Launch the step on contiguous inputs (shapes as ``gated_delta_rule_decode``; state_indices ``[B]`` or ``[N]``
-    int32). Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows (and ``intermediate_states``) in place."""
+    int32; ``v_first``: state rows ``[HV, V, K]``). Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows
+    (and ``intermediate_states``) in place."""
     B, S, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state.shape[0]
@@ -131,6 +161,7 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     BK = next_pow2(K)
     BV = min(cfg.bv, next_pow2(V))
     grid = (cdiv(V, BV), N * HV)
+    gate = bool(use_gate_in_kernel)
     gated_delta_rule_decode_fwd_kernel[grid](
         q, k, v, g, beta, o, state, state_indices,
         cu_seqlens if varlen else state_indices, accepted if accepted is not None else state_indices,
@@ -138,6 +169,9 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
         float(scale), S, P, N,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
         VARLEN=varlen, ACCEPT=accepted is not None, INTER=intermediate_states is not None,
+        a_log=A_log if gate else None, dt_bias=dt_bias if gate else None,
+        GATE=gate, BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), NEG_EIGVAL=bool(allow_neg_eigval),
+        V_FIRST=bool(v_first),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o
@@ -165,18 +199,36 @@ def _check_cu_values(cu_seqlens: torch.Tensor | None, T: int) -> None:
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool,
                cu_seqlens: torch.Tensor | None, accepted: torch.Tensor | None,
-               intermediate_states: torch.Tensor | None) -> torch.Tensor:
+               intermediate_states: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+               use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+               v_first: bool) -> torch.Tensor:
     # the public function cannot read CPU index tensors while tracing: checked here
     _check_pool_rows(state_indices, state.shape[0])
     _check_cu_values(cu_seqlens, q.shape[1])
     return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel,
-                                       cu_seqlens, accepted, intermediate_states)
+                                       cu_seqlens, accepted, intermediate_states, A_log=A_log, dt_bias=dt_bias,
+                                       use_gate_in_kernel=use_gate_in_kernel,
+                                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                       allow_neg_eigval=allow_neg_eigval, v_first=v_first)
 
 
 @_decode_op.register_fake
 def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, accepted,
-      intermediate_states):
+      intermediate_states, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+      v_first):
     return torch.empty_like(v)
+
+
+def softplus_ref(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))``, and ``x`` itself above 20 (the threshold of fla's and torch's softplus)."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
+
+
+def gate_ref(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """The log-space decay from the raw gate input: ``-exp(A_log) * softplus(a + dt_bias)``; a ``[..., HV]``,
+    A_log / dt_bias ``[HV]``. Computed in a's dtype."""
+    x = a + dt_bias.to(a.dtype) if dt_bias is not None else a
+    return -torch.exp(A_log.to(a.dtype)) * softplus_ref(x)
 
 
 def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter):
@@ -214,6 +266,25 @@ def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seql
     return o
 
 
+def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, *,
+                              A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                              v_first):
+    """``_decode_reference`` with the in-kernel options applied in torch first (the gate and beta in float64 if any
+    input is float64, else float32) and a V-first pool read and written through its transpose."""
+    ins = (q, k, v, g, beta, A_log, dt_bias)
+    cdt = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+    if use_gate_in_kernel:
+        g = gate_ref(g.to(cdt), A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.to(cdt))
+    if allow_neg_eigval:
+        beta = beta.to(cdt) * 2
+    if v_first:
+        state = state.transpose(-1, -2)
+        inter = inter.transpose(-1, -2) if inter is not None else None
+    return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter)
+
+
 def _check_forward_only(**tensors: torch.Tensor | None) -> None:
     if not torch.is_grad_enabled():
         return
@@ -240,16 +311,25 @@ def gated_delta_rule_decode(
     cu_seqlens_cpu=None,
     accepted: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_layout: str = "kv",
     impl: str = "auto",
     **fla_options,
 ) -> torch.Tensor:
     """Gated DeltaNet recurrent step for ``s >= 1`` new tokens per sequence; updates ``state`` in place.
 
     Args:
-        q, k: ``[B, s, H, K]`` (bf16/fp16/fp32), the ``s`` tokens of each sequence in order.
-        v: ``[B, s, HV, V]``, same dtype; ``HV % H == 0`` (value head ``i`` uses q/k head ``i // (HV // H)``).
-        g: ``[B, s, HV]`` log-space decay (<= 0), any float dtype. beta: ``[B, s, HV]``, any float dtype.
-        state: ``[P, HV, K, V]`` fp32 contiguous pool; rows ``state_indices`` are read and written in place.
+        q, k: ``[B, s, H, K]`` (bf16/fp16/fp32, one dtype), the ``s`` tokens of each sequence in order.
+        v: ``[B, s, HV, V]``, bf16/fp16/fp32 (may differ from q's); ``HV % H == 0`` (value head ``i`` uses q/k head
+            ``i // (HV // H)``).
+        g: ``[B, s, HV]`` log-space decay (<= 0), any float dtype; with ``use_gate_in_kernel`` the raw gate input.
+        beta: ``[B, s, HV]``, any float dtype; with ``use_beta_sigmoid_in_kernel`` logits.
+        state: ``[P, HV, K, V]`` (``state_layout="vk"``: ``[P, HV, V, K]``) fp32, bf16 or fp16 contiguous pool; rows
+            ``state_indices`` are read (to fp32) and written back (rounded to the pool's dtype) in place.
         state_indices: ``[B]`` int32 pool row of each sequence (``[N]`` with ``cu_seqlens``; default ``arange``, needs
             ``P`` >= that many rows). A negative index skips that sequence: its output is 0 and no state row (nor
             intermediate state) is touched. An index ``>= P`` raises ``ValueError`` when ``state_indices`` is on the
@@ -268,18 +348,26 @@ def gated_delta_rule_decode(
             first ``accepted[b]`` tokens (clamped to ``[0, s]``, with ``cu_seqlens`` to ``[0, its tokens]``; 0 leaves
             the row unchanged). Outputs of all tokens are computed alike (speculative verification: the outputs of
             the first accepted tokens equal those of decoding only them).
-        intermediate_states: ``[B, s, HV, K, V]`` fp32 contiguous output buffer (``[T, HV, K, V]`` with
-            ``cu_seqlens``; must not overlap ``state``): the state after every token is written there; entries of
-            skipped sequences (and of tokens outside every sequence) are left as they are.
+        intermediate_states: ``[B, s, HV, K, V]`` (``"vk"``: ``[B, s, HV, V, K]``) fp32 contiguous output buffer
+            (``[T, ...]`` with ``cu_seqlens``; must not overlap ``state``): the state after every token is written
+            there; entries of skipped sequences (and of tokens outside every sequence) are left as they are.
+        use_gate_in_kernel: ``g`` holds the raw gate input ``a``; the kernel takes
+            ``g = -exp(A_log) * softplus(a + dt_bias)`` (softplus is ``x`` itself above 20), as fla's option.
+        A_log, dt_bias: ``[HV]`` fp32 or q's dtype; A_log is required with ``use_gate_in_kernel`` (dt_bias ``None``:
+            no bias), and both must be ``None`` without it.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernel takes ``sigmoid(beta)``.
+        allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k k^T`` may have eigenvalues down to -1.
+        state_layout: ``"kv"`` (``[..., K, V]`` rows) or ``"vk"`` (``[..., V, K]``, the layout of vLLM / SGLang /
+            FlashInfer decode); fla's ``state_v_first=True`` (and its older name ``transpose_state_layout``) is
+            ``"vk"``.
         impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` token
             by token (any device, float64 too; reads the index tensors on the host; the state is updated in place
             alike); ``"gluon"`` is refused.
         **fla_options: keywords of fla's recurrent step, accepted at the value that computes what this function
             computes: ``inplace_final_state=True``, ``output_final_state=False`` (the pool rows are the final
-            states), ``use_gate_in_kernel=False``, ``use_beta_sigmoid_in_kernel=False``, ``allow_neg_eigval=False``,
-            ``state_v_first=False`` (and its older name ``transpose_state_layout``), ``head_first=False``,
-            ``A_log=None``, ``dt_bias=None``, ``num_accepted_tokens=None``. Any other value of these is a
-            ``ValueError`` naming the option as unsupported; any other keyword a ``TypeError`` naming it.
+            states), ``head_first=False``, ``num_accepted_tokens=None``; and ``state_v_first`` /
+            ``transpose_state_layout`` (bools, see ``state_layout``). Any other value of these is a ``ValueError``
+            naming the option as unsupported; any other keyword a ``TypeError`` naming it.
 
     Returns:
         o: ``[B, s, HV, V]`` in ``v``'s dtype.
@@ -288,28 +376,47 @@ def gated_delta_rule_decode(
     """
     check_impl(impl, op="gated_delta_rule_decode", gluon=False)
     check_fla_options("gated_delta_rule_decode", fla_options)
+    v_first = decode_state_v_first(state_layout, fla_options)
+    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
+                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                       ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     ref = impl == "reference"
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("q", q, ndim=4, dtypes=fdt)
     B, S, H, K = q.shape
     check_tensor("k", k, shape=(B, S, H, K), dtypes=(q.dtype,), device=q.device)
-    check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=4, dtypes=fdt, device=q.device)
     HV, V = v.shape[2], v.shape[3]
     check_tensor("v", v, shape=(B, S, HV, V))
     check_tensor("g", g, shape=(B, S, HV), dtypes=fdt, device=q.device)
     check_tensor("beta", beta, shape=(B, S, HV), dtypes=fdt, device=q.device)
-    check_tensor("state", state, ndim=4, dtypes=(torch.float32, torch.float64) if ref else (torch.float32,),
-                 device=q.device)
+    check_tensor("state", state, ndim=4, dtypes=fdt, device=q.device)
     if B == 0 or S == 0 or H == 0 or K == 0 or V == 0:
         raise ValueError(f"q/v: expected non-empty B, s, heads and dims, got q {list(q.shape)}, v {list(v.shape)}")
     if HV % H != 0:
         raise ValueError(f"v: value heads HV={HV} must be a multiple of q/k heads H={H}")
-    if tuple(state.shape[1:]) != (HV, K, V):
-        raise ValueError(f"state: expected shape [P, {HV}, {K}, {V}], got {list(state.shape)}")
+    row_shape = (HV, V, K) if v_first else (HV, K, V)
+    if tuple(state.shape[1:]) != row_shape:
+        raise ValueError(f"state: expected shape [P, {', '.join(map(str, row_shape))}] (state_layout="
+                         f"{'vk' if v_first else 'kv'!r}), got {list(state.shape)}")
     if not state.is_contiguous():
         raise ValueError("state: expected a contiguous tensor (it is updated in place)")
     if K > 256 or V > 1024:
         raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported, got K={K}, V={V}")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log: required with use_gate_in_kernel=True (g = -exp(A_log)·softplus(g + dt_bias))")
+        pdt = (torch.float32, q.dtype) + ((torch.float64,) if ref else ())
+        check_tensor("A_log", A_log, shape=(HV,), dtypes=pdt, device=q.device)
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=pdt, device=q.device)
+    else:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: given without use_gate_in_kernel=True (it is a parameter of the gate "
+                                 "computed in the kernel); pass use_gate_in_kernel=True or leave it out")
     N = B
     if cu_seqlens is not None:
         check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=q.device)
@@ -332,22 +439,30 @@ def gated_delta_rule_decode(
     if accepted is not None:
         check_tensor("accepted", accepted, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
     if intermediate_states is not None:
-        want = (B, S, HV, K, V) if cu_seqlens is None else (S, HV, K, V)
-        check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=(state.dtype,), device=q.device)
+        want = ((B, S) if cu_seqlens is None else (S,)) + row_shape
+        idt = (torch.float32,) + ((torch.float64,) if ref else ())
+        check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=idt, device=q.device)
         if not intermediate_states.is_contiguous():
             raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
     if scale is None:
         scale = K**-0.5
-    _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states)
+    _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
+                        A_log=A_log, dt_bias=dt_bias)
     if not torch.compiler.is_compiling():
         _check_pool_rows(state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)
+    opts = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                v_first=v_first)
     if ref:
-        return _decode_reference(q, k, v, g, beta, state, state_indices, float(scale), bool(use_qk_l2norm_in_kernel),
-                                 cu_seqlens, accepted, intermediate_states)
-    check_kernel_device(q.device, _REFERENCE, q.dtype)
+        return _decode_reference_options(q, k, v, g, beta, state, state_indices, float(scale),
+                                         bool(use_qk_l2norm_in_kernel), cu_seqlens, accepted, intermediate_states,
+                                         **opts)
+    for dt in (q.dtype, v.dtype, state.dtype):
+        check_kernel_device(q.device, _REFERENCE, dt)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
     cont = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias))
     return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
                 state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel), cont(cu_seqlens),
-                cont(accepted), intermediate_states)
+                cont(accepted), intermediate_states, **opts)
