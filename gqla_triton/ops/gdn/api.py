@@ -24,7 +24,7 @@ from .._common.validation import (
     check_same_dtype,
     check_tensor,
 )
-from .compat import check_chunk_indices, check_fla_options
+from .compat import check_chunk_indices, check_fla_options, state_v_first
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
@@ -32,38 +32,44 @@ from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
 __all__ = ["chunk_gated_delta_rule"]
 
 _REFERENCE = "gqla_triton.ops.gdn.reference.chunk_gated_delta_rule_ref"
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: bool):
+def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: bool, v_first: bool,
+         beta_sigmoid: bool, neg_eigval: bool):
     """chunk_gdn_fwd's outputs with the saved states flattened: (o, ht, gc, Ainv, w, h, vnew); without save_states
     w, h and vnew are three distinct empty tensors (outputs of a custom op may not alias each other)."""
+    opt = dict(v_first=v_first, beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval)
     if not save_states:
-        o, ht, gc, Ainv = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan)
+        o, ht, gc, Ainv = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, **opt)
         return o, ht, gc, Ainv, q.new_empty(0), q.new_empty(0), q.new_empty(0)
-    o, ht, gc, Ainv, st = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, keep_h=True)
+    o, ht, gc, Ainv, st = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, keep_h=True, **opt)
     return o, ht, gc, Ainv, *st
 
 
-def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, dht, w, h, vnew):
+def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, dht, w, h, vnew, v_first,
+         beta_sigmoid, neg_eigval):
     states = States(w, h, vnew) if w is not None else None
-    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, plan, gc, Ainv, do, dht, states)
+    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, plan, gc, Ainv, do, dht, states, v_first=v_first,
+                         beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval)
 
 
 # ----------------------------------------------------------------------------------- torch.library + autograd
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool, v_first: bool,
+            beta_sigmoid: bool, neg_eigval: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
-    return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), save_states)
+    return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), save_states, v_first,
+                beta_sigmoid, neg_eigval)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    out = (v.new_empty(B, T, HV, V), q.new_empty(N, HV, K, V, dtype=torch.float32),
+    out = (v.new_empty(B, T, HV, V), q.new_empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32),
            q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=mid_dtype(k.dtype)))
     if not save_states:
         return (*out, q.new_empty(0), q.new_empty(0), q.new_empty(0))
@@ -75,25 +81,29 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states):
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, gc: torch.Tensor,
             Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, w: torch.Tensor | None,
-            h: torch.Tensor | None, vnew: torch.Tensor | None
+            h: torch.Tensor | None, vnew: torch.Tensor | None, v_first: bool, beta_sigmoid: bool, neg_eigval: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), gc, Ainv, do, dht, w, h,
-                vnew)
+                vnew, v_first, beta_sigmoid, neg_eigval)
 
 
 @_bwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew, v_first, beta_sigmoid,
+      neg_eigval):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), q.new_empty(N, HV, K, V, dtype=torch.float32))
+            torch.empty_like(beta), q.new_empty(N, HV, *((V, K) if v_first else (K, V)),
+                                                dtype=initial_state.dtype if initial_state is not None else torch.float32))
 
 
-def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, output):
+def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
+          output):
     """What both backward routes read: the inputs, gc, Ainv and (with save_states) the forward's states."""
     _, _, gc, Ainv, w, h, vnew = output
     ctx.scale = scale
+    ctx.opts = (v_first, beta_sigmoid, neg_eigval)
     ctx.has_h0 = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv, states) pass None, not zero tensors
     states = (w, h, vnew) if save_states else (None, None, None)
@@ -107,8 +117,8 @@ def _backward_with(bwd, plan, ctx, do, dht):
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state,
-                                     cu_seqlens if plan is None else plan, gc, Ainv, do, dht, w, h, vnew)
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None
+                                     cu_seqlens if plan is None else plan, gc, Ainv, do, dht, w, h, vnew, *ctx.opts)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 
 def _setup_context(ctx, inputs, output):
@@ -129,9 +139,9 @@ class _ChunkGDN(torch.autograd.Function):
     the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states):
-        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states)
-        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, out)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval):
+        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval)
+        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, v_first, beta_sigmoid, neg_eigval, out)
         ctx.plan = plan
         ctx.mark_non_differentiable(*out[2:])
         return out
@@ -141,9 +151,10 @@ class _ChunkGDN(torch.autograd.Function):
         return _backward_with(_bwd, ctx.plan, ctx, do, dht)
 
 
-def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, *, cu_host):
+def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval, *,
+           cu_host):
     return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host),
-                           save_states)
+                           save_states, v_first, beta_sigmoid, neg_eigval)
 
 
 # ------------------------------------------------------------------------------------------- state pool (inference)
@@ -163,40 +174,44 @@ def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
         raise ValueError(f"state_indices: pool row {int(uniq[counts > 1][0])} is named by more than one sequence")
 
 
-def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, *, cu_host):
+def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval, *,
+          cu_host):
     return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host),
-                         state_indices=state_indices)[0]
+                         state_indices=state_indices, v_first=v_first, beta_sigmoid=beta_sigmoid,
+                         neg_eigval=neg_eigval)[0]
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_pool", mutates_args=("state_pool",))
 def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-             state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+             state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             v_first: bool, beta_sigmoid: bool, neg_eigval: bool) -> torch.Tensor:
     _check_pool_rows(state_indices, state_pool.shape[0])  # the public function cannot read it while tracing
-    return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, cu_host=None)
+    return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
+                 cu_host=None)
 
 
 @_pool_op.register_fake
-def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens):
+def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval):
     return torch.empty_like(v)
 
 
-def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_seqlens, cu_host):
+def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_seqlens, cu_host, v_first):
     """The reference over gathered pool rows (zeros for rows outside [0, P)), its final states scattered back."""
     P = state_pool.shape[0]
     live = (state_indices >= 0) & (state_indices < P)
     rows = torch.where(live, state_indices, 0).long()
     h0 = torch.where(live[:, None, None, None], state_pool[rows], 0.0)
-    o, ht = _reference(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens, cu_host)
-    state_pool[rows[live]] = ht[live]
+    o, ht = _reference(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens, cu_host, v_first)
+    state_pool[rows[live]] = ht[live].to(state_pool.dtype)
     return o, None
 
 
 # ------------------------------------------------------------------------------------------------ public op
-def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, HV, K, V, dev) -> None:
-    check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=dev)
+def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row) -> None:
+    check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
     if pool is None:
         raise ValueError("initial_state: state_indices needs the state pool [P, HV, K, V] as initial_state")
-    check_tensor("initial_state", pool, shape=(None, HV, K, V), dtypes=(torch.float32,))
+    check_tensor("initial_state", pool, shape=(None, *row), dtypes=_STATE_DTYPES)
     if pool.shape[0] == 0:
         raise ValueError("initial_state: the state pool has no rows")
     if not pool.is_contiguous():
@@ -209,33 +224,50 @@ def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, 
                          "run it under torch.no_grad() / torch.inference_mode() or detach the inputs")
 
 
+def _beta_ref(beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> torch.Tensor:
+    """beta as the recurrence takes it (the kernels' ``_beta_in``), in fp32 or wider."""
+    if not (sigmoid or neg_eigval):
+        return beta
+    b = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    b = torch.sigmoid(b) if sigmoid else b
+    return 2.0 * b if neg_eigval else b
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
-def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, cu_host):
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, cu_host, v_first):
     cu = torch.tensor(cu_host) if cu_host is not None else cu_seqlens  # the host copy: no second device read
+    if v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
     o, ht = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                        output_final_state=output_final_state, use_qk_l2norm=l2, cu_seqlens=cu)
-    return o.to(v.dtype), (ht.float() if ht is not None else None)
+    if ht is not None:
+        ht = (ht.transpose(-1, -2) if v_first else ht).float().contiguous()
+    return o.to(v.dtype), ht
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_indices=None,
-                           state_indices=None, save_states=True, impl="auto", **fla_options):
+                           state_indices=None, save_states=True, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, state_layout="kv", impl="auto", **fla_options):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
             ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); K, V multiples of 16, <= 256.
         g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
-            float dtype; beta: ``[B, T, HV]`` in (0, 1).
+            float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]`` float32 or None (N = B, or the number of sequences with varlen); with
-            ``state_indices`` the state pool ``[P, HV, K, V]`` float32, contiguous.
-        output_final_state: also return the final states ``[N, HV, K, V]`` float32 (must be False with
-            ``state_indices``: the final states go into the pool).
+        initial_state: ``[N, HV, K, V]`` (``state_layout="vk"``: ``[N, HV, V, K]``) float32, bfloat16 or float16, or
+            None (N = B, or the number of sequences with varlen); read in the kernels as it is, in fp32 arithmetic.
+            With ``state_indices`` the state pool ``[P, HV, K, V]`` (``"vk"``: ``[P, HV, V, K]``) in one of those
+            dtypes, contiguous; the final states are rounded to its dtype.
+        output_final_state: also return the final states ``[N, HV, K, V]`` (``"vk"``: ``[N, HV, V, K]``) float32,
+            whatever initial_state's dtype, as fla (must be False with ``state_indices``: the final states go into
+            the pool).
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts, non-decreasing from 0 to T (varlen; then B
             must be 1); any strides. One host read per call (forward and backward together), which waits for the
@@ -260,22 +292,32 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
             at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
             state pass run again). No effect without autograd.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernels take ``sigmoid(beta)`` (its gradient is the
+            logits' gradient), as fla's option.
+        allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k kᵀ`` may have eigenvalues down to -1.
+        state_layout: ``"kv"`` (state rows ``[K, V]``) or ``"vk"`` (``[V, K]``, the decode layout of vLLM / SGLang /
+            FlashInfer) for initial_state, the final state, the state pool and the initial state's gradient; fla's
+            ``state_v_first=True`` (and its older name ``transpose_state_layout``) is the same as ``"vk"``.
         impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
             (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
         **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
-            ``use_gate_in_kernel=False``, ``use_beta_sigmoid_in_kernel=False``, ``allow_neg_eigval=False``,
-            ``state_v_first=False`` (and its older name ``transpose_state_layout``), ``head_first=False``,
-            ``chunk_size=64``, ``A_log=None``, ``dt_bias=None``, ``cp_context=None``. Any other value of these (the
-            in-kernel gate or beta sigmoid, negative eigenvalues, V-first states, head-first inputs, other chunk
-            sizes, context parallelism) is a ``ValueError`` naming the option as unsupported; any other keyword a
-            ``TypeError`` naming it.
+            ``use_gate_in_kernel=False``, ``head_first=False``, ``chunk_size=64``, ``A_log=None``, ``dt_bias=None``, ``cp_context=None``; and
+            ``state_v_first`` / ``transpose_state_layout`` (bools, see ``state_layout``). Any other value of these
+            (the in-kernel gate, head-first inputs, other chunk sizes, context parallelism) is a ``ValueError`` naming the option as unsupported; any other keyword a ``TypeError``
+            naming it.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
-        beta, initial_state (with ``state_indices``: ``(o, None)``, not differentiable).
+        beta, initial_state (its gradient in its dtype and layout; with ``state_indices``: ``(o, None)``, not
+        differentiable).
         Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
     """
     check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
     check_fla_options("chunk_gated_delta_rule", fla_options)
+    v_first = state_v_first(state_layout, fla_options)
+    for name, flag in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                       ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, K = q.shape
     check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
@@ -301,16 +343,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens.numel() < 2:
             raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
         N = cu_seqlens.numel() - 1
+    row = (HV, V, K) if v_first else (HV, K, V)
     if state_indices is not None:
-        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, HV, K, V, dev)
+        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row)
     elif initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=(N, HV, K, V), dtypes=(torch.float32,))
+        check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
     if scale is None:
         scale = K ** -0.5
     if not isinstance(save_states, bool):
         raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     if impl != "reference":
         check_kernel_device(dev, _REFERENCE, q.dtype)
+        if initial_state is not None:
+            check_kernel_device(dev, _REFERENCE, initial_state.dtype)
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
@@ -322,21 +367,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if state_indices is not None and not torch.compiler.is_compiling():
         _check_pool_rows(state_indices, initial_state.shape[0])
     if impl == "reference":
+        beta = _beta_ref(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
         if state_indices is not None:
             return _reference_pool(q, k, v, g, beta, float(scale), initial_state, state_indices,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host)
+                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host, v_first)
         return _reference(q, k, v, g, beta, float(scale), initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                          cu_seqlens, cu_host)
+                          cu_seqlens, cu_host, v_first)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     if state_indices is not None:
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
-        return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens), None
+        return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
+                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval), None
     h0 = initial_state.contiguous() if initial_state is not None else None
     save = save_states and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
-    o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save)
+    o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save, v_first, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval)
     return o, (ht if output_final_state else None)

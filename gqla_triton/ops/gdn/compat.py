@@ -3,8 +3,8 @@
 Options that leave the math as computed here are accepted at the value that does so (fla's default), with their
 consistency checked where that costs no device read; every other value is refused by name (``ValueError``: not
 supported here), and a keyword neither function knows is a ``TypeError`` naming it. The decode step takes fla's
-in-kernel gate / beta / eigenvalue options as its own keywords, and fla's V-first layout flags at either value
-(``decode_state_v_first``).
+in-kernel gate / beta / eigenvalue options as its own keywords, the chunked op the beta / eigenvalue ones; both
+functions take fla's V-first layout flags at either value (``state_v_first``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ import torch
 
 from .plan import BT
 
-__all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_options", "decode_state_v_first"]
+__all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_options", "decode_state_v_first",
+           "state_v_first"]
 
 # option -> (the value accepted here, what another value asks for)
 _FLAGS = {"head_first": (False, "inputs in the head-first [B, H, T, ...] layout")}
 _CHUNK_FLAGS = {
     "use_gate_in_kernel": (False, "g as the raw gate input, -exp(A_log)·softplus(g + dt_bias) computed in the kernel"),
-    "use_beta_sigmoid_in_kernel": (False, "beta as logits, sigmoid(beta) computed in the kernel"),
-    "allow_neg_eigval": (False, "beta scaled to [0, 2) (2·sigmoid(beta))"),
-    "state_v_first": (False, "states in the V-first [V, K] layout"),
-    "transpose_state_layout": (False, "states in the V-first [V, K] layout"),
 }
 _DECODE_FLAGS = {
     "inplace_final_state": (True, "the final states returned in a new tensor (here the state pool is updated in "
@@ -32,8 +29,8 @@ _DECODE_FLAGS = {
     "output_final_state": (False, "the final states returned (here the state pool is updated in place: its rows "
                                   "are the final states)"),
 }
-# fla's names of the V-first state layout: either value is taken by the decode step
-_DECODE_LAYOUT = ("state_v_first", "transpose_state_layout")
+# fla's names of the V-first state layout: either value is taken by both functions
+_LAYOUT = ("state_v_first", "transpose_state_layout")
 # option -> what a value other than None asks for
 _CHUNK_NONE = {
     "A_log": "the gate computed in the kernel (use_gate_in_kernel)",
@@ -43,8 +40,8 @@ _CHUNK_NONE = {
 _DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by its accepted draft count (here "
                                        "`accepted` commits the state after the accepted tokens instead)"}
 
-CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_CHUNK_NONE, "chunk_size")
-DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_DECODE_LAYOUT, *_DECODE_NONE)
+CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_NONE, "chunk_size")
+DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_LAYOUT, *_DECODE_NONE)
 
 
 def check_fla_options(op: str, options: dict) -> None:
@@ -58,7 +55,7 @@ def check_fla_options(op: str, options: dict) -> None:
     flags = {**_FLAGS, **(_CHUNK_FLAGS if chunk else _DECODE_FLAGS)}
     nones = _CHUNK_NONE if chunk else _DECODE_NONE
     for name, value in options.items():
-        if name in _DECODE_LAYOUT and not chunk:
+        if name in _LAYOUT:
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
         elif name in flags:
@@ -127,8 +124,9 @@ def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int) -> None:
         raise ValueError(f"cu_seqlens_cpu: expected non-decreasing values within [0, T={T}], got {cu}")
 
 
-def decode_state_v_first(state_layout, options: dict) -> bool:
-    """Whether the decode step's state rows are V-first: ``state_layout="vk"``, or fla's ``state_v_first`` /
+def state_v_first(state_layout, options: dict) -> bool:
+    """Whether the state rows (of the decode step's pool, of the chunked op's initial / final states and pool) are
+    V-first: ``state_layout="vk"``, or fla's ``state_v_first`` /
     ``transpose_state_layout`` True in ``options`` (their types are checked by ``check_fla_options``). The two fla
     names at different values, or one of them False with ``state_layout="vk"``, is a ``ValueError``."""
     if not isinstance(state_layout, str):
@@ -136,7 +134,7 @@ def decode_state_v_first(state_layout, options: dict) -> bool:
     if state_layout not in ("kv", "vk"):
         raise ValueError(f"state_layout: expected 'kv' ([..., K, V] rows) or 'vk' ([..., V, K] rows), got "
                          f"{state_layout!r}")
-    given = {name: options[name] for name in _DECODE_LAYOUT if name in options}
+    given = {name: options[name] for name in _LAYOUT if name in options}
     if len(set(given.values())) > 1:
         raise ValueError(f"state_v_first={given['state_v_first']} and transpose_state_layout="
                          f"{given['transpose_state_layout']} contradict each other (both name the V-first layout)")
@@ -144,3 +142,6 @@ def decode_state_v_first(state_layout, options: dict) -> bool:
         name = next(n for n, v in given.items() if v is False)
         raise ValueError(f"{name}=False contradicts state_layout='vk'")
     return state_layout == "vk" or True in given.values()
+
+
+decode_state_v_first = state_v_first

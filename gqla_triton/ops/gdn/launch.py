@@ -76,17 +76,18 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) 
     return bv
 
 
-def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool, state_indices=None):
+def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool, state_indices=None, v_first=False):
     """Walk each sequence's segment maps (``gdn_state_prefix_kernel``): s_seg [segments, HV, K, V] gets the state
     entering each segment, s_out [N, HV, K, V] the state leaving the sequence; s_in may be None (zeros). With
-    ``state_indices`` [N] int32, s_in and s_out are one state pool [P, HV, K, V], read and written at those rows."""
+    ``state_indices`` [N] int32, s_in and s_out are one state pool [P, HV, K, V], read and written at those rows.
+    ``v_first``: s_in and s_out have [V, K] rows (s_seg keeps [K, V])."""
     HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
     BV = min(32, next_pow2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
     pool = state_indices is not None
     gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
         mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff,
         state_indices if pool else soff, HV, s_out.shape[0] if pool else 0, K=K, V=V, BK=next_pow2(K), BV=BV,
-        USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, num_warps=8, num_stages=1)
+        USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, V_FIRST=v_first, num_warps=8, num_stages=1)
 
 
 def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
@@ -108,15 +109,16 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
 
 
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None,
-                        state_indices: torch.Tensor | None = None):
+                        state_indices: torch.Tensor | None = None, v_first: bool = False):
     """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final state
     ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. Long sequences
     with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
     parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]`` int32: initial_state is a
-    state pool ``[P, HV, K, V]`` fp32 contiguous, sequence n starts from row state_indices[n] and its final state
+    state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n] and its final state
     is written back there in place (rows outside [0, P): a zero start, no write); the pool is returned as the final
     state. One program reads its slice of a row and later writes the same slice, so every read of a row comes
-    before its write (unless two sequences share a row)."""
+    before its write (unless two sequences share a row). initial_state (or the pool) is fp32, bf16 or fp16;
+    ``v_first``: it and the final state have ``[V, K]`` rows."""
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
@@ -124,7 +126,8 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     pool = state_indices is not None
     h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = empty(u.shape, dtype=u.dtype, device=u.device)
-    ht = initial_state if pool else empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    ht = initial_state if pool else empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32,
+                                          device=k.device)
     BK = next_pow2(K)
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
     h0, cu, co, units, store_ht, varlen = initial_state, plan.cu, plan.coff, N, True, plan.varlen
@@ -132,7 +135,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     if split is not None:
         h0 = empty(split.nseg, HV, K, V, dtype=torch.float32, device=k.device)
         _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False,
-                        state_indices=state_indices)
+                        state_indices=state_indices, v_first=v_first)
         cu, co, units, store_ht, varlen = split.cu, split.coff, split.nseg, False, True
     row_pool = pool and split is None  # the state pass itself reads and writes the pool
     BV = _state_bv(cfg.state_bv, V, units * HV, k)
@@ -140,11 +143,12 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
         k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
         co if co is not None else dummy, state_indices if row_pool else dummy, T, plan.NT,
         ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
-        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, **cfg.launch("state"))
+        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=v_first and split is None,
+        **cfg.launch("state"))
     return h, vnew, ht, split
 
 
-def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
+def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool, neg_eigval: bool):
     """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage."""
     cfg = plan.cfg
     B, T, H, K = k.shape
@@ -155,17 +159,19 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.wu_bk, next_pow2(K)), BV=min(cfg.wu_bv, next_pow2(V)),
-        IS_VARLEN=plan.varlen, **cfg.launch("wu"))
+        IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
     return w, u
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False,
-                  state_indices: torch.Tensor | None = None):
+                  state_indices: torch.Tensor | None = None, v_first: bool = False, beta_sigmoid: bool = False,
+                  neg_eigval: bool = False):
     """The forward stages on contiguous inputs (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``,
-    initial_state ``[N, HV, K, V]`` fp32 or None). Returns (o ``[B, T, HV, V]`` v's dtype, final state
-    ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
+    initial_state ``[N, HV, K, V]`` fp32 / bf16 / fp16 or None; ``v_first``: initial and final states ``[N, HV, V, K]``).
+    Returns (o ``[B, T, HV, V]`` v's dtype, final state ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
     the ``States`` the backward would otherwise recompute. ``state_indices``: initial_state is a state pool
-    updated in place (``chunk_gdn_state_fwd``), returned in the final state's place."""
+    updated in place (``chunk_gdn_state_fwd``), returned in the final state's place. ``beta_sigmoid``: beta holds
+    logits (sigmoid taken in the kernels); ``neg_eigval``: beta doubled (after the sigmoid)."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -179,15 +185,15 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     if plan.NTT > 0:
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
-            IS_VARLEN=plan.varlen, **cfg.launch("wy"))
-        w, u = _wu(k, v, beta, gc, Ainv, plan)
+            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wy"))
+        w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
                                          rows=h_rows(B, T, plan.N, plan.varlen) if keep_h else None,
-                                         state_indices=state_indices)
+                                         state_indices=state_indices, v_first=v_first)
     if plan.NTT > 0:
         BV = min(cfg.out_bv, next_pow2(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
@@ -199,11 +205,14 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, gc, Ainv, do, dht,
-                  states: States | None = None):
+                  states: States | None = None, *, v_first: bool = False, beta_sigmoid: bool = False,
+                  neg_eigval: bool = False):
     """The backward stages (inputs as ``chunk_gdn_fwd``'s, its gc and Ainv, the output gradient do and the final
     state's dht ``[N, HV, K, V]`` or None). Returns dq, dk ``[B, T, H, K]``, dv ``[B, T, HV, V]``, dg, dbeta
-    ``[B, T, HV]`` (input dtypes) and dh0 ``[N, HV, K, V]`` fp32. ``states``: the forward's ``States``; None
-    recomputes them (the wu stage, then the state pass)."""
+    ``[B, T, HV]`` (input dtypes) and dh0 ``[N, HV, K, V]`` in initial_state's dtype (fp32 without one).
+    ``states``: the forward's ``States``; None recomputes them (the wu stage, then the state pass). ``v_first``:
+    initial_state, dht and dh0 have ``[V, K]`` rows. ``beta_sigmoid`` / ``neg_eigval``: as ``chunk_gdn_fwd``'s;
+    dbeta is the gradient of the beta input (the logits)."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -221,10 +230,11 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     dv = empty(v.shape, dtype=v.dtype, device=dev)
     dg = empty(g.shape, dtype=g.dtype, device=dev)
     dbeta = empty(beta.shape, dtype=beta.dtype, device=dev)
-    dh0 = empty(N, HV, K, V, dtype=torch.float32, device=dev)
+    dh0 = empty(N, HV, *((V, K) if v_first else (K, V)),
+                dtype=initial_state.dtype if initial_state is not None else torch.float32, device=dev)
     if states is None:
-        w, u = _wu(k, v, beta, gc, Ainv, plan)
-        h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan)
+        w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
+        h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan, v_first=v_first)
         del u
     else:
         w, h, vnew = states
@@ -243,7 +253,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         gdn_state_bwd_kernel[(NVB, N * HV)](
             q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
-            IS_VARLEN=varlen, **cfg.launch("state_bwd"))
+            IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         grid = (NVB, split.nseg * HV)
         r = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
@@ -252,7 +262,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
             IS_VARLEN=True, **cfg.launch("state_bwd"))
         dse = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
-        _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True)
+        _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True, v_first=v_first)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
             K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
@@ -276,9 +286,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
-        IS_VARLEN=varlen, **cfg.launch("grad"))
+        IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=min(cfg.wy_bwd_bk, BKp), BV=min(cfg.wy_bwd_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
-        LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, **cfg.launch("wy_bwd"))
+        LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
+        **cfg.launch("wy_bwd"))
     return dq, dk, dv, dg, dbeta, dh0

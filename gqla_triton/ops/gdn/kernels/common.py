@@ -84,6 +84,38 @@ def _h_row(idx, i_nh, ck, cv, mkv, HV, P, K: tl.constexpr, V: tl.constexpr, POOL
 
 
 @triton.jit
+def _state_ptr(base, row, ck, cv, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
+    """Pointers of the [BK, BV] slice (rows ck, columns cv) of state ``row`` (int64) of ``base``: rows
+    ``[K, V]``, or ``[V, K]`` with V_FIRST (the slice is then read transposed)."""
+    if V_FIRST:
+        return base + (row * V + cv[None, :]) * K + ck[:, None]
+    return base + (row * K + ck[:, None]) * V + cv[None, :]
+
+
+@triton.jit
+def _beta_in(b, mask, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """beta as the recurrence takes it from the loaded values b (fp32, 0 where not ``mask``): sigmoid(b) with
+    BETA_SIGMOID (b holds logits), doubled with NEG_EIGVAL; b itself with neither."""
+    if BETA_SIGMOID:
+        b = tl.where(mask, tl.sigmoid(b), 0.0)
+    if NEG_EIGVAL:
+        b = b * 2.0
+    return b
+
+
+@triton.jit
+def _dbeta_out(db, b, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """The gradient of the loaded values b from db = dL/d(beta as taken, ``_beta_in``): ·s(1 − s) with
+    BETA_SIGMOID (s = sigmoid(b)), ·2 with NEG_EIGVAL."""
+    if BETA_SIGMOID:
+        s = tl.sigmoid(b)
+        db = db * (s * (1.0 - s))
+    if NEG_EIGVAL:
+        db = db * 2.0
+    return db
+
+
+@triton.jit
 def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
     """Row (int64) of chunk program i_t's state in h ``[chunks, HV, K, V]``."""
     if IS_VARLEN:

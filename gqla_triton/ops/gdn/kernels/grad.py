@@ -22,7 +22,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
                           scale, T, NT, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr,
                           TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, LATE_WAIT: tl.constexpr,
-                          USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          V_FIRST: tl.constexpr = False):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
     through ``part`` and ``cnt``, see ``_head_arrive``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
@@ -33,7 +34,8 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
     then the earlier ranks have passed theirs on), instead of every rank passing dq on at its end.
     USE_H0 / USE_DHT: dg's decay term Σ h⊙dh takes the fp32 initial state h0 [N, HV, K, V] for a sequence's first
     chunk and the fp32 dht for its last, not their rounded copies in h / dhe (in a short sequence that term can be
-    most of dg, a sum with cancellation)."""
+    most of dg, a sum with cancellation). h0 is fp32, bf16 or fp16 (read to fp32); V_FIRST: h0 and dht rows are
+    ``[V, K]``."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
@@ -74,11 +76,14 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
         # elementwise here, dk is not bitwise reproducible on the H200 (Triton 3.6; likewise wy_bwd's k kᵀ)
         os = ((i_ch * HV + i_hv) * K + ck[:, None]) * V + cv[None, :]
         if USE_H0 or USE_DHT:
-            on = ((i_n * HV + i_hv) * K + ck[:, None]) * V + cv[None, :]
+            if V_FIRST:
+                on = ((i_n * HV + i_hv) * V + cv[None, :]) * K + ck[:, None]
+            else:
+                on = ((i_n * HV + i_hv) * K + ck[:, None]) * V + cv[None, :]
         if USE_H0:  # masked loads (a branch here would stop the loop's pipelining); ex as a tile for the interpreter
             ex = (on * 0 + first) != 0
             h2 = (tl.load(h + os, mask=mkv & ~ex, other=0.0, cache_modifier=".cg").to(tl.float32)
-                  + tl.load(h0 + on, mask=mkv & ex, other=0.0))
+                  + tl.load(h0 + on, mask=mkv & ex, other=0.0).to(tl.float32))
         else:
             h2 = tl.load(h + os, mask=mkv, other=0.0, cache_modifier=".cg").to(tl.float32)
         if USE_DHT:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_k_g, _decay_update, _h_row, _state_heads
+from .common import _chunk_k_g, _decay_update, _h_row, _state_heads, _state_ptr
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
@@ -44,13 +44,14 @@ def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: t
 @triton.jit(do_not_specialize=["HV", "P"])
 def gdn_state_prefix_kernel(mb, rb, h0, s0, ht, soff, idx, HV, P, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, REVERSE: tl.constexpr,
-                            POOL: tl.constexpr):
+                            POOL: tl.constexpr, V_FIRST: tl.constexpr = False):
     """Sequence splitting, pass 2: per sequence, value head and V block, walk the segment maps in order:
     s0[seg] = state at the segment's start (fp32 ``[segments, HV, K, V]``), then S ← M·S + b (tf32x3 dot,
     near fp32); the last S is the final state ht. REVERSE (backward): segments last to first, s0[seg] = dS at
     the segment's end, dS ← Mᵀ·dS + r with r from rb ``[segments, HV, K, V]``; the last dS is dh0. POOL (forward):
     h0 and ht are one state pool ``[P, HV, K, V]``, sequence n reads and then writes row idx[n] (none outside
-    [0, P): a zero start, no write)."""
+    [0, P): a zero start, no write). h0 / ht may be fp32, bf16 or fp16 (h0 is read to fp32, the last S rounded to
+    ht's dtype); V_FIRST: their rows are ``[V, K]`` (s0, mb and rb keep ``[K, ...]``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     ck = tl.arange(0, BK)
@@ -60,7 +61,7 @@ def gdn_state_prefix_kernel(mb, rb, h0, s0, ht, soff, idx, HV, P, K: tl.constexp
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
-        S += tl.load(h0 + (row * K + ck[:, None]) * V + cv[None, :], mask=mrow, other=0.0)
+        S += tl.load(_state_ptr(h0, row, ck, cv, K, V, V_FIRST), mask=mrow, other=0.0).to(tl.float32)
     first = tl.load(soff + i_n)
     nseg = tl.load(soff + i_n + 1) - first
     for j in range(0, nseg):
@@ -76,5 +77,5 @@ def gdn_state_prefix_kernel(mb, rb, h0, s0, ht, soff, idx, HV, P, K: tl.constexp
             b = tl.load(base + ck[:, None] * (K + V) + K + cv[None, :], mask=mkv, other=0.0)
         S = tl.dot(M, S, input_precision="tf32x3") + b
     row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
-    tl.store(ht + (row * K + ck[:, None]) * V + cv[None, :], S, mask=mrow)
+    tl.store(_state_ptr(ht, row, ck, cv, K, V, V_FIRST), S.to(ht.dtype.element_ty), mask=mrow)
 

@@ -5,19 +5,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_k_g, _decay_update, _h_row, _state_heads
+from .common import _chunk_k_g, _decay_update, _h_row, _state_heads, _state_ptr
 
 
 @triton.jit(do_not_specialize=["T", "NT", "P", "H", "HV"])
 def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, idx, T, NT, P, H, HV,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         POOL: tl.constexpr):
+                         POOL: tl.constexpr, V_FIRST: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for (value head, V block): h[c] = state at chunk start
     (h's dtype), v_new = u − w·S, S ← e^gl·S + kᵀ (e^(gl−gc)·v_new); with STORE_HT the final S (fp32) to ht.
     BK = K rounded up to a power of two. Under sequence splitting cu / coff index segments and h0 holds each
     segment's start state. POOL: h0 and ht are one state pool ``[P, HV, K, V]``, sequence n reads and then writes
-    row idx[n] (none outside [0, P): a zero start, no write)."""
+    row idx[n] (none outside [0, P): a zero start, no write). h0 and ht may be fp32, bf16 or fp16 (h0 is read to
+    fp32, S is rounded to ht's dtype); V_FIRST: their rows are ``[V, K]``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
@@ -26,7 +27,7 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, idx, T, NT, P, 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
-        S += tl.load(h0 + (row * K + ck[:, None]) * V + cv[None, :], mask=mrow, other=0.0)
+        S += tl.load(_state_ptr(h0, row, ck, cv, K, V, V_FIRST), mask=mrow, other=0.0).to(tl.float32)
     dt = w.dtype.element_ty
     r = tl.arange(0, BT)
     for i_c in range(0, tl.cdiv(Tn, BT)):
@@ -45,5 +46,5 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, idx, T, NT, P, 
         S = _decay_update(S, vn, kk, gg, gl, valid)
     if STORE_HT:
         row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)  # formed again: nothing of it lives in the loop
-        tl.store(ht + (row * K + ck[:, None]) * V + cv[None, :], S, mask=mrow)
+        tl.store(_state_ptr(ht, row, ck, cv, K, V, V_FIRST), S.to(ht.dtype.element_ty), mask=mrow)
 

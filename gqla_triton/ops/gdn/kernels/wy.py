@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..reference import G_FLOOR
-from .common import _chunk_rows
+from .common import _beta_in, _chunk_rows
 
 _G_FLOOR = tl.constexpr(G_FLOOR)
 
@@ -67,10 +67,12 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
+                      BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
-    Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand)."""
+    Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BETA_SIGMOID / NEG_EIGVAL: beta
+    as ``_beta_in`` takes it."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
@@ -91,10 +93,10 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
     tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
     tl.store(gc + x3 * HV + i_hv, c3, mask=v3)
-    b0 = tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32)
-    b1 = tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32)
-    b2 = tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32)
-    b3 = tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32)
+    b0 = _beta_in(tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32), v0, BETA_SIGMOID, NEG_EIGVAL)
+    b1 = _beta_in(tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32), v1, BETA_SIGMOID, NEG_EIGVAL)
+    b2 = _beta_in(tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32), v2, BETA_SIGMOID, NEG_EIGVAL)
+    b3 = _beta_in(tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32), v3, BETA_SIGMOID, NEG_EIGVAL)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a00, a11, a22, a33, a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z, z, z, z, z
     for k0 in range(0, K, BK):
