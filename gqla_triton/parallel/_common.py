@@ -133,3 +133,18 @@ class TensorParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+
+
+def config_of(layer: nn.Module, names: tuple[str, ...]) -> dict:
+    """The constructor arguments ``names`` of ``layer``, read from its attributes."""
+    return {k: getattr(layer, k) for k in names}
+
+
+def check_config(config, names: tuple[str, ...], what: str) -> dict:
+    """``config`` (a mapping of ``what``'s constructor arguments ``names``; device / dtype dropped) or an error."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a mapping of {what} arguments, got {type(config).__name__}")
+    bad = sorted(set(config) - set(names) - {"device", "dtype"})
+    if bad:
+        raise ValueError(f"config: unknown {what} arguments {bad} (expected some of {list(names)})")
+    return {k: v for k, v in config.items() if k not in ("device", "dtype")}

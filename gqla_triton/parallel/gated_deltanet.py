@@ -18,9 +18,11 @@ from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from ._common import (
     TensorParallel,
     check_backend_device,
+    check_config,
     check_divides,
     check_dtype,
     check_rank,
+    config_of,
     load_into,
     resolve_group,
     shard_state_dict,
@@ -33,16 +35,11 @@ _CONFIG = ("hidden_size", "num_heads", "num_v_heads", "head_k_dim", "head_v_dim"
 
 
 def _config_of(layer: GatedDeltaNet) -> dict:
-    return {k: getattr(layer, k) for k in _CONFIG}
+    return config_of(layer, _CONFIG)
 
 
 def _check_config(config) -> dict:
-    if not isinstance(config, Mapping):
-        raise TypeError(f"config: expected a mapping of GatedDeltaNet arguments, got {type(config).__name__}")
-    bad = sorted(set(config) - set(_CONFIG) - {"device", "dtype"})
-    if bad:
-        raise ValueError(f"config: unknown GatedDeltaNet arguments {bad} (expected some of {list(_CONFIG)})")
-    return {k: v for k, v in config.items() if k not in ("device", "dtype")}
+    return check_config(config, _CONFIG, "GatedDeltaNet")
 
 
 def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:
