@@ -172,7 +172,7 @@ def _gdn_chunk_target(tiny: bool) -> Target:
     space = {}
     for stage, bk, bv in (("wy", (32, 64), ()), ("wu", (32, 64), (32, 64)), ("state", (), (32, 64)),
                           ("out", (), (64, 128)), ("dvl", (), (64, 128)), ("state_bwd", (), (32, 64)),
-                          ("grad", (), (32, 64)), ("wy_bwd", (16, 32), (32, 64))):
+                          ("grad", (), (32, 64)), ("wy_bwd", (32, 64), (32, 64))):
         if bk:
             space[f"{stage}_bk"] = bk
         if bv:

@@ -115,11 +115,11 @@ def test_truncated_conversion_calibration_helps():
         errs, cal = [], None
         for r in (8, 16, 24, 32):  # rope_dim = g·d: RoPE exact, the values through the rank-r latent
             conv = convert_llama(copy.deepcopy(model), kv_rank=r, rope_dim=32, impl="reference")
-            errs.append(((conv(ids).logits.double() - ref).norm() / ref.norm()).item())
+            errs.append(((conv(ids).logits.double().cpu() - ref).norm() / ref.norm()).item())
             if r == 16:
                 conv = convert_llama(copy.deepcopy(model), kv_rank=r, rope_dim=32, calib_input_ids=ids,
                                      impl="reference")
-                cal = ((conv(ids).logits.double() - ref).norm() / ref.norm()).item()
+                cal = ((conv(ids).logits.double().cpu() - ref).norm() / ref.norm()).item()
     assert all(a > b for a, b in zip(errs[:-1], errs[1:], strict=True)), errs
     assert errs[-1] < 1e-5 and cal < errs[1], (errs, cal)
 

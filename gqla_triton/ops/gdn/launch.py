@@ -16,6 +16,7 @@ import torch
 from ...dispatch import device_info
 from .._common.alloc import empty
 from .._common.host import cdiv, next_pow2
+from .config import WY_BWD_BK
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
 from .kernels.output import gdn_output_fwd_kernel
@@ -289,7 +290,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=min(cfg.wy_bwd_bk, BKp), BV=min(cfg.wy_bwd_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
+        BT=BT, BK=max(WY_BWD_BK[0], min(cfg.wy_bwd_bk, BKp)), BV=min(cfg.wy_bwd_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
         LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
         **cfg.launch("wy_bwd"))
     return dq, dk, dv, dg, dbeta, dh0
