@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -89,19 +88,6 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     d = (x[finite] - ref[finite]).norm().item()
     n = ref[finite].norm().item()
     return d / n if n > 0 else d
-
-
-@contextlib.contextmanager
-def tf32_matmuls():
-    """torch's float32 matmuls on the GPU at tf32, the precision of the kernels' float32 ``tl.dot``: the
-    low-precision comparator of a float32 kernel call. Changes nothing on the CPU."""
-    m = torch.backends.cuda.matmul
-    old = m.fp32_precision
-    m.fp32_precision = "tf32" if P.big else old
-    try:
-        yield
-    finally:
-        m.fp32_precision = old
 
 
 EPS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
