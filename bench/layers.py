@@ -163,8 +163,7 @@ def _gdn(name, ctx):
 
     def proj():
         with torch.no_grad():
-            return (layer.q_proj(x), layer.k_proj(x), layer.v_proj(x), layer.z_proj(x), layer.b_proj(x),
-                    layer.a_proj(x), layer.o_proj(o))
+            return layer.in_proj(x), layer.o_proj(o)
 
     attn_ms, proj_ms = time_graph_ms(attn), time_graph_ms(proj)
     ctx.row("layer_gdn", name, "gqla_triton", ms, B=B, attn_ms=attn_ms, proj_ms=proj_ms,

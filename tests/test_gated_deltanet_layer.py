@@ -169,7 +169,7 @@ def check_module_gradients(B, T, H, G, varlen, dtype, seed):
     _check("out", o, o64, olp, dtype)
     # A_log and dt_bias get token sums of the op's dg: dg·∂g/∂A_log = dg·g and dg·∂g/∂dt_bias = dg·(-e^A_log·σ(z))
     with torch.no_grad():
-        z = r64.a_proj(x64) + r64.dt_bias
+        z = r64.split_in_proj(r64.in_proj(x64))[5] + r64.dt_bias
         dgdp = {"A_log": d64.detach(), "dt_bias": -torch.exp(r64.A_log) * torch.sigmoid(z)}
     for name in g64:
         if name in dgdp:

@@ -186,8 +186,8 @@ def test_device_slot_padding_is_skipped(verify):
     m = _as(base, "triton", P.dtypes[0])
     g = gen(3)
     cache = m.init_cache(4)
-    xp = randn((2, 3, m.hidden_size), g, dtype=m.q_proj.weight.dtype)
-    x = randn((4, 2, m.hidden_size), g, dtype=m.q_proj.weight.dtype)
+    xp = randn((2, 3, m.hidden_size), g, dtype=m.in_proj.weight.dtype)
+    x = randn((4, 2, m.hidden_size), g, dtype=m.in_proj.weight.dtype)
     x[[1, 3]] = float("nan")  # whatever a padding row holds, its output is 0
     with torch.no_grad():
         m(xp, cache, slots=[3, 1])
@@ -255,7 +255,7 @@ def test_rejected_calls_change_nothing():
     """Every invalid call raises TypeError / ValueError and leaves every cache tensor, flag and pending step as it
     was (snapshots before and after)."""
     m = _as(_layer(2, 2, 16, torch.float64, 1), "triton", P.dtypes[0])
-    dt = m.q_proj.weight.dtype
+    dt = m.in_proj.weight.dtype
     g = gen(1)
     cache = m.init_cache(3)
     x = randn((2, 1, m.hidden_size), g, dtype=dt)

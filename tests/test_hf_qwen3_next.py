@@ -184,7 +184,7 @@ def test_state_dict_round_trip_and_config_form():
     assert sorted(back) == sorted(ref)
     for k, v in ref.items():
         assert torch.equal(back[k], v), k
-    assert a.q_proj.weight.dtype == torch.float32 and a.q_proj.weight.device == hf.in_proj_qkvz.weight.device
+    assert a.in_proj.weight.dtype == torch.float32 and a.in_proj.weight.device == hf.in_proj_qkvz.weight.device
 
 
 def test_bad_weights_are_refused_and_change_nothing():

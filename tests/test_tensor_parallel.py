@@ -313,3 +313,26 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
         TPGatedDeltaNet.from_layer(gdn)
     with pytest.raises(TypeError, match="layer: expected a GQLAttention or a GatedDeltaNet"):
         tensor_parallel(torch.nn.Linear(2, 2))
+
+
+def test_gdn_shard_holds_each_in_proj_blocks_heads():
+    """The fused in_proj of rank r's GatedDeltaNet shard is, block by block ([q | k | v | z | b | a]), the rows of the
+    rank's q/k heads (q, k) and value heads (v, z, b, a) of the full layer's weight, in that order; the conv
+    channels likewise ([q; k; v])."""
+    gdn = _gdn_layer(0)
+    sd = gdn.state_dict()
+    H, HV, K, V = GDN["num_heads"], GDN["num_v_heads"], GDN["head_k_dim"], GDN["head_v_dim"]
+    for tp in (2, 4):
+        h, hv = H // tp, HV // tp
+        for r in range(tp):
+            mine = shard_gated_deltanet_state_dict(sd, GDN, r, tp)
+            q, k, v, z, b, a = gdn.split_in_proj(sd["in_proj.weight"], 0)
+            heads = lambda w, n, d: w.reshape(-1, n * d, w.shape[-1])[r].reshape(n * d, -1)  # noqa: E731
+            want = torch.cat([heads(q, h, K), heads(k, h, K), heads(v, hv, V), heads(z, hv, V), heads(b, hv, 1),
+                              heads(a, hv, 1)], 0)
+            assert torch.equal(mine["in_proj.weight"], want), (tp, r)
+            cq, ck, cv = sd["conv1d.weight"].flatten(1).split([H * K, H * K, HV * V], 0)
+            conv = torch.cat([heads(cq, h, K), heads(ck, h, K), heads(cv, hv, V)], 0)
+            assert torch.equal(mine["conv1d.weight"].flatten(1), conv), (tp, r)
+            assert torch.equal(mine["A_log"], sd["A_log"][r * hv:(r + 1) * hv])
+            assert torch.equal(mine["o_proj.weight"], sd["o_proj.weight"][:, r * hv * V:(r + 1) * hv * V])

@@ -1,7 +1,7 @@
 """Gated DeltaNet block (Qwen3-Next style) with a per-sequence conv + recurrent state cache.
 
-``x [B, T, hidden]`` -> q, k ``[.., H·K]``, v, z ``[.., HV·V]``, b, a ``[.., HV]`` (linear projections);
-short causal depthwise conv (width ``conv_size``) + SiLU over ``[q; k; v]``; q, k L2-normalised per head
+``x [B, T, hidden]`` -> q, k ``[.., H·K]``, v, z ``[.., HV·V]``, b, a ``[.., HV]`` (one fused linear projection,
+``in_proj``); short causal depthwise conv (width ``conv_size``) + SiLU over ``[q; k; v]``; q, k L2-normalised per head
 (inside the op); ``g = -exp(A_log)·softplus(a + dt_bias)``, ``beta = sigmoid(b)``; the gated delta rule
 (``chunk_gated_delta_rule`` for prefill/training, ``gated_delta_rule_decode`` for decode steps);
 gated RMSNorm per value head ``RMSNorm(o)·w·silu(z)``; output projection back to ``hidden``.
@@ -10,7 +10,9 @@ Serving: ``GatedDeltaNetCache`` holds one row per sequence slot. A decode step r
 slots with device ops only (no host sync, no host-to-device copy, no branch on device values), so it can be
 captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)``. A verify step (``verify=True``)
 decodes draft tokens without committing them; ``GatedDeltaNetCache.commit(accepted)`` then advances every
-sequence by its accepted tokens.
+sequence by its accepted tokens. Without ``cu_seqlens`` a decode step of the kernel impls is five launches:
+``in_proj``, ``gdn_decode_prep`` (conv, gates, conv rows and lengths), ``gated_delta_rule_decode``,
+``gdn_gated_norm`` and ``o_proj`` (``gdn_step.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..ops._common.impl import check_impl
 from ..ops._common.validation import check_tensor
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
+from .gdn_step import gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
@@ -39,28 +42,41 @@ _CU_DTYPES = (torch.int32, torch.int64)
 class _Batch:
     """The cache rows of one call's sequences.
 
-    ``ids``: the host slot ids (None for a device slot tensor). ``op [n] int32``: pool rows for the ops, negative =
-    skipped. ``write [n] int64``: rows of the scratch-extended buffers (a skipped sequence maps to the scratch row
-    ``num_seqs``). ``live [n] bool``: which sequences are live (None: all, host slots).
+    ``ids``: the host slot ids (None for a device slot tensor). ``slots [n] int32``: the host ids on the device, or
+    the device slot tensor as given (never read on the host; entries outside ``[0, num_seqs)`` are skipped).
+    ``op [n] int32``: pool rows for the ops, negative = skipped. ``write [n] int64``: rows of the scratch-extended
+    buffers (a skipped sequence maps to the scratch row ``num_seqs``). ``live [n] bool``: which sequences are live
+    (None: all, host slots). For a device slot tensor ``op``, ``write`` and ``live`` are None until ``resolved``
+    makes them (device ops), on the paths that read them; the fused decode step reads ``slots`` itself.
     """
 
     ids: tuple[int, ...] | None
-    op: torch.Tensor
-    write: torch.Tensor
+    slots: torch.Tensor
+    op: torch.Tensor | None
+    write: torch.Tensor | None
     live: torch.Tensor | None
+
+    def resolved(self, num_seqs: int) -> _Batch:
+        if self.op is not None:
+            return self
+        s = self.slots
+        live = (s >= 0) & (s < num_seqs)
+        return _Batch(None, s, torch.where(live, s, -1), torch.where(live, s, num_seqs).long(), live)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Draft:
-    """A verify step awaiting ``commit``: its rows, the draft tokens' pre-conv inputs ``xf [tokens, conv_dim]``, the
-    inputs of the recurrence (q, k, v, g, beta as the decode op took them), the sequences' first token ``bos [n]``
-    and token count ``n_tok [n]`` (int64) in ``xf``, ``cu_seqlens`` (packed drafts) and the decode op's impl."""
+    """A verify step awaiting ``commit``: the pool rows ``op [n]`` int32 of its sequences (negative = skipped) and
+    their rows ``write [n]`` int64 of the scratch-extended buffers (None: made from ``op``), the draft tokens'
+    pre-conv inputs ``xf [tokens, conv_dim]`` (``tokens`` of them per sequence without ``cu_seqlens``, in all with
+    it), the inputs of the recurrence (q, k, v, g, beta as the decode op took them), ``cu_seqlens`` (packed drafts)
+    and the decode op's impl."""
 
-    batch: _Batch
+    op: torch.Tensor
+    write: torch.Tensor | None
     xf: torch.Tensor
     qkvgb: tuple[torch.Tensor, ...]
-    bos: torch.Tensor
-    n_tok: torch.Tensor
+    tokens: int
     cu_seqlens: torch.Tensor | None
     impl: str
 
@@ -221,7 +237,7 @@ class GatedDeltaNetCache:
             op = torch.arange(len(ids), dtype=torch.int32, device=self.device)
         else:
             op = torch.tensor(ids, dtype=torch.int32, device=self.device)
-        b = _Batch(ids, op, op.long(), None)
+        b = _Batch(ids, op, op, op.long(), None)
         if not tracing and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._index[ids] = b
             if len(self._index) > self._INDEX_CACHE:
@@ -234,8 +250,7 @@ class GatedDeltaNetCache:
             slots = self.slots
         if isinstance(slots, torch.Tensor):
             check_tensor("slots", slots, shape=(n,), dtypes=(torch.int32,), device=self.device)
-            live = (slots >= 0) & (slots < self.num_seqs)
-            return _Batch(None, torch.where(live, slots, -1), torch.where(live, slots, self.num_seqs).long(), live)
+            return _Batch(None, slots, None, None, None)
         return self._host_batch(self._host_ids(slots, n, tensors=True))
 
     def holds(self, slots=None) -> list[bool]:
@@ -285,19 +300,26 @@ class GatedDeltaNetCache:
         d = self._draft
         if d is None:
             raise ValueError("commit: no verify step is pending (run the layer with verify=True first)")
-        n = d.batch.op.shape[0]
+        n = d.op.shape[0]
         check_tensor("accepted", accepted, shape=(n,), dtypes=(torch.int32,), device=self.device)
         with torch.no_grad():
             q, k, v, g, beta = d.qkvgb
-            gated_delta_rule_decode(q, k, v, g, beta, self.recurrent_state, d.batch.op, use_qk_l2norm_in_kernel=True,
+            gated_delta_rule_decode(q, k, v, g, beta, self.recurrent_state, d.op, use_qk_l2norm_in_kernel=True,
                                     cu_seqlens=d.cu_seqlens, accepted=accepted, impl=d.impl)
-            a = torch.minimum(accepted.long().clamp(min=0), d.n_tok)
+            dev = accepted.device
+            seq = torch.arange(n, device=dev)
+            if d.cu_seqlens is None:
+                bos, a = seq * d.tokens, accepted.long().clamp(0, d.tokens)
+            else:
+                bos, eos = _packed_bounds(d.cu_seqlens, d.tokens)
+                a = torch.minimum(accepted.long().clamp(min=0), eos - bos)
+            write = d.write if d.write is not None else torch.where(d.op >= 0, d.op, self.num_seqs).long()
             W1 = self._conv.shape[2]
-            old = self._conv[d.batch.write].transpose(1, 2)
-            pos = a[:, None] + torch.arange(W1, device=a.device)
-            win = _windows(old, d.xf, torch.arange(n, device=a.device), d.bos, pos)
-            self._conv.index_copy_(0, d.batch.write, win.transpose(1, 2))
-            self._lens.index_add_(0, d.batch.write, a.to(torch.int32))
+            old = self._conv[write].transpose(1, 2)
+            pos = a[:, None] + torch.arange(W1, device=dev)
+            win = _windows(old, d.xf, seq, bos, pos)
+            self._conv.index_copy_(0, write, win.transpose(1, 2))
+            self._lens.index_add_(0, write, a.to(torch.int32))
         self._draft, self._committed = None, d
 
     # ------------------------------------------------------------------------------------ transformers interop
@@ -365,6 +387,12 @@ class GatedDeltaNet(nn.Module):
         save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
+    Parameters: ``in_proj`` (``nn.Linear(hidden, 2·H·K + 2·HV·V + 2·HV)``, no bias): the six input projections in
+    one weight, output columns ``[q (H·K) | k (H·K) | v (HV·V) | z (HV·V) | b (HV) | a (HV)]`` (sizes
+    ``in_proj_sizes``; ``split_in_proj`` splits a tensor along them, e.g. ``in_proj.weight`` into the
+    per-projection weights, as views); ``conv1d`` (depthwise, channels ``[q; k; v]``), ``A_log``, ``dt_bias``
+    ``[HV]``, ``norm_weight [V]``, ``o_proj`` (``nn.Linear(HV·V, hidden)``).
+
     ``forward(hidden_states, cache=None, cu_seqlens=None, *, slots=None, verify=False) -> [B, T, hidden]``; see
     ``forward``. ``GatedDeltaNet.from_hf(layer)`` / ``load_hf_state_dict`` take the weights of a transformers
     Qwen3-Next linear-attention layer, ``GatedDeltaNetCache.load_hf_states`` / ``hf_states`` its cache's states.
@@ -391,18 +419,24 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = num_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **fk)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **fk)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **fk)
-        self.z_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **fk)
-        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **fk)
-        self.a_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **fk)
+        self.in_proj = nn.Linear(hidden_size, sum(self.in_proj_sizes), bias=False, **fk)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_size, groups=self.conv_dim, bias=False, **fk)
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **fk))
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads, **fk))
         self.norm_weight = nn.Parameter(torch.ones(head_v_dim, **fk))
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **fk)
         self._init_gates()
+
+    @property
+    def in_proj_sizes(self) -> tuple[int, int, int, int, int, int]:
+        """Output widths of ``in_proj``'s blocks: q, k ``H·K``; v, z ``HV·V``; b, a ``HV``."""
+        kd, vd, hv = self.key_dim, self.value_dim, self.num_v_heads
+        return kd, kd, vd, vd, hv, hv
+
+    def split_in_proj(self, t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, z, b, a)``: views of ``t`` split along ``dim`` by ``in_proj_sizes`` (``in_proj``'s output, or
+        its weight with ``dim=0``)."""
+        return t.split(self.in_proj_sizes, dim)
 
     @torch.no_grad()
     def _init_gates(self):
@@ -413,7 +447,7 @@ class GatedDeltaNet(nn.Module):
 
     def init_cache(self, num_seqs: int, device=None) -> GatedDeltaNetCache:
         """An empty cache for ``num_seqs`` sequence slots on the layer's device and dtype."""
-        w = self.q_proj.weight
+        w = self.in_proj.weight
         return GatedDeltaNetCache(num_seqs, self.conv_dim, self.conv_size, self.num_v_heads, self.head_k_dim,
                                   self.head_v_dim, device=device or w.device, dtype=w.dtype)
 
@@ -500,9 +534,10 @@ class GatedDeltaNet(nn.Module):
         qkvz = t["in_proj_qkvz.weight"].reshape(H, 2 * K + 2 * r * V, hid)
         q, k, v, z = qkvz.split([K, K, r * V, r * V], 1)
         b, a = t["in_proj_ba.weight"].reshape(H, 2 * r, hid).split([r, r], 1)
-        pairs = ((self.q_proj.weight, q), (self.k_proj.weight, k), (self.v_proj.weight, v), (self.z_proj.weight, z),
-                 (self.b_proj.weight, b), (self.a_proj.weight, a), (self.conv1d.weight, t["conv1d.weight"]),
-                 (self.A_log, t["A_log"]), (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
+        w = self.in_proj.weight
+        fused = torch.cat([p.reshape(-1, hid).to(device=w.device, dtype=w.dtype) for p in (q, k, v, z, b, a)], 0)
+        pairs = ((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
+                 (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
                  (self.o_proj.weight, t["out_proj.weight"]))
         with torch.no_grad():
             for p, src in pairs:
@@ -514,9 +549,10 @@ class GatedDeltaNet(nn.Module):
         H, HV, K, V, hid = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.hidden_size
         r = HV // H
         with torch.no_grad():
-            qkvz = torch.cat([self.q_proj.weight.reshape(H, K, hid), self.k_proj.weight.reshape(H, K, hid),
-                              self.v_proj.weight.reshape(H, r * V, hid), self.z_proj.weight.reshape(H, r * V, hid)], 1)
-            ba = torch.cat([self.b_proj.weight.reshape(H, r, hid), self.a_proj.weight.reshape(H, r, hid)], 1)
+            q, k, v, z, b, a = self.split_in_proj(self.in_proj.weight, 0)
+            qkvz = torch.cat([q.reshape(H, K, hid), k.reshape(H, K, hid), v.reshape(H, r * V, hid),
+                              z.reshape(H, r * V, hid)], 1)
+            ba = torch.cat([b.reshape(H, r, hid), a.reshape(H, r, hid)], 1)
             return {"in_proj_qkvz.weight": qkvz.reshape(-1, hid), "in_proj_ba.weight": ba.reshape(-1, hid),
                     "conv1d.weight": self.conv1d.weight.clone(), "A_log": self.A_log.detach().clone(),
                     "dt_bias": self.dt_bias.detach().clone(), "norm.weight": self.norm_weight.detach().clone(),
@@ -575,25 +611,37 @@ class GatedDeltaNet(nn.Module):
         fin = _windows(old, xf, n, bos, (eos - bos)[:, None] + torch.arange(W - 1, device=dev))
         return y[None], fin.transpose(1, 2), in_seq
 
-    def _qkv_gates(self, x, y):
-        """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` from the conv output ``y``; g, beta ``[B, T, HV]`` from ``x``."""
-        B, T, _ = x.shape
+    def _qkv_gates(self, y, b, a):
+        """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` from the conv output ``y``; g, beta ``[B, T, HV]`` from the
+        projections ``a``, ``b``."""
+        B, T, _ = y.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         q, k, v = F.silu(y).split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
-        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        beta = torch.sigmoid(self.b_proj(x).to(cdt))
-        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
+        cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
+        beta = torch.sigmoid(b.to(cdt))
+        g = -torch.exp(self.A_log.to(cdt)) * F.softplus(a.to(cdt) + self.dt_bias.to(cdt))
         return q, k, v, g, beta
 
     def _project_in(self, x):
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        """``in_proj(x)`` split into the conv input ``[q; k; v] [B, T, conv_dim]``, z, b and a (views)."""
+        return self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
 
-    def _project_out(self, o, x):
-        B, T, _ = x.shape
-        o = gated_rms_norm(o, self.z_proj(x).reshape(B, T, self.num_v_heads, self.head_v_dim), self.norm_weight,
-                           self.norm_eps)
-        return self.o_proj(o.reshape(B, T, self.value_dim))
+    def _project_out(self, o, z, rows=None):
+        """``o_proj(gated RMSNorm(o, z))``; o ``[B, T, HV, V]``, z ``[B, T, HV·V]`` (a view of in_proj's output).
+        The kernel takes the norm unless impl="reference" or autograd needs it (the kernel is forward-only).
+        ``rows [B]`` int32 or None: sequences with a negative row get a zero norm output, so their output (o_proj
+        of a zero row, no bias) is 0 whatever their inputs held."""
+        B, T = o.shape[:2]
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (o, z, self.norm_weight))
+        if self.impl != "reference" and not grad:
+            y = gdn_gated_norm(o, z, self.norm_weight, self.norm_eps, rows)
+        else:
+            y = gated_rms_norm(o, z, self.norm_weight, self.norm_eps).reshape(B, T, self.value_dim)
+            if rows is not None:
+                y = torch.where((rows >= 0)[:, None, None], y, 0.0)
+        return self.o_proj(y)
 
     def _rule(self, q, k, v, g, beta, state0, cu_seqlens, want_final, cu_host=None):
         if self.impl == "reference":
@@ -632,7 +680,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"cache: conv/recurrent rows {list(cache.conv_state.shape[1:])} / "
                              f"{list(cache.recurrent_state.shape[1:])} do not match the layer's {list(want_conv)} / "
                              f"{list(want_rec)} (make it with layer.init_cache)")
-        w = self.q_proj.weight
+        w = self.in_proj.weight
         if cache.device != w.device:
             raise ValueError(f"cache: on {cache.device}, the layer on {w.device}")
         if cache.conv_state.dtype != w.dtype:
@@ -664,7 +712,7 @@ class GatedDeltaNet(nn.Module):
         ``TypeError`` / ``ValueError`` before anything in the cache changes.
         """
         x = hidden_states
-        w = self.q_proj.weight
+        w = self.in_proj.weight
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
@@ -708,9 +756,10 @@ class GatedDeltaNet(nn.Module):
             cu_host = cu_seqlens.tolist()
             _check_cu_host(cu_host, T, padded=decode)
         if cache is None:
-            o, _ = self._rule(*self._qkv_gates(x, self._conv(self._project_in(x), None, cu_seqlens)[0]), None,
-                              cu_seqlens, False, cu_host)
-            return self._project_out(o, x)
+            xc, z, b, a = self._project_in(x)
+            o, _ = self._rule(*self._qkv_gates(self._conv(xc, None, cu_seqlens)[0], b, a), None, cu_seqlens, False,
+                              cu_host)
+            return self._project_out(o, z)
         if decode:
             if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
                 raise RuntimeError("GatedDeltaNet: decode steps are inference only (gated_delta_rule_decode is "
@@ -728,9 +777,9 @@ class GatedDeltaNet(nn.Module):
                 cache._conv.index_fill_(0, new, 0)
                 cache.recurrent_state.index_fill_(0, new, 0)
                 cache._lens.index_fill_(0, new, 0)
-        mixed = self._project_in(x)
-        y, conv_fin = self._conv(mixed, cache._conv[rows], cu_seqlens)
-        q, k, v, g, beta = self._qkv_gates(x, y)
+        xc, z, b, a = self._project_in(x)
+        y, conv_fin = self._conv(xc, cache._conv[rows], cu_seqlens)
+        q, k, v, g, beta = self._qkv_gates(y, b, a)
         o = self._pool_rule(q, k, v, g, beta, cache, batch, cu_seqlens, cu_host)
         with torch.no_grad():
             cache._conv.index_copy_(0, rows, conv_fin.detach().to(cache._conv.dtype))
@@ -738,40 +787,67 @@ class GatedDeltaNet(nn.Module):
             cache._lens.index_add_(0, rows, counts.to(torch.int32))
         for s in batch.ids:
             cache._held[s] = True
-        return self._project_out(o, x)
+        return self._project_out(o, z)
 
     def _decode(self, x, cache, batch, cu_seqlens, verify):
+        if cu_seqlens is None and self.impl != "reference" and self.head_k_dim <= 256 and self.head_v_dim <= 1024:
+            return self._decode_fused(x, cache, batch, verify)
         B, T, _ = x.shape
+        batch = batch.resolved(cache.num_seqs)
         N = batch.op.shape[0]
-        mixed = self._project_in(x)
+        xc, z, b, a = self._project_in(x)
         init = cache._conv[batch.write]
         if cu_seqlens is None:
-            y, conv_fin = self._conv(mixed, init, None)
-            bos = torch.arange(B, device=x.device) * T if verify else None
-            n_tok = torch.full((B,), T, dtype=torch.long, device=x.device)
+            y, conv_fin = self._conv(xc, init, None)
             keep = batch.live[:, None] if batch.live is not None else None  # [B, 1]: rows to output
         else:
             bos, eos = _packed_bounds(cu_seqlens, T)
-            y, conv_fin, in_seq = self._conv_packed(mixed, init, bos, eos)
-            n_tok = eos - bos
+            y, conv_fin, in_seq = self._conv_packed(xc, init, bos, eos)
+            n_tok = (eos - bos).to(torch.int32)
             keep = in_seq[None, :]  # [1, T]: tokens of some live sequence
             if batch.live is not None:
                 seq = torch.searchsorted(eos, torch.arange(T, device=x.device), right=True).clamp(max=N - 1)
                 keep = keep & batch.live[seq][None, :]
-        q, k, v, g, beta = self._qkv_gates(x, y)
+        q, k, v, g, beta = self._qkv_gates(y, b, a)
         if verify:
             accepted = torch.zeros(N, dtype=torch.int32, device=x.device)  # nothing committed until commit()
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, accepted=accepted,
                                         impl=self.impl)
-            cache._draft = _Draft(batch, mixed.reshape(-1, mixed.shape[-1]).detach(),
-                                  tuple(t.detach() for t in (q, k, v, g, beta)), bos, n_tok, cu_seqlens, self.impl)
+            cache._draft = _Draft(batch.op, batch.write, xc.reshape(-1, xc.shape[-1]).detach(),
+                                  tuple(t.detach() for t in (q, k, v, g, beta)), T, cu_seqlens, self.impl)
         else:
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, impl=self.impl)
             cache._conv.index_copy_(0, batch.write, conv_fin.to(cache._conv.dtype))
-            cache._lens.index_add_(0, batch.write, n_tok.to(torch.int32))
-        out = self._project_out(o, x)
+            if cu_seqlens is None:
+                cache._lens.index_add_(0, batch.write, torch.full_like(batch.op, T))
+            else:
+                cache._lens.index_add_(0, batch.write, n_tok)
+        out = self._project_out(o, z)
         if keep is not None:
             out = torch.where(keep[..., None], out, 0.0)
         return out
+
+    def _decode_fused(self, x, cache, batch, verify):
+        """A dense decode step (T tokens per sequence) of the kernel impls: in_proj, the prep kernel (conv + SiLU,
+        gates, pool rows; conv rows and lengths advanced unless ``verify``), the decode op, the gated-norm kernel
+        (zeros for skipped sequences), o_proj."""
+        B, T, _ = x.shape
+        mixed = self.in_proj(x)
+        q, k, v, g, beta, rows = gdn_decode_prep(
+            mixed, self.conv1d.weight, cache._conv, cache._lens, batch.slots, self.A_log, self.dt_bias,
+            num_heads=self.num_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
+            head_v_dim=self.head_v_dim, num_slots=cache.num_seqs, update=not verify)
+        if verify:
+            accepted = torch.zeros(B, dtype=torch.int32, device=x.device)  # nothing committed until commit()
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
+                                        accepted=accepted, impl=self.impl)
+            C = self.conv_dim
+            cache._draft = _Draft(rows, batch.write, mixed[..., :C].reshape(B * T, C), (q, k, v, g, beta), T, None,
+                                  self.impl)
+        else:
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
+                                        impl=self.impl)
+        z = mixed[..., self.conv_dim:self.conv_dim + self.value_dim]
+        return self._project_out(o, z, rows if batch.ids is None else None)

@@ -1,9 +1,10 @@
 """Tensor-parallel ``GatedDeltaNet`` along its heads.
 
 Rank ``p`` of ``tp`` holds q/k heads ``[p·H/tp, (p+1)·H/tp)`` and value heads ``[p·HV/tp, (p+1)·HV/tp)``: value
-head ``i`` reads q/k head ``i // (HV/H)``, so the two ranges stay paired. Column-parallel: ``q_proj``, ``k_proj``
-(the rank's q/k heads), ``v_proj``, ``z_proj``, ``b_proj``, ``a_proj``, ``A_log``, ``dt_bias`` (its value heads)
-and the depthwise conv (its q, k and v channels); replicated: the gated RMSNorm weight (shared by the heads);
+head ``i`` reads q/k head ``i // (HV/H)``, so the two ranges stay paired. Column-parallel: the fused ``in_proj``
+(each of its blocks ``[q | k | v | z | b | a]`` sharded by heads: the rank's q/k heads of q and k, its value heads
+of v, z, b and a, the rank's blocks joined in the same order), ``A_log``, ``dt_bias`` (its value heads) and the
+depthwise conv (its q, k and v channels); replicated: the gated RMSNorm weight (shared by the heads);
 row-parallel: ``o_proj`` (the columns of its value heads), whose partial outputs one all-reduce sums. Each rank's
 ``GatedDeltaNetCache`` holds its conv channels and its value heads' recurrent states (``HV/tp`` per slot).
 """
@@ -51,21 +52,30 @@ def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet,
     return full, local
 
 
+def _blocks(w: torch.Tensor, full_sizes, local_sizes, tp_rank: int) -> torch.Tensor:
+    """Rows of ``w`` in blocks of ``full_sizes``: the rank's ``local_sizes`` share of each block, joined."""
+    parts, start = [], 0
+    for n, m in zip(full_sizes, local_sizes, strict=True):
+        parts.append(w.narrow(0, start + tp_rank * m, m))
+        start += n
+    return torch.cat(parts, 0)
+
+
 def _shard(state_dict, full: GatedDeltaNet, local: GatedDeltaNet, tp_rank: int) -> dict:
-    kd, vd, KD = local.key_dim, local.value_dim, full.key_dim
-
     def conv(w: torch.Tensor) -> torch.Tensor:  # channels [q; k; v]: the rank's block of each
-        return torch.cat([w.narrow(0, tp_rank * kd, kd), w.narrow(0, KD + tp_rank * kd, kd),
-                          w.narrow(0, 2 * KD + tp_rank * vd, vd)], 0)
+        return _blocks(w, full.in_proj_sizes[:3], local.in_proj_sizes[:3], tp_rank)
 
-    return shard_state_dict(state_dict, full, local, tp_rank, {"conv1d.weight": conv})
+    def in_proj(w: torch.Tensor) -> torch.Tensor:  # rows [q | k | v | z | b | a]: the rank's heads of each
+        return _blocks(w, full.in_proj_sizes, local.in_proj_sizes, tp_rank)
+
+    return shard_state_dict(state_dict, full, local, tp_rank, {"conv1d.weight": conv, "in_proj.weight": in_proj})
 
 
 def shard_gated_deltanet_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapping, tp_rank: int,
                                     tp_size: int) -> dict[str, torch.Tensor]:
     """The state dict of rank ``tp_rank``'s shard of a full ``GatedDeltaNet`` (``config``: its constructor
-    arguments; ``state_dict``: its weights). Views of ``state_dict`` except the conv weight (its q, k and v blocks
-    joined). No ``torch.distributed`` call."""
+    arguments; ``state_dict``: its weights). Views of ``state_dict`` except ``in_proj.weight`` and the conv weight
+    (the rank's part of each of their blocks, joined). No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
     full, local = _meta_layers(_check_config(config), tp_size)
     return _shard(state_dict, full, local, tp_rank)
@@ -83,7 +93,7 @@ class TPGatedDeltaNet(TensorParallel):
         """Shard of the full ``layer`` on ``device`` (default the layer's) in ``dtype`` (default the layer's)."""
         if not isinstance(layer, GatedDeltaNet):
             raise TypeError(f"layer: expected a GatedDeltaNet, got {type(layer).__name__}")
-        w = layer.q_proj.weight
+        w = layer.in_proj.weight
         out = cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
                                   device=device if device is not None else w.device, dtype=dtype or w.dtype)
         out.local.max_decode_tokens = layer.max_decode_tokens
@@ -98,7 +108,7 @@ class TPGatedDeltaNet(TensorParallel):
         cfg = _check_config(config)
         check_dtype(dtype)
         group, rank, size = resolve_group(group)
-        src = state_dict.get("q_proj.weight") if isinstance(state_dict, Mapping) else None
+        src = state_dict.get("in_proj.weight") if isinstance(state_dict, Mapping) else None
         dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)
         full, local = _meta_layers(cfg, size, dtype)
         shards = _shard(state_dict, full, local, rank)

@@ -1,0 +1,215 @@
+"""The fused kernels of a GatedDeltaNet decode step (layers/gdn_step.py): ``gdn_decode_prep`` (conv + SiLU, gates,
+pool rows, conv rows and lengths in place) and ``gdn_gated_norm`` (gated RMSNorm from a strided z).
+
+Results are judged against the float64 torch references with the harness's data-derived tolerance (the same
+reference at the kernel's precision sets the bound); in-place updates are copies of input values, so they must equal
+the low-precision reference's bit for bit. Slot entries outside ``[0, num_slots)`` touch no row (under the
+interpreter every address is checked).
+"""
+
+import contextlib
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, examples, gen, pick, randn, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gqla_triton.layers.gdn_step import gdn_decode_prep, gdn_decode_prep_ref, gdn_gated_norm, gdn_gated_norm_ref
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+I32 = dict(dtype=torch.int32, device=P.device)
+HOSTILE = [-1, -(2**31), 2**31 - 1]  # plus num_slots and the pool rows past it, drawn per example
+
+
+def _prep_problem(g, B, T, H, HV, K, V, W, P_rows, dtype, gate_scale):
+    """Inputs of one prep call: ``mixed`` a strided view (columns inside a wider buffer), the pool and the lengths
+    views with a guard row on each side (``buf``, ``lens_buf``)."""
+    KD, VD = H * K, HV * V
+    C = 2 * KD + VD
+    D = C + VD + 2 * HV
+    wide = randn((B, T, D + 3), g, dtype=torch.float64)
+    wide[..., 1 + C + VD:1 + D] *= gate_scale  # b, a: through softplus's threshold and sigmoid's tails
+    mixed = wide.to(dtype)[..., 1:1 + D]
+    conv_w = randn((C, 1, W), g, dtype=dtype, scale=0.5)
+    buf = randn((P_rows + 2, C, W - 1), g, dtype=dtype)
+    lens_buf = torch.randint(0, 50, (P_rows + 2,), generator=g).to(**I32)
+    A_log = randn((HV,), g, dtype=dtype, scale=0.5)
+    dt_bias = randn((HV,), g, dtype=dtype)
+    return mixed, conv_w, buf, lens_buf, A_log, dt_bias
+
+
+def _run(fn, mixed, conv_w, buf, lens_buf, slots, A_log, dt_bias, dims, num_slots, update, dtype=None):
+    """``fn`` over copies of the pool and lengths buffers (cast to ``dtype``): ``(outputs, buf, lens_buf)``."""
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    b, lb = cast(buf).clone(), lens_buf.clone()
+    n = b.shape[0] - 2
+    out = fn(cast(mixed), cast(conv_w), b[1:n + 1], lb[1:n + 1], slots, cast(A_log), cast(dt_bias), **dims,
+             num_slots=num_slots, update=update)
+    return out, b, lb
+
+
+@settings(max_examples=examples(8, 24))
+@given(B=st.integers(1, 4), T=st.integers(1, pick(4, 17)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
+       K=st.sampled_from([8, 12, 16]), V=st.sampled_from([8, 16, 24]), W=st.integers(2, 5), update=st.booleans(),
+       gate_scale=st.sampled_from([1.0, 30.0]), dtype=dtypes(), seed=seeds(), data=st.data())
+def test_decode_prep_matches_reference(B, T, H, G, K, V, W, update, gate_scale, dtype, seed, data):
+    """q, k, v, g, beta against the float64 reference; pool rows, conv windows and lengths equal the low-precision
+    reference's exactly; slots outside [0, num_slots) (negative, num_slots, rows of the pool past it, int32's
+    extremes) get row -1, a zero window, and leave every row as it was."""
+    g = gen(seed)
+    HV = H * G
+    P_rows = B + 3
+    num_slots = P_rows - 1  # the pool's last row is no slot
+    live = torch.randperm(num_slots, generator=g)[:B].tolist()
+    slots = [data.draw(st.sampled_from([s] + HOSTILE + [num_slots, P_rows]), label=f"slot {i}")
+             for i, s in enumerate(live)]
+    slots_t = torch.tensor(slots, **I32)
+    ins = _prep_problem(g, B, T, H, HV, K, V, W, P_rows, dtype, gate_scale)
+    dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    with torch.no_grad():
+        out, buf, lens = _run(gdn_decode_prep, *ins[:4], slots_t, *ins[4:], dims, num_slots, update)
+        out64, _, _ = _run(gdn_decode_prep_ref, *ins[:4], slots_t, *ins[4:], dims, num_slots, update,
+                           dtype=torch.float64)
+        lowp, buf_lp, lens_lp = _run(gdn_decode_prep_ref, *ins[:4], slots_t, *ins[4:], dims, num_slots, update)
+    for name, o, o64, olp in zip(("q", "k", "v", "g", "beta"), out, out64, lowp, strict=False):
+        assert o.shape == olp.shape and o.dtype == olp.dtype and o.is_contiguous(), name
+        assert_close(name, o, o64, olp, dtype=dtype if name in ("q", "k", "v") else torch.float32)
+    want_rows = [s if 0 <= s < num_slots else -1 for s in slots]
+    assert out[5].tolist() == want_rows
+    assert torch.equal(buf, buf_lp), "conv windows differ from the reference's"
+    assert torch.equal(lens, lens_lp), "lengths differ from the reference's"
+    named = [s + 1 for s in slots if 0 <= s < num_slots] if update else []
+    others = [i for i in range(P_rows + 2) if i not in named]
+    assert torch.equal(buf[others], ins[2][others]), "a row of no live sequence was touched"
+    assert torch.equal(lens[others], ins[3][others]), "a length of no live sequence was touched"
+
+
+def test_decode_prep_hostile_slots_stay_in_bounds():
+    """Slot values the host never checks (negative, num_slots, past the pool, int32's extremes) read and write no
+    row and, under the interpreter, no address outside the tensors passed or created; the live sequences'
+    results are those of the same call without the hostile entries."""
+    g = gen(3)
+    H, HV, K, V, W, T = 1, 2, 8, 8, 4, 3
+    P_rows, num_slots = 4, 3
+    slots = [num_slots, -1, 2**31 - 1, -(2**31), 1, P_rows + 5, 0, P_rows - 1]
+    B = len(slots)
+    mixed, conv_w, buf, lens_buf, A_log, dt_bias = _prep_problem(g, B, T, H, HV, K, V, W, P_rows, P.dtypes[0], 1.0)
+    dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    b, lb = buf.clone(), lens_buf.clone()
+    pool, lens = b[1:P_rows + 1], lb[1:P_rows + 1]
+    slots_t = torch.tensor(slots, **I32)
+    check = contextlib.nullcontext()
+    if not P.big:
+        from addresscheck import AddressCheck
+
+        check = AddressCheck(mixed, conv_w, pool, lens, slots_t, A_log, dt_bias)
+    with torch.no_grad(), check:
+        out = gdn_decode_prep(mixed, conv_w, pool, lens, slots_t, A_log, dt_bias, **dims, num_slots=num_slots)
+    if not P.big:
+        check.assert_clean()
+    assert out[5].tolist() == [-1, -1, -1, -1, 1, -1, 0, -1]
+    untouched = [0, 3, 4, 5]  # guard rows, pool row 2 (no live slot names it), pool row 3 (not a slot)
+    assert torch.equal(b[untouched], buf[untouched]) and torch.equal(lb[untouched], lens_buf[untouched])
+    b2, lb2 = buf.clone(), lens_buf.clone()
+    keep = [4, 6]
+    with torch.no_grad():
+        ref = gdn_decode_prep(mixed[keep], conv_w, b2[1:P_rows + 1], lb2[1:P_rows + 1], slots_t[keep], A_log,
+                              dt_bias, **dims, num_slots=num_slots)
+    for o, r in zip(out[:5], ref[:5], strict=True):
+        assert torch.equal(o[keep], r)
+    assert torch.equal(b, b2) and torch.equal(lb, lb2)
+    zero = gdn_decode_prep_ref(mixed[:4], conv_w, buf[1:P_rows + 1].clone(), lens_buf[1:P_rows + 1].clone(),
+                               torch.full((4,), -1, **I32), A_log, dt_bias, **dims, num_slots=num_slots)
+    for o, r in zip(out[:3], zero[:3], strict=True):  # a skipped sequence's conv starts from a zero window
+        torch.testing.assert_close(o[:4], r, rtol=2e-3, atol=2e-3)
+
+
+def test_decode_prep_bad_inputs_change_nothing():
+    """Every rejected call raises a TypeError / ValueError naming the argument and leaves the pool and the lengths
+    as they were."""
+    g = gen(4)
+    H, HV, K, V, W = 1, 2, 8, 8, 4
+    mixed, conv_w, buf, lens_buf, A_log, dt_bias = _prep_problem(g, 2, 1, H, HV, K, V, W, 3, P.dtypes[0], 1.0)
+    pool, lens = buf[1:4], lens_buf[1:4]
+    before = pool.clone(), lens.clone()
+    slots = torch.tensor([0, 2], **I32)
+    dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    base = dict(mixed=mixed, conv_weight=conv_w, conv_state=pool, seqlens=lens, slots=slots, A_log=A_log,
+                dt_bias=dt_bias)
+    cases = [
+        (ValueError, "mixed", dict(mixed=mixed[..., :-1])),
+        (ValueError, "mixed", dict(mixed=mixed[0])),
+        (TypeError, "mixed", dict(mixed=mixed.to(torch.int32))),
+        (ValueError, "conv_weight", dict(conv_weight=conv_w[:-1])),
+        (ValueError, "conv_state", dict(conv_state=pool[:, :, :-1])),
+        (TypeError, "conv_state", dict(conv_state=pool.double())),
+        (ValueError, "conv_state", dict(conv_state=pool.transpose(1, 2).contiguous().transpose(1, 2))),
+        (ValueError, "seqlens", dict(seqlens=lens[:2])),
+        (TypeError, "seqlens", dict(seqlens=lens.long())),
+        (TypeError, "slots", dict(slots=slots.long())),
+        (ValueError, "slots", dict(slots=slots[:1])),
+        (ValueError, "A_log", dict(A_log=A_log[:1])),
+        (TypeError, "slots", dict(slots=[0, 2])),
+    ]
+    for exc, match, kw in cases:
+        with pytest.raises(exc, match=match):
+            gdn_decode_prep(**{**base, **kw}, **dims)
+        assert torch.equal(pool, before[0]) and torch.equal(lens, before[1]), match
+    for exc, match, kw in ((ValueError, "num_slots", dict(num_slots=4)), (ValueError, "num_slots",
+                                                                         dict(num_slots=-1)),
+                           (TypeError, "update", dict(update=1)), (ValueError, "head_k_dim", dict(head_k_dim=0))):
+        with pytest.raises(exc, match=match):
+            gdn_decode_prep(**base, **{**dims, **kw})
+        assert torch.equal(pool, before[0]) and torch.equal(lens, before[1]), match
+
+
+@settings(max_examples=examples(8, 24))
+@given(B=st.integers(1, 4), T=st.integers(1, pick(3, 9)), HV=st.integers(1, 6), V=st.sampled_from([8, 16, 24, 128]),
+       with_rows=st.booleans(), dtype=dtypes(), seed=seeds(), data=st.data())
+def test_gated_norm_matches_reference(B, T, HV, V, with_rows, dtype, seed, data):
+    """``RMSNorm(o)·w·silu(z)`` per head from a strided z (a column block of a wider buffer) and a transposed o
+    against float64; sequences with a negative row output exactly 0 whatever their o and z hold (NaN here)."""
+    g = gen(seed)
+    wide = randn((B, T, HV * V + 5), g, dtype=dtype)
+    z = wide[..., 3:3 + HV * V].reshape(B, T, HV, V)
+    o = randn((B, HV, T, V), g, dtype=dtype).transpose(1, 2)  # [B, T, HV, V], not contiguous
+    w = randn((V,), g, dtype=dtype, scale=0.5) + 1
+    rows = None
+    if with_rows:
+        rows = torch.tensor([data.draw(st.sampled_from([b, -1, -(2**31)]), label=f"row {b}") for b in range(B)],
+                            **I32)
+        dead = (rows < 0).tolist()
+        for b in range(B):
+            if dead[b]:
+                wide[b] = float("nan")
+                o[b] = float("nan")
+    with torch.no_grad():
+        out = gdn_gated_norm(o, z, w, 1e-6, rows)
+        out64 = gdn_gated_norm_ref(o.double(), z.double(), w.double(), 1e-6, rows)
+        lowp = gdn_gated_norm_ref(o, z, w, 1e-6, rows)
+    assert out.shape == (B, T, HV * V) and out.dtype == dtype and out.is_contiguous()
+    assert_close("gated norm", out, out64, lowp, dtype=dtype)
+    if rows is not None:
+        dead = rows < 0
+        assert torch.equal(out[dead], torch.zeros_like(out[dead]))
+
+
+def test_gated_norm_bad_inputs():
+    d = P.device
+    o = torch.randn(2, 1, 2, 8, device=d)
+    w = torch.ones(8, device=d)
+    cases = [
+        (ValueError, "z", dict(z=o[..., :4])),
+        (TypeError, "z", dict(z=o.to(torch.int32))),
+        (ValueError, "weight", dict(weight=w[:4])),
+        (TypeError, "rows", dict(rows=torch.zeros(2, dtype=torch.int64, device=d))),
+        (ValueError, "rows", dict(rows=torch.zeros(3, dtype=torch.int32, device=d))),
+        (ValueError, "o", dict(o=o[0])),
+        (ValueError, "eps", dict(eps=-1.0)),
+    ]
+    for exc, match, kw in cases:
+        args = {"o": o, "z": o, "weight": w, "eps": 1e-6, "rows": None, **kw}
+        with pytest.raises(exc, match=match):
+            gdn_gated_norm(args["o"], args["z"], args["weight"], args["eps"], args["rows"])
