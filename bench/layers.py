@@ -5,7 +5,8 @@ GDN: Qwen3-Next's linear-attention layer (hidden 2048, H 16, HV 32, K = V = 128,
 (layer, workload): ``ms`` is one whole decode step (projections, cache write, attention, output projection)
 replayed in a CUDA graph of ``STEPS`` steps (the cache lengths are restored before every replay, so every
 replay decodes at the workload's length); ``attn_ms`` the attention op alone and ``proj_ms`` the layer's
-projections alone (the same calls the step makes, each in a graph); ``ratio = ms / (attn_ms + proj_ms)``;
+projection GEMMs alone (GQLA: q_a, q_b, kv_a, o_proj and the absorbed W_UK / W_UV products as plain bmm, or
+kv_b; GDN: in_proj and o_proj), in a graph; ``ratio = ms / (attn_ms + proj_ms)``;
 ``eager_ms`` the step called eagerly. ``python -m bench.run --op layers --no-anchors`` (no anchors here).
 """
 
@@ -110,20 +111,21 @@ def _gqla_parts(layer, cache, path, x):
             return gq.gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=cache.k_rope, softmax_scale=scale)[0]
 
     w_uk, w_uv = layer.absorbed_weights(DT)
-    o_lat = torch.randn(B, 1, h, r, device="cuda", dtype=DT)
-    o_v = torch.randn(B, 1, h, layer.v_head_dim, device="cuda", dtype=DT)
+    j = h // g
+    qn = torch.randn(g, B * j, dh, device="cuda", dtype=DT)  # the absorbed products on operands already in bmm layout
+    o_lat = torch.randn(g, B * j, r, device="cuda", dtype=DT)
+    o_v = torch.randn(B, 1, h * layer.v_head_dim, device="cuda", dtype=DT)
+    c = torch.randn(B, 1, r, device="cuda", dtype=DT)
+    qa = torch.randn(B, 1, layer.q_rank, device="cuda", dtype=DT)
 
-    def proj():
+    def proj():  # the step's GEMMs alone: q_a, q_b, kv_a, (absorb) W_UK and W_UV or (grouped) kv_b, o_proj
         with torch.no_grad():
-            qq = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x))).view(B, 1, h, dh + dR)
-            kv = layer.kv_a_proj(x)
-            c = layer.kv_a_layernorm(kv[..., :r])
+            out = [layer.q_a_proj(x), layer.q_b_proj(qa), layer.kv_a_proj(x), layer.o_proj(o_v)]
             if path == "absorb":
-                ql = torch.einsum("btgjd,gdr->btgjr", qq[..., :dh].reshape(B, 1, g, h // g, dh), w_uk)
-                o = torch.einsum("btgjr,gvr->btgjv", o_lat.reshape(B, 1, g, h // g, r), w_uv)
-                return ql, layer.o_proj(o.reshape(B, 1, -1))
-            kvb = layer.kv_b_proj(c)
-            return kvb, layer.o_proj(o_v.reshape(B, 1, -1))
+                out += [torch.bmm(qn, w_uk), torch.bmm(o_lat, w_uv.transpose(1, 2))]
+            else:
+                out.append(layer.kv_b_proj(c))
+            return out
 
     return time_graph_ms(attn), time_graph_ms(proj)
 

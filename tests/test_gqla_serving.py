@@ -99,6 +99,13 @@ def compiled_steps(run, backend, steps, T, topk):
             y_eager, y64 = run.eager(x, idx)
             assert_close(f"compiled step {i}", y, y64, y_eager, dtype=DT)
     assert len(graphs) == 1
+    # the step's kernels are custom ops in the one graph; no torch rope / einsum around them
+    calls = {str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")}
+    want = (["gqla_norm_rope", "gqla_absorb_q", "mla_decode", "gqla_absorb_o"] if run.layer.path == "absorb"
+            else ["gqla_norm_rope", "gqla_grouped_q", "gqa_decode"])
+    for op in want:
+        assert any(op in c for c in calls), (op, sorted(calls))
+    assert not any(w in c for c in calls for w in ("cos", "sin", "einsum")), sorted(calls)
     return compiled
 
 

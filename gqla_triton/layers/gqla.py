@@ -18,6 +18,12 @@ already holds tokens of these sequences, ``s_q = T >= 1`` new tokens) runs
 The cache kind decides the path; ``path`` fixes it ("absorb" / "grouped") or leaves it to
 ``choose_decode_path`` ("auto", used by ``make_cache``).
 
+A decode step with the kernels (``impl`` other than "reference") runs, besides the projections' GEMMs and the
+cache write: one launch for both RMSNorms, the rotated rope key and the rope factors (``gqla_step.norm_rope``),
+one for the attention query (absorb: ``absorb_q``, the ``W_UK`` product and the query rope; grouped:
+``grouped_q``), the attention op (validated once, before the cache write), and on the absorb path one for the
+``W_UV`` product (``absorb_o``). ``impl="reference"`` runs the same step in torch ops (einsums, ``apply_rope``).
+
 A decode step (cache write, attention, projections) runs on the device only: positions come from the cache's
 device lengths, and the prefill-or-decode choice from host flags that decode steps never change. So a step can
 be captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)`` after ``cache.reserve`` (see
@@ -30,11 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops._common.boundary import route
 from ..ops._common.impl import check_impl
+from ..ops._common.validation import requires_grad
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from .cache import GroupedCache, LatentCache
+from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
-from .rope import apply_rope
+from .rope import apply_rope, cached_inv_freq
 
 __all__ = ["GQLAttention"]
 
@@ -123,6 +132,14 @@ class GQLAttention(nn.Module):
         """Float64 ``[rope_dim / 2]`` inverse frequencies, or None (``rope_theta``'s)."""
         bits = self.rope_inv_freq_bits
         return None if bits is None else bits.view(torch.float64)
+
+    def _rope_freqs(self, device: torch.device) -> torch.Tensor:
+        """Float64 ``[rope_dim / 2]`` inverse frequencies on ``device`` for the kernels: ``rope_inv_freq`` or
+        ``rope_theta``'s (made once per device, ``rope.cached_inv_freq``)."""
+        inv = self.rope_inv_freq
+        if inv is None:
+            return cached_inv_freq(self.rope_dim, self.rope_theta, device)
+        return inv if inv.device == device else inv.to(device)
 
     # ---- shapes / path choice -------------------------------------------------------------------------
     @property
@@ -271,13 +288,19 @@ class GQLAttention(nn.Module):
         elif topk_length is not None:
             raise ValueError("topk_length: given without indices")
         idx = cache._index_of(ids) if decode and seq_ids is not None else None
+        add_t = False  # pos[b, t] + t: the default decode positions, read in the kernels from the cached lengths
         if positions is not None:
             pos = self._check_positions(positions, B, T, dev)
         elif decode:
             past = cache.cache_seqlens[:B] if idx is None else cache.cache_seqlens.index_select(0, idx)
-            pos = past[:, None] + torch.arange(T, device=dev)
+            pos, add_t = past[:, None].expand(B, T), True
         else:
             pos = torch.arange(T, device=dev)[None].expand(B, T)
+        if decode and self.impl != "reference":
+            o = self._decode_step(hidden_states, pos, add_t, cache, ids, idx, indices, topk_length)
+            return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
+        if add_t:
+            pos = pos + torch.arange(T, device=dev)
         q_nope, q_rope, c, k_rope = self._project(hidden_states, pos)
         if not decode:
             k_nope, v = self._expand(c)
@@ -321,8 +344,59 @@ class GQLAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
+    def _decode_step(self, x, pos, add_t: bool, cache, ids, idx, indices, topk_length) -> torch.Tensor:
+        """A decode step with the kernels (either path): ``x [B, T, hidden]`` -> ``[B, T, h, d_v]`` (o_proj's
+        input). The attention op is validated once, before the cache is written, then run unvalidated."""
+        from ..ops.gqa import api as gqa
+        from ..ops.mla import api as mla
+
+        B, T, _ = x.shape
+        h, dh, dR, r = self.num_heads, self.head_dim, self.rope_dim, self.kv_rank
+        absorb = isinstance(cache, LatentCache)
+        inv = self._rope_freqs(x.device)
+        qn = self.q_a_layernorm if self.q_rank is not None else None
+        kvn = self.kv_a_layernorm if self.kv_norm else None
+        qa = self.q_a_proj(x) if qn is not None else None
+        kv = self.kv_a_proj(x)
+        # the cache row [RMSNorm(c) | rope(k_rope)]: the cache's dtype (absorb) or c's (grouped: kv_b_proj's input)
+        qa, row, cos_sin = norm_rope(qa, None if qn is None else qn.weight, kv, None if kvn is None else kvn.weight,
+                                     pos, inv, add_t=add_t, kv_rank=r, qa_eps=0.0 if qn is None else qn.eps,
+                                     kv_eps=0.0 if kvn is None else kvn.eps,
+                                     out_dtype=cache.dtype if absorb else kv.dtype)
+        q = (self.q_proj(x) if self.q_rank is None else self.q_b_proj(qa)).view(B, T, h, dh + dR)
+        c, k_rope = row[..., :r], row[..., r:]
+        bt, sl = cache.block_table[:B], cache.cache_seqlens[:B]
+        if absorb:
+            w_uk, w_uv = self.w_uk_uv()
+            q = absorb_q(q, w_uk, cos_sin, head_dim=dh, out_dtype=cache.dtype)
+            scale, impl, causal, splits = mla._validate(q, cache.kv, bt, sl, r, self.softmax_scale, True, indices,
+                                                        topk_length, 0, self.impl)
+            if impl == "gluon":
+                mla._use_gluon(impl, q, cache.kv, r, indices is not None)
+            cache._append(ids, c, k_rope, idx)
+            if idx is not None:
+                bt, sl = cache._rows(idx, B)
+            fn = (mla._mla_decode_op if requires_grad(q, cache.kv)
+                  else route(mla._mla_decode_op, mla.mla_decode_fwd))
+            out, _ = fn(q, cache.kv, bt, sl, r, scale, causal, indices, topk_length, splits, impl)
+            return absorb_o(out, w_uv)
+        k_nope, v = self._expand(c)
+        q = grouped_q(q, cos_sin, head_dim=dh, out_dtype=cache.dtype)
+        kr = cache.k_rope if dR > 0 else None
+        scale, impl, causal, splits = gqa._validate(q, cache.k, cache.v, bt, sl, kr, self.softmax_scale, True, indices,
+                                                    topk_length, 0, self.impl)
+        cache._append(ids, k_nope, v, k_rope, idx)
+        if idx is not None:
+            bt, sl = cache._rows(idx, B)
+        fn = (gqa._gqa_decode_op if requires_grad(q, cache.k, cache.v, kr)
+              else route(gqa._gqa_decode_op, gqa.gqa_decode_fwd))
+        out, _ = fn(q, cache.k, cache.v, bt, sl, kr, scale, causal, indices, topk_length, splits, impl)
+        return out
+
     def _decode_absorb(self, q_nope, q_rope, c, k_rope, cache: LatentCache, ids, idx, indices,
                        topk_length) -> torch.Tensor:
+        """The absorb step in torch ops (``impl="reference"``): einsums with ``W_UK`` / ``W_UV`` around
+        ``latent_cache_attention``."""
         from ..ops.mla import api as mla
 
         B, T, h, dh = q_nope.shape
@@ -333,20 +407,14 @@ class GQLAttention(nn.Module):
         # every check of the attention op (on the tables' shapes) before the cache is written
         mla._validate(q, cache.kv, cache.block_table[:B], cache.cache_seqlens[:B], r, self.softmax_scale, True,
                       indices, topk_length, 0, self.impl)
-        if self.impl == "gluon":
-            mla._use_gluon(self.impl, q, cache.kv, r, indices is not None)
         cache._append(ids, c, k_rope, idx)
-        if self.impl == "reference":
-            out = latent_cache_attention(q, cache, ids, r, self.softmax_scale, indices, topk_length)
-        else:
-            bt, sl = cache._rows(idx, B)
-            out, _ = mla.mla_decode(q, cache.kv, bt, sl, head_dim_v=r, softmax_scale=self.softmax_scale, causal=True,
-                                    indices=indices, topk_length=topk_length, impl=self.impl)
+        out = latent_cache_attention(q, cache, ids, r, self.softmax_scale, indices, topk_length)
         out = out.to(w_uv.dtype).reshape(B, T, g, h // g, r)
         return torch.einsum("btgjr,gvr->btgjv", out, w_uv).reshape(B, T, h, self.v_head_dim)
 
     def _decode_grouped(self, q_nope, q_rope, c, k_rope, cache: GroupedCache, ids, idx, indices,
                         topk_length) -> torch.Tensor:
+        """The grouped step in torch ops (``impl="reference"``): ``kv_b_proj`` and ``grouped_cache_attention``."""
         from ..ops.gqa import api as gqa
 
         B = q_nope.shape[0]
@@ -356,12 +424,7 @@ class GQLAttention(nn.Module):
         gqa._validate(q, cache.k, cache.v, cache.block_table[:B], cache.cache_seqlens[:B], kr, self.softmax_scale,
                       True, indices, topk_length, 0, self.impl)
         cache._append(ids, k_nope, v, k_rope, idx)
-        if self.impl == "reference":
-            return grouped_cache_attention(q, cache, ids, self.head_dim, self.softmax_scale, indices, topk_length)
-        bt, sl = cache._rows(idx, B)
-        out, _ = gqa.gqa_decode(q, cache.k, cache.v, bt, sl, k_rope_cache=kr, softmax_scale=self.softmax_scale,
-                                causal=True, indices=indices, topk_length=topk_length, impl=self.impl)
-        return out
+        return grouped_cache_attention(q, cache, ids, self.head_dim, self.softmax_scale, indices, topk_length)
 
     # ---- tensor parallel ------------------------------------------------------------------------------
     def shard(self, tp_rank: int, tp_size: int) -> GQLAttention:

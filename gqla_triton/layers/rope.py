@@ -4,12 +4,42 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rope", "rope_inv_freq"]
+__all__ = ["apply_rope", "cached_inv_freq", "rope_cos_sin", "rope_inv_freq"]
+
+_INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # (d, theta, device) -> float64 [d/2]
 
 
 def rope_inv_freq(d: int, theta: float = 10000.0, *, device=None) -> torch.Tensor:
     """The standard inverse frequencies ``theta^(-2i/d)``, ``i < d/2``, float64 ``[d/2]``."""
     return theta ** (-torch.arange(0, d // 2, dtype=torch.float64, device=device) * 2.0 / d)
+
+
+def _cacheable(device: torch.device) -> bool:
+    """A tensor made here may be kept for later calls: not while torch.compile traces (the tensor is a trace
+    value) nor inside a CUDA-graph capture (its values would appear only at replay)."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
+    """``rope_inv_freq(d, theta)`` on ``device``, made once per ``(d, theta, device)`` and kept (outside
+    torch.compile traces and CUDA-graph captures, which make it fresh). Do not write to it."""
+    device = torch.device(device)
+    key = (d, float(theta), device)
+    hit = _INV_FREQ.get(key)
+    if hit is None:
+        hit = rope_inv_freq(d, theta, device=device)
+        if _cacheable(device):
+            _INV_FREQ[key] = hit
+    return hit
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``[B, T, 2, d/2]`` float32 ``[cos | sin]`` of the float64 angles ``positions [B, T] · inv_freq [d/2]``: the
+    factors ``apply_rope`` applies to float32 / half inputs (and ``gqla_step.norm_rope`` writes)."""
+    ang = positions.to(device=inv_freq.device, dtype=torch.float64)[..., None] * inv_freq.to(torch.float64)
+    return torch.stack([ang.cos(), ang.sin()], -2).to(torch.float32)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, *,
@@ -26,7 +56,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
     if d % 2:
         raise ValueError(f"rope_dim: expected an even size, got {d}")
     if inv_freq is None:
-        inv = rope_inv_freq(d, theta, device=x.device)
+        inv = cached_inv_freq(d, theta, x.device)
     else:
         if inv_freq.shape != (d // 2,):
             raise ValueError(f"inv_freq: expected shape [{d // 2}], got {list(inv_freq.shape)}")

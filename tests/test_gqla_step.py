@@ -1,0 +1,308 @@
+"""GQLAttention decode-step kernels (``layers.gqla_step``): ``norm_rope``, ``absorb_q``, ``absorb_o`` and ``grouped_q``
+against float64 references, with hostile strides (views of larger projection outputs and weights), positions near
+the int32 limits, d_R = 0 and every heads-per-group count (fewer than 16: padded tiles; more than 64: split);
+their torch.library registration (opcheck, a fullgraph compile); bad inputs."""
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, gen, pick, randn, seeds
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from gqla_triton.layers import gqla_step as gs
+from gqla_triton.layers.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from gqla_triton.ops._common.alloc import poisoned
+
+I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
+POS_MODES = ["small", "high", "low"]
+
+
+def positions_of(mode, B, T, gg, *, add_t=False):
+    """``(kernel positions, [B, T] int64 reference positions)``. ``mode``: small values, just below 2**31 - 1
+    (with ``add_t`` the sums pass it), or near -2**31. ``add_t``: the kernel gets one int32 value per row,
+    expanded over T (stride 0), and adds t."""
+    lo, hi = {"small": (0, 5000), "high": (I32_MAX - 40, I32_MAX), "low": (I32_MIN, I32_MIN + 40)}[mode]
+    if add_t:
+        base = torch.randint(lo, hi + 1, (B,), generator=gg, dtype=torch.int64)
+        ref = base[:, None] + torch.arange(T)
+        return base.to(torch.int32).to(P.device)[:, None].expand(B, T), ref
+    ref = torch.randint(lo, hi + 1, (B, T), generator=gg, dtype=torch.int64)
+    return ref.to(P.device), ref
+
+
+def inv_freq_of(d_r, gg, converted):
+    """float64 ``[d_R / 2]``: theta's frequencies, or arbitrary positive ones (a converted model's)."""
+    if converted:
+        return (torch.rand(d_r // 2, generator=gg, dtype=torch.float64) * 2).to(P.device)
+    return rope_inv_freq(d_r, 10000.0, device=P.device)
+
+
+def hostile(x, mode):
+    """The values of ``x`` behind other strides: ``slice`` (inside a wider last dim, NaN around it), ``bt``
+    (B and T swapped in memory), ``contig``."""
+    if mode == "slice":
+        big = torch.full((*x.shape[:-1], x.shape[-1] + 7), float("nan"), dtype=x.dtype, device=x.device)
+        big[..., 3:3 + x.shape[-1]] = x
+        return big[..., 3:3 + x.shape[-1]]
+    if mode == "bt":
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    return x
+
+
+def hostile_q(q, mode):
+    """Query ``[B, T, h, E]`` as a view of a wider projection output (``slice``), with padded heads (``heads``) or
+    B / T swapped in memory (``bt``)."""
+    B, T, h, E = q.shape
+    if mode == "slice":
+        return hostile(q.reshape(B, T, h * E), "slice").view(B, T, h, E)
+    if mode == "heads":
+        big = torch.full((B, T, h, E + 5), float("nan"), dtype=q.dtype, device=q.device)
+        big[..., :E] = q
+        return big[..., :E]
+    return hostile(q, mode)
+
+
+def hostile_w(w, mode, other=8):
+    """Weight ``[g, d, r]`` as rows of a ``kv_b_proj``-like ``[g, other + d, r]`` (``kvb``), with its last dim
+    strided (``t``), or contiguous."""
+    g, d, r = w.shape
+    if mode == "kvb":
+        big = torch.full((g, other + d, r), float("nan"), dtype=w.dtype, device=w.device)
+        big[:, other:] = w
+        return big[:, other:]
+    if mode == "t":
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
+    return w
+
+
+def rope64(x, pos, inv):
+    return apply_rope(x.double(), pos.to(x.device), inv_freq=inv)
+
+
+def rope_low(x, pos, inv):
+    """Rope as the layer's torch path applies it at ``x``'s precision (float32 factors)."""
+    return apply_rope(x, pos.to(x.device), inv_freq=inv)
+
+
+def check_cos_sin(cs, pos, inv):
+    ang = pos.to(torch.float64)[..., None] * inv.cpu()
+    want = torch.stack([ang.cos(), ang.sin()], -2)
+    got = cs.double().cpu()
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= 2**-24  # float32 roundings of the float64 cos / sin
+
+
+# ---- norm_rope ------------------------------------------------------------------------------------------------
+@given(B=st.integers(1, pick(3, 64)), T=st.integers(1, 3), q_rank=st.sampled_from([None, pick(24, 1536)]),
+       r=st.sampled_from(pick([16, 40], [512, 320])), d_r=st.sampled_from(pick([0, 8, 24], [0, 64, 32])),
+       kv_norm=st.booleans(), add_t=st.booleans(), mode=st.sampled_from(POS_MODES), converted=st.booleans(),
+       layout=st.sampled_from(["contig", "slice", "bt"]), dtype=dtypes(), out_dtype=dtypes(), seed=seeds())
+def test_norm_rope_matches_float64(B, T, q_rank, r, d_r, kv_norm, add_t, mode, converted, layout, dtype, out_dtype,
+                                   seed):
+    gg = gen(seed)
+    kv = randn((B, T, r + d_r), gg, dtype=dtype)
+    kv_w = randn((r,), gg, dtype=dtype, scale=0.1) + 1 if kv_norm else None
+    qa = randn((B, T, q_rank), gg, dtype=dtype, scale=3.0) if q_rank else None
+    qa_w = randn((q_rank,), gg, dtype=dtype, scale=0.1) + 1 if q_rank else None
+    pos, ref_pos = positions_of(mode, B, T, gg, add_t=add_t)
+    inv = inv_freq_of(d_r, gg, converted)
+    eps = 1e-6
+    with poisoned():  # an element the kernel leaves unwritten stays NaN
+        qa_out, row, cs = gs.norm_rope(None if qa is None else hostile(qa, layout), qa_w, hostile(kv, layout), kv_w,
+                                       pos, inv, add_t=add_t, kv_rank=r, qa_eps=eps, kv_eps=2 * eps,
+                                       out_dtype=out_dtype)
+    assert row.dtype == out_dtype and row.is_contiguous() and list(row.shape) == [B, T, r + d_r]
+
+    def rms64(x, w, e):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e) * w.double()
+
+    def rms_low(x, w, e):  # RMSNorm's forward: float32, then x's dtype
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + e) * w.float()).to(x.dtype)
+
+    c64 = rms64(kv[..., :r], kv_w, 2 * eps) if kv_norm else kv[..., :r].double()
+    c_low = rms_low(kv[..., :r], kv_w, 2 * eps) if kv_norm else kv[..., :r]
+    ref = torch.cat([c64, rope64(kv[..., r:], ref_pos, inv)], -1)
+    low = torch.cat([c_low, rope_low(kv[..., r:], ref_pos, inv)], -1).to(out_dtype)
+    assert_close("norm_rope row", row, ref, low, dtype=dtype)
+    if d_r:
+        assert list(cs.shape) == [B, T, 2, d_r // 2]
+        check_cos_sin(cs, ref_pos, inv)
+    if q_rank:
+        assert qa_out.dtype == dtype and qa_out.is_contiguous()
+        assert_close("norm_rope q_a", qa_out, rms64(qa, qa_w, eps), rms_low(qa, qa_w, eps), dtype=dtype)
+    else:
+        assert qa_out.numel() == 0
+
+
+# ---- absorb_q -------------------------------------------------------------------------------------------------
+HPG = pick([1, 3, 12, 16, 80], [16, 8, 4, 128])  # heads per group
+
+
+@given(B=st.integers(1, pick(3, 64)), T=st.integers(1, 2), g=st.integers(1, pick(3, 8)), hpg=st.sampled_from(HPG),
+       dh=st.sampled_from(pick([16, 24], [128, 64])), r=st.sampled_from(pick([16, 40], [512, 256])),
+       d_r=st.sampled_from(pick([0, 8, 24], [64, 0, 32])), mode=st.sampled_from(POS_MODES),
+       q_layout=st.sampled_from(["slice", "heads", "bt", "contig"]), w_layout=st.sampled_from(["kvb", "t", "contig"]),
+       dtype=dtypes(), out_dtype=dtypes(), seed=seeds())
+def test_absorb_q_matches_float64(B, T, g, hpg, dh, r, d_r, mode, q_layout, w_layout, dtype, out_dtype, seed):
+    assume(g * hpg <= 256)
+    gg = gen(seed)
+    h = g * hpg
+    q = randn((B, T, h, dh + d_r), gg, dtype=dtype)
+    w = randn((g, dh, r), gg, dtype=dtype, scale=dh ** -0.5)
+    pos, ref_pos = positions_of(mode, B, T, gg)
+    inv = inv_freq_of(d_r, gg, False)
+    with poisoned():
+        out = gs.absorb_q(hostile_q(q, q_layout), hostile_w(w, w_layout), rope_cos_sin(pos, inv), head_dim=dh,
+                          out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.is_contiguous() and list(out.shape) == [B, T, h, r + d_r]
+    qn = q[..., :dh].reshape(B, T, g, hpg, dh)
+    lat64 = torch.einsum("btgjd,gdr->btgjr", qn.double(), w.double()).reshape(B, T, h, r)
+    lat_low = torch.einsum("btgjd,gdr->btgjr", qn, w).reshape(B, T, h, r)
+    ref = torch.cat([lat64, rope64(q[..., dh:], ref_pos, inv)], -1)
+    low = torch.cat([lat_low, rope_low(q[..., dh:], ref_pos, inv)], -1).to(out_dtype)
+    assert_close("absorb_q", out, ref, low, dtype=dtype)
+
+
+# ---- absorb_o -------------------------------------------------------------------------------------------------
+@given(B=st.integers(1, pick(3, 64)), T=st.integers(1, 2), g=st.integers(1, pick(3, 8)), hpg=st.sampled_from(HPG),
+       r=st.sampled_from(pick([16, 40], [512, 256])), dv=st.sampled_from(pick([16, 24], [128, 64])),
+       o_layout=st.sampled_from(["slice", "heads", "bt", "contig"]), w_layout=st.sampled_from(["kvb", "t", "contig"]),
+       o_dtype=dtypes(), dtype=dtypes(), seed=seeds())
+def test_absorb_o_matches_float64(B, T, g, hpg, r, dv, o_layout, w_layout, o_dtype, dtype, seed):
+    """``o`` in the cache's dtype (``mla_decode``'s output), ``w_uv`` in the layer's."""
+    assume(g * hpg <= 256)
+    gg = gen(seed)
+    h = g * hpg
+    o = randn((B, T, h, r), gg, dtype=o_dtype)
+    w = randn((g, dv, r), gg, dtype=dtype, scale=r ** -0.5)
+    with poisoned():
+        out = gs.absorb_o(hostile_q(o, o_layout), hostile_w(w, w_layout, other=dv))
+    assert out.dtype == dtype and out.is_contiguous() and list(out.shape) == [B, T, h, dv]
+    ob = o.reshape(B, T, g, hpg, r)
+    ref = torch.einsum("btgjr,gvr->btgjv", ob.double(), w.double()).reshape(B, T, h, dv)
+    low = torch.einsum("btgjr,gvr->btgjv", ob.to(dtype), w).reshape(B, T, h, dv)
+    assert_close("absorb_o", out, ref, low, dtype=dtype)
+
+
+# ---- grouped_q ------------------------------------------------------------------------------------------------
+@given(B=st.integers(1, pick(3, 64)), T=st.integers(1, 2), h=st.sampled_from(pick([1, 5, 16], [128, 32])),
+       dh=st.sampled_from(pick([16, 24], [128, 64])), d_r=st.sampled_from(pick([0, 8, 24], [64, 0])),
+       mode=st.sampled_from(POS_MODES), q_layout=st.sampled_from(["slice", "heads", "bt", "contig"]),
+       dtype=dtypes(), out_dtype=dtypes(), seed=seeds())
+def test_grouped_q_matches_float64(B, T, h, dh, d_r, mode, q_layout, dtype, out_dtype, seed):
+    gg = gen(seed)
+    q = randn((B, T, h, dh + d_r), gg, dtype=dtype)
+    pos, ref_pos = positions_of(mode, B, T, gg)
+    inv = inv_freq_of(d_r, gg, True)
+    with poisoned():
+        out = gs.grouped_q(hostile_q(q, q_layout), rope_cos_sin(pos, inv), head_dim=dh, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.is_contiguous() and list(out.shape) == [B, T, h, dh + d_r]
+    assert torch.equal(out[..., :dh], q[..., :dh].to(out_dtype))
+    ref = torch.cat([q[..., :dh].double(), rope64(q[..., dh:], ref_pos, inv)], -1)
+    low = torch.cat([q[..., :dh], rope_low(q[..., dh:], ref_pos, inv)], -1).to(out_dtype)
+    assert_close("grouped_q", out, ref, low, dtype=dtype)
+
+
+# ---- registration -----------------------------------------------------------------------------------------------
+def _small(seed=0, dtype=None):
+    dtype = dtype or P.dtypes[0]
+    gg = gen(seed)
+    B, T, g, hpg, dh, r, d_r, q_rank = 2, 2, 2, 3, 16, 32, 8, 24
+    h = g * hpg
+    kv = randn((B, T, r + d_r), gg, dtype=dtype)
+    qa = randn((B, T, q_rank), gg, dtype=dtype)
+    q = randn((B, T, h, dh + d_r), gg, dtype=dtype)
+    w = randn((g, dh + 16, r), gg, dtype=dtype, scale=0.2)
+    pos = torch.tensor([[5, 6], [70, 71]], device=P.device)
+    inv = rope_inv_freq(d_r, device=P.device)
+    return dict(kv=kv, qa=qa, q=q, w_uk=w[:, :dh], w_uv=w[:, dh:], pos=pos, inv=inv, kv_w=torch.ones(r, dtype=dtype,
+                device=P.device), qa_w=torch.ones(q_rank, dtype=dtype, device=P.device), dtype=dtype, r=r, dh=dh)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schemas, fakes and the (raising) autograd registration agree with the kernels."""
+    s = _small()
+    past = s["pos"][:, :1].to(torch.int32).expand(2, 2)
+    _, row, cs = gs.norm_rope(s["qa"], s["qa_w"], s["kv"], s["kv_w"], past, s["inv"], add_t=True, kv_rank=s["r"],
+                              out_dtype=s["dtype"])
+    q = gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=s["dh"], out_dtype=s["dtype"])
+    cases = [
+        (gs._norm_rope_op, (s["qa"], s["qa_w"], s["kv"], s["kv_w"], past, s["inv"], True, s["r"], 1e-6, 1e-6,
+                            s["dtype"])),
+        (gs._norm_rope_op, (None, None, s["kv"], None, s["pos"], s["inv"], False, s["r"], 1e-6, 1e-6, torch.float32)),
+        (gs._absorb_q_op, (s["q"], s["w_uk"], cs, s["dh"], s["dtype"])),
+        (gs._absorb_o_op, (q[..., : s["r"]], s["w_uv"])),
+        (gs._grouped_q_op, (s["q"], cs, s["dh"], s["dtype"])),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_backward_through_the_ops_raises():
+    s = _small(dtype=torch.float32)
+    w = s["w_uv"].clone().requires_grad_(True)
+    out = gs.absorb_o(s["q"][..., :8].repeat(1, 1, 1, 4), w)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.sum().backward()
+
+
+def test_fullgraph_compile_equals_eager():
+    """The four ops chained as a decode step does, through torch.compile(fullgraph=True): one graph, the eager
+    results."""
+    s = _small(1)
+    r, dh = s["r"], s["dh"]
+
+    def step(qa, kv, q, past):
+        pos = past[:, None].expand(2, 2)
+        qa_n, row, cs = gs.norm_rope(qa, s["qa_w"], kv, s["kv_w"], pos, s["inv"], add_t=True, kv_rank=r,
+                                     out_dtype=kv.dtype)
+        qq = gs.absorb_q(q, s["w_uk"], cs, head_dim=dh, out_dtype=kv.dtype)
+        return qa_n, row, qq, gs.absorb_o(qq[..., :r], s["w_uv"]), gs.grouped_q(q, cs, head_dim=dh, out_dtype=q.dtype)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    past = torch.tensor([3, 900], dtype=torch.int32, device=P.device)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(2):
+            args = (s["qa"] + i, s["kv"] - i, s["q"] * (i + 1), past + i)
+            for a, b in zip(compiled(*args), step(*args), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_bad_inputs():
+    s = _small()
+    cs = rope_cos_sin(s["pos"], s["inv"])
+    dt = s["dtype"]
+    with pytest.raises(ValueError, match="head_dim"):
+        gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=s["dh"] + 2, out_dtype=dt)
+    with pytest.raises(ValueError, match="groups"):
+        gs.absorb_q(s["q"][:, :, :5], s["w_uk"], cs, head_dim=s["dh"], out_dtype=dt)
+    with pytest.raises(ValueError, match="cos_sin"):
+        gs.absorb_q(s["q"], s["w_uk"], cs[:1], head_dim=s["dh"], out_dtype=dt)
+    with pytest.raises(ValueError, match="cos_sin"):
+        gs.grouped_q(s["q"], cs.double(), head_dim=s["dh"], out_dtype=dt)
+    with pytest.raises(TypeError, match="out_dtype"):
+        gs.grouped_q(s["q"], cs, head_dim=s["dh"], out_dtype=torch.float64)
+    with pytest.raises(TypeError, match="q"):
+        gs.grouped_q(s["q"].double(), cs, head_dim=s["dh"], out_dtype=dt)
+    with pytest.raises(ValueError, match="w_uv"):
+        gs.absorb_o(s["q"][..., :16], s["w_uv"])
+    with pytest.raises(ValueError, match="kv_rank"):
+        gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=s["r"] + 1, out_dtype=dt)
+    with pytest.raises(TypeError, match="positions"):
+        gs.norm_rope(None, None, s["kv"], None, s["pos"].float(), s["inv"], add_t=False, kv_rank=s["r"],
+                     out_dtype=dt)
+    with pytest.raises(ValueError, match="positions"):
+        gs.norm_rope(None, None, s["kv"], None, s["pos"][:1], s["inv"], add_t=False, kv_rank=s["r"], out_dtype=dt)
+    with pytest.raises(ValueError, match="inv_freq"):
+        gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"].float(), add_t=False, kv_rank=s["r"],
+                     out_dtype=dt)
+    with pytest.raises(ValueError, match="qa_weight"):
+        gs.norm_rope(s["qa"], None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=s["r"], out_dtype=dt)
+    with pytest.raises(ValueError, match="kv_weight"):
+        gs.norm_rope(None, None, s["kv"], s["qa_w"], s["pos"], s["inv"], add_t=False, kv_rank=s["r"], out_dtype=dt)
+    if not P.big:  # the interpreter computes bf16 wrongly: refused
+        with pytest.raises(TypeError, match="bfloat16"):
+            gs.grouped_q(s["q"].bfloat16(), cs, head_dim=s["dh"], out_dtype=dt)
