@@ -273,6 +273,46 @@ def test_small_k_tiles_with_value_head_sums(K, G, T, V, dtype, seed):
         _assert_repeatable(ins, dtype, seed)
 
 
+@settings(max_examples=examples(3, 8))
+@given(T=st.integers(1, pick(80, 300)), G=st.sampled_from([1, 2]), K=st.sampled_from(pick([8, 24], [8, 24, 60, 100])),
+       V=st.sampled_from(pick([12, 40], [12, 40, 100, 200])), varlen=st.booleans(), seg=st.booleans(),
+       dtype=dtypes(), seed=seeds())
+def test_head_dims_of_any_size(T, G, K, V, varlen, seg, dtype, seed):
+    """K, V not multiples of 16 (fla takes any head dim up to 256): tiles are padded to powers of two (at least 16)
+    and masked, so forward and backward equal the float64 recurrence, dense or varlen, with sequence splitting."""
+    H = 1
+    if varlen:
+        cut = T // 3
+        cu = torch.tensor([0, cut, T], dtype=torch.int32)
+        N = 2
+    else:
+        cu, N = None, 1
+    ins = _inputs(seed, 1, T, H, H * G, K, V, N)
+    grads = (randn((1, T, H * G, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((N, H * G, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else None
+    _check_vs_refs(ins, dtype, grads, cu=cu, over=over)
+
+
+@pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
+@pytest.mark.parametrize("K,V,varlen", [(8, 12, False), (24, 40, True), (60, 20, True)])
+def test_head_dims_of_any_size_stay_in_bounds(K, V, varlen):
+    """The padded tiles of odd head dims never address past q, k, v, g, beta, the initial state or the gradients."""
+    from addresscheck import AddressCheck
+
+    T, H, HV = 70, 1, 2
+    N = 2 if varlen else 1
+    ins = [t.float().contiguous() for t in _inputs(0, 1, T, H, HV, K, V, N)]
+    cu = torch.tensor([0, 30, T], dtype=torch.int32) if varlen else None
+    xs = [t.clone().requires_grad_() for t in ins]
+    do = torch.randn(1, T, HV, V)
+    dht = torch.randn(N, HV, K, V)
+    with AddressCheck(*xs, do, dht, *([cu] if varlen else [])) as ac:
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+        torch.autograd.backward([o, ht], [do, dht])
+    ac.assert_clean()
+
+
 def test_wy_bwd_config_refuses_16_wide_k_tiles():
     from gqla_triton.ops.gdn.config import ChunkConfig
 
@@ -490,7 +530,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="HV"):
         f(q, q, torch.zeros(1, 8, 3, 16, device=d), g[..., :3], g[..., :3])
     with pytest.raises(ValueError, match="K"):
-        f(torch.zeros(1, 8, 2, 24, device=d), torch.zeros(1, 8, 2, 24, device=d), v, g, g)
+        f(torch.zeros(1, 8, 2, 264, device=d), torch.zeros(1, 8, 2, 264, device=d), v, g, g)
+    with pytest.raises(ValueError, match="K"):
+        f(torch.zeros(1, 8, 2, 0, device=d), torch.zeros(1, 8, 2, 0, device=d), v, g, g)
     with pytest.raises(ValueError, match="V"):
         f(q, q, torch.zeros(1, 8, 4, 272, device=d), g, g)
     with pytest.raises(ValueError, match="cu_seqlens"):

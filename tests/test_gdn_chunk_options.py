@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gqla_triton.dispatch import config_override
 from gqla_triton.ops.gdn import chunk_gated_delta_rule
-from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref, gate_ref, recurrent_gated_delta_rule_ref
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
 
@@ -278,3 +278,118 @@ def test_beta_options_pool_and_reference():
     for name in ("use_beta_sigmoid_in_kernel", "allow_neg_eigval"):
         with pytest.raises(TypeError, match=f"{name}: expected a bool"):
             chunk_gated_delta_rule(*xs, **{name: 1})
+
+
+def _gate_problem(seed, lens, varlen, HV, bias):
+    """_problem with g replaced by the raw gate input a (around 0, tails past softplus's threshold of 20 included)
+    and the gate parameters A_log, dt_bias (or None) ``[HV]`` float64."""
+    x, h0, cu = _problem(seed, lens, varlen, HV)
+    x[3] = randn(x[3].shape, seed + 7, dtype=torch.float64, device="cpu", scale=2.0)
+    x[3].view(-1)[:: 37] += 22.0  # some tokens above the threshold
+    A_log = rand((HV,), seed + 8, lo=-2.0, hi=0.5, dtype=torch.float64, device="cpu")
+    dt_bias = randn((HV,), seed + 9, dtype=torch.float64, device="cpu") if bias else None
+    return x, h0, cu, A_log, dt_bias
+
+
+@settings(max_examples=examples(4, 12), deadline=None)
+@given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=3), varlen=st.booleans(), G=st.sampled_from([1, 2]),
+       bias=st.booleans(), save=st.booleans(), seg=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_gate_in_kernel_vs_recurrence(lens, varlen, G, bias, save, seg, dtype, seed):
+    """use_gate_in_kernel (g holds the raw input a, the kernels take -exp(A_log)·softplus(a + dt_bias)): o, the final
+    state and every gradient, dA_log and ddt_bias included, against the float64 recurrence on the float64 gate
+    (autograd through it); saved or recomputed states, with and without sequence splitting."""
+    x, h0, cu, A_log, dt_bias = _gate_problem(seed, lens, varlen, H * G, bias)
+    do = randn(x[2].shape, seed + 1, dtype=torch.float64, device="cpu")
+    dht = randn(h0.shape, seed + 2, dtype=torch.float64, device="cpu")
+    params = [A_log] + ([dt_bias] if bias else [])
+    pk = [p.to(P.device, torch.float32).requires_grad_() for p in params]
+    with _split(seg):
+        o, ht, dx = _kernel(x, h0.float(), cu, dtype, (do, dht), use_gate_in_kernel=True, A_log=pk[0],
+                            dt_bias=pk[1] if bias else None, save_states=save)
+
+    def gated(fn, ps):
+        def run(q, k, v, a, beta, **rkw):
+            return fn(q, k, v, gate_ref(a, ps[0], ps[1] if bias else None), beta, **rkw)
+        return run
+
+    p64 = [p.clone().requires_grad_() for p in params]
+    ro, rht, rdx = _ref(gated(recurrent_gated_delta_rule_ref, p64), x, h0, cu, (do, dht))
+    low = [t.to(dtype).float() for t in x]
+    p32 = [p.float().requires_grad_() for p in params]
+    lo, lht, ldx = _ref(gated(chunk_gated_delta_rule_ref, p32), low, h0.float(), cu, (do, dht),
+                        compute_dtype=dtype if dtype != torch.float32 else None)
+    assert_close("o", o, ro, lo, dtype=dtype)
+    assert_close("final_state", ht, rht, lht, dtype=dtype)
+    for name, a, r, lw in zip(("q", "k", "v", "a", "beta", "h0"), dx, rdx, ldx, strict=True):
+        assert_close(f"d{name}", a, r, lw, dtype=dtype)
+    for name, a, r, lw in zip(("A_log", "dt_bias"), pk, p64, p32, strict=False):
+        assert a.grad.dtype == torch.float32 and a.grad.shape == (H * G,)
+        assert_close(f"d{name}", a.grad, r.grad, lw.grad, dtype=dtype)
+
+
+def test_gate_in_kernel_pool_reference_and_errors():
+    """The pooled call with the in-kernel gate equals the op on gathered states bitwise; impl="reference" applies the
+    same gate; the gate's parameters are checked (A_log required, neither without the flag, shapes / devices), and
+    a refused pooled call leaves the pool unchanged."""
+    dtype = P.dtypes[0]
+    x, h0, cu, A_log, dt_bias = _gate_problem(5, [40, 70], True, 2, True)
+    xs = [t.to(P.device, dtype if i < 3 else torch.float32) for i, t in enumerate(x)]
+    A_log, dt_bias = A_log.to(P.device, torch.float32), dt_bias.to(P.device, torch.float32)
+    h0 = h0.to(P.device, torch.float32)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu.to(P.device))
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=P.device)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True, **kw)
+        pool = torch.zeros(3, *h0.shape[1:], device=P.device)
+        pool[idx.long()] = h0
+        op, _ = chunk_gated_delta_rule(*xs, initial_state=pool, state_indices=idx, **kw)
+        orf, htr = chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True, impl="reference", **kw)
+    assert torch.equal(op, o) and torch.equal(pool[2], ht[0]) and torch.equal(pool[0], ht[1])
+    g64 = gate_ref(xs[3].double(), A_log.double(), dt_bias.double())
+    o64, ht64 = recurrent_gated_delta_rule_ref(*(t.double() for t in xs[:3]), g64, xs[4].double(),
+                                               initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
+    olp, htlp = chunk_gated_delta_rule_ref(*(t.float() for t in xs[:3]), g64.float(), xs[4].float(),
+                                           initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                           compute_dtype=dtype if dtype != torch.float32 else None)
+    for name, a, r, lw in (("o", o, o64, olp), ("final state", ht, ht64, htlp), ("o (reference)", orf, o64, olp),
+                           ("final state (reference)", htr, ht64, htlp)):
+        assert_close(name, a, r, lw, dtype=dtype)
+    f = chunk_gated_delta_rule
+    with pytest.raises(ValueError, match="A_log: required"):
+        f(*xs, use_gate_in_kernel=True)
+    for name in ("A_log", "dt_bias"):
+        with pytest.raises(ValueError, match=f"{name}: given without use_gate_in_kernel"):
+            f(*xs, **{name: A_log})
+    with pytest.raises(ValueError, match="A_log"):
+        f(*xs, use_gate_in_kernel=True, A_log=A_log[:1])
+    with pytest.raises(ValueError, match="dt_bias"):
+        f(*xs, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias[None])
+    with pytest.raises(TypeError, match="use_gate_in_kernel: expected a bool"):
+        f(*xs, use_gate_in_kernel=1, A_log=A_log)
+    keep = pool.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="A_log"):
+        f(*xs, initial_state=pool, state_indices=idx, use_gate_in_kernel=True, A_log=A_log[:1],
+          cu_seqlens=cu.to(P.device))
+    assert torch.equal(pool, keep)
+
+
+def test_gate_in_kernel_compiles_with_autograd():
+    """``torch.compile(fullgraph=True)`` (aot_eager) of a training step with the in-kernel gate traces the forward and
+    backward custom ops: o, the final state and the gradients of a, A_log and dt_bias equal eager's bitwise."""
+    x, h0, cu, A_log, dt_bias = _gate_problem(3, [50, 30], True, 2, True)
+    dtype = P.dtypes[-1]
+
+    def fn(q, k, v, a, beta, A, dtb, h):
+        o, ht = chunk_gated_delta_rule(q, k, v, a, beta, initial_state=h, output_final_state=True,
+                                       use_gate_in_kernel=True, A_log=A, dt_bias=dtb,
+                                       cu_seqlens=cu.to(P.device))
+        return o.float().square().sum() + ht.square().sum()
+
+    outs = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        xs = [t.to(P.device, dtype if i < 3 else torch.float32).requires_grad_()
+              for i, t in enumerate([*x, A_log, dt_bias, h0])]
+        f(*xs).backward()
+        outs.append([t.grad for t in xs])
+    for name, a, b in zip(("q", "k", "v", "a", "beta", "A_log", "dt_bias", "h0"), *outs, strict=True):
+        assert torch.equal(a, b), f"d{name}: compiled differs from eager"

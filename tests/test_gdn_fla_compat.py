@@ -18,10 +18,9 @@ pytestmark = pytest.mark.usefixtures("poison_buffers")
 H, HV, K, V = 1, 2, 16, 16
 NOOP_COMMON = dict(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                    state_v_first=False, transpose_state_layout=False, head_first=False, A_log=None, dt_bias=None)
-UNSUPPORTED_COMMON = [("use_gate_in_kernel", True), ("head_first", True), ("A_log", "tensor"), ("dt_bias", "tensor")]
-# both functions take the V-first layout flags, the in-kernel beta sigmoid and negative eigenvalues (chunked op:
-# tests/test_gdn_chunk_options.py)
-UNSUPPORTED_CHUNK = [*UNSUPPORTED_COMMON, ("chunk_size", 32), ("chunk_size", 128), ("cp_context", object())]
+# both functions take the V-first layout flags, the in-kernel gate, beta sigmoid and negative eigenvalues (chunked
+# op: tests/test_gdn_chunk_options.py)
+UNSUPPORTED_CHUNK = [("head_first", True), ("chunk_size", 32), ("chunk_size", 128), ("cp_context", object())]
 # the decode step computes the in-kernel gate / beta / eigenvalue options and the V-first layout
 # (tests/test_gdn_decode_options.py)
 UNSUPPORTED_DECODE = [("head_first", True), ("inplace_final_state", False), ("output_final_state", True),

@@ -27,7 +27,7 @@ from .._common.validation import (
 from .compat import check_chunk_indices, check_fla_options, state_v_first
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
-from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref
+from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
 
 __all__ = ["chunk_gated_delta_rule"]
 
@@ -35,11 +35,16 @@ _REFERENCE = "gqla_triton.ops.gdn.reference.chunk_gated_delta_rule_ref"
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _gate(A_log, dt_bias):
+    """The launchers' ``gate`` argument: None without the in-kernel gate (A_log None)."""
+    return (A_log, dt_bias) if A_log is not None else None
+
+
 def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: bool, v_first: bool,
-         beta_sigmoid: bool, neg_eigval: bool):
+         beta_sigmoid: bool, neg_eigval: bool, A_log=None, dt_bias=None):
     """chunk_gdn_fwd's outputs with the saved states flattened: (o, ht, gc, Ainv, w, h, vnew); without save_states
     w, h and vnew are three distinct empty tensors (outputs of a custom op may not alias each other)."""
-    opt = dict(v_first=v_first, beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval)
+    opt = dict(v_first=v_first, beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))
     if not save_states:
         o, ht, gc, Ainv = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, **opt)
         return o, ht, gc, Ainv, q.new_empty(0), q.new_empty(0), q.new_empty(0)
@@ -48,24 +53,32 @@ def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: b
 
 
 def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, dht, w, h, vnew, v_first,
-         beta_sigmoid, neg_eigval):
+         beta_sigmoid, neg_eigval, A_log=None, dt_bias=None):
+    """chunk_gdn_bwd's gradients, always eight: dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias (the last two distinct
+    empty tensors where there is no such parameter)."""
     states = States(w, h, vnew) if w is not None else None
-    return chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, plan, gc, Ainv, do, dht, states, v_first=v_first,
-                         beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval)
+    out = chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, plan, gc, Ainv, do, dht, states, v_first=v_first,
+                        beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))
+    if A_log is None:
+        return (*out, q.new_empty(0), q.new_empty(0))
+    dA, ddt = out[6], out[7]
+    return (*out[:6], dA.to(A_log.dtype), ddt.to(dt_bias.dtype) if dt_bias is not None else q.new_empty(0))
 
 
 # ----------------------------------------------------------------------------------- torch.library + autograd
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool, v_first: bool,
-            beta_sigmoid: bool, neg_eigval: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+            beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
     return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), save_states, v_first,
-                beta_sigmoid, neg_eigval)
+                beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval, A_log,
+      dt_bias):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -81,25 +94,30 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, 
 def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, gc: torch.Tensor,
             Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, w: torch.Tensor | None,
-            h: torch.Tensor | None, vnew: torch.Tensor | None, v_first: bool, beta_sigmoid: bool, neg_eigval: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            h: torch.Tensor | None, vnew: torch.Tensor | None, v_first: bool, beta_sigmoid: bool, neg_eigval: bool,
+            A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor]:
     return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), gc, Ainv, do, dht, w, h,
-                vnew, v_first, beta_sigmoid, neg_eigval)
+                vnew, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 @_bwd_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew, v_first, beta_sigmoid,
-      neg_eigval):
+      neg_eigval, A_log, dt_bias):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dA = torch.empty_like(A_log) if A_log is not None else q.new_empty(0)
+    ddt = torch.empty_like(dt_bias) if A_log is not None and dt_bias is not None else q.new_empty(0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), q.new_empty(N, HV, *((V, K) if v_first else (K, V)),
-                                                dtype=initial_state.dtype if initial_state is not None else torch.float32))
+                                                dtype=initial_state.dtype if initial_state is not None else torch.float32),
+            dA, ddt)
 
 
 def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
-          output):
+          A_log, dt_bias, output):
     """What both backward routes read: the inputs, gc, Ainv and (with save_states) the forward's states."""
     _, _, gc, Ainv, w, h, vnew = output
     ctx.scale = scale
@@ -107,18 +125,20 @@ def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, 
     ctx.has_h0 = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv, states) pass None, not zero tensors
     states = (w, h, vnew) if save_states else (None, None, None)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, *states)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, *states, A_log, dt_bias)
 
 
 def _backward_with(bwd, plan, ctx, do, dht):
     """The gradients of the forward's inputs: ``bwd`` is ``_bwd`` (eager, with the forward's ``plan``) or ``_bwd_op``
     (traced; plan None: the op takes the saved cu_seqlens and plans inside itself)."""
-    q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, w, h, vnew = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, w, h, vnew, A_log, dt_bias = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state,
-                                     cu_seqlens if plan is None else plan, gc, Ainv, do, dht, w, h, vnew, *ctx.opts)
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None
+    dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, ctx.scale, initial_state,
+                                              cu_seqlens if plan is None else plan, gc, Ainv, do, dht, w, h, vnew,
+                                              *ctx.opts, A_log, dt_bias)
+    return (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None,
+            dA if A_log is not None else None, ddt if dt_bias is not None else None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -139,9 +159,12 @@ class _ChunkGDN(torch.autograd.Function):
     the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval):
-        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval)
-        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, v_first, beta_sigmoid, neg_eigval, out)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval,
+                A_log, dt_bias):
+        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval,
+                   A_log, dt_bias)
+        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, v_first, beta_sigmoid, neg_eigval,
+              A_log, dt_bias, out)
         ctx.plan = plan
         ctx.mark_non_differentiable(*out[2:])
         return out
@@ -151,10 +174,10 @@ class _ChunkGDN(torch.autograd.Function):
         return _backward_with(_bwd, ctx.plan, ctx, do, dht)
 
 
-def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval, *,
-           cu_host):
+def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
+           A_log, dt_bias, *, cu_host):
     return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host),
-                           save_states, v_first, beta_sigmoid, neg_eigval)
+                           save_states, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 # ------------------------------------------------------------------------------------------- state pool (inference)
@@ -174,24 +197,26 @@ def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
         raise ValueError(f"state_indices: pool row {int(uniq[counts > 1][0])} is named by more than one sequence")
 
 
-def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval, *,
-          cu_host):
+def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
+          A_log=None, dt_bias=None, *, cu_host):
     return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host),
                          state_indices=state_indices, v_first=v_first, beta_sigmoid=beta_sigmoid,
-                         neg_eigval=neg_eigval)[0]
+                         neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))[0]
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_pool", mutates_args=("state_pool",))
 def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
              state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None,
-             v_first: bool, beta_sigmoid: bool, neg_eigval: bool) -> torch.Tensor:
+             v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
+             dt_bias: torch.Tensor | None) -> torch.Tensor:
     _check_pool_rows(state_indices, state_pool.shape[0])  # the public function cannot read it while tracing
     return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
-                 cu_host=None)
+                 A_log, dt_bias, cu_host=None)
 
 
 @_pool_op.register_fake
-def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval):
+def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval, A_log,
+      dt_bias):
     return torch.empty_like(v)
 
 
@@ -233,6 +258,22 @@ def _beta_ref(beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> torch.Tens
     return 2.0 * b if neg_eigval else b
 
 
+def _check_gate(use_gate_in_kernel: bool, A_log, dt_bias, HV: int, q: torch.Tensor, impl: str) -> None:
+    """fla's in-kernel gate parameters: A_log required with the gate, dt_bias optional, neither without it."""
+    if not use_gate_in_kernel:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: given without use_gate_in_kernel=True (it is a parameter of the gate "
+                                 "computed in the kernel); pass use_gate_in_kernel=True or leave it out")
+        return
+    if A_log is None:
+        raise ValueError("A_log: required with use_gate_in_kernel=True (g = -exp(A_log)·softplus(g + dt_bias))")
+    pdt = (torch.float32, q.dtype) + ((torch.float64,) if impl == "reference" else ())
+    check_tensor("A_log", A_log, shape=(HV,), dtypes=pdt, device=q.device)
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=pdt, device=q.device)
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
@@ -251,13 +292,14 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_indices=None,
-                           state_indices=None, save_states=True, use_beta_sigmoid_in_kernel=False,
-                           allow_neg_eigval=False, state_layout="kv", impl="auto", **fla_options):
+                           state_indices=None, save_states=True, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_layout="kv", impl="auto",
+                           **fla_options):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
-            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); K, V multiples of 16, <= 256.
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K, V <= 256.
         g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
             float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
@@ -292,6 +334,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
             at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
             state pass run again). No effect without autograd.
+        use_gate_in_kernel: ``g`` holds the raw gate input ``a`` (any float dtype) and the kernels take the decay
+            ``-exp(A_log)·softplus(a + dt_bias)`` (softplus is x itself above 20), as fla's option; the gradient
+            of ``g`` is then that of ``a``, and A_log / dt_bias get theirs.
+        A_log, dt_bias: ``[HV]`` float32 or q's dtype, on q's device; A_log is required with
+            ``use_gate_in_kernel`` (dt_bias None: no bias), both refused without it.
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernels take ``sigmoid(beta)`` (its gradient is the
             logits' gradient), as fla's option.
         allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k kᵀ`` may have eigenvalues down to -1.
@@ -301,20 +348,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
             (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
         **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
-            ``use_gate_in_kernel=False``, ``head_first=False``, ``chunk_size=64``, ``A_log=None``, ``dt_bias=None``, ``cp_context=None``; and
-            ``state_v_first`` / ``transpose_state_layout`` (bools, see ``state_layout``). Any other value of these
-            (the in-kernel gate, head-first inputs, other chunk sizes, context parallelism) is a ``ValueError`` naming the option as unsupported; any other keyword a ``TypeError``
-            naming it.
+            ``head_first=False``, ``chunk_size=64``, ``cp_context=None``; and ``state_v_first`` /
+            ``transpose_state_layout`` (bools, see ``state_layout``). Any other value of these (head-first inputs,
+            other chunk sizes, context parallelism) is a ``ValueError`` naming the option as unsupported; any other
+            keyword a ``TypeError`` naming it.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
-        beta, initial_state (its gradient in its dtype and layout; with ``state_indices``: ``(o, None)``, not
+        beta, initial_state, A_log, dt_bias (its gradient in its dtype and layout; with ``state_indices``: ``(o, None)``, not
         differentiable).
         Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
     """
     check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
     check_fla_options("chunk_gated_delta_rule", fla_options)
     v_first = state_v_first(state_layout, fla_options)
-    for name, flag in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
+                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
                        ("allow_neg_eigval", allow_neg_eigval)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
@@ -330,10 +378,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if H == 0 or HV == 0 or HV % H != 0:
         raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
     for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
-        if d <= 0 or d % 16 or d > 256:
-            raise ValueError(f"{name}: expected a positive multiple of 16 and <= 256, got {d}")
+        if d <= 0 or d > 256:
+            raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
     if T < 1 or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
+    _check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, impl)
     N = B
     cu_host = None
     if cu_seqlens is not None:
@@ -368,6 +417,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         _check_pool_rows(state_indices, initial_state.shape[0])
     if impl == "reference":
         beta = _beta_ref(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+        if use_gate_in_kernel:
+            g = gate_ref(g.to(torch.promote_types(g.dtype, torch.float32)), A_log, dt_bias)
         if state_indices is not None:
             return _reference_pool(q, k, v, g, beta, float(scale), initial_state, state_indices,
                                    use_qk_l2norm_in_kernel, cu_seqlens, cu_host, v_first)
@@ -377,14 +428,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         q, k = _l2norm(q), _l2norm(k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
+    if use_gate_in_kernel:
+        A_log = A_log.contiguous()
+        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     if state_indices is not None:
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
-                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval), None
+                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias), None
     h0 = initial_state.contiguous() if initial_state is not None else None
     save = save_states and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, h0))
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save, v_first, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval)
+                    allow_neg_eigval, A_log, dt_bias)
     return o, (ht if output_final_state else None)

@@ -3,7 +3,7 @@
 Options that leave the math as computed here are accepted at the value that does so (fla's default), with their
 consistency checked where that costs no device read; every other value is refused by name (``ValueError``: not
 supported here), and a keyword neither function knows is a ``TypeError`` naming it. The decode step takes fla's
-in-kernel gate / beta / eigenvalue options as its own keywords, the chunked op the beta / eigenvalue ones; both
+in-kernel gate / beta / eigenvalue options as its own keywords, and so does the chunked op; both
 functions take fla's V-first layout flags at either value (``state_v_first``).
 """
 
@@ -20,9 +20,7 @@ __all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_opti
 
 # option -> (the value accepted here, what another value asks for)
 _FLAGS = {"head_first": (False, "inputs in the head-first [B, H, T, ...] layout")}
-_CHUNK_FLAGS = {
-    "use_gate_in_kernel": (False, "g as the raw gate input, -exp(A_log)·softplus(g + dt_bias) computed in the kernel"),
-}
+_CHUNK_FLAGS: dict = {}
 _DECODE_FLAGS = {
     "inplace_final_state": (True, "the final states returned in a new tensor (here the state pool is updated in "
                                   "place: its rows are the final states)"),
@@ -32,11 +30,7 @@ _DECODE_FLAGS = {
 # fla's names of the V-first state layout: either value is taken by both functions
 _LAYOUT = ("state_v_first", "transpose_state_layout")
 # option -> what a value other than None asks for
-_CHUNK_NONE = {
-    "A_log": "the gate computed in the kernel (use_gate_in_kernel)",
-    "dt_bias": "the gate computed in the kernel (use_gate_in_kernel)",
-    "cp_context": "context parallelism",
-}
+_CHUNK_NONE = {"cp_context": "context parallelism"}
 _DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by its accepted draft count (here "
                                        "`accepted` commits the state after the accepted tokens instead)"}
 

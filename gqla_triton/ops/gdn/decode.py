@@ -30,7 +30,7 @@ from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, decode_state_v_first
-from .reference import recurrent_gated_delta_rule_ref
+from .reference import gate_ref, recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
 
@@ -217,18 +217,6 @@ def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu
       intermediate_states, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
       v_first):
     return torch.empty_like(v)
-
-
-def softplus_ref(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 + exp(x))``, and ``x`` itself above 20 (the threshold of fla's and torch's softplus)."""
-    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
-
-
-def gate_ref(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """The log-space decay from the raw gate input: ``-exp(A_log) * softplus(a + dt_bias)``; a ``[..., HV]``,
-    A_log / dt_bias ``[HV]``. Computed in a's dtype."""
-    x = a + dt_bias.to(a.dtype) if dt_bias is not None else a
-    return -torch.exp(A_log.to(a.dtype)) * softplus_ref(x)
 
 
 def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter):

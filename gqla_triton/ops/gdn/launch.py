@@ -59,6 +59,12 @@ def mid_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def tile(d: int) -> int:
+    """Tile width covering a head dim ``d`` (any size; masked past ``d``): a power of two, at least 16 (tl.dot's
+    smallest dimension on the GPU)."""
+    return max(16, next_pow2(d))
+
+
 def h_rows(B: int, T: int, N: int, varlen: bool) -> int:
     """Rows of the saved chunk-state buffer h: B·ceil(T/BT), or under varlen the bound ceil(T/BT) + N on the number
     of chunks (so torch.compile's fake kernel knows the shape without reading cu_seqlens)."""
@@ -69,7 +75,7 @@ def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) 
     """Narrow the V block of the sequential state passes (not below ``floor``) while they would leave half the
     SMs idle."""
     info = device_info(t)
-    bv = min(bv, next_pow2(V))
+    bv = min(bv, tile(V))
     if info.interpreter:
         return bv
     while bv > floor and cdiv(V, bv) * programs * 2 <= info.sm_count:
@@ -83,11 +89,11 @@ def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool, state
     ``state_indices`` [N] int32, s_in and s_out are one state pool [P, HV, K, V], read and written at those rows.
     ``v_first``: s_in and s_out have [V, K] rows (s_seg keeps [K, V])."""
     HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
-    BV = min(32, next_pow2(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
+    BV = min(32, tile(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
     pool = state_indices is not None
     gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
         mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff,
-        state_indices if pool else soff, HV, s_out.shape[0] if pool else 0, K=K, V=V, BK=next_pow2(K), BV=BV,
+        state_indices if pool else soff, HV, s_out.shape[0] if pool else 0, K=K, V=V, BK=tile(K), BV=BV,
         USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, V_FIRST=v_first, num_warps=8, num_stages=1)
 
 
@@ -100,7 +106,7 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
     B, T, H, K = k.shape
     HV = w.shape[2]
     nseg, cu, co, soff = plan.seg
-    BK = next_pow2(K)
+    BK = tile(K)
     BVs = min(cfg.seg_bv, BK)
     mb = empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
     gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None else 0), nseg * HV)](
@@ -129,7 +135,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     vnew = empty(u.shape, dtype=u.dtype, device=u.device)
     ht = initial_state if pool else empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32,
                                           device=k.device)
-    BK = next_pow2(K)
+    BK = tile(K)
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
     h0, cu, co, units, store_ht, varlen = initial_state, plan.cu, plan.coff, N, True, plan.varlen
     split = _segments(k, w, u, gc, V, plan)
@@ -159,24 +165,33 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool, neg_eigval: b
     dummy = k
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.wu_bk, next_pow2(K)), BV=min(cfg.wu_bv, next_pow2(V)),
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.wu_bk, tile(K)), BV=min(cfg.wu_bv, tile(V)),
         IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
     return w, u
 
 
+def _gate_args(gate: tuple | None) -> dict:
+    """The in-kernel gate's kernel arguments (none without it: the default specialisation)."""
+    if gate is None:
+        return {}
+    A_log, dt_bias = gate
+    return dict(a_log=A_log, dt_bias=dt_bias, GATE=True, HAS_BIAS=dt_bias is not None)
+
+
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False,
                   state_indices: torch.Tensor | None = None, v_first: bool = False, beta_sigmoid: bool = False,
-                  neg_eigval: bool = False):
+                  neg_eigval: bool = False, gate: tuple | None = None):
     """The forward stages on contiguous inputs (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``,
     initial_state ``[N, HV, K, V]`` fp32 / bf16 / fp16 or None; ``v_first``: initial and final states ``[N, HV, V, K]``).
     Returns (o ``[B, T, HV, V]`` v's dtype, final state ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
     the ``States`` the backward would otherwise recompute. ``state_indices``: initial_state is a state pool
     updated in place (``chunk_gdn_state_fwd``), returned in the final state's place. ``beta_sigmoid``: beta holds
-    logits (sigmoid taken in the kernels); ``neg_eigval``: beta doubled (after the sigmoid)."""
+    logits (sigmoid taken in the kernels); ``neg_eigval``: beta doubled (after the sigmoid). ``gate``:
+    ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of fla's in-kernel gate."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BKp = next_pow2(K)
+    BKp = tile(K)
     dummy = q
     cu = plan.cu if plan.varlen else dummy
     cidx = plan.cidx if plan.varlen else dummy
@@ -186,7 +201,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     if plan.NTT > 0:
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
-            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wy"))
+            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
+            **cfg.launch("wy"))
         w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
@@ -196,7 +212,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
                                          rows=h_rows(B, T, plan.N, plan.varlen) if keep_h else None,
                                          state_indices=state_indices, v_first=v_first)
     if plan.NTT > 0:
-        BV = min(cfg.out_bv, next_pow2(V))
+        BV = min(cfg.out_bv, tile(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
             q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, **cfg.launch("out"))
@@ -207,20 +223,22 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
 
 def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, gc, Ainv, do, dht,
                   states: States | None = None, *, v_first: bool = False, beta_sigmoid: bool = False,
-                  neg_eigval: bool = False):
+                  neg_eigval: bool = False, gate: tuple | None = None):
     """The backward stages (inputs as ``chunk_gdn_fwd``'s, its gc and Ainv, the output gradient do and the final
     state's dht ``[N, HV, K, V]`` or None). Returns dq, dk ``[B, T, H, K]``, dv ``[B, T, HV, V]``, dg, dbeta
     ``[B, T, HV]`` (input dtypes) and dh0 ``[N, HV, K, V]`` in initial_state's dtype (fp32 without one).
     ``states``: the forward's ``States``; None recomputes them (the wu stage, then the state pass). ``v_first``:
     initial_state, dht and dh0 have ``[V, K]`` rows. ``beta_sigmoid`` / ``neg_eigval``: as ``chunk_gdn_fwd``'s;
-    dbeta is the gradient of the beta input (the logits)."""
+    dbeta is the gradient of the beta input (the logits). ``gate``: as ``chunk_gdn_fwd``'s; dg is then the gradient
+    of the raw gate input, and two more results follow: dA_log and ddt_bias ``[HV]`` fp32 (ddt_bias None without
+    dt_bias)."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N, NTT, NT, NG, varlen = plan.N, plan.NTT, plan.NT, plan.NG, plan.varlen
     dev = q.device
-    BKp = next_pow2(K)
-    BVp = next_pow2(V)
+    BKp = tile(K)
+    BVp = tile(V)
     dummy = q
     cu = plan.cu if varlen else dummy
     cidx = plan.cidx if varlen else dummy
@@ -288,9 +306,15 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
         IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
+    gate_bwd = {}
+    if gate is not None:  # zeros: tokens outside every sequence add nothing to the parameter sums
+        gate_bwd = dict(g=g, dpar=torch.zeros(B, T, HV, 2, dtype=torch.float32, device=dev), **_gate_args(gate))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=BT, BK=max(WY_BWD_BK[0], min(cfg.wy_bwd_bk, BKp)), BV=min(cfg.wy_bwd_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
         LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
-        **cfg.launch("wy_bwd"))
-    return dq, dk, dv, dg, dbeta, dh0
+        **gate_bwd, **cfg.launch("wy_bwd"))
+    if gate is None:
+        return dq, dk, dv, dg, dbeta, dh0
+    par = gate_bwd["dpar"].sum((0, 1))  # [HV, 2]: the token sums of dL/dA_log and dL/ddt_bias
+    return dq, dk, dv, dg, dbeta, dh0, par[:, 0].clone(), (par[:, 1].clone() if gate[1] is not None else None)

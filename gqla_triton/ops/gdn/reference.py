@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["l2norm_ref", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "L2NORM_EPS", "G_FLOOR"]
+__all__ = ["l2norm_ref", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "gate_ref", "softplus_ref", "L2NORM_EPS",
+           "G_FLOOR"]
 
 L2NORM_EPS = 1e-6  # x / sqrt(sum(x^2) + eps), as fla and FlashQLA
 # The chunked forms take g no lower than this: exp(-104) is below half of fp32's smallest subnormal, so every fp32
@@ -137,3 +138,15 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
         rows.append(ob)
     o = torch.stack(rows) if rows else o
     return o, (torch.stack(finals) if output_final_state else None)
+
+
+def softplus_ref(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))``, and ``x`` itself above 20 (the threshold of fla's and torch's softplus)."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
+
+
+def gate_ref(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """The log-space decay from the raw gate input: ``-exp(A_log) * softplus(a + dt_bias)``; a ``[..., HV]``,
+    A_log / dt_bias ``[HV]``. Computed in a's dtype."""
+    x = a + dt_bias.to(a.dtype) if dt_bias is not None else a
+    return -torch.exp(A_log.to(a.dtype)) * softplus_ref(x)

@@ -142,3 +142,17 @@ def _decay_update(S, vn, kk, gg, gl, valid):
     vd = vn * tl.exp(tl.where(valid, gl - gg, 0.0))[:, None]
     return S * tl.exp(gl) + tl.dot(tl.trans(kk), vd.to(kk.dtype))
 
+
+@triton.jit
+def _gate_in(a, a_log, dt_bias, i_hv, HAS_BIAS: tl.constexpr):
+    """fla's in-kernel gate from the raw input ``a`` (fp32 tile) of value head i_hv: (g, dg/da) with
+    ``g = -exp(A_log)·softplus(a + dt_bias)`` (softplus is x itself above 20, as torch's), fp32."""
+    na = -tl.exp(tl.load(a_log + i_hv).to(tl.float32))
+    x = a
+    if HAS_BIAS:
+        x = x + tl.load(dt_bias + i_hv).to(tl.float32)
+    xs = tl.minimum(x, 20.0)  # keeps the branch not taken finite
+    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(xs)))
+    dsp = tl.where(x > 20.0, 1.0, tl.sigmoid(xs))
+    return na * sp, na * dsp
+

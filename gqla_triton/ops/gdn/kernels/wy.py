@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..reference import G_FLOOR
-from .common import _beta_in, _chunk_rows
+from .common import _beta_in, _chunk_rows, _gate_in
 
 _G_FLOOR = tl.constexpr(G_FLOOR)
 
@@ -47,10 +47,15 @@ def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
 
 
 @triton.jit
-def _ld_g(g, rows, valid, i_hv, HV):
+def _ld_g(g, a_log, dt_bias, rows, valid, i_hv, HV, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """g of 16 rows in fp64, floored at G_FLOOR: every fp32 decay through a floored token is 0, as for g = -inf,
-    and the cumulative sums stay finite."""
-    return tl.maximum(tl.load(g + rows * HV + i_hv, mask=valid, other=0.0).to(tl.float64), _G_FLOOR)
+    and the cumulative sums stay finite. GATE: g holds the raw gate input (``_gate_in``); rows past the
+    sequence are 0."""
+    x = tl.load(g + rows * HV + i_hv, mask=valid, other=0.0)
+    if GATE:
+        gv, _ = _gate_in(x.to(tl.float32), a_log, dt_bias, i_hv, HAS_BIAS)
+        x = tl.where(valid, gv, 0.0)
+    return tl.maximum(x.to(tl.float64), _G_FLOOR)
 
 
 @triton.jit
@@ -68,11 +73,13 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
+                      BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False, a_log=None,
+                      dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
     Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BETA_SIGMOID / NEG_EIGVAL: beta
-    as ``_beta_in`` takes it."""
+    as ``_beta_in`` takes it. GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)``
+    (``HAS_BIAS``: with dt_bias ``[HV]``)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
@@ -81,10 +88,10 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
     # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
     # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
-    g0 = _ld_g(g, x0, v0, i_hv, HV)
-    g1 = _ld_g(g, x1, v1, i_hv, HV)
-    g2 = _ld_g(g, x2, v2, i_hv, HV)
-    g3 = _ld_g(g, x3, v3, i_hv, HV)
+    g0 = _ld_g(g, a_log, dt_bias, x0, v0, i_hv, HV, GATE, HAS_BIAS)
+    g1 = _ld_g(g, a_log, dt_bias, x1, v1, i_hv, HV, GATE, HAS_BIAS)
+    g2 = _ld_g(g, a_log, dt_bias, x2, v2, i_hv, HV, GATE, HAS_BIAS)
+    g3 = _ld_g(g, a_log, dt_bias, x3, v3, i_hv, HV, GATE, HAS_BIAS)
     c0 = tl.cumsum(g0, 0).to(tl.float32)
     c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
     c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)

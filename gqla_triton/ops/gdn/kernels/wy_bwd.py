@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _beta_in, _chunk_rows, _dbeta_out
+from .common import _beta_in, _chunk_rows, _dbeta_out, _gate_in
 from .gva import _gva_program, _head_arrive, _head_pass, _head_publish, _head_wait
 
 
@@ -64,13 +64,17 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
+                      IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
+                      g=None, a_log=None, dt_bias=None, dpar=None, GATE: tl.constexpr = False,
+                      HAS_BIAS: tl.constexpr = False):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
     added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer.
     LATE_WAIT: see the comment at the dk loop. BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it; dbeta is
-    the gradient of the beta input (``_dbeta_out``)."""
+    the gradient of the beta input (``_dbeta_out``). GATE: g is the raw gate input a of ``_gate_in``: dg holds
+    dL/da, and dpar ``[rows, HV, 2]`` fp32 the per-token terms of dL/dA_log and dL/ddt_bias (summed by the
+    launcher)."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
@@ -151,7 +155,15 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     dgg += dgk
     dgg += dgl
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
-    tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
+    if GATE:
+        a = tl.load(g + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+        gv, dgda = _gate_in(a, a_log, dt_bias, i_hv, HAS_BIAS)
+        da = rev * dgda
+        tl.store(dg + x * HV + i_hv, da.to(dg.dtype.element_ty), mask=valid)
+        tl.store(dpar + (x * HV + i_hv) * 2, rev * gv, mask=valid)  # dg/dA_log = g
+        tl.store(dpar + (x * HV + i_hv) * 2 + 1, da, mask=valid)  # dg/ddt_bias = dg/da
+    else:
+        tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     db = _dbeta_out(db, bl, BETA_SIGMOID, NEG_EIGVAL)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
 
