@@ -450,3 +450,16 @@ def test_append_rows_kernel_stays_inside_its_tensors(monkeypatch):
             rows = append_rows(bt, sl, ov, slots, 2, T, max_seqlen=48, num_pages=9, page_size=PS)
             assert int(rows.min()) >= 0 and int(rows.max()) < 10 * PS
     assert not bad, f"out-of-bounds {sorted(set(bad))}"
+
+
+def test_gather_without_a_rope_key():
+    """rope_dim 0 (allowed by both caches): gather returns [L, 0] rope keys beside the written rows."""
+    d = dict(page_size=16, dtype=torch.float32, device=P.device)
+    for cache, rows in ((LatentCache(2, 40, 32, 0, **d), (torch.randn(1, 19, 32),)),
+                        (GroupedCache(2, 40, 2, 16, 0, **d), (torch.randn(1, 19, 2, 16), torch.randn(1, 19, 2, 16)))):
+        rows = tuple(r.to(P.device) for r in rows)
+        cache.append([1], *rows, torch.zeros(1, 19, 0, device=P.device))
+        got = cache.gather(1)
+        assert got[-1].shape == (19, 0)
+        for a, b in zip(got[:-1], rows, strict=True):
+            assert torch.equal(a, b[0])

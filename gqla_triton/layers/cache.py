@@ -577,9 +577,10 @@ class GroupedCache(PagedCache):
         s = self._slot(seq_id)
         L = int(self.cache_seqlens[s])
         pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
-        k = self.k[pages].reshape(-1, self.num_groups, self.head_dim)[:L]
-        v = self.v[pages].reshape(-1, self.num_groups, self.v_head_dim)[:L]
-        kr = self.k_rope[pages].reshape(-1, self.rope_dim)[:L]
+        rows = pages.numel() * self.page_size  # explicit: a rope_dim of 0 leaves reshape(-1, 0) undetermined
+        k = self.k[pages].reshape(rows, self.num_groups, self.head_dim)[:L]
+        v = self.v[pages].reshape(rows, self.num_groups, self.v_head_dim)[:L]
+        kr = self.k_rope[pages].reshape(rows, self.rope_dim)[:L]
         return k, v, kr
 
     @classmethod
