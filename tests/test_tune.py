@@ -48,6 +48,30 @@ def test_an_inaccurate_candidate_never_wins(tmp_path, monkeypatch):
     assert res["report"][0]["config"]["num_warps"] != 8
 
 
+def test_a_candidate_whose_results_change_never_wins(tmp_path, monkeypatch):
+    """The repeatability check: a candidate (num_warps 8) whose output differs between identical calls, as a
+    miscompiled pipelined loop's does, is dropped, however fast and however accurate its first call."""
+    import torch
+
+    calls = []
+
+    def run():
+        calls.append(1)
+        noisy = dispatch.select_config("combine", {"D": 32}).num_warps == 8
+        return [torch.full((4,), 1.0 + (1e-7 * len(calls) if noisy else 0.0))]
+
+    target = tune.targets(["combine"])[0]
+    target.check = lambda: tune._rel(tune._repeatable(run)[0], torch.ones(4))
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0 if dispatch.select_config(
+        "combine", {"D": 32}).num_warps == 8 else 2.0)
+    res = tune.tune(["combine"], out=tmp_path / "t.json", space={"combine": {"num_warps": (8,)}}, progress=False,
+                    target_list=[target])
+    assert res["report"][0]["config"]["num_warps"] != 8
+    with pytest.raises(RuntimeError, match="differ between identical calls"):
+        with dispatch.config_override({"combine": {"num_warps": 8}}):
+            tune._repeatable(run)
+
+
 def test_a_faster_accurate_candidate_wins(tmp_path, monkeypatch):
     target = tune.targets(["combine"])[0]
     monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0 if dispatch.select_config(
