@@ -78,6 +78,12 @@ def _repeatable(run: Callable[[], list[torch.Tensor]], times: int = 3) -> list[t
     return first
 
 
+# decode batches where split-KV decides the time (a few sequences, long caches), timed beside the standard
+# workloads so that the split planner's fields (mla_decode split_cost, gqa_decode waves) are tuned where they act
+SPLIT_REGIME = ((1, 4096), (1, 32768), (8, 8192), (16, 2048))
+SPLIT_COSTS = (0.02, 0.05, 0.1, 0.2, 0.5)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if not torch.isfinite(a).all():
@@ -235,15 +241,17 @@ def _mla_targets(tiny: bool, hopper: bool) -> list[Target]:
 
     work = {n: w for n, w in roofline.MLA_WORKLOADS.items() if w["s_q"] == 1}
     dense = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for n, w in work.items() if "topk" not in w]
+    dense += [] if tiny else [(b, s, 0) for b, s in SPLIT_REGIME]
     sparse = [(2, 40, 16)] if tiny else [(w["batch"], w["seqlen"], w["topk"]) for w in work.values() if "topk" in w]
     tri = {"block_h": (32, 64), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3),
-           "paged_tiles": (False, True), "p_scratch": (False, True), "rows_ahead": (False, True)}
+           "paged_tiles": (False, True), "p_scratch": (False, True), "rows_ahead": (False, True),
+           "split_cost": SPLIT_COSTS}
     out = [Target("mla_decode", {}, [case(*s, "triton") for s in dense], checker(False, "triton"), tri,
                   name="mla_decode triton dense"),
            Target("mla_decode", {"sparse": True}, [case(*s, "triton") for s in sparse], checker(True, "triton"), tri,
                   name="mla_decode triton sparse")]
     if hopper:
-        glu = {"block_n": (32, 64), "num_stages": (2, 3, 4)}
+        glu = {"block_n": (32, 64), "num_stages": (2, 3, 4), "split_cost": SPLIT_COSTS}
         out += [Target("mla_decode", {"impl": "gluon"}, [case(*s, "gluon") for s in dense], checker(False, "gluon"),
                        glu, name="mla_decode gluon dense"),
                 Target("mla_decode", {"impl": "gluon", "sparse": True}, [case(*s, "gluon") for s in sparse],
@@ -282,9 +290,10 @@ def _gqa_targets(tiny: bool) -> list[Target]:
 
     work = [w for w in roofline.GQA_WORKLOADS.values() if w["s_q"] == 1 and "num_heads" not in w]
     dense = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for w in work if "topk" not in w]
+    dense += [] if tiny else [(b, s, 0) for b, s in SPLIT_REGIME]
     sparse = [(2, 40, 16)] if tiny else [(w["batch"], w["seqlen"], w["topk"]) for w in work if "topk" in w]
     space = {"block_n": (32, 64, 128), "max_m": (32, 64), "num_warps": (4, 8), "num_stages": (2, 3, 4),
-             "waves": (2, 4, 6, 8), "paged": (False, True), "rows_ahead": (False, True)}
+             "waves": (1, 2, 4, 6, 8), "paged": (False, True), "rows_ahead": (False, True)}
     return [Target("gqa_decode", {}, [case(*s) for s in dense], checker(False), space, name="gqa_decode dense"),
             Target("gqa_decode", {"sparse": True}, [case(*s) for s in sparse], checker(True), space,
                    name="gqa_decode sparse")]

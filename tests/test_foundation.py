@@ -251,3 +251,19 @@ def test_bench_results_plot_without_a_gpu(tmp_path):
                    capture_output=True, text=True)
     want = sorted(p.stem for p in (root / "bench" / "results").glob("h200-*.json"))
     assert sorted(p.stem for p in tmp_path.glob("*.png")) == want
+
+
+def test_split_planner_follows_its_cost():
+    """plan_splits: the count stays in [1, cap]; a dearer partial tile (split_cost) never gives more splits, and an
+    even number of waves gives none; mla_decode's config carries the cost into its plan."""
+    from gqla_triton.ops._common.split import MIN_TILES_PER_SPLIT, plan_splits
+    from gqla_triton.ops.mla.config import MLADecodeConfig
+
+    for programs, keys in ((2, 4096), (8, 32768), (64, 8192), (264, 4096)):
+        counts = [plan_splits(programs, keys, 132, block_n=64, split_cost=c) for c in (0.0, 0.02, 0.1, 0.5, 5.0)]
+        cap = max(1, min(64, keys // (MIN_TILES_PER_SPLIT * 64)))
+        assert all(1 <= n <= cap for n in counts) and counts == sorted(counts, reverse=True), counts
+    assert plan_splits(264, 4096, 132, block_n=64) == 1
+    assert plan_splits(2, 4096, 132, block_n=64, split_cost=5.0) < plan_splits(2, 4096, 132, block_n=64)
+    with pytest.raises(ValueError, match="split_cost"):
+        MLADecodeConfig(split_cost=-1.0)

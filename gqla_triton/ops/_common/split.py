@@ -14,14 +14,15 @@ MIN_TILES_PER_SPLIT = 4  # a split covers at least this many key tiles of the ke
 SPLIT_COST = 0.02  # combine cost per partial tile, in units of one unsplit program (wave-cost rule)
 
 
-def plan_splits(programs: int, max_keys: int, sm_count: int, *, block_n: int, waves: int | None = None) -> int:
+def plan_splits(programs: int, max_keys: int, sm_count: int, *, block_n: int, waves: int | None = None,
+                split_cost: float = SPLIT_COST) -> int:
     """Split-KV count for ``programs`` unsplit programs (sequences x row tiles) over at most ``max_keys`` keys.
 
     The count lies in ``[1, min(MAX_SPLITS, max_keys // (MIN_TILES_PER_SPLIT · block_n))]`` (at least 1).
     ``waves`` set: the count that gives about ``waves`` programs per SM. ``waves`` None: the count that
     minimises the wave-quantised time of the split kernel, ``ceil(programs·S / sm_count) / S`` (in units of
-    one unsplit program), plus the combine's ``SPLIT_COST · programs·S / sm_count`` when S > 1; the smallest
-    such S on ties.
+    one unsplit program), plus the combine's ``split_cost · programs·S / sm_count`` when S > 1 (default
+    ``SPLIT_COST``; a config table can set its own per GPU); the smallest such S on ties.
     """
     cap = max(1, min(MAX_SPLITS, max_keys // (MIN_TILES_PER_SPLIT * block_n)))
     if waves is not None:
@@ -29,7 +30,7 @@ def plan_splits(programs: int, max_keys: int, sm_count: int, *, block_n: int, wa
     slots = max(1, sm_count)
     best, best_cost = 1, float("inf")
     for S in range(1, cap + 1):
-        cost = -(-programs * S // slots) / S + (SPLIT_COST * programs * S / slots if S > 1 else 0.0)
+        cost = -(-programs * S // slots) / S + (split_cost * programs * S / slots if S > 1 else 0.0)
         if cost < best_cost - 1e-9:
             best, best_cost = S, cost
     return best

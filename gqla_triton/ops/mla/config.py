@@ -6,6 +6,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from .._common.config import TILES, WARPS, KernelConfig
+from .._common.split import SPLIT_COST
 
 __all__ = ["MLADecodeConfig"]
 
@@ -17,7 +18,8 @@ class MLADecodeConfig(KernelConfig):
     per tile. Triton kernel variants: ``paged_tiles`` (one block-table lookup per page-aligned tile),
     ``p_scratch`` (P and its row rescale pass between the warpgroups through a per-program scratch tile),
     ``rows_ahead`` (the next tile's cache rows are loaded one iteration ahead). For the Gluon kernel
-    ``num_stages`` is the depth of its shared-memory key ring."""
+    ``num_stages`` is the depth of its shared-memory key ring. ``split_cost``: the split-KV planner's cost of one
+    partial tile (its write and the combine's read), in units of one unsplit program (``plan_splits``)."""
 
     OP: ClassVar[str] = "mla_decode"
     MATCH: ClassVar[dict] = {"D": int, "DV": int, "sparse": bool, "s_q": int, "impl": str, "fp32": bool}
@@ -30,8 +32,10 @@ class MLADecodeConfig(KernelConfig):
     paged_tiles: bool = False
     p_scratch: bool = False
     rows_ahead: bool = False
+    split_cost: float = SPLIT_COST
 
     def check(self) -> None:
+        self.within("split_cost", 0, 10)
         self.one_of(("block_h", "block_n"), TILES)
         self.one_of("num_warps", WARPS)
         self.within("num_stages", 1, 6)

@@ -49,7 +49,7 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     q_tiles = cdiv(s_q, QPT)
     if num_splits == 0:
         num_splits = plan_splits(B * h_tiles * q_tiles, key_capacity(max_pages, page_size, topk),
-                                 device_info(q.device).sm_count, block_n=cfg.block_n)
+                                 device_info(q.device).sm_count, block_n=cfg.block_n, split_cost=cfg.split_cost)
     # the portable kernel's grid is (B · splits, row tiles): CUDA allows 65535 along its second dimension
     if impl == "triton" and h_tiles * q_tiles > 65535:
         raise ValueError(f"q: {s_q} query tokens x {h_q} heads make {h_tiles * q_tiles} row tiles of at most "
