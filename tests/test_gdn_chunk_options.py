@@ -393,3 +393,28 @@ def test_gate_in_kernel_compiles_with_autograd():
         outs.append([t.grad for t in xs])
     for name, a, b in zip(("q", "k", "v", "a", "beta", "A_log", "dt_bias", "h0"), *outs, strict=True):
         assert torch.equal(a, b), f"d{name}: compiled differs from eager"
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_nan_decay_reaches_its_sequence_from_its_token_on(gate):
+    """A NaN in g (or in the raw gate input with use_gate_in_kernel) at token t of one sequence: that sequence's
+    outputs from t on and its final state are NaN (the decay through t is NaN), the other sequences' results equal
+    the clean call's bitwise. The floor of g must not turn the NaN into a full decay (tl.maximum would on the GPU)."""
+    x, h0, cu, A_log, dt_bias = _gate_problem(11, [70, 40], True, 2, True)
+    if not gate:
+        x[3] = -x[3].abs() * 0.1
+    dtype = P.dtypes[0]
+    xs = [t.to(P.device, dtype if i < 3 else torch.float32) for i, t in enumerate(x)]
+    kw = dict(initial_state=h0.to(P.device, torch.float32), output_final_state=True, cu_seqlens=cu.to(P.device))
+    if gate:
+        kw.update(use_gate_in_kernel=True, A_log=A_log.to(P.device, torch.float32),
+                  dt_bias=dt_bias.to(P.device, torch.float32))
+    t_bad = 75  # token 5 of the second sequence
+    bad = [t.clone() for t in xs]
+    bad[3][0, t_bad, 1] = float("nan")
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(*xs, **kw)
+        ob, htb = chunk_gated_delta_rule(*bad, **kw)
+    assert torch.equal(ob[:, :70], o[:, :70]) and torch.equal(htb[0], ht[0])
+    assert ob[0, t_bad:, 1].isnan().all() and htb[1, 1].isnan().all()
+    assert torch.equal(htb[1, 0], ht[1, 0]) and torch.equal(ob[0, 70:, 0], o[0, 70:, 0])  # its other value head

@@ -288,3 +288,26 @@ def test_options_torch_compile():
     o2 = f(q, k, v, a, b, pools[1], inters[1])
     assert torch.equal(o1, o2) and torch.equal(pools[0], pools[1]) and torch.equal(inters[0], inters[1])
     assert not torch.equal(pools[0], pool)
+
+
+def test_nan_gate_input_reaches_only_its_head():
+    """use_gate_in_kernel with a NaN raw gate input for one (sequence, value head): that head's output and state row
+    are NaN, everything else equals the clean step bitwise (the softplus clamp must not turn NaN into 20)."""
+    B, H, HV, K, V = 2, 1, 2, 16, 16
+    q = randn((B, 1, H, K), 1)
+    k = torch.nn.functional.normalize(randn((B, 1, H, K), 2), dim=-1)
+    v = randn((B, 1, HV, V), 3)
+    a = randn((B, 1, HV), 4)
+    beta = rand((B, 1, HV), 5, lo=0.1, hi=0.9)
+    A_log, dt_bias = randn((HV,), 6) * 0.5, randn((HV,), 7)
+    pool = randn((B, HV, K, V), 8)
+    idx = torch.arange(B, dtype=torch.int32, device=P.device)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    p0, p1 = pool.clone(), pool.clone()
+    bad = a.clone()
+    bad[1, 0, 0] = float("nan")
+    o = gated_delta_rule_decode(q, k, v, a, beta, p0, idx, **kw)
+    ob = gated_delta_rule_decode(q, k, v, bad, beta, p1, idx, **kw)
+    assert ob[1, 0, 0].isnan().all() and p1[1, 0].isnan().all()
+    assert torch.equal(ob[0], o[0]) and torch.equal(ob[1, 0, 1], o[1, 0, 1])
+    assert torch.equal(p1[0], p0[0]) and torch.equal(p1[1, 1], p0[1, 1])

@@ -26,6 +26,7 @@ from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
 from ..ops._common.host import cdiv, next_pow2
 from ..ops._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..ops.gdn.kernels.common import _softplus
 from .norm import gated_rms_norm
 
 __all__ = ["gdn_decode_prep", "gdn_decode_prep_ref", "gdn_gated_norm", "gdn_gated_norm_ref"]
@@ -35,16 +36,6 @@ _NORM_REF = "gqla_triton.layers.gdn_step.gdn_gated_norm_ref"
 
 
 # ------------------------------------------------------------------------------------------------ decode prep
-@triton.jit
-def _softplus(x):
-    """``log(1 + exp(x))`` (``x`` itself above 20, as torch's softplus), log1p-accurate for very negative x."""
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    # log1p(u) = log(w) · u / (w - 1): exact to rounding when w rounds away from u + 1 (and u itself when w == 1)
-    lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
-    return tl.where(x > 20.0, x, lp)
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def gdn_decode_prep_kernel(
     x, conv_w, pool, lens, slots, a_log, dt_bias,

@@ -30,6 +30,7 @@ from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, decode_state_v_first
+from .kernels.common import _softplus
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
@@ -105,8 +106,7 @@ def gated_delta_rule_decode_fwd_kernel(
         if GATE:
             if dt_bias is not None:
                 b_g = b_g + b_dtb
-            # softplus with threshold 20 (x above it); the clamp keeps the branch not taken finite
-            b_g = b_na * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(tl.minimum(b_g, 20.0))))
+            b_g = b_na * _softplus(b_g)
         if BETA_SIGMOID:
             b_beta = tl.sigmoid(b_beta)
         if NEG_EIGVAL:

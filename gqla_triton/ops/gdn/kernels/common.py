@@ -144,15 +144,23 @@ def _decay_update(S, vn, kk, gg, gl, valid):
 
 
 @triton.jit
+def _softplus(x):
+    """``log(1 + exp(x))`` (``x`` itself above 20, as torch's softplus), log1p-accurate for very negative x; a NaN
+    stays NaN (the clamp is a select: tl.minimum would return 20 for it on the GPU)."""
+    u = tl.exp(tl.where(x > 20.0, 20.0, x))
+    w = 1.0 + u
+    # log1p(u) = log(w) · u / (w - 1): exact to rounding when w rounds away from u + 1 (and u itself when w == 1)
+    lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
 def _gate_in(a, a_log, dt_bias, i_hv, HAS_BIAS: tl.constexpr):
     """fla's in-kernel gate from the raw input ``a`` (fp32 tile) of value head i_hv: (g, dg/da) with
-    ``g = -exp(A_log)·softplus(a + dt_bias)`` (softplus is x itself above 20, as torch's), fp32."""
+    ``g = -exp(A_log)·softplus(a + dt_bias)`` (``_softplus``), fp32."""
     na = -tl.exp(tl.load(a_log + i_hv).to(tl.float32))
     x = a
     if HAS_BIAS:
         x = x + tl.load(dt_bias + i_hv).to(tl.float32)
-    xs = tl.minimum(x, 20.0)  # keeps the branch not taken finite
-    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(xs)))
-    dsp = tl.where(x > 20.0, 1.0, tl.sigmoid(xs))
-    return na * sp, na * dsp
-
+    dsp = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
+    return na * _softplus(x), na * dsp

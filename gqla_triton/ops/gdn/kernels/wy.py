@@ -55,7 +55,8 @@ def _ld_g(g, a_log, dt_bias, rows, valid, i_hv, HV, GATE: tl.constexpr, HAS_BIAS
     if GATE:
         gv, _ = _gate_in(x.to(tl.float32), a_log, dt_bias, i_hv, HAS_BIAS)
         x = tl.where(valid, gv, 0.0)
-    return tl.maximum(x.to(tl.float64), _G_FLOOR)
+    x = x.to(tl.float64)
+    return tl.where(x < _G_FLOOR, _G_FLOOR, x)  # not tl.maximum: on the GPU it returns the non-NaN operand
 
 
 @triton.jit
