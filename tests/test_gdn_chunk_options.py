@@ -370,6 +370,9 @@ def test_gate_in_kernel_pool_reference_and_errors():
     with torch.no_grad(), pytest.raises(ValueError, match="A_log"):
         f(*xs, initial_state=pool, state_indices=idx, use_gate_in_kernel=True, A_log=A_log[:1],
           cu_seqlens=cu.to(P.device))
+    with pytest.raises(ValueError, match="state_indices: the call over a state pool is inference only"):
+        f(*xs, initial_state=pool, state_indices=idx, use_gate_in_kernel=True, A_log=A_log.clone().requires_grad_(),
+          cu_seqlens=cu.to(P.device))  # a pooled call would drop A_log's gradient
     assert torch.equal(pool, keep)
 
 

@@ -232,7 +232,7 @@ def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_s
 
 
 # ------------------------------------------------------------------------------------------------ public op
-def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row) -> None:
+def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row, params=()) -> None:
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
     if pool is None:
         raise ValueError("initial_state: state_indices needs the state pool [P, HV, K, V] as initial_state")
@@ -244,7 +244,7 @@ def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, 
     if output_final_state:
         raise ValueError("output_final_state: must be False with state_indices (the final states are written into "
                          "the pool rows)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, pool)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, pool, *params)):
         raise ValueError("state_indices: the call over a state pool is inference only, but an input requires grad; "
                          "run it under torch.no_grad() / torch.inference_mode() or detach the inputs")
 
@@ -394,7 +394,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         N = cu_seqlens.numel() - 1
     row = (HV, V, K) if v_first else (HV, K, V)
     if state_indices is not None:
-        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row)
+        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))
     elif initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
     if scale is None:
