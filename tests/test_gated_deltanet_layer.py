@@ -269,3 +269,22 @@ def test_depthwise_conv_matches_conv1d(B, L, C, W, dtype, seed):
     out = _depthwise_conv(x, w)
     assert out.dtype == dtype and out.shape == (B, L - W + 1, C)
     assert_close("depthwise conv", out, ref, lowp, dtype=dtype)
+
+
+def test_state_dict_with_separate_input_projections():
+    """A state dict with the six input projections as separate q/k/v/z/b/a_proj weights loads into in_proj (joined
+    in that order), also nested in a model; a wrong shape is a ValueError naming the key."""
+    src = GatedDeltaNet(32, 2, 4, 16, 8, device=P.device, dtype=torch.float32)
+    torch.nn.init.normal_(src.in_proj.weight)
+    sd = src.state_dict()
+    parts = src.split_in_proj(sd.pop("in_proj.weight"), 0)
+    split = {**sd, **{f"{n}.weight": t.clone() for n, t in zip(GatedDeltaNet._SPLIT_PROJ, parts, strict=True)}}
+    dst = GatedDeltaNet(32, 2, 4, 16, 8, device=P.device, dtype=torch.float32)
+    dst.load_state_dict(split)
+    assert torch.equal(dst.in_proj.weight, src.in_proj.weight)
+    model = torch.nn.ModuleDict({"mixer": GatedDeltaNet(32, 2, 4, 16, 8, device=P.device, dtype=torch.float32)})
+    model.load_state_dict({f"mixer.{k}": v for k, v in split.items()})
+    assert torch.equal(model["mixer"].in_proj.weight, src.in_proj.weight)
+    bad = dict(split, **{"b_proj.weight": split["b_proj.weight"][:1]})
+    with pytest.raises(ValueError, match="b_proj.weight: expected shape"):
+        dst.load_state_dict(bad)

@@ -391,7 +391,9 @@ class GatedDeltaNet(nn.Module):
     one weight, output columns ``[q (H·K) | k (H·K) | v (HV·V) | z (HV·V) | b (HV) | a (HV)]`` (sizes
     ``in_proj_sizes``; ``split_in_proj`` splits a tensor along them, e.g. ``in_proj.weight`` into the
     per-projection weights, as views); ``conv1d`` (depthwise, channels ``[q; k; v]``), ``A_log``, ``dt_bias``
-    ``[HV]``, ``norm_weight [V]``, ``o_proj`` (``nn.Linear(HV·V, hidden)``).
+    ``[HV]``, ``norm_weight [V]``, ``o_proj`` (``nn.Linear(HV·V, hidden)``). ``load_state_dict`` also takes the
+    input projections as six separate ``q_proj`` / ``k_proj`` / ``v_proj`` / ``z_proj`` / ``b_proj`` / ``a_proj``
+    weights.
 
     ``forward(hidden_states, cache=None, cu_seqlens=None, *, slots=None, verify=False) -> [B, T, hidden]``; see
     ``forward``. ``GatedDeltaNet.from_hf(layer)`` / ``load_hf_state_dict`` take the weights of a transformers
@@ -426,6 +428,22 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(head_v_dim, **fk))
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **fk)
         self._init_gates()
+
+    _SPLIT_PROJ = ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Also takes the six input projections as separate ``<name>.weight`` entries (q, k, v, z, b, a: fla-style
+        names; z is the output gate), joined into ``in_proj.weight`` in that order when the fused key is absent."""
+        names = [f"{prefix}{n}.weight" for n in self._SPLIT_PROJ]
+        if f"{prefix}in_proj.weight" not in state_dict and all(n in state_dict for n in names):
+            parts = [state_dict.pop(n) for n in names]
+            sizes = self.in_proj_sizes
+            for n, t, rows in zip(self._SPLIT_PROJ, parts, sizes, strict=True):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, self.hidden_size):
+                    raise ValueError(f"{prefix}{n}.weight: expected shape [{rows}, {self.hidden_size}], got "
+                                     f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            state_dict[f"{prefix}in_proj.weight"] = torch.cat(parts, 0)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def in_proj_sizes(self) -> tuple[int, int, int, int, int, int]:
