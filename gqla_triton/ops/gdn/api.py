@@ -24,7 +24,7 @@ from .._common.validation import (
     check_same_dtype,
     check_tensor,
 )
-from .compat import check_chunk_indices, check_fla_options, state_v_first
+from .compat import check_chunk_indices, check_fla_options, check_gate, state_v_first
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
@@ -258,22 +258,6 @@ def _beta_ref(beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> torch.Tens
     return 2.0 * b if neg_eigval else b
 
 
-def _check_gate(use_gate_in_kernel: bool, A_log, dt_bias, HV: int, q: torch.Tensor, impl: str) -> None:
-    """fla's in-kernel gate parameters: A_log required with the gate, dt_bias optional, neither without it."""
-    if not use_gate_in_kernel:
-        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if t is not None:
-                raise ValueError(f"{name}: given without use_gate_in_kernel=True (it is a parameter of the gate "
-                                 "computed in the kernel); pass use_gate_in_kernel=True or leave it out")
-        return
-    if A_log is None:
-        raise ValueError("A_log: required with use_gate_in_kernel=True (g = -exp(A_log)·softplus(g + dt_bias))")
-    pdt = (torch.float32, q.dtype) + ((torch.float64,) if impl == "reference" else ())
-    check_tensor("A_log", A_log, shape=(HV,), dtypes=pdt, device=q.device)
-    if dt_bias is not None:
-        check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=pdt, device=q.device)
-
-
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
@@ -382,7 +366,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
     if T < 1 or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
-    _check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, impl)
+    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
     N = B
     cu_host = None
     if cu_seqlens is not None:

@@ -13,10 +13,11 @@ import numbers
 
 import torch
 
+from .._common.validation import check_tensor
 from .plan import BT
 
-__all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_options", "decode_state_v_first",
-           "state_v_first"]
+__all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_options", "check_gate",
+           "decode_state_v_first", "state_v_first"]
 
 # option -> (the value accepted here, what another value asks for)
 _FLAGS = {"head_first": (False, "inputs in the head-first [B, H, T, ...] layout")}
@@ -139,3 +140,20 @@ def state_v_first(state_layout, options: dict) -> bool:
 
 
 decode_state_v_first = state_v_first
+
+
+def check_gate(use_gate_in_kernel: bool, A_log, dt_bias, HV: int, q: torch.Tensor, *, reference: bool) -> None:
+    """fla's in-kernel gate parameters (both GDN functions): A_log ``[HV]`` required with the gate, dt_bias
+    optional, neither without it; float32 or q's dtype (float64 too for the torch reference), on q's device."""
+    if not use_gate_in_kernel:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: given without use_gate_in_kernel=True (it is a parameter of the gate "
+                                 "computed in the kernel); pass use_gate_in_kernel=True or leave it out")
+        return
+    if A_log is None:
+        raise ValueError("A_log: required with use_gate_in_kernel=True (g = -exp(A_log)·softplus(g + dt_bias))")
+    pdt = (torch.float32, q.dtype) + ((torch.float64,) if reference else ())
+    check_tensor("A_log", A_log, shape=(HV,), dtypes=pdt, device=q.device)
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=pdt, device=q.device)

@@ -29,7 +29,7 @@ from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
-from .compat import check_decode_cu_seqlens_cpu, check_fla_options, decode_state_v_first
+from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
 from .kernels.common import _softplus
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
 
@@ -393,18 +393,7 @@ def gated_delta_rule_decode(
         raise ValueError("state: expected a contiguous tensor (it is updated in place)")
     if K > 256 or V > 1024:
         raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported, got K={K}, V={V}")
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("A_log: required with use_gate_in_kernel=True (g = -exp(A_log)·softplus(g + dt_bias))")
-        pdt = (torch.float32, q.dtype) + ((torch.float64,) if ref else ())
-        check_tensor("A_log", A_log, shape=(HV,), dtypes=pdt, device=q.device)
-        if dt_bias is not None:
-            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=pdt, device=q.device)
-    else:
-        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if t is not None:
-                raise ValueError(f"{name}: given without use_gate_in_kernel=True (it is a parameter of the gate "
-                                 "computed in the kernel); pass use_gate_in_kernel=True or leave it out")
+    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
     N = B
     if cu_seqlens is not None:
         check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=q.device)
