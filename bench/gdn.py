@@ -5,7 +5,10 @@ Anchors: fla (pure Triton: FLA_DISABLE_BACKEND_DISPATCH=1 is set before importin
 fwd+bwd row is then recorded as None with the error. q, k are unit-norm rows (no in-kernel l2norm),
 g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), no initial state,
 final state requested. ``gqla_triton`` keeps the forward's chunk states for the backward (the default,
-``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``).
+``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``);
+``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and beta: the gate input
+``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32 ``A_log`` / ``dt_bias``)
+and beta logits with ``use_beta_sigmoid_in_kernel`` (what the options cost on the same workload).
 
 Each implementation runs in its own child process (``python -m bench.gdn --impl NAME --workload ...``, started
 by ``run``): host-bound workloads (G3) are then timed without other libraries' runtimes loaded, and an anchor
@@ -72,6 +75,7 @@ def _timings(fn, args, cu):
 
 
 OURS_RECOMPUTE = "gqla_triton_recompute"
+OURS_GATE = "gqla_triton_gate"
 ANCHORS = {"fla": "fla.ops.gated_delta_rule", "flashqla": "flash_qla"}  # name -> module with chunk_gated_delta_rule
 
 
@@ -81,9 +85,25 @@ def _impl(name: str):
         return gq.chunk_gated_delta_rule
     if name == OURS_RECOMPUTE:  # the backward recomputes the chunk states (fla's memory use)
         return functools.partial(gq.chunk_gated_delta_rule, save_states=False)
+    if name == OURS_GATE:
+        return _gated
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla on its own Triton kernels
     mod = try_import(ANCHORS[name])
     return None if mod is None else mod.chunk_gated_delta_rule
+
+
+@functools.cache
+def _gate_params(HV: int):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    return torch.rand(HV, device="cuda", generator=gen).log(), torch.randn(HV, device="cuda", generator=gen)
+
+
+def _gated(q, k, v, a, b, **kw):
+    """``chunk_gated_delta_rule`` with the gate and beta formed in the kernels from ``a`` and logits ``b`` (the
+    benchmark's g and beta stand in for them: same shapes and dtypes; A_log / dt_bias fp32, made once)."""
+    A_log, dt_bias = _gate_params(v.shape[2])
+    return gq.chunk_gated_delta_rule(q, k, v, a, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                     use_beta_sigmoid_in_kernel=True, **kw)
 
 
 def _child(impl: str, names: list[str]) -> None:
@@ -117,7 +137,7 @@ def run(names, ctx, anchors=True):
     as each child reports them."""
     shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
     models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
-    for impl in ["gqla_triton", OURS_RECOMPUTE] + [n for n in ANCHORS if ctx.want(n, anchors)]:
+    for impl in ["gqla_triton", OURS_RECOMPUTE, OURS_GATE] + [n for n in ANCHORS if ctx.want(n, anchors)]:
         cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
         seen = set()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
@@ -146,7 +166,7 @@ def run(names, ctx, anchors=True):
 
 def main():
     ap = argparse.ArgumentParser(description="(internal) time one implementation; used by run()")
-    ap.add_argument("--impl", required=True, choices=["gqla_triton", OURS_RECOMPUTE, *ANCHORS])
+    ap.add_argument("--impl", required=True, choices=["gqla_triton", OURS_RECOMPUTE, OURS_GATE, *ANCHORS])
     ap.add_argument("--workload", required=True)
     a = ap.parse_args()
     _child(a.impl, [w for w in a.workload.split(",") if w])

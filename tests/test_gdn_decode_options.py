@@ -311,3 +311,151 @@ def test_nan_gate_input_reaches_only_its_head():
     assert ob[1, 0, 0].isnan().all() and p1[1, 0].isnan().all()
     assert torch.equal(ob[0], o[0]) and torch.equal(ob[1, 0, 1], o[1, 0, 1])
     assert torch.equal(p1[0], p0[0]) and torch.equal(p1[1, 1], p0[1, 1])
+
+
+def _gated_norm64(o64, z, w, eps, live):
+    zf, wf = z.detach().cpu().double(), w.detach().cpu().double()
+    y = o64 * torch.rsqrt(o64.pow(2).mean(-1, keepdim=True) + eps) * wf * torch.nn.functional.silu(zf)
+    return torch.where(live[..., None, None], y, 0.0)
+
+
+def _live64(shape, idx, cu, P_rows):
+    """``[B, s]`` bool: the tokens the step computes (host lists as ``_case`` returns them)."""
+    B, S = shape
+    live = torch.zeros(B, S, dtype=torch.bool)
+    seqs = [(0, lo, hi) for lo, hi in zip(cu[:-1], cu[1:], strict=True)] if cu is not None else \
+        [(i, 0, S) for i in range(B)]
+    for n, (bi, lo, hi) in enumerate(seqs):
+        live[bi, lo:hi] = 0 <= idx[n] < P_rows
+    return live
+
+
+@settings(max_examples=examples(20, 24))
+@given(B=st.integers(1, pick(2, 8)), s=st.integers(1, 3), G=st.sampled_from([1, 2]), K=st.sampled_from(DIMS),
+       V=st.sampled_from(DIMS), vdt=st.sampled_from(IN_DTYPES), zdt=st.sampled_from(IN_DTYPES),
+       gate=st.booleans(), vk=st.booleans(), varlen=st.booleans(), accept=st.booleans(), seed=seeds())
+def test_gated_norm_matches_float64(B, s, G, K, V, vdt, zdt, gate, vk, varlen, accept, seed):
+    """``gated_norm=(z, weight, eps)``: the step's output is ``RMSNorm(o)·weight·silu(z)`` per head (z a strided
+    view), 0 for skipped tokens; the pool rows are the plain step's. Against float64, tolerance from the torch
+    reference (``impl="reference"``, o rounded to v's dtype first, as the kernel)."""
+    g = gen(seed)
+    (q, k, v, a, b, pool), kw, (idx, cu, acc) = _case(
+        g, B=B, s=s, H=1, HV=G, K=K, V=V, qdt=vdt, vdt=vdt, pdt=torch.float32, gate=gate, dtb=gate, sig=gate,
+        neg=False, vk=vk, varlen=varlen, accept=accept, inter=False)
+    wide = randn((*v.shape[:2], G, V + 5), g, dtype=zdt, scale=2.0)  # z: a view with row stride V + 5
+    z = wide[..., 3:3 + V]
+    w = randn((V,), g, dtype=zdt)
+    eps = 1e-6
+    o64, p64, _ = _ref64(q, k, v, a, b, pool, idx, cu, acc, scale=K**-0.5, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
+                         gate=gate, sig=gate, neg=False, vk=vk)
+    y64 = _gated_norm64(o64, z, w, eps, _live64(v.shape[:2], idx, cu, pool.shape[0]))
+    pool_lp = pool.clone()
+    y_lp = gated_delta_rule_decode(q, k, v, a, b, pool_lp, **kw, gated_norm=(z, w, eps), impl="reference")
+    y = gated_delta_rule_decode(q, k, v, a, b, pool, **kw, gated_norm=(z, w, eps))
+    assert y.dtype == zdt and y.shape == v.shape and y.is_contiguous()
+    low = max(vdt, zdt, key=lambda d: torch.finfo(d).eps)
+    assert_close("gated norm", y, y64, y_lp, dtype=low)
+    dead = ~_live64(v.shape[:2], idx, cu, pool.shape[0]).to(P.device)
+    assert torch.equal(y[dead], torch.zeros_like(y[dead]))
+    assert_close("pool", pool, p64, pool_lp, dtype=low)
+
+
+def test_gated_norm_propagates_nan_only_in_its_head():
+    """A NaN in z of one (token, head) makes that head's normed output NaN and nothing else; a NaN in v makes its
+    head's output (and state) NaN, as the plain step."""
+    g = gen(21)
+    (q, k, v, a, b, pool), kw, _ = _case(
+        g, B=2, s=1, H=1, HV=2, K=16, V=16, qdt=torch.float32, vdt=torch.float32, pdt=torch.float32, gate=False,
+        dtb=False, sig=False, neg=False, vk=False, varlen=False, accept=False, inter=False)
+    kw["state_indices"] = torch.tensor([0, 1], dtype=torch.int32, device=P.device)
+    z, w = randn(v.shape, g), randn((16,), g)
+    clean = gated_delta_rule_decode(q, k, v, a, b, pool.clone(), **kw, gated_norm=(z, w, 1e-6))
+    zb = z.clone()
+    zb[1, 0, 0, 3] = float("nan")
+    y = gated_delta_rule_decode(q, k, v, a, b, pool.clone(), **kw, gated_norm=(zb, w, 1e-6))
+    assert y[1, 0, 0, 3].isnan() and y.isnan().sum() == 1
+    vb = v.clone()
+    vb[0, 0, 1, 5] = float("nan")
+    p = pool.clone()
+    y = gated_delta_rule_decode(q, k, vb, a, b, p, **kw, gated_norm=(z, w, 1e-6))
+    assert y[0, 0, 1].isnan().all() and torch.equal(y[1], clean[1]) and torch.equal(y[0, 0, 0], clean[0, 0, 0])
+
+
+def test_gated_norm_bad_arguments_leave_the_pool():
+    """Malformed ``gated_norm`` values raise naming the argument, before the pool changes; a head state too large
+    for one program is refused by name (the reference takes it)."""
+    g = gen(23)
+    (q, k, v, a, b, pool), kw, _ = _case(
+        g, B=1, s=2, H=1, HV=2, K=16, V=16, qdt=torch.float32, vdt=torch.float32, pdt=torch.float32, gate=False,
+        dtb=False, sig=False, neg=False, vk=False, varlen=False, accept=False, inter=False)
+    z, w = randn(v.shape, g), randn((16,), g)
+    before = pool.clone()
+    cases = [
+        (TypeError, "gated_norm: expected a tuple", z),
+        (TypeError, "gated_norm: expected a tuple", (z, w)),
+        (ValueError, "gated_norm z", (z[:, :1], w, 1e-6)),
+        (ValueError, "gated_norm weight", (z, w[:8], 1e-6)),
+        (TypeError, "gated_norm weight", (z, w.int(), 1e-6)),
+        (ValueError, "gated_norm eps", (z, w, -1.0)),
+        (ValueError, "gated_norm eps", (z, w, float("nan"))),
+        (ValueError, "gated_norm eps", (z, w, True)),
+    ]
+    for impl in ("triton", "reference"):
+        for exc, match, arg in cases:
+            with pytest.raises(exc, match=match):
+                gated_delta_rule_decode(q, k, v, a, b, pool, **kw, gated_norm=arg, impl=impl)
+            assert torch.equal(pool, before), match
+    K, V = 256, 256
+    q2, k2 = randn((1, 1, 1, K), g), randn((1, 1, 1, K), g)
+    v2 = randn((1, 1, 1, V), g)
+    a2, b2 = -rand((1, 1, 1), g, lo=0.1, hi=1.0), rand((1, 1, 1), g, lo=0.1, hi=1.0)
+    pool2 = randn((1, 1, K, V), g)
+    keep = pool2.clone()
+    with pytest.raises(ValueError, match="gated_norm: a head's state"):
+        gated_delta_rule_decode(q2, k2, v2, a2, b2, pool2, gated_norm=(v2, randn((V,), g), 1e-6))
+    assert torch.equal(pool2, keep)
+
+
+@pytest.mark.skipif(P.device != "cpu", reason="interpreter address check")
+def test_gated_norm_stays_in_bounds():
+    """The fused norm with a strided z view, odd V, skipped and out-of-range rows and packed sequences: no access
+    outside the tensors the call is given or creates (interpreter address check)."""
+    from addresscheck import AddressCheck
+
+    g = gen(25)
+    (q, k, v, a, b, pool), kw, _ = _case(
+        g, B=1, s=6, H=1, HV=2, K=24, V=12, qdt=torch.float32, vdt=torch.float16, pdt=torch.float32, gate=True,
+        dtb=True, sig=True, neg=False, vk=False, varlen=True, accept=True, inter=False)
+    i32 = dict(dtype=torch.int32)
+    cu = torch.tensor([-4, 9, 2, 3], **i32)
+    idx = torch.tensor([0, 7, -3], **i32)
+    wide = randn((1, 6, 2, 20), g)
+    z = wide[..., 5:17]
+    w = randn((12,), g)
+    with AddressCheck(q, k, v, a, b, pool, idx, cu, wide, w, kw["A_log"], kw["dt_bias"]) as ac:
+        y = gated_delta_rule_decode_fwd(q, k, v, a, b, pool, idx, 0.25, True, cu, None, None, A_log=kw["A_log"],
+                                        dt_bias=kw["dt_bias"], use_gate_in_kernel=True,
+                                        use_beta_sigmoid_in_kernel=True, norm_z=z, norm_weight=w, norm_eps=1e-6)
+    ac.assert_clean()
+    assert torch.isfinite(y).all()
+
+
+def test_gated_norm_torch_compile():
+    """The step with ``gated_norm`` (z a view of a wider projection) under ``torch.compile(fullgraph=True)`` equals
+    the eager call, output and pool."""
+    g = gen(27)
+    (q, k, v, a, b, pool), kw, _ = _case(
+        g, B=2, s=2, H=1, HV=2, K=16, V=16, qdt=torch.float32, vdt=torch.float32, pdt=torch.float32, gate=True,
+        dtb=True, sig=True, neg=False, vk=False, varlen=False, accept=False, inter=False)
+    mixed = randn((2, 2, 40), g)
+    w = randn((16,), g)
+    pools = [pool.clone(), pool.clone()]
+
+    def f(q, k, v, a, b, pool, mixed):
+        z = mixed[..., 4:36].reshape(2, 2, 2, 16)
+        return gated_delta_rule_decode(q, k, v, a, b, pool, **kw, gated_norm=(z, w, 1e-6)) + 1
+
+    backend = "aot_eager" if P.device == "cpu" else "inductor"
+    y1 = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, a, b, pools[0], mixed)
+    y2 = f(q, k, v, a, b, pools[1], mixed)
+    assert torch.equal(y1, y2) and torch.equal(pools[0], pools[1])
