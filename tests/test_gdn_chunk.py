@@ -259,11 +259,13 @@ def _assert_repeatable(ins, dtype, seed):
 @pytest.mark.parametrize("K", [16, 32])
 @pytest.mark.parametrize("G", [2, 4])
 @settings(max_examples=examples(2, 4))
-@given(T=st.integers(1, pick(80, 200)), V=st.sampled_from(pick([16, 32], [32, 64])), dtype=dtypes(), seed=seeds())
+@given(T=st.integers(1, pick(80, 200)), V=st.sampled_from(pick([16, 32], [12, 16, 32, 64])), dtype=dtypes(),
+       seed=seeds())
 def test_small_k_tiles_with_value_head_sums(K, G, T, V, dtype, seed):
-    """K = 16 / 32 with the value heads summing dq / dk (HV > H): wy_bwd's 16-wide K tiles miscompile on sm_90
-    (Triton 3.6: out-of-range shared-memory addresses, dk off by ~10% and different from run to run), so K = 16 runs
-    32-wide tiles. Against the float64 recurrence; bitwise repeatable with HV = 2H (the sums' order is fixed)."""
+    """K = 16 / 32 with the value heads summing dq / dk (HV > H), V down to 12: wy_bwd's 16-wide K or V tiles
+    miscompile on sm_90 (Triton 3.6: out-of-range shared-memory addresses, dk off by ~10% and different from run to
+    run), so such head dims run 32-wide tiles. Against the float64 recurrence; bitwise repeatable with HV = 2H (the
+    sums' order is fixed)."""
     H = 1
     ins = _inputs(seed, 1, T, H, H * G, K, V, 1)
     grads = (randn((1, T, H * G, V), seed + 1, dtype=torch.float64, device="cpu"),
@@ -313,12 +315,14 @@ def test_head_dims_of_any_size_stay_in_bounds(K, V, varlen):
     ac.assert_clean()
 
 
-def test_wy_bwd_config_refuses_16_wide_k_tiles():
+def test_wy_bwd_config_refuses_16_wide_tiles():
+    """wy_bwd's 16-wide K or V tiles miscompile on sm_90 (Triton 3.6): no config may ask for them."""
     from gqla_triton.ops.gdn.config import ChunkConfig
 
-    with pytest.raises(ValueError, match="wy_bwd_bk"):
-        ChunkConfig(wy_bwd_bk=16)
-    assert ChunkConfig().wy_bwd_bk == 32
+    for field in ("wy_bwd_bk", "wy_bwd_bv"):
+        with pytest.raises(ValueError, match=field):
+            ChunkConfig(**{field: 16})
+    assert ChunkConfig().wy_bwd_bk == 32 and ChunkConfig().wy_bwd_bv == 32
 
 
 @given(lens=st.lists(st.integers(0, pick(150, 400)), min_size=1, max_size=3), varlen=st.booleans(),

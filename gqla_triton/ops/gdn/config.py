@@ -13,10 +13,10 @@ from typing import ClassVar, Literal
 
 from .._common.config import WARPS, KernelConfig
 
-__all__ = ["WY_BWD_BK", "ChunkConfig", "DecodeConfig"]
+__all__ = ["WY_BWD_TILES", "ChunkConfig", "DecodeConfig"]
 
 _POW2 = (16, 32, 64, 128, 256)
-WY_BWD_BK = (32, 64, 128, 256)
+WY_BWD_TILES = (32, 64, 128, 256)  # wy_bwd tile widths along K and V: never 16 (see ChunkConfig.check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class ChunkConfig(KernelConfig):
     grad_early: bool = False
     grad_late: bool = False
     wy_bwd_bk: int = 32
-    wy_bwd_bv: int = 16
+    wy_bwd_bv: int = 32
     wy_bwd_num_warps: int = 8
     wy_bwd_num_stages: int = 1
     wy_bwd_trans: bool = False
@@ -78,9 +78,10 @@ class ChunkConfig(KernelConfig):
     def check(self) -> None:
         names = self.field_names()
         self.one_of([n for n in names if n.endswith(("_bk", "_bv"))], _POW2)
-        # 16-wide K tiles in wy_bwd miscompile on sm_90 (Triton 3.6) when the value heads sum dk (HV > H):
-        # out-of-range shared-memory addresses and run-to-run different dk; the launcher pads K = 16 to 32 too
-        self.one_of("wy_bwd_bk", WY_BWD_BK)
+        # 16-wide tiles in wy_bwd miscompile on sm_90 (Triton 3.6): along K when the value heads sum dk (HV > H),
+        # along V in its dv loop (V <= 16): out-of-range shared-memory addresses, run-to-run different results; the
+        # launcher runs such head dims as masked 32-wide tiles
+        self.one_of(("wy_bwd_bk", "wy_bwd_bv"), WY_BWD_TILES)
         self.one_of([n for n in names if n.endswith("_num_warps")], WARPS)
         self.within([n for n in names if n.endswith("_num_stages")], 1, 6)
         self.within(("seg_units", "seg_below", "seg_min"), 0)

@@ -16,7 +16,7 @@ import torch
 from ...dispatch import device_info
 from .._common.alloc import empty
 from .._common.host import cdiv, next_pow2
-from .config import WY_BWD_BK
+from .config import WY_BWD_TILES
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
 from .kernels.output import gdn_output_fwd_kernel
@@ -307,14 +307,15 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
         IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
     gate_bwd = {}
-    if gate is not None:  # zeros: tokens outside every sequence add nothing to the parameter sums
-        gate_bwd = dict(g=g, dpar=torch.zeros(B, T, HV, 2, dtype=torch.float32, device=dev), **_gate_args(gate))
+    if gate is not None:  # every chunk program writes its two sums (rows outside the sequences add nothing)
+        gate_bwd = dict(g=g, dpar=empty(NG, B, HV, 2, dtype=torch.float32, device=dev), **_gate_args(gate))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=max(WY_BWD_BK[0], min(cfg.wy_bwd_bk, BKp)), BV=min(cfg.wy_bwd_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
+        BT=BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
+        GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
         LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
         **gate_bwd, **cfg.launch("wy_bwd"))
     if gate is None:
         return dq, dk, dv, dg, dbeta, dh0
-    par = gate_bwd["dpar"].sum((0, 1))  # [HV, 2]: the token sums of dL/dA_log and dL/ddt_bias
+    par = gate_bwd["dpar"].sum((0, 1))  # [HV, 2]: the chunk sums of dL/dA_log and dL/ddt_bias
     return dq, dk, dv, dg, dbeta, dh0, par[:, 0].clone(), (par[:, 1].clone() if gate[1] is not None else None)

@@ -73,8 +73,8 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer.
     LATE_WAIT: see the comment at the dk loop. BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it; dbeta is
     the gradient of the beta input (``_dbeta_out``). GATE: g is the raw gate input a of ``_gate_in``: dg holds
-    dL/da, and dpar ``[rows, HV, 2]`` fp32 the per-token terms of dL/dA_log and dL/ddt_bias (summed by the
-    launcher)."""
+    dL/da, and dpar ``[chunk programs, B·HV, 2]`` fp32 each chunk's sums of dL/dA_log and dL/ddt_bias (summed by
+    the launcher)."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
@@ -160,8 +160,10 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         gv, dgda = _gate_in(a, a_log, dt_bias, i_hv, HAS_BIAS)
         da = rev * dgda
         tl.store(dg + x * HV + i_hv, da.to(dg.dtype.element_ty), mask=valid)
-        tl.store(dpar + (x * HV + i_hv) * 2, rev * gv, mask=valid)  # dg/dA_log = g
-        tl.store(dpar + (x * HV + i_hv) * 2 + 1, da, mask=valid)  # dg/ddt_bias = dg/da
+        # the chunk's sums (in a fixed order: deterministic) of dL/dA_log (dg/dA_log = g) and dL/ddt_bias (= dL/da)
+        p_par = dpar + (i_t.to(tl.int64) * tl.num_programs(1) + i_bh) * 2
+        tl.store(p_par, tl.sum(tl.where(valid, rev * gv, 0.0), 0))
+        tl.store(p_par + 1, tl.sum(tl.where(valid, da, 0.0), 0))
     else:
         tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     db = _dbeta_out(db, bl, BETA_SIGMOID, NEG_EIGVAL)
