@@ -10,10 +10,9 @@ Serving: ``GatedDeltaNetCache`` holds one row per sequence slot. A decode step r
 slots with device ops only (no host sync, no host-to-device copy, no branch on device values), so it can be
 captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)``. A verify step (``verify=True``)
 decodes draft tokens without committing them; ``GatedDeltaNetCache.commit(accepted)`` then advances every
-sequence by its accepted tokens. Without ``cu_seqlens`` a decode step of the kernel impls is four launches:
-``in_proj``, ``gdn_decode_prep`` (conv, gates, conv rows and lengths; ``gdn_step.py``), ``gated_delta_rule_decode``
-with the gated RMSNorm in its epilogue (``gated_norm``; a separate ``gdn_gated_norm`` launch for heads whose state
-one program cannot hold) and ``o_proj``.
+sequence by its accepted tokens. Without ``cu_seqlens`` a decode step of the kernel impls is five launches:
+``in_proj``, ``gdn_decode_prep`` (conv, gates, conv rows and lengths), ``gated_delta_rule_decode``,
+``gdn_gated_norm`` and ``o_proj`` (``gdn_step.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common.host import next_pow2
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import check_tensor
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
-from ..ops.gdn.decode import NORM_TILE_MAX
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from .gdn_step import gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
@@ -860,19 +857,15 @@ class GatedDeltaNet(nn.Module):
             mixed, self.conv1d.weight, cache._conv, cache._lens, batch.slots, self.A_log, self.dt_bias,
             num_heads=self.num_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
             head_v_dim=self.head_v_dim, num_slots=cache.num_seqs, update=not verify)
-        z = mixed[..., self.conv_dim:self.conv_dim + self.value_dim]
-        # the output gate inside the decode kernel where one program can hold a head's state (Qwen3-Next's 128 x 128)
-        fused = next_pow2(self.head_k_dim) * next_pow2(self.head_v_dim) <= NORM_TILE_MAX
-        norm = dict(gated_norm=(z.reshape(B, T, self.num_v_heads, self.head_v_dim), self.norm_weight,
-                                self.norm_eps)) if fused else {}
-        accepted = None
         if verify:
             accepted = torch.zeros(B, dtype=torch.int32, device=x.device)  # nothing committed until commit()
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
+                                        accepted=accepted, impl=self.impl)
             C = self.conv_dim
             cache._draft = _Draft(rows, batch.write, mixed[..., :C].reshape(B * T, C), (q, k, v, g, beta), T, None,
                                   self.impl)
-        o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
-                                    accepted=accepted, impl=self.impl, **norm)
-        if fused:  # skipped sequences are 0 already
-            return self.o_proj(o.reshape(B, T, self.value_dim))
+        else:
+            o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, rows, use_qk_l2norm_in_kernel=True,
+                                        impl=self.impl)
+        z = mixed[..., self.conv_dim:self.conv_dim + self.value_dim]
         return self._project_out(o, z, rows if batch.ids is None else None)

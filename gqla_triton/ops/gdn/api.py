@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ...dispatch import is_interpreter
 from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import (
@@ -283,7 +284,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
-            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K, V <= 256.
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K, V <= 256 (on the GPU >= 16).
         g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
             float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
@@ -364,6 +365,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
         if d <= 0 or d > 256:
             raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
+    if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter() and min(K, V) < 16:
+        # their tiles are masked 16-wide tiles, which Triton 3.6 miscompiles on sm_90 (illegal addresses)
+        raise ValueError(f"q/v: head dims below 16 are not supported by the GPU kernels, got K={K}, V={V} "
+                         "(impl='reference' computes them)")
     if T < 1 or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")

@@ -49,13 +49,10 @@ def gated_delta_rule_decode_fwd_kernel(
     a_log=None, dt_bias=None,
     GATE: tl.constexpr = False, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
     V_FIRST: tl.constexpr = False,
-    z=None, norm_w=None, eps=0.0, s_zb=0, s_zt=0, s_zh=0, s_zv=0, NORM: tl.constexpr = False,
 ):
     # S: tokens per sequence (VARLEN: the packed token count T); N: sequences (VARLEN only)
     # GATE: g holds the raw gate input a, g = -exp(a_log) * softplus(a + dt_bias); BETA_SIGMOID: beta holds logits;
     # NEG_EIGVAL: beta doubled; V_FIRST: state (and inter) rows laid out [V, K]
-    # NORM (one program holds all of V: BV >= V): o is replaced by RMSNorm(o)·norm_w·silu(z) per head, o rounded to
-    # v's dtype first (what a norm of the op's o computes); z read with strides s_z*
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -98,9 +95,6 @@ def gated_delta_rule_decode_fwd_kernel(
         b_na = -tl.exp(tl.load(a_log + i_hv).to(tl.float32))
         if dt_bias is not None:
             b_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
-    if NORM:
-        b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
-        m_z = o_v < tl.where(live, V, 0)  # nothing of a skipped sequence is read
 
     for t in range(n_tok):
         tok = tok0 + t
@@ -125,15 +119,6 @@ def gated_delta_rule_decode_fwd_kernel(
         b_s = b_s + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0) * scale
         b_o = tl.where(live, b_o, 0.0)
-        if NORM:
-            b_o = b_o.to(v.dtype.element_ty).to(tl.float32)
-            if VARLEN:
-                p_z = z + tok * s_zt + i_hv * s_zh
-            else:
-                p_z = z + i_b.to(tl.int64) * s_zb + t * s_zt + i_hv * s_zh
-            b_z = tl.load(p_z + o_v * s_zv, mask=m_z, other=0.0).to(tl.float32)
-            b_r = tl.rsqrt(tl.sum(b_o * b_o, 0) / V + eps)
-            b_o = tl.where(live, b_o * b_r * b_nw * (b_z / (1.0 + tl.exp(-b_z))), 0.0)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if INTER:
             if V_FIRST:
@@ -162,28 +147,19 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
                                 use_qk_l2norm_in_kernel: bool, cu_seqlens=None, accepted=None,
                                 intermediate_states=None, *, A_log=None, dt_bias=None, use_gate_in_kernel=False,
                                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                                v_first=False, norm_z=None, norm_weight=None, norm_eps=0.0) -> torch.Tensor:
+                                v_first=False) -> torch.Tensor:
     """Launch the step on contiguous inputs (shapes as ``gated_delta_rule_decode``; state_indices ``[B]`` or ``[N]``
-    int32; ``v_first``: state rows ``[HV, V, K]``; ``norm_z`` (any strides), ``norm_weight``, ``norm_eps``: the
-    public op's ``gated_norm``). Returns o ``[B, s, HV, V]`` in v's dtype (with ``norm_z`` the gated norm of o, in
-    z's dtype); updates the state rows (and ``intermediate_states``) in place."""
+    int32; ``v_first``: state rows ``[HV, V, K]``). Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows
+    (and ``intermediate_states``) in place."""
     B, S, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state.shape[0]
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else B
+    o = empty(v.shape, dtype=v.dtype, device=v.device)
     cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q.device)
     BK = next_pow2(K)
-    norm = {}
-    if norm_z is not None:  # one program per (sequence, head) holds all of V for the norm
-        z = norm_z
-        o = empty(v.shape, dtype=z.dtype, device=v.device)
-        BV, num_warps = next_pow2(V), norm_warps(BK, next_pow2(V))
-        norm = dict(z=z, norm_w=norm_weight, eps=float(norm_eps), s_zb=z.stride(0), s_zt=z.stride(1),
-                    s_zh=z.stride(2), s_zv=z.stride(3), NORM=True)
-    else:
-        o = empty(v.shape, dtype=v.dtype, device=v.device)
-        BV, num_warps = min(cfg.bv, next_pow2(V)), cfg.num_warps
+    BV = min(cfg.bv, next_pow2(V))
     grid = (cdiv(V, BV), N * HV)
     gate = bool(use_gate_in_kernel)
     gated_delta_rule_decode_fwd_kernel[grid](
@@ -195,19 +171,10 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
         VARLEN=varlen, ACCEPT=accepted is not None, INTER=intermediate_states is not None,
         a_log=A_log if gate else None, dt_bias=dt_bias if gate else None,
         GATE=gate, BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), NEG_EIGVAL=bool(allow_neg_eigval),
-        V_FIRST=bool(v_first), **norm,
-        num_warps=num_warps, num_stages=cfg.num_stages,
+        V_FIRST=bool(v_first),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o
-
-
-# the gated-norm step keeps a K x V state tile (padded) per program in registers: at most 64 fp32 values per thread
-NORM_TILE_MAX = 128 * 256
-
-
-def norm_warps(BK: int, BV: int) -> int:
-    """Warps of a gated-norm step program over a ``BK x BV`` state tile (``BK·BV <= NORM_TILE_MAX``)."""
-    return max(4, min(16, BK * BV // (32 * 64)))
 
 
 def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
@@ -234,8 +201,7 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                cu_seqlens: torch.Tensor | None, accepted: torch.Tensor | None,
                intermediate_states: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-               v_first: bool, norm_z: torch.Tensor | None, norm_weight: torch.Tensor | None,
-               norm_eps: float) -> torch.Tensor:
+               v_first: bool) -> torch.Tensor:
     # the public function cannot read CPU index tensors while tracing: checked here
     _check_pool_rows(state_indices, state.shape[0])
     _check_cu_values(cu_seqlens, q.shape[1])
@@ -243,15 +209,14 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                                        cu_seqlens, accepted, intermediate_states, A_log=A_log, dt_bias=dt_bias,
                                        use_gate_in_kernel=use_gate_in_kernel,
                                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                       allow_neg_eigval=allow_neg_eigval, v_first=v_first, norm_z=norm_z,
-                                       norm_weight=norm_weight, norm_eps=norm_eps)
+                                       allow_neg_eigval=allow_neg_eigval, v_first=v_first)
 
 
 @_decode_op.register_fake
 def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, accepted,
       intermediate_states, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-      v_first, norm_z, norm_weight, norm_eps):
-    return torch.empty(v.shape, dtype=v.dtype if norm_z is None else norm_z.dtype, device=v.device)
+      v_first):
+    return torch.empty_like(v)
 
 
 def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter):
@@ -291,10 +256,9 @@ def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seql
 
 def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, *,
                               A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                              v_first, gated_norm=None):
+                              v_first):
     """``_decode_reference`` with the in-kernel options applied in torch first (the gate and beta in float64 if any
-    input is float64, else float32), a V-first pool read and written through its transpose, and ``gated_norm``
-    taken by ``layers.norm.gated_rms_norm`` (0 for the tokens the step skips)."""
+    input is float64, else float32) and a V-first pool read and written through its transpose."""
     ins = (q, k, v, g, beta, A_log, dt_bias)
     cdt = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
     if use_gate_in_kernel:
@@ -306,47 +270,7 @@ def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2,
     if v_first:
         state = state.transpose(-1, -2)
         inter = inter.transpose(-1, -2) if inter is not None else None
-    o = _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter)
-    if gated_norm is None:
-        return o
-    from ...layers.norm import gated_rms_norm  # layers import the ops: not at module level
-
-    z, weight, eps = gated_norm
-    return torch.where(_live_tokens(q, state_indices, state.shape[0], cu_seqlens)[..., None, None],
-                       gated_rms_norm(o, z, weight, eps), torch.zeros((), dtype=z.dtype, device=z.device))
-
-
-def _live_tokens(q, state_indices, P, cu_seqlens) -> torch.Tensor:
-    """``[B, s]`` bool: the tokens the step computes (a sequence with a pool row in [0, P), inside its bounds)."""
-    B, S = q.shape[:2]
-    rows = state_indices.cpu().long()
-    ok = (rows >= 0) & (rows < P)
-    if cu_seqlens is None:
-        return ok[:, None].expand(B, S).to(q.device)
-    live = torch.zeros(1, S, dtype=torch.bool)
-    cu = cu_seqlens.tolist()
-    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-        live[0, a:b] = bool(ok[n])
-    return live.to(q.device)
-
-
-def _check_gated_norm(gated_norm, v: torch.Tensor, K: int, ref: bool):
-    """``gated_norm`` as ``(z, weight, eps)`` (each checked) or ``(None, None, 0.0)``."""
-    if gated_norm is None:
-        return None, None, 0.0
-    if not isinstance(gated_norm, (tuple, list)) or len(gated_norm) != 3:
-        raise TypeError(f"gated_norm: expected a tuple (z, weight, eps) or None, got {type(gated_norm).__name__}")
-    z, weight, eps = gated_norm
-    fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
-    B, S, HV, V = v.shape
-    check_tensor("gated_norm z", z, shape=(B, S, HV, V), dtypes=fdt, device=v.device)
-    check_tensor("gated_norm weight", weight, shape=(V,), dtypes=fdt, device=v.device)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-        raise ValueError(f"gated_norm eps: expected a finite real number >= 0, got {eps!r}")
-    if not ref and next_pow2(K) * next_pow2(V) > NORM_TILE_MAX:
-        raise ValueError(f"gated_norm: a head's state K={K} x V={V} (padded {next_pow2(K)} x {next_pow2(V)}) exceeds "
-                         f"the {NORM_TILE_MAX} values one program holds; apply the norm after the step instead")
-    return z, weight, float(eps)
+    return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter)
 
 
 def _check_forward_only(**tensors: torch.Tensor | None) -> None:
@@ -381,7 +305,6 @@ def gated_delta_rule_decode(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_layout: str = "kv",
-    gated_norm: tuple | None = None,
     impl: str = "auto",
     **fla_options,
 ) -> torch.Tensor:
@@ -425,12 +348,6 @@ def gated_delta_rule_decode(
         state_layout: ``"kv"`` (``[..., K, V]`` rows) or ``"vk"`` (``[..., V, K]``, the layout of vLLM / SGLang /
             FlashInfer decode); fla's ``state_v_first=True`` (and its older name ``transpose_state_layout``) is
             ``"vk"``.
-        gated_norm: ``(z, weight, eps)`` or None: return Qwen3-Next's output gate ``RMSNorm(o)·weight·silu(z)`` per
-            value head (over V, fp32, o rounded to v's dtype first; eps a real >= 0) instead of o, in the same kernel
-            (o never goes to memory). z ``[B, s, HV, V]`` bf16/fp16/fp32 on q's device, any strides (e.g. a view of
-            the fused input projection); weight ``[V]``. Tokens the step skips (a pool row outside ``[0, P)``, or
-            outside every ``cu_seqlens`` sequence) output 0. Needs ``next_pow2(K)·next_pow2(V) <= 32768`` (one
-            program holds a head's whole state).
         impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` token
             by token (any device, float64 too; reads the index tensors on the host; the state is updated in place
             alike); ``"gluon"`` is refused.
@@ -441,7 +358,7 @@ def gated_delta_rule_decode(
             naming the option as unsupported; any other keyword a ``TypeError`` naming it.
 
     Returns:
-        o: ``[B, s, HV, V]`` in ``v``'s dtype; with ``gated_norm`` its gated norm, in z's dtype (contiguous).
+        o: ``[B, s, HV, V]`` in ``v``'s dtype.
 
     Forward only: a ``RuntimeError`` if an input requires grad while autograd is enabled.
     """
@@ -506,9 +423,8 @@ def gated_delta_rule_decode(
             raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
     if scale is None:
         scale = K**-0.5
-    norm_z, norm_w, norm_eps = _check_gated_norm(gated_norm, v, K, ref)
     _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
-                        A_log=A_log, dt_bias=dt_bias, gated_norm_z=norm_z, gated_norm_weight=norm_w)
+                        A_log=A_log, dt_bias=dt_bias)
     if not torch.compiler.is_compiling():
         _check_pool_rows(state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)
@@ -518,13 +434,12 @@ def gated_delta_rule_decode(
     if ref:
         return _decode_reference_options(q, k, v, g, beta, state, state_indices, float(scale),
                                          bool(use_qk_l2norm_in_kernel), cu_seqlens, accepted, intermediate_states,
-                                         gated_norm=(norm_z, norm_w, norm_eps) if norm_z is not None else None,
                                          **opts)
-    for dt in (q.dtype, v.dtype, state.dtype) + ((norm_z.dtype, norm_w.dtype) if norm_z is not None else ()):
+    for dt in (q.dtype, v.dtype, state.dtype):
         check_kernel_device(q.device, _REFERENCE, dt)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
     cont = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias), norm_z=norm_z, norm_weight=cont(norm_w), norm_eps=norm_eps)
+    opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias))
     return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
                 state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel), cont(cu_seqlens),
                 cont(accepted), intermediate_states, **opts)
