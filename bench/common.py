@@ -175,12 +175,16 @@ def add_ratios(rows: list[dict], ours: str = "gqla_triton") -> None:
         r["ratios"] = {k: v / r["ms"] for k, v in others.items() if k != ours and v}
 
 
-def write_results(op: str, rows: list[dict], ceilings: dict, command: str) -> Path:
-    """``bench/results/<gpu>-<op>.json``: one file per (GPU, op), holding the latest run."""
+def write_results(op: str, rows: list[dict], ceilings: dict, command: str, *, complete: bool = True) -> Path:
+    """``bench/results/<gpu>-<op>.json``: one file per (GPU, op), holding the latest run. ``complete`` False: the
+    run was cut short (the rows measured before it stopped; the file says ``"complete": false``)."""
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
     gpu = env["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
     path = RESULTS / f"{gpu}-{op}.json"
+    doc = {"env": env, "command": command, "ceilings": ceilings, "rows": rows}
+    if not complete:
+        doc["complete"] = False
     with open(path, "w") as f:
-        json.dump({"env": env, "command": command, "ceilings": ceilings, "rows": rows}, f, indent=1)
+        json.dump(doc, f, indent=1)
     return path

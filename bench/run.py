@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -74,13 +75,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     wanted = [w for w in args.workload.split(",") if w]
     only = frozenset(a for a in args.anchors.split(",") if a) or None
+    # a run cut short by a signal (``timeout`` sends SIGTERM) still writes the rows it measured, marked incomplete
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for op in ops:
         mod = importlib.import_module(f"bench.{op}")
         names = [w for w in wanted if w in mod.WORKLOADS] if wanted else list(mod.WORKLOADS)
         if not names:
             continue
         ctx = BenchContext(ceilings, anchors=only)
-        mod.run(names, ctx, anchors=not args.no_anchors)
+        try:
+            mod.run(names, ctx, anchors=not args.no_anchors)
+        except (KeyboardInterrupt, SystemExit):
+            add_ratios(ctx.rows)
+            print(f"\nstopped: wrote {write_results(op, ctx.rows, ceilings, command, complete=False)}", flush=True)
+            raise
         add_ratios(ctx.rows)
         print(f"\n== {op}")
         print_table(ctx.rows)
