@@ -44,8 +44,9 @@ def gdn_decode_prep_kernel(
     KD: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, W: tl.constexpr,
     BC: tl.constexpr, BW: tl.constexpr, BH: tl.constexpr, UPDATE: tl.constexpr,
 ):
-    # one program per (BC-wide channel block, sequence); the first block of a sequence also writes its gates, its
-    # pool row and its length. Stream of a channel: [its window (W-1 entries), token 0, ..., token T-1].
+    # one program per (BC-wide channel block, sequence), and one more per sequence (the last along axis 0) for its
+    # gates, its pool row and its length, in parallel with the conv. Stream of a channel: [its window (W-1
+    # entries), token 0, ..., token T-1].
     i_c = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     C = 2 * KD + VD
@@ -55,51 +56,7 @@ def gdn_decode_prep_kernel(
     live = (slot >= 0) & (slot < num_slots)
     row = tl.where(live, slot, 0)  # a skipped sequence reads no window (zeros) and writes none
 
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    m_live = o_c < tl.where(live, C, 0)  # m_c for a live sequence, else nothing
-    o_c64 = o_c.to(tl.int64)
-    p_win = pool + row * (C * W1) + o_c64 * W1
-    p_x = x + i_b * s_xb + o_c64 * s_xc
-    is_q = o_c < KD
-    is_k = (o_c >= KD) & (o_c < 2 * KD)
-    is_v = (o_c >= 2 * KD) & m_c
-    off_qk = tl.where(is_q, o_c, o_c - KD)
-    off_v = o_c - 2 * KD
-
-    zero_c = tl.zeros([BC], dtype=tl.int32)
-    p_xt = p_x  # token t's inputs
-    for t in range(T):
-        acc = tl.zeros([BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            # tap j reads stream position t + j: window entry t + j, or token t + j - (W-1)
-            pos = zero_c + (t + j)
-            wj = tl.load(conv_w + o_c64 * W + j, mask=m_c, other=0.0).to(tl.float32)
-            xw = tl.load(p_win + tl.minimum(pos, W1 - 1), mask=m_live & (pos < W1), other=0.0).to(tl.float32)
-            xt = tl.load(p_xt + (j - W1) * s_xt, mask=m_c & (pos >= W1), other=0.0).to(tl.float32)
-            acc += wj * (xw + xt)  # one of xw, xt is the masked 0
-        y = acc.to(x.dtype.element_ty).to(tl.float32)  # the conv output in the input dtype, as the torch path
-        y = (y / (1.0 + tl.exp(-y))).to(q.dtype.element_ty)
-        tok = i_b * T + t
-        tl.store(q + tok * KD + off_qk, y, mask=is_q)
-        tl.store(k + tok * KD + off_qk, y, mask=is_k)
-        tl.store(v + tok * VD + off_v, y, mask=is_v)
-        p_xt += s_xt
-
-    if UPDATE:
-        # the window after the step: stream positions T .. T+W-2
-        o_w = tl.arange(0, BW)
-        pos = T + o_w
-        in_win = pos < W1
-        m2 = m_live[:, None] & (o_w < W1)[None, :]
-        nw = tl.load(p_win[:, None] + tl.where(in_win, pos, 0)[None, :], mask=m2 & in_win[None, :], other=0.0)
-        nx = tl.load(p_x[:, None] + (tl.where(in_win, 0, pos - W1).to(tl.int64) * s_xt)[None, :],
-                     mask=m2 & (pos >= W1)[None, :], other=0.0)
-        new = tl.where(in_win[None, :], nw, nx)
-        tl.debug_barrier()  # every read of the window (by any thread of the program) precedes its overwrite
-        tl.store(p_win[:, None] + o_w[None, :], new, mask=m2)
-
-    if i_c == 0:
+    if i_c == tl.num_programs(0) - 1:
         tl.store(rows + i_b, tl.where(live, slot, -1).to(tl.int32))
         if UPDATE:
             n = tl.load(lens + row, mask=live, other=0)
@@ -116,6 +73,50 @@ def gdn_decode_prep_kernel(
             tl.store(beta + tok * HV + o_h, tl.sigmoid(b_raw), mask=m_h)
             tl.store(g + tok * HV + o_h, neg_a * _softplus(a_raw + dtb), mask=m_h)
             pt += s_xt
+    else:
+        o_c = i_c * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        m_live = o_c < tl.where(live, C, 0)  # m_c for a live sequence, else nothing
+        o_c64 = o_c.to(tl.int64)
+        p_win = pool + row * (C * W1) + o_c64 * W1
+        p_x = x + i_b * s_xb + o_c64 * s_xc
+        is_q = o_c < KD
+        is_k = (o_c >= KD) & (o_c < 2 * KD)
+        is_v = (o_c >= 2 * KD) & m_c
+        off_qk = tl.where(is_q, o_c, o_c - KD)
+        off_v = o_c - 2 * KD
+
+        zero_c = tl.zeros([BC], dtype=tl.int32)
+        p_xt = p_x  # token t's inputs
+        for t in range(T):
+            acc = tl.zeros([BC], dtype=tl.float32)
+            for j in tl.static_range(W):
+                # tap j reads stream position t + j: window entry t + j, or token t + j - (W-1)
+                pos = zero_c + (t + j)
+                wj = tl.load(conv_w + o_c64 * W + j, mask=m_c, other=0.0).to(tl.float32)
+                xw = tl.load(p_win + tl.minimum(pos, W1 - 1), mask=m_live & (pos < W1), other=0.0).to(tl.float32)
+                xt = tl.load(p_xt + (j - W1) * s_xt, mask=m_c & (pos >= W1), other=0.0).to(tl.float32)
+                acc += wj * (xw + xt)  # one of xw, xt is the masked 0
+            y = acc.to(x.dtype.element_ty).to(tl.float32)  # the conv output in the input dtype, as the torch path
+            y = (y / (1.0 + tl.exp(-y))).to(q.dtype.element_ty)
+            tok = i_b * T + t
+            tl.store(q + tok * KD + off_qk, y, mask=is_q)
+            tl.store(k + tok * KD + off_qk, y, mask=is_k)
+            tl.store(v + tok * VD + off_v, y, mask=is_v)
+            p_xt += s_xt
+
+        if UPDATE:
+            # the window after the step: stream positions T .. T+W-2
+            o_w = tl.arange(0, BW)
+            pos = T + o_w
+            in_win = pos < W1
+            m2 = m_live[:, None] & (o_w < W1)[None, :]
+            nw = tl.load(p_win[:, None] + tl.where(in_win, pos, 0)[None, :], mask=m2 & in_win[None, :], other=0.0)
+            nx = tl.load(p_x[:, None] + (tl.where(in_win, 0, pos - W1).to(tl.int64) * s_xt)[None, :],
+                         mask=m2 & (pos >= W1)[None, :], other=0.0)
+            new = tl.where(in_win[None, :], nw, nx)
+            tl.debug_barrier()  # every read of the window (by any thread of the program) precedes its overwrite
+            tl.store(p_win[:, None] + o_w[None, :], new, mask=m2)
 
 
 def _prep_shapes(mixed, H, K, HV, V):
@@ -138,7 +139,7 @@ def _prep_launch(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
     C = 2 * KD + VD
     W = conv_weight.shape[-1]
     BC = min(512, max(16, next_pow2(C)))
-    gdn_decode_prep_kernel[(cdiv(C, BC), B)](
+    gdn_decode_prep_kernel[(cdiv(C, BC) + 1, B)](
         mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
         q, k, v, g, beta, rows,
         T, num_slots, mixed.stride(0), mixed.stride(1), mixed.stride(2),
