@@ -85,6 +85,9 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     eg = tl.exp(gg)
     dgl = tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)  # loaded early: no load latency at the end
+    if GATE:  # the gate input and its parameters too (only used at the end)
+        gv, dgda = _gate_in(tl.load(g + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32), a_log, dt_bias, i_hv,
+                            HAS_BIAS)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     dTT = tl.zeros([BT, BT], dtype=tl.float32)
     KK = tl.zeros([BT, BT], dtype=tl.float32)
@@ -156,8 +159,6 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     dgg += dgl
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
     if GATE:
-        a = tl.load(g + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-        gv, dgda = _gate_in(a, a_log, dt_bias, i_hv, HAS_BIAS)
         da = rev * dgda
         tl.store(dg + x * HV + i_hv, da.to(dg.dtype.element_ty), mask=valid)
         # the chunk's sums (in a fixed order: deterministic) of dL/dA_log (dg/dA_log = g) and dL/ddt_bias (= dL/da)
