@@ -84,14 +84,16 @@ def _lowp_inputs(ins, dtype):
     return [t.to(dtype).double() if i < 5 else t.float().double() for i, t in enumerate(ins)]
 
 
-def _check_vs_refs(ins, dtype, grads, *, cu=None, l2=True, over=None):
+def _check_vs_refs(ins, dtype, grads, *, cu=None, l2=True, over=None, chunk_size=64):
     """Kernel forward + backward (with config fields ``over`` replacing the table's) against the float64
-    recurrence, at the tolerance of the low-precision chunked reference. Returns the kernel's (o, ht, grads)."""
+    recurrence, at the tolerance of the low-precision chunked reference (same chunk size). Returns the kernel's
+    (o, ht, grads)."""
     with _override(over):
-        o, ht, dx = _run_kernel(ins, dtype, cu=cu, l2=l2, grads=grads)
+        o, ht, dx = _run_kernel(ins, dtype, cu=cu, l2=l2, grads=grads, chunk_size=chunk_size)
     ro, rht, rdx = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, l2=l2, grads=grads)
     lo, lht, ldx = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
-                            l2=l2, grads=grads, compute_dtype=dtype if dtype != torch.float32 else None)
+                            l2=l2, grads=grads, compute_dtype=dtype if dtype != torch.float32 else None,
+                            chunk_size=chunk_size)
     assert_close("o", o, ro, lo, dtype=dtype)
     assert_close("final_state", ht, rht, lht, dtype=dtype)
     for name, a, r, lw in zip(NAMES, dx, rdx, ldx, strict=True):
@@ -263,9 +265,9 @@ def _assert_repeatable(ins, dtype, seed):
        seed=seeds())
 def test_small_k_tiles_with_value_head_sums(K, G, T, V, dtype, seed):
     """K = 16 / 32 with the value heads summing dq / dk (HV > H), V down to 16: wy_bwd's 16-wide K or V tiles
-    miscompile on sm_90 (Triton 3.6: out-of-range shared-memory addresses, dk off by ~10% and different from run to
-    run), so such head dims run 32-wide tiles. Against the float64 recurrence; bitwise repeatable with HV = 2H (the
-    sums' order is fixed)."""
+    miscompile on sm_90 (Triton 3.6: out-of-range shared-memory addresses, dk off by ~10% and different from one
+    call to the next), so such head dims take 32-wide tiles. Against the float64 recurrence; bitwise repeatable with
+    HV = 2H (the sums' order is fixed)."""
     H = 1
     ins = _inputs(seed, 1, T, H, H * G, K, V, 1)
     grads = (randn((1, T, H * G, V), seed + 1, dtype=torch.float64, device="cpu"),
@@ -295,6 +297,46 @@ def test_head_dims_of_any_size(T, G, K, V, varlen, seg, dtype, seed):
              randn((N, H * G, K, V), seed + 2, dtype=torch.float64, device="cpu"))
     over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else None
     _check_vs_refs(ins, dtype, grads, cu=cu, over=over)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+@settings(max_examples=examples(4, 8))
+@given(lens=st.lists(st.integers(0, pick(90, 300)), min_size=1, max_size=3), varlen=st.booleans(),
+       G=st.sampled_from([1, 2]), seg=st.booleans(), l2=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_chunk_sizes_16_and_32(chunk_size, lens, varlen, G, seg, l2, dtype, seed):
+    """fla's chunk_size 16 / 32: the same function as 64 (one or two 16-row blocks per WY inverse), forward and all
+    six gradients against the float64 recurrence, dense or varlen (empty sequences too), GVA, sequence splitting."""
+    H, K, V = 1, pick(16, 64), pick(16, 64)
+    if varlen:
+        T = max(sum(lens), 1)
+        lens = lens if sum(lens) else [1]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        B, N = 1, len(lens)
+    else:
+        T, cu, B, N = max(lens[0], 1), None, 1, 1
+    ins = _inputs(seed, B, T, H, H * G, K, V, N, l2=l2)
+    grads = (randn((B, T, H * G, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((N, H * G, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else None
+    _check_vs_refs(ins, dtype, grads, cu=cu, l2=l2, over=over, chunk_size=chunk_size)
+
+
+@pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_chunk_sizes_stay_in_bounds(chunk_size):
+    """chunk_size 16 / 32 with partial last chunks, GVA and varlen: no access outside the tensors passed in."""
+    from addresscheck import AddressCheck
+
+    T, H, HV, K, V = 45, 1, 2, 16, 24
+    ins = [t.float().contiguous() for t in _inputs(3, 1, T, H, HV, K, V, 2)]
+    cu = torch.tensor([0, 19, T], dtype=torch.int32)
+    xs = [t.clone().requires_grad_() for t in ins]
+    do, dht = torch.randn(1, T, HV, V), torch.randn(2, HV, K, V)
+    with AddressCheck(*xs, do, dht, cu) as ac:
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                       chunk_size=chunk_size)
+        torch.autograd.backward([o, ht], [do, dht])
+    ac.assert_clean()
 
 
 @pytest.mark.gpu_only
@@ -434,11 +476,16 @@ def test_config_key_is_padded():
 
 def test_segment_plan():
     """Segments tile every sequence in order, L chunks each (the last one shorter), empty sequences get one."""
-    n, cu, rows, soff = plan_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, torch.device("cpu"))
+    n, cu, rows, soff = plan_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, 64, torch.device("cpu"))
     assert n == 3 + 1 + 1
     assert cu.tolist() == [0, 128, 256, 323, 323, 448]
     assert rows.tolist() == [0, 2, 4, 6, 6]
     assert soff.tolist() == [0, 3, 4, 5]
+    n, cu, rows, soff = plan_mod._seg_plan((0, 40, 40, 100), 2, 16, torch.device("cpu"))  # chunks of 16 tokens
+    assert n == 2 + 1 + 2
+    assert cu.tolist() == [0, 32, 40, 40, 72, 100]
+    assert rows.tolist() == [0, 2, 3, 3, 5]
+    assert soff.tolist() == [0, 2, 3, 5]
     cfg = ChunkConfig(seg_units=64, seg_below=16, seg_min=16)
     assert plan_mod.seg_len(cfg, 8, 512) == 64
     assert plan_mod.seg_len(cfg, 16, 512) == 0
@@ -648,6 +695,41 @@ def test_torch_compile_inference(varlen, save_states):
         compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*xs)
     for name, a, b in zip(("o", "final_state"), eager, compiled, strict=True):
         assert torch.equal(a, b), f"{name}: compiled differs from eager"
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_chunk_size_under_compile_and_over_a_pool(chunk_size):
+    """chunk_size through the traced custom ops (a training step under ``torch.compile(fullgraph=True)``, aot_eager:
+    forward and backward plan with it) equals eager bitwise; the pooled (inference) call with it writes the same
+    final states as the plain call returns."""
+    B, T, H, HV, K, V = 1, 70, 1, 2, 16, 16
+    ins = _inputs(13, B, T, H, HV, K, V, 2)
+    cu = torch.tensor([0, 29, T], dtype=torch.int32, device=P.device)
+    dt = P.dtypes[0]
+
+    def fn(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       chunk_size=chunk_size)
+        return o.float().square().sum() + ht.square().sum()
+
+    outs = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        xs = [t.to(P.device, dt if i < 5 else torch.float32).requires_grad_() for i, t in enumerate(ins)]
+        loss = f(*xs)
+        loss.backward()
+        outs.append([loss.detach()] + [x.grad for x in xs])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    xs = [t.to(P.device, dt if i < 5 else torch.float32) for i, t in enumerate(ins)]
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                       chunk_size=chunk_size)
+        pool = torch.zeros(4, HV, K, V, device=P.device)
+        pool[[3, 1]] = xs[5]
+        idx = torch.tensor([3, 1], dtype=torch.int32, device=P.device)
+        op, _ = chunk_gated_delta_rule(*xs[:5], initial_state=pool, state_indices=idx, cu_seqlens=cu,
+                                       chunk_size=chunk_size)
+    assert torch.equal(op, o) and torch.equal(pool[[3, 1]], ht)
 
 
 @pytest.mark.gpu_only

@@ -20,7 +20,7 @@ NOOP_COMMON = dict(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, a
                    state_v_first=False, transpose_state_layout=False, head_first=False, A_log=None, dt_bias=None)
 # both functions take the V-first layout flags, the in-kernel gate, beta sigmoid and negative eigenvalues (chunked
 # op: tests/test_gdn_chunk_options.py)
-UNSUPPORTED_CHUNK = [("head_first", True), ("chunk_size", 32), ("chunk_size", 128), ("cp_context", object())]
+UNSUPPORTED_CHUNK = [("head_first", True), ("cp_context", object())]
 # the decode step computes the in-kernel gate / beta / eigenvalue options and the V-first layout
 # (tests/test_gdn_decode_options.py)
 UNSUPPORTED_DECODE = [("head_first", True), ("inplace_final_state", False), ("output_final_state", True),
@@ -105,6 +105,11 @@ def test_chunk_option_types_and_chunk_indices_checks():
             call(**{name: 0})
     with pytest.raises(TypeError, match="chunk_size: expected an int"):
         call(chunk_size=64.0)
+    for bad in (0, 8, 48, 128, -16):
+        with pytest.raises(ValueError, match=r"chunk_size: expected one of \(16, 32, 64\)"):
+            call(chunk_size=bad)
+    with pytest.raises(ValueError, match=r"chunk_indices: 2 chunks, but cu_seqlens \[0, 64, 70\] has 3 chunks of 32"):
+        call(cu_seqlens=cu, chunk_indices=ci, chunk_size=32)  # chunk_indices count chunks of chunk_size
     with pytest.raises(ValueError, match="chunk_indices: given without cu_seqlens"):
         call(chunk_indices=ci)
     with pytest.raises(ValueError, match="chunk_indices: 3 chunks, but cu_seqlens"):

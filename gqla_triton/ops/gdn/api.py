@@ -25,7 +25,7 @@ from .._common.validation import (
     check_same_dtype,
     check_tensor,
 )
-from .compat import check_chunk_indices, check_fla_options, check_gate, state_v_first
+from .compat import check_chunk_indices, check_chunk_size, check_fla_options, check_gate, state_v_first
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
@@ -70,25 +70,25 @@ def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool, v_first: bool,
-            beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                       torch.Tensor]:
-    return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), save_states, v_first,
-                beta_sigmoid, neg_eigval, A_log, dt_bias)
+            beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+            chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size),
+                save_states, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval, A_log,
-      dt_bias):
+      dt_bias, chunk_size):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     out = (v.new_empty(B, T, HV, V), q.new_empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32),
-           q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, BT, dtype=mid_dtype(k.dtype)))
+           q.new_empty(B, T, HV, dtype=torch.float32), q.new_empty(B, T, HV, chunk_size, dtype=mid_dtype(k.dtype)))
     if not save_states:
         return (*out, q.new_empty(0), q.new_empty(0), q.new_empty(0))
-    return (*out, k.new_empty(B, T, HV, K), k.new_empty(h_rows(B, T, N, cu_seqlens is not None), HV, K, V),
-            v.new_empty(B, T, HV, V))
+    rows = h_rows(B, T, N, cu_seqlens is not None, chunk_size)
+    return (*out, k.new_empty(B, T, HV, K), k.new_empty(rows, HV, K, V), v.new_empty(B, T, HV, V))
 
 
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_bwd", mutates_args=())
@@ -96,16 +96,16 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, gc: torch.Tensor,
             Ainv: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, w: torch.Tensor | None,
             h: torch.Tensor | None, vnew: torch.Tensor | None, v_first: bool, beta_sigmoid: bool, neg_eigval: bool,
-            A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
+            A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
-    return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens), gc, Ainv, do, dht, w, h,
-                vnew, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
+    return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size), gc,
+                Ainv, do, dht, w, h, vnew, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 @_bwd_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew, v_first, beta_sigmoid,
-      neg_eigval, A_log, dt_bias):
+      neg_eigval, A_log, dt_bias, chunk_size):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -118,10 +118,11 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, 
 
 
 def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
-          A_log, dt_bias, output):
+          A_log, dt_bias, chunk_size, output):
     """What both backward routes read: the inputs, gc, Ainv and (with save_states) the forward's states."""
     _, _, gc, Ainv, w, h, vnew = output
     ctx.scale = scale
+    ctx.chunk_size = chunk_size
     ctx.opts = (v_first, beta_sigmoid, neg_eigval)
     ctx.has_h0 = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final state, gc, Ainv, states) pass None, not zero tensors
@@ -135,11 +136,13 @@ def _backward_with(bwd, plan, ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens, gc, Ainv, w, h, vnew, A_log, dt_bias = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
+    traced = plan is None  # the op plans inside itself from the saved cu_seqlens and the chunk size
     dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, ctx.scale, initial_state,
-                                              cu_seqlens if plan is None else plan, gc, Ainv, do, dht, w, h, vnew,
-                                              *ctx.opts, A_log, dt_bias)
-    return (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None,
-            dA if A_log is not None else None, ddt if dt_bias is not None else None)
+                                              cu_seqlens if traced else plan, gc, Ainv, do, dht, w, h, vnew,
+                                              *ctx.opts, A_log, dt_bias, *((ctx.chunk_size,) if traced else ()))
+    grads = (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None,
+             dA if A_log is not None else None, ddt if dt_bias is not None else None)
+    return (*grads, None) if traced else grads  # the op's last input is the chunk size
 
 
 def _setup_context(ctx, inputs, output):
@@ -165,7 +168,7 @@ class _ChunkGDN(torch.autograd.Function):
         out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval,
                    A_log, dt_bias)
         _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, v_first, beta_sigmoid, neg_eigval,
-              A_log, dt_bias, out)
+              A_log, dt_bias, plan.BT, out)
         ctx.plan = plan
         ctx.mark_non_differentiable(*out[2:])
         return out
@@ -176,8 +179,8 @@ class _ChunkGDN(torch.autograd.Function):
 
 
 def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
-           A_log, dt_bias, *, cu_host):
-    return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host),
+           A_log, dt_bias, chunk_size, *, cu_host):
+    return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size),
                            save_states, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
@@ -199,8 +202,8 @@ def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
 
 
 def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
-          A_log=None, dt_bias=None, *, cu_host):
-    return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host),
+          A_log, dt_bias, chunk_size, *, cu_host):
+    return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size),
                          state_indices=state_indices, v_first=v_first, beta_sigmoid=beta_sigmoid,
                          neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))[0]
 
@@ -209,25 +212,26 @@ def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_firs
 def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
              state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None,
              v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
-             dt_bias: torch.Tensor | None) -> torch.Tensor:
+             dt_bias: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
     _check_pool_rows(state_indices, state_pool.shape[0])  # the public function cannot read it while tracing
     return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
-                 A_log, dt_bias, cu_host=None)
+                 A_log, dt_bias, chunk_size, cu_host=None)
 
 
 @_pool_op.register_fake
 def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval, A_log,
-      dt_bias):
+      dt_bias, chunk_size):
     return torch.empty_like(v)
 
 
-def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_seqlens, cu_host, v_first):
+def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_seqlens, cu_host, v_first,
+                    chunk_size):
     """The reference over gathered pool rows (zeros for rows outside [0, P)), its final states scattered back."""
     P = state_pool.shape[0]
     live = (state_indices >= 0) & (state_indices < P)
     rows = torch.where(live, state_indices, 0).long()
     h0 = torch.where(live[:, None, None, None], state_pool[rows], 0.0)
-    o, ht = _reference(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens, cu_host, v_first)
+    o, ht = _reference(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens, cu_host, v_first, chunk_size)
     state_pool[rows[live]] = ht[live].to(state_pool.dtype)
     return o, None
 
@@ -264,12 +268,14 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
-def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, cu_host, v_first):
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, cu_host, v_first,
+               chunk_size):
     cu = torch.tensor(cu_host) if cu_host is not None else cu_seqlens  # the host copy: no second device read
     if v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2)
     o, ht = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                       output_final_state=output_final_state, use_qk_l2norm=l2, cu_seqlens=cu)
+                                       output_final_state=output_final_state, use_qk_l2norm=l2, cu_seqlens=cu,
+                                       chunk_size=chunk_size)
     if ht is not None:
         ht = (ht.transpose(-1, -2) if v_first else ht).float().contiguous()
     return o.to(v.dtype), ht
@@ -278,8 +284,8 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_indices=None,
                            state_indices=None, save_states=True, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_layout="kv", impl="auto",
-                           **fla_options):
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_layout="kv",
+                           chunk_size=BT, impl="auto", **fla_options):
     """Chunked gated delta rule (Triton forward + backward), drop-in for fla's / FlashQLA's function.
 
     Args:
@@ -330,13 +336,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         state_layout: ``"kv"`` (state rows ``[K, V]``) or ``"vk"`` (``[V, K]``, the decode layout of vLLM / SGLang /
             FlashInfer) for initial_state, the final state, the state pool and the initial state's gradient; fla's
             ``state_v_first=True`` (and its older name ``transpose_state_layout``) is the same as ``"vk"``.
+        chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
+            function at every size, rounded differently; 64 is the tuned one). fla's ``chunk_indices`` then count
+            chunks of this size.
         impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
             (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
         **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
-            ``head_first=False``, ``chunk_size=64``, ``cp_context=None``; and ``state_v_first`` /
-            ``transpose_state_layout`` (bools, see ``state_layout``). Any other value of these (head-first inputs,
-            other chunk sizes, context parallelism) is a ``ValueError`` naming the option as unsupported; any other
-            keyword a ``TypeError`` naming it.
+            ``head_first=False``, ``cp_context=None``; and ``state_v_first`` / ``transpose_state_layout`` (bools,
+            see ``state_layout``). Any other value of these (head-first inputs, context parallelism) is a
+            ``ValueError`` naming the option as unsupported; any other keyword a ``TypeError`` naming it.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
         beta, initial_state, A_log, dt_bias (its gradient in its dtype and layout; with ``state_indices``: ``(o, None)``, not
@@ -345,6 +353,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """
     check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
     check_fla_options("chunk_gated_delta_rule", fla_options)
+    chunk_size = check_chunk_size(chunk_size)
     v_first = state_v_first(state_layout, fla_options)
     for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
                        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
@@ -401,7 +410,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     elif cu_seqlens is not None and not torch.compiler.is_compiling():
         # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
         cu_host = read_cu_seqlens(cu_seqlens, T)
-    check_chunk_indices(chunk_indices, cu_seqlens, cu_host)
+    check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
     if state_indices is not None and not torch.compiler.is_compiling():
         _check_pool_rows(state_indices, initial_state.shape[0])
     if impl == "reference":
@@ -410,9 +419,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             g = gate_ref(g.to(torch.promote_types(g.dtype, torch.float32)), A_log, dt_bias)
         if state_indices is not None:
             return _reference_pool(q, k, v, g, beta, float(scale), initial_state, state_indices,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host, v_first)
+                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host, v_first, chunk_size)
         return _reference(q, k, v, g, beta, float(scale), initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                          cu_seqlens, cu_host, v_first)
+                          cu_seqlens, cu_host, v_first, chunk_size)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -423,11 +432,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if state_indices is not None:
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
-                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias), None
+                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size), None
     h0 = initial_state.contiguous() if initial_state is not None else None
     save = save_states and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save, v_first, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, A_log, dt_bias)
+                    allow_neg_eigval, A_log, dt_bias, chunk_size)
     return o, (ht if output_final_state else None)

@@ -14,10 +14,10 @@ import numbers
 import torch
 
 from .._common.validation import check_tensor
-from .plan import BT
+from .plan import CHUNK_SIZES
 
-__all__ = ["check_chunk_indices", "check_decode_cu_seqlens_cpu", "check_fla_options", "check_gate",
-           "decode_state_v_first", "state_v_first"]
+__all__ = ["check_chunk_indices", "check_chunk_size", "check_decode_cu_seqlens_cpu", "check_fla_options",
+           "check_gate", "decode_state_v_first", "state_v_first"]
 
 # option -> (the value accepted here, what another value asks for)
 _FLAGS = {"head_first": (False, "inputs in the head-first [B, H, T, ...] layout")}
@@ -35,7 +35,7 @@ _CHUNK_NONE = {"cp_context": "context parallelism"}
 _DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by its accepted draft count (here "
                                        "`accepted` commits the state after the accepted tokens instead)"}
 
-CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_NONE, "chunk_size")
+CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_NONE)
 DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_LAYOUT, *_DECODE_NONE)
 
 
@@ -62,16 +62,20 @@ def check_fla_options(op: str, options: dict) -> None:
         elif name in nones:
             if value is not None:
                 raise ValueError(f"{name}: not supported by {op} ({nones[name]}); pass None or leave it out")
-        elif name == "chunk_size":
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"chunk_size: expected an int, got {type(value).__name__}")
-            if value != BT:
-                raise ValueError(f"chunk_size={value} is not supported by {op}; only chunk_size={BT}")
 
 
-def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None) -> None:
-    """fla's ``chunk_indices [NT, 2]`` (the (sequence, chunk-in-sequence) pair of every 64-token chunk of the
-    varlen input, in order): the plan here is built from ``cu_seqlens``, so it must describe the same chunks. Its
+def check_chunk_size(chunk_size) -> int:
+    """fla's ``chunk_size`` (tokens per chunk: 16, 32 or 64, as fla takes) as an int."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if int(chunk_size) not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
+    return int(chunk_size)
+
+
+def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None, chunk_size: int) -> None:
+    """fla's ``chunk_indices [NT, 2]`` (the (sequence, chunk-in-sequence) pair of every ``chunk_size``-token chunk of
+    the varlen input, in order): the plan here is built from ``cu_seqlens``, so it must describe the same chunks. Its
     shape is checked against the host copy of ``cu_seqlens`` (``cu_host``, when one exists), its values when it is
     a CPU tensor; values on a device are not read (no sync)."""
     if chunk_indices is None:
@@ -87,10 +91,10 @@ def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None) ->
     if cu_host is None:
         return
     want = [(n, c) for n, (a, b) in enumerate(zip(cu_host[:-1], cu_host[1:], strict=True))
-            for c in range(-(-(b - a) // BT))]
+            for c in range(-(-(b - a) // chunk_size))]
     if chunk_indices.shape[0] != len(want):
         raise ValueError(f"chunk_indices: {chunk_indices.shape[0]} chunks, but cu_seqlens {cu_host} has "
-                         f"{len(want)} chunks of {BT} tokens")
+                         f"{len(want)} chunks of {chunk_size} tokens")
     reads = chunk_indices.device.type == "cpu" and not torch.compiler.is_compiling()
     if reads and [tuple(r) for r in chunk_indices.tolist()] != want:
         raise ValueError(f"chunk_indices: does not match cu_seqlens {cu_host} (expected the (sequence, chunk) "

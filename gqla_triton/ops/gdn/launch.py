@@ -26,7 +26,7 @@ from .kernels.state_bwd import gdn_state_bwd_kernel
 from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
-from .plan import BT, ChunkPlan
+from .plan import ChunkPlan
 
 __all__ = ["States", "chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_state_fwd", "h_rows", "mid_dtype"]
 
@@ -65,7 +65,7 @@ def tile(d: int) -> int:
     return max(16, next_pow2(d))
 
 
-def h_rows(B: int, T: int, N: int, varlen: bool) -> int:
+def h_rows(B: int, T: int, N: int, varlen: bool, BT: int) -> int:
     """Rows of the saved chunk-state buffer h: B·ceil(T/BT), or under varlen the bound ceil(T/BT) + N on the number
     of chunks (so torch.compile's fake kernel knows the shape without reading cu_seqlens)."""
     return cdiv(T, BT) + N if varlen else B * cdiv(T, BT)
@@ -110,7 +110,7 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
     BVs = min(cfg.seg_bv, BK)
     mb = empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
     gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None else 0), nseg * HV)](
-        k, w, u if u is not None else w, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVs,
+        k, w, u if u is not None else w, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BVs,
         **cfg.launch("seg"))
     return _Split(nseg, cu, co, soff, mb)
 
@@ -149,7 +149,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
         k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
         co if co is not None else dummy, state_indices if row_pool else dummy, T, plan.NT,
-        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None,
+        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, USE_H0=h0 is not None,
         STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=v_first and split is None,
         **cfg.launch("state"))
     return h, vnew, ht, split
@@ -165,7 +165,7 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool, neg_eigval: b
     dummy = k
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.wu_bk, tile(K)), BV=min(cfg.wu_bv, tile(V)),
+        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.wu_bk, tile(K)), BV=min(cfg.wu_bv, tile(V)),
         IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
     return w, u
 
@@ -197,10 +197,10 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     cidx = plan.cidx if plan.varlen else dummy
     coff = plan.coff if plan.varlen else dummy
     gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
-    Ainv = empty(B, T, HV, BT, dtype=mid_dtype(k.dtype), device=q.device)
+    Ainv = empty(B, T, HV, plan.BT, dtype=mid_dtype(k.dtype), device=q.device)
     if plan.NTT > 0:
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
-            k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
+            k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
         w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
@@ -209,12 +209,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
-                                         rows=h_rows(B, T, plan.N, plan.varlen) if keep_h else None,
+                                         rows=h_rows(B, T, plan.N, plan.varlen, plan.BT) if keep_h else None,
                                          state_indices=state_indices, v_first=v_first)
     if plan.NTT > 0:
         BV = min(cfg.out_bv, tile(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
-            q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=BT,
+            q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
             BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, **cfg.launch("out"))
     if keep_h:
         return o, ht, gc, Ainv, States(w, h, vnew)
@@ -262,7 +262,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     dvl = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
     BV = min(cfg.dvl_bv, BVp)
     gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
-        q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
+        q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
         EARLY=cfg.dvl_early, IS_VARLEN=varlen, **cfg.launch("dvl"))
     dhe = empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
@@ -271,20 +271,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     if split is None:
         gdn_state_bwd_kernel[(NVB, N * HV)](
             q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff, scale, T, NT,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
+            H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
             IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         grid = (NVB, split.nseg * HV)
         r = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
-            HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
+            HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
             IS_VARLEN=True, **cfg.launch("state_bwd"))
         dse = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True, v_first=v_first)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
-            K=K, V=V, BT=BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
+            K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
             IS_VARLEN=True, **cfg.launch("state_bwd"))
     del dvl
     dw = empty(B, T, HV, K, dtype=mid_dtype(k.dtype), device=dev)
@@ -303,7 +303,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     gdn_grad_chunk_kernel[(NG, B * HV)](
         q, k, vnew, gc, h, dhe, initial_state if initial_state is not None else dummy,
         dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
+        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
         IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
     gate_bwd = {}
@@ -311,7 +311,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         gate_bwd = dict(g=g, dpar=empty(NG, B, HV, 2, dtype=torch.float32, device=dev), **_gate_args(gate))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
-        BT=BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
+        BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
         GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
         LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
         **gate_bwd, **cfg.launch("wy_bwd"))

@@ -17,9 +17,11 @@ from ...dispatch import select_config
 from .._common.host import cdiv, next_pow2
 from .config import ChunkConfig
 
-__all__ = ["BT", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "host_cu_seqlens", "read_cu_seqlens", "seg_len"]
+__all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "host_cu_seqlens",
+           "read_cu_seqlens", "seg_len"]
 
-BT = 64  # chunk size
+BT = 64  # the default chunk size (fla's)
+CHUNK_SIZES = (16, 32, 64)  # the chunk sizes the kernels take (fla's set)
 
 
 class SegPlan(NamedTuple):
@@ -37,6 +39,7 @@ class ChunkPlan(NamedTuple):
     batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``."""
 
     cfg: ChunkConfig
+    BT: int  # chunk size (one of CHUNK_SIZES)
     N: int  # sequences
     seq_cu: tuple[int, ...]  # token bounds of the sequences in the flattened [B·T] rows, N+1 values
     cu: torch.Tensor | None  # [N+1] cu_seqlens as the kernels read it (contiguous), None for dense inputs
@@ -89,8 +92,9 @@ def host_cu_seqlens(cu_seqlens_cpu, n: int, T: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=32)
-def _chunk_index(seq_cu: tuple[int, ...], device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """Varlen chunk programs of the sequences ``seq_cu``: (NTT, cidx [NTT, 2] int32, coff [N+1] int32)."""
+def _chunk_index(seq_cu: tuple[int, ...], BT: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Varlen chunk programs of the sequences ``seq_cu`` in chunks of BT tokens: (NTT, cidx [NTT, 2] int32,
+    coff [N+1] int32)."""
     pairs, offs = [], [0]
     for n in range(len(seq_cu) - 1):
         c = cdiv(seq_cu[n + 1] - seq_cu[n], BT)
@@ -111,8 +115,8 @@ def seg_len(cfg: ChunkConfig, units: int, max_chunks: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _seg_plan(seq_cu: tuple[int, ...], L: int, device: torch.device) -> SegPlan:
-    """Split each sequence (token bounds ``seq_cu``) into segments of L chunks."""
+def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device) -> SegPlan:
+    """Split each sequence (token bounds ``seq_cu``) into segments of L chunks of BT tokens."""
     cu, rows, soff = [0], [], [0]
     row = 0
     for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True):
@@ -130,9 +134,11 @@ def _seg_plan(seq_cu: tuple[int, ...], L: int, device: torch.device) -> SegPlan:
 
 
 def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-               cu_host: list[int] | None = None) -> ChunkPlan:
-    """The plan of a call with q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and ``cu_seqlens`` (or None). ``cu_host``:
-    ``read_cu_seqlens``' copy where the caller has it; otherwise cu_seqlens is read here."""
+               cu_host: list[int] | None = None, chunk_size: int = BT) -> ChunkPlan:
+    """The plan of a call with q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and ``cu_seqlens`` (or None), in chunks of
+    ``chunk_size`` tokens (one of ``CHUNK_SIZES``). ``cu_host``: ``read_cu_seqlens``' copy where the caller has it;
+    otherwise cu_seqlens is read here."""
+    BT = chunk_size
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     cfg = select_config("gdn_chunk", config_key(K, V), device=q.device)
@@ -142,9 +148,9 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         NTT, NG, cidx, coff, cu = B * NT, NT, None, None, None
     else:
         seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))
-        NTT, cidx, coff = _chunk_index(seq_cu, cu_seqlens.device)
+        NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device)
         NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
     N = len(seq_cu) - 1
     L = seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
-    seg = _seg_plan(seq_cu, L, q.device) if L else None
-    return ChunkPlan(cfg, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg)
+    seg = _seg_plan(seq_cu, L, BT, q.device) if L else None
+    return ChunkPlan(cfg, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg)

@@ -78,83 +78,131 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
-    Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BETA_SIGMOID / NEG_EIGVAL: beta
-    as ``_beta_in`` takes it. GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)``
-    (``HAS_BIAS``: with dt_bias ``[HV]``)."""
+    Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BT: 16, 32 or 64 (one, two or four
+    16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
+    GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)`` (``HAS_BIAS``: with dt_bias
+    ``[HV]``)."""
+    NB: tl.constexpr = BT // 16
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, 16)
-    t_0, t_1, t_2, t_3 = t0 + r, t0 + 16 + r, t0 + 32 + r, t0 + 48 + r
-    v0, v1, v2, v3 = t_0 < Tn, t_1 < Tn, t_2 < Tn, t_3 < Tn
-    x0, x1, x2, x3 = bos + t_0, bos + t_1, bos + t_2, bos + t_3
+    t_0 = t0 + r
+    if NB >= 2:
+        t_1 = t0 + 16 + r
+    if NB == 4:
+        t_2, t_3 = t0 + 32 + r, t0 + 48 + r
+    v0 = t_0 < Tn
+    if NB >= 2:
+        v1 = t_1 < Tn
+    if NB == 4:
+        v2, v3 = t_2 < Tn, t_3 < Tn
+    x0 = bos + t_0
+    if NB >= 2:
+        x1 = bos + t_1
+    if NB == 4:
+        x2, x3 = bos + t_2, bos + t_3
     # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
     # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
     g0 = _ld_g(g, a_log, dt_bias, x0, v0, i_hv, HV, GATE, HAS_BIAS)
-    g1 = _ld_g(g, a_log, dt_bias, x1, v1, i_hv, HV, GATE, HAS_BIAS)
-    g2 = _ld_g(g, a_log, dt_bias, x2, v2, i_hv, HV, GATE, HAS_BIAS)
-    g3 = _ld_g(g, a_log, dt_bias, x3, v3, i_hv, HV, GATE, HAS_BIAS)
+    if NB >= 2:
+        g1 = _ld_g(g, a_log, dt_bias, x1, v1, i_hv, HV, GATE, HAS_BIAS)
+    if NB == 4:
+        g2 = _ld_g(g, a_log, dt_bias, x2, v2, i_hv, HV, GATE, HAS_BIAS)
+        g3 = _ld_g(g, a_log, dt_bias, x3, v3, i_hv, HV, GATE, HAS_BIAS)
     c0 = tl.cumsum(g0, 0).to(tl.float32)
-    c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
-    c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
-    c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
+    if NB >= 2:
+        c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
+    if NB == 4:
+        c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
+        c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
     tl.store(gc + x0 * HV + i_hv, c0, mask=v0)
-    tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
-    tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
-    tl.store(gc + x3 * HV + i_hv, c3, mask=v3)
+    if NB >= 2:
+        tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
+    if NB == 4:
+        tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
+        tl.store(gc + x3 * HV + i_hv, c3, mask=v3)
     b0 = _beta_in(tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32), v0, BETA_SIGMOID, NEG_EIGVAL)
-    b1 = _beta_in(tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32), v1, BETA_SIGMOID, NEG_EIGVAL)
-    b2 = _beta_in(tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32), v2, BETA_SIGMOID, NEG_EIGVAL)
-    b3 = _beta_in(tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32), v3, BETA_SIGMOID, NEG_EIGVAL)
+    if NB >= 2:
+        b1 = _beta_in(tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32), v1, BETA_SIGMOID,
+                      NEG_EIGVAL)
+    if NB == 4:
+        b2 = _beta_in(tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32), v2, BETA_SIGMOID,
+                      NEG_EIGVAL)
+        b3 = _beta_in(tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32), v3, BETA_SIGMOID,
+                      NEG_EIGVAL)
     z = tl.zeros([16, 16], dtype=tl.float32)
-    a00, a11, a22, a33, a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z, z, z, z, z
+    a00 = z
+    if NB >= 2:
+        a11 = z
+    if NB == 4:
+        a22, a33 = z, z
+    if NB >= 2:
+        a10 = z
+    if NB == 4:
+        a20, a21, a30, a31, a32 = z, z, z, z, z
     for k0 in range(0, K, BK):
         c = k0 + tl.arange(0, BK)
         k0t = _ld16(k, x0, v0, i_h, c, H, K)
-        k1t = _ld16(k, x1, v1, i_h, c, H, K)
-        k2t = _ld16(k, x2, v2, i_h, c, H, K)
-        k3t = _ld16(k, x3, v3, i_h, c, H, K)
+        if NB >= 2:
+            k1t = _ld16(k, x1, v1, i_h, c, H, K)
+        if NB == 4:
+            k2t = _ld16(k, x2, v2, i_h, c, H, K)
+            k3t = _ld16(k, x3, v3, i_h, c, H, K)
         a00 += tl.dot(k0t, tl.trans(k0t))
-        a11 += tl.dot(k1t, tl.trans(k1t))
-        a22 += tl.dot(k2t, tl.trans(k2t))
-        a33 += tl.dot(k3t, tl.trans(k3t))
-        a10 += tl.dot(k1t, tl.trans(k0t))
-        a20 += tl.dot(k2t, tl.trans(k0t))
-        a21 += tl.dot(k2t, tl.trans(k1t))
-        a30 += tl.dot(k3t, tl.trans(k0t))
-        a31 += tl.dot(k3t, tl.trans(k1t))
-        a32 += tl.dot(k3t, tl.trans(k2t))
+        if NB >= 2:
+            a11 += tl.dot(k1t, tl.trans(k1t))
+        if NB == 4:
+            a22 += tl.dot(k2t, tl.trans(k2t))
+            a33 += tl.dot(k3t, tl.trans(k3t))
+        if NB >= 2:
+            a10 += tl.dot(k1t, tl.trans(k0t))
+        if NB == 4:
+            a20 += tl.dot(k2t, tl.trans(k0t))
+            a21 += tl.dot(k2t, tl.trans(k1t))
+            a30 += tl.dot(k3t, tl.trans(k0t))
+            a31 += tl.dot(k3t, tl.trans(k1t))
+            a32 += tl.dot(k3t, tl.trans(k2t))
     T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True), PREC)
-    T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True), PREC)
-    T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True), PREC)
-    T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True), PREC)
-    A10 = _decay(a10, v1, v0, c1, c0, b1, False)
-    A20 = _decay(a20, v2, v0, c2, c0, b2, False)
-    A21 = _decay(a21, v2, v1, c2, c1, b2, False)
-    A30 = _decay(a30, v3, v0, c3, c0, b3, False)
-    A31 = _decay(a31, v3, v1, c3, c1, b3, False)
-    A32 = _decay(a32, v3, v2, c3, c2, b3, False)
-    T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
-    T21 = -_dot32(_dot32(T22, A21, PREC), T11, PREC)
-    T32 = -_dot32(_dot32(T33, A32, PREC), T22, PREC)
-    T20 = -_dot32(T22, _dot32(A20, T00, PREC) + _dot32(A21, T10, PREC), PREC)
-    T31 = -_dot32(T33, _dot32(A31, T11, PREC) + _dot32(A32, T21, PREC), PREC)
-    T30 = -_dot32(T33, _dot32(A30, T00, PREC) + _dot32(A31, T10, PREC) + _dot32(A32, T20, PREC), PREC)
+    if NB >= 2:
+        T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True), PREC)
+    if NB == 4:
+        T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True), PREC)
+        T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True), PREC)
+    if NB >= 2:
+        A10 = _decay(a10, v1, v0, c1, c0, b1, False)
+    if NB == 4:
+        A20 = _decay(a20, v2, v0, c2, c0, b2, False)
+        A21 = _decay(a21, v2, v1, c2, c1, b2, False)
+        A30 = _decay(a30, v3, v0, c3, c0, b3, False)
+        A31 = _decay(a31, v3, v1, c3, c1, b3, False)
+        A32 = _decay(a32, v3, v2, c3, c2, b3, False)
+    if NB >= 2:
+        T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
+    if NB == 4:
+        T21 = -_dot32(_dot32(T22, A21, PREC), T11, PREC)
+        T32 = -_dot32(_dot32(T33, A32, PREC), T22, PREC)
+        T20 = -_dot32(T22, _dot32(A20, T00, PREC) + _dot32(A21, T10, PREC), PREC)
+        T31 = -_dot32(T33, _dot32(A31, T11, PREC) + _dot32(A32, T21, PREC), PREC)
+        T30 = -_dot32(T33, _dot32(A30, T00, PREC) + _dot32(A31, T10, PREC) + _dot32(A32, T20, PREC), PREC)
     Z = tl.zeros([16, 16], dtype=tl.float32)
     p = Ainv + i_hv * BT
     _store16(p, x0, v0, 0, T00, HV, BT)
-    _store16(p, x0, v0, 16, Z, HV, BT)
-    _store16(p, x0, v0, 32, Z, HV, BT)
-    _store16(p, x0, v0, 48, Z, HV, BT)
-    _store16(p, x1, v1, 0, T10, HV, BT)
-    _store16(p, x1, v1, 16, T11, HV, BT)
-    _store16(p, x1, v1, 32, Z, HV, BT)
-    _store16(p, x1, v1, 48, Z, HV, BT)
-    _store16(p, x2, v2, 0, T20, HV, BT)
-    _store16(p, x2, v2, 16, T21, HV, BT)
-    _store16(p, x2, v2, 32, T22, HV, BT)
-    _store16(p, x2, v2, 48, Z, HV, BT)
-    _store16(p, x3, v3, 0, T30, HV, BT)
-    _store16(p, x3, v3, 16, T31, HV, BT)
-    _store16(p, x3, v3, 32, T32, HV, BT)
-    _store16(p, x3, v3, 48, T33, HV, BT)
-
+    if NB >= 2:
+        _store16(p, x0, v0, 16, Z, HV, BT)
+    if NB == 4:
+        _store16(p, x0, v0, 32, Z, HV, BT)
+        _store16(p, x0, v0, 48, Z, HV, BT)
+    if NB >= 2:
+        _store16(p, x1, v1, 0, T10, HV, BT)
+        _store16(p, x1, v1, 16, T11, HV, BT)
+    if NB == 4:
+        _store16(p, x1, v1, 32, Z, HV, BT)
+        _store16(p, x1, v1, 48, Z, HV, BT)
+        _store16(p, x2, v2, 0, T20, HV, BT)
+        _store16(p, x2, v2, 16, T21, HV, BT)
+        _store16(p, x2, v2, 32, T22, HV, BT)
+        _store16(p, x2, v2, 48, Z, HV, BT)
+        _store16(p, x3, v3, 0, T30, HV, BT)
+        _store16(p, x3, v3, 16, T31, HV, BT)
+        _store16(p, x3, v3, 32, T32, HV, BT)
+        _store16(p, x3, v3, 48, T33, HV, BT)
