@@ -337,8 +337,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             FlashInfer) for initial_state, the final state, the state pool and the initial state's gradient; fla's
             ``state_v_first=True`` (and its older name ``transpose_state_layout``) is the same as ``"vk"``.
         chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
-            function at every size, rounded differently; 64 is the tuned one). fla's ``chunk_indices`` then count
-            chunks of this size.
+            function at every size, rounded differently; 64 is the tuned one; 16 not on the GPU). fla's
+            ``chunk_indices`` then count chunks of this size.
         impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
             (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
         **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
@@ -374,10 +374,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
         if d <= 0 or d > 256:
             raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
-    if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter() and min(K, V) < 16:
-        # their tiles are masked 16-wide tiles, which Triton 3.6 miscompiles on sm_90 (illegal addresses)
-        raise ValueError(f"q/v: head dims below 16 are not supported by the GPU kernels, got K={K}, V={V} "
-                         "(impl='reference' computes them)")
+    if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter():
+        # Triton 3.6 on sm_90 miscompiles masked partial 16-wide tiles (illegal addresses) and wy_bwd's 16-wide
+        # products; 16-token chunks would make every wy_bwd product 16 deep
+        if min(K, V) < 16:
+            raise ValueError(f"q/v: head dims below 16 are not supported by the GPU kernels, got K={K}, V={V} "
+                             "(impl='reference' computes them)")
+        if chunk_size == 16:
+            raise ValueError("chunk_size=16 is not supported by the GPU kernels (32 and 64 are; impl='reference' "
+                             "and the CPU interpreter take 16)")
     if T < 1 or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
