@@ -129,6 +129,25 @@ def _rope_rows(q, out, cs, pid_m, j, NT, s_qb, s_qt, s_qh, s_qd, s_ob, s_ot, s_o
     tl.store(dst + HALF + i3, (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _group_rows_dot(a_row, s_ak, w_g, s_wk, s_wn, valid, n, nm, KD: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, A_TO_W: tl.constexpr):
+    """``acc[r, c] = Σ_{k < KD} a[r, k] · w[k, n[c]]`` (fp32) for ``ROWS`` rows ``a_row`` (masked by ``valid``) and
+    one group's weight ``w_g`` (strides ``s_wk``, ``s_wn``; columns masked by ``nm``); the dot operands in a's
+    dtype, or in w's with ``A_TO_W``."""
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < KD
+        a = tl.load(a_row[:, None] + k[None, :] * s_ak, mask=valid[:, None] & km[None, :], other=0.0)
+        wt = tl.load(w_g + k[:, None] * s_wk + n[None, :] * s_wn, mask=km[:, None] & nm[None, :], other=0.0)
+        if A_TO_W:
+            acc = tl.dot(a.to(wt.dtype), wt, acc, input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(a, wt.to(a.dtype), acc, input_precision=DOT_PREC)
+    return acc
+
+
 @triton.jit(do_not_specialize=["NT", "T"])
 def gqla_absorb_q_kernel(q, w, out, cs, NT, T, s_qb, s_qt, s_qh, s_qd, s_wg, s_wd, s_wr, s_ob, s_ot, s_oh,
                          HPG: tl.constexpr, DH: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
@@ -143,14 +162,8 @@ def gqla_absorb_q_kernel(q, w, out, cs, NT, T, s_qb, s_qt, s_qh, s_qd, s_wg, s_w
     q_row = q + b * s_qb + t * s_qt + head * s_qh
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < R
-    w_g = w + j.to(tl.int64) * s_wg
-    acc = tl.zeros([TOK * HB, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, DH, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < DH
-        a = tl.load(q_row[:, None] + k[None, :] * s_qd, mask=valid[:, None] & km[None, :], other=0.0)
-        wt = tl.load(w_g + k[:, None] * s_wd + n[None, :] * s_wr, mask=km[:, None] & nm[None, :], other=0.0)
-        acc = tl.dot(a, wt.to(a.dtype), acc, input_precision=DOT_PREC)
+    acc = _group_rows_dot(q_row, s_qd, w + j.to(tl.int64) * s_wg, s_wd, s_wr, valid, n, nm, DH, TOK * HB, BLOCK_N,
+                          BLOCK_K, DOT_PREC, False)
     o_row = out + b * s_ob + t * s_ot + head * s_oh
     tl.store(o_row[:, None] + n[None, :], acc.to(out.dtype.element_ty), mask=valid[:, None] & nm[None, :])
     if HALF > 0:
@@ -172,14 +185,8 @@ def gqla_absorb_o_kernel(o, w, out, NT, T, s_ob, s_ot, s_oh, s_od, s_wg, s_wv, s
     o_row = o + b * s_ob + t * s_ot + head * s_oh
     v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     vm = v < DV
-    w_g = w + j.to(tl.int64) * s_wg
-    acc = tl.zeros([TOK * HB, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, R, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < R
-        a = tl.load(o_row[:, None] + k[None, :] * s_od, mask=valid[:, None] & km[None, :], other=0.0)
-        wt = tl.load(w_g + k[:, None] * s_wr + v[None, :] * s_wv, mask=km[:, None] & vm[None, :], other=0.0)
-        acc = tl.dot(a.to(wt.dtype), wt, acc, input_precision=DOT_PREC)
+    acc = _group_rows_dot(o_row, s_od, w + j.to(tl.int64) * s_wg, s_wr, s_wv, valid, v, vm, R, TOK * HB, BLOCK_N,
+                          BLOCK_K, DOT_PREC, True)
     dst = out + b * s_yb + t * s_yt + head * s_yh
     tl.store(dst[:, None] + v[None, :], acc.to(out.dtype.element_ty), mask=valid[:, None] & vm[None, :])
 
