@@ -60,6 +60,28 @@ def past_of(cache, ids):
     return [tuple(t.double().cpu() for t in cache.gather(s)) for s in ids]
 
 
+def check_both_paths(layer, x, pos, lat, grp, ids, dtype, name="", *, indices=None, topk_length=None):
+    """One decode step of ``x`` on the absorb path (``lat``) and the grouped path (``grp``, the same past) == the
+    float64 layer reference, within the error of torch at the same precision and path structure
+    (``impl="reference"``, on copies of the caches); both caches advance by the step's tokens."""
+    lens = lat.seqlens(ids)
+    ref = gqla_reference(layer, x, pos, past_of(lat, ids), indices=indices, topk_length=topk_length)
+    low = copy.deepcopy(layer)
+    low.impl = "reference"
+    lat_low, grp_low = copy.deepcopy(lat), copy.deepcopy(grp)
+    kw = {}
+    if indices is not None:
+        kw = dict(indices=indices.to(P.device), topk_length=None if topk_length is None else topk_length.to(P.device))
+    with torch.no_grad():
+        y_abs = layer(x, pos, lat, seq_ids=ids, **kw)
+        y_grp = layer(x, pos, grp, seq_ids=ids, **kw)
+        low_abs = low(x, pos, lat_low, seq_ids=ids, **kw)
+        low_grp = low(x, pos, grp_low, seq_ids=ids, **kw)
+    assert_close(f"absorb{name}", y_abs, ref, low_abs, dtype=dtype)
+    assert_close(f"grouped{name}", y_grp, ref, low_grp, dtype=dtype)
+    assert lat.seqlens(ids) == [n + x.shape[1] for n in lens] == grp.seqlens(ids)
+
+
 @given(B=st.integers(1, 3), g=st.sampled_from(pick([2, 4], [4, 8])), s_q=st.sampled_from([1, 2]),
        q_rank=st.sampled_from([None, pick(32, 384)]), dtype=dtypes(), seed=seeds())
 def test_absorb_equals_grouped_equals_reference(B, g, s_q, q_rank, dtype, seed):
@@ -71,19 +93,7 @@ def test_absorb_equals_grouped_equals_reference(B, g, s_q, q_rank, dtype, seed):
     assert grp.seqlens(ids) == lat.seqlens(ids)
     x = randn((B, s_q, layer.hidden_size), gg, dtype=dtype)
     pos = torch.tensor(lens)[:, None] + torch.arange(s_q)
-    ref = gqla_reference(layer, x, pos, past_of(lat, ids))
-    # torch at the same precision, same path structure (impl="reference"), on copies of the caches
-    low = copy.deepcopy(layer)
-    low.impl = "reference"
-    lat_low, grp_low = copy.deepcopy(lat), copy.deepcopy(grp)
-    with torch.no_grad():
-        y_abs = layer(x, pos, lat, seq_ids=ids)
-        y_grp = layer(x, pos, grp, seq_ids=ids)
-        low_abs = low(x, pos, lat_low, seq_ids=ids)
-        low_grp = low(x, pos, grp_low, seq_ids=ids)
-    assert_close("absorb", y_abs, ref, low_abs, dtype=dtype)
-    assert_close("grouped", y_grp, ref, low_grp, dtype=dtype)
-    assert lat.seqlens(ids) == [n + s_q for n in lens] == grp.seqlens(ids)
+    check_both_paths(layer, x, pos, lat, grp, ids, dtype)
 
 
 # (num_heads, num_groups): heads per group 3 and 1 (row tiles padded to 16), 16 (one tile), 12 / 32 on the GPU
@@ -107,18 +117,7 @@ def test_decode_kernels_on_layer_variants(B, hg, rope, kv_norm, q_rank, s_q, hig
     x = randn((B, s_q, layer.hidden_size), gg, dtype=dtype)
     start = torch.tensor(lens)[:, None] if not high else 2**31 - 1 - torch.randint(s_q, 50, (B, 1), generator=gg)
     pos = start + torch.arange(s_q)
-    ref = gqla_reference(layer, x, pos, past_of(lat, ids))
-    low = copy.deepcopy(layer)
-    low.impl = "reference"
-    lat_low, grp_low = copy.deepcopy(lat), copy.deepcopy(grp)
-    with torch.no_grad():
-        y_abs = layer(x, pos, lat, seq_ids=ids)
-        y_grp = layer(x, pos, grp, seq_ids=ids)
-        low_abs = low(x, pos, lat_low, seq_ids=ids)
-        low_grp = low(x, pos, grp_low, seq_ids=ids)
-    assert_close("absorb kernels", y_abs, ref, low_abs, dtype=dtype)
-    assert_close("grouped kernels", y_grp, ref, low_grp, dtype=dtype)
-    assert lat.seqlens(ids) == [n + s_q for n in lens] == grp.seqlens(ids)
+    check_both_paths(layer, x, pos, lat, grp, ids, dtype, " kernels")
 
 
 @given(B=st.integers(1, 3), s_q=st.sampled_from([1, 2]), topk=st.sampled_from(pick([8, 40], [64, 512])),
@@ -134,18 +133,7 @@ def test_sparse_decode_absorb_equals_grouped_equals_reference(B, s_q, topk, use_
     pos = torch.tensor(lens)[:, None] + torch.arange(s_q)
     idx = torch.randint(-3, max(lens) + s_q + 3, (B, s_q, topk), generator=gg, dtype=torch.int32)
     tl = torch.randint(0, topk + 1, (B,), generator=gg, dtype=torch.int32) if use_len else None
-    ref = gqla_reference(layer, x, pos, past_of(lat, ids), indices=idx, topk_length=tl)
-    low = copy.deepcopy(layer)
-    low.impl = "reference"
-    lat_low, grp_low = copy.deepcopy(lat), copy.deepcopy(grp)
-    kw = dict(indices=idx.to(P.device), topk_length=None if tl is None else tl.to(P.device))
-    with torch.no_grad():
-        y_abs = layer(x, pos, lat, seq_ids=ids, **kw)
-        y_grp = layer(x, pos, grp, seq_ids=ids, **kw)
-        low_abs = low(x, pos, lat_low, seq_ids=ids, **kw)
-        low_grp = low(x, pos, grp_low, seq_ids=ids, **kw)
-    assert_close("sparse absorb", y_abs, ref, low_abs, dtype=dtype)
-    assert_close("sparse grouped", y_grp, ref, low_grp, dtype=dtype)
+    check_both_paths(layer, x, pos, lat, grp, ids, dtype, " (sparse)", indices=idx, topk_length=tl)
 
 
 @given(B=st.integers(1, 2), g=st.sampled_from(pick([2, 4], [4, 8])), path=st.sampled_from(["absorb", "grouped"]),
