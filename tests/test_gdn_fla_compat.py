@@ -105,9 +105,15 @@ def test_chunk_option_types_and_chunk_indices_checks():
             call(**{name: 0})
     with pytest.raises(TypeError, match="chunk_size: expected an int"):
         call(chunk_size=64.0)
+    pool = randn((2, HV, K, V), 52)
+    keep = pool.clone()
+    idx = torch.tensor([1], dtype=torch.int32, device=P.device)
     for bad in (0, 8, 48, 128, -16):
         with pytest.raises(ValueError, match=r"chunk_size: expected one of \(16, 32, 64\)"):
             call(chunk_size=bad)
+        with pytest.raises(ValueError, match="chunk_size"), torch.no_grad():
+            call(chunk_size=bad, initial_state=pool, state_indices=idx)
+    assert torch.equal(pool, keep)
     with pytest.raises(ValueError, match=r"chunk_indices: 2 chunks, but cu_seqlens \[0, 64, 70\] has 3 chunks of 32"):
         call(cu_seqlens=cu, chunk_indices=ci, chunk_size=32)  # chunk_indices count chunks of chunk_size
     with pytest.raises(ValueError, match="chunk_indices: given without cu_seqlens"):
