@@ -506,6 +506,31 @@ def test_segment_plan():
     assert plan_mod.seg_len(cfg.replace(seg_units=0), 1, 512) == 0
 
 
+def test_wu_v_tiles_never_narrower_than_k_tiles():
+    """wu's V loop after its K loop never takes narrower tiles (Triton 3.6 on sm_90: shared reads past the allocation
+    at K 60 / V 20 with tiles 64 / 32); the tuned K = V = 128 tiles stay as the table gives them."""
+    cfg = ChunkConfig(wu_bk=64, wu_bv=64)
+    assert launch_mod.wu_tiles(cfg, 60, 20) == (64, 64)
+    assert launch_mod.wu_tiles(cfg, 32, 16) == (32, 32)
+    assert launch_mod.wu_tiles(cfg, 16, 64) == (16, 64)
+    assert launch_mod.wu_tiles(cfg, 128, 128) == (64, 64)
+    for K in (16, 24, 60, 100, 128, 200, 256):
+        for V in (16, 20, 40, 100, 128, 256):
+            bk, bv = launch_mod.wu_tiles(cfg, K, V)
+            assert bv >= bk and bk <= cfg.wu_bk
+
+
+@pytest.mark.parametrize("K", [128, 129, 200])
+def test_no_sequence_splitting_past_k_128(K):
+    """Sequence splitting chains [K, K] fp32 maps in one program: past K = 128 (a 256-wide tile) they do not fit an
+    SM's shared memory (on the H200 the chain kernel failed to launch at K = 200), so those keys are not split."""
+    q = torch.zeros(1, 64 * 40, 1, K)
+    v = torch.zeros(1, 64 * 40, 1, 32)
+    with config_override({"gdn_chunk": dict(seg_units=64, seg_below=16, seg_min=1)}):
+        plan = plan_mod.chunk_plan(q, v)
+    assert (plan.seg is not None) == (K <= plan_mod.SEG_MAX_K)
+
+
 @given(T=st.integers(1, pick(80, 300)), which=st.sampled_from(["o", "final_state"]),
        layout=st.sampled_from(["dense", "expanded", "strided"]), dtype=dtypes(), seed=seeds())
 def test_gradients_through_one_output(T, which, layout, dtype, seed):

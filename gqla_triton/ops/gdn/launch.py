@@ -19,6 +19,7 @@ from .._common.host import cdiv, next_pow2
 from .config import WY_BWD_TILES
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
+from .kernels.options import gdn_beta_in_kernel, gdn_options_bwd_kernel
 from .kernels.output import gdn_output_fwd_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
@@ -27,6 +28,8 @@ from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
 from .plan import ChunkPlan
+
+OPTIONS_BLOCK = 2048  # elements per program of the options' elementwise passes (options.py)
 
 __all__ = ["States", "chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_state_fwd", "h_rows", "mid_dtype"]
 
@@ -155,18 +158,27 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     return h, vnew, ht, split
 
 
-def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool, neg_eigval: bool):
-    """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage."""
+def wu_tiles(cfg, K: int, V: int) -> tuple[int, int]:
+    """(BK, BV) of the ``wu`` stage. Its V loop never takes narrower tiles than the K loop before it (both dots read
+    the same Ainv tile): Triton 3.6 miscompiles that on sm_90 (shared-memory reads past the allocation, seen at
+    K = 60, V = 20 with BK 64, BV 32), so a narrower V runs masked tiles as wide as BK."""
+    BK = min(cfg.wu_bk, tile(K))
+    return BK, max(min(cfg.wu_bv, tile(V)), BK)
+
+
+def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
+    """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage (beta as taken)."""
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     w = empty(B, T, HV, K, dtype=k.dtype, device=k.device)
     u = empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     dummy = k
+    BK, BV = wu_tiles(cfg, K, V)
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
-        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.wu_bk, tile(K)), BV=min(cfg.wu_bv, tile(V)),
-        IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
+        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV,
+        IS_VARLEN=plan.varlen, **cfg.launch("wu"))
     return w, u
 
 
@@ -199,11 +211,14 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
     Ainv = empty(B, T, HV, plan.BT, dtype=mid_dtype(k.dtype), device=q.device)
     if plan.NTT > 0:
+        # with fla's beta options wy also stores beta as taken (bt), which wu reads
+        bt = empty(B, T, HV, dtype=torch.float32, device=q.device) if beta_sigmoid or neg_eigval else beta
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
-            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
+            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate), bt=bt,
             **cfg.launch("wy"))
-        w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
+        w, u = _wu(k, v, bt, gc, Ainv, plan)
+        del bt
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
@@ -249,10 +264,21 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     dv = empty(v.shape, dtype=v.dtype, device=dev)
     dg = empty(g.shape, dtype=g.dtype, device=dev)
     dbeta = empty(beta.shape, dtype=beta.dtype, device=dev)
+    # fla's options: the chunk kernels run on beta as taken (bt) and give the gradients of beta as taken and of the
+    # decay in fp32 (dbt, dgl); gdn_options_bwd_kernel chains them on to the inputs at the end
+    opt_beta = beta_sigmoid or neg_eigval
+    raw_beta = beta
+    if opt_beta:
+        beta = empty(B, T, HV, dtype=torch.float32, device=dev)
+        n = beta.numel()
+        gdn_beta_in_kernel[(cdiv(n, OPTIONS_BLOCK),)](raw_beta, beta, n, BETA_SIGMOID=beta_sigmoid,
+                                                      NEG_EIGVAL=neg_eigval, BLOCK=OPTIONS_BLOCK)
+    dbt = empty(B, T, HV, dtype=torch.float32, device=dev) if opt_beta else dbeta
+    dgl = empty(B, T, HV, dtype=torch.float32, device=dev) if gate is not None else dg
     dh0 = empty(N, HV, *((V, K) if v_first else (K, V)),
                 dtype=initial_state.dtype if initial_state is not None else torch.float32, device=dev)
     if states is None:
-        w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
+        w, u = _wu(k, v, beta, gc, Ainv, plan)
         h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan, v_first=v_first)
         del u
     else:
@@ -306,16 +332,23 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
         IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
-    gate_bwd = {}
-    if gate is not None:  # every chunk program writes its two sums (rows outside the sequences add nothing)
-        gate_bwd = dict(g=g, dpar=empty(NG, B, HV, 2, dtype=torch.float32, device=dev), **_gate_args(gate))
     gdn_wy_bwd_kernel[(NG, B * HV)](
-        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
+        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
-        GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans,
-        LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
-        **gate_bwd, **cfg.launch("wy_bwd"))
+        GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, **cfg.launch("wy_bwd"))
+    if not opt_beta and gate is None:
+        return dq, dk, dv, dg, dbeta, dh0
+    R = B * T
+    BH = max(2, next_pow2(HV))
+    BR = max(1, OPTIONS_BLOCK // BH)
+    nprog = cdiv(R, BR)
+    par = empty(2, HV, nprog, dtype=torch.float32, device=dev) if gate is not None else dummy
+    gdn_options_bwd_kernel[(nprog,)](
+        raw_beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
+        gate[1] if gate is not None and gate[1] is not None else dummy, par, R, HV, BETA=opt_beta,
+        BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, GATE=gate is not None,
+        HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH)
     if gate is None:
         return dq, dk, dv, dg, dbeta, dh0
-    par = gate_bwd["dpar"].sum((0, 1))  # [HV, 2]: the chunk sums of dL/dA_log and dL/ddt_bias
-    return dq, dk, dv, dg, dbeta, dh0, par[:, 0].clone(), (par[:, 1].clone() if gate[1] is not None else None)
+    par = par.sum(-1)  # [2, HV]: the blocks' sums of dL/dA_log and dL/ddt_bias, in a fixed order
+    return dq, dk, dv, dg, dbeta, dh0, par[0].clone(), (par[1].clone() if gate[1] is not None else None)

@@ -104,6 +104,11 @@ def _chunk_index(seq_cu: tuple[int, ...], BT: int, device: torch.device) -> tupl
     return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device)
 
 
+# sequence splitting chains [K, K] fp32 segment maps in one program: at K 256 such a map alone (256 KiB) is more than
+# an H100 / H200 SM's shared memory, so longer keys keep one sequential program per sequence
+SEG_MAX_K = 128
+
+
 def seg_len(cfg: ChunkConfig, units: int, max_chunks: int) -> int:
     """Chunks per segment for sequence splitting, or 0 to keep one sequential program per sequence: split when the
     (sequence x value head) units are fewer than ``seg_below``, into about ``seg_units`` units in all, with
@@ -152,5 +157,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
     N = len(seq_cu) - 1
     L = seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
+    if K > SEG_MAX_K:
+        L = 0
     seg = _seg_plan(seq_cu, L, BT, q.device) if L else None
     return ChunkPlan(cfg, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg)

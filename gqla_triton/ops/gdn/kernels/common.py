@@ -105,10 +105,14 @@ def _beta_in(b, mask, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
 
 @triton.jit
 def _dbeta_out(db, b, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """The gradient of the loaded values b from db = dL/d(beta as taken, ``_beta_in``): ·s(1 − s) with
-    BETA_SIGMOID (s = sigmoid(b)), ·2 with NEG_EIGVAL."""
+    """The gradient of the loaded values from db = dL/d(beta as taken) and b = beta as taken (``_beta_in``'s
+    result: the loaded values need not stay live): ·s(1 − s) with BETA_SIGMOID (s, the sigmoid of the loaded
+    value, is b, or b/2 with NEG_EIGVAL), ·2 with NEG_EIGVAL."""
     if BETA_SIGMOID:
-        s = tl.sigmoid(b)
+        if NEG_EIGVAL:
+            s = b * 0.5
+        else:
+            s = b
         db = db * (s * (1.0 - s))
     if NEG_EIGVAL:
         db = db * 2.0
@@ -155,12 +159,26 @@ def _softplus(x):
 
 
 @triton.jit
-def _gate_in(a, a_log, dt_bias, i_hv, HAS_BIAS: tl.constexpr):
-    """fla's in-kernel gate from the raw input ``a`` (fp32 tile) of value head i_hv: (g, dg/da) with
-    ``g = -exp(A_log)·softplus(a + dt_bias)`` (``_softplus``), fp32."""
-    na = -tl.exp(tl.load(a_log + i_hv).to(tl.float32))
-    x = a
+def _gate_par(a_log, dt_bias, i_hv, HAS_BIAS: tl.constexpr, mask=None):
+    """The in-kernel gate's parameters of value head(s) i_hv (a scalar or a vector, with ``mask``): (-exp(A_log),
+    dt_bias or 0), fp32."""
+    if mask is None:
+        na = -tl.exp(tl.load(a_log + i_hv).to(tl.float32))
+    else:
+        na = -tl.exp(tl.load(a_log + i_hv, mask=mask, other=0.0).to(tl.float32))
+    bias = na * 0.0
     if HAS_BIAS:
-        x = x + tl.load(dt_bias + i_hv).to(tl.float32)
+        if mask is None:
+            bias = tl.load(dt_bias + i_hv).to(tl.float32)
+        else:
+            bias = tl.load(dt_bias + i_hv, mask=mask, other=0.0).to(tl.float32)
+    return na, bias
+
+
+@triton.jit
+def _gate_in(a, na, bias):
+    """fla's in-kernel gate from the raw input ``a`` (fp32) and ``_gate_par``'s (na, bias), broadcast against a:
+    (g, dg/da) with ``g = -exp(A_log)·softplus(a + dt_bias)`` (``_softplus``), fp32."""
+    x = a + bias
     dsp = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
     return na * _softplus(x), na * dsp

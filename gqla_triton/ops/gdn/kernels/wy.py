@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..reference import G_FLOOR
-from .common import _beta_in, _chunk_rows, _gate_in
+from .common import _beta_in, _chunk_rows, _gate_in, _gate_par
 
 _G_FLOOR = tl.constexpr(G_FLOOR)
 
@@ -47,13 +47,13 @@ def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
 
 
 @triton.jit
-def _ld_g(g, a_log, dt_bias, rows, valid, i_hv, HV, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _ld_g(g, na, bias, rows, valid, i_hv, HV, GATE: tl.constexpr):
     """g of 16 rows in fp64, floored at G_FLOOR: every fp32 decay through a floored token is 0, as for g = -inf,
-    and the cumulative sums stay finite. GATE: g holds the raw gate input (``_gate_in``); rows past the
-    sequence are 0."""
+    and the cumulative sums stay finite. GATE: g holds the raw gate input (``_gate_in`` with the parameters
+    (na, bias) of ``_gate_par``); rows past the sequence are 0."""
     x = tl.load(g + rows * HV + i_hv, mask=valid, other=0.0)
     if GATE:
-        gv, _ = _gate_in(x.to(tl.float32), a_log, dt_bias, i_hv, HAS_BIAS)
+        gv, _ = _gate_in(x.to(tl.float32), na, bias)
         x = tl.where(valid, gv, 0.0)
     x = x.to(tl.float64)
     return tl.where(x < _G_FLOOR, _G_FLOOR, x)  # not tl.maximum: on the GPU it returns the non-NaN operand
@@ -75,13 +75,13 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False, a_log=None,
-                      dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
+                      dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, bt=None):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
     Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BT: 16, 32 or 64 (one, two or four
     16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
     GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)`` (``HAS_BIAS``: with dt_bias
-    ``[HV]``)."""
+    ``[HV]``). With BETA_SIGMOID or NEG_EIGVAL, bt ``[rows, HV]`` fp32 gets beta as taken (what ``wu`` reads)."""
     NB: tl.constexpr = BT // 16
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
@@ -103,12 +103,15 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
         x2, x3 = bos + t_2, bos + t_3
     # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
     # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
-    g0 = _ld_g(g, a_log, dt_bias, x0, v0, i_hv, HV, GATE, HAS_BIAS)
+    na, bias = 0.0, 0.0
+    if GATE:  # the parameters once, for every block
+        na, bias = _gate_par(a_log, dt_bias, i_hv, HAS_BIAS)
+    g0 = _ld_g(g, na, bias, x0, v0, i_hv, HV, GATE)
     if NB >= 2:
-        g1 = _ld_g(g, a_log, dt_bias, x1, v1, i_hv, HV, GATE, HAS_BIAS)
+        g1 = _ld_g(g, na, bias, x1, v1, i_hv, HV, GATE)
     if NB == 4:
-        g2 = _ld_g(g, a_log, dt_bias, x2, v2, i_hv, HV, GATE, HAS_BIAS)
-        g3 = _ld_g(g, a_log, dt_bias, x3, v3, i_hv, HV, GATE, HAS_BIAS)
+        g2 = _ld_g(g, na, bias, x2, v2, i_hv, HV, GATE)
+        g3 = _ld_g(g, na, bias, x3, v3, i_hv, HV, GATE)
     c0 = tl.cumsum(g0, 0).to(tl.float32)
     if NB >= 2:
         c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
@@ -130,6 +133,13 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       NEG_EIGVAL)
         b3 = _beta_in(tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32), v3, BETA_SIGMOID,
                       NEG_EIGVAL)
+    if BETA_SIGMOID or NEG_EIGVAL:
+        tl.store(bt + x0 * HV + i_hv, b0, mask=v0)
+        if NB >= 2:
+            tl.store(bt + x1 * HV + i_hv, b1, mask=v1)
+        if NB == 4:
+            tl.store(bt + x2 * HV + i_hv, b2, mask=v2)
+            tl.store(bt + x3 * HV + i_hv, b3, mask=v3)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a00 = z
     if NB >= 2:

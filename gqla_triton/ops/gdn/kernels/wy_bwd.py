@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _beta_in, _chunk_rows, _dbeta_out, _gate_in
+from .common import _chunk_rows
 from .gva import _gva_program, _head_arrive, _head_pass, _head_publish, _head_wait
 
 
@@ -64,30 +64,22 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
-                      g=None, a_log=None, dt_bias=None, dpar=None, GATE: tl.constexpr = False,
-                      HAS_BIAS: tl.constexpr = False):
+                      IS_VARLEN: tl.constexpr):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
     added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer.
-    LATE_WAIT: see the comment at the dk loop. BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it; dbeta is
-    the gradient of the beta input (``_dbeta_out``). GATE: g is the raw gate input a of ``_gate_in``: dg holds
-    dL/da, and dpar ``[chunk programs, B·HV, 2]`` fp32 each chunk's sums of dL/dA_log and dL/ddt_bias (summed by
-    the launcher)."""
+    LATE_WAIT: see the comment at the dk loop. beta is beta as taken and dbeta, dg are the gradients of beta as
+    taken and of the decay: fla's beta and gate options are chained on outside this kernel (``options.py``)."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
     dt = dw.dtype.element_ty  # operand dtype of this kernel's dots: bf16, or fp32 (tf32) for fp16/fp32 inputs
     A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dt)
-    bl = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
-    b = _beta_in(bl, valid, BETA_SIGMOID, NEG_EIGVAL)
+    b = tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
     gg = tl.load(gc + x * HV + i_hv, mask=valid, other=0.0)
     eg = tl.exp(gg)
     dgl = tl.load(dgc + x * HV + i_hv, mask=valid, other=0.0)  # loaded early: no load latency at the end
-    if GATE:  # the gate input and its parameters too (only used at the end)
-        gv, dgda = _gate_in(tl.load(g + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32), a_log, dt_bias, i_hv,
-                            HAS_BIAS)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     dTT = tl.zeros([BT, BT], dtype=tl.float32)
     KK = tl.zeros([BT, BT], dtype=tl.float32)
@@ -158,15 +150,5 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     dgg += dgk
     dgg += dgl
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
-    if GATE:
-        da = rev * dgda
-        tl.store(dg + x * HV + i_hv, da.to(dg.dtype.element_ty), mask=valid)
-        # the chunk's sums (in a fixed order: deterministic) of dL/dA_log (dg/dA_log = g) and dL/ddt_bias (= dL/da)
-        p_par = dpar + (i_t.to(tl.int64) * tl.num_programs(1) + i_bh) * 2
-        tl.store(p_par, tl.sum(tl.where(valid, rev * gv, 0.0), 0))
-        tl.store(p_par + 1, tl.sum(tl.where(valid, da, 0.0), 0))
-    else:
-        tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
-    db = _dbeta_out(db, bl, BETA_SIGMOID, NEG_EIGVAL)
+    tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
-
