@@ -6,8 +6,11 @@ GDN: Qwen3-Next's linear-attention layer (hidden 2048, H 16, HV 32, K = V = 128,
 replayed in a CUDA graph of ``STEPS`` steps (the cache lengths are restored before every replay, so every
 replay decodes at the workload's length); ``attn_ms`` the attention op alone and ``proj_ms`` the layer's
 projection GEMMs alone (GQLA: q_a, q_b, kv_a, o_proj and the absorbed W_UK / W_UV products as plain bmm, or
-kv_b; GDN: in_proj and o_proj), in a graph; ``ratio = ms / (attn_ms + proj_ms)``;
-``eager_ms`` the step called eagerly. ``python -m bench.run --op layers --no-anchors`` (no anchors here).
+kv_b; GDN: in_proj and o_proj), each in a graph of its own; ``parts_ms`` the same GEMMs and the attention op
+called in the step's order in one graph (the same bytes through L2 as a step: the parts alone keep their
+operands in L2 from one call to the next, which a step, streaming every weight and the whole cache or state,
+cannot); ``ratio = ms / parts_ms`` and ``ratio_isolated = ms / (attn_ms + proj_ms)``; ``eager_ms`` the step
+called eagerly. ``python -m bench.run --op layers --no-anchors`` (no anchors here).
 """
 
 from __future__ import annotations
@@ -88,13 +91,18 @@ def _gqla(name, path, ctx):
     eager = _eager_ms(step, restore)  # first: a cache that has been in a graph trusts only its device lengths
     ms = _time_steps(step, restore)
     restore()
-    attn_ms, proj_ms = _gqla_parts(layer, cache, path, x)
-    ctx.row(f"layer_gqla_{path}", name, "gqla_triton", ms, B=B, S=S, attn_ms=attn_ms, proj_ms=proj_ms,
-            ratio=ms / (attn_ms + proj_ms), eager_ms=eager, layer=dict(GQLA))
+    attn_ms, proj_ms, parts_ms = _gqla_parts(layer, cache, path, x)
+    ctx.row(f"layer_gqla_{path}", name, "gqla_triton", ms, B=B, S=S, **_parts(ms, attn_ms, proj_ms, parts_ms),
+            eager_ms=eager, layer=dict(GQLA))
+
+
+def _parts(ms, attn_ms, proj_ms, parts_ms) -> dict:
+    return dict(attn_ms=attn_ms, proj_ms=proj_ms, parts_ms=parts_ms, ratio=ms / parts_ms,
+                ratio_isolated=ms / (attn_ms + proj_ms))
 
 
 def _gqla_parts(layer, cache, path, x):
-    """Graph times of the attention op alone and of the step's projections alone."""
+    """Graph times of the attention op alone, of the step's projections alone and of both in the step's order."""
     B = x.shape[0]
     h, dh, dR, r, g = layer.num_heads, layer.head_dim, layer.rope_dim, layer.kv_rank, layer.num_groups
     bt, sl = cache.block_table[:B], cache.cache_seqlens[:B]
@@ -118,16 +126,21 @@ def _gqla_parts(layer, cache, path, x):
     c = torch.randn(B, 1, r, device="cuda", dtype=DT)
     qa = torch.randn(B, 1, layer.q_rank, device="cuda", dtype=DT)
 
-    def proj():  # the step's GEMMs alone: q_a, q_b, kv_a, (absorb) W_UK and W_UV or (grouped) kv_b, o_proj
+    def proj(with_attn=False):  # the step's GEMMs: q_a, q_b, kv_a, (absorb) W_UK and W_UV or (grouped) kv_b, o_proj
         with torch.no_grad():
-            out = [layer.q_a_proj(x), layer.q_b_proj(qa), layer.kv_a_proj(x), layer.o_proj(o_v)]
+            out = [layer.q_a_proj(x), layer.q_b_proj(qa), layer.kv_a_proj(x)]
             if path == "absorb":
-                out += [torch.bmm(qn, w_uk), torch.bmm(o_lat, w_uv.transpose(1, 2))]
+                out.append(torch.bmm(qn, w_uk))
             else:
                 out.append(layer.kv_b_proj(c))
+            if with_attn:
+                out.append(attn())
+            if path == "absorb":
+                out.append(torch.bmm(o_lat, w_uv.transpose(1, 2)))
+            out.append(layer.o_proj(o_v))
             return out
 
-    return time_graph_ms(attn), time_graph_ms(proj)
+    return time_graph_ms(attn), time_graph_ms(proj), time_graph_ms(lambda: proj(with_attn=True))
 
 
 def _gdn(name, ctx):
@@ -163,13 +176,13 @@ def _gdn(name, ctx):
 
     o = torch.randn(B, 1, layer.value_dim, device="cuda", dtype=DT)
 
-    def proj():
+    def proj(with_attn=False):
         with torch.no_grad():
-            return layer.in_proj(x), layer.o_proj(o)
+            return layer.in_proj(x), attn() if with_attn else None, layer.o_proj(o)
 
-    attn_ms, proj_ms = time_graph_ms(attn), time_graph_ms(proj)
-    ctx.row("layer_gdn", name, "gqla_triton", ms, B=B, attn_ms=attn_ms, proj_ms=proj_ms,
-            ratio=ms / (attn_ms + proj_ms), eager_ms=eager, layer=dict(GDN))
+    attn_ms, proj_ms, parts_ms = time_graph_ms(attn), time_graph_ms(proj), time_graph_ms(lambda: proj(True))
+    ctx.row("layer_gdn", name, "gqla_triton", ms, B=B, **_parts(ms, attn_ms, proj_ms, parts_ms), eager_ms=eager,
+            layer=dict(GDN))
 
 
 def run(names, ctx, anchors=True):
