@@ -524,8 +524,8 @@ def test_wu_v_tiles_never_narrower_than_k_tiles():
 def test_no_sequence_splitting_past_k_128(K):
     """Sequence splitting chains [K, K] fp32 maps in one program: past K = 128 (a 256-wide tile) they do not fit an
     SM's shared memory (on the H200 the chain kernel failed to launch at K = 200), so those keys are not split."""
-    q = torch.zeros(1, 64 * 40, 1, K)
-    v = torch.zeros(1, 64 * 40, 1, 32)
+    q = torch.zeros(1, 64 * 40, 1, K, device=P.device)
+    v = torch.zeros(1, 64 * 40, 1, 32, device=P.device)
     with config_override({"gdn_chunk": dict(seg_units=64, seg_below=16, seg_min=1)}):
         plan = plan_mod.chunk_plan(q, v)
     assert (plan.seg is not None) == (K <= plan_mod.SEG_MAX_K)

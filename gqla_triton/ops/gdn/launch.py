@@ -166,8 +166,9 @@ def wu_tiles(cfg, K: int, V: int) -> tuple[int, int]:
     return BK, max(min(cfg.wu_bv, tile(V)), BK)
 
 
-def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
-    """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage (beta as taken)."""
+def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_eigval: bool = False):
+    """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage; ``beta_sigmoid`` /
+    ``neg_eigval``: beta as ``chunk_gdn_fwd`` takes it (the backward passes beta as taken)."""
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -178,7 +179,7 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan):
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV,
-        IS_VARLEN=plan.varlen, **cfg.launch("wu"))
+        IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
     return w, u
 
 
@@ -211,14 +212,11 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
     Ainv = empty(B, T, HV, plan.BT, dtype=mid_dtype(k.dtype), device=q.device)
     if plan.NTT > 0:
-        # with fla's beta options wy also stores beta as taken (bt), which wu reads
-        bt = empty(B, T, HV, dtype=torch.float32, device=q.device) if beta_sigmoid or neg_eigval else beta
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
-            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate), bt=bt,
+            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
-        w, u = _wu(k, v, bt, gc, Ainv, plan)
-        del bt
+        w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)

@@ -3,7 +3,8 @@ and of the gate, one elementwise pass over the ``[rows, HV]`` arrays on each sid
 
 ``wy_bwd`` runs at the register limit on sm_90: the sigmoid and the gate derivative inside it cost it 4-7 % (G1 on
 the H200), while these passes read and write a few bytes per token and head. So the backward's chunk kernels run
-their plain specialisation on beta as taken and on dL/dg; the forward takes the options inside ``wy``.
+their plain specialisation on beta as taken and on dL/dg; the forward takes the options inside ``wy`` and ``wu``
+(there, storing beta as taken for ``wu`` cost ``wy`` more than the sigmoid costs ``wu``).
 """
 
 from __future__ import annotations

@@ -75,13 +75,13 @@ def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
 def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False, a_log=None,
-                      dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, bt=None):
+                      dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
     Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BT: 16, 32 or 64 (one, two or four
     16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
     GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)`` (``HAS_BIAS``: with dt_bias
-    ``[HV]``). With BETA_SIGMOID or NEG_EIGVAL, bt ``[rows, HV]`` fp32 gets beta as taken (what ``wu`` reads)."""
+    ``[HV]``)."""
     NB: tl.constexpr = BT // 16
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
@@ -133,13 +133,6 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       NEG_EIGVAL)
         b3 = _beta_in(tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32), v3, BETA_SIGMOID,
                       NEG_EIGVAL)
-    if BETA_SIGMOID or NEG_EIGVAL:
-        tl.store(bt + x0 * HV + i_hv, b0, mask=v0)
-        if NB >= 2:
-            tl.store(bt + x1 * HV + i_hv, b1, mask=v1)
-        if NB == 4:
-            tl.store(bt + x2 * HV + i_hv, b2, mask=v2)
-            tl.store(bt + x3 * HV + i_hv, b3, mask=v3)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a00 = z
     if NB >= 2:
