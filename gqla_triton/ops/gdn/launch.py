@@ -265,18 +265,18 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     # fla's options: the chunk kernels run on beta as taken (bt) and give the gradients of beta as taken and of the
     # decay in fp32 (dbt, dgl); gdn_options_bwd_kernel chains them on to the inputs at the end
     opt_beta = beta_sigmoid or neg_eigval
-    raw_beta = beta
+    bt = beta
     if opt_beta:
-        beta = empty(B, T, HV, dtype=torch.float32, device=dev)
-        n = beta.numel()
-        gdn_beta_in_kernel[(cdiv(n, OPTIONS_BLOCK),)](raw_beta, beta, n, BETA_SIGMOID=beta_sigmoid,
-                                                      NEG_EIGVAL=neg_eigval, BLOCK=OPTIONS_BLOCK)
+        bt = empty(B, T, HV, dtype=torch.float32, device=dev)
+        n = bt.numel()
+        gdn_beta_in_kernel[(cdiv(n, OPTIONS_BLOCK),)](beta, bt, n, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
+                                                      BLOCK=OPTIONS_BLOCK)
     dbt = empty(B, T, HV, dtype=torch.float32, device=dev) if opt_beta else dbeta
     dgl = empty(B, T, HV, dtype=torch.float32, device=dev) if gate is not None else dg
     dh0 = empty(N, HV, *((V, K) if v_first else (K, V)),
                 dtype=initial_state.dtype if initial_state is not None else torch.float32, device=dev)
     if states is None:
-        w, u = _wu(k, v, beta, gc, Ainv, plan)
+        w, u = _wu(k, v, bt, gc, Ainv, plan)
         h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan, v_first=v_first)
         del u
     else:
@@ -331,7 +331,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
         IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
-        k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
+        k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
         GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, **cfg.launch("wy_bwd"))
     if not opt_beta and gate is None:
@@ -342,7 +342,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     nprog = cdiv(R, BR)
     par = empty(2, HV, nprog, dtype=torch.float32, device=dev) if gate is not None else dummy
     gdn_options_bwd_kernel[(nprog,)](
-        raw_beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
+        beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
         gate[1] if gate is not None and gate[1] is not None else dummy, par, R, HV, BETA=opt_beta,
         BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, GATE=gate is not None,
         HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH)
