@@ -384,6 +384,29 @@ def test_head_dims_of_any_size_stay_in_bounds(K, V, varlen):
     ac.assert_clean()
 
 
+@pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
+@pytest.mark.parametrize("bias,neg", [(True, False), (False, True)])
+def test_options_stay_in_bounds(bias, neg):
+    """fla's gate and beta options, forward and backward (their elementwise passes tile the value heads in a padded
+    power of two: HV = 3 here), never address past the tensors passed in, A_log and dt_bias included."""
+    from addresscheck import AddressCheck
+
+    T, H, HV, K, V = 45, 1, 3, 16, 24
+    ins = [t.float().contiguous() for t in _inputs(4, 1, T, H, HV, K, V, 2)]
+    A_log = torch.rand(HV).log().requires_grad_()
+    dt_bias = torch.randn(HV).requires_grad_() if bias else None
+    cu = torch.tensor([0, 19, T], dtype=torch.int32)
+    xs = [t.clone().requires_grad_() for t in ins]
+    do, dht = torch.randn(1, T, HV, V), torch.randn(2, HV, K, V)
+    with AddressCheck(*xs, A_log, dt_bias, do, dht, cu) as ac:
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                       use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg)
+        torch.autograd.backward([o, ht], [do, dht])
+    ac.assert_clean()
+    assert all(torch.isfinite(t.grad).all() for t in (*xs, A_log, *([dt_bias] if bias else [])))
+
+
 def test_wy_bwd_config_refuses_16_wide_tiles():
     """wy_bwd's 16-wide K or V tiles miscompile on sm_90 (Triton 3.6): no config may ask for them."""
     from gqla_triton.ops.gdn.config import ChunkConfig
