@@ -290,7 +290,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
-            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K, V <= 256 (on the GPU >= 16).
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K, V <= 256.
         g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
             float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
@@ -375,11 +375,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if d <= 0 or d > 256:
             raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
     if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter():
-        # Triton 3.6 on sm_90 miscompiles masked partial 16-wide tiles (illegal addresses) and wy_bwd's 16-wide
-        # products; 16-token chunks would make every wy_bwd product 16 deep
-        if min(K, V) < 16:
-            raise ValueError(f"q/v: head dims below 16 are not supported by the GPU kernels, got K={K}, V={V} "
-                             "(impl='reference' computes them)")
+        # Triton 3.6 on sm_90 miscompiles wy_bwd's 16-wide products; 16-token chunks would make every one 16 deep
         if chunk_size == 16:
             raise ValueError("chunk_size=16 is not supported by the GPU kernels (32 and 64 are; impl='reference' "
                              "and the CPU interpreter take 16)")
