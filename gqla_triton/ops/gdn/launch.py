@@ -24,7 +24,7 @@ from .kernels.output import gdn_output_fwd_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
 from .kernels.state_bwd import gdn_state_bwd_kernel
-from .kernels.wu import gdn_wu_fwd_kernel
+from .kernels.wu import gdn_wu_fix_kernel, gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
 from .plan import ChunkPlan
@@ -167,7 +167,8 @@ def wu_tiles(cfg, K: int, V: int) -> tuple[int, int]:
 
 
 def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_eigval: bool = False):
-    """w ``[B, T, HV, K]`` (k's dtype) and u ``[B, T, HV, V]`` (v's dtype), the ``wu`` stage; ``beta_sigmoid`` /
+    """w ``[B, T, HV, K]`` (k's dtype), u ``[B, T, HV, V]`` (v's dtype) and each chunk's non-finite inputs
+    (``[NG, B·HV]`` int32 ``VBAD_*`` bits, for the output's second launch), the ``wu`` stage; ``beta_sigmoid`` /
     ``neg_eigval``: beta as ``chunk_gdn_fwd`` takes it (the backward passes beta as taken)."""
     cfg = plan.cfg
     B, T, H, K = k.shape
@@ -176,11 +177,20 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_e
     u = empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     dummy = k
     BK, BV = wu_tiles(cfg, K, V)
-    gdn_wu_fwd_kernel[(plan.NG, B * HV)](
-        k, v, beta, gc, Ainv, w, u, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
-        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV,
-        IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
-    return w, u
+    vbad = empty(plan.NG, B * HV, dtype=torch.int32, device=k.device)
+    # then the fix over the chunks with non-finite inputs (the others return at once), unpipelined: a rare path
+    for kernel, launch in ((gdn_wu_fwd_kernel, cfg.launch("wu")), (gdn_wu_fix_kernel, _fix_launch(cfg, "wu"))):
+        kernel[(plan.NG, B * HV)](
+            k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy,
+            plan.cidx if plan.varlen else dummy, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV,
+            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **launch)
+    return w, u, vbad
+
+
+def _fix_launch(cfg, stage: str) -> dict:
+    """Launch options of a stage's second launch over the chunks with non-finite inputs: the stage's warps, one
+    stage (no software pipelining: the rare path stays clear of Triton 3.6's pipelined multi-dot miscompiles)."""
+    return {**cfg.launch(stage), "num_stages": 1}
 
 
 def _gate_args(gate: tuple | None) -> dict:
@@ -216,7 +226,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
-        w, u = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
+        w, u, vbad = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
@@ -226,9 +236,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
                                          state_indices=state_indices, v_first=v_first)
     if plan.NTT > 0:
         BV = min(cfg.out_bv, tile(V))
-        gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
-            q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
-            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, **cfg.launch("out"))
+        # every chunk, then those with a non-finite v again (the others return at once)
+        for nonfinite, launch in ((False, cfg.launch("out")), (True, _fix_launch(cfg, "out"))):
+            gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
+                q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
+                BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, NONFINITE=nonfinite,
+                **launch)
     if keep_h:
         return o, ht, gc, Ainv, States(w, h, vnew)
     return o, ht, gc, Ainv
@@ -276,7 +289,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     dh0 = empty(N, HV, *((V, K) if v_first else (K, V)),
                 dtype=initial_state.dtype if initial_state is not None else torch.float32, device=dev)
     if states is None:
-        w, u = _wu(k, v, bt, gc, Ainv, plan)
+        w, u, _ = _wu(k, v, bt, gc, Ainv, plan)
         h, vnew, _, split = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan, v_first=v_first)
         del u
     else:

@@ -55,6 +55,13 @@ def _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, cdt
     return q, k, v, g, beta, scale, initial_state, bounds, cdt
 
 
+def _live_rows(d: torch.Tensor) -> torch.Tensor:
+    """Rows of a chunk before its first bad one ``[..., C]`` bool, from ``d = beta·|k|²·gc`` per row (not finite
+    when k, beta or the cumulative decay is). The recurrence takes every later token of the sequence through the
+    bad one's state; the rows before it never see it."""
+    return (~torch.isfinite(d)).cumsum(-1) == 0
+
+
 def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm=False, cu_seqlens=None):
     """Token-by-token recurrence: ``S = exp(g_t)·S; S += beta_t·k_t (v_t − Sᵀk_t)ᵀ; o_t = scale·Sᵀq_t``.
@@ -111,19 +118,30 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
             qc, kc, vc = q[b, s:e].transpose(0, 1), k[b, s:e].transpose(0, 1), v[b, s:e].transpose(0, 1)
             gc = g[b, s:e].transpose(0, 1).to(sdt).clamp(min=G_FLOOR).cumsum(-1)  # [HV, C]
             bc = beta[b, s:e].transpose(0, 1)
-            diff = gc[:, :, None] - gc[:, None, :]
             lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
             incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(0)
-            decay_strict = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
-            decay_incl = torch.where(incl, torch.exp(torch.where(incl, diff, 0.0)), 0.0)
-            A = bc[:, :, None].to(sdt) * torch.einsum("hik,hjk->hij", kc, kc).to(sdt) * decay_strict
+            kk = torch.einsum("hik,hjk->hij", kc, kc).to(sdt)
+            # non-finite inputs: gc is NaN from the chunk's first token with a non-finite k, beta or decay on, which
+            # takes every later output and the state to NaN; the products run on the live rows' finite entries, so
+            # no NaN reaches an earlier row through a product's zeros (0·NaN)
+            live = _live_rows(torch.diagonal(kk, dim1=-2, dim2=-1) * bc.to(sdt) * gc)
+            gc = torch.where(live, gc, torch.nan)
+            diff = gc[:, :, None] - gc[:, None, :]
+            A = torch.where(lower & live[..., None], bc[:, :, None].to(sdt) * kk * torch.exp(
+                torch.where(lower, diff, 0.0)), 0.0)
             eye = torch.eye(C, dtype=sdt, device=q.device).expand(HV, C, C)
             Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True).to(cdt)
-            w = Tm @ (bc[..., None] * torch.exp(gc)[..., None] * kc).to(cdt)
-            u = Tm @ (bc[..., None] * vc)
+            w = Tm @ torch.where(live[..., None], bc[..., None] * torch.exp(gc)[..., None] * kc, 0.0).to(cdt)
+            vok = torch.isfinite(vc)
+            u = Tm @ torch.where(vok & live[..., None], bc[..., None] * vc, 0.0)
+            u = torch.where((~vok).cumsum(-2) > 0, torch.nan, u)  # a non-finite v: its column from its row on
             vn = u - w @ S.to(cdt)
-            att = (torch.einsum("hik,hjk->hij", qc, kc).to(sdt) * decay_incl).to(cdt)
-            oc = scale * ((torch.exp(gc)[..., None] * (qc @ S.to(cdt))) + att @ vn)
+            att = torch.where(incl, torch.einsum("hik,hjk->hij", qc, kc).to(sdt) * torch.exp(torch.where(
+                incl, diff, 0.0)), 0.0).to(cdt)
+            vfin = torch.isfinite(vn)
+            oc = scale * ((torch.exp(gc)[..., None] * (qc @ S.to(cdt))) + att @ torch.where(vfin, vn, 0.0))
+            # v_new is non-finite in a suffix of each column's rows: from each column's first such row on, NaN
+            oc = torch.where((~vfin).cumsum(-2) > 0, torch.nan, oc)
             o_parts[b].append((s, oc.transpose(0, 1).to(cdt)))
             gl = gc[:, -1]
             kd = (kc * torch.exp(gl[:, None] - gc)[..., None]).to(cdt)

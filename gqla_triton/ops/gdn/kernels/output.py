@@ -6,16 +6,26 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_rows, _chunk_state_row
+from .wu import VBAD_V
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
+def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, NT, H,
                           HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          NONFINITE: tl.constexpr = False):
     """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block.
     q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines). EARLY: v_new and gc are
-    loaded before that loop (their latency overlaps it) instead of after it."""
+    loaded before that loop (their latency overlaps it) instead of after it.
+
+    NONFINITE: the second launch, over the chunks ``wu`` marked in vbad (a non-finite v; the others return at
+    once). Their v_new is non-finite in a suffix of each column's rows; the product then reads the finite entries
+    only (a later row's NaN must not reach an earlier row as 0·NaN), the rows from each column's first
+    non-finite one on are NaN, and o is stored over the first launch's."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if NONFINITE:
+        if (tl.load(vbad + i_t * tl.num_programs(2) + i_bh) & VBAD_V) == 0:
+            return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     cv = i_v * BV + tl.arange(0, BV)
@@ -41,6 +51,11 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, cu, cidx, coff, scale, T, NT, H,
     P = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
     if not EARLY:
         vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
+    if NONFINITE:
+        ok = tl.abs(vn.to(tl.float32)) < float("inf")
+        vn = tl.where(ok, vn, 0.0).to(vn.dtype)
     out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
+    if NONFINITE:
+        out = tl.where(r[:, None] >= tl.min(tl.where(ok, BT, r[:, None]), 0)[None, :], float("nan"), out)
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
 

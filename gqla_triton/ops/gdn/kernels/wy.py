@@ -60,6 +60,15 @@ def _ld_g(g, na, bias, rows, valid, i_hv, HV, GATE: tl.constexpr):
 
 
 @triton.jit
+def _first_bad(acc, b, gc, t0, BT: tl.constexpr):
+    """The first chunk row of block rows t0 + 0..15 whose token has a non-finite k, beta or cumulative decay
+    (beta·|k|²·gc not finite; acc: the block's diagonal block of k kᵀ), else BT."""
+    r = tl.arange(0, 16)
+    d = tl.sum(tl.where(r[:, None] == r[None, :], acc, 0.0), 1) * b * gc
+    return tl.min(tl.where(tl.abs(d) < float("inf"), BT, t0 + r), 0)
+
+
+@triton.jit
 def _decay(acc, vi, vj, gci, gcj, bi, DIAG: tl.constexpr):
     """acc · beta_i · exp(gc_i − gc_j) on one 16x16 block of k kᵀ (strictly lower if DIAG)."""
     r = tl.arange(0, 16)
@@ -118,12 +127,6 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     if NB == 4:
         c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
         c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
-    tl.store(gc + x0 * HV + i_hv, c0, mask=v0)
-    if NB >= 2:
-        tl.store(gc + x1 * HV + i_hv, c1, mask=v1)
-    if NB == 4:
-        tl.store(gc + x2 * HV + i_hv, c2, mask=v2)
-        tl.store(gc + x3 * HV + i_hv, c3, mask=v3)
     b0 = _beta_in(tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32), v0, BETA_SIGMOID, NEG_EIGVAL)
     if NB >= 2:
         b1 = _beta_in(tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32), v1, BETA_SIGMOID,
@@ -165,20 +168,43 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
             a30 += tl.dot(k3t, tl.trans(k0t))
             a31 += tl.dot(k3t, tl.trans(k1t))
             a32 += tl.dot(k3t, tl.trans(k2t))
-    T00 = _inv16(_decay(a00, v0, v0, c0, c0, b0, True), PREC)
+    # Non-finite inputs: from the chunk's first token with a non-finite k, beta or decay (row fb) on, the recurrence
+    # is NaN. gc is stored NaN from fb on, which carries that to every output and state downstream; the inverse
+    # runs on the rows before fb (the A rows from fb on are zeroed, so no 0·NaN reaches the earlier rows). The rows
+    # of Ainv from fb on are then finite but meaningless: every consumer scales them by e^gc.
+    fb = _first_bad(a00, b0, c0, 0, BT)
     if NB >= 2:
-        T11 = _inv16(_decay(a11, v1, v1, c1, c1, b1, True), PREC)
+        fb = tl.minimum(fb, _first_bad(a11, b1, c1, 16, BT))
     if NB == 4:
-        T22 = _inv16(_decay(a22, v2, v2, c2, c2, b2, True), PREC)
-        T33 = _inv16(_decay(a33, v3, v3, c3, c3, b3, True), PREC)
+        fb = tl.minimum(fb, tl.minimum(_first_bad(a22, b2, c2, 32, BT), _first_bad(a33, b3, c3, 48, BT)))
+    l0 = v0 & (r < fb)
+    L00 = _decay(a00, l0, v0, c0, c0, b0, True)
     if NB >= 2:
-        A10 = _decay(a10, v1, v0, c1, c0, b1, False)
+        l1 = v1 & (16 + r < fb)
+        L11 = _decay(a11, l1, v1, c1, c1, b1, True)
+        A10 = _decay(a10, l1, v0, c1, c0, b1, False)
     if NB == 4:
-        A20 = _decay(a20, v2, v0, c2, c0, b2, False)
-        A21 = _decay(a21, v2, v1, c2, c1, b2, False)
-        A30 = _decay(a30, v3, v0, c3, c0, b3, False)
-        A31 = _decay(a31, v3, v1, c3, c1, b3, False)
-        A32 = _decay(a32, v3, v2, c3, c2, b3, False)
+        l2, l3 = v2 & (32 + r < fb), v3 & (48 + r < fb)
+        L22 = _decay(a22, l2, v2, c2, c2, b2, True)
+        L33 = _decay(a33, l3, v3, c3, c3, b3, True)
+        A20 = _decay(a20, l2, v0, c2, c0, b2, False)
+        A21 = _decay(a21, l2, v1, c2, c1, b2, False)
+        A30 = _decay(a30, l3, v0, c3, c0, b3, False)
+        A31 = _decay(a31, l3, v1, c3, c1, b3, False)
+        A32 = _decay(a32, l3, v2, c3, c2, b3, False)
+    nan = float("nan")
+    tl.store(gc + x0 * HV + i_hv, tl.where(t_0 - t0 < fb, c0, nan), mask=v0)
+    if NB >= 2:
+        tl.store(gc + x1 * HV + i_hv, tl.where(t_1 - t0 < fb, c1, nan), mask=v1)
+    if NB == 4:
+        tl.store(gc + x2 * HV + i_hv, tl.where(t_2 - t0 < fb, c2, nan), mask=v2)
+        tl.store(gc + x3 * HV + i_hv, tl.where(t_3 - t0 < fb, c3, nan), mask=v3)
+    T00 = _inv16(L00, PREC)
+    if NB >= 2:
+        T11 = _inv16(L11, PREC)
+    if NB == 4:
+        T22 = _inv16(L22, PREC)
+        T33 = _inv16(L33, PREC)
     if NB >= 2:
         T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
     if NB == 4:
