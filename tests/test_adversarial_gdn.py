@@ -171,3 +171,21 @@ def test_nonfinite_token_spares_the_chunks_earlier_tokens_and_other_sequences(wh
     for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), dx, dxb, strict=True):
         assert torch.equal(a[:, :50], b[:, :50]) if name != "h0" else torch.equal(a[0], b[0]), \
             f"d{name}: the clean sequence's gradient changed"
+
+
+@pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
+def test_nonfinite_fix_launches_stay_in_bounds():
+    """The second launches over chunks with non-finite inputs (odd head dims: masked tiles; varlen) address only
+    the tensors passed in and the op's own buffers, forward and backward."""
+    from addresscheck import AddressCheck
+
+    ins, cu = _problem(1, [30, 45], True, 1, 2, 24, 20)
+    ins[2][0, 40, 1, 3] = math.nan  # v: the second sequence's first chunk
+    ins[1][0, 60, 0, 5] = math.inf  # k
+    xs = [t.float().contiguous().requires_grad_() for t in ins]
+    do = torch.randn(1, 75, 2, 20)
+    with AddressCheck(*xs, do, cu) as ac:
+        o, _ = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+        torch.autograd.backward([o], [do])
+    ac.assert_clean()
+    assert o[0, 40:, 1, 3].isnan().all() and torch.isfinite(o[0, :40]).all()
