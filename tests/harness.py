@@ -90,6 +90,26 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return d / n if n > 0 else d
 
 
+
+def gdn_problem(seed: int, lens, varlen: bool, H: int, HV: int, K: int, V: int):
+    """float64 CPU inputs of the chunked GDN op for sequences ``lens``: ([q, k (unit rows), v, g in [-1, 0),
+    beta in (0.05, 0.95), h0 [N, HV, K, V]], cu_seqlens CPU int32 or None). varlen packs them (B = 1); dense gives
+    B = len(lens) rows of the longest length."""
+    g_ = gen(seed)
+    if varlen:
+        B, T = 1, sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    else:
+        B, T, cu = len(lens), max(lens), None
+    f64 = dict(dtype=torch.float64, device="cpu")
+    q = torch.nn.functional.normalize(randn((B, T, H, K), g_, **f64), dim=-1)
+    k = torch.nn.functional.normalize(randn((B, T, H, K), g_, **f64), dim=-1)
+    v = randn((B, T, HV, V), g_, **f64)
+    g = rand((B, T, HV), g_, lo=-1.0, hi=0.0, **f64)
+    beta = rand((B, T, HV), g_, lo=0.05, hi=0.95, **f64)
+    h0 = randn((len(lens), HV, K, V), g_, scale=0.5, **f64)
+    return [q, k, v, g, beta, h0], cu
+
 EPS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, pick, rand, randn, seeds
+from harness import P, assert_close, dtypes, examples, gdn_problem, pick, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,25 +29,6 @@ NONFINITE = (math.nan, math.inf, -math.inf)
 # where a bad value goes: (input, fraction of the tokens, which head / channel)
 SPOTS = st.tuples(st.sampled_from(["q", "k", "v", "g", "beta", "h0"]), st.floats(0, 0.999),
                   st.integers(0, 10**6), st.sampled_from(NONFINITE))
-
-
-def _problem(seed, lens, varlen, H, G, K, V):
-    """fp64 CPU inputs (q, k unit rows, g in [-1, 0), beta in (0, 1), h0) for sequences ``lens``: varlen packed
-    (B = 1) or as B rows of one length."""
-    g_ = gen(seed)
-    HV = H * G
-    if varlen:
-        B, T, N = 1, sum(lens), len(lens)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    else:
-        B, T, N, cu = len(lens), lens[0], len(lens), None
-    q = torch.nn.functional.normalize(randn((B, T, H, K), g_, dtype=torch.float64, device="cpu"), dim=-1)
-    k = torch.nn.functional.normalize(randn((B, T, H, K), g_, dtype=torch.float64, device="cpu"), dim=-1)
-    v = randn((B, T, HV, V), g_, dtype=torch.float64, device="cpu")
-    g = rand((B, T, HV), g_, lo=-1.0, hi=0.0, dtype=torch.float64, device="cpu")
-    beta = rand((B, T, HV), g_, lo=0.05, hi=0.95, dtype=torch.float64, device="cpu")
-    h0 = randn((N, HV, K, V), g_, dtype=torch.float64, device="cpu", scale=0.5)
-    return [q, k, v, g, beta, h0], cu
 
 
 def _spoil(ins, spots, full_decay):
@@ -104,7 +85,7 @@ def test_nonfinite_inputs_reach_what_the_recurrence_reaches(lens, varlen, G, chu
     H, K, V = 1, pick(16, 64), pick(32, 64)
     if not varlen:
         lens = [lens[0]] * len(lens)
-    ins, cu = _problem(seed, lens, varlen, H, G, K, V)
+    ins, cu = gdn_problem(seed, lens, varlen, H, H * G, K, V)
     bad = _spoil([t.to(dtype).double() if i < 5 else t.float().double() for i, t in enumerate(ins)], spots,
                  full_decay)
     over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else None
@@ -125,7 +106,7 @@ def test_nonfinite_inputs_reach_what_the_recurrence_reaches(lens, varlen, G, chu
 def test_chunked_reference_places_nonfinite_as_the_recurrence(T, G, chunk_size, spots, full_decay, seed):
     """The chunked reference (``impl="reference"``), float64: the recurrence's non-finite pattern exactly, its
     finite values to float64 rounding."""
-    ins, _ = _problem(seed, [T], False, 1, G, 16, 24)
+    ins, _ = gdn_problem(seed, [T], False, 1, G, 16, 24)
     bad = _spoil(ins, spots, full_decay)
     ro, rht = recurrent_gated_delta_rule_ref(*bad[:5], initial_state=bad[5], output_final_state=True)
     co, cht = chunk_gated_delta_rule_ref(*bad[:5], initial_state=bad[5], output_final_state=True,
@@ -144,7 +125,7 @@ def test_nonfinite_token_spares_the_chunks_earlier_tokens_and_other_sequences(wh
     first sequence); the bad sequence's outputs from token 40 on are NaN (all of them but v's column; q: row 40
     only)."""
     dtype = P.dtypes[0]
-    ins, cu = _problem(3, [50, 100], True, 1, 2, 16, 32)
+    ins, cu = gdn_problem(3, [50, 100], True, 1, 2, 16, 32)
     names = ("q", "k", "v", "g", "beta")
     bad = [t.clone() for t in ins]
     t_bad = 50 + 40
@@ -179,7 +160,7 @@ def test_nonfinite_fix_launches_stay_in_bounds():
     the tensors passed in and the op's own buffers, forward and backward."""
     from addresscheck import AddressCheck
 
-    ins, cu = _problem(1, [30, 45], True, 1, 2, 24, 20)
+    ins, cu = gdn_problem(1, [30, 45], True, 1, 2, 24, 20)
     ins[2][0, 40, 1, 3] = math.nan  # v: the second sequence's first chunk
     ins[1][0, 60, 0, 5] = math.inf  # k
     xs = [t.float().contiguous().requires_grad_() for t in ins]

@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, rand, randn, seeds
+from harness import P, assert_close, dtypes, examples, gdn_problem, gen, rand, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,20 +34,8 @@ def _split(seg):
 
 def _problem(seed, lens, varlen, HV):
     """float64 CPU inputs q, k (unit rows), v, g, beta, h0 [N, HV, K, V]; cu_seqlens (CPU int32) or None."""
-    g_ = gen(seed)
-    if varlen:
-        B, T = 1, sum(lens)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    else:
-        B, T, cu = len(lens), max(lens), None
-    N = len(lens)
-    q = torch.nn.functional.normalize(randn((B, T, H, K), g_, dtype=torch.float64, device="cpu"), dim=-1)
-    k = torch.nn.functional.normalize(randn((B, T, H, K), g_, dtype=torch.float64, device="cpu"), dim=-1)
-    v = randn((B, T, HV, V), g_, dtype=torch.float64, device="cpu")
-    g = rand((B, T, HV), g_, lo=-1.0, hi=0.0, dtype=torch.float64, device="cpu")
-    beta = rand((B, T, HV), g_, lo=0.05, hi=0.95, dtype=torch.float64, device="cpu")
-    h0 = randn((N, HV, K, V), g_, dtype=torch.float64, device="cpu", scale=0.5)
-    return [q, k, v, g, beta], h0, cu
+    ins, cu = gdn_problem(seed, lens, varlen, H, HV, K, V)
+    return ins[:5], ins[5], cu
 
 
 def _kernel(x, h0, cu, dtype, grads, **kw):

@@ -148,6 +148,14 @@ def _decay_update(S, vn, kk, gg, gl, valid):
 
 
 @triton.jit
+def _nan_from_first_bad(x, ok, BT: tl.constexpr):
+    """x ``[BT, BV]`` with each column NaN from its first row where ok is False on (a non-finite v or v_new: the
+    recurrence carries it to the column's later rows, not its earlier ones)."""
+    r = tl.arange(0, BT)
+    return tl.where(r[:, None] >= tl.min(tl.where(ok, BT, r[:, None]), 0)[None, :], float("nan"), x)
+
+
+@triton.jit
 def _softplus(x):
     """``log(1 + exp(x))`` (``x`` itself above 20, as torch's softplus), log1p-accurate for very negative x; a NaN
     stays NaN (the clamp is a select: tl.minimum would return 20 for it on the GPU)."""

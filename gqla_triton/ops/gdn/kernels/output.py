@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows, _chunk_state_row
+from .common import _chunk_rows, _chunk_state_row, _nan_from_first_bad
 from .wu import VBAD_V
 
 
@@ -56,6 +56,6 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, 
         vn = tl.where(ok, vn, 0.0).to(vn.dtype)
     out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
     if NONFINITE:
-        out = tl.where(r[:, None] >= tl.min(tl.where(ok, BT, r[:, None]), 0)[None, :], float("nan"), out)
+        out = _nan_from_first_bad(out, ok, BT)
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _beta_in, _chunk_rows
+from .common import _beta_in, _chunk_rows, _nan_from_first_bad
 
 # vbad codes (bits): the chunk has a non-finite v / rows past a non-finite k, beta or decay (gc NaN there)
 VBAD_V: tl.constexpr = tl.constexpr(1)
@@ -99,12 +99,11 @@ def _wu_rows_nonfinite(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
         wk = tl.dot(Ad, tl.where(live[:, None], kk * s[:, None], 0.0).to(Ad.dtype))
         tl.store(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], wk.to(w.dtype.element_ty), mask=mk)
-    c = tl.arange(0, BT)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
         ok = tl.abs(vv) < float("inf")
         uv = tl.dot(Ad, tl.where(ok & live[:, None], vv * b[:, None], 0.0).to(Ad.dtype))
-        uv = tl.where(c[:, None] >= tl.min(tl.where(ok, BT, c[:, None]), 0)[None, :], float("nan"), uv)
+        uv = _nan_from_first_bad(uv, ok, BT)
         tl.store(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], uv.to(u.dtype.element_ty), mask=mv)
