@@ -1,9 +1,17 @@
-"""The GQLA decode-path choice: each path's roofline time on a GPU, divided by the fraction of it our kernel
-reaches there (the ``decode_path`` entry of that GPU's config table), and the faster one wins."""
+"""The GQLA decode-path choice: each path's roofline time on a GPU, scaled by what our kernels reach there (the
+``decode_path`` entries of that GPU's config table), and the faster one wins.
+
+The table holds, per ``s_q``, the decode-attention step of both paths measured on a reference layer
+(``REF_SHAPE``: absorb projections + ``mla_decode``, or ``gqa_decode``; CUDA graphs) at the batch / length points
+``POINTS`` (``python -m gqla_triton.tune`` measures them), and a catch-all pair of kernel efficiencies. A query
+takes each path's roofline time times the measured / roofline ratio of the nearest measured point (in log batch and
+log length), so the split-KV regime of small batches, where the kernels reach different fractions of the roofline
+than at large ones, is priced by what was measured there."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import ClassVar, NamedTuple
@@ -11,25 +19,41 @@ from typing import ClassVar, NamedTuple
 from .dispatch import GPU_KEYS, DeviceInfo, device_info, is_interpreter, table_config
 from .ops._common.config import KernelConfig
 
-__all__ = ["choose_decode_path", "DecodePathChoice", "DecodePathConfig", "PATHS"]
+__all__ = ["choose_decode_path", "DecodePathChoice", "DecodePathConfig", "PATHS", "POINTS", "REF_SHAPE",
+           "step_inputs", "absorb_step", "grouped_step", "measure_points"]
 
 PATHS = ("absorb", "grouped")
+# the layer whose decode steps are measured for the table (and benchmarked by bench/gqla.py): GQLA with h_q 128,
+# g 8, d_h = d_v 128, one shared 64-wide rope key, latent rank 512; paged caches of 64 tokens, bf16
+REF_SHAPE = dict(num_heads=128, num_groups=8, head_dim=128, v_head_dim=128, rope_dim=64, kv_rank=512)
+REF_PAGE = 64
+POINTS = {  # name -> (batch, seqlen, s_q): the M shapes and the small batches where split-KV sets the time
+    "M1": (128, 4096, 1), "M2": (128, 4096, 2), "M3": (64, 8192, 1), "M4": (32, 16384, 1),
+    "P1": (1, 4096, 1), "P2": (1, 32768, 1), "P3": (8, 8192, 1), "P4": (16, 2048, 1), "P5": (32, 4096, 1),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodePathConfig(KernelConfig):
     """``decode_path``: measured fraction of each path's roofline time that our kernel reaches on this GPU (1 where
-    not measured); ``source`` says which benchmark results they come from."""
+    not measured); ``points``: rows ``[batch, seqlen, absorb_ms, grouped_ms]``, the reference layer's decode step
+    of each path measured at this entry's ``s_q`` (when present they set the choice, the efficiencies do not);
+    ``source`` says where the numbers come from."""
 
     OP: ClassVar[str] = "decode_path"
     MATCH: ClassVar[dict] = {"s_q": int}
 
     absorb_efficiency: float = 1.0
     grouped_efficiency: float = 1.0
+    points: tuple[tuple[float, ...], ...] = ()
     source: str = ""
 
     def check(self) -> None:
         self.within(("absorb_efficiency", "grouped_efficiency"), 0, 1, open_lo=True)
+        for p in self.points:
+            if len(p) != 4 or min(p[:2]) < 1 or min(p[2:]) <= 0 or not all(math.isfinite(v) for v in p):
+                raise ValueError(f"decode_path config: 'points' holds rows [batch, seqlen, absorb_ms, grouped_ms] "
+                                 f"(batch, seqlen >= 1; finite times > 0), got {list(p)}")
 
 
 class DecodePathChoice(NamedTuple):
@@ -83,7 +107,16 @@ def choose_decode_path(
     basis = f"roofline on {spec.name}"
     if kernel_efficiency:
         eff = table_config(gpu, "decode_path", {"s_q": s_q}, fallback=False)
-        if eff is not None:
+        if eff is not None and eff.points:
+            pb, ps, ms_abs, ms_grp = min(eff.points, key=lambda p: abs(math.log2(p[0] / batch))
+                                         + abs(math.log2(p[1] / seqlen)))
+            pb, ps = int(pb), int(ps)
+            ref_abs = roofline.mla_decode_model(batch=pb, seqlen=ps, s_q=s_q, **_mla_shape(REF_SHAPE)).time(spec)
+            ref_grp = roofline.gqa_decode_model(batch=pb, seqlen=ps, s_q=s_q, **_gqa_shape(REF_SHAPE)).time(spec)
+            t_abs, t_grp = t_abs * (ms_abs * 1e-3 / ref_abs), t_grp * (ms_grp * 1e-3 / ref_grp)
+            basis += (f" x measured / roofline at the nearest measured point (batch {pb}, seqlen {ps}, s_q {s_q}: "
+                      f"absorb {ms_abs:.4f} ms, grouped {ms_grp:.4f} ms)")
+        elif eff is not None:
             t_abs, t_grp = t_abs / eff.absorb_efficiency, t_grp / eff.grouped_efficiency
             basis += (f" x measured kernel efficiency (absorb {eff.absorb_efficiency:.2f}, grouped "
                       f"{eff.grouped_efficiency:.2f})")
@@ -100,3 +133,97 @@ def _mla_shape(s: Mapping[str, int]) -> dict:
 def _gqa_shape(s: Mapping[str, int]) -> dict:
     return dict(num_heads=s["num_heads"], num_groups=s["num_groups"], head_dim=s["head_dim"],
                 v_head_dim=s.get("v_head_dim", s["head_dim"]), rope_dim=s["rope_dim"])
+
+
+# ------------------------------------------------------------------------------ the measured decode steps
+def step_inputs(batch: int, seqlen: int, s_q: int, *, seed: int = 0, device="cuda") -> dict:
+    """Random bf16 inputs of one decode step of the reference layer: queries split as nope / rope, the group-indexed
+    up-projections ``w_uk`` / ``w_uv`` ``[g, d_h, r]``, the latent cache (absorb path) and the per-group K / V
+    caches with one shared rope key (grouped path) over the same shuffled block table."""
+    import torch
+
+    H, G, DH, DR, R = (REF_SHAPE[k] for k in ("num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank"))
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    pages = -(-seqlen // REF_PAGE)
+    P = batch * pages
+    return dict(
+        q_nope=torch.randn(batch, s_q, H, DH, generator=g, **bf),
+        q_rope=torch.randn(batch, s_q, H, DR, generator=g, **bf),
+        w_uk=torch.randn(G, DH, R, generator=g, **bf) * R**-0.5,
+        w_uv=torch.randn(G, DH, R, generator=g, **bf) * R**-0.5,
+        kv=torch.randn(P, REF_PAGE, 1, R + DR, generator=g, **bf),
+        k=torch.randn(P, REF_PAGE, G, DH, generator=g, **bf),
+        v=torch.randn(P, REF_PAGE, G, DH, generator=g, **bf),
+        kr=torch.randn(P, REF_PAGE, DR, generator=g, **bf),
+        bt=torch.randperm(P, device=device, generator=g).reshape(batch, pages).int(),
+        lens=torch.full((batch,), seqlen, dtype=torch.int32, device=device),
+    )
+
+
+def _scale() -> float:
+    return (REF_SHAPE["head_dim"] + REF_SHAPE["rope_dim"]) ** -0.5
+
+
+def absorb_step(x: dict):
+    """(kernel alone, whole step) callables of the absorb path: ``q_lat = W_UK[γ(i)]ᵀ q_nope`` (bmm per group) ++
+    q_rope -> ``mla_decode`` over the latent cache -> ``W_UV[γ(i)] õ``."""
+    import torch
+
+    from .ops.mla import mla_decode
+
+    H, G, DH, R = (REF_SHAPE[k] for k in ("num_heads", "num_groups", "head_dim", "kv_rank"))
+    B, s_q = x["q_nope"].shape[:2]
+
+    def absorb_q():
+        qn = x["q_nope"].view(B * s_q, G, H // G, DH).permute(1, 0, 2, 3).reshape(G, -1, DH)
+        q_lat = torch.bmm(qn, x["w_uk"]).view(G, B * s_q, H // G, R).permute(1, 0, 2, 3).reshape(B, s_q, H, R)
+        return torch.cat([q_lat, x["q_rope"]], -1)
+
+    q_full = absorb_q()
+
+    def attn():
+        return mla_decode(q_full, x["kv"], x["bt"], x["lens"], head_dim_v=R, softmax_scale=_scale())[0]
+
+    def full():
+        o = mla_decode(absorb_q(), x["kv"], x["bt"], x["lens"], head_dim_v=R, softmax_scale=_scale())[0]
+        o = o.view(B * s_q, G, H // G, R).permute(1, 0, 2, 3).reshape(G, -1, R)
+        return torch.bmm(o, x["w_uv"].transpose(1, 2))  # [G, B·s_q·H/G, d_v]
+
+    return attn, full
+
+
+def grouped_step(x: dict):
+    """(kernel alone, whole step) callables of the grouped path: q_nope ++ q_rope -> ``gqa_decode`` over the
+    per-group K / V caches and the shared rope key."""
+    import torch
+
+    from .ops.gqa import gqa_decode
+
+    q = torch.cat([x["q_nope"], x["q_rope"]], -1)
+
+    def attn():
+        return gqa_decode(q, x["k"], x["v"], x["bt"], x["lens"], k_rope_cache=x["kr"], softmax_scale=_scale())[0]
+
+    def full():
+        qq = torch.cat([x["q_nope"], x["q_rope"]], -1)
+        return gqa_decode(qq, x["k"], x["v"], x["bt"], x["lens"], k_rope_cache=x["kr"], softmax_scale=_scale())[0]
+
+    return attn, full
+
+
+def measure_points(time_ms, names=None) -> dict[int, list[list[float]]]:
+    """``{s_q: [[batch, seqlen, absorb_ms, grouped_ms], ...]}``: the whole decode step of both paths at
+    ``POINTS`` (or the ``names`` among them), each timed by ``time_ms(fn)`` (a CUDA-graph timer)."""
+    import torch
+
+    out: dict[int, list[list[float]]] = {}
+    for name in names or POINTS:
+        B, S, s_q = POINTS[name]
+        x = step_inputs(B, S, s_q)
+        ms = [time_ms(absorb_step(x)[1]), time_ms(grouped_step(x)[1])]
+        out.setdefault(s_q, []).append([B, S, round(ms[0], 5), round(ms[1], 5)])
+        del x
+        torch.cuda.empty_cache()
+    return out

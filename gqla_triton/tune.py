@@ -10,8 +10,12 @@ side by side, and measures both GQLA decode paths' efficiency against the roofli
 complete table (every op of the current one, the tuned entries replaced) that ``dispatch`` reads for this GPU:
 by default into the user config directory (``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which
 takes precedence over the shipped ``configs/<gpu>.json``. Measurements go to ``<out>.partial.json`` as they are
-made, so an interrupted run resumes where it stopped. ``--budget-minutes`` bounds the search (the best so far is
-written when it runs out).
+made, so an interrupted run resumes where it stopped. ``--budget-minutes`` bounds the search, shared among the
+targets by their number of candidates (the best so far is written when a target's share runs out). ``--jobs N`` compiles the candidates of each step in N worker processes before they are
+timed one by one in this process (Triton's on-disk cache hands the kernels over; nothing is timed while workers
+run). ``--start default`` searches from the table of GPUs without a shipped one (``configs/default.json``) instead
+of this GPU's table, and times the shipped entry beside the winner: how a run shows that the search finds a table
+as good as the shipped one from scratch.
 """
 
 from __future__ import annotations
@@ -363,80 +367,185 @@ def _floor(dtype: torch.dtype) -> float:
 
 
 def _entry(table: dict, t: Target):
+    """The entry of ``table`` whose match is the target's key, else the first that matches it, else the
+    schema's defaults."""
     for match, cfg in table.get(t.op, ()):
         if match == t.key:
             return cfg
-    return dispatch.table_config(dispatch.device_info().key, t.op, t.key) or dispatch.schema(t.op)()
+    for match, cfg in table.get(t.op, ()):
+        if all(t.key.get(k) == v for k, v in match.items()):
+            return cfg
+    return dispatch.schema(t.op)()
+
+
+START = ("table", "default")
 
 
 def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str | Path | None = None,
          space: Mapping[str, Mapping[str, tuple]] | None = None, progress: bool = True,
-         target_list: list[Target] | None = None) -> dict:
+         target_list: list[Target] | None = None, jobs: int = 0, start: str = "table") -> dict:
     """Run the search; returns ``{"table": ..., "report": [...], "path": Path}`` and writes the table to ``out``.
 
     ``space`` replaces the candidate values of some fields per op (e.g. a tiny search for tests); ``target_list``
-    replaces the targets."""
+    replaces the targets. ``jobs``: worker processes that compile each step's candidates ahead of the timing (0:
+    none). ``start``: ``"table"`` searches from this GPU's table, ``"default"`` from ``configs/default.json`` (the
+    report then also times this GPU's shipped entry, ``shipped_ms``)."""
+    if start not in START:
+        raise ValueError(f"start: expected one of {START}, got {start!r}")
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
+        raise ValueError(f"jobs: expected an int >= 0, got {jobs!r}")
     info = dispatch.device_info()
     gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"
     state = _State(path.with_name(path.name + ".partial.json"), gpu)
-    base = dispatch._load_table(info.key)
+    shipped = dispatch._load_table(info.key)
+    base = shipped if start == "table" else dispatch._load_table("default")
+    if start != "table" and info.key == "default":
+        raise ValueError(f"start='default': {info.name} has no table of its own to compare with")
     raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows] for op, rows in base.items()}
     tlist = target_list if target_list is not None else targets(ops)
-    deadline = time.monotonic() + budget_minutes * 60
+    end = time.monotonic() + budget_minutes * 60
     report = []
-    bar = _bar(sum(1 + sum(len(v) for v in (space or {}).get(t.op, t.space).values()) for t in tlist), progress)
-    for t in tlist:
-        incumbent = _entry(base, t)
-        fields = dict((space or {}).get(t.op, t.space))
-        bar.set_postfix_str(f"{t.label()}: current entry")
-        first = _measure(t, incumbent, tol=None, state=state)
-        bar.update(1)
-        if "error" in first:
-            report.append({"target": t.label(), "error": first["error"]})
-            continue
-        tol = 2 * first["err"] + _floor(_lowp())
-        best, best_rec = incumbent, first
-        for name, values in fields.items():
-            for value in values:
-                bar.update(1)
-                if time.monotonic() > deadline or getattr(best, name) == value:
-                    continue
-                try:
-                    cand = best.replace(**{name: value})
-                except ValueError:
-                    continue
-                bar.set_postfix_str(f"{t.label()}: {name}={value}")
-                rec = _measure(t, cand, tol=tol, state=state)
-                if "ms" in rec and rec["ms"] < best_rec["ms"] * 0.99:
-                    best, best_rec = cand, rec
-        if best != incumbent:  # side by side, to keep run-to-run noise out of the choice
-            a, b = _retimed(t, incumbent, best, state)
-            if not b < a * 0.99:
-                best, b = incumbent, a
-            report.append({"target": t.label(), "current_ms": a, "tuned_ms": b, "config": best.as_dict()})
-        else:
-            report.append({"target": t.label(), "current_ms": first["ms"], "tuned_ms": first["ms"],
-                           "config": best.as_dict()})
-        _set_entry(raw, t, best)
+    sizes = [1 + sum(len(v) for v in (space or {}).get(t.op, t.space).values()) for t in tlist]
+    bar = _bar(sum(sizes), progress)
+    pool = _Warmer(jobs, ops) if jobs and target_list is None else None
+    try:
+        for i, t in enumerate(tlist):
+            # each target's share of the time left, by its number of candidates (later targets are searched too)
+            now = time.monotonic()
+            t_deadline = now + max(0.0, end - now) * sizes[i] / sum(sizes[i:])
+            incumbent = _entry(base, t)
+            fields = dict((space or {}).get(t.op, t.space))
+            # every one-field change of the start entry (for the GDN op: each stage's kernel variants)
+            if pool is not None and time.monotonic() < t_deadline:
+                bar.set_postfix_str(f"{t.label()}: compiling")
+                pool.warm(t, [incumbent] + _neighbours(incumbent, fields), state)
+            bar.set_postfix_str(f"{t.label()}: current entry")
+            first = _measure(t, incumbent, tol=None, state=state)
+            bar.update(1)
+            if "error" in first:
+                report.append({"target": t.label(), "error": first["error"]})
+                continue
+            tol = 2 * first["err"] + _floor(_lowp())
+            best, best_rec = incumbent, first
+            for name, values in fields.items():
+                if pool is not None and time.monotonic() < t_deadline:
+                    pool.warm(t, _neighbours(best, {name: values}), state)
+                for value in values:
+                    bar.update(1)
+                    if time.monotonic() > t_deadline or getattr(best, name) == value:
+                        continue
+                    try:
+                        cand = best.replace(**{name: value})
+                    except ValueError:
+                        continue
+                    bar.set_postfix_str(f"{t.label()}: {name}={value}")
+                    rec = _measure(t, cand, tol=tol, state=state)
+                    if "ms" in rec and rec["ms"] < best_rec["ms"] * 0.99:
+                        best, best_rec = cand, rec
+            ref = _entry(shipped, t) if start != "table" else None
+            row = {"target": t.label()}
+            if best != incumbent or (ref is not None and ref != best):  # side by side: no run-to-run noise
+                cfgs = [incumbent, best] + ([ref] if ref is not None and ref not in (incumbent, best) else [])
+                times = _retimed(t, cfgs, state)
+                a, b = times[0], times[1]
+                if ref is not None:
+                    row["shipped_ms"] = times[cfgs.index(ref)]
+                if not b < a * 0.99:
+                    best, b = incumbent, a
+            else:
+                a = b = first["ms"]
+                if ref is not None:
+                    row["shipped_ms"] = b
+            report.append({**row, "current_ms": a, "tuned_ms": b, "config": best.as_dict()})
+            _set_entry(raw, t, best)
+    finally:
+        if pool is not None:
+            pool.close()
     bar.close()
     if ops is None or "decode_path" in ops:
-        raw["decode_path"] = [{"match": {}, "config": _decode_path_entry(info)}]
+        raw["decode_path"] = _decode_path_entries(info)
     dispatch.parse_table(raw, where=str(path))  # the table written is one dispatch accepts
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(raw, indent=1) + "\n")
     return {"table": raw, "report": report, "path": path}
 
 
-def _retimed(t: Target, incumbent, best, state: _State) -> tuple[float, float]:
-    """The current entry and the winner timed one after the other (kept in ``state`` for a resumed run)."""
-    key = f"retime|{state.key(t, incumbent)}|{json.dumps(best.as_dict(), sort_keys=True)}"
+def _retimed(t: Target, cfgs: list, state: _State) -> list[float]:
+    """The configs (the start entry, the winner, maybe the shipped entry) timed one after the other (kept in
+    ``state`` for a resumed run)."""
+    key = "retime|" + "|".join(state.key(t, c) for c in cfgs)
     hit = state.data["measured"].get(key)
     if hit is None:
-        hit = {"current": _retime(t, incumbent), "tuned": _retime(t, best)}
+        hit = [_retime(t, c) for c in cfgs]
         state.data["measured"][key] = hit
         state.path.write_text(json.dumps(state.data, indent=1))
-    return hit["current"], hit["tuned"]
+    return hit
+
+
+def _neighbours(cfg, fields: Mapping[str, tuple]) -> list:
+    """The valid configs that differ from ``cfg`` in one of ``fields``."""
+    out = []
+    for name, values in fields.items():
+        for value in values:
+            if getattr(cfg, name) == value:
+                continue
+            try:
+                out.append(cfg.replace(**{name: value}))
+            except ValueError:
+                pass
+    return out
+
+
+def _warm_one(ops: list[str] | None, label: str, op: str, cfg: dict) -> str:
+    """In a worker: run ``label``'s check and each of its calls once under ``cfg``, which compiles every kernel
+    variant they launch into Triton's cache. Returns "" or the error (the timing process records it again)."""
+    global _WORKER_TARGETS
+    if _WORKER_TARGETS is None:
+        _WORKER_TARGETS = {t.label(): t for t in targets(ops)}
+    t = _WORKER_TARGETS[label]
+    try:
+        with dispatch.config_override({op: cfg}):
+            t.check()
+            for build in t.calls:
+                build()()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        return ""
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+_WORKER_TARGETS: dict | None = None
+
+
+class _Warmer:
+    """Worker processes (spawned, one CUDA context each) that compile candidates before they are timed."""
+
+    def __init__(self, jobs: int, ops: list[str] | None):
+        import concurrent.futures
+        import multiprocessing
+
+        self.ops = ops
+        self.done: set[str] = set()
+        self.pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+
+    def warm(self, t: Target, cfgs: list, state: _State) -> None:
+        todo = {}
+        for c in cfgs:
+            key = state.key(t, c)
+            if key not in self.done and state.get(t, c) is None:
+                todo[key] = c
+        futures = [self.pool.submit(_warm_one, self.ops, t.label(), t.op, c.as_dict()) for c in todo.values()]
+        for f in futures:
+            f.exception()  # wait; a worker's error shows again when the candidate is measured
+        self.done.update(todo)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _retime(t: Target, cfg) -> float:
@@ -455,24 +564,37 @@ def _set_entry(raw: dict, t: Target, cfg) -> None:
                 {"match": dict(t.key), "config": cfg.as_dict()})
 
 
-def _decode_path_entry(info) -> dict:
-    """Measured efficiency of both decode paths at the M1 / Q1 shapes (roofline time / our CUDA-graph time)."""
+def _decode_path_entries(info) -> list[dict]:
+    """The ``decode_path`` entries: per s_q, both paths' decode steps of the reference layer measured at
+    ``decode_path.POINTS`` (CUDA graphs), then a catch-all with the kernels' efficiency at the M1 / Q1 shapes (the
+    roofline time over our CUDA-graph time) for other s_q."""
+    from . import decode_path
+
     if info.interpreter:  # no timing that means anything: the roofline alone
-        return {"absorb_efficiency": 1.0, "grouped_efficiency": 1.0, "source": "not measured (interpreter)"}
+        return [{"match": {}, "config": {"absorb_efficiency": 1.0, "grouped_efficiency": 1.0,
+                                         "source": "not measured (interpreter)"}}]
     spec = roofline.gpu_spec(info.key) if info.key in roofline.GPUS else None
+    if spec is None:
+        return [{"match": {}, "config": {"absorb_efficiency": 1.0, "grouped_efficiency": 1.0,
+                                         "source": f"no roofline spec for {info.name}"}}]
     hopper = info.capability[0] == 9
     mla = _mla_targets(False, hopper)[2 if hopper else 0]  # the dense kernel impl="auto" runs here; M1 first
     gqa = _gqa_targets(False)[0]
     t_abs = _time_ms(mla.calls[0](), True) * 1e-3
     t_grp = _time_ms(gqa.calls[0](), True) * 1e-3
     w_m, w_q = roofline.MLA_WORKLOADS["M1"], roofline.GQA_WORKLOADS["Q1"]
-    if spec is None:
-        return {"absorb_efficiency": 1.0, "grouped_efficiency": 1.0, "source": f"no roofline spec for {info.name}"}
     e_abs = min(1.0, roofline.mla_decode_model(**w_m).time(spec) / t_abs)
     e_grp = min(1.0, roofline.gqa_decode_model(**w_q).time(spec) / t_grp)
-    return {"absorb_efficiency": round(e_abs, 3), "grouped_efficiency": round(e_grp, 3),
-            "source": f"gqla_triton.tune on {info.name}: mla_decode M1 {t_abs * 1e3:.3f} ms, gqa_decode Q1 "
-                      f"{t_grp * 1e3:.3f} ms (CUDA graphs) against roofline.{spec.name}"}
+    where = f"gqla_triton.tune on {info.name}"
+    rows = [{"match": {"s_q": s_q}, "config": {
+                "absorb_efficiency": round(e_abs, 3), "grouped_efficiency": round(e_grp, 3), "points": pts,
+                "source": f"{where}: decode steps of decode_path.REF_SHAPE, CUDA graphs"}}
+            for s_q, pts in sorted(decode_path.measure_points(lambda fn: _time_ms(fn, True)).items())]
+    rows.append({"match": {}, "config": {
+        "absorb_efficiency": round(e_abs, 3), "grouped_efficiency": round(e_grp, 3),
+        "source": f"{where}: mla_decode M1 {t_abs * 1e3:.3f} ms, gqa_decode Q1 {t_grp * 1e3:.3f} ms (CUDA graphs) "
+                  f"against roofline.{spec.name}"}})
+    return rows
 
 
 class _NoBar:
@@ -500,15 +622,30 @@ def main(argv: list[str] | None = None) -> None:
                                               "decode_path (default: all)")
     ap.add_argument("--budget-minutes", type=float, default=15.0, help="bound on the search time (%(default)s)")
     ap.add_argument("--out", default=None, help="table to write (default: <user config dir>/<gpu>.json)")
+    ap.add_argument("--jobs", type=int, default=0, help="worker processes compiling candidates ahead (%(default)s)")
+    ap.add_argument("--start", choices=START, default="table",
+                    help="search from this GPU's table or from configs/default.json (%(default)s)")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o] or None
     if not dispatch.is_interpreter() and not torch.cuda.is_available():
         raise SystemExit("gqla_triton.tune needs a CUDA GPU (or TRITON_INTERPRET=1 for a dry run on the CPU)")
-    res = tune(ops, budget_minutes=args.budget_minutes, out=args.out)
-    rows = [[r["target"], f"{r['current_ms']:.4f}", f"{r['tuned_ms']:.4f}", f"{r['tuned_ms'] / r['current_ms']:.3f}"]
-            if "error" not in r else [r["target"], "-", "-", r["error"][:60]] for r in res["report"]]
-    print(roofline.format_table(["target", "current ms", "tuned ms", "tuned / current"], rows, "lrrr"))
-    print(f"wrote {res['path']}")
+    t0 = time.monotonic()
+    res = tune(ops, budget_minutes=args.budget_minutes, out=args.out, jobs=args.jobs, start=args.start)
+    ship = args.start != "table"
+    head = ["target", "start ms", "tuned ms", "tuned / start"] + (["shipped ms", "tuned / shipped"] if ship else [])
+    rows = []
+    for r in res["report"]:
+        if "error" in r:
+            rows.append([r["target"], "-", "-", r["error"][:60]] + (["-", "-"] if ship else []))
+            continue
+        row = [r["target"], f"{r['current_ms']:.4f}", f"{r['tuned_ms']:.4f}", f"{r['tuned_ms'] / r['current_ms']:.3f}"]
+        if ship:
+            row += [f"{r['shipped_ms']:.4f}", f"{r['tuned_ms'] / r['shipped_ms']:.3f}"]
+        rows.append(row)
+    print(roofline.format_table(head, rows, "l" + "r" * (len(head) - 1)))
+    print(f"wrote {res['path']} in {(time.monotonic() - t0) / 60:.1f} min")
+    report = Path(res["path"]).with_name(Path(res["path"]).name + ".report.json")
+    report.write_text(json.dumps(res["report"], indent=1) + "\n")
 
 
 if __name__ == "__main__":

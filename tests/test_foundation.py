@@ -267,3 +267,32 @@ def test_split_planner_follows_its_cost():
     assert plan_splits(2, 4096, 132, block_n=64, split_cost=5.0) < plan_splits(2, 4096, 132, block_n=64)
     with pytest.raises(ValueError, match="split_cost"):
         MLADecodeConfig(split_cost=-1.0)
+
+
+def test_choose_decode_path_prices_each_path_by_the_nearest_measured_point(monkeypatch):
+    """With measured points the choice follows the measured step of the nearest point (log batch, log length),
+    whatever the roofline says; at a measured point it is that point's faster path."""
+    shape = decode_path.REF_SHAPE
+    pts = [[1, 4096, 0.05, 0.03], [128, 4096, 0.40, 0.50]]  # grouped wins at B1, absorb at B128
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", json.dumps({"decode_path": {"points": pts}}))
+    dispatch._env_override.cache_clear()
+    try:
+        for gpu in ("h100", "h200", "h20"):
+            small = decode_path.choose_decode_path(shape, 1, gpu, batch=1, seqlen=4096)
+            big = decode_path.choose_decode_path(shape, 1, gpu, batch=128, seqlen=4096)
+            assert small.path == "grouped" and big.path == "absorb", gpu
+            assert small.absorb_s == pytest.approx(0.05e-3) and small.grouped_s == pytest.approx(0.03e-3)
+            assert "nearest measured point (batch 1, seqlen 4096" in small.reason
+            near = decode_path.choose_decode_path(shape, 1, gpu, batch=2, seqlen=5000)  # prices from B1 S4096
+            assert near.path == "grouped" and "batch 1," in near.reason
+        monkeypatch.setenv("GQLA_TRITON_CONFIG", json.dumps({"decode_path": {"points": [[1, 4096, 0.05]]}}))
+        dispatch._env_override.cache_clear()
+        with pytest.raises(ValueError, match="points"):
+            decode_path.choose_decode_path(shape, 1, "h100")
+        monkeypatch.setenv("GQLA_TRITON_CONFIG", json.dumps({"decode_path": {"points": [[0, 4096, 0.05, 0.1]]}}))
+        dispatch._env_override.cache_clear()
+        with pytest.raises(ValueError, match="points"):
+            decode_path.choose_decode_path(shape, 1, "h100")
+    finally:
+        monkeypatch.delenv("GQLA_TRITON_CONFIG")
+        dispatch._env_override.cache_clear()

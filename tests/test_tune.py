@@ -100,3 +100,39 @@ def test_user_table_takes_precedence(tmp_path, monkeypatch):
     finally:
         dispatch._load_table.cache_clear()
         dispatch._table_entry.cache_clear()
+
+
+def test_search_from_the_default_table_reports_the_shipped_entry(tmp_path, monkeypatch):
+    """``start="default"`` searches from configs/default.json and times this GPU's own entry beside the winner
+    (shipped_ms); here the interpreter's pinned table plays the shipped one."""
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 2.0 if dispatch.select_config(
+        "combine", {"D": 32}).num_warps == 8 else 1.0)
+    monkeypatch.setattr(tune, "_retime", lambda t, cfg: 2.0 if cfg.num_warps == 8 else 1.0)
+    default = dispatch._load_table("default")["combine"][-1][1]
+    res = tune.tune(["combine"], out=tmp_path / "t.json", space={"combine": {"num_warps": (2, 8)}}, progress=False,
+                    start="default")
+    r = res["report"][0]
+    assert "shipped_ms" in r and r["tuned_ms"] <= r["current_ms"]
+    assert r["config"]["num_warps"] != 8
+    assert r["config"]["elems"] == default.elems  # the fields not searched: the default table's
+
+
+@pytest.mark.parametrize("kw, msg", [({"start": "shipped"}, "start: expected"), ({"jobs": -1}, "jobs: expected"),
+                                     ({"jobs": 1.5}, "jobs: expected")])
+def test_bad_options_are_refused(kw, msg, tmp_path):
+    with pytest.raises(ValueError, match=msg):
+        tune.tune(["combine"], out=tmp_path / "t.json", progress=False, **kw)
+
+
+def test_worker_processes_compile_ahead_and_change_no_result(tmp_path, monkeypatch):
+    """``jobs``: spawned workers run each step's candidates once before they are timed here; the search and the
+    table it writes are those of a run without them."""
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0 if dispatch.select_config(
+        "combine", {"D": 32}).num_warps == 8 else 2.0)
+    monkeypatch.setattr(tune, "_retime", lambda t, cfg: 1.0 if cfg.num_warps == 8 else 2.0)
+    plain = tune.tune(["combine"], out=tmp_path / "a.json", space=SPACE, progress=False)
+    pooled = tune.tune(["combine"], out=tmp_path / "b.json", space=SPACE, progress=False, jobs=1)
+    assert [r["config"] for r in pooled["report"]] == [r["config"] for r in plain["report"]]
+    assert pooled["report"][0]["config"]["num_warps"] == 8
+    assert tune._warm_one(["combine"], "combine {}", "combine", {"num_warps": 2}) == ""
+    assert "ValueError" in tune._warm_one(["combine"], "combine {}", "combine", {"num_warps": 3})

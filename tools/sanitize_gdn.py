@@ -8,10 +8,17 @@ bf16, K = V = 128, l2-normalised q/k, initial state + final state; T in (1, 63, 
 GVA (HV = 2H), plus varlen (with an empty sequence). Each result (o, final state, all six gradients) is checked
 against the float64 recurrence with the data-derived tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2,
 so a wrong answer also fails (exit 1).
+
+Then the non-finite cases: one NaN / +inf per input (q, k, v, g, beta, initial state; g = -inf as the valid full
+decay) at a token inside a chunk, dense and varlen, K = V = 128 and the masked odd dims K = 24 / V = 20, forward
+and backward (the second launches over marked chunks run here). The output and final state must be non-finite
+exactly where the float64 recurrence is and within the tolerance above elsewhere; the gradients of the clean
+sequence must be finite.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -68,6 +75,63 @@ def case(seed, B, T, H, HV, cu=None):
     return not bad
 
 
+def spoil(ins, what, b, tok, val):
+    """Copies of ins with ``val`` at token ``tok`` of row ``b`` of input ``what`` (one channel / one entry)."""
+    bad = [t.clone() for t in ins]
+    t = bad[("q", "k", "v", "g", "beta", "h0").index(what)]
+    if what == "h0":
+        t[b, 0, 1, 2] = val
+    else:
+        t[(b, tok, 0, 0)[:t.dim()]] = val
+    return bad
+
+
+def nonfinite_case(K_, V_, what, val, varlen):
+    g = torch.Generator().manual_seed(11)
+    lens = (50, 100)
+    B, T, N = (1, sum(lens), 2) if varlen else (2, max(lens), 2)
+    cu = torch.tensor([0, 50, 150], dtype=torch.int32) if varlen else None
+    ins = [torch.nn.functional.normalize(torch.randn(B, T, 1, K_, generator=g), dim=-1),
+           torch.nn.functional.normalize(torch.randn(B, T, 1, K_, generator=g), dim=-1),
+           torch.randn(B, T, 2, V_, generator=g), -torch.rand(B, T, 2, generator=g),
+           torch.rand(B, T, 2, generator=g) * 0.9 + 0.05, torch.randn(N, 2, K_, V_, generator=g) * 0.5]
+    ins = [x.to(DTYPE).double() if i < 5 else x.double() for i, x in enumerate(ins)]
+    b, tok = (0, 90) if varlen else (1, 40)  # the second sequence, token 40 of its first chunk
+    bad = spoil(ins, what, b if what != "h0" else 1, tok, val)
+    out = run(gq.chunk_gated_delta_rule, [x.to(DTYPE) if i < 5 else x.float() for i, x in enumerate(bad)], cu, DEV)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    with torch.no_grad():
+        ref = recurrent_gated_delta_rule_ref(*bad[:5], initial_state=bad[5], output_final_state=True,
+                                             cu_seqlens=cu)
+        lp = chunk_gated_delta_rule_ref(*[x.float() for x in bad[:5]], initial_state=bad[5].float(),
+                                        output_final_state=True, cu_seqlens=cu,
+                                        compute_dtype=DTYPE if DTYPE != torch.float32 else None)
+    bad_msgs = []
+    for name, a, r, lw in zip(NAMES[:2], out[:2], ref, lp, strict=True):
+        a, fin = a.detach().cpu().double(), torch.isfinite(r)
+        if not torch.equal(torch.isfinite(a), fin):
+            bad_msgs.append(f"{name}: non-finite pattern differs from the recurrence")
+            continue
+        z = torch.zeros((), dtype=torch.float64)
+        lw = torch.where(fin & torch.isfinite(lw.double()), lw.double(), torch.where(fin, r, z))
+        e, el = rel(torch.where(fin, a, z), torch.where(fin, r, z)), rel(lw, torch.where(fin, r, z))
+        if e > 2 * el + 2e-2:
+            bad_msgs.append(f"{name}: err {e:.3g} vs torch bf16 {el:.3g}")
+    clean = (slice(0, 1), slice(0, 50)) if varlen else (slice(0, 1), slice(None))
+    for name, gr in zip(NAMES[2:7], out[2:7], strict=True):
+        if not bool(torch.isfinite(gr[clean]).all()):
+            bad_msgs.append(f"{name}: the clean sequence's gradient is not finite")
+    tag = f"nonfinite {what}={val} K={K_} V={V_} {'varlen' if varlen else 'dense'}"
+    print(("FAIL " if bad_msgs else "ok   ") + tag + ("  " + "; ".join(bad_msgs) if bad_msgs else ""), flush=True)
+    return not bad_msgs
+
+
+NONFINITE_SPOTS = (("q", math.nan), ("k", math.inf), ("k", math.nan), ("v", math.nan), ("v", -math.inf),
+                   ("g", math.nan), ("g", math.inf), ("g", -math.inf), ("beta", math.nan), ("beta", math.inf),
+                   ("h0", math.nan))
+
+
 def main() -> int:
     ok = True
     for T in (1, 63, 65, 200):
@@ -76,6 +140,9 @@ def main() -> int:
     for lens in ((0, 1, 64, 65), (63, 0, 137), (200,)):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         ok &= case(len(lens), 1, int(cu[-1]), 1, 2, cu)
+    for K_, V_ in ((128, 128), (24, 20)):
+        for i, (what, val) in enumerate(NONFINITE_SPOTS):
+            ok &= nonfinite_case(K_, V_, what, val, varlen=bool(i % 2))
     print("ALL OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -20,6 +20,8 @@ WARPS = (1, 2, 4, 8, 16)
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
+    if get_origin(tp) is tuple:  # tuple[X, ...]: a list or tuple of X (JSON gives lists)
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, get_args(tp)[0]) for v in value)
     if get_origin(tp) is Literal:
         return any(value == a and type(value) is type(a) for a in get_args(tp))
     if tp is bool:
@@ -33,7 +35,13 @@ def _type_ok(value: Any, tp: Any) -> bool:
     raise TypeError(f"unsupported config field type {tp!r}")
 
 
+def _freeze(value: Any) -> Any:
+    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is tuple:
+        return f"a list of {_type_name(get_args(tp)[0])}"
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     return tp.__name__
@@ -69,6 +77,8 @@ class KernelConfig:
             tp = _hints(type(self))[f.name]
             if not _type_ok(value, tp):
                 raise ValueError(f"{self.OP} config: field {f.name!r} expects {_type_name(tp)}, got {value!r}")
+            if isinstance(value, list):  # frozen and hashable like every other field
+                object.__setattr__(self, f.name, _freeze(value))
         self.check()
 
     @classmethod
