@@ -1,26 +1,31 @@
-"""Per-GPU tuner: ``python -m gqla_triton.tune [--ops ...] [--budget-minutes N] [--out PATH]``.
+"""Per-GPU tuner: ``python -m gqla_triton.tune [--ops ...] [--budget-minutes N] [--out PATH] [--jobs N]
+[--start table|default]``.
 
 On the GPU it runs on, for each op it searches the launch-config fields of the table entries the standard
-workloads select (coordinate descent from the current entry: one field at a time over its candidate values, the
+workloads select (coordinate descent from the start entry: one field at a time over its candidate values, the
 rest held), checks every candidate against the float64 reference before it may win (a candidate that fails to
-compile, errs, is less accurate than twice the current entry's error plus a small floor, or whose results differ
-between identical calls is dropped), times the
-survivors on the standard workloads (decode steps in CUDA graphs), re-times the winner against the current entry
-side by side, and measures both GQLA decode paths' efficiency against the roofline for the path choice. It writes a
-complete table (every op of the current one, the tuned entries replaced) that ``dispatch`` reads for this GPU:
-by default into the user config directory (``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which
-takes precedence over the shipped ``configs/<gpu>.json``. Measurements go to ``<out>.partial.json`` as they are
-made, so an interrupted run resumes where it stopped. ``--budget-minutes`` bounds the search, shared among the
-targets by their number of candidates (the best so far is written when a target's share runs out). ``--jobs N`` compiles the candidates of each step in N worker processes before they are
-timed one by one in this process (Triton's on-disk cache hands the kernels over; nothing is timed while workers
-run). ``--start default`` searches from the table of GPUs without a shipped one (``configs/default.json``) instead
-of this GPU's table, and times the shipped entry beside the winner: how a run shows that the search finds a table
-as good as the shipped one from scratch.
+compile, errs, is less accurate than twice the start entry's error plus a small floor, or whose results differ
+between identical calls is dropped), times the survivors on the standard workloads (decode steps in CUDA
+graphs), re-times the winner against the start entry side by side, and measures both GQLA decode paths' steps for
+the path choice (``decode_path.POINTS``). It writes a complete table (every op of the start one, the tuned entries
+replaced) that ``dispatch`` reads for this GPU: by default into the user config directory
+(``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which takes precedence over the shipped
+``configs/<gpu>.json``. Measurements go to ``<out>.partial.json`` as they are made, so an interrupted run resumes
+where it stopped.
+
+- ``--budget-minutes`` bounds the search, shared among the targets by their number of candidates (the best so far
+  is kept when a target's share runs out).
+- ``--jobs N`` compiles the candidates of each step in N worker processes before they are timed one by one here
+  (Triton's on-disk cache hands the kernels over; nothing is timed while workers run).
+- ``--start default`` searches from ``configs/default.json`` (the table of GPUs without one of their own) instead
+  of this GPU's table and times this GPU's shipped entry beside the winner: whether the search finds a table as
+  good as the shipped one from scratch.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import time
@@ -502,6 +507,7 @@ def _warm_one(ops: list[str] | None, label: str, op: str, cfg: dict) -> str:
     variant they launch into Triton's cache. Returns "" or the error (the timing process records it again)."""
     global _WORKER_TARGETS
     if _WORKER_TARGETS is None:
+        torch.set_num_threads(1)  # the workers' float64 references must not oversubscribe the CPUs compiling
         _WORKER_TARGETS = {t.label(): t for t in targets(ops)}
     t = _WORKER_TARGETS[label]
     try:
@@ -525,8 +531,9 @@ _WORKER_TARGETS: dict | None = None
 class _Warmer:
     """Worker processes (spawned, one CUDA context each) that compile candidates before they are timed."""
 
+    step_timeout = 180.0  # seconds one warm step may take
+
     def __init__(self, jobs: int, ops: list[str] | None):
-        import concurrent.futures
         import multiprocessing
 
         self.ops = ops
@@ -540,8 +547,9 @@ class _Warmer:
             if key not in self.done and state.get(t, c) is None:
                 todo[key] = c
         futures = [self.pool.submit(_warm_one, self.ops, t.label(), t.op, c.as_dict()) for c in todo.values()]
-        for f in futures:
-            f.exception()  # wait; a worker's error shows again when the candidate is measured
+        # a worker's error shows again when the candidate is measured; a candidate still compiling after the
+        # step's time limit is compiled by the timing process itself
+        concurrent.futures.wait(futures, timeout=self.step_timeout)
         self.done.update(todo)
 
     def close(self) -> None:
