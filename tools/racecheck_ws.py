@@ -6,13 +6,11 @@
 
 A Gluon kernel of three partitions (4 + 4 + 4 warps) that share nothing: each loads 128 floats and stores them
 shifted to its own slice of ``out``. With ``smem`` / ``mbarrier`` the default warps first write shared memory (a
-buffer the partitions read after the ``gl.warp_specialize`` entry / one mbarrier initialised there). Then Triton
-puts a barrier of the default warpgroup (``bar.sync 0, 128``) before the entry, and racecheck reports a RAW hazard
-between the default warps' store of the workers' partition-state byte and the workers' load of it. Those two are
-ordered by the all-thread ``bar.sync 1`` of the entry protocol (see the SASS: ``BAR.SYNC 0x1`` between them), so
-the report is the tool's, not a race; the hazards racecheck reports in ``mla_decode_gluon_kernel`` are the same
-pair of instructions (that kernel writes the query tile and its mbarriers before the entry). Exits 1 on a wrong
-result.
+buffer the partitions read after the ``gl.warp_specialize`` entry / one mbarrier initialised there), and racecheck
+reports a hazard in the entry code. In ``mla_decode_gluon_kernel``, which initialises its mbarriers and writes its
+query tile there, the reported pair is the default warps' store of each worker warp's partition-state byte and the
+worker's load of it, ordered by the all-thread barrier of the entry protocol (``BAR.SYNC 0x1`` between them in the
+SASS): the report is the tool's, not a race. Exits 1 on a wrong result.
 """
 
 from __future__ import annotations
