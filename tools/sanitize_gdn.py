@@ -1,6 +1,6 @@
 """``gq.chunk_gated_delta_rule`` forward + backward over small edge-case shapes, for ``compute-sanitizer``.
 
-    compute-sanitizer --tool memcheck python -m tools.sanitize_gdn [--cases all|finite|nonfinite]
+    compute-sanitizer --tool memcheck python -m tools.sanitize_gdn [--cases all|finite|nonfinite] [--dims ...]
                                                                         (also: --tool racecheck / initcheck)
 
 must report 0 errors and exit 0. Without a GPU, ``TRITON_INTERPRET=1 python -m tools.sanitize_gdn`` runs the same
@@ -138,12 +138,16 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", choices=("all", "finite", "nonfinite"), default="all")
-    which = ap.parse_args(argv).cases
+    ap.add_argument("--dims", choices=("all", "128", "odd"), default="all",
+                    help="head dims of the non-finite cases: K = V = 128, K 24 / V 20 (masked tiles), or both")
+    args = ap.parse_args(argv)
+    which = args.cases
+    dims = {"all": ((128, 128), (24, 20)), "128": ((128, 128),), "odd": ((24, 20),)}[args.dims]
     ok = True
     if which != "nonfinite":
         ok &= finite_cases()
     if which != "finite":
-        for K_, V_ in ((128, 128), (24, 20)):
+        for K_, V_ in dims:
             for i, (what, val) in enumerate(NONFINITE_SPOTS):
                 ok &= nonfinite_case(K_, V_, what, val, varlen=bool(i % 2))
     print("ALL OK" if ok else "MISMATCH")
