@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 
 from gqla_triton.layers import GatedDeltaNet
 
-transformers = pytest.importorskip("transformers", minversion="5.24")  # optional; its linear-attention cache API
+# optional; 5.17 is the first release with DynamicCache's linear-attention layers (what the H200 machine has)
+transformers = pytest.importorskip("transformers", minversion="5.17")
+import inspect  # noqa: E402
+
 from transformers import Qwen3NextConfig  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet  # noqa: E402
@@ -57,10 +60,21 @@ def _ours(hf, impl, dtype):
     return GatedDeltaNet.from_hf(hf, impl=impl, dtype=dtype)
 
 
+# transformers renamed the layer's cache argument (cache_params before 5.24, cache after)
+_HF_CACHE_KW = "cache" if "cache" in inspect.signature(Qwen3NextGatedDeltaNet.forward).parameters else "cache_params"
+
+
+def _hf_states(cache):
+    """(conv state, recurrent state) of layer 0 of transformers' cache (``get_conv_state`` from 5.24 on)."""
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(0), cache.get_recurrent_state(0)
+    return cache.layers[0].conv_states[0], cache.layers[0].recurrent_states[0]
+
+
 def _run(layer, xs, cache):
     """Outputs of ``layer`` over the chunks ``xs`` ([B, t, hidden] each) in order, through ``cache``."""
     with torch.no_grad():
-        return [layer(x, cache=cache) if isinstance(layer, Qwen3NextGatedDeltaNet) else layer(x, cache)
+        return [layer(x, **{_HF_CACHE_KW: cache}) if isinstance(layer, Qwen3NextGatedDeltaNet) else layer(x, cache)
                 for x in xs]
 
 
@@ -117,7 +131,7 @@ def test_cached_decode_matches_transformers(T, H, G, dtype, seed):
         assert_close(f"ours (reference impl) {what}", ol, o64, oh, dtype=dtype)
         assert_close(f"ours (triton) {what}", o, o64, oh, dtype=dtype)
     conv64, rec64 = c64.hf_states()
-    hf_conv, hf_rec = hf_cache.get_conv_state(0), hf_cache.get_recurrent_state(0)
+    hf_conv, hf_rec = _hf_states(hf_cache)
     for name, c in (("triton", cache), ("reference impl", c_lp)):
         conv, rec = c.hf_states()
         assert tuple(conv.shape) == tuple(hf_conv.shape)
@@ -148,7 +162,7 @@ def test_cache_states_carry_across_implementations(T, dtype, seed):
     hf_cache2 = DynamicCache(config=cfg)
     _run(hf, xs[:1], hf_cache2)
     cache = m.init_cache(B + 1)
-    cache.load_hf_states(hf_cache2.get_conv_state(0), hf_cache2.get_recurrent_state(0), slots=[2, 0], seqlen=T)
+    cache.load_hf_states(*_hf_states(hf_cache2), slots=[2, 0], seqlen=T)
     assert cache.holds() == [True, False, True]
     cache.slots = [2, 0]
     out = _run(m, xs[1:], cache)

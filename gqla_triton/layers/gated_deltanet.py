@@ -327,9 +327,10 @@ class GatedDeltaNetCache:
                        seqlen: int = 0) -> None:
         """Take over the states of a transformers linear-attention cache (Qwen3-Next) into host ``slots``.
 
-        ``conv_state [n, conv_dim, W']`` (``Cache.get_conv_state(layer_idx)``: transformers keeps the last
-        ``W' = conv_size`` pre-conv inputs; the last ``conv_size - 1`` of them, all a next token's conv reads, are
-        kept, so ``W' >= conv_size - 1``), ``recurrent_state [n, HV, K, V]`` (``get_recurrent_state``), both on the
+        ``conv_state [n, conv_dim, W']`` (``Cache.get_conv_state(layer_idx)``, before transformers 5.24
+        ``cache.layers[layer_idx].conv_states[0]``: transformers keeps the last ``W' = conv_size`` pre-conv inputs;
+        the last ``conv_size - 1`` of them, all a next token's conv reads, are kept, so ``W' >= conv_size - 1``),
+        ``recurrent_state [n, HV, K, V]`` (``get_recurrent_state``, or ``.recurrent_states[0]``), both on the
         cache's device, any float dtype (cast to the rows' dtypes). ``slots``: host slot ids (default ``0..n-1``).
         The slots then hold a state (the next call on them is a decode step or a continued prefill) and their
         ``seqlens`` become ``seqlen`` (transformers' linear cache does not count tokens). Both tensors are checked
