@@ -15,8 +15,9 @@ where it stopped.
 
 - ``--budget-minutes`` bounds the search, shared among the targets by their number of candidates (the best so far
   is kept when a target's share runs out).
-- ``--jobs N`` compiles the candidates of each step in N worker processes before they are timed one by one here
-  (Triton's on-disk cache hands the kernels over; nothing is timed while workers run).
+- ``--jobs N`` compiles candidates in N worker processes before they are timed one by one here (Triton's on-disk
+  cache hands the kernels over): first every target's start entry and its one-field changes in one wave (at most
+  0.4 of the budget), then each step's new candidates; the timing waits for them (a step at most 180 s).
 - ``--start default`` searches from ``configs/default.json`` (the table of GPUs without one of their own) instead
   of this GPU's table and times this GPU's shipped entry beside the winner: whether the search finds a table as
   good as the shipped one from scratch.
@@ -415,6 +416,10 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     bar = _bar(sum(sizes), progress)
     pool = _Warmer(jobs, ops) if jobs and target_list is None else None
     try:
+        if pool is not None:  # one wave over every target: each start entry and its one-field changes
+            bar.set_postfix_str("compiling")
+            pool.warm([(t, [_entry(base, t)] + _neighbours(_entry(base, t), (space or {}).get(t.op, t.space)))
+                       for t in tlist], state, timeout=max(60.0, 0.4 * budget_minutes * 60))
         for i, t in enumerate(tlist):
             # each target's share of the time left, by its number of candidates (later targets are searched too)
             now = time.monotonic()
@@ -424,7 +429,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
             # every one-field change of the start entry (for the GDN op: each stage's kernel variants)
             if pool is not None and time.monotonic() < t_deadline:
                 bar.set_postfix_str(f"{t.label()}: compiling")
-                pool.warm(t, [incumbent] + _neighbours(incumbent, fields), state)
+                pool.warm([(t, [incumbent] + _neighbours(incumbent, fields))], state)
             bar.set_postfix_str(f"{t.label()}: current entry")
             first = _measure(t, incumbent, tol=None, state=state)
             bar.update(1)
@@ -435,7 +440,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
             best, best_rec = incumbent, first
             for name, values in fields.items():
                 if pool is not None and time.monotonic() < t_deadline:
-                    pool.warm(t, _neighbours(best, {name: values}), state)
+                    pool.warm([(t, _neighbours(best, {name: values}))], state)
                 for value in values:
                     bar.update(1)
                     if time.monotonic() > t_deadline or getattr(best, name) == value:
@@ -540,16 +545,21 @@ class _Warmer:
         self.done: set[str] = set()
         self.pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
 
-    def warm(self, t: Target, cfgs: list, state: _State) -> None:
+    def warm(self, work: list[tuple[Target, list]], state: _State, *, timeout: float | None = None) -> None:
+        """Run each (target, configs) pair's configs not measured or warmed yet, and wait (at most ``timeout``
+        seconds, default ``step_timeout``)."""
         todo = {}
-        for c in cfgs:
-            key = state.key(t, c)
-            if key not in self.done and state.get(t, c) is None:
-                todo[key] = c
-        futures = [self.pool.submit(_warm_one, self.ops, t.label(), t.op, c.as_dict()) for c in todo.values()]
+        for t, cfgs in work:
+            for c in cfgs:
+                key = state.key(t, c)
+                if key not in self.done and state.get(t, c) is None:
+                    todo[key] = (t, c)
+        futures = [self.pool.submit(_warm_one, self.ops, t.label(), t.op, c.as_dict()) for t, c in todo.values()]
         # a worker's error shows again when the candidate is measured; a candidate still compiling after the
-        # step's time limit is compiled by the timing process itself
-        concurrent.futures.wait(futures, timeout=self.step_timeout)
+        # time limit is compiled by the timing process itself
+        concurrent.futures.wait(futures, timeout=self.step_timeout if timeout is None else timeout)
+        for f in futures:
+            f.cancel()  # those not started yet: the timing must not share the GPU with the workers
         self.done.update(todo)
 
     def close(self) -> None:
