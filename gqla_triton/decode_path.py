@@ -91,7 +91,13 @@ def choose_decode_path(
     GPU (``DecodePathConfig``); ``kernel_efficiency=False`` compares the hardware bounds alone.
     """
     from . import roofline
+    from .ops._common.validation import check_flag, check_positive_int
 
+    _check_layer_shape(layer_shape)
+    s_q, batch, seqlen = (check_positive_int(n, v) for n, v in (("s_q", s_q), ("batch", batch), ("seqlen", seqlen)))
+    kernel_efficiency = check_flag("kernel_efficiency", kernel_efficiency)
+    if override is not None and override not in PATHS:
+        raise ValueError(f"override: expected None or one of {PATHS}, got {override!r}")
     if isinstance(device_info, DeviceInfo):
         gpu = device_info.key
     elif isinstance(device_info, str):
@@ -124,6 +130,28 @@ def choose_decode_path(
         return DecodePathChoice(forced, t_abs, t_grp, spec.name, "override")
     path = "absorb" if t_abs <= t_grp else "grouped"
     return DecodePathChoice(path, t_abs, t_grp, spec.name, basis)
+
+
+_SHAPE_KEYS = ("num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank")
+
+
+def _check_layer_shape(s: object) -> None:
+    """``layer_shape``: a mapping of positive ints (``rope_dim`` may be 0) with ``num_groups`` dividing
+    ``num_heads``."""
+    from .ops._common.validation import check_positive_int
+
+    if not isinstance(s, Mapping):
+        raise TypeError(f"layer_shape: expected a mapping with {_SHAPE_KEYS} (and optionally v_head_dim), "
+                        f"got {type(s).__name__}")
+    missing = [k for k in _SHAPE_KEYS if k not in s]
+    if missing:
+        raise ValueError(f"layer_shape: missing {missing}; it needs {_SHAPE_KEYS} (and optionally v_head_dim)")
+    for k in _SHAPE_KEYS + (("v_head_dim",) if "v_head_dim" in s else ()):
+        if k == "rope_dim" and s[k] == 0 and not isinstance(s[k], bool):
+            continue
+        check_positive_int(f"layer_shape[{k!r}]", s[k])
+    if s["num_heads"] % s["num_groups"]:
+        raise ValueError(f"layer_shape: num_groups ({s['num_groups']}) must divide num_heads ({s['num_heads']})")
 
 
 def _mla_shape(s: Mapping[str, int]) -> dict:

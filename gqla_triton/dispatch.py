@@ -122,13 +122,22 @@ def device_info(device: Any = None) -> DeviceInfo:
 
     if isinstance(device, torch.Tensor):
         device = device.device
+    if not torch.cuda.is_available():
+        raise ValueError("device_info: no CUDA device here (set TRITON_INTERPRET=1 to run on the CPU)")
     if device is None:
         index = torch.cuda.current_device()
     else:
-        device = torch.device(device)
+        if isinstance(device, bool):
+            raise TypeError("device_info: expected a torch device, a CUDA index or a tensor, got bool")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"device_info: expected a torch device, a CUDA index or a tensor, got {device!r}") from e
         if device.type != "cuda":
             raise ValueError(f"device_info: expected a CUDA device (or TRITON_INTERPRET=1), got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"device_info: no CUDA device {index} ({torch.cuda.device_count()} visible)")
     return _cuda_info(index)
 
 
@@ -258,6 +267,8 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     schema's ``MATCH``). Lookup: the table of this GPU, then ``default.json``, then the overrides. Under the
     interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
     """
+    if key is not None and not isinstance(key, Mapping):
+        raise TypeError(f"select_config: key expected a mapping of shape features or None, got {type(key).__name__}")
     info = device_info(device)
     cfg = table_config(info.key, op, key, fallback=not info.interpreter)
     if cfg is None:

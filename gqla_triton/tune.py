@@ -17,7 +17,7 @@ where it stopped.
   is kept when a target's share runs out).
 - ``--jobs N`` compiles candidates in N worker processes before they are timed one by one here (Triton's on-disk
   cache hands the kernels over): first every target's start entry and its one-field changes in one wave (at most
-  0.4 of the budget), then each step's new candidates; the timing waits for them (a step at most 180 s).
+  0.4 of the time limit), then each step's new candidates; the timing waits for them (a step at most 180 s).
 - ``--start default`` searches from ``configs/default.json`` (the table of GPUs without one of their own) instead
   of this GPU's table and times this GPU's shipped entry beside the winner: whether the search finds a table as
   good as the shipped one from scratch.

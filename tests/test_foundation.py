@@ -296,3 +296,23 @@ def test_choose_decode_path_prices_each_path_by_the_nearest_measured_point(monke
     finally:
         monkeypatch.delenv("GQLA_TRITON_CONFIG")
         dispatch._env_override.cache_clear()
+
+
+@pytest.mark.parametrize("kw, err, msg", [
+    (dict(batch=0), ValueError, "batch: expected a positive int"), (dict(batch=True), ValueError, "batch"),
+    (dict(batch=2.5), ValueError, "batch"), (dict(seqlen=-1), ValueError, "seqlen"),
+    (dict(seqlen=float("inf")), ValueError, "seqlen"), (dict(s_q=0), ValueError, "s_q"),
+    (dict(s_q=2.0), ValueError, "s_q"), (dict(kernel_efficiency="yes"), TypeError, "kernel_efficiency"),
+    (dict(override=3), ValueError, "override"), (dict(layer_shape=None), TypeError, "layer_shape"),
+    (dict(layer_shape={}), ValueError, "layer_shape: missing"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, num_groups=3)), ValueError, "must divide"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, kv_rank=0)), ValueError, "kv_rank"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, head_dim="128")), ValueError, "head_dim"),
+])
+def test_choose_decode_path_refuses_bad_arguments(kw, err, msg):
+    """Every argument is checked (a batch of 0 or a negative length has no decode step to price)."""
+    args = dict(layer_shape=decode_path.REF_SHAPE, s_q=1, device_info="h200", batch=4, seqlen=1024)
+    args.update(kw)
+    with pytest.raises(err, match=msg):
+        decode_path.choose_decode_path(args.pop("layer_shape"), args.pop("s_q"), args.pop("device_info"), **args)
+    assert decode_path.choose_decode_path(dict(decode_path.REF_SHAPE, rope_dim=0), 1, "h200").path in decode_path.PATHS

@@ -277,6 +277,11 @@ def test_bad_inputs():
         GQLAttention(64, 6, 4, 16, 16, 32)
     with pytest.raises(ValueError, match="rope_dim"):
         GQLAttention(64, 8, 4, 16, 15, 32)
+    for bad in (True, 8.0, "8", 0):  # a bool is not a head count, nor a float or a string
+        with pytest.raises(ValueError, match="num_heads: expected a positive int"):
+            GQLAttention(64, bad, 4, 16, 16, 32)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        LatentCache(2, True, 32, 16)
     with pytest.raises(ValueError, match="path"):
         GQLAttention(64, 8, 4, 16, 16, 32, path="mla")
     with pytest.raises(ValueError, match="impl"):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.gqla import GQLAttention
+from ..ops._common.validation import check_positive_int
 from .trans_gqla import trans_gqla
 
 __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
@@ -47,8 +48,7 @@ class GQLAHFAttention(nn.Module):
             raise TypeError(f"attn: expected a GQLAttention, got {type(attn).__name__}")
         if decode_path not in _DECODE_PATHS:
             raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
-        if not isinstance(max_seqlen, int) or max_seqlen <= 0:
-            raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
+        check_positive_int("max_seqlen", max_seqlen)
         self.attn, self.layer_idx, self.decode_path = attn, layer_idx, decode_path
         self.max_seqlen, self.page_size = max_seqlen, page_size
         self.is_causal = True

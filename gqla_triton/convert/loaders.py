@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.gqla import GQLAttention
+from ..ops._common.validation import check_positive_int
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
@@ -55,8 +56,7 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     if not isinstance(sd, dict):
         raise TypeError(f"state_dict: expected a dict of tensors, got {type(sd).__name__}")
     for name, v in (("num_heads", h), ("head_dim", d_nope), ("v_head_dim", d_v), ("kv_rank", r)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        check_positive_int(name, v)
     if not isinstance(d_R, int) or d_R < 0 or d_R % 2:
         raise ValueError(f"rope_dim: expected an even int >= 0, got {d_R!r}")
     key = prefix + "kv_a_proj_with_mqa.weight"
@@ -158,9 +158,7 @@ def mla_to_gqla(state_dict: dict, *, num_heads: int, num_groups: int, qk_nope_he
     def width(name, v, d):
         if v is None:
             return -(-min(rep * d, r) // 16) * 16
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        return v
+        return check_positive_int(name, v)
 
     d_h, d_v2 = width("head_dim", head_dim, dn), width("group_v_head_dim", group_v_head_dim, dv)
     kv_b = w["kv_b"].view(g, rep, dn + dv, r)

@@ -41,6 +41,7 @@ import torch
 
 from ..layers.gqla import GQLAttention
 from ..layers.rope import apply_rope, rope_inv_freq
+from ..ops._common.validation import check_positive_int
 
 __all__ = ["trans_gqla", "gqa_attention_reference"]
 
@@ -102,8 +103,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     """
     wq, wk, wv, wo = _weights(source, ("q_proj", "k_proj", "v_proj", "o_proj"))
     for name, v in (("num_heads", num_heads), ("num_groups", num_groups), ("head_dim", head_dim)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        check_positive_int(name, v)
     h, g, d = num_heads, num_groups, head_dim
     dv = d if v_head_dim is None else v_head_dim
     if h % g:

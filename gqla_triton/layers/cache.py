@@ -50,6 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..ops._common.validation import check_positive_int
 from .paged_append import append_rows, append_rows_torch
 
 __all__ = ["PagedCache", "LatentCache", "GroupedCache"]
@@ -62,10 +63,6 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _positive_int(name: str, v) -> int:
-    if not _is_int(v) or v <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    return int(v)
 
 
 class PagedCache(abc.ABC):
@@ -84,14 +81,14 @@ class PagedCache(abc.ABC):
 
     def __init__(self, max_batch: int, max_seqlen: int, *, page_size: int = 64, num_pages: int | None = None,
                  device=None, auto_reserve: bool = True):
-        self.max_batch = _positive_int("max_batch", max_batch)
-        self.max_seqlen = _positive_int("max_seqlen", max_seqlen)
+        self.max_batch = check_positive_int("max_batch", max_batch)
+        self.max_seqlen = check_positive_int("max_seqlen", max_seqlen)
         if not _is_int(page_size) or page_size <= 0 or page_size % 16 != 0:
             raise ValueError(f"page_size: expected a positive multiple of 16, got {page_size!r}")
         self.page_size = int(page_size)
         self.max_pages = math.ceil(self.max_seqlen / self.page_size)
         self.num_pages = (self.max_batch * self.max_pages if num_pages is None
-                          else _positive_int("num_pages", num_pages))
+                          else check_positive_int("num_pages", num_pages))
         if (self.num_pages + 1) * self.page_size >= 2**31:
             raise ValueError(f"num_pages: {self.num_pages} pages x {self.page_size} tokens exceed int32 rows")
         if not isinstance(auto_reserve, bool):

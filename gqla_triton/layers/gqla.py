@@ -38,7 +38,7 @@ from torch import nn
 
 from ..ops._common.boundary import route
 from ..ops._common.impl import check_impl
-from ..ops._common.validation import requires_grad
+from ..ops._common.validation import check_positive_int, requires_grad
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from .cache import GroupedCache, LatentCache
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
@@ -85,8 +85,7 @@ class GQLAttention(nn.Module):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
                         ("head_dim", head_dim), ("kv_rank", kv_rank)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            check_positive_int(name, v)
         if num_heads % num_groups:
             raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
         if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2:

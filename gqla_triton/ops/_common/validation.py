@@ -96,6 +96,13 @@ def check_softmax_scale(softmax_scale: object, default: float) -> float:
     return scale
 
 
+def check_positive_int(name: str, value: object) -> int:
+    """A count or size: an int > 0 (bools and non-integers are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 def check_flag(name: str, value: object) -> bool:
     """A boolean option: ``bool`` (or an integer 0 / 1); anything else is a ``TypeError``."""
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
