@@ -9,6 +9,7 @@ the fp32 chunk reference.
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -638,6 +639,10 @@ def test_bad_inputs():
         f(q, q.half(), v, g, g)
     with pytest.raises(TypeError, match="save_states"):
         f(q, q, v, g, g, save_states=1)
+    for bad, err in (("0.25", TypeError), (True, TypeError), ([0.25], TypeError), (torch.tensor(0.25), TypeError),
+                     (math.inf, ValueError), (math.nan, ValueError), (1e39, ValueError)):
+        with pytest.raises(err, match="scale"):
+            f(q, q, v, g, g, scale=bad)
     with pytest.raises(ValueError, match="q"):
         f(q[0], q[0], v, g, g)
     with pytest.raises(ValueError, match="HV"):

@@ -121,6 +121,9 @@ def _small(device=None, dtype=torch.float32, B=2, s=1, H=2, HV=4, K=16, V=16, Pn
 
 def test_decode_bad_inputs():
     a = _small()
+    for bad, err in (("0.25", TypeError), (False, TypeError), (float("inf"), ValueError), (-1e39, ValueError)):
+        with pytest.raises(err, match="scale"):
+            gated_delta_rule_decode(**a, scale=bad)
     with pytest.raises(TypeError, match="state"):
         gated_delta_rule_decode(**{**a, "state": a["state"].double()})
     with pytest.raises(TypeError, match="state"):

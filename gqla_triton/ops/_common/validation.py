@@ -78,22 +78,26 @@ def check_multiple(name: str, value: int, multiple: int, *, upper: int | None = 
         raise ValueError(f"{name}: expected a positive multiple of {multiple}{bound}, got {value}")
 
 
-def check_softmax_scale(softmax_scale: object, default: float) -> float:
-    """``softmax_scale`` as a float: ``default`` for None, else a real number (not a bool) that stays finite in
-    float32 once multiplied by log2(e) (the kernels take ``softmax_scale · log2 e`` as a float32)."""
-    if softmax_scale is None:
+def check_scale(name: str, value: object, default: float, *, factor: float = 1.0) -> float:
+    """A scale argument as a float: ``default`` for None, else a real number (not a bool) whose product with
+    ``factor`` is finite in float32 (the kernels take ``value · factor`` as a float32)."""
+    if value is None:
         return float(default)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale: expected a finite real number or None, got {type(softmax_scale).__name__} "
-                        f"{softmax_scale!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a finite real number or None, got {type(value).__name__} {value!r}")
     try:
-        scale = float(softmax_scale)
+        scale = float(value)
     except OverflowError:
         scale = math.inf
-    if not math.isfinite(scale) or abs(scale) * _LOG2E > _F32_MAX:
-        raise ValueError(f"softmax_scale: expected a finite real number of magnitude <= {_F32_MAX / _LOG2E:.3g} "
-                         f"(float32 range) or None, got {softmax_scale!r}")
+    if not math.isfinite(scale) or abs(scale) * factor > _F32_MAX:
+        raise ValueError(f"{name}: expected a finite real number of magnitude <= {_F32_MAX / factor:.3g} "
+                         f"(float32 range) or None, got {value!r}")
     return scale
+
+
+def check_softmax_scale(softmax_scale: object, default: float) -> float:
+    """``softmax_scale`` of the decode ops: ``check_scale`` with the kernels' factor log2(e)."""
+    return check_scale("softmax_scale", softmax_scale, default, factor=_LOG2E)
 
 
 def check_positive_int(name: str, value: object) -> int:

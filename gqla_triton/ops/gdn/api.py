@@ -23,6 +23,7 @@ from .._common.validation import (
     check_kernel_device,
     check_same_device,
     check_same_dtype,
+    check_scale,
     check_tensor,
 )
 from .compat import check_chunk_indices, check_chunk_size, check_fla_options, check_gate, state_v_first
@@ -396,8 +397,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))
     elif initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
-    if scale is None:
-        scale = K ** -0.5
+    scale = check_scale("scale", scale, K ** -0.5)
     if not isinstance(save_states, bool):
         raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     if impl != "reference":

@@ -28,7 +28,7 @@ from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
-from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
+from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_scale, check_tensor
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
 from .kernels.common import _softplus
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
@@ -421,8 +421,7 @@ def gated_delta_rule_decode(
         check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=idt, device=q.device)
         if not intermediate_states.is_contiguous():
             raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
-    if scale is None:
-        scale = K**-0.5
+    scale = check_scale("scale", scale, K**-0.5)
     _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
                         A_log=A_log, dt_bias=dt_bias)
     if not torch.compiler.is_compiling():
