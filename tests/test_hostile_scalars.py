@@ -1,0 +1,80 @@
+"""Every keyword of the four public ops, called with hostile values (None, bools, 0, ±1, 2**31, ±2**63, 1.5, NaN,
+±inf, a string, a list, a tuple, 0-d and 1-d tensors, an object): each call either runs or is refused with a
+``TypeError`` / ``ValueError`` that names the argument. Nothing else (no raw torch / Triton error, no crash)."""
+
+import math
+
+import pytest
+import torch
+from harness import P
+
+import gqla_triton as gq
+
+pytestmark = pytest.mark.skipif(P.big, reason="CPU profile: tiny shapes through the interpreter (the GPU profile "
+                                               "runs the adversarial decode and GDN suites)")
+
+HOSTILE = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, 2**63, -2**63, 1.5, math.nan, math.inf, -math.inf, "x", [1],
+           (1,), torch.tensor(1), torch.tensor([1.0]), object()]
+
+
+def _ops():
+    g = torch.Generator().manual_seed(0)
+    B, page, r, dr, hq = 2, 16, 32, 16, 16
+    bt = torch.arange(6, dtype=torch.int32).view(2, 3)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    kv = torch.randn(6, page, 1, r + dr, generator=g)
+    q = torch.randn(B, 1, hq, r + dr, generator=g)
+
+    def mla(**o):
+        hdv = o.pop("head_dim_v", r)
+        return gq.mla_decode(q, kv, bt, lens, hdv, **o)
+
+    kc, vc = torch.randn(6, page, 2, 16, generator=g), torch.randn(6, page, 2, 16, generator=g)
+    kr, qg = torch.randn(6, page, 16, generator=g), torch.randn(B, 1, 32, 32, generator=g)
+
+    def gqa(**o):
+        return gq.gqa_decode(qg, kc, vc, bt, lens, k_rope_cache=o.pop("k_rope_cache", kr), **o)
+
+    T, H, K, V = 20, 1, 16, 16
+    x = [torch.randn(1, T, H, K, generator=g), torch.randn(1, T, H, K, generator=g),
+         torch.randn(1, T, 2, V, generator=g), -torch.rand(1, T, 2, generator=g), torch.rand(1, T, 2, generator=g)]
+
+    def chunk(**o):
+        return gq.chunk_gated_delta_rule(*x, **o)
+
+    xd = [torch.randn(2, 1, H, K, generator=g), torch.randn(2, 1, H, K, generator=g),
+          torch.randn(2, 1, 2, V, generator=g), -torch.rand(2, 1, 2, generator=g), torch.rand(2, 1, 2, generator=g)]
+    pool = torch.randn(3, 2, K, V, generator=g)
+
+    def dec(**o):
+        return gq.gated_delta_rule_decode(*xd, o.pop("state", pool.clone()), **o)
+
+    return {
+        "mla_decode": (mla, ["head_dim_v", "softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length",
+                             "return_lse"]),
+        "gqa_decode": (gqa, ["softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length"]),
+        "chunk_gated_delta_rule": (chunk, ["scale", "initial_state", "output_final_state", "cu_seqlens", "chunk_size",
+                                           "use_qk_l2norm_in_kernel", "impl", "save_states", "allow_neg_eigval",
+                                           "use_beta_sigmoid_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias",
+                                           "cu_seqlens_cpu", "chunk_indices", "head_first"]),
+        "gated_delta_rule_decode": (dec, ["state", "state_indices", "scale", "use_qk_l2norm_in_kernel", "impl",
+                                          "A_log", "dt_bias", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                                          "allow_neg_eigval", "cu_seqlens", "intermediate_states"]),
+    }
+
+
+@pytest.mark.parametrize("op", ["mla_decode", "gqa_decode", "chunk_gated_delta_rule", "gated_delta_rule_decode"])
+def test_hostile_keyword_values_run_or_are_refused_by_name(op):
+    fn, keywords = _ops()[op]
+    fn()  # the base call is valid
+    unclear = []
+    for name in keywords:
+        for value in HOSTILE:
+            try:
+                fn(**{name: value})
+            except (TypeError, ValueError, NotImplementedError) as e:
+                if name not in str(e) and name.strip("_") not in str(e):
+                    unclear.append(f"{name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
+            except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
+                unclear.append(f"{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+    assert not unclear, f"{op}: {len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
