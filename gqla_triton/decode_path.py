@@ -96,17 +96,15 @@ def choose_decode_path(
     _check_layer_shape(layer_shape)
     s_q, batch, seqlen = (check_positive_int(n, v) for n, v in (("s_q", s_q), ("batch", batch), ("seqlen", seqlen)))
     kernel_efficiency = check_flag("kernel_efficiency", kernel_efficiency)
-    if override is not None and override not in PATHS:
-        raise ValueError(f"override: expected None or one of {PATHS}, got {override!r}")
     if isinstance(device_info, DeviceInfo):
         gpu = device_info.key
     elif isinstance(device_info, str):
         gpu = device_info
     else:
         gpu = _current_gpu()
-    forced = override or os.environ.get("GQLA_TRITON_DECODE_PATH")
-    if forced and forced not in PATHS:
-        raise ValueError(f"decode path override must be 'absorb' or 'grouped', got {forced!r}")
+    forced = override if override is not None else (os.environ.get("GQLA_TRITON_DECODE_PATH") or None)
+    if forced is not None and forced not in PATHS:
+        raise ValueError(f"override (or GQLA_TRITON_DECODE_PATH): expected None or one of {PATHS}, got {forced!r}")
     spec = roofline.gpu_spec(gpu)
     t_abs = roofline.mla_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_mla_shape(layer_shape)).time(spec)
     t_grp = roofline.gqa_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_gqa_shape(layer_shape)).time(spec)

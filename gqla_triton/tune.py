@@ -416,7 +416,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     bar = _bar(sum(sizes), progress)
     pool = _Warmer(jobs, ops) if jobs and target_list is None else None
     try:
-        if pool is not None:  # one wave over every target: each start entry and its one-field changes
+        # one compile wave over every target: each start entry and its one-field changes (for the GDN op: each
+        # stage's kernel variants); later steps compile only what a changed best entry needs
+        if pool is not None:
             bar.set_postfix_str("compiling")
             pool.warm([(t, [_entry(base, t)] + _neighbours(_entry(base, t), (space or {}).get(t.op, t.space)))
                        for t in tlist], state, timeout=max(60.0, 0.4 * budget_minutes * 60))
@@ -426,10 +428,6 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
             t_deadline = now + max(0.0, end - now) * sizes[i] / sum(sizes[i:])
             incumbent = _entry(base, t)
             fields = dict((space or {}).get(t.op, t.space))
-            # every one-field change of the start entry (for the GDN op: each stage's kernel variants)
-            if pool is not None and time.monotonic() < t_deadline:
-                bar.set_postfix_str(f"{t.label()}: compiling")
-                pool.warm([(t, [incumbent] + _neighbours(incumbent, fields))], state)
             bar.set_postfix_str(f"{t.label()}: current entry")
             first = _measure(t, incumbent, tol=None, state=state)
             bar.update(1)
@@ -456,11 +454,11 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
             ref = _entry(shipped, t) if start != "table" else None
             row = {"target": t.label()}
             if best != incumbent or (ref is not None and ref != best):  # side by side: no run-to-run noise
-                cfgs = [incumbent, best] + ([ref] if ref is not None and ref not in (incumbent, best) else [])
-                times = _retimed(t, cfgs, state)
-                a, b = times[0], times[1]
+                cfgs = list(dict.fromkeys([incumbent, best] + ([ref] if ref is not None else [])))
+                times = dict(zip(cfgs, _retimed(t, cfgs, state), strict=True))
+                a, b = times[incumbent], times[best]
                 if ref is not None:
-                    row["shipped_ms"] = times[cfgs.index(ref)]
+                    row["shipped_ms"] = times[ref]
                 if not b < a * 0.99:
                     best, b = incumbent, a
             else:

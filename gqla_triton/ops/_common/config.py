@@ -77,7 +77,7 @@ class KernelConfig:
             tp = _hints(type(self))[f.name]
             if not _type_ok(value, tp):
                 raise ValueError(f"{self.OP} config: field {f.name!r} expects {_type_name(tp)}, got {value!r}")
-            if isinstance(value, list):  # frozen and hashable like every other field
+            if isinstance(value, (list, tuple)):  # frozen and hashable like every other field
                 object.__setattr__(self, f.name, _freeze(value))
         self.check()
 
