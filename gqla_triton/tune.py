@@ -137,13 +137,20 @@ def _combine_target(tiny: bool) -> Target:
 
 
 def _gdn_inputs(B, T, H, HV, K, V, dtype, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    v = torch.randn(B, T, HV, V, generator=g)
-    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, generator=g)) / 8
-    beta = torch.sigmoid(torch.randn(B, T, HV, generator=g))
-    return [t.to(_dev(), dtype if i < 3 else torch.float32) for i, t in enumerate((q, k, v, gate, beta))]
+    """Random GDN inputs drawn on the device (G1's 270M values drawn on the CPU would cost each candidate seconds,
+    and each single-threaded compile worker far more)."""
+    dev = _dev()
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev)
+
+    q = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    v = rnd(B, T, HV, V)
+    gate = torch.nn.functional.logsigmoid(rnd(B, T, HV)) / 8
+    beta = torch.sigmoid(rnd(B, T, HV))
+    return [t.to(dtype if i < 3 else torch.float32) for i, t in enumerate((q, k, v, gate, beta))]
 
 
 def _gdn_decode_target(tiny: bool) -> Target:
