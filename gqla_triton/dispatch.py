@@ -37,6 +37,7 @@ __all__ = [
     "gpu_key",
     "select_config",
     "config_override",
+    "table_swap",
     "user_config_dir",
     "schema",
     "OPS",
@@ -180,10 +181,36 @@ def user_config_dir() -> Path:
     return Path(os.environ.get("GQLA_TRITON_CONFIG_DIR") or Path.home() / ".config" / "gqla_triton")
 
 
+_SWAPPED: dict[str, dict] = {}
+
+
+@contextlib.contextmanager
+def table_swap(key: str, raw: Mapping) -> Iterator[None]:
+    """Within the block, GPU ``key`` reads the table ``raw`` (checked by ``parse_table``) instead of its own: the
+    tuner measures the decode paths under the table it is about to write. For tools and tests; not thread-safe."""
+    parsed = parse_table(raw, where="table_swap")
+    old = _SWAPPED.get(key)
+    _SWAPPED[key] = parsed
+    _load_table.cache_clear()
+    _table_entry.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            _SWAPPED.pop(key, None)
+        else:
+            _SWAPPED[key] = old
+        _load_table.cache_clear()
+        _table_entry.cache_clear()
+
+
 @functools.cache
 def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
-    """The table of GPU ``key``: a tuned one in the user config directory (``gqla_triton.tune``), else the shipped
-    ``configs/<key>.json``, else ``configs/default.json``. The interpreter reads only the shipped table."""
+    """The table of GPU ``key``: one swapped in by ``table_swap``, a tuned one in the user config directory
+    (``gqla_triton.tune``), else the shipped ``configs/<key>.json``, else ``configs/default.json``. The interpreter
+    reads only the shipped table."""
+    if key in _SWAPPED:
+        return _SWAPPED[key]
     paths = ([] if key == "interpreter" else [user_config_dir() / f"{key}.json"]) + [_CONFIG_DIR / f"{key}.json",
                                                                               _CONFIG_DIR / "default.json"]
     path = next(p for p in paths if p.exists())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import json
 import math
 import time
@@ -47,7 +48,8 @@ __all__ = ["Target", "targets", "tune", "user_config_dir", "main"]
 class Target:
     """One table entry to tune: ``op``'s entry whose ``match`` equals ``key``; ``calls`` build the timed calls of
     the standard workloads (each returns a no-argument callable), ``check`` runs a small case under the active
-    config and returns its relative error against float64; ``space`` maps fields to candidate values."""
+    config and returns its relative error against float64; ``space`` maps fields to candidate values (a key
+    ``"a+b"`` moves fields together: its values are ``(a, b)`` tuples)."""
 
     op: str
     key: dict
@@ -209,16 +211,17 @@ def _gdn_chunk_target(tiny: bool) -> Target:
         refs = torch.autograd.grad(r.square().sum(), x64)
         return max([_rel(o, r)] + [_rel(a, b) for a, b in zip(grads, refs, strict=True)])
 
-    space = {}
+    space: dict[str, tuple] = {"wy_prec": ("ieee", "tf32"), "seg_units": (0, 32, 64, 128)}
     for stage, bk, bv in (("wy", (32, 64), ()), ("wu", (32, 64), (32, 64)), ("state", (), (32, 64)),
                           ("out", (), (64, 128)), ("dvl", (), (64, 128)), ("state_bwd", (), (32, 64)),
-                          ("grad", (), (32, 64)), ("wy_bwd", (32, 64), (32, 64))):
-        if bk:
+                          ("grad", (), (16, 32, 64)), ("wy_bwd", (32, 64), (32, 64))):
+        warps = (1, 4, 8) if stage == "wy" else (4, 8)
+        tile = f"{stage}_bv" if bv else f"{stage}_bk"
+        if bk and bv:
             space[f"{stage}_bk"] = bk
-        if bv:
-            space[f"{stage}_bv"] = bv
-        space[f"{stage}_num_warps"] = (1, 4, 8) if stage == "wy" else (4, 8)
-        space[f"{stage}_num_stages"] = (2, 3)
+        # a tile width and the warps that hold it move together (either alone can be a worse local step)
+        space[f"{tile}+{stage}_num_warps"] = tuple(itertools.product(bv or bk, warps))
+        space[f"{stage}_num_stages"] = (1, 2, 3)
     for flag in ("out_early", "dvl_early", "grad_early", "grad_late", "grad_trans", "wy_bwd_late", "wy_bwd_trans"):
         space[flag] = (False, True)
     return Target("gdn_chunk", {}, [case(*s) for s in shapes], check, space, graph=False)
@@ -260,7 +263,8 @@ def _mla_targets(tiny: bool, hopper: bool) -> list[Target]:
     dense = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for n, w in work.items() if "topk" not in w]
     dense += [] if tiny else [(b, s, 0) for b, s in SPLIT_REGIME]
     sparse = [(2, 40, 16)] if tiny else [(w["batch"], w["seqlen"], w["topk"]) for w in work.values() if "topk" in w]
-    tri = {"block_h": (32, 64), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3),
+    tri = {"block_h+num_warps": tuple(itertools.product((32, 64), (4, 8))), "block_n": (32, 64),
+           "num_stages": (1, 2, 3),
            "paged_tiles": (False, True), "p_scratch": (False, True), "rows_ahead": (False, True),
            "split_cost": SPLIT_COSTS}
     out = [Target("mla_decode", {}, [case(*s, "triton") for s in dense], checker(False, "triton"), tri,
@@ -268,7 +272,8 @@ def _mla_targets(tiny: bool, hopper: bool) -> list[Target]:
            Target("mla_decode", {"sparse": True}, [case(*s, "triton") for s in sparse], checker(True, "triton"), tri,
                   name="mla_decode triton sparse")]
     if hopper:
-        glu = {"block_n": (32, 64), "num_stages": (2, 3, 4), "split_cost": SPLIT_COSTS}
+        glu = {"block_h+block_n": tuple(itertools.product((32, 64), (32, 64))), "num_stages": (2, 3, 4),
+               "split_cost": SPLIT_COSTS}
         out += [Target("mla_decode", {"impl": "gluon"}, [case(*s, "gluon") for s in dense], checker(False, "gluon"),
                        glu, name="mla_decode gluon dense"),
                 Target("mla_decode", {"impl": "gluon", "sparse": True}, [case(*s, "gluon") for s in sparse],
@@ -309,8 +314,9 @@ def _gqa_targets(tiny: bool) -> list[Target]:
     dense = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for w in work if "topk" not in w]
     dense += [] if tiny else [(b, s, 0) for b, s in SPLIT_REGIME]
     sparse = [(2, 40, 16)] if tiny else [(w["batch"], w["seqlen"], w["topk"]) for w in work if "topk" in w]
-    space = {"block_n": (32, 64, 128), "max_m": (32, 64), "num_warps": (4, 8), "num_stages": (2, 3, 4),
-             "waves": (1, 2, 4, 6, 8), "paged": (False, True), "rows_ahead": (False, True)}
+    space = {"block_n+num_warps": tuple(itertools.product((32, 64, 128), (4, 8))), "max_m": (32, 64),
+             "num_stages": (2, 3, 4), "smem": (90000, 160000, 220000), "waves": (1, 2, 4, 6, 8),
+             "paged": (False, True), "rows_ahead": (False, True)}
     return [Target("gqa_decode", {}, [case(*s) for s in dense], checker(False), space, name="gqa_decode dense"),
             Target("gqa_decode", {"sparse": True}, [case(*s) for s in sparse], checker(True), space,
                    name="gqa_decode sparse")]
@@ -381,23 +387,33 @@ def _floor(dtype: torch.dtype) -> float:
 
 def _entry(table: dict, t: Target):
     """The entry of ``table`` whose match is the target's key, else the first that matches it, else the
-    schema's defaults."""
-    for match, cfg in table.get(t.op, ()):
+    schema's defaults; the key's names that are also config fields are set to the key's values (the Gluon MLA
+    targets start from ``impl="gluon"`` although a table without a Gluon entry has a Triton catch-all)."""
+    cfg = None
+    for match, c in table.get(t.op, ()):
         if match == t.key:
-            return cfg
-    for match, cfg in table.get(t.op, ()):
-        if all(t.key.get(k) == v for k, v in match.items()):
-            return cfg
-    return dispatch.schema(t.op)()
+            cfg = c
+            break
+    else:
+        for match, c in table.get(t.op, ()):
+            if all(t.key.get(k) == v for k, v in match.items()):
+                cfg = c
+                break
+    cfg = cfg if cfg is not None else dispatch.schema(t.op)()
+    own = {k: v for k, v in t.key.items() if k in cfg.field_names() and getattr(cfg, k) != v}
+    return cfg.replace(**own) if own else cfg
 
 
 START = ("table", "default")
+PASSES = 3  # coordinate-descent passes over a target's space at most
+GAIN = 0.005  # a candidate replaces the best one when it is this much faster (the timings' noise is below it)
 
 
 def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str | Path | None = None,
          space: Mapping[str, Mapping[str, tuple]] | None = None, progress: bool = True,
          target_list: list[Target] | None = None, jobs: int = 0, start: str = "table") -> dict:
-    """Run the search; returns ``{"table": ..., "report": [...], "path": Path}`` and writes the table to ``out``.
+    """Run the search; returns ``{"table": ..., "report": [...], "path": Path, "compile_wave_s": float}`` and
+    writes the table to ``out``.
 
     ``space`` replaces the candidate values of some fields per op (e.g. a tiny search for tests); ``target_list``
     replaces the targets. ``jobs``: worker processes that compile each step's candidates ahead of the timing (0:
@@ -417,7 +433,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
         raise ValueError(f"start='default': {info.name} has no table of its own to compare with")
     raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows] for op, rows in base.items()}
     tlist = target_list if target_list is not None else targets(ops)
-    end = time.monotonic() + budget_minutes * 60
+    t_start = time.monotonic()
+    end = t_start + budget_minutes * 60
+    wave_s = 0.0
     report = []
     sizes = [1 + sum(len(v) for v in (space or {}).get(t.op, t.space).values()) for t in tlist]
     bar = _bar(sum(sizes), progress)
@@ -429,7 +447,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
             bar.set_postfix_str("compiling")
             pool.warm([(t, [_entry(base, t)] + _neighbours(_entry(base, t), (space or {}).get(t.op, t.space)))
                        for t in tlist], state, timeout=max(60.0, 0.4 * budget_minutes * 60))
+            wave_s = time.monotonic() - t_start
         for i, t in enumerate(tlist):
+            t_begin = time.monotonic()
             # each target's share of the time left, by its number of candidates (later targets are searched too)
             now = time.monotonic()
             t_deadline = now + max(0.0, end - now) * sizes[i] / sum(sizes[i:])
@@ -443,21 +463,29 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
                 continue
             tol = 2 * first["err"] + _floor(_lowp())
             best, best_rec = incumbent, first
-            for name, values in fields.items():
-                if pool is not None and time.monotonic() < t_deadline:
-                    pool.warm([(t, _neighbours(best, {name: values}))], state)
-                for value in values:
-                    bar.update(1)
-                    if time.monotonic() > t_deadline or getattr(best, name) == value:
-                        continue
-                    try:
-                        cand = best.replace(**{name: value})
-                    except ValueError:
-                        continue
-                    bar.set_postfix_str(f"{t.label()}: {name}={value}")
-                    rec = _measure(t, cand, tol=tol, state=state)
-                    if "ms" in rec and rec["ms"] < best_rec["ms"] * 0.99:
-                        best, best_rec = cand, rec
+            # coordinate descent, repeated while a pass improves (a later pass re-tries the fields an earlier
+            # change of another one made worth trying); measurements are cached, so a repeated candidate is free
+            for sweep in range(PASSES):
+                improved = False
+                for name, values in fields.items():
+                    if pool is not None and time.monotonic() < t_deadline:
+                        pool.warm([(t, _neighbours(best, {name: values}))], state)
+                    for value in values:
+                        if sweep == 0:
+                            bar.update(1)
+                        change = _move(name, value)
+                        if time.monotonic() > t_deadline or _has(best, change):
+                            continue
+                        try:
+                            cand = best.replace(**change)
+                        except ValueError:
+                            continue
+                        bar.set_postfix_str(f"{t.label()}: {name}={value}")
+                        rec = _measure(t, cand, tol=tol, state=state)
+                        if "ms" in rec and rec["ms"] < best_rec["ms"] * (1 - GAIN):
+                            best, best_rec, improved = cand, rec, True
+                if not improved or time.monotonic() > t_deadline:
+                    break
             ref = _entry(shipped, t) if start != "table" else None
             row = {"target": t.label()}
             if best != incumbent or (ref is not None and ref != best):  # side by side: no run-to-run noise
@@ -472,18 +500,35 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
                 a = b = first["ms"]
                 if ref is not None:
                     row["shipped_ms"] = b
-            report.append({**row, "current_ms": a, "tuned_ms": b, "config": best.as_dict()})
+            report.append({**row, "current_ms": a, "tuned_ms": b, "config": best.as_dict(),
+                           "seconds": round(time.monotonic() - t_begin, 1)})
             _set_entry(raw, t, best)
     finally:
         if pool is not None:
             pool.close()
     bar.close()
+    _pick_impl(raw, report)
     if ops is None or "decode_path" in ops:
-        raw["decode_path"] = _decode_path_entries(info)
+        with dispatch.table_swap(info.key, raw):  # the paths' kernels as the written table launches them
+            raw["decode_path"] = _decode_path_entries(info)
     dispatch.parse_table(raw, where=str(path))  # the table written is one dispatch accepts
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(raw, indent=1) + "\n")
-    return {"table": raw, "report": report, "path": path}
+    return {"table": raw, "report": report, "path": path, "compile_wave_s": wave_s}
+
+
+def _pick_impl(raw: dict, report: list[dict]) -> None:
+    """``impl="auto"`` runs the Gluon MLA kernel where the table's ``impl: "gluon"`` entries say so: each Gluon
+    entry keeps ``impl="gluon"`` only if its tuned time beats the tuned portable kernel's on the same workloads."""
+    ms = {r["target"]: r["tuned_ms"] for r in report if "tuned_ms" in r}
+    for kind in ("dense", "sparse"):
+        glu, tri = ms.get(f"mla_decode gluon {kind}"), ms.get(f"mla_decode triton {kind}")
+        if glu is None or tri is None:
+            continue
+        key = {"impl": "gluon", **({"sparse": True} if kind == "sparse" else {})}
+        for row in raw.get("mla_decode", ()):
+            if row["match"] == key:
+                row["config"]["impl"] = "gluon" if glu < tri else "triton"
 
 
 def _retimed(t: Target, cfgs: list, state: _State) -> list[float]:
@@ -498,18 +543,29 @@ def _retimed(t: Target, cfgs: list, state: _State) -> list[float]:
     return hit
 
 
+def _move(name: str, value) -> dict:
+    """The fields one value of the space entry ``name`` sets (``"a+b"`` entries take ``(a, b)`` tuples)."""
+    names = name.split("+")
+    return dict(zip(names, value if len(names) > 1 else (value,), strict=True))
+
+
+def _has(cfg, change: Mapping[str, Any]) -> bool:
+    return all(getattr(cfg, k) == v for k, v in change.items())
+
+
 def _neighbours(cfg, fields: Mapping[str, tuple]) -> list:
-    """The valid configs that differ from ``cfg`` in one of ``fields``."""
+    """The valid configs that differ from ``cfg`` by one value of one of the space entries ``fields``."""
     out = []
     for name, values in fields.items():
         for value in values:
-            if getattr(cfg, name) == value:
+            change = _move(name, value)
+            if _has(cfg, change):
                 continue
             try:
-                out.append(cfg.replace(**{name: value}))
+                out.append(cfg.replace(**change))
             except ValueError:
                 pass
-    return out
+    return list(dict.fromkeys(out))
 
 
 def _warm_one(ops: list[str] | None, label: str, op: str, cfg: dict) -> str:
@@ -656,16 +712,20 @@ def main(argv: list[str] | None = None) -> None:
     res = tune(ops, budget_minutes=args.budget_minutes, out=args.out, jobs=args.jobs, start=args.start)
     ship = args.start != "table"
     head = ["target", "start ms", "tuned ms", "tuned / start"] + (["shipped ms", "tuned / shipped"] if ship else [])
+    head.append("s")
     rows = []
     for r in res["report"]:
-        if "error" in r:
-            rows.append([r["target"], "-", "-", r["error"][:60]] + (["-", "-"] if ship else []))
+        if "current_ms" not in r:
+            rows.append([r["target"], "-", "-", r.get("error", "")[:60]] + (["-", "-"] if ship else [])
+                        + [f"{r['seconds']:.0f}" if "seconds" in r else "-"])
             continue
         row = [r["target"], f"{r['current_ms']:.4f}", f"{r['tuned_ms']:.4f}", f"{r['tuned_ms'] / r['current_ms']:.3f}"]
         if ship:
             row += [f"{r['shipped_ms']:.4f}", f"{r['tuned_ms'] / r['shipped_ms']:.3f}"]
-        rows.append(row)
+        rows.append(row + [f"{r['seconds']:.0f}"])
     print(roofline.format_table(head, rows, "l" + "r" * (len(head) - 1)))
+    if args.jobs:
+        print(f"compile wave: {res['compile_wave_s']:.0f} s")
     print(f"wrote {res['path']} in {(time.monotonic() - t0) / 60:.1f} min")
     report = Path(res["path"]).with_name(Path(res["path"]).name + ".report.json")
     report.write_text(json.dumps(res["report"], indent=1) + "\n")

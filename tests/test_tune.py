@@ -136,3 +136,62 @@ def test_worker_processes_compile_ahead_and_change_no_result(tmp_path, monkeypat
     assert pooled["report"][0]["config"]["num_warps"] == 8
     assert tune._warm_one(["combine"], "combine {}", "combine", {"num_warps": 2}) == ""
     assert "ValueError" in tune._warm_one(["combine"], "combine {}", "combine", {"num_warps": 3})
+
+
+def test_joint_moves_and_repeated_passes_leave_a_local_minimum(tmp_path, monkeypatch):
+    """A landscape where neither field alone helps (from the interpreter table's elems 4096 / num_warps 4, elems
+    2048 or num_warps 8 alone are slower) but the pair is faster: the ``"elems+num_warps"`` entry moves both at
+    once; a later pass then re-tries a single field that the joint move made worth changing."""
+    start = dispatch.select_config("combine", {"D": 32})
+    assert (start.elems, start.num_warps) == (4096, 4)
+
+    def cost(cfg):
+        return {(4096, 4): 2.0, (2048, 4): 3.0, (4096, 8): 3.0, (2048, 8): 1.0, (2048, 2): 0.5}.get(
+            (cfg.elems, cfg.num_warps), 9.0)
+
+    def timed(fn, graph):
+        return cost(dispatch.select_config("combine", {"D": 32}))
+
+    monkeypatch.setattr(tune, "_time_ms", timed)
+    monkeypatch.setattr(tune, "_retime", lambda t, cfg: cost(cfg))
+    single = tune.tune(["combine"], out=tmp_path / "a.json", progress=False,
+                       space={"combine": {"elems": (2048,), "num_warps": (8,)}})
+    assert (single["report"][0]["config"]["elems"], single["report"][0]["config"]["num_warps"]) == (4096, 4)
+    joint = tune.tune(["combine"], out=tmp_path / "b.json", progress=False,
+                      space={"combine": {"num_warps": (2,), "elems+num_warps": ((2048, 8),)}})
+    # pass 1: num_warps 2 alone (9.0) loses, the pair wins (1.0); pass 2: num_warps 2 from there wins (0.5)
+    assert (joint["report"][0]["config"]["elems"], joint["report"][0]["config"]["num_warps"]) == (2048, 2)
+
+
+def test_gluon_targets_start_from_their_own_impl_and_the_faster_kernel_is_auto():
+    """A table without a Gluon entry (the default one) still starts the Gluon targets at ``impl="gluon"``; the
+    written Gluon entries keep ``impl="gluon"`` only where the tuned Gluon kernel beat the tuned portable one."""
+    default = dispatch._load_table("default")
+    target = tune.Target("mla_decode", {"impl": "gluon"}, [], lambda: 0.0, {})
+    assert tune._entry(default, target).impl == "gluon"
+    assert tune._entry(default, tune.Target("mla_decode", {}, [], lambda: 0.0, {})).impl == "triton"
+    raw = {"mla_decode": [{"match": {"impl": "gluon", "sparse": True}, "config": {"impl": "gluon"}},
+                          {"match": {"impl": "gluon"}, "config": {"impl": "gluon"}}, {"match": {}, "config": {}}]}
+    tune._pick_impl(raw, [{"target": "mla_decode gluon dense", "tuned_ms": 2.0},
+                          {"target": "mla_decode triton dense", "tuned_ms": 1.0},
+                          {"target": "mla_decode gluon sparse", "tuned_ms": 1.0},
+                          {"target": "mla_decode triton sparse", "tuned_ms": 2.0}])
+    assert [r["config"].get("impl") for r in raw["mla_decode"]] == ["gluon", "triton", None]
+
+
+def test_table_swap_is_seen_by_select_config_and_undone():
+    """The tuner measures the decode paths under the table it writes: ``table_swap`` replaces a GPU's table for
+    the block (cached lookups included) and restores it after, also when the block raises."""
+    key = dispatch.device_info().key
+    before = dispatch.select_config("combine", {"D": 32})
+    raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows]
+           for op, rows in dispatch._load_table(key).items()}
+    raw["combine"] = [{"match": {}, "config": {"elems": 1024, "num_warps": 2}}]
+    with pytest.raises(RuntimeError), dispatch.table_swap(key, raw):
+        assert (dispatch.select_config("combine", {"D": 32}).elems,
+                dispatch.select_config("combine", {"D": 32}).num_warps) == (1024, 2)
+        raise RuntimeError
+    assert dispatch.select_config("combine", {"D": 32}) == before
+    with pytest.raises(ValueError), dispatch.table_swap(key, {"combine": [{"match": {}, "config": {"elems": -1}}]}):
+        pass
+    assert dispatch.select_config("combine", {"D": 32}) == before
