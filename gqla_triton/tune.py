@@ -1,23 +1,24 @@
 """Per-GPU tuner: ``python -m gqla_triton.tune [--ops ...] [--budget-minutes N] [--out PATH] [--jobs N]
 [--start table|default]``.
 
-On the GPU it runs on, for each op it searches the launch-config fields of the table entries the standard
-workloads select (coordinate descent from the start entry: one field at a time over its candidate values, the
-rest held), checks every candidate against the float64 reference before it may win (a candidate that fails to
-compile, errs, is less accurate than twice the start entry's error plus a small floor, or whose results differ
-between identical calls is dropped), times the survivors on the standard workloads (decode steps in CUDA
-graphs), re-times the winner against the start entry side by side, and measures both GQLA decode paths' steps for
-the path choice (``decode_path.POINTS``). It writes a complete table (every op of the start one, the tuned entries
-replaced) that ``dispatch`` reads for this GPU: by default into the user config directory
-(``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which takes precedence over the shipped
-``configs/<gpu>.json``. Measurements go to ``<out>.partial.json`` as they are made, so an interrupted run resumes
-where it stopped.
+On the GPU it runs on, for each op it searches the launch-config fields of the table entries the standard workloads
+select (coordinate descent from the start entry: one field, or one group of fields that move together, at a time
+over its candidate values, the rest held; repeated while a pass improves, at most ``PASSES``), checks every
+candidate against the float64 reference before it may win (a candidate that fails to compile, errs, is less accurate
+than twice the start entry's error plus a small floor, or whose results differ between identical calls is dropped),
+times the survivors on the standard workloads (decode steps in CUDA graphs), re-times the winner against the start
+entry side by side, and measures both GQLA decode paths' steps for the path choice (``decode_path.POINTS``). It
+writes a complete table (every op of the start one, the tuned entries replaced) that ``dispatch`` reads for this
+GPU: by default into the user config directory (``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which
+takes precedence over the shipped ``configs/<gpu>.json``. Measurements go to ``<out>.partial.json`` as they are
+made, so an interrupted run resumes where it stopped.
 
 - ``--budget-minutes`` bounds the search, shared among the targets by their number of candidates (the best so far
   is kept when a target's share runs out).
 - ``--jobs N`` compiles candidates in N worker processes before they are timed one by one here (Triton's on-disk
-  cache hands the kernels over): first every target's start entry and its one-field changes in one wave (at most
-  0.4 of the time limit), then each step's new candidates; the timing waits for them (a step at most 180 s).
+  cache hands the kernels over): first every target's start entry and its one-move changes in one wave (at most
+  0.4 of the time limit), then, each time a target's best entry changes, the configs one move away from the new
+  one; the timing waits for a wave (at most 180 s), so no worker shares the GPU with a measurement.
 - ``--start default`` searches from ``configs/default.json`` (the table of GPUs without one of their own) instead
   of this GPU's table and times this GPU's shipped entry beside the winner: whether the search finds a table as
   good as the shipped one from scratch.
@@ -74,7 +75,7 @@ def _time_ms(fn: Callable[[], Any], graph: bool) -> float:
     fn()
     torch.cuda.synchronize()
     if graph:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+        return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
@@ -314,9 +315,10 @@ def _gqa_targets(tiny: bool) -> list[Target]:
     dense = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for w in work if "topk" not in w]
     dense += [] if tiny else [(b, s, 0) for b, s in SPLIT_REGIME]
     sparse = [(2, 40, 16)] if tiny else [(w["batch"], w["seqlen"], w["topk"]) for w in work if "topk" in w]
-    space = {"block_n+num_warps": tuple(itertools.product((32, 64, 128), (4, 8))), "max_m": (32, 64),
-             "num_stages": (2, 3, 4), "smem": (90000, 160000, 220000), "waves": (1, 2, 4, 6, 8),
-             "paged": (False, True), "rows_ahead": (False, True)}
+    # smem first: it bounds the pipelined tiles the other fields can ask for
+    space = {"smem": (90000, 160000, 220000), "block_n+num_warps": tuple(itertools.product((32, 64, 128), (4, 8))),
+             "num_stages": (2, 3, 4), "waves": (1, 2, 4, 6, 8), "max_m": (32, 64), "paged": (False, True),
+             "rows_ahead": (False, True)}
     return [Target("gqa_decode", {}, [case(*s) for s in dense], checker(False), space, name="gqa_decode dense"),
             Target("gqa_decode", {"sparse": True}, [case(*s) for s in sparse], checker(True), space,
                    name="gqa_decode sparse")]
@@ -463,13 +465,16 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
                 continue
             tol = 2 * first["err"] + _floor(_lowp())
             best, best_rec = incumbent, first
+            warmed = incumbent if pool is not None else None  # the compile wave covered the start's neighbours
             # coordinate descent, repeated while a pass improves (a later pass re-tries the fields an earlier
             # change of another one made worth trying); measurements are cached, so a repeated candidate is free
             for sweep in range(PASSES):
                 improved = False
                 for name, values in fields.items():
-                    if pool is not None and time.monotonic() < t_deadline:
-                        pool.warm([(t, _neighbours(best, {name: values}))], state)
+                    if pool is not None and warmed is not best and time.monotonic() < t_deadline:
+                        # one wave per new best: every config one move away from it, compiled side by side
+                        pool.warm([(t, _neighbours(best, fields))], state)
+                        warmed = best
                     for value in values:
                         if sweep == 0:
                             bar.update(1)
