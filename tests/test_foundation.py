@@ -180,10 +180,12 @@ def test_choose_decode_path_scales_by_measured_kernel_efficiency(monkeypatch):
         decode_path.choose_decode_path(shape, 1, "h100")
     monkeypatch.delenv("GQLA_TRITON_CONFIG")
     dispatch._env_override.cache_clear()
-    # the H200 table holds what our kernels reach there: the measured winner at M1 / Q1 shapes is the absorb path
-    # (bench/results/h200-mla.json, h200-gqa.json)
+    # the H200 table holds what our kernels reach there: both paths' steps measured at decode_path.POINTS for s_q 1
+    # and 2 (bench/results/h200-gqla.json: absorb wins M1, grouped P1), one efficiency per path for other s_q
     h200 = decode_path.choose_decode_path(shape, 1, "h200", batch=128, seqlen=4096)
-    assert h200.path == "absorb" and "efficiency" in h200.reason
+    assert h200.path == "absorb" and "measured point" in h200.reason
+    assert decode_path.choose_decode_path(shape, 1, "h200", batch=1, seqlen=4096).path == "grouped"
+    assert "efficienc" in decode_path.choose_decode_path(shape, 3, "h200", batch=128, seqlen=4096).reason
 
 
 @given(a=st.integers(0, 1 << 40), b=st.integers(1, 1 << 20), n=st.integers(0, 1 << 40))
