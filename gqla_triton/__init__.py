@@ -16,6 +16,8 @@ _EXPORTS = {
     "chunk_gated_delta_rule": "gqla_triton.ops.gdn",
     "gated_delta_rule_decode": "gqla_triton.ops.gdn",
     "mla_decode": "gqla_triton.ops.mla",
+    "quantize_latent_fp8": "gqla_triton.ops.mla",
+    "dequantize_latent_fp8": "gqla_triton.ops.mla",
     "gqa_decode": "gqla_triton.ops.gqa",
     "GatedDeltaNet": "gqla_triton.layers.gated_deltanet",
     "GQLAttention": "gqla_triton.layers.gqla",

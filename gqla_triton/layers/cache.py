@@ -51,6 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from ..ops._common.validation import check_positive_int
+from ..ops.mla.fp8 import FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import append_rows, append_rows_torch
 
 __all__ = ["PagedCache", "LatentCache", "GroupedCache"]
@@ -475,26 +476,41 @@ class PagedCache(abc.ABC):
 
 class LatentCache(PagedCache):
     """Absorb-path cache: ``kv [num_pages + 1, page_size, 1, kv_rank + rope_dim]`` (latent, then rope key; the
-    last page is the scratch page). Other arguments as ``PagedCache``."""
+    last page is the scratch page). ``dtype=torch.float8_e4m3fn``: FlashMLA's FP8 latent layout (``kv_rank`` 512,
+    ``rope_dim`` 64; ``kv [..., 656]`` float8_e4m3fn rows, ``ops/mla/fp8.py``), quantised on append; queries then
+    run in ``compute_dtype`` (bf16, or float32: exact and slow). Other arguments as ``PagedCache``."""
 
     def __init__(self, max_batch: int, max_seqlen: int, kv_rank: int, rope_dim: int, *, page_size: int = 64,
-                 num_pages: int | None = None, dtype=torch.bfloat16, device=None, auto_reserve: bool = True):
-        super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device,
-                         auto_reserve=auto_reserve)
+                 num_pages: int | None = None, dtype=torch.bfloat16, device=None, auto_reserve: bool = True,
+                 compute_dtype=None):
         if not _is_int(kv_rank) or not _is_int(rope_dim) or kv_rank <= 0 or rope_dim < 0:
             raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+        fp8 = dtype == torch.float8_e4m3fn
+        if dtype.itemsize == 1 and not fp8:
+            raise TypeError(f"dtype: the one 8-bit cache is FlashMLA's FP8 layout (torch.float8_e4m3fn), got {dtype}")
+        if fp8 and (kv_rank, rope_dim) != (FP8_LATENT, FP8_ROPE):
+            raise ValueError(f"kv_rank/rope_dim: the FP8 latent layout holds {FP8_LATENT} latent + {FP8_ROPE} rope "
+                             f"values per token, got {kv_rank}/{rope_dim}")
+        allowed = (torch.bfloat16, torch.float32) if fp8 else (dtype,)
+        if compute_dtype is not None and compute_dtype not in allowed:
+            raise ValueError(f"compute_dtype: expected None or one of {allowed} for a {dtype} cache, got "
+                             f"{compute_dtype!r}")
+        super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device,
+                         auto_reserve=auto_reserve)
         self.kv_rank, self.rope_dim, self.dtype = int(kv_rank), int(rope_dim), dtype
-        self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, self.kv_rank + self.rope_dim, dtype=dtype,
-                              device=self.device)
+        self.fp8 = fp8
+        self.compute_dtype = compute_dtype or allowed[0]
+        width = FP8_ROW_BYTES if fp8 else self.kv_rank + self.rope_dim
+        self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, width, dtype=dtype, device=self.device)
 
     def _storages(self):
         return (self.kv,)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.kv.element_size() * (self.kv_rank + self.rope_dim)
+        return self.kv.element_size() * self.kv.shape[-1]
 
     def append(self, seq_ids, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write ``c_kv [B, T, kv_rank]`` and (roped) ``k_rope [B, T, rope_dim]`` after each slot's tokens
@@ -506,18 +522,31 @@ class LatentCache(PagedCache):
             self._append(ids, c_kv, k_rope)
 
     def _append(self, ids, c_kv, k_rope, idx=_MISSING) -> None:
-        D = self.kv_rank + self.rope_dim
-        val = torch.cat([c_kv.detach(), k_rope.detach()], -1).to(self.dtype).reshape(-1, D)
-        self._write(ids, c_kv.shape[1], [(self.kv.view(-1, D), val)], idx)
+        val = torch.cat([c_kv.detach(), k_rope.detach()], -1)
+        if self.fp8:  # the rows as bytes (index_copy_ takes uint8 on every device)
+            val = quantize_latent_fp8(val).view(torch.uint8).reshape(-1, FP8_ROW_BYTES)
+            dst = self.kv.view(torch.uint8).view(-1, FP8_ROW_BYTES)
+        else:
+            D = self.kv_rank + self.rope_dim
+            val, dst = val.to(self.dtype).reshape(-1, D), self.kv.view(-1, D)
+        self._write(ids, c_kv.shape[1], [(dst, val)], idx)
 
     def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous ``(c_kv [L, kv_rank], k_rope [L, rope_dim])`` of one slot (read through the device
-        tables; one host sync)."""
+        """Contiguous ``(c_kv [L, kv_rank], k_rope [L, rope_dim])`` of one slot in ``compute_dtype`` (an FP8 cache
+        dequantised; read through the device tables; one host sync)."""
         s = self._slot(seq_id)
         L = int(self.cache_seqlens[s])
         pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
-        flat = self.kv[pages, :, 0].reshape(-1, self.kv_rank + self.rope_dim)[:L]
+        flat = self.kv[pages, :, 0].reshape(-1, self.kv.shape[-1])[:L]
+        if self.fp8:
+            flat = dequantize_latent_fp8(flat, torch.float32).to(self.compute_dtype)
         return flat[:, : self.kv_rank], flat[:, self.kv_rank:]
+
+    def latent_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The rows of pages ``[start, stop)`` as ``[pages, page_size, kv_rank + rope_dim]``: a view, or an FP8
+        cache's rows dequantised (float32)."""
+        rows = self.kv[start:stop, :, 0]
+        return dequantize_latent_fp8(rows, torch.float32) if self.fp8 else rows
 
 
 class GroupedCache(PagedCache):
@@ -536,6 +565,8 @@ class GroupedCache(PagedCache):
             raise ValueError("num_groups/head_dim/v_head_dim: expected positive ints, rope_dim >= 0")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+        if dtype.itemsize == 1:
+            raise TypeError(f"dtype: the grouped cache has no 8-bit layout (FP8 is the latent cache's), got {dtype}")
         self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim, self.dtype = (
             int(num_groups), int(head_dim), int(dv), int(rope_dim), dtype)
         P, ps = self.num_pages + 1, self.page_size
@@ -594,7 +625,7 @@ class GroupedCache(PagedCache):
                              f"match the layer's {layer.kv_rank}/{layer.rope_dim}")
         lc = latent_cache
         out = cls(lc.max_batch, lc.max_seqlen, layer.num_groups, layer.head_dim, layer.rope_dim, layer.v_head_dim,
-                  page_size=lc.page_size, num_pages=lc.num_pages, dtype=dtype or lc.dtype, device=lc.device,
+                  page_size=lc.page_size, num_pages=lc.num_pages, dtype=dtype or lc.compute_dtype, device=lc.device,
                   auto_reserve=lc.auto_reserve)
         out._free = list(lc._free)
         out._refs = list(lc._refs)
@@ -611,9 +642,10 @@ class GroupedCache(PagedCache):
         w = w.view(layer.num_groups, layer.head_dim + layer.v_head_dim, layer.kv_rank)
         with torch.no_grad():
             for p0 in range(0, lc.num_pages + 1, 256):  # bounded temporary memory
-                c = lc.kv[p0:p0 + 256, :, 0, : lc.kv_rank].float()
+                c = lc.latent_rows(p0, p0 + 256)[..., : lc.kv_rank].float()
                 kv = torch.einsum("ptr,gdr->ptgd", c, w)
                 out.k[p0:p0 + 256] = kv[..., : layer.head_dim].to(out.dtype)
                 out.v[p0:p0 + 256] = kv[..., layer.head_dim:].to(out.dtype)
-            out.k_rope.copy_(lc.kv[:, :, 0, lc.kv_rank:].to(out.dtype))
+            for p0 in range(0, lc.num_pages + 1, 256):
+                out.k_rope[p0:p0 + 256] = lc.latent_rows(p0, p0 + 256)[..., lc.kv_rank:].to(out.dtype)
         return out

@@ -162,7 +162,8 @@ class GQLAttention(nn.Module):
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
                    num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True):
         """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch.
-        ``auto_reserve``: see ``PagedCache``."""
+        ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only). ``auto_reserve``: see
+        ``PagedCache``."""
         path = path or self.path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
@@ -172,8 +173,11 @@ class GQLAttention(nn.Module):
         if path == "auto":
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
         if path == "absorb":
+            # an FP8 latent cache computes in the layer's dtype where it can (bf16, or fp32 exact)
+            compute = w.dtype if dtype == torch.float8_e4m3fn and w.dtype in (torch.bfloat16, torch.float32) else None
             return LatentCache(max_batch, max_seqlen, self.kv_rank, self.rope_dim, page_size=page_size,
-                               num_pages=num_pages, dtype=dtype, device=device, auto_reserve=auto_reserve)
+                               num_pages=num_pages, dtype=dtype, device=device, auto_reserve=auto_reserve,
+                               compute_dtype=compute)
         return GroupedCache(max_batch, max_seqlen, self.num_groups, self.head_dim, self.rope_dim, self.v_head_dim,
                             page_size=page_size, num_pages=num_pages, dtype=dtype, device=device,
                             auto_reserve=auto_reserve)
@@ -361,13 +365,13 @@ class GQLAttention(nn.Module):
         qa, row, cos_sin = norm_rope(qa, None if qn is None else qn.weight, kv, None if kvn is None else kvn.weight,
                                      pos, inv, add_t=add_t, kv_rank=r, qa_eps=0.0 if qn is None else qn.eps,
                                      kv_eps=0.0 if kvn is None else kvn.eps,
-                                     out_dtype=cache.dtype if absorb else kv.dtype)
+                                     out_dtype=cache.compute_dtype if absorb else kv.dtype)
         q = (self.q_proj(x) if self.q_rank is None else self.q_b_proj(qa)).view(B, T, h, dh + dR)
         c, k_rope = row[..., :r], row[..., r:]
         bt, sl = cache.block_table[:B], cache.cache_seqlens[:B]
         if absorb:
             w_uk, w_uv = self.w_uk_uv()
-            q = absorb_q(q, w_uk, cos_sin, head_dim=dh, out_dtype=cache.dtype)
+            q = absorb_q(q, w_uk, cos_sin, head_dim=dh, out_dtype=cache.compute_dtype)
             scale, impl, causal, splits = mla._validate(q, cache.kv, bt, sl, r, self.softmax_scale, True, indices,
                                                         topk_length, 0, self.impl)
             if impl == "gluon":
@@ -402,7 +406,7 @@ class GQLAttention(nn.Module):
         g, r = self.num_groups, self.kv_rank
         w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
         q_lat = torch.einsum("btgjd,gdr->btgjr", q_nope.reshape(B, T, g, h // g, dh), w_uk).reshape(B, T, h, r)
-        q = torch.cat([q_lat, q_rope], -1).to(cache.dtype).contiguous()
+        q = torch.cat([q_lat, q_rope], -1).to(cache.compute_dtype).contiguous()
         # every check of the attention op (on the tables' shapes) before the cache is written
         mla._validate(q, cache.kv, cache.block_table[:B], cache.cache_seqlens[:B], r, self.softmax_scale, True,
                       indices, topk_length, 0, self.impl)

@@ -21,6 +21,7 @@ from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
+from .fp8 import FP8_DTYPES, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, is_fp8_latent
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref
@@ -114,17 +115,21 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     impl = check_impl(impl, op="mla_decode", gluon=True)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     check_tensor("q", q, ndim=4, dtypes=dtypes)
-    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=dtypes)
-    check_same_dtype(q=q, kv_cache=kv_cache)
+    fp8 = isinstance(kv_cache, torch.Tensor) and is_fp8_latent(kv_cache)
+    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=dtypes + FP8_DTYPES)  # the message lists the FP8 layout's
+    if not fp8:
+        check_same_dtype(q=q, kv_cache=kv_cache)
     check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                       indices=indices, topk_length=topk_length)
     D = q.shape[-1]
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
-    if kv_cache.shape[3] != D:
-        raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
+    if fp8:
+        _check_fp8(q, kv_cache, head_dim_v)
+    elif kv_cache.shape[3] != D:
+        raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
     if q.shape[2] == 0:
         raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= D:
@@ -140,6 +145,24 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
 
 
+def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v) -> None:
+    """The FP8 latent layout (``fp8.py``): 656-byte rows read as bytes, float32 scales and bf16 rope values."""
+    if kv_cache.shape[3] != FP8_ROW_BYTES:
+        raise ValueError(f"kv_cache: a {kv_cache.dtype} cache holds FP8 latent rows of {FP8_ROW_BYTES} bytes (512 "
+                         f"float8_e4m3fn, 4 float32 scales, 64 bf16 rope values), got last dim {kv_cache.shape[3]}")
+    if q.shape[-1] != FP8_LATENT + FP8_ROPE or head_dim_v != FP8_LATENT:
+        raise ValueError(f"q / head_dim_v: an FP8 latent cache takes q of latent {FP8_LATENT} + rope {FP8_ROPE} = "
+                         f"{FP8_LATENT + FP8_ROPE} channels and head_dim_v {FP8_LATENT}, got q's last dim "
+                         f"{q.shape[-1]} and head_dim_v {head_dim_v!r}")
+    if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
+                        f"impl='reference'), got {q.dtype}")
+    if kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4 or kv_cache.storage_offset() % 4:
+        raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the page and token "
+                         f"strides and the storage offset must be multiples of 4 bytes, got strides "
+                         f"{list(kv_cache.stride())} and offset {kv_cache.storage_offset()}")
+
+
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
                indices=None, topk_length=None, num_splits=0, *, impl="auto"):
     """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
@@ -147,7 +170,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     Args:
         q: ``[B, s_q, h_q, D]`` bf16/fp16/fp32, ``D = r + d_R`` (latent first, then rope; 512 + 64 tuned).
         kv_cache: ``[num_pages, page_size, 1, D]``, same dtype; the value of a token is the first
-            ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16.
+            ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16. Or FlashMLA's FP8 latent cache
+            ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512 e4m3 latent values, a
+            float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q bf16 (fp32 exact);
+            ``quantize_latent_fp8`` writes it.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
         cache_seqlens: ``[B]`` int32 tokens in the cache per sequence; 0 or negative = empty. Any value is safe:

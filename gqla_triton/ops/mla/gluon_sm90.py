@@ -359,6 +359,8 @@ def mla_decode_gluon_kernel(
 def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> str | None:
     """Why the Gluon kernel cannot run these inputs (None when it can); the GPU itself is checked by the caller."""
     D = q.shape[-1]
+    if kv_cache.dtype != q.dtype:
+        return f"kv_cache dtype {kv_cache.dtype} (the FP8 latent layout runs on the portable kernel)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     if head_dim_v != 512 or D != 576:

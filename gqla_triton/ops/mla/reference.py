@@ -32,6 +32,7 @@ import math
 import torch
 
 from .._common.paging import gather_pages, key_capacity, page_rows
+from .fp8 import dequantize_latent_fp8, is_fp8_latent
 
 __all__ = ["mla_decode_ref", "seen_pv"]
 
@@ -66,10 +67,13 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
                    indices=None, topk_length=None, *, p_dtype=None):
     """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU.
 
+    ``kv_cache`` may be in the FP8 layout (``fp8.py``): the reference runs on its exact dequantised values.
     ``p_dtype`` (tests only): round the probabilities and the output to that dtype, i.e. what a torch
     implementation at the kernel's precision does; gives the low-precision error the tolerance is built on.
     """
     q = q.detach().double().cpu()
+    if is_fp8_latent(kv_cache):
+        kv_cache = dequantize_latent_fp8(kv_cache.detach().cpu(), torch.float64)
     kv_cache = kv_cache.detach().double().cpu()
     block_table = block_table.detach().long().cpu()
     seqlens = cache_seqlens.detach().long().cpu().clamp(min=0)

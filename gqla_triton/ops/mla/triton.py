@@ -11,6 +11,9 @@ the block table's capacity), so a key only later MTP tokens see (at most ``QPT -
 runs alone after the tiles and enters only the accumulators of the rows that see it. No row ever multiplies a
 value it does not see, so a NaN or inf there cannot reach it (``0 · NaN``).
 
+FP8 latent cache (``fp8.py``, FlashMLA's 656-byte rows): the e4m3 bytes are converted and multiplied by their
+tile's scale as a tile loads, the bf16 rope values converted to q's dtype, so the dots run as on a bf16 cache.
+
 Variants (config fields): ``paged_tiles`` (dense, ``BLOCK_N`` divides the page: one block-table load per tile,
 contiguous rows), ``p_scratch`` (P and its row rescale cross a per-program scratch tile, so the score product
 splits its keys over the warpgroups instead of running whole in both), ``rows_ahead`` (the next tile's row
@@ -27,6 +30,7 @@ from ...dispatch import device_info
 from .._common import finish_rows, logical_to_physical, next_pow2, softmax_step, split_bounds, store_rows
 from .._common.alloc import empty
 from .._common.paging import table_keys
+from .fp8 import is_fp8_latent
 from .plan import MLAPlan
 
 __all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
@@ -67,11 +71,35 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l
     return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, 1)
 
 
+@triton.jit
+def _keys(kv, kvs, kvr, off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: tl.constexpr, FP8: tl.constexpr):
+    """``(k_lat [BLOCK_N, BDV], k_rope [BLOCK_N, BDR])`` in ``KDT`` of the cache rows at element offsets ``off``.
+    FP8 (``fp8.py``): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale (``kvs``, the same
+    memory as float32) and the bf16 rope values (``kvr``, as bf16). The NaN bytes (``S.1111.111``) are mapped to
+    NaN explicitly: the interpreter's e4m3 conversion reads them as 480."""
+    m2 = ok[:, None] & mv[None, :]
+    mr2 = ok[:, None] & mr[None, :]
+    if FP8:
+        u = tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0)
+        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = tl.where((u & 0x7F) == 0x7F, float("nan"), x)
+        # [BLOCK_N, DV / 128] scales, broadcast over their tiles (a [BLOCK_N, DV] gather would be pipelined whole)
+        sc = tl.load(kvs + (off // 4 + DV // 4)[:, None] + tl.arange(0, DV // 128)[None, :], mask=ok[:, None],
+                     other=0.0)
+        xt = tl.reshape(x, [x.shape[0], DV // 128, 128])
+        k_lat = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV]).to(KDT)
+        k_rope = tl.load(kvr + (off // 2 + (DV + 16) // 2)[:, None] + offs_r[None, :], mask=mr2, other=0.0).to(KDT)
+    else:
+        k_lat = tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0.0)
+        k_rope = tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0.0)
+    return k_lat, k_rope
+
+
 # lengths and tile geometry are runtime values: one compiled variant serves every h_q / s_q / causal flag
 @triton.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "h_tiles", "HPT", "QPT",
                                "causal"])
 def mla_decode_fwd_kernel(
-    q, kv, block_table, seqlens, indices, topk_length,
+    q, kv, kvs, kvr, block_table, seqlens, indices, topk_length,
     out, lse, o_part, lse_part, pbuf, abuf,
     qk_scale,  # softmax_scale * log2(e)
     s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
@@ -88,7 +116,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
-    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr,
+    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -161,7 +189,7 @@ def mla_decode_fwd_kernel(
                 prow = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
             ok = prow >= 0
             prow = tl.where(ok, prow, 0)
-            kv_row = kv + (prow // PAGE_SIZE).to(tl.int64) * s_kvp + (prow % PAGE_SIZE) * s_kvt
+            kv_off = (prow // PAGE_SIZE).to(tl.int64) * s_kvp + (prow % PAGE_SIZE) * s_kvt
         elif PAGED_TILES:
             # the tile lies inside one page (start is a multiple of BLOCK_N, BLOCK_N divides PAGE_SIZE): one
             # scalar block-table load, contiguous rows
@@ -172,13 +200,12 @@ def mla_decode_fwd_kernel(
                 blk = _tile_block(bt_row, start, max_pages, PAGE_SIZE)
             pok = (blk >= 0) & (blk < num_pages)
             ok = (offs_n < hi) & pok
-            kv_row = (kv + tl.where(pok, blk, 0).to(tl.int64) * s_kvp
+            kv_off = (tl.where(pok, blk, 0).to(tl.int64) * s_kvp
                       + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * s_kvt)
         else:
             row, ok = logical_to_physical(bt_row, pos, offs_n < hi, max_pages, num_pages, PAGE_SIZE)
-            kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
-        k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
-        k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+            kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
+        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV, FP8)
         if P_SCRATCH:
             # P and alpha cross a global scratch tile (an L2 round trip): the store / load ends S's forward slice,
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
@@ -212,9 +239,8 @@ def mla_decode_fwd_kernel(
         offs_t = tl.arange(0, 16)
         for t in range(t_lo, t_hi):
             row, ok = logical_to_physical(bt_row, t + offs_t, offs_t == 0, max_pages, num_pages, PAGE_SIZE)
-            kv_row = kv + (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
-            k_lat = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
-            k_rope = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+            kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
+            k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV, FP8)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
             sees = t <= last
@@ -249,14 +275,17 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     pbuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=q.dtype, device=q.device) if cfg.p_scratch \
         else out
     abuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H, dtype=torch.float32, device=q.device) if cfg.p_scratch else lse
+    fp8 = is_fp8_latent(kv_cache)
+    kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    kvs, kvr = (kv.view(torch.float32), kv.view(torch.bfloat16)) if fp8 else (kv, kv)
     mla_decode_fwd_kernel[grid](
-        q, kv_cache, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
+        q, kv, kvs, kvr, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, pbuf, abuf,
         qk_scale,
         s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
         int(bool(causal)),
         q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
+        kv.stride(0), kv.stride(1),
         block_table.stride(0),
         rows_src.stride(0), rows_src.stride(1) if sparse else 0,
         out.stride(0), out.stride(1), out.stride(2),
@@ -268,6 +297,6 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
-        TAIL=causal and not sparse and p.QPT > 1,
+        TAIL=causal and not sparse and p.QPT > 1, FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

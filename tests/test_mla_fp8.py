@@ -1,0 +1,232 @@
+"""FlashMLA's FP8 latent cache (656-byte rows): the quantiser's layout and error bound, ``mla_decode`` over it
+against the float64 reference of the dequantised cache (dense, sparse, splits, MTP, bad pages), exact NaN
+propagation, and refusals by name. Under the interpreter every call runs inside the address check."""
+
+import copy
+import math
+
+import pytest
+import torch
+from harness import P, assert_close, examples, gen, pick, randn, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_gqla_layer import make_layer
+
+from gqla_triton.dispatch import is_interpreter
+from gqla_triton.layers.cache import GroupedCache, LatentCache
+from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
+from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES
+from gqla_triton.testing import gqla_reference
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+QDT = torch.bfloat16 if P.big else torch.float32  # the interpreter computes bf16 wrongly (triton#11584)
+HEADS = pick([16], [16, 64, 128])
+PAGE = pick([16, 32], [64])
+MAXLEN = pick(60, 1500)
+
+
+def _call(*args, **kw):
+    tensors = [a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)]
+    if not is_interpreter():
+        return mla_decode(*args, **kw)
+    from addresscheck import AddressCheck
+
+    with AddressCheck(*tensors) as ac:
+        got = mla_decode(*args, **kw)
+    ac.assert_clean()
+    return got
+
+
+def _case(seed, B, s_q, h_q, page, *, bad_pages=False, scale=1.0):
+    g = gen(seed)
+    lens = torch.randint(0, MAXLEN + 1, (B,), generator=g)
+    max_pages = max(1, math.ceil(int(lens.max()) / page) + int(torch.randint(0, 2, (1,), generator=g)))
+    num_pages = B * max_pages + 2
+    bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
+    if bad_pages:
+        junk = torch.tensor([-1, num_pages, 2**31 - 1], dtype=torch.int32)
+        bt = torch.where(torch.rand(B, max_pages, generator=g) < 0.2, junk[torch.randint(0, 3, bt.shape, generator=g)],
+                         bt)
+    q = randn((B, s_q, h_q, 576), g, dtype=QDT)
+    kv = randn((num_pages, page, 1, 576), g, scale=scale)
+    return q, quantize_latent_fp8(kv.cpu()).to(P.device), bt.to(P.device), lens.int().to(P.device), g
+
+
+def _check(out, lse, q, kv8, bt, lens, **kw):
+    deq = dequantize_latent_fp8(kv8.cpu(), torch.float64)
+    ro, rl = mla_decode_ref(q, deq, bt, lens, 512, **kw)
+    lo, _ = mla_decode_ref(q, deq.to(QDT), bt, lens, 512, p_dtype=QDT, **kw)
+    assert out.dtype == q.dtype and out.shape == ro.shape
+    assert_close("out", out, ro, lo, dtype=QDT)
+    assert_close("lse", lse, rl, rl.float(), dtype=torch.float32, eps=1e-5 if QDT == torch.float32 else 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- the layout
+@settings(max_examples=examples(20, 20), deadline=None)
+@given(rows=st.integers(1, 9), scale=st.sampled_from([1e-3, 1.0, 300.0]), pow2=st.booleans(), seed=seeds())
+def test_quantizer_layout_and_error_bound(rows, scale, pow2, seed):
+    """Bytes [0, 512) e4m3, [512, 528) the float32 tile scales (amax / 448, or its power of two at or above),
+    [528, 656) the bf16 rope values; each value within half an e4m3 step of the original (relative 2^-4, or
+    2^-10 of its tile's scale for e4m3 subnormals); a tile's largest magnitude maps to at most 448."""
+    x = randn((rows, 576), seed, scale=scale)
+    x[0, 128:256] = 0.0  # an all-zero tile: scale 0, zeros back
+    q8 = quantize_latent_fp8(x, pow2_scales=pow2)
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == (rows, FP8_ROW_BYTES)
+    b = q8.view(torch.uint8)
+    sc = b[:, 512:528].contiguous().view(torch.float32)
+    amax = x[:, :512].reshape(rows, 4, 128).abs().amax(-1)
+    if pow2:
+        assert torch.all((sc == 0) | (torch.frexp(sc).mantissa == 0.5)) and torch.all(sc >= amax / 448)
+        assert torch.all(sc <= 2 * amax / 448)
+    else:
+        torch.testing.assert_close(sc, amax / 448, rtol=1e-6, atol=0)
+    assert sc[0, 1] == 0
+    lat = b[:, :512].contiguous().view(torch.float8_e4m3fn).float()
+    assert lat.abs().max() <= 448
+    assert torch.equal(b[:, 528:].contiguous().view(torch.bfloat16), x[:, 512:].to(torch.bfloat16))
+    deq = dequantize_latent_fp8(q8, torch.float64)
+    tile_sc = sc.double().repeat_interleave(128, -1)
+    err = (deq[:, :512] - x[:, :512].double()).abs()
+    assert torch.all(err <= torch.maximum(x[:, :512].double().abs() * 2**-4, tile_sc * 2**-10) * (1 + 1e-6))
+    assert torch.all(deq[0, 128:256] == 0)
+    assert torch.equal(dequantize_latent_fp8(q8.view(torch.uint8)), dequantize_latent_fp8(q8))
+
+
+def test_quantizer_nonfinite_stays_in_its_tile_and_refusals():
+    x = torch.randn(2, 576)
+    x[1, 300] = float("nan")
+    deq = dequantize_latent_fp8(quantize_latent_fp8(x))
+    assert deq[1, 256:384].isnan().all() and deq[1, :256].isfinite().all() and deq[1, 384:].isfinite().all()
+    assert deq[0].isfinite().all()
+    with pytest.raises(ValueError, match="kv"):
+        quantize_latent_fp8(torch.randn(3, 512))
+    with pytest.raises(TypeError, match="kv"):
+        quantize_latent_fp8(torch.zeros(3, 576, dtype=torch.int32))
+    with pytest.raises(TypeError, match="pow2_scales"):
+        quantize_latent_fp8(x, pow2_scales=1)
+    with pytest.raises(ValueError, match="kv_cache"):
+        dequantize_latent_fp8(torch.zeros(3, 576, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="kv_cache"):
+        dequantize_latent_fp8(torch.zeros(3, 656))
+
+
+# ---------------------------------------------------------------------------------------------- the op
+@settings(max_examples=examples(4, 12), deadline=None)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 2), h_q=st.sampled_from(HEADS), page=st.sampled_from(PAGE),
+       causal=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), bad_pages=st.booleans(), seed=seeds())
+def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages, seed):
+    q, kv8, bt, lens, _ = _case(seed, B, s_q, h_q, page, bad_pages=bad_pages)
+    out, lse = _call(q, kv8, bt, lens, 512, causal=causal, num_splits=num_splits)
+    _check(out, lse, q, kv8, bt, lens, causal=causal)
+
+
+@settings(max_examples=examples(4, 12), deadline=None)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 2), topk=st.sampled_from([16, 40]), with_len=st.booleans(),
+       num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), seed=seeds())
+def test_sparse_fp8_vs_reference(B, s_q, topk, with_len, num_splits, uint8, seed):
+    """Sparse top-k over the FP8 cache; indices out of range, negative or past the table are ignored. The same
+    bytes given as uint8 are the same cache."""
+    q, kv8, bt, lens, g = _case(seed, B, s_q, 16, PAGE[0])
+    idx = torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
+    tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len else None
+    cache = kv8.view(torch.uint8) if uint8 else kv8
+    out, lse = _call(q, cache, bt, lens, 512, indices=idx, topk_length=tl_, num_splits=num_splits)
+    _check(out, lse, q, kv8, bt, lens, indices=idx, topk_length=tl_)
+
+
+def test_fp8_nan_reaches_only_the_queries_that_see_it():
+    """MTP, causal: a NaN in the newest token's latent tile reaches query 1 (which sees it), not query 0."""
+    q, kv8, bt, lens, _ = _case(5, 1, 2, 16, PAGE[0])
+    lens.fill_(min(MAXLEN, bt.shape[1] * PAGE[0]))
+    L = int(lens[0])
+    kv = dequantize_latent_fp8(kv8.cpu())
+    page, slot = int(bt[0, (L - 1) // PAGE[0]]), (L - 1) % PAGE[0]
+    kv[page, slot, 0, 7] = float("nan")
+    kv8 = quantize_latent_fp8(kv).to(P.device)
+    out, lse = _call(q, kv8, bt, lens, 512, causal=True)
+    assert out[0, 0].isfinite().all() and lse[0, :, 0].isfinite().all()
+    assert out[0, 1].isnan().all() and lse[0, :, 1].isnan().all()
+
+
+def test_fp8_refusals_name_the_argument():
+    q, kv8, bt, lens, _ = _case(1, 1, 1, 16, PAGE[0])
+    with pytest.raises(ValueError, match="kv_cache.*656"):
+        mla_decode(q, kv8[..., :576], bt, lens, 512)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        mla_decode(q, kv8, bt, lens, 256)
+    with pytest.raises(ValueError, match="q / head_dim_v"):
+        mla_decode(q[..., :512].contiguous(), kv8, bt, lens, 448)
+    with pytest.raises(TypeError, match="q: .*bfloat16"):
+        mla_decode(q.half(), kv8, bt, lens, 512)
+    raw = torch.zeros(kv8.numel() + 2, dtype=torch.uint8, device=kv8.device)
+    shifted = raw[2:].view(kv8.shape)  # rows 2 bytes off the float32 scales' alignment
+    with pytest.raises(ValueError, match="kv_cache.*multiples of 4"):
+        mla_decode(q, shifted, bt, lens, 512)
+    with pytest.raises(ValueError, match="impl='gluon'"):
+        mla_decode(q, kv8, bt, lens, 512, impl="gluon")
+    # the reference impl takes the layout too
+    o, _ = mla_decode(q, kv8, bt, lens, 512, impl="reference")
+    r, _ = mla_decode_ref(q, dequantize_latent_fp8(kv8.cpu(), torch.float64), bt, lens, 512)
+    torch.testing.assert_close(o.double().cpu(), r.to(o.dtype).double(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the cache and layer
+def test_latent_cache_quantises_on_append():
+    """``LatentCache(dtype=float8_e4m3fn)``: 656 bytes per token, rows quantised on append exactly as
+    ``quantize_latent_fp8`` does, read back dequantised; layouts it cannot hold are refused by name."""
+    cache = LatentCache(3, 80, 512, 64, page_size=PAGE[0], dtype=torch.float8_e4m3fn, device=P.device)
+    assert cache.bytes_per_token == 656 and cache.kv.shape[-1] == 656 and cache.compute_dtype == torch.bfloat16
+    c, kr = randn((2, 37, 512), 3, device=P.device), randn((2, 37, 64), 4, device=P.device)
+    cache.append([2, 0], c, kr)
+    for i, s in enumerate([2, 0]):
+        got_c, got_r = cache.gather(s)
+        want = dequantize_latent_fp8(quantize_latent_fp8(torch.cat([c[i], kr[i]], -1))).to(torch.bfloat16)
+        assert torch.equal(got_c, want[:, :512]) and torch.equal(got_r, want[:, 512:])
+    assert cache.seqlens() == [37, 0, 37]
+    with pytest.raises(ValueError, match="kv_rank/rope_dim"):
+        LatentCache(2, 64, 256, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="dtype"):
+        LatentCache(2, 64, 512, 64, dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        LatentCache(2, 64, 512, 64, dtype=torch.float8_e4m3fn, compute_dtype=torch.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        GroupedCache(2, 64, 2, 16, 16, dtype=torch.float8_e4m3fn)
+
+
+@settings(max_examples=examples(2, 6), deadline=None)
+@given(B=st.integers(1, 2), g=st.sampled_from([1, 2]), steps=st.integers(1, 2), seed=seeds())
+def test_gqla_layer_decodes_over_an_fp8_latent_cache(B, g, steps, seed):
+    """GQLAttention's absorb decode over an FP8 latent cache (``make_cache(dtype=float8_e4m3fn)``) equals the
+    float64 layer reference over the dequantised past, within torch's error at the same precision
+    (``impl="reference"`` on a copy of the cache); the switch to the grouped path reads the same dequantised
+    latents."""
+    dims = dict(hidden=64, num_heads=16, head_dim=16, rope_dim=64, kv_rank=512)
+    gg = gen(seed)
+    layer = make_layer(seed, g=g, dtype=QDT, dims=dims)
+    cache = layer.make_cache(B + 1, MAXLEN + 8, path="absorb", page_size=PAGE[0], dtype=torch.float8_e4m3fn)
+    assert cache.fp8 and cache.compute_dtype == QDT
+    ids = list(range(1, B + 1))
+    lens = torch.randint(1, MAXLEN + 1 - steps, (B,), generator=gg).tolist()
+    for i, s in enumerate(ids):
+        cache.append([s], randn((1, lens[i], 512), gg, dtype=QDT), randn((1, lens[i], 64), gg, dtype=QDT))
+    grp = GroupedCache.from_latent(cache, layer)
+    past = [tuple(t.double().cpu() for t in cache.gather(s)) for s in ids]
+    for s, (c, kr) in zip(ids, past, strict=True):
+        k, _, r = grp.gather(s)
+        wk = layer.w_uk_uv(torch.float64)[0].cpu()
+        assert_close("grouped k", k, torch.einsum("gdr,lr->lgd", wk, c), k.double().cpu(), dtype=QDT, factor=1.0)
+        assert torch.equal(r.double().cpu(), kr)
+    low = copy.deepcopy(layer)
+    low.impl = "reference"
+    for step in range(steps):
+        x = randn((B, 1, layer.hidden_size), gg, dtype=QDT)
+        pos = torch.tensor([n + step for n in lens])[:, None]
+        past = [tuple(t.double().cpu() for t in cache.gather(s)) for s in ids]
+        ref = gqla_reference(layer, x, pos, past)
+        lowc = copy.deepcopy(cache)
+        with torch.no_grad():
+            y = layer(x, pos, cache, seq_ids=ids)
+            y_low = low(x, pos, lowc, seq_ids=ids)
+        assert_close(f"absorb step {step}", y, ref, y_low, dtype=QDT)
+        assert cache.seqlens(ids) == [n + step + 1 for n in lens]
