@@ -163,6 +163,9 @@ def test_fp8_refusals_name_the_argument():
     shifted = raw[2:].view(kv8.shape)  # rows 2 bytes off the float32 scales' alignment
     with pytest.raises(ValueError, match="kv_cache.*multiples of 4"):
         mla_decode(q, shifted, bt, lens, 512)
+    odd = raw.as_strided(kv8.shape, (kv8.stride(0), kv8.stride(1), 3, 1))  # a size-1 dim with an odd stride
+    with pytest.raises(ValueError, match="kv_cache.*multiples of 4"):
+        mla_decode(q, odd, bt, lens, 512)
     with pytest.raises(ValueError, match="impl='gluon'"):
         mla_decode(q, kv8, bt, lens, 512, impl="gluon")
     # the reference impl takes the layout too

@@ -157,9 +157,9 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v) -> None:
     if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
                         f"impl='reference'), got {q.dtype}")
-    if kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4 or kv_cache.storage_offset() % 4:
-        raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the page and token "
-                         f"strides and the storage offset must be multiples of 4 bytes, got strides "
+    if any(st % 4 for st in kv_cache.stride()[:3]) or kv_cache.storage_offset() % 4:
+        raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the strides of the first "
+                         f"three dims and the storage offset must be multiples of 4 bytes, got strides "
                          f"{list(kv_cache.stride())} and offset {kv_cache.storage_offset()}")
 
 
