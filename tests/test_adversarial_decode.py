@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from gqla_triton.dispatch import is_interpreter
 from gqla_triton.ops._common.alloc import poisoned
 from gqla_triton.ops.gqa import gqa_decode, gqa_decode_reference
-from gqla_triton.ops.mla import mla_decode, mla_decode_ref
+from gqla_triton.ops.mla import mla_decode, mla_decode_ref, quantize_latent_fp8
 
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
 PAGE = pick(16, 64)
@@ -62,6 +62,7 @@ class Spec:
     per_group: bool = False  # gqa sparse: one index set per group
     impl: str = "triton"
     heads: int = 16  # mla h_q
+    fp8: bool = False  # mla: FlashMLA's FP8 latent cache (latent 512 + rope 64, pow2 scales, q bf16 / fp32)
 
 
 def spec_strategy(op: str):
@@ -69,7 +70,8 @@ def spec_strategy(op: str):
                      sparse=st.booleans(), splits=st.sampled_from([0, 1, 3]),
                      lengths=st.tuples(st.sampled_from(LENGTHS), st.sampled_from(LENGTHS)),
                      poison=st.integers(0, 3), junk_pages=st.booleans(), topk_length=st.booleans(),
-                     per_group=st.booleans(), impl=st.sampled_from(IMPLS[op]), heads=st.sampled_from(MLA_HEADS))
+                     per_group=st.booleans(), impl=st.sampled_from(IMPLS[op]), heads=st.sampled_from(MLA_HEADS),
+                     fp8=st.booleans() if op == "mla" else st.just(False))
 
 
 def random_spec(op: str, seed: int) -> Spec:
@@ -78,7 +80,7 @@ def random_spec(op: str, seed: int) -> Spec:
     return Spec(op, seed, s_q=r.randint(1, 3), causal=r.random() < 0.7, sparse=r.random() < 0.5,
                 splits=r.choice([0, 1, 3]), lengths=(r.choice(LENGTHS), r.choice(LENGTHS)), poison=r.randint(0, 3),
                 junk_pages=r.random() < 0.5, topk_length=r.random() < 0.5, per_group=r.random() < 0.5,
-                impl=r.choice(IMPLS[op]), heads=r.choice(MLA_HEADS))
+                impl=r.choice(IMPLS[op]), heads=r.choice(MLA_HEADS), fp8=op == "mla" and r.random() < 0.3)
 
 
 # ------------------------------------------------------------------------------------------------ case builders
@@ -170,10 +172,16 @@ def _poison_places(spec, g, seen, bt, num_pages):
     return out
 
 
+def fp8_q_dtype(dtype):
+    """q's dtype over an FP8 cache (bf16 or fp32) for a case drawn in ``dtype``: fp16 becomes bf16 on the GPU and
+    fp32 under the interpreter (which computes bf16 wrongly)."""
+    return dtype if dtype != torch.float16 else (torch.bfloat16 if P.big else torch.float32)
+
+
 def mla_case(spec: Spec, dtype, device) -> dict:
     """Inputs of ``mla_decode`` for ``spec`` (float64 drawn on the CPU, then cast and moved)."""
     g = gen(spec.seed)
-    r, dr = MLA_DIMS
+    r, dr = (512, 64) if spec.fp8 else MLA_DIMS
     D = r + dr
     num_pages = B * MAX_PAGES + SPARE
     bt, spare = _block_table(g, num_pages, spec.junk_pages)
@@ -196,6 +204,12 @@ def mla_case(spec: Spec, dtype, device) -> dict:
             blk, slot = _row(bt, num_pages, int(hit[0]), int(hit[3]))
             kv[blk, slot, 0, c] = val
     to = dict(device=device)
+    if spec.fp8:  # power-of-two scales: every dequantised value is exact in bf16, as a bf16 cache's are
+        return dict(q=q.to(dtype=fp8_q_dtype(dtype), **to),
+                    kv_cache=quantize_latent_fp8(kv.float(), pow2_scales=True).to(**to), block_table=bt.to(**to),
+                    cache_seqlens=lens.to(**to), head_dim_v=r, causal=spec.causal,
+                    indices=None if idx is None else idx.to(**to),
+                    topk_length=None if tkl is None else tkl.to(**to), num_splits=spec.splits)
     return dict(q=q.to(dtype=dtype, **to), kv_cache=kv.to(dtype=dtype, **to), block_table=bt.to(**to),
                 cache_seqlens=lens.to(**to), head_dim_v=r, causal=spec.causal,
                 indices=None if idx is None else idx.to(**to), topk_length=None if tkl is None else tkl.to(**to),
@@ -290,6 +304,7 @@ def assert_matches(name, got, ref, lowp, *, dtype, eps=None):
 def check_case(spec: Spec, dtype, device) -> None:
     """Run ``spec`` and compare with the float64 reference; AssertionError on any difference (or bad access)."""
     inputs = (mla_case if spec.op == "mla" else gqa_case)(spec, dtype, device)
+    dtype = inputs["q"].dtype
     out, lse = run_op(spec.op, inputs, spec.impl)
     if device != "cpu" or not is_interpreter():
         torch.cuda.synchronize()
