@@ -3,13 +3,12 @@
     python -m tools.sanitize_decode [--cases N] [--racecheck-cases M] [--dtype bf16|fp16] [--op mla,gqa]
     python -m tools.sanitize_decode --worker [--cases N] ...      # the cases alone (what the sanitizer runs)
 
-Without ``--worker`` it runs the worker under ``compute-sanitizer --tool memcheck`` (N cases per op, default 64)
-and ``--tool racecheck`` (M per op, default 8: racecheck is slow), prints each tool's error count and the cases
-that failed, and exits 1 on any sanitizer error or wrong result. Every case (lengths at the int32 extremes, NaN /
-inf placement, junk indices and block tables, dense / sparse, MTP, split-KV, both MLA kernels, the FP8 latent
-cache in about 30 % of the MLA cases) is checked against
-the float64 reference with NaN / inf positions exact (``test_adversarial_decode.check_case``); the worker prints
-one ``FAIL`` line per wrong case and a summary.
+Without ``--worker`` it runs the worker under ``compute-sanitizer --tool memcheck`` (N cases per op, default 64) and
+``--tool racecheck`` (M per op, default 8: racecheck is slow), prints each tool's error count and the cases that
+failed, and exits 1 on any sanitizer error or wrong result. Every case (lengths at the int32 extremes, NaN / inf
+placement, junk indices and block tables, dense / sparse, MTP, split-KV, both MLA kernels, the FP8 latent cache in
+about 30 % of the MLA cases) is checked against the float64 reference with NaN / inf positions exact
+(``test_adversarial_decode.check_case``); the worker prints one ``FAIL`` line per wrong case and a summary.
 """
 
 from __future__ import annotations
