@@ -198,3 +198,32 @@ def test_table_swap_is_seen_by_select_config_and_undone():
     with pytest.raises(ValueError), dispatch.table_swap(key, {"combine": [{"match": {}, "config": {"elems": -1}}]}):
         pass
     assert dispatch.select_config("combine", {"D": 32}) == before
+
+
+def test_stage_moves_are_judged_by_their_kernels(tmp_path, monkeypatch):
+    """A many-kernel op (``Target.stages``): a move within one stage wins on that stage's kernel time although the
+    whole time is within noise, and loses when the whole time gets worse by more than ``GAIN``; without stages the
+    same move needs the whole time to improve."""
+    base = tune.targets(["combine"])[0]
+
+    def kernels(cfg):
+        return {"combine_splits_kernel": 0.5 if cfg.num_warps == 8 else 1.0, "other_kernel": 5.0}
+
+    def run(stages, total):
+        t = tune.Target(base.op, base.key, base.calls, base.check, {"num_warps": (8,)}, stages=stages)
+        monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: total(dispatch.select_config("combine", {"D": 32})))
+        monkeypatch.setattr(tune, "_kernel_ms", lambda calls: kernels(dispatch.select_config("combine", {"D": 32})))
+        monkeypatch.setattr(tune, "_retime", lambda tt, cfg: total(cfg))
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        return tune.tune(["combine"], out=out, progress=False, target_list=[t])["report"][0]["config"]["num_warps"]
+
+    flat = lambda cfg: 1.0  # noqa: E731 (the whole time does not move)
+    worse = lambda cfg: 1.02 if cfg.num_warps == 8 else 1.0  # noqa: E731
+    assert run({"num": ("combine_splits_kernel",)}, flat) == 8
+    assert run({"num": ("combine_splits_kernel",)}, worse) != 8
+    assert run({}, flat) != 8
+    gdn = tune._gdn_chunk_target(True)
+    assert gdn.stage_kernels("wy_bwd_bv+wy_bwd_num_warps") == ("gdn_wy_bwd_kernel",)
+    assert gdn.stage_kernels("state_bv+state_num_warps") == ("gdn_state_fwd_kernel",)
+    assert gdn.stage_kernels("state_bwd_num_stages") == ("gdn_state_bwd_kernel",)
+    assert gdn.stage_kernels("seg_units") == ()
