@@ -1,6 +1,7 @@
-"""Every keyword of the four public ops, called with hostile values (None, bools, 0, ±1, 2**31, ±2**63, 1.5, NaN,
-±inf, a string, a list, a tuple, 0-d and 1-d tensors, an object): each call either runs or is refused with a
-``TypeError`` / ``ValueError`` that names the argument. Nothing else (no raw torch / Triton error, no crash)."""
+"""Every keyword of the public ops (``mla_decode`` over a bf16-style and an FP8 cache), called with hostile values
+(None, bools, 0, ±1, 2**31, ±2**63, 1.5, NaN, ±inf, a string, a list, a tuple, 0-d and 1-d tensors, an object):
+each call either runs or is refused with a ``TypeError`` / ``ValueError`` that names the argument. Nothing else
+(no raw torch / Triton error, no crash)."""
 
 import math
 
@@ -49,7 +50,20 @@ def _ops():
     def dec(**o):
         return gq.gated_delta_rule_decode(*xd, o.pop("state", pool.clone()), **o)
 
+    kv8 = gq.quantize_latent_fp8(torch.randn(6, page, 1, 576, generator=g))
+    q8 = torch.randn(B, 1, hq, 576, generator=g)
+
+    def mla8(**o):
+        hdv = o.pop("head_dim_v", 512)
+        return gq.mla_decode(q8, kv8, bt, lens, hdv, **o)
+
+    def quant(**o):
+        return gq.quantize_latent_fp8(torch.randn(3, 576, generator=g), **o)
+
     return {
+        "mla_decode fp8": (mla8, ["head_dim_v", "softmax_scale", "causal", "num_splits", "impl", "indices",
+                                  "topk_length"]),
+        "quantize_latent_fp8": (quant, ["pow2_scales"]),
         "mla_decode": (mla, ["head_dim_v", "softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length",
                              "return_lse"]),
         "gqa_decode": (gqa, ["softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length"]),
@@ -63,7 +77,8 @@ def _ops():
     }
 
 
-@pytest.mark.parametrize("op", ["mla_decode", "gqa_decode", "chunk_gated_delta_rule", "gated_delta_rule_decode"])
+@pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "gqa_decode",
+                                "chunk_gated_delta_rule", "gated_delta_rule_decode"])
 def test_hostile_keyword_values_run_or_are_refused_by_name(op):
     fn, keywords = _ops()[op]
     fn()  # the base call is valid
