@@ -14,7 +14,7 @@ takes precedence over the shipped ``configs/<gpu>.json``. Measurements go to ``<
 made, so an interrupted run resumes where it stopped.
 
 - The GDN op (eight kernels) judges a move within one stage (``wy_*``, ``wu_*``, ..., ``wy_bwd_*``) by that stage's
-  kernels' device time (torch.profiler), the whole forward + backward only guarding against a loss elsewhere: a
+  kernels' GPU time (torch.profiler), the whole forward + backward only guarding against a loss elsewhere: a
   few per cent of one kernel is below the noise of the whole op.
 - ``--budget-minutes`` bounds the search, shared among the targets by their number of candidates (the best so far
   is kept when a target's share runs out).
@@ -63,7 +63,7 @@ class Target:
     graph: bool = True  # time in a CUDA graph (decode) or eagerly (the chunked GDN forward + backward)
     name: str = field(default="")
     # op made of several kernels: config-field prefix -> the names of the kernels those fields launch. A move of
-    # fields of one stage is then judged by the device time of that stage's kernels (a few per cent of one kernel
+    # fields of one stage is then judged by the GPU time of that stage's kernels (a few per cent of one kernel
     # is far below the noise of the whole op's time), the whole time only guarding against a loss elsewhere
     stages: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -410,7 +410,7 @@ def _measure(t: Target, cfg, *, tol: float | None, state: _State) -> dict:
 
 
 def _kernel_ms(calls: list[Callable[[], Any]], reps: int = 3) -> dict[str, float]:
-    """Device time per call sequence of each kernel the ``calls`` launch (ms, by kernel name; torch.profiler over
+    """GPU time per call sequence of each kernel the ``calls`` launch (ms, by kernel name; torch.profiler over
     ``reps`` runs of them all). Empty under the interpreter."""
     if dispatch.is_interpreter():
         return {}
@@ -435,7 +435,7 @@ def _kernel_ms(calls: list[Callable[[], Any]], reps: int = 3) -> dict[str, float
 
 def _faster(t: Target, key: str, rec: dict, best: dict) -> bool:
     """Whether candidate ``rec`` (a move of space entry ``key``) beats ``best``: by ``GAIN`` of the whole time, or,
-    for a move within one stage of a many-kernel op, by ``STAGE_GAIN`` of that stage's kernels' device time with
+    for a move within one stage of a many-kernel op, by ``STAGE_GAIN`` of that stage's kernels' GPU time with
     the whole time no worse than ``GAIN``."""
     names = t.stage_kernels(key)
     if names and "kernels" in rec and "kernels" in best:
