@@ -456,17 +456,10 @@ def _entry(table: dict, t: Target):
     """The entry of ``table`` whose match is the target's key, else the first that matches it, else the
     schema's defaults; the key's names that are also config fields are set to the key's values (the Gluon MLA
     targets start from ``impl="gluon"`` although a table without a Gluon entry has a Triton catch-all)."""
-    cfg = None
-    for match, c in table.get(t.op, ()):
-        if match == t.key:
-            cfg = c
-            break
-    else:
-        for match, c in table.get(t.op, ()):
-            if all(t.key.get(k) == v for k, v in match.items()):
-                cfg = c
-                break
-    cfg = cfg if cfg is not None else dispatch.schema(t.op)()
+    rows = table.get(t.op, ())
+    cfg = next((c for m, c in rows if m == t.key), None)
+    if cfg is None:
+        cfg = next((c for m, c in rows if all(t.key.get(k) == v for k, v in m.items())), dispatch.schema(t.op)())
     own = {k: v for k, v in t.key.items() if k in cfg.field_names() and getattr(cfg, k) != v}
     return cfg.replace(**own) if own else cfg
 

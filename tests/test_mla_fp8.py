@@ -10,9 +10,9 @@ import torch
 from harness import P, assert_close, examples, gen, pick, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_adversarial_decode import run_op
 from test_gqla_layer import make_layer
 
-from gqla_triton.dispatch import is_interpreter
 from gqla_triton.layers.cache import GroupedCache, LatentCache
 from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
 from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES
@@ -26,16 +26,10 @@ PAGE = pick([16, 32], [64])
 MAXLEN = pick(60, 1500)
 
 
-def _call(*args, **kw):
-    tensors = [a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)]
-    if not is_interpreter():
-        return mla_decode(*args, **kw)
-    from addresscheck import AddressCheck
-
-    with AddressCheck(*tensors) as ac:
-        got = mla_decode(*args, **kw)
-    ac.assert_clean()
-    return got
+def _call(q, kv_cache, block_table, cache_seqlens, head_dim_v, **kw):
+    """``mla_decode`` as the adversarial suite runs it (poisoned buffers; the address check under the interpreter)."""
+    return run_op("mla", dict(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                              head_dim_v=head_dim_v, **kw), impl="auto")
 
 
 def _case(seed, B, s_q, h_q, page, *, bad_pages=False, scale=1.0):

@@ -64,8 +64,6 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-
-
 class PagedCache(abc.ABC):
     """Page allocator, block table and lengths shared by the two cache kinds (storage lives in subclasses).
 
@@ -642,10 +640,9 @@ class GroupedCache(PagedCache):
         w = w.view(layer.num_groups, layer.head_dim + layer.v_head_dim, layer.kv_rank)
         with torch.no_grad():
             for p0 in range(0, lc.num_pages + 1, 256):  # bounded temporary memory
-                c = lc.latent_rows(p0, p0 + 256)[..., : lc.kv_rank].float()
-                kv = torch.einsum("ptr,gdr->ptgd", c, w)
+                rows = lc.latent_rows(p0, p0 + 256)
+                kv = torch.einsum("ptr,gdr->ptgd", rows[..., : lc.kv_rank].float(), w)
                 out.k[p0:p0 + 256] = kv[..., : layer.head_dim].to(out.dtype)
                 out.v[p0:p0 + 256] = kv[..., layer.head_dim:].to(out.dtype)
-            for p0 in range(0, lc.num_pages + 1, 256):
-                out.k_rope[p0:p0 + 256] = lc.latent_rows(p0, p0 + 256)[..., lc.kv_rank:].to(out.dtype)
+                out.k_rope[p0:p0 + 256] = rows[..., lc.kv_rank:].to(out.dtype)
         return out
