@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "gqla", "layers", "tp"]
+OPS = ["combine", "gdn", "gdn_decode", "mla", "gqa", "sparse", "fp8", "gqla", "layers", "tp"]
 SINGLE_GPU = [op for op in OPS if op != "tp"]  # the default: tp spawns one rank per GPU (2 GPUs)
 
 
