@@ -10,8 +10,12 @@ times the survivors on the standard workloads (decode steps in CUDA graphs), re-
 entry side by side, and measures both GQLA decode paths' steps for the path choice (``decode_path.POINTS``). It
 writes a complete table (every op of the start one, the tuned entries replaced) that ``dispatch`` reads for this
 GPU: by default into the user config directory (``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which
-takes precedence over the shipped ``configs/<gpu>.json``. Measurements go to ``<out>.partial.json`` as they are
-made, so an interrupted run resumes where it stopped.
+takes precedence over the shipped ``configs/<gpu>.json``. Measurements, finished targets and the search time spent
+go to ``<out>.partial.json`` as they are made, so an interrupted run resumes where it stopped, with what is left of
+its ``--budget-minutes`` (a run after a finished one starts a new budget and reuses the measurements).
+
+- A candidate's workloads are timed one by one; its timing stops once those timed show it cannot beat the best
+  entry (``HOPELESS_SPEEDUP``), so a slow candidate costs little.
 
 - The GDN op (eight kernels) judges a move within one stage (``wy_*``, ``wu_*``, ..., ``wy_bwd_*``) by that stage's
   kernels' GPU time (torch.profiler), the whole forward + backward only guarding against a loss elsewhere: a
@@ -21,7 +25,8 @@ made, so an interrupted run resumes where it stopped.
 - ``--jobs N`` compiles candidates in N worker processes before they are timed one by one here (Triton's on-disk
   cache hands the kernels over): first every target's start entry and its one-move changes in one wave (at most
   0.4 of the time limit), then, each time a target's best entry changes, the configs one move away from the new
-  one; the timing waits for a wave (at most 180 s), so no worker shares the GPU with a measurement.
+  one along the fields its pass has still to try (the next pass compiles the others); the timing waits for a wave
+  (at most 180 s), so no worker shares the GPU with a measurement.
 - ``--start default`` searches from ``configs/default.json`` (the table of GPUs without one of their own) instead
   of this GPU's table and times this GPU's shipped entry beside the winner: whether the search finds a table as
   good as the shipped one from scratch.
@@ -361,7 +366,10 @@ def targets(ops: list[str] | None = None, *, tiny: bool | None = None) -> list[T
 
 # ----------------------------------------------------------------------------------------------- search
 class _State:
-    """Measurements by (target, config), kept in a JSON file so that a run can resume."""
+    """Measurements by (target, config), the targets finished (their report rows) and the search time spent, kept
+    in a JSON file so that an interrupted run resumes where it stopped, within what is left of its budget. A run
+    that finished marks the file ``complete``; the next run over it starts a new budget (its measurements are
+    still reused)."""
 
     def __init__(self, path: Path, gpu: str):
         self.path, self.gpu = path, gpu
@@ -370,6 +378,13 @@ class _State:
             old = json.loads(path.read_text())
             if old.get("gpu") == gpu:
                 self.data = old
+        if self.data.pop("complete", False):
+            self.data.pop("done", None)
+            self.data.pop("spent_s", None)
+        self.data.setdefault("done", {})
+        self.data["runs"] = self.data.get("runs", 0) + 1 if "spent_s" in self.data else 1
+        self.spent0 = float(self.data.get("spent_s", 0.0))
+        self.t0 = time.monotonic()
 
     @staticmethod
     def key(t: Target, cfg) -> str:
@@ -380,16 +395,24 @@ class _State:
 
     def put(self, t: Target, cfg, rec: dict) -> None:
         self.data["measured"][self.key(t, cfg)] = rec
+        self.save()
+
+    def save(self, **extra) -> None:
+        self.data["spent_s"] = round(self.spent0 + time.monotonic() - self.t0, 1)
+        self.data.update(extra)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.data, indent=1))
 
 
-def _measure(t: Target, cfg, *, tol: float | None, state: _State) -> dict:
-    """Check then time ``cfg`` (cached in ``state``): ``{"err", "ms"}`` or ``{"error"}``."""
+def _measure(t: Target, cfg, *, tol: float | None, state: _State, bound: dict | None = None) -> dict:
+    """Check then time ``cfg`` (cached in ``state``): ``{"err", "ms", "parts"}`` (``parts``: ms per workload),
+    ``{"err", "slower"}`` when its workloads timed so far show it cannot beat ``bound`` (``_hopeless``), or
+    ``{"error"}``."""
     hit = state.get(t, cfg)
     if hit is not None:
         return hit
     fields = {t.op: cfg.as_dict()}
+    t_begin = time.monotonic()
     try:
         with dispatch.config_override(fields):
             err = t.check()
@@ -397,16 +420,38 @@ def _measure(t: Target, cfg, *, tol: float | None, state: _State) -> dict:
                 rec = {"error": f"inaccurate: rel err {err:.3e} > {tol}"}
             else:
                 calls = [build() for build in t.calls]
-                rec = {"err": err, "ms": sum(_time_ms(c, t.graph) for c in calls)}
-                if t.stages:
-                    try:
-                        rec["kernels"] = _kernel_ms(calls)
-                    except Exception as e:  # the move is then judged by the whole time; the reason is kept
-                        rec["kernels_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                parts: list[float] = []
+                for c in calls:
+                    parts.append(_time_ms(c, t.graph))
+                    if _hopeless(parts, bound):
+                        break
+                if len(parts) < len(calls):
+                    rec = {"err": err, "slower": round(sum(parts), 6), "parts": parts}
+                else:
+                    rec = {"err": err, "ms": sum(parts), "parts": parts}
+                    if t.stages:
+                        try:
+                            rec["kernels"] = _kernel_ms(calls)
+                        except Exception as e:  # the move is then judged by the whole time; the reason is kept
+                            rec["kernels_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     except Exception as e:  # a candidate that does not compile or run loses; the search goes on
         rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    rec["s"] = round(time.monotonic() - t_begin, 2)
     state.put(t, cfg, rec)
     return rec
+
+
+# a candidate's timing stops once the workloads timed so far, plus the best entry's times of the others made this
+# much faster, already exceed the best entry's whole time (with GAIN of slack): it cannot win
+HOPELESS_SPEEDUP = 0.25
+
+
+def _hopeless(parts: list[float], bound: dict | None) -> bool:
+    best = (bound or {}).get("parts")
+    if not best or len(parts) >= len(best):
+        return False
+    rest = sum(best[len(parts):])
+    return sum(parts) + (1 - HOPELESS_SPEEDUP) * rest > sum(best) * (1 + GAIN)
 
 
 def _kernel_ms(calls: list[Callable[[], Any]], reps: int = 3) -> dict[str, float]:
@@ -495,80 +540,37 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows] for op, rows in base.items()}
     tlist = target_list if target_list is not None else targets(ops)
     t_start = time.monotonic()
-    end = t_start + budget_minutes * 60
+    end = t_start + max(0.0, budget_minutes * 60 - state.spent0)  # a resumed run gets what its budget has left
     wave_s = 0.0
     report = []
+    done = state.data["done"]
     sizes = [1 + sum(len(v) for v in (space or {}).get(t.op, t.space).values()) for t in tlist]
     bar = _bar(sum(sizes), progress)
     pool = _Warmer(jobs, ops) if jobs and target_list is None else None
     try:
-        # one compile wave over every target: each start entry and its one-field changes (for the GDN op: each
-        # stage's kernel variants); later steps compile only what a changed best entry needs
+        # one compile wave over every target not finished yet: each start entry and its one-field changes (for the
+        # GDN op: each stage's kernel variants); later steps compile only what a changed best entry needs
         if pool is not None:
             bar.set_postfix_str("compiling")
             pool.warm([(t, [_entry(base, t)] + _neighbours(_entry(base, t), (space or {}).get(t.op, t.space)))
-                       for t in tlist], state, timeout=max(60.0, 0.4 * budget_minutes * 60))
+                       for t in tlist if t.label() not in done], state,
+                      timeout=max(60.0, 0.4 * (end - time.monotonic())))
             wave_s = time.monotonic() - t_start
         for i, t in enumerate(tlist):
-            t_begin = time.monotonic()
-            # each target's share of the time left, by its number of candidates (later targets are searched too)
-            now = time.monotonic()
-            t_deadline = now + max(0.0, end - now) * sizes[i] / sum(sizes[i:])
-            incumbent = _entry(base, t)
-            fields = dict((space or {}).get(t.op, t.space))
-            bar.set_postfix_str(f"{t.label()}: current entry")
-            first = _measure(t, incumbent, tol=None, state=state)
-            bar.update(1)
-            if "error" in first:
-                report.append({"target": t.label(), "error": first["error"]})
+            if t.label() in done:  # finished before this run resumed
+                row = done[t.label()]
+                report.append(row)
+                if "config" in row:
+                    _set_entry(raw, t, row["config"])
+                bar.update(sizes[i])
                 continue
-            tol = 2 * first["err"] + _floor(_lowp())
-            best, best_rec = incumbent, first
-            warmed = incumbent if pool is not None else None  # the compile wave covered the start's neighbours
-            # coordinate descent, repeated while a pass improves (a later pass re-tries the fields an earlier
-            # change of another one made worth trying); measurements are cached, so a repeated candidate is free
-            for sweep in range(PASSES):
-                improved = False
-                for name, values in fields.items():
-                    if pool is not None and warmed is not best and time.monotonic() < t_deadline:
-                        # one wave per new best: every config one move away from it, compiled side by side
-                        pool.warm([(t, _neighbours(best, fields))], state)
-                        warmed = best
-                    for value in values:
-                        if sweep == 0:
-                            bar.update(1)
-                        change = _move(name, value)
-                        if time.monotonic() > t_deadline or _has(best, change):
-                            continue
-                        try:
-                            cand = best.replace(**change)
-                        except ValueError:
-                            continue
-                        bar.set_postfix_str(f"{t.label()}: {name}={value}")
-                        rec = _measure(t, cand, tol=tol, state=state)
-                        if "ms" in rec and _faster(t, name, rec, best_rec):
-                            best, best_rec, improved = cand, rec, True
-                if not improved or time.monotonic() > t_deadline:
-                    break
-            ref = _entry(shipped, t) if start != "table" else None
-            row = {"target": t.label()}
-            if best != incumbent or (ref is not None and ref != best):  # side by side: no run-to-run noise
-                cfgs = list(dict.fromkeys([incumbent, best] + ([ref] if ref is not None else [])))
-                times = dict(zip(cfgs, _retimed(t, cfgs, state), strict=True))
-                a, b = times[incumbent], times[best]
-                if ref is not None:
-                    row["shipped_ms"] = times[ref]
-                # side by side the winner must beat the start by 1 %; one won on its stages' kernel times (far
-                # below the whole time's noise) only must not lose
-                if (b > a * (1 + GAIN)) if t.stages else not b < a * 0.99:
-                    best, b = incumbent, a
-            else:
-                a = b = first["ms"]
-                if ref is not None:
-                    row["shipped_ms"] = b
-            report.append({**row, "current_ms": a, "tuned_ms": b, "config": best.as_dict(),
-                           "seconds": round(time.monotonic() - t_begin, 1)})
-            _set_entry(raw, t, best)
+            row = _search(t, base, shipped if start != "table" else None, space, state, pool, bar,
+                          deadline=time.monotonic() + max(0.0, end - time.monotonic()) * sizes[i] / sum(sizes[i:]))
+            report.append(row)
+            if "config" in row:
+                _set_entry(raw, t, row["config"])
+            done[t.label()] = row
+            state.save()
     finally:
         if pool is not None:
             pool.close()
@@ -580,7 +582,89 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     dispatch.parse_table(raw, where=str(path))  # the table written is one dispatch accepts
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(raw, indent=1) + "\n")
-    return {"table": raw, "report": report, "path": path, "compile_wave_s": wave_s}
+    state.save(complete=True)
+    return {"table": raw, "report": report, "path": path, "compile_wave_s": wave_s, "spent_s": state.data["spent_s"],
+            "runs": state.data["runs"]}
+
+
+def _search(t: Target, base: dict, shipped: dict | None, space, state: _State, pool, bar, *, deadline: float) -> dict:
+    """Coordinate descent over ``t``'s space from its entry of ``base`` until ``deadline``; the report row (with the
+    winner's ``config``; ``shipped_ms``: the entry of ``shipped`` timed beside it, when given)."""
+    t_begin = time.monotonic()
+    stats = {"measured": 0, "slower": 0, "waves": 0, "wave_s": 0.0}
+
+    def measure(cfg, **kw):
+        fresh = state.get(t, cfg) is None
+        rec = _measure(t, cfg, state=state, **kw)
+        stats["measured"] += fresh
+        stats["slower"] += fresh and "slower" in rec
+        return rec
+
+    incumbent = _entry(base, t)
+    fields = dict((space or {}).get(t.op, t.space))
+    names = list(fields)
+    bar.set_postfix_str(f"{t.label()}: current entry")
+    first = measure(incumbent, tol=None)
+    bar.update(1)
+    if "error" in first:
+        return {"target": t.label(), "error": first["error"], "seconds": round(time.monotonic() - t_begin, 1)}
+    tol = 2 * first["err"] + _floor(_lowp())
+    best, best_rec = incumbent, first
+    # the configs one move away from ``warmed`` along these fields are compiled (the first wave covered the start)
+    warmed, covered = incumbent, set(names) if pool is not None else set()
+    # coordinate descent, repeated while a pass improves (a later pass re-tries the fields an earlier change of
+    # another one made worth trying); measurements are cached, so a repeated candidate is free
+    for sweep in range(PASSES):
+        improved = False
+        for j, name in enumerate(names):
+            if warmed is not best:
+                warmed, covered = best, set()
+            if pool is not None and name not in covered and time.monotonic() < deadline:
+                # one wave per new best, over the fields this pass has still to try (a next pass starts with one
+                # over the others): those configs compiled side by side
+                ahead = [n for n in names[j:] if n not in covered]
+                todo = [c for c in _neighbours(best, {n: fields[n] for n in ahead}) if state.get(t, c) is None]
+                covered.update(ahead)
+                if todo:
+                    t_wave = time.monotonic()
+                    pool.warm([(t, todo)], state)
+                    stats["waves"] += 1
+                    stats["wave_s"] += time.monotonic() - t_wave
+            for value in fields[name]:
+                if sweep == 0:
+                    bar.update(1)
+                change = _move(name, value)
+                if time.monotonic() > deadline or _has(best, change):
+                    continue
+                try:
+                    cand = best.replace(**change)
+                except ValueError:
+                    continue
+                bar.set_postfix_str(f"{t.label()}: {name}={value}")
+                rec = measure(cand, tol=tol, bound=best_rec)
+                if "ms" in rec and _faster(t, name, rec, best_rec):
+                    best, best_rec, improved = cand, rec, True
+        if not improved or time.monotonic() > deadline:
+            break
+    ref = _entry(shipped, t) if shipped is not None else None
+    row = {"target": t.label()}
+    if best != incumbent or (ref is not None and ref != best):  # side by side: no run-to-run noise
+        cfgs = list(dict.fromkeys([incumbent, best] + ([ref] if ref is not None else [])))
+        times = dict(zip(cfgs, _retimed(t, cfgs, state), strict=True))
+        a, b = times[incumbent], times[best]
+        if ref is not None:
+            row["shipped_ms"] = times[ref]
+        # side by side the winner must beat the start by 1 %; one won on its stages' kernel times (far below the
+        # whole time's noise) only must not lose
+        if (b > a * (1 + GAIN)) if t.stages else not b < a * 0.99:
+            best, b = incumbent, a
+    else:
+        a = b = first["ms"]
+        if ref is not None:
+            row["shipped_ms"] = b
+    stats["wave_s"] = round(stats["wave_s"], 1)
+    return {**row, "current_ms": a, "tuned_ms": b, "config": best.as_dict(), **stats,
+            "seconds": round(time.monotonic() - t_begin, 1)}
 
 
 def _pick_impl(raw: dict, report: list[dict]) -> None:
@@ -605,7 +689,7 @@ def _retimed(t: Target, cfgs: list, state: _State) -> list[float]:
     if hit is None:
         hit = [_retime(t, c) for c in cfgs]
         state.data["measured"][key] = hit
-        state.path.write_text(json.dumps(state.data, indent=1))
+        state.save()
     return hit
 
 
@@ -699,14 +783,14 @@ def _retime(t: Target, cfg) -> float:
         return sorted(sum(_time_ms(c, t.graph) for c in calls) for _ in range(3))[1]
 
 
-def _set_entry(raw: dict, t: Target, cfg) -> None:
+def _set_entry(raw: dict, t: Target, config: dict) -> None:
     rows = raw.setdefault(t.op, [])
     for row in rows:
         if row["match"] == t.key:
-            row["config"] = cfg.as_dict()
+            row["config"] = dict(config)
             return
     rows.insert(max(0, len(rows) - 1) if rows and rows[-1]["match"] == {} and t.key else len(rows),
-                {"match": dict(t.key), "config": cfg.as_dict()})
+                {"match": dict(t.key), "config": dict(config)})
 
 
 def _decode_path_entries(info) -> list[dict]:
@@ -778,21 +862,23 @@ def main(argv: list[str] | None = None) -> None:
     res = tune(ops, budget_minutes=args.budget_minutes, out=args.out, jobs=args.jobs, start=args.start)
     ship = args.start != "table"
     head = ["target", "start ms", "tuned ms", "tuned / start"] + (["shipped ms", "tuned / shipped"] if ship else [])
-    head.append("s")
+    head += ["timed", "cut", "waves", "wave s", "s"]
     rows = []
     for r in res["report"]:
+        tail = [str(r.get(k, "-")) for k in ("measured", "slower", "waves", "wave_s")]
+        tail.append(f"{r['seconds']:.0f}" if "seconds" in r else "-")
         if "current_ms" not in r:
-            rows.append([r["target"], "-", "-", r.get("error", "")[:60]] + (["-", "-"] if ship else [])
-                        + [f"{r['seconds']:.0f}" if "seconds" in r else "-"])
+            rows.append([r["target"], "-", "-", r.get("error", "")[:60]] + (["-", "-"] if ship else []) + tail)
             continue
         row = [r["target"], f"{r['current_ms']:.4f}", f"{r['tuned_ms']:.4f}", f"{r['tuned_ms'] / r['current_ms']:.3f}"]
         if ship:
             row += [f"{r['shipped_ms']:.4f}", f"{r['tuned_ms'] / r['shipped_ms']:.3f}"]
-        rows.append(row + [f"{r['seconds']:.0f}"])
+        rows.append(row + tail)
     print(roofline.format_table(head, rows, "l" + "r" * (len(head) - 1)))
     if args.jobs:
         print(f"compile wave: {res['compile_wave_s']:.0f} s")
-    print(f"wrote {res['path']} in {(time.monotonic() - t0) / 60:.1f} min")
+    print(f"wrote {res['path']} in {(time.monotonic() - t0) / 60:.1f} min"
+          + (f" ({res['spent_s'] / 60:.1f} min of search over {res['runs']} runs)" if res["runs"] > 1 else ""))
     report = Path(res["path"]).with_name(Path(res["path"]).name + ".report.json")
     report.write_text(json.dumps(res["report"], indent=1) + "\n")
 

@@ -227,3 +227,94 @@ def test_stage_moves_are_judged_by_their_kernels(tmp_path, monkeypatch):
     assert gdn.stage_kernels("state_bv+state_num_warps") == ("gdn_state_fwd_kernel",)
     assert gdn.stage_kernels("state_bwd_num_stages") == ("gdn_state_bwd_kernel",)
     assert gdn.stage_kernels("seg_units") == ()
+
+
+def test_an_interrupted_run_resumes_with_what_its_budget_has_left(tmp_path, monkeypatch):
+    """A run stopped during its second target: the next run takes the first target's row as it was (nothing timed
+    again), searches the second, counts both runs' search time against one budget, and marks the file complete,
+    so the run after that starts a new budget."""
+    out = tmp_path / "t.json"
+    partial = out.with_name(out.name + ".partial.json")
+    search = tune._search
+
+    def stop_at_gdn(t, *a, **kw):
+        if t.op == "gdn_decode":
+            raise KeyboardInterrupt
+        return search(t, *a, **kw)
+
+    monkeypatch.setattr(tune, "_search", stop_at_gdn)
+    with pytest.raises(KeyboardInterrupt):
+        tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
+    state = json.loads(partial.read_text())
+    assert list(state["done"]) == ["combine {}"] and state["spent_s"] >= 0 and "complete" not in state
+    assert not out.exists()
+    monkeypatch.setattr(tune, "_search", search)
+    timed = []
+    monkeypatch.setattr(tune, "_measure", lambda t, cfg, **kw: timed.append(t.op) or tune._State.get(kw["state"], t,
+                                                                                                     cfg) or
+                        {"err": 0.0, "ms": 1.0, "parts": [1.0]})
+    res = tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
+    assert "combine" not in timed and "gdn_decode" in timed
+    assert [r["target"] for r in res["report"]] == ["combine {}", "gdn_decode {}"]
+    assert res["runs"] == 2 and res["spent_s"] >= state["spent_s"]
+    assert json.loads(partial.read_text())["complete"] is True
+    again = tune.tune(["combine"], out=out, space=SPACE, progress=False)
+    assert again["runs"] == 1
+
+
+def test_a_hopeless_candidate_stops_being_timed(tmp_path, monkeypatch):
+    """Workloads are timed one by one: a candidate far slower on the first one is not timed on the others (and
+    never wins); one slightly slower there but faster in all is timed in full and wins."""
+    base = tune.targets(["combine"])[0]
+    calls = [base.calls[0]] * 3
+    seen = []
+
+    def run(first_ms, rest_ms):
+        seen.clear()
+
+        def timed(fn, graph):
+            fast = dispatch.select_config("combine", {"D": 32}).num_warps == 8
+            seen.append(fast)
+            return (first_ms if len([s for s in seen if s == fast]) == 1 else rest_ms) if fast else 1.0
+
+        t = tune.Target(base.op, base.key, calls, base.check, {"num_warps": (8,)})
+        monkeypatch.setattr(tune, "_time_ms", timed)
+        monkeypatch.setattr(tune, "_retime", lambda tt, cfg: (first_ms + 2 * rest_ms) if cfg.num_warps == 8 else 3.0)
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        return tune.tune(["combine"], out=out, progress=False, target_list=[t])["report"][0]
+
+    row = run(10.0, 1.0)
+    assert seen.count(True) == 1 and row["config"]["num_warps"] != 8 and row["slower"] == 1
+    row = run(1.2, 0.5)
+    assert seen.count(True) == 3 and row["config"]["num_warps"] == 8 and row["slower"] == 0
+    assert not tune._hopeless([1.0], None) and not tune._hopeless([5.0, 1.0], {"parts": [1.0, 1.0]})
+    assert tune._hopeless([5.0], {"parts": [1.0, 1.0]})
+
+
+def test_a_wave_after_a_new_best_compiles_the_fields_still_ahead(monkeypatch, tmp_path):
+    """With compile workers: after the first field's move wins, the wave holds the new best's moves along the
+    fields after it in this pass; the next pass's wave holds those before."""
+    waves = []
+
+    class Pool:
+        def warm(self, work, state, timeout=None):
+            waves.append(sorted({(c.elems, c.num_warps) for _, cfgs in work for c in cfgs}))
+
+    def cost(cfg):
+        return 1.0 if cfg.elems == 2048 else 2.0
+
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: cost(dispatch.select_config("combine", {"D": 32})))
+    monkeypatch.setattr(tune, "_retime", lambda t, cfg: cost(cfg))
+    key = dispatch.device_info().key
+    raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows]
+           for op, rows in dispatch._load_table(key).items()}
+    raw["combine"] = [{"match": {}, "config": {"elems": 1024, "num_warps": 4}}]
+    t = tune.targets(["combine"])[0]
+    space = {"combine": {"elems": (2048,), "num_warps": (2, 8)}}
+    state = tune._State(tmp_path / "s.json", key)
+    with dispatch.table_swap(key, raw):
+        row = tune._search(t, dispatch._load_table(key), None, space, state, Pool(), tune._NoBar(),
+                           deadline=float("inf"))
+    assert row["config"]["elems"] == 2048
+    # one wave: the new best's num_warps moves (not its elems ones); the next pass's elems moves are measured
+    assert waves == [[(2048, 2), (2048, 8)]] and row["waves"] == 1
