@@ -12,7 +12,7 @@ writes a complete table (every op of the start one, the tuned entries replaced) 
 GPU: by default into the user config directory (``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which
 takes precedence over the shipped ``configs/<gpu>.json``. Measurements, finished targets and the search time spent
 go to ``<out>.partial.json`` as they are made, so an interrupted run resumes where it stopped, with what is left of
-its ``--budget-minutes`` (a run after a finished one starts a new budget and reuses the measurements).
+its ``--budget-minutes`` (a run after a finished one starts a new time limit and reuses the measurements).
 
 - A candidate's workloads are timed one by one; its timing stops once those timed show it cannot beat the best
   entry (``HOPELESS_SPEEDUP``), so a slow candidate costs little.
@@ -367,8 +367,8 @@ def targets(ops: list[str] | None = None, *, tiny: bool | None = None) -> list[T
 # ----------------------------------------------------------------------------------------------- search
 class _State:
     """Measurements by (target, config), the targets finished (their report rows) and the search time spent, kept
-    in a JSON file so that an interrupted run resumes where it stopped, within what is left of its budget. A run
-    that finished marks the file ``complete``; the next run over it starts a new budget (its measurements are
+    in a JSON file so that an interrupted run resumes where it stopped, within what is left of its time limit. A run
+    that finished marks the file ``complete``; the next run over it starts a new time limit (its measurements are
     still reused)."""
 
     def __init__(self, path: Path, gpu: str):
@@ -540,7 +540,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows] for op, rows in base.items()}
     tlist = target_list if target_list is not None else targets(ops)
     t_start = time.monotonic()
-    end = t_start + max(0.0, budget_minutes * 60 - state.spent0)  # a resumed run gets what its budget has left
+    end = t_start + max(0.0, budget_minutes * 60 - state.spent0)  # a resumed run gets what its time limit has left
     wave_s = 0.0
     report = []
     done = state.data["done"]

@@ -229,10 +229,10 @@ def test_stage_moves_are_judged_by_their_kernels(tmp_path, monkeypatch):
     assert gdn.stage_kernels("seg_units") == ()
 
 
-def test_an_interrupted_run_resumes_with_what_its_budget_has_left(tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_with_what_its_time_limit_has_left(tmp_path, monkeypatch):
     """A run stopped during its second target: the next run takes the first target's row as it was (nothing timed
-    again), searches the second, counts both runs' search time against one budget, and marks the file complete,
-    so the run after that starts a new budget."""
+    again), searches the second, counts both runs' search time against one time limit, and marks the file complete,
+    so the run after that starts a new time limit."""
     out = tmp_path / "t.json"
     partial = out.with_name(out.name + ".partial.json")
     search = tune._search
