@@ -401,7 +401,9 @@ class _State:
         self.data["spent_s"] = round(self.spent0 + time.monotonic() - self.t0, 1)
         self.data.update(extra)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)  # atomic: a run killed mid-write leaves the previous file
 
 
 def _measure(t: Target, cfg, *, tol: float | None, state: _State, bound: dict | None = None) -> dict:
