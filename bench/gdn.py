@@ -8,7 +8,10 @@ final state requested. ``gqla_triton`` keeps the forward's chunk states for the 
 ``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``);
 ``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and beta: the gate input
 ``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32 ``A_log`` / ``dt_bias``)
-and beta logits with ``use_beta_sigmoid_in_kernel`` (what the options cost on the same workload).
+and beta logits with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g
+and beta those options form in the kernels (computed once by torch from the same ``a`` and logits, outside the
+timing, fp32), so the same values reach the same kernels and ``gate`` minus ``gate_values`` is what the options
+themselves cost (the plain ``gqla_triton`` row runs other decay and beta values).
 
 Each implementation runs in its own child process (``python -m bench.gdn --impl NAME --workload ...``, started
 by ``run``): host-bound workloads (G3) are then timed without other libraries' runtimes loaded, and an anchor
@@ -76,6 +79,8 @@ def _timings(fn, args, cu):
 
 OURS_RECOMPUTE = "gqla_triton_recompute"
 OURS_GATE = "gqla_triton_gate"
+OURS_GATE_VALUES = "gqla_triton_gate_values"
+OURS = ["gqla_triton", OURS_RECOMPUTE, OURS_GATE, OURS_GATE_VALUES]
 ANCHORS = {"fla": "fla.ops.gated_delta_rule", "flashqla": "flash_qla"}  # name -> module with chunk_gated_delta_rule
 
 
@@ -87,6 +92,8 @@ def _impl(name: str):
         return functools.partial(gq.chunk_gated_delta_rule, save_states=False)
     if name == OURS_GATE:
         return _gated
+    if name == OURS_GATE_VALUES:
+        return gq.chunk_gated_delta_rule
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla on its own Triton kernels
     mod = try_import(ANCHORS[name])
     return None if mod is None else mod.chunk_gated_delta_rule
@@ -106,6 +113,13 @@ def _gated(q, k, v, a, b, **kw):
                                      use_beta_sigmoid_in_kernel=True, **kw)
 
 
+def _gate_values(a, b):
+    """The decay and beta ``_gated``'s options form in the kernels from ``a`` and logits ``b`` (fp32)."""
+    A_log, dt_bias = _gate_params(a.shape[2])
+    g = -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias, threshold=20.0)
+    return g, torch.sigmoid(b.float())
+
+
 def _child(impl: str, names: list[str]) -> None:
     """Time one implementation on the workloads ``names``; one ``[gdn]`` JSON line per workload on stdout."""
     try:  # Linux: end with the parent (a bench cut by ``timeout`` must not leave this process on the GPU)
@@ -121,6 +135,8 @@ def _child(impl: str, names: list[str]) -> None:
         return
     for name in names:
         q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
+        if impl == OURS_GATE_VALUES:
+            g, beta = _gate_values(g, beta)
         # ours takes the host copy of cu_seqlens as fla's option of that name (no host sync per call)
         run = functools.partial(fn, cu_seqlens_cpu=cu.cpu()) if cu is not None and impl.startswith("gqla") else fn
         try:
@@ -137,7 +153,7 @@ def run(names, ctx, anchors=True):
     as each child reports them."""
     shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
     models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
-    for impl in ["gqla_triton", OURS_RECOMPUTE, OURS_GATE] + [n for n in ANCHORS if ctx.want(n, anchors)]:
+    for impl in OURS + [n for n in ANCHORS if ctx.want(n, anchors)]:
         cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
         seen = set()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
@@ -166,7 +182,7 @@ def run(names, ctx, anchors=True):
 
 def main():
     ap = argparse.ArgumentParser(description="(internal) time one implementation; used by run()")
-    ap.add_argument("--impl", required=True, choices=["gqla_triton", OURS_RECOMPUTE, OURS_GATE, *ANCHORS])
+    ap.add_argument("--impl", required=True, choices=[*OURS, *ANCHORS])
     ap.add_argument("--workload", required=True)
     a = ap.parse_args()
     _child(a.impl, [w for w in a.workload.split(",") if w])
