@@ -535,6 +535,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"
     state = _State(path.with_name(path.name + ".partial.json"), gpu)
+    if state.data.setdefault("start", start) != start:  # the finished targets were another search's
+        state.data.update(start=start, done={}, runs=1)
+        state.spent0 = 0.0
     shipped = dispatch._load_table(info.key)
     base = shipped if start == "table" else dispatch._load_table("default")
     if start != "table" and info.key == "default":

@@ -318,3 +318,23 @@ def test_a_wave_after_a_new_best_compiles_the_fields_still_ahead(monkeypatch, tm
     assert row["config"]["elems"] == 2048
     # one wave: the new best's num_warps moves (not its elems ones); the next pass's elems moves are measured
     assert waves == [[(2048, 2), (2048, 8)]] and row["waves"] == 1
+
+
+def test_a_resumed_run_from_another_start_searches_again(tmp_path, monkeypatch):
+    """The finished targets of an interrupted ``start="table"`` search are not taken by a ``start="default"`` one."""
+    out = tmp_path / "t.json"
+    search = tune._search
+
+    def stop_at_gdn(t, *a, **kw):
+        if t.op == "gdn_decode":
+            raise KeyboardInterrupt
+        return search(t, *a, **kw)
+
+    monkeypatch.setattr(tune, "_search", stop_at_gdn)
+    with pytest.raises(KeyboardInterrupt):
+        tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
+    monkeypatch.setattr(tune, "_search", search)
+    searched = []
+    monkeypatch.setattr(tune, "_search", lambda t, *a, **kw: searched.append(t.op) or search(t, *a, **kw))
+    res = tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False, start="default")
+    assert searched == ["combine", "gdn_decode"] and res["runs"] == 1
