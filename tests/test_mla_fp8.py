@@ -105,6 +105,13 @@ def test_quantizer_nonfinite_stays_in_its_tile_and_refusals():
         dequantize_latent_fp8(torch.zeros(3, 576, dtype=torch.uint8))
     with pytest.raises(TypeError, match="kv_cache"):
         dequantize_latent_fp8(torch.zeros(3, 656))
+    for dtype in ("float32", torch.int32, torch.float8_e4m3fn, torch.bool):
+        with pytest.raises(TypeError, match="dtype"):
+            dequantize_latent_fp8(quantize_latent_fp8(x), dtype)
+    # float64: the exact fp8 · scale products; float32: each rounded once (as a float32 kernel forms them)
+    x8 = quantize_latent_fp8(torch.randn(2, 576) * 3.7)
+    exact, single = dequantize_latent_fp8(x8, torch.float64), dequantize_latent_fp8(x8, torch.float32)
+    assert torch.equal(exact.float(), single) and not torch.equal(exact, single.double())
 
 
 # ---------------------------------------------------------------------------------------------- the op

@@ -67,8 +67,11 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False) -> torch
 
 
 def dequantize_latent_fp8(kv_cache: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``kv_cache [..., 656]`` FP8 rows -> ``[..., 576]`` in ``dtype`` (fp8 · scale computed in float32, exact;
-    the rope values as stored)."""
+    """``kv_cache [..., 656]`` FP8 rows -> ``[..., 576]`` in ``dtype`` (a float dtype of 16 bits or more; fp8 · scale
+    in float32, i.e. the exact product rounded once, as the kernels form it, or in float64 for ``dtype`` float64,
+    where it is exact; the rope values as stored)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"dtype: expected a floating torch.dtype of 16 bits or more, got {dtype!r}")
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype not in FP8_DTYPES:
         raise TypeError(f"kv_cache: expected a float8_e4m3fn or uint8 tensor of FP8 rows, got "
                         f"{kv_cache.dtype if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
@@ -76,8 +79,9 @@ def dequantize_latent_fp8(kv_cache: torch.Tensor, dtype: torch.dtype = torch.flo
         raise ValueError(f"kv_cache: expected {FP8_ROW_BYTES}-byte rows, got shape {list(kv_cache.shape)}")
     b = kv_cache.contiguous().view(torch.uint8)
     lead = b.shape[:-1]
-    lat = b[..., :FP8_LATENT].contiguous().view(torch.float8_e4m3fn).float()
-    scale = b[..., FP8_SCALE_OFF:FP8_ROPE_OFF].contiguous().view(torch.float32)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    lat = b[..., :FP8_LATENT].contiguous().view(torch.float8_e4m3fn).to(work)
+    scale = b[..., FP8_SCALE_OFF:FP8_ROPE_OFF].contiguous().view(torch.float32).to(work)
     lat = (lat.reshape(*lead, FP8_SCALES, FP8_TILE) * scale[..., None]).reshape(*lead, FP8_LATENT)
-    rope = b[..., FP8_ROPE_OFF:].contiguous().view(torch.bfloat16).float()
+    rope = b[..., FP8_ROPE_OFF:].contiguous().view(torch.bfloat16).to(work)
     return torch.cat([lat, rope], -1).to(dtype)
