@@ -531,6 +531,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
         raise ValueError(f"start: expected one of {START}, got {start!r}")
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
         raise ValueError(f"jobs: expected an int >= 0, got {jobs!r}")
+    if (not isinstance(budget_minutes, (int, float)) or isinstance(budget_minutes, bool)
+            or not math.isfinite(budget_minutes) or budget_minutes <= 0):
+        raise ValueError(f"budget_minutes: expected a positive, finite number of minutes, got {budget_minutes!r}")
     info = dispatch.device_info()
     gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"
@@ -864,7 +867,10 @@ def main(argv: list[str] | None = None) -> None:
     if not dispatch.is_interpreter() and not torch.cuda.is_available():
         raise SystemExit("gqla_triton.tune needs a CUDA GPU (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     t0 = time.monotonic()
-    res = tune(ops, budget_minutes=args.budget_minutes, out=args.out, jobs=args.jobs, start=args.start)
+    try:
+        res = tune(ops, budget_minutes=args.budget_minutes, out=args.out, jobs=args.jobs, start=args.start)
+    except ValueError as e:  # a bad option: the message, not a traceback
+        ap.error(str(e))
     ship = args.start != "table"
     head = ["target", "start ms", "tuned ms", "tuned / start"] + (["shipped ms", "tuned / shipped"] if ship else [])
     head += ["timed", "cut", "waves", "wave s", "s"]

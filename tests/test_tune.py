@@ -118,7 +118,12 @@ def test_search_from_the_default_table_reports_the_shipped_entry(tmp_path, monke
 
 
 @pytest.mark.parametrize("kw, msg", [({"start": "shipped"}, "start: expected"), ({"jobs": -1}, "jobs: expected"),
-                                     ({"jobs": 1.5}, "jobs: expected")])
+                                     ({"jobs": 1.5}, "jobs: expected"), ({"budget_minutes": -1}, "budget_minutes"),
+                                     ({"budget_minutes": 0}, "budget_minutes"),
+                                     ({"budget_minutes": float("nan")}, "budget_minutes"),
+                                     ({"budget_minutes": float("inf")}, "budget_minutes"),
+                                     ({"budget_minutes": True}, "budget_minutes"),
+                                     ({"budget_minutes": "5"}, "budget_minutes")])
 def test_bad_options_are_refused(kw, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         tune.tune(["combine"], out=tmp_path / "t.json", progress=False, **kw)
@@ -338,3 +343,9 @@ def test_a_resumed_run_from_another_start_searches_again(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "_search", lambda t, *a, **kw: searched.append(t.op) or search(t, *a, **kw))
     res = tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False, start="default")
     assert searched == ["combine", "gdn_decode"] and res["runs"] == 1
+
+
+def test_the_cli_names_a_bad_option_without_a_traceback(capsys):
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--budget-minutes", "nan", "--ops", "combine"])
+    assert e.value.code == 2 and "budget_minutes: expected a positive" in capsys.readouterr().err
