@@ -11,6 +11,7 @@ entries are the ceilings measured on our H200 (device-to-device copy, 8192^3 bf1
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 __all__ = [
@@ -265,8 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", metavar="DIR", help="also draw the roofline pictures (PNG, needs matplotlib) into DIR")
     args = ap.parse_args(argv)
     gpus = [g for g in args.gpus.split(",") if g]
+    if not gpus:
+        ap.error("--gpus: expected at least one GPU key")
     for g in gpus:
-        gpu_spec(g)  # unknown names fail before any output
+        try:
+            gpu_spec(g)  # unknown names fail before any output
+        except ValueError as e:
+            ap.error(str(e))
+    if args.plot and os.path.exists(args.plot) and not os.path.isdir(args.plot):
+        ap.error(f"--plot: {args.plot!r} exists and is not a directory")
     print("GPU specs (dense bf16 tensor-core rate, HBM bandwidth; ridge = the FLOP/byte above which an op is "
           "compute-bound)\n")
     print(_spec_table(gpus))
