@@ -59,6 +59,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                                 topk_length)
         return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
+    if is_fp8_latent(kv_cache):
+        _check_fp8_offset(kv_cache)
     block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
                                                                           topk_length)
     B, s_q, h_q, D = q.shape
@@ -157,10 +159,17 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v) -> None:
     if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
                         f"impl='reference'), got {q.dtype}")
-    if any(st % 4 for st in kv_cache.stride()[:3]) or kv_cache.storage_offset() % 4:
+    if any(st % 4 for st in kv_cache.stride()[:3]):
         raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the strides of the first "
-                         f"three dims and the storage offset must be multiples of 4 bytes, got strides "
-                         f"{list(kv_cache.stride())} and offset {kv_cache.storage_offset()}")
+                         f"three dims must be multiples of 4 bytes, got strides {list(kv_cache.stride())}")
+    if not torch.compiler.is_compiling():  # torch.compile cannot trace storage_offset(): the op's body checks it
+        _check_fp8_offset(kv_cache)
+
+
+def _check_fp8_offset(kv_cache: torch.Tensor) -> None:
+    if kv_cache.storage_offset() % 4:
+        raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the storage offset must "
+                         f"be a multiple of 4 bytes, got {kv_cache.storage_offset()}")
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
