@@ -93,3 +93,68 @@ def test_hostile_keyword_values_run_or_are_refused_by_name(op):
             except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
                 unclear.append(f"{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
     assert not unclear, f"{op}: {len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
+
+
+def _layers():
+    from gqla_triton.layers.cache import GroupedCache, LatentCache
+    from gqla_triton.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+    from gqla_triton.layers.gqla import GQLAttention
+
+    gdn = dict(hidden_size=32, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    gqla = dict(hidden_size=64, num_heads=16, num_groups=2, head_dim=16, rope_dim=16, kv_rank=32)
+    lc = dict(max_batch=2, max_seqlen=32, kv_rank=32, rope_dim=16, page_size=16)
+    gc = dict(max_batch=2, max_seqlen=32, num_groups=2, head_dim=16, rope_dim=16, page_size=16)
+    gdc = dict(num_seqs=2, conv_dim=8, conv_size=4, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    torch.manual_seed(0)
+    layer = GQLAttention(**gqla, impl="triton", dtype=torch.float32)
+    gl = GatedDeltaNet(**gdn, impl="triton")
+    x, xg = torch.randn(2, 1, 64), torch.randn(2, 5, 32)
+
+    def fwd(**o):
+        return layer(x, o.pop("positions", None), layer.make_cache(3, 64, page_size=16, path="absorb"), **o)
+
+    def gfwd(**o):
+        return gl(xg, o.pop("cache", gl.init_cache(3)), **o)
+
+    return {
+        "GatedDeltaNet": (lambda **o: GatedDeltaNet(**{**gdn, **o}),
+                          list(gdn) + ["conv_size", "norm_eps", "layer_idx", "impl", "dtype", "save_states"]),
+        "GQLAttention": (lambda **o: GQLAttention(**{**gqla, **o}),
+                         list(gqla) + ["q_rank", "v_head_dim", "rope_theta", "softmax_scale", "path", "impl", "dtype",
+                                       "kv_norm", "norm_eps", "rope_inv_freq"]),
+        "LatentCache": (lambda **o: LatentCache(**{**lc, **o}),
+                        list(lc) + ["num_pages", "dtype", "auto_reserve", "compute_dtype"]),
+        "GroupedCache": (lambda **o: GroupedCache(**{**gc, **o}),
+                         list(gc) + ["v_head_dim", "num_pages", "dtype", "auto_reserve"]),
+        "GatedDeltaNetCache": (lambda **o: GatedDeltaNetCache(**{**gdc, **o}), list(gdc) + ["dtype"]),
+        "GQLAttention.forward": (fwd, ["positions", "seq_ids", "indices", "topk_length"]),
+        "GQLAttention.make_cache": (lambda **o: layer.make_cache(**{**dict(max_batch=2, max_seqlen=32), **o}),
+                                    ["max_batch", "max_seqlen", "path", "page_size", "num_pages", "dtype", "s_q",
+                                     "auto_reserve"]),
+        "GQLAttention.choose_path": (lambda **o: layer.choose_path(**{**dict(batch=2, seqlen=32), **o}),
+                                     ["batch", "seqlen", "s_q"]),
+        "GatedDeltaNet.forward": (gfwd, ["cache", "cu_seqlens", "slots", "verify"]),
+        "GatedDeltaNet.init_cache": (lambda **o: gl.init_cache(**{**dict(num_seqs=2), **o}), ["num_seqs"]),
+    }
+
+
+@pytest.mark.parametrize("target", ["GatedDeltaNet", "GQLAttention", "LatentCache", "GroupedCache",
+                                    "GatedDeltaNetCache", "GQLAttention.forward", "GQLAttention.make_cache",
+                                    "GQLAttention.choose_path", "GatedDeltaNet.forward", "GatedDeltaNet.init_cache"])
+def test_hostile_layer_and_cache_arguments_run_or_are_refused_by_name(target):
+    """The layers' and caches' constructors and methods (sizes up to ±2**63, NaN / inf eps and theta, strings and
+    tensors for flags): each call runs or is refused by a TypeError / ValueError naming the argument (``device`` is
+    torch's to refuse)."""
+    fn, keywords = _layers()[target]
+    fn()
+    unclear = []
+    for name in keywords:
+        for value in HOSTILE:
+            try:
+                fn(**{name: value})
+            except (TypeError, ValueError, NotImplementedError) as e:
+                if name not in str(e) and name.strip("_") not in str(e):
+                    unclear.append(f"{name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
+            except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
+                unclear.append(f"{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+    assert not unclear, f"{target}: {len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops._common.validation import check_positive_int
+from ..ops._common.validation import INT32_MAX, check_positive_int
 from ..ops.mla.fp8 import FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import append_rows, append_rows_torch
 
@@ -61,7 +61,8 @@ _MISSING = object()
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    """An int (not a bool) within int32, the kernels' size type."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and abs(v) <= INT32_MAX
 
 
 class PagedCache(abc.ABC):

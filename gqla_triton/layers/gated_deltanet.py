@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops._common.impl import check_impl
-from ..ops._common.validation import check_tensor
+from ..ops._common.validation import (
+    INT32_MAX,
+    check_optional_int,
+    check_positive_int,
+    check_positive_real,
+    check_tensor,
+)
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from .gdn_step import gdn_decode_prep, gdn_gated_norm
@@ -171,8 +177,10 @@ class GatedDeltaNetCache:
         for name, val, lo in (("num_seqs", num_seqs, 1), ("conv_dim", conv_dim, 1), ("conv_size", conv_size, 2),
                               ("num_v_heads", num_v_heads, 1), ("head_k_dim", head_k_dim, 1),
                               ("head_v_dim", head_v_dim, 1)):
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < lo:
-                raise ValueError(f"{name}: expected an int >= {lo}, got {val!r}")
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= INT32_MAX:
+                raise ValueError(f"{name}: expected an int in [{lo}, {INT32_MAX}], got {val!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         # one scratch row past the slots receives the writes of skipped (padding) sequences
         self._conv = torch.zeros(num_seqs + 1, conv_dim, conv_size - 1, device=device, dtype=dtype)
         self.conv_state = self._conv[:num_seqs]
@@ -407,10 +415,17 @@ class GatedDeltaNet(nn.Module):
                  conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int | None = None, impl: str = "auto",
                  device=None, dtype=None, *, save_states: bool = True):
         super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_v_heads", num_v_heads),
+                        ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("conv_size", conv_size)):
+            check_positive_int(name, v)
         if num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
         if conv_size < 2:
             raise ValueError(f"conv_size: expected >= 2, got {conv_size}")
+        norm_eps = check_positive_real("norm_eps", norm_eps)
+        layer_idx = check_optional_int("layer_idx", layer_idx, lo=0)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
         check_impl(impl, op="GatedDeltaNet", gluon=False)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads

@@ -38,7 +38,14 @@ from torch import nn
 
 from ..ops._common.boundary import route
 from ..ops._common.impl import check_impl
-from ..ops._common.validation import check_positive_int, requires_grad
+from ..ops._common.validation import (
+    INT32_MAX,
+    check_flag,
+    check_positive_int,
+    check_positive_real,
+    check_softmax_scale,
+    requires_grad,
+)
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from .cache import GroupedCache, LatentCache
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
@@ -88,12 +95,16 @@ class GQLAttention(nn.Module):
             check_positive_int(name, v)
         if num_heads % num_groups:
             raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
-        if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2:
+        if (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 <= rope_dim <= INT32_MAX
+                or rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int >= 0, got {rope_dim!r}")
-        if q_rank is not None and (not isinstance(q_rank, int) or q_rank <= 0):
-            raise ValueError(f"q_rank: expected None or a positive int, got {q_rank!r}")
-        if v_head_dim is not None and (not isinstance(v_head_dim, int) or v_head_dim <= 0):
-            raise ValueError(f"v_head_dim: expected None or a positive int, got {v_head_dim!r}")
+        if q_rank is not None:
+            check_positive_int("q_rank", q_rank)
+        if v_head_dim is not None:
+            check_positive_int("v_head_dim", v_head_dim)
+        rope_theta = check_positive_real("rope_theta", rope_theta)
+        norm_eps = check_positive_real("norm_eps", norm_eps)
+        kv_norm = check_flag("kv_norm", kv_norm)
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
         check_impl(impl, op="GQLAttention", gluon=True)
@@ -108,8 +119,8 @@ class GQLAttention(nn.Module):
         self.hidden_size, self.num_heads, self.num_groups = hidden_size, num_heads, num_groups
         self.head_dim, self.rope_dim, self.kv_rank, self.q_rank = head_dim, rope_dim, kv_rank, q_rank
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        self.rope_theta = float(rope_theta)
-        self.softmax_scale = float(softmax_scale) if softmax_scale is not None else (head_dim + rope_dim) ** -0.5
+        self.rope_theta = rope_theta
+        self.softmax_scale = check_softmax_scale(softmax_scale, (head_dim + rope_dim) ** -0.5)
         self.path, self.impl, self.kv_norm, self.norm_eps = path, impl, kv_norm, norm_eps
         qd = num_heads * (head_dim + rope_dim)
         if q_rank is None:
@@ -167,6 +178,8 @@ class GQLAttention(nn.Module):
         path = path or self.path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
+        check_positive_int("max_batch", max_batch)
+        check_positive_int("max_seqlen", max_seqlen)
         w = self.kv_b_proj.weight
         device = device if device is not None else w.device
         dtype = dtype or w.dtype

@@ -100,11 +100,30 @@ def check_softmax_scale(softmax_scale: object, default: float) -> float:
     return check_scale("softmax_scale", softmax_scale, default, factor=_LOG2E)
 
 
-def check_positive_int(name: str, value: object) -> int:
-    """A count or size: an int > 0 (bools and non-integers are refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+INT32_MAX = 2**31 - 1
+
+
+def check_positive_int(name: str, value: object, *, hi: int = INT32_MAX) -> int:
+    """A count or size: an int in ``[1, hi]`` (bools and non-integers are refused; sizes are int32 on the GPU)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= hi:
+        raise ValueError(f"{name}: expected a positive int (at most {hi}), got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def check_optional_int(name: str, value: object, *, lo: int = 1, hi: int = INT32_MAX) -> int | None:
+    """None, or an int in ``[lo, hi]`` (bools refused)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected None or an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_positive_real(name: str, value: object) -> float:
+    """A positive, finite real number (bools, strings and tensors refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive, finite real number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def check_flag(name: str, value: object) -> bool:
