@@ -158,3 +158,40 @@ def test_hostile_layer_and_cache_arguments_run_or_are_refused_by_name(target):
             except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
                 unclear.append(f"{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
     assert not unclear, f"{target}: {len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
+
+
+def test_hostile_conversion_and_norm_arguments_run_or_are_refused_by_name():
+    """``trans_gqla``'s and ``RMSNorm``'s keywords with the hostile values, and source weights that are not finite
+    2-D floating tensors: each call runs or is refused by name."""
+    h, g, d, hid = 4, 2, 8, 32
+    gen = torch.Generator().manual_seed(0)
+    src = {"q_proj": torch.randn(h * d, hid, generator=gen), "k_proj": torch.randn(g * d, hid, generator=gen),
+           "v_proj": torch.randn(g * d, hid, generator=gen), "o_proj": torch.randn(hid, h * d, generator=gen)}
+    base = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=16, rope_dim=4)
+    targets = {
+        "trans_gqla": (lambda **o: gq.trans_gqla(src, **{**base, **o}),
+                       list(base) + ["v_head_dim", "rope_theta", "rope_inv_freq", "rope_attention_scaling",
+                                     "softmax_scale", "calib", "balance_kv", "path", "impl", "dtype"]),
+        "RMSNorm": (lambda **o: gq.RMSNorm(**{"dim": 8, **o}), ["dim", "eps", "dtype"]),
+    }
+    unclear = []
+    for label, (fn, keywords) in targets.items():
+        fn()
+        for name in keywords:
+            for value in HOSTILE:
+                try:
+                    fn(**{name: value})
+                except (TypeError, ValueError, NotImplementedError) as e:
+                    if name not in str(e):
+                        unclear.append(f"{label} {name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
+                except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
+                    unclear.append(f"{label} {name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+    for k in src:
+        for bad in ([1.0, 2.0], torch.randn(3), src[k].int(), torch.full_like(src[k], math.nan)):
+            try:
+                gq.trans_gqla({**src, k: bad}, **base)
+                unclear.append(f"trans_gqla source {k}: {type(bad).__name__} accepted")
+            except ValueError as e:
+                if k not in str(e):
+                    unclear.append(f"trans_gqla source {k}: {str(e)[:120]}")
+    assert not unclear, f"{len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])

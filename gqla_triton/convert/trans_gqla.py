@@ -41,7 +41,7 @@ import torch
 
 from ..layers.gqla import GQLAttention
 from ..layers.rope import apply_rope, rope_inv_freq
-from ..ops._common.validation import check_positive_int
+from ..ops._common.validation import check_positive_int, check_positive_real, check_scale
 
 __all__ = ["trans_gqla", "gqa_attention_reference"]
 
@@ -63,6 +63,17 @@ def _weights(source, names):
             raise ValueError(f"source: {n} has a bias; TransGQLA supports bias-free projections only")
         out.append(mod.weight)
     return out
+
+
+def _checked(names, weights):
+    """Each source weight a finite 2-D floating tensor (the factorization of a NaN / inf weight has no answer)."""
+    for n, w in zip(names, weights, strict=True):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+            got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"source: {n} must be a 2-D floating weight tensor, got {got}")
+        if not torch.isfinite(w.detach()).all():
+            raise ValueError(f"source: {n} has non-finite values")
+    return weights
 
 
 def _source_inv_freq(d: int, rope_theta: float, inv_freq) -> torch.Tensor:
@@ -101,34 +112,38 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     ``balance_kv``: scale keys to the values' norm before the joint PCA. The factorization runs in float64;
     the result has ``dtype`` (default: the source's) on ``device`` (default: the source's).
     """
-    wq, wk, wv, wo = _weights(source, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    wq, wk, wv, wo = _checked(names, _weights(source, names))
     for name, v in (("num_heads", num_heads), ("num_groups", num_groups), ("head_dim", head_dim)):
         check_positive_int(name, v)
     h, g, d = num_heads, num_groups, head_dim
-    dv = d if v_head_dim is None else v_head_dim
+    dv = d if v_head_dim is None else check_positive_int("v_head_dim", v_head_dim)
+    check_positive_int("kv_rank", kv_rank)
+    rope_theta = check_positive_real("rope_theta", rope_theta)
+    rope_attention_scaling = check_positive_real("rope_attention_scaling", rope_attention_scaling)
+    softmax_scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
     if h % g:
         raise ValueError(f"num_heads: {h} is not a multiple of num_groups {g}")
     if d % 2:
         raise ValueError(f"head_dim: rotary sources need an even head_dim, got {d}")
     hidden = wq.shape[1]
-    for name, w, shape in (("q_proj", wq, (h * d, hidden)), ("k_proj", wk, (g * d, hidden)),
-                           ("v_proj", wv, (g * dv, hidden)), ("o_proj", wo, (hidden, h * dv))):
+    for name, w, shape, what in (("q_proj", wq, (h * d, hidden), "num_heads·head_dim"),
+                                 ("k_proj", wk, (g * d, hidden), "num_groups·head_dim"),
+                                 ("v_proj", wv, (g * dv, hidden), "num_groups·v_head_dim"),
+                                 ("o_proj", wo, (hidden, h * dv), "hidden, num_heads·v_head_dim")):
         if tuple(w.shape) != shape:
-            raise ValueError(f"{name}: expected weight shape {list(shape)}, got {list(w.shape)}")
-    if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > g * d:
+            raise ValueError(f"{name}: expected weight shape {list(shape)} ({what}), got {list(w.shape)}")
+    if (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2
+            or rope_dim > g * d):
         raise ValueError(f"rope_dim: expected an even int in [0, {g * d}] (num_groups * head_dim), got {rope_dim!r}")
-    if not isinstance(kv_rank, int) or kv_rank <= 0:
-        raise ValueError(f"kv_rank: expected a positive int, got {kv_rank!r}")
-    if not math.isfinite(rope_attention_scaling) or rope_attention_scaling <= 0:
-        raise ValueError(f"rope_attention_scaling: expected a positive float, got {rope_attention_scaling!r}")
     C = None
     if calib is not None:
-        if not isinstance(calib, torch.Tensor) or calib.shape[-1] != hidden or calib.numel() == 0:
+        if not isinstance(calib, torch.Tensor) or calib.dim() == 0 or calib.shape[-1] != hidden or calib.numel() == 0:
             raise ValueError(f"calib: expected a non-empty tensor [..., {hidden}]")
         X = calib.detach().to(**_F64).reshape(-1, hidden)
         C = X.T @ X / X.shape[0]
     inv = _source_inv_freq(d, rope_theta, rope_inv_freq)
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale
     dtype = dtype or wq.dtype
     device = device if device is not None else wq.device
     wq3, wk3, wv3 = (w.detach().to(**_F64).view(n, -1, hidden) for w, n in ((wq, h), (wk, g), (wv, g)))
