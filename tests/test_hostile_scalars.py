@@ -18,6 +18,22 @@ HOSTILE = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, 2**63, -2**63, 1.5, math
            (1,), torch.tensor(1), torch.tensor([1.0]), object()]
 
 
+def _unclear(fn, keywords, label: str = "") -> list[str]:
+    """Each keyword of ``fn`` called with every hostile value: the calls neither run nor are refused by a
+    TypeError / ValueError that names the keyword."""
+    out = []
+    for name in keywords:
+        for value in HOSTILE:
+            try:
+                fn(**{name: value})
+            except (TypeError, ValueError, NotImplementedError) as e:
+                if name not in str(e) and name.strip("_") not in str(e):
+                    out.append(f"{label}{name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
+            except Exception as e:  # noqa: BLE001 - any other exception is the failure these tests look for
+                out.append(f"{label}{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
 def _ops():
     g = torch.Generator().manual_seed(0)
     B, page, r, dr, hq = 2, 16, 32, 16, 16
@@ -82,16 +98,7 @@ def _ops():
 def test_hostile_keyword_values_run_or_are_refused_by_name(op):
     fn, keywords = _ops()[op]
     fn()  # the base call is valid
-    unclear = []
-    for name in keywords:
-        for value in HOSTILE:
-            try:
-                fn(**{name: value})
-            except (TypeError, ValueError, NotImplementedError) as e:
-                if name not in str(e) and name.strip("_") not in str(e):
-                    unclear.append(f"{name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
-            except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
-                unclear.append(f"{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+    unclear = _unclear(fn, keywords)
     assert not unclear, f"{op}: {len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
 
 
@@ -147,16 +154,7 @@ def test_hostile_layer_and_cache_arguments_run_or_are_refused_by_name(target):
     torch's to refuse)."""
     fn, keywords = _layers()[target]
     fn()
-    unclear = []
-    for name in keywords:
-        for value in HOSTILE:
-            try:
-                fn(**{name: value})
-            except (TypeError, ValueError, NotImplementedError) as e:
-                if name not in str(e) and name.strip("_") not in str(e):
-                    unclear.append(f"{name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
-            except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
-                unclear.append(f"{name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+    unclear = _unclear(fn, keywords)
     assert not unclear, f"{target}: {len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
 
 
@@ -177,15 +175,7 @@ def test_hostile_conversion_and_norm_arguments_run_or_are_refused_by_name():
     unclear = []
     for label, (fn, keywords) in targets.items():
         fn()
-        for name in keywords:
-            for value in HOSTILE:
-                try:
-                    fn(**{name: value})
-                except (TypeError, ValueError, NotImplementedError) as e:
-                    if name not in str(e):
-                        unclear.append(f"{label} {name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
-                except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
-                    unclear.append(f"{label} {name}={value!r}: raw {type(e).__name__}: {str(e)[:120]}")
+        unclear += _unclear(fn, keywords, f"{label} ")
     for k in src:
         for bad in ([1.0, 2.0], torch.randn(3), src[k].int(), torch.full_like(src[k], math.nan)):
             try:

@@ -234,12 +234,9 @@ def test_stage_moves_are_judged_by_their_kernels(tmp_path, monkeypatch):
     assert gdn.stage_kernels("seg_units") == ()
 
 
-def test_an_interrupted_run_resumes_with_what_its_time_limit_has_left(tmp_path, monkeypatch):
-    """A run stopped during its second target: the next run takes the first target's row as it was (nothing timed
-    again), searches the second, counts both runs' search time against one time limit, and marks the file complete,
-    so the run after that starts a new time limit."""
-    out = tmp_path / "t.json"
-    partial = out.with_name(out.name + ".partial.json")
+def _interrupted_at_gdn_decode(out, monkeypatch):
+    """A run over combine and gdn_decode stopped (KeyboardInterrupt) as its search reaches gdn_decode; returns the
+    real ``_search``, put back."""
     search = tune._search
 
     def stop_at_gdn(t, *a, **kw):
@@ -250,10 +247,20 @@ def test_an_interrupted_run_resumes_with_what_its_time_limit_has_left(tmp_path, 
     monkeypatch.setattr(tune, "_search", stop_at_gdn)
     with pytest.raises(KeyboardInterrupt):
         tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
+    monkeypatch.setattr(tune, "_search", search)
+    return search
+
+
+def test_an_interrupted_run_resumes_with_what_its_time_limit_has_left(tmp_path, monkeypatch):
+    """A run stopped during its second target: the next run takes the first target's row as it was (nothing timed
+    again), searches the second, counts both runs' search time against one time limit, and marks the file complete,
+    so the run after that starts a new time limit."""
+    out = tmp_path / "t.json"
+    partial = out.with_name(out.name + ".partial.json")
+    _interrupted_at_gdn_decode(out, monkeypatch)
     state = json.loads(partial.read_text())
     assert list(state["done"]) == ["combine {}"] and state["spent_s"] >= 0 and "complete" not in state
     assert not out.exists()
-    monkeypatch.setattr(tune, "_search", search)
     timed = []
     monkeypatch.setattr(tune, "_measure", lambda t, cfg, **kw: timed.append(t.op) or tune._State.get(kw["state"], t,
                                                                                                      cfg) or
@@ -328,17 +335,7 @@ def test_a_wave_after_a_new_best_compiles_the_fields_still_ahead(monkeypatch, tm
 def test_a_resumed_run_from_another_start_searches_again(tmp_path, monkeypatch):
     """The finished targets of an interrupted ``start="table"`` search are not taken by a ``start="default"`` one."""
     out = tmp_path / "t.json"
-    search = tune._search
-
-    def stop_at_gdn(t, *a, **kw):
-        if t.op == "gdn_decode":
-            raise KeyboardInterrupt
-        return search(t, *a, **kw)
-
-    monkeypatch.setattr(tune, "_search", stop_at_gdn)
-    with pytest.raises(KeyboardInterrupt):
-        tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False)
-    monkeypatch.setattr(tune, "_search", search)
+    search = _interrupted_at_gdn_decode(out, monkeypatch)
     searched = []
     monkeypatch.setattr(tune, "_search", lambda t, *a, **kw: searched.append(t.op) or search(t, *a, **kw))
     res = tune.tune(["combine", "gdn_decode"], out=out, space=SPACE, progress=False, start="default")
