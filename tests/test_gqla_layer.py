@@ -295,6 +295,8 @@ def test_bad_inputs():
         layer(torch.zeros(2, 3, hs // 2, device=P.device))
     with pytest.raises(TypeError, match="hidden_states"):
         layer(torch.zeros(2, 3, hs, dtype=torch.int32, device=P.device))
+    with pytest.raises(TypeError, match="hidden_states: expected the layer's dtype"):
+        layer(torch.zeros(2, 3, hs, dtype=torch.float16, device=P.device))
     with pytest.raises(ValueError, match="positions"):
         layer(x, torch.arange(4))
     with pytest.raises(TypeError, match="positions"):

@@ -278,6 +278,9 @@ class GQLAttention(nn.Module):
                              f"got {list(hidden_states.shape)}")
         if not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states: expected a floating dtype, got {hidden_states.dtype}")
+        w_dtype = self.o_proj.weight.dtype
+        if hidden_states.dtype != w_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states: expected the layer's dtype {w_dtype}, got {hidden_states.dtype}")
         B, T, _ = hidden_states.shape
         if B == 0 or T == 0:
             raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(hidden_states.shape)}")
