@@ -185,3 +185,40 @@ def test_hostile_conversion_and_norm_arguments_run_or_are_refused_by_name():
                 if k not in str(e):
                     unclear.append(f"trans_gqla source {k}: {str(e)[:120]}")
     assert not unclear, f"{len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
+
+
+def test_hostile_cache_method_arguments_are_refused_by_name_and_change_nothing():
+    """Every slot / count / page argument of ``LatentCache``'s methods with the hostile values plus bad slot lists
+    (duplicates, -1, out of range, a tuple, a tensor): each call runs or raises a TypeError / ValueError, and a
+    refused call leaves the cache exactly as it was."""
+    from test_kv_cache import assert_unchanged, snapshot
+
+    from gqla_triton.layers.cache import LatentCache
+
+    values = HOSTILE + [[0, 0], [0, -1], [5], (0, 1), torch.tensor([0, 1])]
+    calls = {
+        "gather": lambda c, v: c.gather(v), "slot_index": lambda c, v: c.slot_index(v),
+        "seqlens": lambda c, v: c.seqlens(v), "reserved": lambda c, v: c.reserved(v),
+        "holds_tokens": lambda c, v: c.holds_tokens(v), "tables": lambda c, v: c.tables(v),
+        "reserve(seq_ids)": lambda c, v: c.reserve(v, 3), "reserve(num_tokens)": lambda c, v: c.reserve([0], v),
+        "free": lambda c, v: c.free(v), "fork(src)": lambda c, v: c.fork(v, 2), "fork(dst)": lambda c, v: c.fork(0, v),
+        "append(seq_ids)": lambda c, v: c.append(v, torch.randn(1, 2, 32), torch.randn(1, 2, 16)),
+        "append(c_kv)": lambda c, v: c.append([0], v, torch.randn(1, 2, 16)),
+        "latent_rows(start)": lambda c, v: c.latent_rows(v), "latent_rows(stop)": lambda c, v: c.latent_rows(0, v),
+    }
+    bad = []
+    for label, call in calls.items():
+        for v in values:
+            cache = LatentCache(3, 64, 32, 16, page_size=16)
+            cache.append([0, 1], torch.randn(2, 5, 32), torch.randn(2, 5, 16))
+            before = snapshot(cache)
+            try:
+                call(cache, v)
+            except (TypeError, ValueError) as e:
+                try:
+                    assert_unchanged(before, cache)
+                except AssertionError:
+                    bad.append(f"{label}({v!r}): refused ({e}) but the cache changed")
+            except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
+                bad.append(f"{label}({v!r}): raw {type(e).__name__}: {str(e)[:120]}")
+    assert not bad, "\n".join(bad[:20])

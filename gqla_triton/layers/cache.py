@@ -543,7 +543,13 @@ class LatentCache(PagedCache):
 
     def latent_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The rows of pages ``[start, stop)`` as ``[pages, page_size, kv_rank + rope_dim]``: a view, or an FP8
-        cache's rows dequantised (float32)."""
+        cache's rows dequantised (float32). ``start`` / ``stop``: ints in ``[0, num_pages + 1]`` (the scratch page
+        is the last), ``stop`` None for the end."""
+        P = self.kv.shape[0]
+        for name, v in (("start", start), ("stop", stop)):
+            if (v is not None or name == "start") and (not _is_int(v) or not 0 <= v <= P):
+                raise ValueError(f"{name}: expected an int in [0, {P}]{' or None' if name == 'stop' else ''}, "
+                                 f"got {v!r}")
         rows = self.kv[start:stop, :, 0]
         return dequantize_latent_fp8(rows, torch.float32) if self.fp8 else rows
 
@@ -641,7 +647,7 @@ class GroupedCache(PagedCache):
         w = w.view(layer.num_groups, layer.head_dim + layer.v_head_dim, layer.kv_rank)
         with torch.no_grad():
             for p0 in range(0, lc.num_pages + 1, 256):  # bounded temporary memory
-                rows = lc.latent_rows(p0, p0 + 256)
+                rows = lc.latent_rows(p0, min(p0 + 256, lc.num_pages + 1))
                 kv = torch.einsum("ptr,gdr->ptgd", rows[..., : lc.kv_rank].float(), w)
                 out.k[p0:p0 + 256] = kv[..., : layer.head_dim].to(out.dtype)
                 out.v[p0:p0 + 256] = kv[..., layer.head_dim:].to(out.dtype)
