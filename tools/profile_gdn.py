@@ -9,7 +9,9 @@ variant is the GPU's table config; each ``--config`` adds a variant of ``gdn_chu
 separately, one variant can move several kernels at once. Each variant runs in its own process (a variant that
 faults cannot end the others' CUDA context; it is re-run with ``CUDA_LAUNCH_BLOCKING=1`` to name the kernel), and
 its outputs and gradients are compared with the table config's (max relative error), so a fast but wrong variant
-shows. ``--fwd-only`` profiles the forward alone; ``--recompute`` uses ``save_states=False``.
+shows. ``--fwd-only`` profiles the forward alone; ``--recompute`` uses ``save_states=False``; ``--inputs gate`` runs
+fla's in-kernel gate and beta sigmoid and ``--inputs gate_values`` the plain call on the very values they form, so
+the two runs' difference per kernel is what those options cost.
 """
 
 from __future__ import annotations
@@ -21,20 +23,33 @@ import subprocess
 import sys
 from collections import defaultdict
 
+INPUTS = ("plain", "gate", "gate_values")
 
-def _inputs(name: str):
-    from bench.gdn import WORKLOADS, _inputs
+
+def _inputs(name: str, mode: str = "plain"):
+    from bench.gdn import WORKLOADS, _gate_values, _inputs
 
     q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
+    if mode == "gate_values":
+        g, beta = _gate_values(g, beta)
     return [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)], cu
 
 
-def _step(xs, cu, do, fwd_only: bool, save_states: bool):
-    import torch
-
+def _op(mode: str):
+    """The call of input mode ``mode`` (``--inputs``)."""
     import gqla_triton as gq
 
-    o, ht = gq.chunk_gated_delta_rule(*xs, output_final_state=True, cu_seqlens=cu, save_states=save_states)
+    if mode == "gate":
+        from bench.gdn import _gated
+
+        return _gated
+    return gq.chunk_gated_delta_rule
+
+
+def _step(xs, cu, do, fwd_only: bool, save_states: bool, mode: str = "plain"):
+    import torch
+
+    o, ht = _op(mode)(*xs, output_final_state=True, cu_seqlens=cu, save_states=save_states)
     if fwd_only:
         return [o, ht]
     return [o, ht, *torch.autograd.grad(o, xs, do)]
@@ -66,9 +81,9 @@ def _child(a, fields: dict) -> dict:
     from gqla_triton.dispatch import config_override
     from tools._common import rel_err
 
-    xs, cu = _inputs(a.workload)
+    xs, cu = _inputs(a.workload, a.inputs)
     do = torch.randn_like(xs[2])
-    step = lambda: _step(xs, cu, do, a.fwd_only, not a.recompute)  # noqa: E731
+    step = lambda: _step(xs, cu, do, a.fwd_only, not a.recompute, a.inputs)  # noqa: E731
     ref = [t.detach().clone() for t in step()]
     with config_override({"gdn_chunk": fields} if fields else {}):
         out = [t.detach() for t in step()]
@@ -85,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[], help="a variant: JSON gdn_chunk fields or name=JSON")
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--recompute", action="store_true", help="save_states=False (the backward recomputes states)")
+    ap.add_argument("--inputs", choices=INPUTS, default="plain",
+                    help="plain: g and beta as given; gate: fla's in-kernel gate and beta sigmoid on the same tensors; "
+                         "gate_values: the plain call on the g and beta those options form (bench.gdn)")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one variant's fields, in a child process
     a = ap.parse_args(argv)
@@ -97,7 +115,7 @@ def main(argv=None) -> int:
         sys.exit("tools.profile_gdn needs a CUDA GPU")
     variants = {"table": {}, **parse_configs(a.config)}
     base = [sys.executable, "-m", "tools.profile_gdn", "--workload", a.workload, "--iters", str(a.iters)]
-    base += ["--fwd-only"] * a.fwd_only + ["--recompute"] * a.recompute
+    base += ["--fwd-only"] * a.fwd_only + ["--recompute"] * a.recompute + ["--inputs", a.inputs]
     results, failed = {}, {}
     for vn, fields in variants.items():
         cmd = base + ["--child", json.dumps(fields)]
