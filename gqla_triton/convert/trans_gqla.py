@@ -121,7 +121,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     check_positive_int("kv_rank", kv_rank)
     rope_theta = check_positive_real("rope_theta", rope_theta)
     rope_attention_scaling = check_positive_real("rope_attention_scaling", rope_attention_scaling)
-    softmax_scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
+    scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
     if h % g:
         raise ValueError(f"num_heads: {h} is not a multiple of num_groups {g}")
     if d % 2:
@@ -143,7 +143,6 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
         X = calib.detach().to(**_F64).reshape(-1, hidden)
         C = X.T @ X / X.shape[0]
     inv = _source_inv_freq(d, rope_theta, rope_inv_freq)
-    scale = softmax_scale
     dtype = dtype or wq.dtype
     device = device if device is not None else wq.device
     wq3, wk3, wv3 = (w.detach().to(**_F64).view(n, -1, hidden) for w, n in ((wq, h), (wk, g), (wv, g)))

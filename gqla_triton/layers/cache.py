@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_positive_int
+from ..ops._common.validation import INT32_MAX, check_float_dtype, check_positive_int
 from ..ops.mla.fp8 import FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import append_rows, append_rows_torch
 
@@ -484,8 +484,7 @@ class LatentCache(PagedCache):
                  compute_dtype=None):
         if not _is_int(kv_rank) or not _is_int(rope_dim) or kv_rank <= 0 or rope_dim < 0:
             raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+        check_float_dtype(dtype, optional=False)
         fp8 = dtype == torch.float8_e4m3fn
         if dtype.itemsize == 1 and not fp8:
             raise TypeError(f"dtype: the one 8-bit cache is FlashMLA's FP8 layout (torch.float8_e4m3fn), got {dtype}")
@@ -546,10 +545,10 @@ class LatentCache(PagedCache):
         cache's rows dequantised (float32). ``start`` / ``stop``: ints in ``[0, num_pages + 1]`` (the scratch page
         is the last), ``stop`` None for the end."""
         P = self.kv.shape[0]
-        for name, v in (("start", start), ("stop", stop)):
-            if (v is not None or name == "start") and (not _is_int(v) or not 0 <= v <= P):
-                raise ValueError(f"{name}: expected an int in [0, {P}]{' or None' if name == 'stop' else ''}, "
-                                 f"got {v!r}")
+        if not _is_int(start) or not 0 <= start <= P:
+            raise ValueError(f"start: expected an int in [0, {P}], got {start!r}")
+        if stop is not None and (not _is_int(stop) or not 0 <= stop <= P):
+            raise ValueError(f"stop: expected None or an int in [0, {P}], got {stop!r}")
         rows = self.kv[start:stop, :, 0]
         return dequantize_latent_fp8(rows, torch.float32) if self.fp8 else rows
 
@@ -568,8 +567,7 @@ class GroupedCache(PagedCache):
         if (not all(_is_int(v) for v in (num_groups, head_dim, dv, rope_dim)) or num_groups <= 0 or head_dim <= 0
                 or dv <= 0 or rope_dim < 0):
             raise ValueError("num_groups/head_dim/v_head_dim: expected positive ints, rope_dim >= 0")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+        check_float_dtype(dtype, optional=False)
         if dtype.itemsize == 1:
             raise TypeError(f"dtype: the grouped cache has no 8-bit layout (FP8 is the latent cache's), got {dtype}")
         self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim, self.dtype = (

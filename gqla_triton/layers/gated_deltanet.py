@@ -29,6 +29,7 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     INT32_MAX,
+    check_float_dtype,
     check_optional_int,
     check_positive_int,
     check_positive_real,
@@ -179,8 +180,7 @@ class GatedDeltaNetCache:
                               ("head_v_dim", head_v_dim, 1)):
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= INT32_MAX:
                 raise ValueError(f"{name}: expected an int in [{lo}, {INT32_MAX}], got {val!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+        check_float_dtype(dtype, optional=False)
         # one scratch row past the slots receives the writes of skipped (padding) sequences
         self._conv = torch.zeros(num_seqs + 1, conv_dim, conv_size - 1, device=device, dtype=dtype)
         self.conv_state = self._conv[:num_seqs]
@@ -424,8 +424,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"conv_size: expected >= 2, got {conv_size}")
         norm_eps = check_positive_real("norm_eps", norm_eps)
         layer_idx = check_optional_int("layer_idx", layer_idx, lo=0)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+        check_float_dtype(dtype)
         check_impl(impl, op="GatedDeltaNet", gluon=False)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common.validation import check_positive_int
+from ..ops._common.validation import check_float_dtype, check_positive_int
 
 __all__ = ["RMSNorm", "gated_rms_norm"]
 
@@ -26,8 +26,7 @@ class RMSNorm(nn.Module):
         check_positive_int("dim", dim)
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"eps: expected a finite real number >= 0, got {type(eps).__name__} {eps!r}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+        check_float_dtype(dtype)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 

@@ -52,11 +52,6 @@ def check_rank(tp_rank, tp_size) -> None:
         raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank}")
 
 
-def check_dtype(dtype) -> None:
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
-
-
 def _chunk(src: torch.Tensor, shape: torch.Size, tp_rank: int) -> torch.Tensor:
     """The rank's contiguous block of ``src`` along the one dim where ``shape`` (the shard's) is smaller."""
     dims = [d for d in range(src.dim()) if src.shape[d] != shape[d]]

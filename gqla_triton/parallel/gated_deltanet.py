@@ -16,12 +16,12 @@ from collections.abc import Mapping
 import torch
 
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
     check_backend_device,
     check_config,
     check_divides,
-    check_dtype,
     check_rank,
     config_of,
     load_into,
@@ -106,7 +106,7 @@ class TPGatedDeltaNet(TensorParallel):
         ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). The size of ``group`` (default: the
         default group) must divide ``num_heads``."""
         cfg = _check_config(config)
-        check_dtype(dtype)
+        check_float_dtype(dtype)
         group, rank, size = resolve_group(group)
         src = state_dict.get("in_proj.weight") if isinstance(state_dict, Mapping) else None
         dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)

@@ -21,12 +21,12 @@ from collections.abc import Mapping
 import torch
 
 from ..layers.gqla import GQLAttention
+from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
     check_backend_device,
     check_config,
     check_divides,
-    check_dtype,
     check_rank,
     config_of,
     load_into,
@@ -94,7 +94,7 @@ class TPGQLAttention(TensorParallel):
         slices are copied to ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). ``group``: the
         tensor-parallel process group (default: the default group); its size must divide ``num_groups``."""
         cfg = _check_config(config)
-        check_dtype(dtype)
+        check_float_dtype(dtype)
         group, rank, size = resolve_group(group)
         src = state_dict.get("kv_b_proj.weight") if isinstance(state_dict, Mapping) else None
         dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)

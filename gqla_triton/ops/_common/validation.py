@@ -126,6 +126,14 @@ def check_positive_real(name: str, value: object) -> float:
     return float(value)
 
 
+def check_float_dtype(dtype: object, *, optional: bool = True, name: str = "dtype") -> None:
+    """A floating ``torch.dtype`` (or None where ``optional``): the layers' and caches' ``dtype`` arguments."""
+    if dtype is None and optional:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name}: expected {'None or ' if optional else ''}a floating torch.dtype, got {dtype!r}")
+
+
 def check_flag(name: str, value: object) -> bool:
     """A boolean option: ``bool`` (or an integer 0 / 1); anything else is a ``TypeError``."""
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
