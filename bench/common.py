@@ -145,15 +145,16 @@ def environment() -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["op", "workload", "impl", "ms", "tflops", "gbs", "pct_roofline", "vs"]
-    fmt = {"ms": "{:.4f}", "tflops": "{:.1f}", "gbs": "{:.0f}", "pct_roofline": "{:.1f}"}
+    cols = ["op", "workload", "impl", "ms", "graph_ms", "tflops", "gbs", "pct_roofline", "vs", "vs_graph"]
+    fmt = {"ms": "{:.4f}", "graph_ms": "{:.4f}", "tflops": "{:.1f}", "gbs": "{:.0f}", "pct_roofline": "{:.1f}"}
     cells = [[c for c in cols]]
     for r in rows:
         line = []
         for c in cols:
             v = r.get(c)
-            if c == "vs":
-                v = " ".join(f"{k}={x:.2f}x" for k, x in (r.get("ratios") or {}).items())
+            if c in ("vs", "vs_graph"):
+                got = r.get("ratios" if c == "vs" else "graph_ratios") or {}
+                v = " ".join(f"{k}={x:.2f}x" for k, x in got.items())
             elif v is not None and c in fmt:
                 v = fmt[c].format(v)
             line.append("" if v is None else str(v))
@@ -164,15 +165,18 @@ def print_table(rows: list[dict]) -> None:
 
 
 def add_ratios(rows: list[dict], ours: str = "gqla_triton") -> None:
-    """For each workload, ``ratios[impl] = impl_ms / our_ms`` on our rows (> 1: we are faster)."""
-    by = {}
-    for r in rows:
-        by.setdefault((r["op"], r["workload"]), {})[r["impl"]] = r.get("ms")
-    for r in rows:
-        if r["impl"] != ours or not r.get("ms"):
-            continue
-        others = by[(r["op"], r["workload"])]
-        r["ratios"] = {k: v / r["ms"] for k, v in others.items() if k != ours and v}
+    """For each workload, ``ratios[impl] = impl_ms / our_ms`` on our rows (> 1: we are faster); where rows carry
+    CUDA-graph times, ``graph_ratios`` the same over ``graph_ms``."""
+    for key, name in (("ms", "ratios"), ("graph_ms", "graph_ratios")):
+        by = {}
+        for r in rows:
+            by.setdefault((r["op"], r["workload"]), {})[r["impl"]] = r.get(key)
+        for r in rows:
+            if r["impl"] != ours or not r.get(key):
+                continue
+            others = {k: v for k, v in by[(r["op"], r["workload"])].items() if k != ours and v}
+            if others or key == "ms":
+                r[name] = {k: v / r[key] for k, v in others.items()}
 
 
 def write_results(op: str, rows: list[dict], ceilings: dict, command: str, *, complete: bool = True) -> Path:

@@ -1,9 +1,13 @@
 """MLA absorb-path decode (h_q 128, latent 512 + rope 64, page 64, bf16): dense M1-M4, sparse SM1/SM2 (topk 2048).
 
+Also small batches B1 S4096, B1 S32768, B8 S8192, B16 S2048, B32 S4096 (dense), where the split-KV plan has to
+fill the GPU.
+
 ``python -m bench.run --op mla`` times ``gq.mla_decode`` with ``impl="auto"`` (row ``gqla_triton``: the GPU's table
-picks the kernel, the Gluon one on Hopper) and with ``impl="triton"`` (row ``gqla_triton_portable``), each eagerly
-(``ms``) and inside a CUDA graph (``graph_ms``), beside FlashMLA (dense legacy SM90 kernel; sparse bf16 kernel)
-and a torch bmm reference. Config sweeps are a tool: ``python -m tools.sweep --op mla``.
+picks the kernel, the Gluon one on Hopper) and with ``impl="triton"`` (row ``gqla_triton_portable``) beside FlashMLA
+(dense legacy SM90 kernel; sparse bf16 kernel) and a torch bmm reference, every row eagerly (``ms``) and inside a
+CUDA graph (``graph_ms``; ``graph_ratios`` compares those).
+Config sweeps are a tool: ``python -m tools.sweep --op mla``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ H, R, DR, PAGE = 128, 512, 64, 64
 # the roofline's workload table, in this module's names (B batch, S cached tokens)
 WORKLOADS = {k: dict(B=w["batch"], S=w["seqlen"], s_q=w["s_q"], **({"topk": w["topk"]} if "topk" in w else {}))
              for k, w in MLA_WORKLOADS.items()}
+# small batches, where the split-KV plan has to fill the GPU
+WORKLOADS.update({f"B{b}-S{s}": dict(B=b, S=s, s_q=1) for b, s in ((1, 4096), (1, 32768), (8, 8192), (16, 2048),
+                                                                    (32, 4096))})
 
 
 def make_inputs(B, S, s_q, topk=None, seed=0):
@@ -145,14 +152,16 @@ def run(names, ctx, anchors=True):
         ):
             if not ctx.want(impl, anchors):
                 continue
-            ms = None
+            ms = graph_ms = None
             try:
                 if impl == "flash_mla" and fm is None:
                     raise RuntimeError("flash_mla not importable")
-                ms = time_ms(build())
+                fn = build()
+                ms = time_ms(fn)
+                graph_ms = time_graph_ms(fn)
             except Exception as e:  # a failing anchor records None, never kills the run
                 print(f"[bench.mla] anchor {impl} on {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
-            ctx.row("mla", name, impl, ms, flops=flops, nbytes=nbytes)
+            ctx.row("mla", name, impl, ms, flops=flops, nbytes=nbytes, graph_ms=graph_ms)
             torch.cuda.empty_cache()
         q = kv = bt = lens = idx = None  # free the inputs before the next workload
         torch.cuda.empty_cache()

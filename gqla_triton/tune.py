@@ -71,6 +71,7 @@ class Target:
     # fields of one stage is then judged by the GPU time of that stage's kernels (a few per cent of one kernel
     # is far below the noise of the whole op's time), the whole time only guarding against a loss elsewhere
     stages: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)  # fields the target's kernel takes at one value only
 
     def stage_kernels(self, key: str) -> tuple[str, ...]:
         """The kernels of the one stage every field of space entry ``key`` belongs to (empty: none, or several)."""
@@ -299,12 +300,12 @@ def _mla_targets(tiny: bool, hopper: bool) -> list[Target]:
            Target("mla_decode", {"sparse": True}, [case(*s, "triton") for s in sparse], checker(True, "triton"), tri,
                   name="mla_decode triton sparse")]
     if hopper:
-        glu = {"block_h+block_n": tuple(itertools.product((32, 64), (32, 64))), "num_stages": (2, 3, 4),
-               "split_cost": SPLIT_COSTS}
+        glu = {"block_h": (32, 64), "split_cost": SPLIT_COSTS}
+        ring = {"block_n": 64, "num_stages": 2}  # the Gluon kernel's one key ring
         out += [Target("mla_decode", {"impl": "gluon"}, [case(*s, "gluon") for s in dense], checker(False, "gluon"),
-                       glu, name="mla_decode gluon dense"),
+                       glu, name="mla_decode gluon dense", fixed=ring),
                 Target("mla_decode", {"impl": "gluon", "sparse": True}, [case(*s, "gluon") for s in sparse],
-                       checker(True, "gluon"), glu, name="mla_decode gluon sparse")]
+                       checker(True, "gluon"), glu, name="mla_decode gluon sparse", fixed=ring)]
     return out
 
 
@@ -501,13 +502,15 @@ def _floor(dtype: torch.dtype) -> float:
 
 def _entry(table: dict, t: Target):
     """The entry of ``table`` whose match is the target's key, else the first that matches it, else the
-    schema's defaults; the key's names that are also config fields are set to the key's values (the Gluon MLA
-    targets start from ``impl="gluon"`` although a table without a Gluon entry has a Triton catch-all)."""
+    schema's defaults; the key's names that are also config fields are set to the key's values, and so are the
+    target's ``fixed`` fields (the Gluon MLA targets start from ``impl="gluon"`` and its one key ring although a
+    table without a Gluon entry has a Triton catch-all)."""
     rows = table.get(t.op, ())
     cfg = next((c for m, c in rows if m == t.key), None)
     if cfg is None:
         cfg = next((c for m, c in rows if all(t.key.get(k) == v for k, v in m.items())), dispatch.schema(t.op)())
-    own = {k: v for k, v in t.key.items() if k in cfg.field_names() and getattr(cfg, k) != v}
+    want = {**{k: v for k, v in t.key.items() if k in cfg.field_names()}, **t.fixed}
+    own = {k: v for k, v in want.items() if getattr(cfg, k) != v}
     return cfg.replace(**own) if own else cfg
 
 

@@ -175,8 +175,11 @@ def test_gluon_targets_start_from_their_own_impl_and_the_faster_kernel_is_auto()
     """A table without a Gluon entry (the default one) still starts the Gluon targets at ``impl="gluon"``; the
     written Gluon entries keep ``impl="gluon"`` only where the tuned Gluon kernel beat the tuned portable one."""
     default = dispatch._load_table("default")
-    target = tune.Target("mla_decode", {"impl": "gluon"}, [], lambda: 0.0, {})
-    assert tune._entry(default, target).impl == "gluon"
+    target = tune.Target("mla_decode", {"impl": "gluon"}, [], lambda: 0.0, {}, fixed={"block_n": 64, "num_stages": 2})
+    start = tune._entry(default, target)
+    assert (start.impl, start.block_n, start.num_stages) == ("gluon", 64, 2)
+    with pytest.raises(ValueError, match="block_n"):  # the Gluon kernel has one key ring: a table cannot ask another
+        tune._entry(default, tune.Target("mla_decode", {"impl": "gluon"}, [], lambda: 0.0, {}))
     assert tune._entry(default, tune.Target("mla_decode", {}, [], lambda: 0.0, {})).impl == "triton"
     raw = {"mla_decode": [{"match": {"impl": "gluon", "sparse": True}, "config": {"impl": "gluon"}},
                           {"match": {"impl": "gluon"}, "config": {"impl": "gluon"}}, {"match": {}, "config": {}}]}

@@ -1,6 +1,6 @@
 """Launch-config sweep of a decode op on the GPU: time config variants, check them, print the best per workload.
 
-    python -m tools.sweep --op mla --workload M1,M2,SM1 [--variants gluon_n64s2,triton_ps64s2]
+    python -m tools.sweep --op mla --workload M1,M2,SM1 [--variants gluon_h64,triton_ps64s2]
     python -m tools.sweep --op gqa --workload Q1,SQ1 --config '{"block_n": 32, "num_stages": 4}'
     python -m tools.sweep --op gdn_decode --workload D1,D2 [--max-seconds 300] [--out sweep.json]
 
@@ -24,11 +24,9 @@ import time
 VARIANTS = {
     "mla": {
         "table": ("auto", {}),
-        # the Hopper Gluon kernel: key tile width x depth of the shared-memory key ring
-        "gluon_n64s2": ("gluon", {"block_h": 64, "block_n": 64, "num_stages": 2}),
-        "gluon_n32s3": ("gluon", {"block_h": 64, "block_n": 32, "num_stages": 3}),
-        "gluon_n32s4": ("gluon", {"block_h": 64, "block_n": 32, "num_stages": 4}),
-        "gluon_n16s4": ("gluon", {"block_h": 64, "block_n": 16, "num_stages": 4}),
+        # the Hopper Gluon kernel (64-key tiles, two-stage ring): heads per tile
+        "gluon_h64": ("gluon", {"block_h": 64, "block_n": 64, "num_stages": 2}),
+        "gluon_h32": ("gluon", {"block_h": 32, "block_n": 64, "num_stages": 2}),
         # the portable Triton kernel
         "triton_ps64s2": ("triton", {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2,
                                      "paged_tiles": True, "p_scratch": True}),

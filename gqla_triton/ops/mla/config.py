@@ -17,8 +17,9 @@ class MLADecodeConfig(KernelConfig):
     Hopper kernel; ``"triton"``: the portable one). ``block_h`` rows (heads x query tokens) and ``block_n`` keys
     per tile. Triton kernel variants: ``paged_tiles`` (one block-table lookup per page-aligned tile),
     ``p_scratch`` (P and its row rescale pass between the warpgroups through a per-program scratch tile),
-    ``rows_ahead`` (the next tile's cache rows are loaded one iteration ahead). For the Gluon kernel
-    ``num_stages`` is the depth of its shared-memory key ring. ``split_cost``: the split-KV planner's cost of one
+    ``rows_ahead`` (the next tile's cache rows are loaded one iteration ahead). The Gluon kernel takes 64-key tiles
+    in a two-stage shared-memory ring (its P tile takes the consumed rope slab of a stage, and two stages with Q
+    and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile. ``split_cost``: the split-KV planner's cost of one
     partial tile (its write and the combine's read), in units of one unsplit program (``plan_splits``)."""
 
     OP: ClassVar[str] = "mla_decode"
@@ -39,3 +40,6 @@ class MLADecodeConfig(KernelConfig):
         self.one_of(("block_h", "block_n"), TILES)
         self.one_of("num_warps", WARPS)
         self.within("num_stages", 1, 6)
+        if self.impl == "gluon":
+            self.one_of("block_n", (64,))
+            self.one_of("num_stages", (2,))

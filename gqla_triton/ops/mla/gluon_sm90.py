@@ -105,8 +105,10 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
               SPLIT: gl.constexpr, TAIL: gl.constexpr):
     (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
-     qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
-     s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
+     s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
+     qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
+     s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
+     s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, n_tail = _tile_rows(
@@ -150,17 +152,74 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 
 
 @gluon.jit
+def _softmax_step(sc, m_i, l_i):
+    """One online-softmax step on log2-scaled scores, as ``_common.combine.softmax_step``: NaN reaches l through
+    p, an infinite max rescales from 0. Returns ``(p, alpha, m, l)``."""
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _partial_scores(q_a, q_smem, kv_smem, s, FIRST: gl.constexpr, NSLAB: gl.constexpr, VS: gl.constexpr,
+                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, OWNER: gl.constexpr, s_l: gl.constexpr):
+    """This warpgroup's part of ``S = Q·Kᵀ`` for the key tile in stage ``s`` (async; wait on the result): latent
+    slabs ``[FIRST, FIRST + VS)`` from shared Q, and for the owner also the rope slab with ``q_a`` (the rope
+    channels of Q, in registers) as A."""
+    acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+    for c in gl.static_range(VS):
+        acc = warpgroup_mma(q_smem.index(FIRST + c), kv_smem.index(s * NSLAB + FIRST + c).permute((1, 0)), acc,
+                            use_acc=c > 0, is_async=True)
+    if OWNER:
+        acc = warpgroup_mma(q_a, kv_smem.index(s * NSLAB + NSLAB - 1).permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _pv(p_op, a_o, kv_smem, v0, o0, o1, o2, o3):
+    """``o = o·alpha + P·V`` over the four value slabs from ``kv_smem.index(v0)`` (P from registers or shared)."""
+    o0 = warpgroup_mma(p_op, kv_smem.index(v0 + 0), o0 * a_o, is_async=True)
+    o1 = warpgroup_mma(p_op, kv_smem.index(v0 + 1), o1 * a_o, is_async=True)
+    o2 = warpgroup_mma(p_op, kv_smem.index(v0 + 2), o2 * a_o, is_async=True)
+    o3 = warpgroup_mma(p_op, kv_smem.index(v0 + 3), o3 * a_o, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+
+
+@gluon.jit
+def _pv_boundary(p_op, a_o, kv_smem, v0, o0, o1, o2, o3, zero, sees):
+    """``_pv`` for a boundary key: the rows that do not see it (``sees`` false) keep their accumulator (alpha is 1
+    there) and never multiply its values, so a NaN in them stays out of those rows."""
+    t0 = warpgroup_mma(p_op, kv_smem.index(v0 + 0), zero, use_acc=False)
+    t1 = warpgroup_mma(p_op, kv_smem.index(v0 + 1), zero, use_acc=False)
+    t2 = warpgroup_mma(p_op, kv_smem.index(v0 + 2), zero, use_acc=False)
+    t3 = warpgroup_mma(p_op, kv_smem.index(v0 + 3), zero, use_acc=False)
+    return (o0 * a_o + gl.where(sees, t0, 0.0), o1 * a_o + gl.where(sees, t1, 0.0),
+            o2 * a_o + gl.where(sees, t2, 0.0), o3 * a_o + gl.where(sees, t3, 0.0))
+
+
+@gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, HALF: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, OWNER: gl.constexpr):
+    """One of the two consumer warpgroups. Both add their part of each score tile (the owner: latent columns
+    0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
+    runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
+    then adds ``P·V`` for its half of the value columns."""
     (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
-     qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
-     s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq) = rt
+     s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
+     qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
+     s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
+     s_plq) = rt
     NSLAB: gl.constexpr = D // SLAB
-    VS: gl.constexpr = DV // SLAB // 2  # value slabs per half
+    VS: gl.constexpr = DV // SLAB // 2  # latent slabs per half
+    FIRST: gl.constexpr = 0 if OWNER else VS
+    ROPE: gl.constexpr = NSLAB - 1  # the rope slab of a stage; once the owner's scores are in, it holds P
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLAB, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    qa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, n_tail = _tile_rows(
@@ -171,6 +230,15 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     r = gl.arange(0, BLOCK_H, layout=row_s)
     qi = qt * QPT + r // HPT
     rvalid = (r // HPT < QPT) & (qi < s_q) & (ht * HPT + r % HPT < h_q)
+    q_a = gl.zeros([BLOCK_H, SLAB], kv.dtype.element_ty, layout=qa_l)
+    if OWNER:  # the rope channels of Q, the A operand of the rope slab's product
+        ra = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qa_l))
+        ca = gl.arange(0, SLAB, layout=gl.SliceLayout(0, qa_l))
+        qa = qt * QPT + ra // HPT
+        ha = ht * HPT + ra % HPT
+        va = (ra // HPT < QPT) & (qa < s_q) & (ha < h_q)
+        q_a = gl.load((q + b64 * s_qb + qa.to(gl.int64) * s_qq + ha.to(gl.int64) * s_qh + DV)[:, None] + ca[None, :],
+                      mask=va[:, None], other=0.0)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=row_s)
@@ -179,72 +247,58 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     o1 = zero
     o2 = zero
     o3 = zero
-    for j in range(n_tiles):
-        s = j % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-        first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
-        fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
-        sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-        for c in gl.static_range(NSLAB):
-            sacc = warpgroup_mma(q_smem.index(c), kv_smem.index(s * NSLAB + c).permute((1, 0)), sacc,
-                                 use_acc=c > 0, is_async=True)
-        sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
-        sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
-        # as _common.combine.softmax_step: NaN reaches l through p, an infinite max rescales from 0
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p_op = gl.convert_layout(p.to(kv.dtype.element_ty), p_l)
-        a_o = gl.convert_layout(alpha, row_o)[:, None]
-        o0 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 0), o0 * a_o, is_async=True)
-        o1 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 1), o1 * a_o, is_async=True)
-        o2 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 2), o2 * a_o, is_async=True)
-        o3 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 3), o3 * a_o, is_async=True)
-        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-        mbarrier.arrive(empty.index(s), count=1)
-    if TAIL:  # boundary keys, one per tile: the rows that do not see it keep their accumulator (alpha is 1 there)
+    if TAIL:
         ro_t = gl.arange(0, BLOCK_H, layout=row_o)
         last_o = seqlen - s_q + qt * QPT + ro_t // HPT  # each row's own position
-        for jt in range(n_tail):
-            j = n_tiles + jt
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))
-            fence_async_shared()
-            sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-            for c in gl.static_range(NSLAB):
-                sacc = warpgroup_mma(q_smem.index(c), kv_smem.index(s * NSLAB + c).permute((1, 0)), sacc,
-                                     use_acc=c > 0, is_async=True)
-            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+    for j in range(n_tiles + n_tail):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(ready.index(s), ph)
+        fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
+        sacc = _partial_scores(q_a, q_smem, kv_smem, s, FIRST, NSLAB, VS, BLOCK_H, BLOCK_N, OWNER, s_l)
+        sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+        if OWNER:
+            first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
+            mbarrier.wait(s_full, j & 1)
+            sacc = sacc + s_smem.load(s_l)
+            mbarrier.arrive(s_free, count=1)
             sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sc - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            p_op = gl.convert_layout(p.to(kv.dtype.element_ty), p_l)
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+            pb = p.to(kv.dtype.element_ty)
+            kv_smem.index(s * NSLAB + ROPE).store(pb)
+            a_smem.index(s).store(alpha)
+            fence_async_shared()  # P was written by the generic proxy; the other warpgroup's wgmma reads it
+            mbarrier.arrive(p_ready.index(s), count=1)
+            p_op = gl.convert_layout(pb, p_l)
             a_o = gl.convert_layout(alpha, row_o)[:, None]
-            sees = ((t_lo + jt) <= last_o)[:, None]
-            t0 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 0), zero, use_acc=False)
-            o0 = o0 * a_o + gl.where(sees, t0, 0.0)
-            t1 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 1), zero, use_acc=False)
-            o1 = o1 * a_o + gl.where(sees, t1, 0.0)
-            t2 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 2), zero, use_acc=False)
-            o2 = o2 * a_o + gl.where(sees, t2, 0.0)
-            t3 = warpgroup_mma(p_op, kv_smem.index(s * NSLAB + HALF * VS + 3), zero, use_acc=False)
-            o3 = o3 * a_o + gl.where(sees, t3, 0.0)
-            mbarrier.arrive(empty.index(s), count=1)
+        else:
+            mbarrier.wait(s_free, (j & 1) ^ 1)
+            s_smem.store(sacc)
+            mbarrier.arrive(s_full, count=1)
+            mbarrier.wait(p_ready.index(s), ph)
+            p_op = kv_smem.index(s * NSLAB + ROPE)
+            a_o = a_smem.index(s).load(row_o)[:, None]
+        if TAIL:
+            if j < n_tiles:
+                o0, o1, o2, o3 = _pv(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3)
+            else:
+                o0, o1, o2, o3 = _pv_boundary(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3, zero,
+                                              ((t_lo + j - n_tiles) <= last_o)[:, None])
+        else:
+            o0, o1, o2, o3 = _pv(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3)
+        mbarrier.arrive(empty.index(s), count=1)
 
-    # epilogue: normalise and store this half's value columns (and lse from half 0). As
+    # epilogue: normalise and store this half's value columns (and lse from the owner). As
     # _common.combine.finish_rows: a row whose weights sum to 0 gets lse -inf and o 0 (split partials: its raw
-    # accumulator); a NaN sum gives NaN
+    # accumulator); a NaN sum gives NaN. The other warpgroup takes the row sums from the owner.
+    if OWNER:
+        l_smem.store(l_i)
+        mbarrier.arrive(fin, count=1)
+    else:
+        mbarrier.wait(fin, 0)
+        l_i = l_smem.load(row_s)
     empty_r = l_i == 0
     safe_l = gl.where(empty_r, 1.0, l_i)
-    lse_row = gl.where(empty_r, float("-inf"), m_i * 0.6931471805599453 + gl.log(safe_l))
     inv = gl.convert_layout(1.0 / safe_l, row_o)[:, None]
     o0 = o0 * inv
     o1 = o1 * inv
@@ -260,16 +314,17 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     qo = (qt * QPT + ro // HPT).to(gl.int64)
     ho = (ht * HPT + ro % HPT).to(gl.int64)
     mo = ((ro // HPT < QPT) & (qt * QPT + ro // HPT < s_q) & (ht * HPT + ro % HPT < h_q))[:, None]
-    cols = HALF * (VS * SLAB) + gl.arange(0, SLAB, layout=gl.SliceLayout(0, o_l))
+    cols = FIRST * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(0, o_l))
+    qr = (qt * QPT + r // HPT).to(gl.int64)
+    hr = (ht * HPT + r % HPT).to(gl.int64)
     if SPLIT:
         po = o_part + b64 * s_pb + split.to(gl.int64) * s_ps + qo * s_pq + ho * s_ph
         gl.store(po[:, None] + cols[None, :], o0, mask=mo)
         gl.store(po[:, None] + (cols + SLAB)[None, :], o1, mask=mo)
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2, mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3, mask=mo)
-        if HALF == 0:
-            qr = (qt * QPT + r // HPT).to(gl.int64)
-            hr = (ht * HPT + r % HPT).to(gl.int64)
+        if OWNER:
+            lse_row = gl.where(empty_r, float("-inf"), m_i * 0.6931471805599453 + gl.log(safe_l))
             gl.store(lse_part + b64 * s_plb + split.to(gl.int64) * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
     else:
         ty = out.dtype.element_ty
@@ -278,24 +333,23 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + SLAB)[None, :], o1.to(ty), mask=mo)
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2.to(ty), mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3.to(ty), mask=mo)
-        if HALF == 0:
-            qr = (qt * QPT + r // HPT).to(gl.int64)
-            hr = (ht * HPT + r % HPT).to(gl.int64)
+        if OWNER:
+            lse_row = gl.where(empty_r, float("-inf"), m_i * 0.6931471805599453 + gl.log(safe_l))
             gl.store(lse + b64 * s_lb + hr * s_lh + qr * s_lq, lse_row, mask=rvalid)
 
 
 @gluon.jit
-def _consumer0(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-               SPLIT: gl.constexpr, TAIL: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, 0)
+def _owner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+           SPLIT: gl.constexpr, TAIL: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, True)
 
 
 @gluon.jit
-def _consumer1(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-               SPLIT: gl.constexpr, TAIL: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, 1)
+def _partner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+             SPLIT: gl.constexpr, TAIL: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, False)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
@@ -318,17 +372,32 @@ def mla_decode_gluon_kernel(
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = kv.dtype.element_ty
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_smem = gl.allocate_shared_memory(dt, [NSLAB, BLOCK_H, SLAB], sw)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_smem = gl.allocate_shared_memory(dt, [DV // SLAB, BLOCK_H, SLAB], sw)  # the latent channels of Q
     kv_smem = gl.allocate_shared_memory(dt, [STAGES * NSLAB, BLOCK_N, SLAB], sw)
+    # the partner's partial scores, fp32; 32-byte vectors swizzled across rows so the accumulator rows of a warp
+    # fall in different banks
+    s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    a_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], vec)  # the owner's row rescale per stage
+    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)  # the owner's final row sums
+    first_q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], vec)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    first_q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    s_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    s_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # one cp.async arrival per producer thread, one for the key mask
         mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=2)  # one release per consumer warpgroup
+        mbarrier.init(p_ready.index(i), count=1)
+    mbarrier.init(s_full, count=1)
+    mbarrier.init(s_free, count=1)
+    mbarrier.init(fin, count=1)
 
-    # the tile's query rows: token qi (major) x head h, 64-channel slabs into shared memory (both consumers' A)
+    # the tile's query rows: token qi (major) x head h, the latent channels as 64-channel slabs into shared memory
+    # (both consumers' A); the owner holds the rope channels in registers
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     pid_bs = gl.program_id(0) // row_tiles
     pid_t = gl.program_id(0) % row_tiles
@@ -341,17 +410,19 @@ def mla_decode_gluon_kernel(
     rvalid = (r // HPT < QPT) & (qi < s_q) & (h < h_q)
     q_row = q + b64 * s_qb + qi.to(gl.int64) * s_qq + h.to(gl.int64) * s_qh
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, ld))
-    for c in gl.static_range(NSLAB):
+    for c in gl.static_range(DV // SLAB):
         q_smem.index(c).store(gl.load(q_row[:, None] + (c * SLAB + cc)[None, :], mask=rvalid[:, None], other=0.0))
     fence_async_shared()
 
     # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
     rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
-          qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_kvp, s_kvt,
-          s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls, s_plq)
+          s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
+          qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
+          s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
+          s_plq)
     gl.warp_specialize([
-        (_consumer0, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
-        (_consumer1, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
+        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
+        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
         (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
