@@ -77,6 +77,13 @@ def main() -> None:
         print(f"{tool}: {'?' if errors is None else errors} sanitizer errors; " + "; ".join(summary))
         for line in fails:
             print(f"  {line}")
+        reports = {}  # each distinct sanitizer report (what, where), counted
+        for line in text.splitlines():
+            if line.startswith("========= ") and re.search(r"(Race reported|Hazard|Invalid|Error:|Warning:)", line):
+                key = re.sub(r"0x[0-9a-f]+", "0x…", line[10:].strip())
+                reports[key] = reports.get(key, 0) + 1
+        for key, n in sorted(reports.items(), key=lambda kv: -kv[1])[:20]:
+            print(f"  {n} x {key[:300]}")
         if errors != 0 or rc != 0:
             bad = True
             if errors is None or (rc != 0 and not fails):

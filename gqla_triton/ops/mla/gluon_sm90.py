@@ -2,13 +2,17 @@
 
 One program per (batch entry, KV split, 64-row tile), three partitions:
 
-* a producer warpgroup gathers each key tile (``BLOCK_N`` cache rows x ``D`` channels, one 64-channel slab at a
-  time) into a ring of shared-memory stages with ``cp.async``, so any page size and sparse rows work alike;
-  masked rows are zero-filled;
-* two consumer warpgroups each own half of the value columns. Both compute the full score tile
-  ``S = Q·Kᵀ`` (Q stays in shared memory), run the same online softmax, and add ``P·V`` for their half with P
-  passed to the tensor cores from registers. Computing S twice costs tensor work but removes every exchange
-  between the warpgroups: their only shared state is the stage ring (an mbarrier pair per stage).
+* a producer warpgroup gathers each 64-key tile (64 cache rows x ``D`` channels, one 64-channel slab at a time)
+  into a two-stage shared-memory ring with ``cp.async``, so any page size and sparse rows work alike; masked rows
+  are zero-filled;
+* two consumer warpgroups each own half of the value columns and compute each score tile ``S = Q·Kᵀ`` once,
+  between them: the owner over latent channels 0-255 and the rope (its rope channels of Q in registers, the
+  rest of Q in shared memory), the partner over channels 256-511, whose fp32 partial reaches the owner through
+  shared memory. The owner runs the online softmax and hands P and the row rescale to the partner, P in the
+  stage's rope slab (consumed by then); each adds ``P·V`` for its half, the owner with P from registers.
+
+Shared memory: Q's latent channels (64 KB), two 72 KB stages and the 16 KB score exchange, within the 227 KB
+of one program per SM.
 
 Tiles, masks and outputs follow the portable kernel (``triton.py``; same row tiles and split partials, geometry
 from ``plan.py``), which serves other GPUs, other widths and the interpreter. The register split between the
