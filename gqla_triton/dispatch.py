@@ -122,6 +122,8 @@ def device_info(device: Any = None) -> DeviceInfo:
     import torch
 
     if isinstance(device, torch.Tensor):
+        if device.is_cuda:  # the index of an existing CUDA tensor is a valid device (the per-call path of every op)
+            return _cuda_info(device.get_device())
         device = device.device
     if not torch.cuda.is_available():
         raise ValueError("device_info: no CUDA device here (set TRITON_INTERPRET=1 to run on the CPU)")
