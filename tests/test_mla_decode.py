@@ -458,8 +458,21 @@ def test_gluon_variants_vs_reference(config_override, variant, B, s_q, h_q, page
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
 
 
-@pytest.mark.parametrize("sparse,split", [(False, True), (True, False)])
-def test_gluon_kernel_compiles_for_sm90(sparse, split):
+def test_gluon_config_has_one_key_ring():
+    """A table cannot ask the Gluon kernel for a key ring it does not have (64-key tiles, two stages): the config
+    is refused by field name, not launched with the fields ignored."""
+    from gqla_triton.ops.mla.config import MLADecodeConfig
+
+    assert MLADecodeConfig(impl="gluon", block_h=32, block_n=64, num_stages=2).block_h == 32
+    with pytest.raises(ValueError, match="'block_n'"):
+        MLADecodeConfig(impl="gluon", block_n=32, num_stages=2)
+    with pytest.raises(ValueError, match="'num_stages'"):
+        MLADecodeConfig(impl="gluon", block_n=64, num_stages=3)
+    assert MLADecodeConfig(impl="triton", block_n=32, num_stages=3).num_stages == 3  # the portable kernel's fields
+
+
+@pytest.mark.parametrize("sparse,split,tail", [(False, True, False), (True, False, False), (False, False, True)])
+def test_gluon_kernel_compiles_for_sm90(sparse, split, tail):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
     TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
@@ -467,7 +480,7 @@ def test_gluon_kernel_compiles_for_sm90(sparse, split):
     import sys
 
     code = ("from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
-            f"k = compile_sm90(sparse={sparse}, split={split}); ptx = k.asm['ptx']; "
+            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

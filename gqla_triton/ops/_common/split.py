@@ -7,6 +7,8 @@ of its block table (dense) or its index row (sparse), ``paging.key_capacity``. S
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["MAX_SPLITS", "MIN_TILES_PER_SPLIT", "SPLIT_COST", "plan_splits"]
 
 MAX_SPLITS = 64  # upper bound of any split count
@@ -14,6 +16,7 @@ MIN_TILES_PER_SPLIT = 4  # a split covers at least this many key tiles of the ke
 SPLIT_COST = 0.02  # combine cost per partial tile, in units of one unsplit program (wave-cost rule)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its integers, asked once per decode call
 def plan_splits(programs: int, max_keys: int, sm_count: int, *, block_n: int, waves: int | None = None,
                 split_cost: float = SPLIT_COST) -> int:
     """Split-KV count for ``programs`` unsplit programs (sequences x row tiles) over at most ``max_keys`` keys.
