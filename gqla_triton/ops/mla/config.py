@@ -19,8 +19,9 @@ class MLADecodeConfig(KernelConfig):
     ``p_scratch`` (P and its row rescale pass between the warpgroups through a per-program scratch tile),
     ``rows_ahead`` (the next tile's cache rows are loaded one iteration ahead). The Gluon kernel takes 64-key tiles
     in a two-stage shared-memory ring (its P tile takes the consumed rope slab of a stage, and two stages with Q
-    and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile. ``split_cost``: the split-KV planner's cost of one
-    partial tile (its write and the combine's read), in units of one unsplit program (``plan_splits``)."""
+    and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile. ``split_cost``: the split-KV
+    planner's cost of one partial tile (its write and the combine's read), in units of one unsplit program
+    (``plan_splits``)."""
 
     OP: ClassVar[str] = "mla_decode"
     MATCH: ClassVar[dict] = {"D": int, "DV": int, "sparse": bool, "s_q": int, "impl": str, "fp32": bool}

@@ -473,8 +473,7 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     )
 
 
-def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 2, dtype: str = "bf16",
-                 page_size: int = 64, tail: bool = False):
+def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -485,7 +484,7 @@ def compile_sm90(*, sparse: bool, split: bool, block_n: int = 64, stages: int = 
 
     fn = mla_decode_gluon_kernel
     names = list(inspect.signature(fn.fn).parameters)
-    const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, SPARSE=sparse,
+    const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
                  HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail)
     ptr = {"q": f"*{dtype}", "kv": f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
