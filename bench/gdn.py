@@ -1,13 +1,14 @@
-"""Chunked Gated DeltaNet prefill: forward and forward+backward, bf16, K = V = 128 (workloads G1-G5).
+"""Chunked Gated DeltaNet prefill: forward and forward+backward, bf16, K = V = 128 (workloads G1-G5, and the
+chunked-prefill chunks C1-C3, which continue from initial states).
 
 Anchors: fla (pure Triton: FLA_DISABLE_BACKEND_DISPATCH=1 is set before importing it) and FlashQLA
 (``flash_qla.chunk_gated_delta_rule``). fla's backward refuses on Hopper with Triton 3.4-3.7.0: its
 fwd+bwd row is then recorded as None with the error. q, k are unit-norm rows (no in-kernel l2norm),
-g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), no initial state,
-final state requested. ``gqla_triton`` keeps the forward's chunk states for the backward (the default,
-``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``);
-``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and beta: the gate input
-``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32 ``A_log`` / ``dt_bias``)
+g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), final state requested; C1-C3
+start from fp32 initial states N(0, 1)/8 (no gradient), G1-G5 from none. ``gqla_triton`` keeps the forward's
+chunk states for the backward (the default, ``save_states=True``); ``gqla_triton_recompute`` recomputes them like
+fla (``save_states=False``); ``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and
+beta: the gate input ``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32 ``A_log`` / ``dt_bias``)
 and beta logits with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g
 and beta those options form in the kernels (computed once by torch from the same ``a`` and logits, outside the
 timing, fp32), so the same values reach the same kernels and ``gate`` minus ``gate_values`` is what the options
@@ -37,6 +38,10 @@ from gqla_triton.roofline import GDN_WORKLOADS, gdn_chunk_bwd_model, gdn_chunk_f
 # the roofline's workload table; G4 is varlen over these 8 sequences
 WORKLOADS = {k: dict(w) for k, w in GDN_WORKLOADS.items()}
 WORKLOADS["G4"]["cu"] = [0, 1000, 5096, 6000, 14192, 15000, 23192, 24000, 32768]
+# chunked prefill: one chunk of a longer prompt continuing from the sequences' states
+WORKLOADS["C1"] = dict(B=1, T=2048, H=16, HV=32, h0=True)
+WORKLOADS["C2"] = dict(B=1, T=512, H=16, HV=32, h0=True)
+WORKLOADS["C3"] = dict(B=1, T=16 * 1024, H=16, HV=32, h0=True, cu=list(range(0, 16 * 1024 + 1, 1024)))
 K = V = 128
 
 
@@ -53,19 +58,28 @@ def _inputs(w, seed=0):
     return q, k, v, g, beta, cu
 
 
-def _timings(fn, args, cu):
+def _initial_state(w, seed=0):
+    """fp32 initial states ``[N, HV, K, V]`` of a chunked-prefill workload, or None."""
+    if not w.get("h0"):
+        return None
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    n = len(w["cu"]) - 1 if "cu" in w else w["B"]
+    return torch.randn(n, w["HV"], K, V, device="cuda", generator=gen) / 8
+
+
+def _timings(fn, args, cu, h0=None):
     """(forward ms, forward+backward ms or None, error string or None) of fn(q, k, v, g, beta, ...)."""
     q, k, v, g, beta = args
 
     def fwd():
-        return fn(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 
     f_ms = time_ms(fwd)
     xs = [t.detach().clone().requires_grad_() for t in args]
     do = torch.randn_like(v)
 
     def fwd_bwd():
-        o, _ = fn(*xs, output_final_state=True, cu_seqlens=cu)
+        o, _ = fn(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         torch.autograd.grad(o, xs, do)
 
     try:
@@ -140,7 +154,7 @@ def _child(impl: str, names: list[str]) -> None:
         # ours takes the host copy of cu_seqlens as fla's option of that name (no host sync per call)
         run = functools.partial(fn, cu_seqlens_cpu=cu.cpu()) if cu is not None and impl.startswith("gqla") else fn
         try:
-            f_ms, fb_ms, err = _timings(run, (q, k, v, g, beta), cu)
+            f_ms, fb_ms, err = _timings(run, (q, k, v, g, beta), cu, _initial_state(WORKLOADS[name]))
         except Exception as e:
             f_ms, fb_ms, err = None, None, f"{type(e).__name__}: {str(e)[:160]}"
         print("[gdn] " + json.dumps({"workload": name, "fwd": f_ms, "fwd_bwd": fb_ms, "error": err}), flush=True)

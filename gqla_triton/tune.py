@@ -235,7 +235,7 @@ def _gdn_chunk_target(tiny: bool) -> Target:
         refs = torch.autograd.grad(r.square().sum(), x64)
         return max([_rel(o, r)] + [_rel(a, b) for a, b in zip(grads, refs, strict=True)])
 
-    space: dict[str, tuple] = {"wy_prec": ("ieee", "tf32"), "seg_units": (0, 32, 64, 128)}
+    space: dict[str, tuple] = {"wy_prec": ("ieee", "tf32x3"), "seg_units": (0, 32, 64, 128)}
     for stage, bk, bv in (("wy", (32, 64), ()), ("wu", (32, 64), (32, 64)), ("state", (), (32, 64)),
                           ("out", (), (64, 128)), ("dvl", (), (64, 128)), ("state_bwd", (), (32, 64)),
                           ("grad", (), (16, 32, 64)), ("wy_bwd", (32, 64), (32, 64))):

@@ -21,8 +21,10 @@ WY_BWD_TILES = (32, 64, 128, 256)  # wy_bwd tile widths along K and V: never 16 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig(KernelConfig):
-    """``gdn_chunk``. ``wy_prec``: dot precision of the 16x16 block inverse (``"ieee"`` fp32 FMA, or ``"tf32"``:
-    every consumer of the inverse reads it at tf32 precision or below). ``seg_units > 0`` splits sequences when
+    """``gdn_chunk``. ``wy_prec``: dot precision of the 16x16 block inverse, ``"ieee"`` (fp32 FMA) or ``"tf32x3"``
+    (three tf32 tensor-core products, fp32-level accuracy). A single tf32 product is not offered: the inverse's
+    product chain amplifies its rounding on chunks of correlated keys, beyond the input dtype's own (fp16 or bf16
+    outputs several times less accurate than fla's). ``seg_units > 0`` splits sequences when
     there are fewer than ``seg_below`` (sequence x value head) units, into about ``seg_units`` units of at least
     ``seg_min`` chunks each, so the sequential state passes run on more SMs. ``*_trans``: a term of dk taken as a
     transposed dot result. ``*_early``: the loads that follow a kernel's K / V loop are issued before it.
@@ -35,7 +37,7 @@ class ChunkConfig(KernelConfig):
     wy_bk: int = 64
     wy_num_warps: int = 4
     wy_num_stages: int = 3
-    wy_prec: Literal["ieee", "tf32"] = "ieee"
+    wy_prec: Literal["ieee", "tf32x3"] = "ieee"
     wu_bk: int = 64
     wu_bv: int = 64
     wu_num_warps: int = 8

@@ -29,8 +29,7 @@ def _inv16(L, PREC: tl.constexpr):
 
 @triton.jit
 def _dot32(a, b, PREC: tl.constexpr):
-    """fp32 product for the inverse: PREC "ieee" (FMA) or "tf32" (one tf32 tensor-core product: every consumer
-    of the inverse reads it at tf32 precision or below)."""
+    """fp32 product for the inverse: PREC "ieee" (FMA) or "tf32x3" (three tf32 tensor-core products)."""
     return tl.dot(a, b, input_precision=PREC)
 
 
