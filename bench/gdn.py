@@ -8,8 +8,8 @@ g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), fin
 start from fp32 initial states N(0, 1)/8 (no gradient), G1-G5 from none. ``gqla_triton`` keeps the forward's
 chunk states for the backward (the default, ``save_states=True``); ``gqla_triton_recompute`` recomputes them like
 fla (``save_states=False``); ``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and
-beta: the gate input ``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32 ``A_log`` / ``dt_bias``)
-and beta logits with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g
+beta: the gate input ``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32
+``A_log`` / ``dt_bias``) and beta logits with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g
 and beta those options form in the kernels (computed once by torch from the same ``a`` and logits, outside the
 timing, fp32), so the same values reach the same kernels and ``gate`` minus ``gate_values`` is what the options
 themselves cost (the plain ``gqla_triton`` row runs other decay and beta values).
