@@ -2,17 +2,17 @@
 chunked-prefill chunks C1-C3, which continue from initial states).
 
 Anchors: fla (pure Triton: FLA_DISABLE_BACKEND_DISPATCH=1 is set before importing it) and FlashQLA
-(``flash_qla.chunk_gated_delta_rule``). fla's backward refuses on Hopper with Triton 3.4-3.7.0: its
-fwd+bwd row is then recorded as None with the error. q, k are unit-norm rows (no in-kernel l2norm),
-g = logsigmoid(N(0,1))/8 style decays (fp32), beta = sigmoid(N(0,1)) (bf16), final state requested; C1-C3
-start from fp32 initial states N(0, 1)/8 (no gradient), G1-G5 from none. ``gqla_triton`` keeps the forward's
-chunk states for the backward (the default, ``save_states=True``); ``gqla_triton_recompute`` recomputes them like
-fla (``save_states=False``); ``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and
-beta: the gate input ``a`` with ``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32
-``A_log`` / ``dt_bias``) and beta logits with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g
-and beta those options form in the kernels (computed once by torch from the same ``a`` and logits, outside the
-timing, fp32), so the same values reach the same kernels and ``gate`` minus ``gate_values`` is what the options
-themselves cost (the plain ``gqla_triton`` row runs other decay and beta values).
+(``flash_qla.chunk_gated_delta_rule``). fla's backward refuses on Hopper with Triton 3.4-3.7.0: its fwd+bwd row is
+then recorded as None with the error. q, k are unit-norm rows (no in-kernel l2norm), g = logsigmoid(N(0,1))/8 style
+decays (fp32), beta = sigmoid(N(0,1)) (bf16), final state requested; C1-C3 start from fp32 initial states N(0, 1)/8
+(no gradient), G1-G5 from none. ``gqla_triton`` keeps the forward's chunk states for the backward (the default,
+``save_states=True``); ``gqla_triton_recompute`` recomputes them like fla (``save_states=False``);
+``gqla_triton_gate`` takes fla's in-kernel options instead of a precomputed g and beta: the gate input ``a`` with
+``use_gate_in_kernel`` (``g = -exp(A_log)·softplus(a + dt_bias)``, fp32 ``A_log`` / ``dt_bias``) and beta logits
+with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g and beta those
+options form in the kernels (computed once by torch from the same ``a`` and logits, outside the timing, fp32), so
+the same values reach the same kernels and ``gate`` minus ``gate_values`` is what the options themselves cost (the
+plain ``gqla_triton`` row runs other decay and beta values).
 
 Each implementation runs in its own child process (``python -m bench.gdn --impl NAME --workload ...``, started
 by ``run``): host-bound workloads (G3) are then timed without other libraries' runtimes loaded, and an anchor
