@@ -491,7 +491,8 @@ STAGE_VARIANTS = [
     {"grad_late": True, "wy_bwd_late": True},
     {"grad_late": True, "wy_bwd_late": True, "grad_trans": False, "wy_bwd_trans": False},
     {"grad_late": False, "wy_bwd_late": False}, {"out_early": True, "dvl_early": True},
-    {"out_early": False, "dvl_early": False},
+    {"out_early": False, "dvl_early": False}, {"sout_chunks": 1 << 20}, {"sout_chunks": 0},
+    {"sout_chunks": 1 << 20, **SEG}, {"sout_chunks": 0, **SEG},
     {"wy_prec": "tf32x3", "grad_trans": True, "wy_bwd_trans": True, **SEG}]
 
 
@@ -522,14 +523,32 @@ def test_config_key_is_padded():
     assert h200(80, 96) == h200(128, 128)
 
 
+def test_fused_output_rule():
+    """The state pass forms the output (``sout``) only where no state program has more than sout_chunks chunks
+    (segments count under sequence splitting); sout_chunks 0 never fuses."""
+    def fused(T, cu=None, **fields):
+        q, v = torch.zeros(1, T, 1, 16), torch.zeros(1, T, 2, 16)
+        with config_override({"gdn_chunk": fields}):
+            plan = plan_mod.chunk_plan(q, v, None if cu is None else torch.tensor(cu), cu)
+            return launch_mod._fuse_out(plan, 2, 16, q)
+
+    assert fused(64 * 4, sout_chunks=4) and not fused(64 * 4 + 1, sout_chunks=4)
+    assert not fused(64, sout_chunks=0)
+    assert fused(64 * 9, cu=[0, 64, 64 * 5, 64 * 9], sout_chunks=4)
+    assert not fused(64 * 9, cu=[0, 64, 64 * 6, 64 * 9], sout_chunks=4)
+    # split into segments of 4 chunks: each state program runs 4
+    assert fused(64 * 40, sout_chunks=4, seg_units=20, seg_below=16, seg_min=4)
+    assert not fused(64 * 40, sout_chunks=4, seg_units=0)
+
+
 def test_segment_plan():
     """Segments tile every sequence in order, L chunks each (the last one shorter), empty sequences get one."""
-    n, cu, rows, soff = plan_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, 64, torch.device("cpu"))
-    assert n == 3 + 1 + 1
+    n, cu, rows, soff, L = plan_mod._seg_plan((0, 64 * 5 + 3, 64 * 5 + 3, 64 * 7), 2, 64, torch.device("cpu"))
+    assert n == 3 + 1 + 1 and L == 2
     assert cu.tolist() == [0, 128, 256, 323, 323, 448]
     assert rows.tolist() == [0, 2, 4, 6, 6]
     assert soff.tolist() == [0, 3, 4, 5]
-    n, cu, rows, soff = plan_mod._seg_plan((0, 40, 40, 100), 2, 16, torch.device("cpu"))  # chunks of 16 tokens
+    n, cu, rows, soff, _ = plan_mod._seg_plan((0, 40, 40, 100), 2, 16, torch.device("cpu"))  # chunks of 16 tokens
     assert n == 2 + 1 + 2
     assert cu.tolist() == [0, 32, 40, 40, 72, 100]
     assert rows.tolist() == [0, 2, 3, 3, 5]

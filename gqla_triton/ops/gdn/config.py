@@ -1,9 +1,9 @@
 """Launch-config schemas of the Gated DeltaNet kernels (``gdn_chunk``, ``gdn_decode``).
 
-Chunk fields are ``<stage>_<field>``, one stage per kernel: ``wy`` (the WY inverse, w and u), ``wu`` (w and u
-recomputed in the backward), ``state`` (the sequential state pass), ``seg`` (per-segment state maps for
-sequence splitting), ``out`` (output), ``dvl`` (the local dv term), ``state_bwd``, ``grad`` and ``wy_bwd``
-(backward). ``bk`` / ``bv`` are tile widths along K / V, ``num_warps`` / ``num_stages`` Triton's launch options.
+Chunk fields are ``<stage>_<field>``, one stage per kernel: ``wy`` (the WY inverse), ``wu`` (w and u),
+``state`` (the sequential state pass), ``sout`` (the forward's state pass that also forms the output), ``seg``
+(per-segment state maps for sequence splitting), ``out`` (output), ``dvl`` (the local dv term), ``state_bwd``,
+``grad`` and ``wy_bwd`` (backward). ``bk`` / ``bv`` are tile widths along K / V, ``num_warps`` / ``num_stages`` Triton's launch options.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ WY_BWD_TILES = (32, 64, 128, 256)  # wy_bwd tile widths along K and V: never 16 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig(KernelConfig):
-    """``gdn_chunk``. ``wy_prec``: dot precision of the 16x16 block inverse, ``"ieee"`` (fp32 FMA) or ``"tf32x3"``
-    (three tf32 tensor-core products, fp32-level accuracy). A single tf32 product is not offered: the inverse's
-    product chain amplifies its rounding on chunks of correlated keys, beyond the input dtype's own (fp16 or bf16
-    outputs several times less accurate than fla's). ``seg_units > 0`` splits sequences when
+    """``gdn_chunk``. ``wy_prec``: dot precision of the merges of the 16x16 diagonal-block inverses, ``"ieee"``
+    (fp32 FMA) or ``"tf32x3"`` (three tf32 tensor-core products, fp32-level accuracy). One tf32 product is not
+    offered: on chunks of correlated keys its rounding leaves fp16 outputs 2-3x less accurate than torch at fp16.
+    ``seg_units > 0`` splits sequences when
     there are fewer than ``seg_below`` (sequence x value head) units, into about ``seg_units`` units of at least
     ``seg_min`` chunks each, so the sequential state passes run on more SMs. ``*_trans``: a term of dk taken as a
     transposed dot result. ``*_early``: the loads that follow a kernel's K / V loop are issued before it.
     ``*_late``: in the GVA sums of dq / dk the later value heads wait for the earlier ones' running sum after
-    their other work, while the first passes its sum on before it."""
+    their other work, while the first passes its sum on before it. ``sout_chunks`` / ``sout_waves``: the forward's
+    state pass also forms the output (``sout``: one kernel instead of two, no h / v_new round trip) when no state
+    program has more than ``sout_chunks`` chunks and there are at most ``sout_waves`` of them per SM: it adds the
+    output's products to sequential programs, which pays where they are short and few (chunked-prefill chunks)."""
 
     OP: ClassVar[str] = "gdn_chunk"
     MATCH: ClassVar[dict] = {"K": int, "V": int}
@@ -45,6 +48,10 @@ class ChunkConfig(KernelConfig):
     state_bv: int = 32
     state_num_warps: int = 8
     state_num_stages: int = 2
+    sout_chunks: int = 0
+    sout_waves: int = 2
+    sout_num_warps: int = 8
+    sout_num_stages: int = 3
     seg_units: int = 0
     seg_below: int = 16
     seg_min: int = 16
@@ -86,7 +93,7 @@ class ChunkConfig(KernelConfig):
         self.one_of(("wy_bwd_bk", "wy_bwd_bv"), WY_BWD_TILES)
         self.one_of([n for n in names if n.endswith("_num_warps")], WARPS)
         self.within([n for n in names if n.endswith("_num_stages")], 1, 6)
-        self.within(("seg_units", "seg_below", "seg_min"), 0)
+        self.within(("seg_units", "seg_below", "seg_min", "sout_chunks", "sout_waves"), 0)
 
     def launch(self, stage: str) -> dict:
         """Triton launch options of one stage."""

@@ -2,7 +2,8 @@
 sequences, the state pass and the chaining of split sequences.
 
 Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state; long sequences split into segments:
-``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). Backward (after w, u, h, v_new are recomputed
+``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o; or ``sout``, the state pass forming o itself and,
+when no backward reads them, writing no h and v_new: ``_fuse_out``). Backward (after w, u, h, v_new are recomputed
 or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes
 from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*`` (``ChunkConfig``).
 """
@@ -108,7 +109,7 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV = w.shape[2]
-    nseg, cu, co, soff = plan.seg
+    nseg, cu, co, soff, _ = plan.seg
     BK = tile(K)
     BVs = min(cfg.seg_bv, BK)
     mb = empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
@@ -119,9 +120,12 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
 
 
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None,
-                        state_indices: torch.Tensor | None = None, v_first: bool = False):
+                        state_indices: torch.Tensor | None = None, v_first: bool = False, out: tuple | None = None,
+                        store_steps: bool = True):
     """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final state
-    ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. Long sequences
+    ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. ``out``: (q, o,
+    vbad, scale): the pass also writes the output o (stage ``sout``); ``store_steps`` False: h and v_new
+    are not written (None in their places). Long sequences
     with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
     parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]`` int32: initial_state is a
     state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n] and its final state
@@ -134,8 +138,8 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     HV, V = u.shape[2], u.shape[3]
     N = plan.N
     pool = state_indices is not None
-    h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device)
-    vnew = empty(u.shape, dtype=u.dtype, device=u.device)
+    h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_steps else None
+    vnew = empty(u.shape, dtype=u.dtype, device=u.device) if store_steps else None
     ht = initial_state if pool else empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32,
                                           device=k.device)
     BK = tile(K)
@@ -149,13 +153,32 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
         cu, co, units, store_ht, varlen = split.cu, split.coff, split.nseg, False, True
     row_pool = pool and split is None  # the state pass itself reads and writes the pool
     BV = _state_bv(cfg.state_bv, V, units * HV, k)
+    q, o, vbad, scale = out if out is not None else (dummy, dummy, dummy, 1.0)
+    launch = cfg.launch("sout" if out is not None else "state")
     gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
-        k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
-        co if co is not None else dummy, state_indices if row_pool else dummy, T, plan.NT,
-        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, USE_H0=h0 is not None,
-        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=v_first and split is None,
-        **cfg.launch("state"))
+        k, w, u, gc, h if store_steps else dummy, vnew if store_steps else dummy, h0 if h0 is not None else dummy,
+        ht, cu if cu is not None else dummy, co if co is not None else dummy, state_indices if row_pool else dummy,
+        q, o, vbad, scale, T, plan.NT, ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK,
+        BV=BV, USE_H0=h0 is not None, STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool,
+        V_FIRST=v_first and split is None, OUT=out is not None, STORE_STEPS=store_steps, **launch)
     return h, vnew, ht, split
+
+
+def _fuse_out(plan: ChunkPlan, HV: int, V: int, t: torch.Tensor) -> bool:
+    """Whether the forward's state pass forms the output itself (``sout``; config ``sout_chunks`` / ``sout_waves``):
+    no state program runs more than sout_chunks chunks and there are at most sout_waves programs per SM."""
+    cfg = plan.cfg
+    if not cfg.sout_chunks or plan.NTT == 0:
+        return False
+    if plan.seg is None:
+        units, longest = plan.N, max(cdiv(b - a, plan.BT) for a, b in zip(plan.seq_cu[:-1], plan.seq_cu[1:], strict=True))
+    else:
+        units, longest = plan.seg.nseg, plan.seg.L
+    if longest > cfg.sout_chunks:
+        return False
+    info = device_info(t)
+    programs = cdiv(V, _state_bv(cfg.state_bv, V, units * HV, t)) * units * HV
+    return info.interpreter or programs <= cfg.sout_waves * info.sm_count
 
 
 def wu_tiles(cfg, K: int, V: int) -> tuple[int, int]:
@@ -168,7 +191,7 @@ def wu_tiles(cfg, K: int, V: int) -> tuple[int, int]:
 
 def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_eigval: bool = False):
     """w ``[B, T, HV, K]`` (k's dtype), u ``[B, T, HV, V]`` (v's dtype) and each chunk's non-finite inputs
-    (``[NG, B·HV]`` int32 ``VBAD_*`` bits, for the output's second launch), the ``wu`` stage; ``beta_sigmoid`` /
+    (``[B, NG, HV]`` int32 ``VBAD_*`` bits, for the output), the ``wu`` stage; ``beta_sigmoid`` /
     ``neg_eigval``: beta as ``chunk_gdn_fwd`` takes it (the backward passes beta as taken)."""
     cfg = plan.cfg
     B, T, H, K = k.shape
@@ -177,7 +200,7 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_e
     u = empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     dummy = k
     BK, BV = wu_tiles(cfg, K, V)
-    vbad = empty(plan.NG, B * HV, dtype=torch.int32, device=k.device)
+    vbad = empty(B, plan.NG, HV, dtype=torch.int32, device=k.device)
     # then the fix over the chunks with non-finite inputs (the others return at once), unpipelined: a rare path
     for kernel, launch in ((gdn_wu_fwd_kernel, cfg.launch("wu")), (gdn_wu_fix_kernel, _fix_launch(cfg, "wu"))):
         kernel[(plan.NG, B * HV)](
@@ -230,11 +253,14 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
+        vbad = dummy
     o = empty(v.shape, dtype=v.dtype, device=v.device)
+    fused = _fuse_out(plan, HV, V, q)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
                                          rows=h_rows(B, T, plan.N, plan.varlen, plan.BT) if keep_h else None,
-                                         state_indices=state_indices, v_first=v_first)
-    if plan.NTT > 0:
+                                         state_indices=state_indices, v_first=v_first,
+                                         out=(q, o, vbad, scale) if fused else None, store_steps=keep_h or not fused)
+    if plan.NTT > 0 and not fused:
         BV = min(cfg.out_bv, tile(V))
         # every chunk, then those with a non-finite v again (the others return at once)
         for nonfinite, launch in ((False, cfg.launch("out")), (True, _fix_launch(cfg, "out"))):

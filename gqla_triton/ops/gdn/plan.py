@@ -32,6 +32,7 @@ class SegPlan(NamedTuple):
     cu: torch.Tensor  # [nseg+1] int64 token bounds of the segments
     coff: torch.Tensor  # [nseg] int32 first chunk-state row of each segment
     soff: torch.Tensor  # [N+1] int32 first segment of each sequence
+    L: int  # chunks per segment (the last segment of a sequence may have fewer)
 
 
 class ChunkPlan(NamedTuple):
@@ -135,7 +136,7 @@ def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device) ->
         row += nc
         soff.append(len(rows))
     t = functools.partial(torch.tensor, device=device)
-    return SegPlan(len(rows), t(cu, dtype=torch.int64), t(rows, dtype=torch.int32), t(soff, dtype=torch.int32))
+    return SegPlan(len(rows), t(cu, dtype=torch.int64), t(rows, dtype=torch.int32), t(soff, dtype=torch.int32), L)
 
 
 def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_rows, _chunk_state_row, _nan_from_first_bad
-from .wu import VBAD_V
+from .wu import VBAD_V, _vbad_at
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -24,7 +24,7 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, 
     non-finite one on are NaN, and o is stored over the first launch's."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if NONFINITE:
-        if (tl.load(vbad + i_t * tl.num_programs(2) + i_bh) & VBAD_V) == 0:
+        if (tl.load(vbad + _vbad_at(i_t, i_bh, tl.num_programs(1), HV)) & VBAD_V) == 0:
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)

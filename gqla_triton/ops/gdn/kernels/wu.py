@@ -13,12 +13,19 @@ VBAD_V: tl.constexpr = tl.constexpr(1)
 VBAD_ROWS: tl.constexpr = tl.constexpr(2)
 
 
+@triton.jit
+def _vbad_at(i_t, i_bh, NG, HV):
+    """Offset in vbad ``[B, NG, HV]`` (= ``[chunk-state rows, HV]``) of chunk program i_t of batch row x value head
+    i_bh (a grid of NG chunk programs per batch row)."""
+    return ((i_bh // HV) * NG + i_t) * HV + i_bh % HV
+
+
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
     """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype), and
-    vbad ``[chunk programs, B·HV]`` int32: which non-finite inputs the chunk has (``VBAD_*`` bits).
+    vbad ``[B, NG, HV]`` int32 (``_vbad_at``): which non-finite inputs the chunk has (``VBAD_*`` bits).
     BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
 
     Non-finite inputs: gc is NaN from the chunk's first token with a non-finite k, beta or decay on (``wy``), and
@@ -29,7 +36,7 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     nbv, ndead = _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV, BETA_SIGMOID,
                           NEG_EIGVAL)
-    tl.store(vbad + i_t * tl.num_programs(1) + i_bh, tl.where(nbv > 0, VBAD_V, 0) + tl.where(ndead > 0, VBAD_ROWS, 0))
+    tl.store(vbad + _vbad_at(i_t, i_bh, tl.num_programs(0), HV), tl.where(nbv > 0, VBAD_V, 0) + tl.where(ndead > 0, VBAD_ROWS, 0))
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
@@ -40,7 +47,7 @@ def gdn_wu_fix_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
     get w and u from the live rows' finite entries only, with u's columns poisoned, stored over the first
     results; the others return at once."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    if tl.load(vbad + i_t * tl.num_programs(1) + i_bh) == 0:
+    if tl.load(vbad + _vbad_at(i_t, i_bh, tl.num_programs(0), HV)) == 0:
         return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     _wu_rows_nonfinite(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV, BETA_SIGMOID,

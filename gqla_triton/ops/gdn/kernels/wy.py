@@ -12,24 +12,23 @@ _G_FLOOR = tl.constexpr(G_FLOOR)
 
 
 @triton.jit
-def _inv16(L, PREC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block. L is nilpotent (L^16 = 0), so the inverse is
-    the finite series sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)(I + L^8): six fp32 dots, no sequential
-    row-by-row substitution."""
+def _inv16(L):
+    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block by row-wise forward substitution on the CUDA
+    cores, X_i = e_i − Σ_{k<i} L_ik X_k. Not the finite series (I − L)(I + L²)(I + L⁴)(I + L⁸): on chunks of
+    correlated keys L⁸'s entries are hundreds of times the inverse's, and their cancellation loses that factor."""
     r = tl.arange(0, 16)
-    L2 = _dot32(L, L, PREC)
-    L4 = _dot32(L2, L2, PREC)
-    L8 = _dot32(L4, L4, PREC)
-    X = (r[:, None] == r[None, :]).to(tl.float32) - L
-    X += _dot32(X, L2, PREC)
-    X += _dot32(X, L4, PREC)
-    X += _dot32(X, L8, PREC)
+    X = (r[:, None] == r[None, :]).to(tl.float32)
+    Lt = tl.trans(L)
+    for i in tl.static_range(1, 16):
+        li = tl.sum(tl.where(r[None, :] == i, Lt, 0.0), 1)  # row i of L, along X's rows
+        X = tl.where(r[:, None] == i, X - tl.sum(li[:, None] * X, 0)[None, :], X)
     return X
 
 
 @triton.jit
 def _dot32(a, b, PREC: tl.constexpr):
-    """fp32 product for the inverse: PREC "ieee" (FMA) or "tf32x3" (three tf32 tensor-core products)."""
+    """fp32 product of the inverse's block merges: PREC "ieee" (FMA) or "tf32x3" (three tf32 tensor-core
+    products)."""
     return tl.dot(a, b, input_precision=PREC)
 
 
@@ -85,9 +84,9 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False, a_log=None,
                       dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
-    A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 block dots at precision PREC) and stored in
-    Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core operand). BT: 16, 32 or 64 (one, two or four
-    16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
+    A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 diagonal blocks by substitution, merged by
+    dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core
+    operand). BT: 16, 32 or 64 (one, two or four 16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
     GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)`` (``HAS_BIAS``: with dt_bias
     ``[HV]``)."""
     NB: tl.constexpr = BT // 16
@@ -198,12 +197,12 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     if NB == 4:
         tl.store(gc + x2 * HV + i_hv, tl.where(t_2 - t0 < fb, c2, nan), mask=v2)
         tl.store(gc + x3 * HV + i_hv, tl.where(t_3 - t0 < fb, c3, nan), mask=v3)
-    T00 = _inv16(L00, PREC)
+    T00 = _inv16(L00)
     if NB >= 2:
-        T11 = _inv16(L11, PREC)
+        T11 = _inv16(L11)
     if NB == 4:
-        T22 = _inv16(L22, PREC)
-        T33 = _inv16(L33, PREC)
+        T22 = _inv16(L22)
+        T33 = _inv16(L33)
     if NB >= 2:
         T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
     if NB == 4:
