@@ -523,6 +523,45 @@ def test_config_key_is_padded():
     assert h200(80, 96) == h200(128, 128)
 
 
+@given(lens=st.lists(st.integers(0, pick(150, 400)), min_size=1, max_size=3), varlen=st.booleans(),
+       seg=st.sampled_from([0, 1, 3]), G=st.sampled_from([1, 2]), bad=st.sampled_from([None, "v", "k"]),
+       dtype=dtypes(), seed=seeds())
+@settings(max_examples=examples(4, 10))
+def test_fused_output_forward(lens, varlen, seg, G, bad, dtype, seed):
+    """The forward without gradient where the state pass forms the output (``sout``) against the float64
+    recurrence, and against the separate output kernel: the same NaN positions (one non-finite v or k entry:
+    its column or its token onwards, nothing earlier) and the finite values within tolerance."""
+    H, K, V = 1, pick(32, 128), pick(32, 64)
+    HV = H * G
+    if varlen:
+        B, T, N = 1, sum(lens), len(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    else:
+        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    if T == 0:
+        return
+    ins = _inputs(seed, B, T, H, HV, K, V, N, l2=False)
+    if bad is not None:
+        t = int(torch.randint(0, T, (1,), generator=gen(seed)))
+        ins[2 if bad == "v" else 1][0, t, 0, 1] = float("nan")
+    seg_over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg) if seg else {}
+    outs = []
+    for chunks in (1 << 20, 0):
+        with torch.no_grad(), _override({"sout_chunks": chunks, **seg_over}):
+            outs.append(_run_kernel(ins, dtype, cu=cu, l2=False)[:2])
+    (o, ht), (o2, ht2) = outs
+    assert torch.equal(o.isnan(), o2.isnan()) and torch.equal(ht.isnan(), ht2.isnan())
+    if bad is None:
+        ro, rht, _ = _run_ref(recurrent_gated_delta_rule_ref, ins, cu=cu, l2=False)
+        lo, lht, _ = _run_ref(chunk_gated_delta_rule_ref, [t.float() for t in _lowp_inputs(ins, dtype)], cu=cu,
+                              l2=False, compute_dtype=dtype if dtype != torch.float32 else None)
+        assert_close("o", o, ro, lo, dtype=dtype)
+        assert_close("final_state", ht, rht, lht, dtype=dtype)
+    else:
+        ok = ~o.isnan()
+        assert rel_err(o[ok].double(), o2[ok].double()) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_fused_output_rule():
     """The state pass forms the output (``sout``) only where no state program has more than sout_chunks chunks
     (segments count under sequence splitting); sout_chunks 0 never fuses."""
@@ -869,11 +908,13 @@ def _h200_cfg(bv_state=None, seg=0):
     (2, 1, 1, 8, False, None, 0, True), (2, 1, 2, 63, False, 16, 0, True), (1, 2, 4, 130, True, None, 0, True),
     (1, 1, 1, 1, False, 16, 0, True), (2, 1, 2, 70, False, 64, 0, True), (2, 1, 2, 200, False, None, 1, True),
     (1, 1, 2, 200, True, 16, 1, True), (1, 2, 4, 130, True, None, 0, False),
-    (1, 1, 2, 200, True, 16, 1, False)])
+    (1, 1, 2, 200, True, 16, 1, False), (2, 1, 2, 70, False, None, 0, None), (1, 2, 4, 130, True, 16, 0, None),
+    (1, 1, 2, 200, True, 16, 1, None), (2, 1, 1, 8, False, None, 0, None)])
 def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H, HV, T, varlen, bv_state, seg,
                                              save):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
-    H200 config (with B > 1, a chunk-state row read past the end of h is an illegal memory access on the GPU)."""
+    H200 config (with B > 1, a chunk-state row read past the end of h is an illegal memory access on the GPU).
+    ``save`` None: a forward without gradient (the state pass forming the output, ``sout``)."""
     import numpy as np
     from triton.runtime import interpreter as ti
 
@@ -911,12 +952,15 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H,
     N = 2 if varlen else B
     ins = _inputs(0, B, T, H, HV, K, V, N)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
-    xs = [reg(t.float().contiguous()).requires_grad_() for t in ins]
+    xs = [reg(t.float().contiguous()).requires_grad_(save is not None) for t in ins]
     with config_override({"gdn_chunk": _h200_cfg(bv_state, seg)}):
         o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
                                        use_qk_l2norm_in_kernel=True, cu_seqlens=reg(cu) if varlen else None,
-                                       save_states=save)
+                                       save_states=bool(save))
         assert not bad, f"forward: out-of-bounds {sorted(set(bad))}"
+        if save is None:
+            assert all(torch.isfinite(t).all() for t in (o, ht))
+            return
         do, dht = reg(torch.randn_like(o)), reg(torch.randn_like(ht))
         torch.autograd.backward([o, ht], [do, dht])
     assert not bad, f"backward: out-of-bounds {sorted(set(bad))}"

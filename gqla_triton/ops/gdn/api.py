@@ -42,11 +42,14 @@ def _gate(A_log, dt_bias):
     return (A_log, dt_bias) if A_log is not None else None
 
 
-def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: bool, v_first: bool,
-         beta_sigmoid: bool, neg_eigval: bool, A_log=None, dt_bias=None):
+def _fwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, save_states: bool, needs_grad: bool,
+         v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log=None, dt_bias=None):
     """chunk_gdn_fwd's outputs with the saved states flattened: (o, ht, gc, Ainv, w, h, vnew); without save_states
-    w, h and vnew are three distinct empty tensors (outputs of a custom op may not alias each other)."""
-    opt = dict(v_first=v_first, beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))
+    w, h and vnew are three distinct empty tensors (outputs of a custom op may not alias each other).
+    ``needs_grad``: a backward may follow; its forward runs the kernels a recomputing backward runs again (no
+    ``sout``), so save_states True and False give bitwise-equal results."""
+    opt = dict(v_first=v_first, beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias),
+               fuse=not needs_grad)
     if not save_states:
         o, ht, gc, Ainv = chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, **opt)
         return o, ht, gc, Ainv, q.new_empty(0), q.new_empty(0), q.new_empty(0)
@@ -70,17 +73,17 @@ def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, 
 # ----------------------------------------------------------------------------------- torch.library + autograd
 @torch.library.custom_op("gqla_triton::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool, v_first: bool,
-            beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-            chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+            initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool,
+            needs_grad: bool, v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
+            dt_bias: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor, torch.Tensor]:
     return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size),
-                save_states, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
+                save_states, needs_grad, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval, A_log,
-      dt_bias, chunk_size):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
+      neg_eigval, A_log, dt_bias, chunk_size):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -118,8 +121,8 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, 
             dA, ddt)
 
 
-def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
-          A_log, dt_bias, chunk_size, output):
+def _save(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
+          neg_eigval, A_log, dt_bias, chunk_size, output):
     """What both backward routes read: the inputs, gc, Ainv and (with save_states) the forward's states."""
     _, _, gc, Ainv, w, h, vnew = output
     ctx.scale = scale
@@ -141,7 +144,7 @@ def _backward_with(bwd, plan, ctx, do, dht):
     dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, ctx.scale, initial_state,
                                               cu_seqlens if traced else plan, gc, Ainv, do, dht, w, h, vnew,
                                               *ctx.opts, A_log, dt_bias, *((ctx.chunk_size,) if traced else ()))
-    grads = (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None,
+    grads = (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None, None,
              dA if A_log is not None else None, ddt if dt_bias is not None else None)
     return (*grads, None) if traced else grads  # the op's last input is the chunk size
 
@@ -164,12 +167,12 @@ class _ChunkGDN(torch.autograd.Function):
     the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval,
-                A_log, dt_bias):
-        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states, v_first, beta_sigmoid, neg_eigval,
-                   A_log, dt_bias)
-        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, v_first, beta_sigmoid, neg_eigval,
-              A_log, dt_bias, plan.BT, out)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, plan, save_states, needs_grad, v_first, beta_sigmoid,
+                neg_eigval, A_log, dt_bias):
+        out = _fwd(q, k, v, g, beta, scale, initial_state, plan, save_states, needs_grad, v_first, beta_sigmoid,
+                   neg_eigval, A_log, dt_bias)
+        _save(ctx, q, k, v, g, beta, scale, initial_state, None, save_states, needs_grad, v_first, beta_sigmoid,
+              neg_eigval, A_log, dt_bias, plan.BT, out)
         ctx.plan = plan
         ctx.mark_non_differentiable(*out[2:])
         return out
@@ -179,10 +182,10 @@ class _ChunkGDN(torch.autograd.Function):
         return _backward_with(_bwd, ctx.plan, ctx, do, dht)
 
 
-def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, v_first, beta_sigmoid, neg_eigval,
-           A_log, dt_bias, chunk_size, *, cu_host):
+def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
+           neg_eigval, A_log, dt_bias, chunk_size, *, cu_host):
     return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size),
-                           save_states, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
+                           save_states, needs_grad, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 # ------------------------------------------------------------------------------------------- state pool (inference)
@@ -435,9 +438,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
                    v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size), None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    save = save_states and torch.is_grad_enabled() and any(
+    grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
-    o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save, v_first, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, A_log, dt_bias, chunk_size)
+    o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save_states and grad, grad, v_first,
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size)
     return o, (ht if output_final_state else None)

@@ -226,14 +226,15 @@ def _gate_args(gate: tuple | None) -> dict:
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False,
                   state_indices: torch.Tensor | None = None, v_first: bool = False, beta_sigmoid: bool = False,
-                  neg_eigval: bool = False, gate: tuple | None = None):
+                  neg_eigval: bool = False, gate: tuple | None = None, fuse: bool = True):
     """The forward stages on contiguous inputs (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``,
     initial_state ``[N, HV, K, V]`` fp32 / bf16 / fp16 or None; ``v_first``: initial and final states ``[N, HV, V, K]``).
     Returns (o ``[B, T, HV, V]`` v's dtype, final state ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
     the ``States`` the backward would otherwise recompute. ``state_indices``: initial_state is a state pool
     updated in place (``chunk_gdn_state_fwd``), returned in the final state's place. ``beta_sigmoid``: beta holds
     logits (sigmoid taken in the kernels); ``neg_eigval``: beta doubled (after the sigmoid). ``gate``:
-    ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of fla's in-kernel gate."""
+    ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of fla's in-kernel gate. ``fuse``: the state
+    pass may form the output itself (``_fuse_out``); False where a backward follows."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -255,7 +256,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
         vbad = dummy
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    fused = _fuse_out(plan, HV, V, q)
+    fused = fuse and _fuse_out(plan, HV, V, q)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
                                          rows=h_rows(B, T, plan.N, plan.varlen, plan.BT) if keep_h else None,
                                          state_indices=state_indices, v_first=v_first,
