@@ -13,7 +13,9 @@ query tile there, the reported pair is the default warps' store of each worker w
 worker's load of it, ordered by the all-thread barrier of the entry protocol (``BAR.SYNC 0x1`` between them in the
 SASS): the report is the tool's, not a race. ``exchange``: the default partition stores its values to shared
 memory and arrives on an mbarrier, the workers wait on it and load them (the ordering the MLA kernel's score,
-rescale and row-sum hand-over between its consumers relies on). Exits 1 on a wrong result.
+rescale and row-sum hand-over between its consumers relies on, used once): on the H200 racecheck reports only the
+entry hazard of ``mbarrier`` then (at the kernel's entry and ``gl.warp_specialize`` lines), not the store and
+load. Exits 1 on a wrong result.
 """
 
 from __future__ import annotations
