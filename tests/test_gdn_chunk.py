@@ -51,6 +51,14 @@ def _inputs(seed, B, T, H, HV, K, V, N, *, gmin=-1.0, l2=True):
     return [q, k, v, g, beta, h0]
 
 
+def _lens_layout(lens, varlen):
+    """(B, T, N, cu_seqlens int32 CPU or None) of sequences of lengths ``lens``: one varlen row, or a batch of
+    max(lens) tokens per row."""
+    if varlen:
+        return 1, sum(lens), len(lens), torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return len(lens), max(1, max(lens)), len(lens), None
+
+
 def _run_kernel(ins, dtype, *, cu=None, l2=True, grads=None, **kw):
     """Kernel forward (+ backward with cotangents ``grads = (do, dht)``). Returns o, ht, [grads]. ``kw``: more
     options of chunk_gated_delta_rule (e.g. ``impl``)."""
@@ -102,6 +110,7 @@ def _check_vs_refs(ins, dtype, grads, *, cu=None, l2=True, over=None, chunk_size
     return o, ht, dx
 
 
+@settings(max_examples=examples(3, 12))  # the interpreter's share of CI time; all 12 on the GPU
 @given(
     B=st.integers(1, 2), T=st.integers(1, pick(150, 600)), H=st.integers(1, 2), G=st.sampled_from([1, 2, 4]),
     K=st.sampled_from(pick([16, 32], [16, 64, 128, 192, 256])), V=st.sampled_from(pick([16, 32], [32, 128, 256])),
@@ -167,6 +176,7 @@ def test_split_sequence_with_carried_state(T, K, dtype, seed):
     assert_close("o (one pass)", o, ro, lo, dtype=dtype)
 
 
+@settings(max_examples=examples(3, 12))  # the interpreter's share of CI time; all 12 on the GPU
 @given(lens=st.lists(st.sampled_from([1, 2, 17, 63, 64, 65, 100]) | st.integers(1, pick(130, 400)),
                      min_size=1, max_size=4), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
 def test_varlen_equals_loop(lens, G, dtype, seed):
@@ -248,6 +258,7 @@ def test_strided_cu_seqlens_equals_contiguous():
         assert torch.equal(x, y), f"{name}: strided cu_seqlens differs from contiguous"
 
 
+@settings(max_examples=examples(3, 12))  # the interpreter's share of CI time; all 12 on the GPU
 @given(T=st.integers(1, pick(100, 400)), G=st.sampled_from([2, 4]), dtype=dtypes(), seed=seeds())
 def test_gva_equals_repeated_heads(T, G, dtype, seed):
     B, H, K, V = 1, pick(1, 2), pick(16, 128), pick(16, 128)
@@ -258,6 +269,7 @@ def test_gva_equals_repeated_heads(T, G, dtype, seed):
     assert torch.equal(o.cpu(), o2.cpu()) and torch.equal(ht.cpu(), ht2.cpu())
 
 
+@settings(max_examples=examples(3, 12))  # the interpreter's share of CI time; all 12 on the GPU
 @given(T=st.integers(1, pick(100, 300)), H=st.integers(1, 2), G=st.sampled_from([1, 2]), dtype=dtypes(),
        seed=seeds())
 def test_forward_backward_bitwise_deterministic(T, H, G, dtype, seed):
@@ -429,6 +441,7 @@ def test_wy_bwd_config_refuses_16_wide_tiles():
     assert ChunkConfig().wy_bwd_bk == 32 and ChunkConfig().wy_bwd_bv == 32
 
 
+@settings(max_examples=examples(3, 12))  # the interpreter's share of CI time; all 12 on the GPU
 @given(lens=st.lists(st.integers(0, pick(150, 400)), min_size=1, max_size=3), varlen=st.booleans(),
        seg=st.sampled_from([0, 1, 2]), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
 def test_saved_states_equal_recomputed(lens, varlen, seg, G, dtype, seed):
@@ -437,11 +450,8 @@ def test_saved_states_equal_recomputed(lens, varlen, seg, G, dtype, seed):
     gradients, with and without varlen (empty sequences included) and sequence splitting (``seg`` chunks)."""
     H, K, V = 1, pick(32, 128), pick(32, 128)
     HV = H * G
-    if varlen:
-        B, T, N = 1, sum(lens), len(lens)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32).to(P.device)
-    else:
-        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    B, T, N, cu = _lens_layout(lens, varlen)
+    cu = cu.to(P.device) if cu is not None else None
     if T == 0:
         return
     ins = _inputs(seed, B, T, H, HV, K, V, N)
@@ -463,6 +473,7 @@ def test_saved_states_equal_recomputed(lens, varlen, seg, G, dtype, seed):
         assert torch.equal(a, b), f"{name}: saved and recomputed states differ"
 
 
+@settings(max_examples=examples(3, 12))  # the interpreter's share of CI time; all 12 on the GPU
 @given(lens=st.lists(st.integers(0, pick(200, 700)), min_size=1, max_size=3), seg_min=st.integers(1, 3),
        varlen=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
 def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
@@ -470,11 +481,7 @@ def test_sequence_splitting_state_pass(lens, seg_min, varlen, G, dtype, seed):
     chained) against the float64 recurrence, forward and backward; varlen includes empty sequences."""
     H, K, V = 1, pick(32, 128), pick(32, 128)
     HV = H * G
-    if varlen:
-        B, T, N = 1, sum(lens), len(lens)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    else:
-        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    B, T, N, cu = _lens_layout(lens, varlen)
     if T == 0:
         return
     ins = _inputs(seed, B, T, H, HV, K, V, N)
@@ -526,18 +533,14 @@ def test_config_key_is_padded():
 @given(lens=st.lists(st.integers(0, pick(150, 400)), min_size=1, max_size=3), varlen=st.booleans(),
        seg=st.sampled_from([0, 1, 3]), G=st.sampled_from([1, 2]), bad=st.sampled_from([None, "v", "k"]),
        dtype=dtypes(), seed=seeds())
-@settings(max_examples=examples(4, 10))
+@settings(max_examples=examples(2, 10))
 def test_fused_output_forward(lens, varlen, seg, G, bad, dtype, seed):
     """The forward without gradient where the state pass forms the output (``sout``) against the float64
     recurrence, and against the separate output kernel: the same NaN positions (one non-finite v or k entry:
     its column or its token onwards, nothing earlier) and the finite values within tolerance."""
     H, K, V = 1, pick(32, 128), pick(32, 64)
     HV = H * G
-    if varlen:
-        B, T, N = 1, sum(lens), len(lens)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    else:
-        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    B, T, N, cu = _lens_layout(lens, varlen)
     if T == 0:
         return
     ins = _inputs(seed, B, T, H, HV, K, V, N, l2=False)
