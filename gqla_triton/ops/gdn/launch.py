@@ -124,9 +124,8 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
                         store_steps: bool = True):
     """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final state
     ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. ``out``: (q, o,
-    vbad, scale): the pass also writes the output o (stage ``sout``); ``store_steps`` False: h and v_new
-    are not written (None in their places). Long sequences
-    with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
+    vbad, scale): the pass also writes the output o (stage ``sout``); ``store_steps`` False: h and v_new are not
+    written (None in their places). Long sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
     parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]`` int32: initial_state is a
     state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n] and its final state
     is written back there in place (rows outside [0, P): a zero start, no write); the pool is returned as the final
