@@ -122,16 +122,16 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None,
                         state_indices: torch.Tensor | None = None, v_first: bool = False, out: tuple | None = None,
                         store_steps: bool = True):
-    """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final state
-    ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. ``out``: (q, o,
-    vbad, scale): the pass also writes the output o (stage ``sout``); ``store_steps`` False: h and v_new are not
-    written (None in their places). Long sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
-    parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]`` int32: initial_state is a
-    state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n] and its final state
-    is written back there in place (rows outside [0, P): a zero start, no write); the pool is returned as the final
-    state. One program reads its slice of a row and later writes the same slice, so every read of a row comes
-    before its write (unless two sequences share a row). initial_state (or the pool) is fp32, bf16 or fp16;
-    ``v_first``: it and the final state have ``[V, K]`` rows."""
+    """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final
+    state ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. ``out``: (q,
+    o, vbad, scale): the pass also writes the output o (stage ``sout``); ``store_steps`` False: h and v_new are not written
+    (None in their places). Long sequences with few heads are split into segments (exactly: each segment's state map
+    S -> M·S + b is computed in parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]``
+    int32: initial_state is a state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n]
+    and its final state is written back there in place (rows outside [0, P): a zero start, no write); the pool is
+    returned as the final state. One program reads its slice of a row and later writes the same slice, so every read
+    of a row comes before its write (unless two sequences share a row). initial_state (or the pool) is fp32, bf16 or
+    fp16; ``v_first``: it and the final state have ``[V, K]`` rows."""
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
