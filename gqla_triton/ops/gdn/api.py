@@ -75,8 +75,8 @@ def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, 
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool,
             needs_grad: bool, v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
-            dt_bias: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor]:
+            dt_bias: torch.Tensor | None, chunk_size: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size),
                 save_states, needs_grad, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 

@@ -3,7 +3,8 @@
 Chunk fields are ``<stage>_<field>``, one stage per kernel: ``wy`` (the WY inverse), ``wu`` (w and u),
 ``state`` (the sequential state pass), ``sout`` (the forward's state pass that also forms the output), ``seg``
 (per-segment state maps for sequence splitting), ``out`` (output), ``dvl`` (the local dv term), ``state_bwd``,
-``grad`` and ``wy_bwd`` (backward). ``bk`` / ``bv`` are tile widths along K / V, ``num_warps`` / ``num_stages`` Triton's launch options.
+``grad`` and ``wy_bwd`` (backward). ``bk`` / ``bv`` are tile widths along K / V, ``num_warps`` / ``num_stages``
+Triton's launch options.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ class ChunkConfig(KernelConfig):
     """``gdn_chunk``. ``wy_prec``: dot precision of the merges of the 16x16 diagonal-block inverses, ``"ieee"``
     (fp32 FMA) or ``"tf32x3"`` (three tf32 tensor-core products, fp32-level accuracy). One tf32 product is not
     offered: on chunks of correlated keys its rounding leaves fp16 outputs 2-3x less accurate than torch at fp16.
-    ``seg_units > 0`` splits sequences when
-    there are fewer than ``seg_below`` (sequence x value head) units, into about ``seg_units`` units of at least
-    ``seg_min`` chunks each, so the sequential state passes run on more SMs. ``*_trans``: a term of dk taken as a
+    ``seg_units > 0`` splits sequences when there are fewer than ``seg_below`` (sequence x value head) units, into
+    about ``seg_units`` units of at least ``seg_min`` chunks each, so the sequential state passes run on more SMs. ``*_trans``: a term of dk taken as a
     transposed dot result. ``*_early``: the loads that follow a kernel's K / V loop are issued before it.
     ``*_late``: in the GVA sums of dq / dk the later value heads wait for the earlier ones' running sum after
     their other work, while the first passes its sum on before it. ``sout_chunks`` / ``sout_waves``: the forward's

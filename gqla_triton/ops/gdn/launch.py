@@ -169,10 +169,7 @@ def _fuse_out(plan: ChunkPlan, HV: int, V: int, t: torch.Tensor) -> bool:
     cfg = plan.cfg
     if not cfg.sout_chunks or plan.NTT == 0:
         return False
-    if plan.seg is None:
-        units, longest = plan.N, max(cdiv(b - a, plan.BT) for a, b in zip(plan.seq_cu[:-1], plan.seq_cu[1:], strict=True))
-    else:
-        units, longest = plan.seg.nseg, plan.seg.L
+    units, longest = (plan.N, plan.max_chunks) if plan.seg is None else (plan.seg.nseg, plan.seg.L)
     if longest > cfg.sout_chunks:
         return False
     info = device_info(t)

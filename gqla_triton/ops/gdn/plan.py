@@ -50,6 +50,7 @@ class ChunkPlan(NamedTuple):
     cidx: torch.Tensor | None  # [NTT, 2] int32 (sequence, chunk within it), varlen only
     coff: torch.Tensor | None  # [N+1] int32 first chunk-state row of each sequence, varlen only
     seg: SegPlan | None  # sequence splitting of the state passes, or None
+    max_chunks: int  # chunks of the longest sequence
 
     @property
     def varlen(self) -> bool:
@@ -157,8 +158,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device)
         NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
     N = len(seq_cu) - 1
-    L = seg_len(cfg, N * HV, max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True)))
-    if K > SEG_MAX_K:
-        L = 0
+    longest = max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
+    L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device) if L else None
-    return ChunkPlan(cfg, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg)
+    return ChunkPlan(cfg, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest)
