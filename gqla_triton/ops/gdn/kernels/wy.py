@@ -13,16 +13,30 @@ _G_FLOOR = tl.constexpr(G_FLOOR)
 
 @triton.jit
 def _inv16(L):
-    """(I + L)^-1 of a strictly lower triangular 16x16 fp32 block by row-wise forward substitution on the CUDA
-    cores, X_i = e_i − Σ_{k<i} L_ik X_k. Not the finite series (I − L)(I + L²)(I + L⁴)(I + L⁸): on chunks of
-    correlated keys L⁸'s entries are hundreds of times the inverse's, and their cancellation loses that factor."""
+    """(I + L)^-1 of each strictly lower triangular 16x16 fp32 block of the stack ``L [NB, 16, 16]`` by row-wise
+    forward substitution on the CUDA cores, X_i = e_i − Σ_{k<i} L_ik X_k, all NB blocks in one sweep of 15 steps.
+    Not the finite series (I − L)(I + L²)(I + L⁴)(I + L⁸): on chunks of correlated keys L⁸'s entries are hundreds
+    of times the inverse's, and their cancellation loses that factor."""
     r = tl.arange(0, 16)
-    X = (r[:, None] == r[None, :]).to(tl.float32)
-    Lt = tl.trans(L)
+    ri, rj = r[None, :, None], r[None, None, :]
+    X = tl.zeros_like(L) + (ri == rj).to(tl.float32)
+    Lt = tl.permute(L, (0, 2, 1))  # Lt[b, k, i] = L[b, i, k]: row i of L comes out along X's row axis
     for i in tl.static_range(1, 16):
-        li = tl.sum(tl.where(r[None, :] == i, Lt, 0.0), 1)  # row i of L, along X's rows
-        X = tl.where(r[:, None] == i, X - tl.sum(li[:, None] * X, 0)[None, :], X)
+        li = tl.sum(tl.where(rj == i, Lt, 0.0), 2)
+        X = tl.where(ri == i, X - tl.sum(li[:, :, None] * X, 1)[:, None, :], X)
     return X
+
+
+@triton.jit
+def _stack2(a, b):
+    """[16, 16] x 2 -> [2, 16, 16]."""
+    return tl.permute(tl.join(a, b), (2, 0, 1))
+
+
+@triton.jit
+def _unstack2(x):
+    """[2, 16, 16] -> its two blocks."""
+    return tl.split(tl.permute(x, (1, 2, 0)))
 
 
 @triton.jit
@@ -197,12 +211,16 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     if NB == 4:
         tl.store(gc + x2 * HV + i_hv, tl.where(t_2 - t0 < fb, c2, nan), mask=v2)
         tl.store(gc + x3 * HV + i_hv, tl.where(t_3 - t0 < fb, c3, nan), mask=v3)
-    T00 = _inv16(L00)
-    if NB >= 2:
-        T11 = _inv16(L11)
+    if NB == 1:
+        T00 = tl.reshape(_inv16(L00[None, :, :]), [16, 16])
+    if NB == 2:
+        T00, T11 = _unstack2(_inv16(_stack2(L00, L11)))
     if NB == 4:
-        T22 = _inv16(L22)
-        T33 = _inv16(L33)
+        # block 2q + w of the stack is element [w, q] of the join of the two pairs
+        S = tl.reshape(tl.permute(tl.join(tl.join(L00, L11), tl.join(L22, L33)), (3, 2, 0, 1)), [4, 16, 16])
+        P01, P23 = tl.split(tl.permute(tl.reshape(_inv16(S), [2, 2, 16, 16]), (2, 3, 1, 0)))
+        T00, T11 = tl.split(P01)
+        T22, T33 = tl.split(P23)
     if NB >= 2:
         T10 = -_dot32(_dot32(T11, A10, PREC), T00, PREC)
     if NB == 4:
