@@ -1,4 +1,5 @@
-"""GQA grouped-path decode (workloads Q1-Q4): h_q 128, g 8, d_h = d_v = 128, shared rope 64, page 64.
+"""GQA grouped-path decode (Q1-Q4 and five small batches B1-S4096 ... B32-S4096): h_q 128, g 8, d_h = d_v = 128,
+shared rope 64, page 64.
 
 Anchor: torch SDPA (``enable_gqa=True``) over contiguous K/V with the rope key copied into every group's
 key (what a stock GQA kernel must read). ``gqla_triton`` rows carry ``graph_ms`` (the same call inside a CUDA
@@ -17,6 +18,9 @@ from gqla_triton.roofline import GQA_WORKLOADS, gqa_decode_model
 
 PAGE = 64
 WORKLOADS = {k: GQA_WORKLOADS[k] for k in ("Q1", "Q2", "Q3", "Q4")}
+# small batches, where the split-KV plan has to fill the GPU (the MLA bench's rows of the same names)
+WORKLOADS.update({f"B{b}-S{s}": dict(batch=b, seqlen=s, s_q=1) for b, s in ((1, 4096), (1, 32768), (8, 8192),
+                                                                             (16, 2048), (32, 4096))})
 
 
 def make_inputs(w: dict, *, page: int = PAGE, dtype=torch.bfloat16, seed: int = 0):
