@@ -157,9 +157,12 @@ def _combine_target(tiny: bool) -> Target:
         w = torch.softmax(lse.double(), 1)[..., None]
         return _rel(out, (w * o.double()).sum(1))
 
-    shapes = [(2, 2, 1, 4, 32)] if tiny else [(128, 4, 1, 128, 512), (32, 16, 2, 128, 128)]
+    # large batches (tiles at their largest) and single sequences of many splits (tiles shrunk to fill the GPU)
+    shapes = [(2, 2, 1, 4, 32)] if tiny else [(128, 4, 1, 128, 512), (32, 16, 2, 128, 128), (1, 64, 1, 128, 128),
+                                               (1, 32, 1, 128, 512)]
     return Target("combine", {}, [case(*s) for s in shapes], check,
-                  {"elems": (1024, 2048, 4096, 8192), "num_warps": (2, 4, 8)})
+                  {"elems": (1024, 2048, 4096), "min_elems": (64, 128, 256), "waves": (1, 2, 4),
+                   "step_elems": (4096, 8192, 16384), "num_warps": (2, 4, 8)})
 
 
 def _gdn_inputs(B, T, H, HV, K, V, dtype, seed=0):

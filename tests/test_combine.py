@@ -1,14 +1,18 @@
 """Split-KV log-sum-exp combine (ops/_common/combine.py) against a float64 softmax over all keys."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+import triton
 from harness import P, assert_close, dtypes, gen, pick, randn, seeds
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gqla_triton.dispatch import config_override, device_info
 from gqla_triton.ops._common import alloc, combine_splits
+from gqla_triton.ops._common.combine import CombineConfig, combine_geometry
 
 # out / lse come from the launchers' allocator, NaN-filled here: an element combine does not write fails
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -33,7 +37,7 @@ def _partials(q, k, v, bounds):
 @given(
     B=st.integers(1, 3), Q=st.integers(1, 3), H=st.sampled_from(pick([1, 3, 16], [16, 64, 128])),
     D=st.sampled_from(pick([16, 24, 64], [64, 128, 512])), N=st.integers(1, pick(40, 600)),
-    S=st.integers(1, 6), empty=st.booleans(), dtype=dtypes(), seed=seeds(),
+    S=st.integers(1, pick(12, 70)), empty=st.booleans(), dtype=dtypes(), seed=seeds(),
 )
 def test_combine_equals_full_softmax(B, Q, H, D, N, S, empty, dtype, seed):
     g = gen(seed)
@@ -103,3 +107,47 @@ def test_combine_nonfinite_partials():
         ref_o = (torch.exp(l64[0, :, 0, h] - ref_l)[:, None] * torch.nan_to_num(o64[0, :, 0, h], nan=0.0)).sum(0)
         keep = torch.isfinite(out[0, 0, h])
         assert (out[0, 0, h][keep] - ref_o[keep]).abs().max() < 1e-5 and abs(lse_out[0, h, 0] - ref_l) < 1e-5
+
+
+@given(B=st.integers(1, 300), S=st.integers(0, 64), Q=st.integers(1, 4), H=st.integers(1, 70000),
+       D=st.integers(1, 600), sms=st.integers(1, 200), elems=st.sampled_from([256, 1024, 4096]),
+       min_elems=st.sampled_from([16, 64, 256]), waves=st.integers(1, 8),
+       step=st.sampled_from([16, 2048, 16384]))
+def test_combine_geometry_fills_the_gpu_within_its_bounds(B, S, Q, H, D, sms, elems, min_elems, waves, step):
+    """The tile is a power-of-two (heads x D) block of at most ``elems`` values; it is only shrunk while the grid
+    has fewer than ``waves`` programs per SM, never below ``min_elems`` (unless a single head of 16 columns is
+    already larger), heads before D; BLOCK_S splits per step: a power of two, at most S's, within
+    ``step_elems``."""
+    cfg = CombineConfig(elems=max(elems, min_elems), min_elems=min_elems, waves=waves, step_elems=step)
+    BH, BD, BS = combine_geometry(B, S, Q, H, D, sms, cfg)
+    full_d = triton.next_power_of_2(D)
+    full_h = max(1, min(triton.next_power_of_2(H), cfg.elems // full_d))
+    for x in (BH, BD, BS):
+        assert x >= 1 and x & (x - 1) == 0
+    assert BH <= full_h and BD <= full_d and (BD == full_d or BH == 1)
+    programs = B * Q * triton.cdiv(H, BH) * triton.cdiv(D, BD)
+    if (BH, BD) != (full_h, full_d):  # shrunk: the step before had too few programs, and was above min_elems
+        assert BH * BD * 2 > cfg.min_elems
+    if programs < waves * sms:  # still short of the target: nothing left to shrink
+        assert BH * BD <= cfg.min_elems or BD <= 16 and BH == 1
+    assert BS <= max(1, triton.next_power_of_2(max(S, 1))) and (BS == 1 or BS * BH * BD <= step)
+
+
+def test_combine_many_splits_in_steps():
+    """More splits than one step loads (the last step partly masked) and D cut across programs: the float64
+    merge, every column and head written."""
+    B, S, H, D = 1, 37, 3, 48
+    o = randn((B, S, 1, H, D), 5).float()
+    lse = randn((B, S, 1, H), 6).float() * 4
+    cfg = CombineConfig(elems=4096, min_elems=16, waves=4, step_elems=256)
+    BH, BD, BS = combine_geometry(B, S, 1, H, D, device_info(P.device).sm_count, cfg)
+    assert BS < S and S % BS and BD < D  # the case this test is about
+    out = alloc.empty(B, 1, H, D, dtype=torch.float32, device=P.device)
+    lse_out = alloc.empty(B, H, 1, dtype=torch.float32, device=P.device)
+    with config_override({"combine": dataclasses.asdict(cfg)}):
+        combine_splits(o, lse, out, lse_out)
+    l64, o64 = lse.cpu().double(), o.cpu().double()
+    ref_l = torch.logsumexp(l64, 1)  # [B, 1, H]
+    ref_o = (torch.exp(l64 - ref_l[:, None])[..., None] * o64).sum(1)
+    assert (out.cpu().double() - ref_o).abs().max() < 1e-5
+    assert (lse_out.cpu().double().permute(0, 2, 1) - ref_l).abs().max() < 1e-5

@@ -569,9 +569,9 @@ def test_fused_output_rule():
     """The state pass forms the output (``sout``) only where no state program has more than sout_chunks chunks
     (segments count under sequence splitting); sout_chunks 0 never fuses."""
     def fused(T, cu=None, **fields):
-        q, v = torch.zeros(1, T, 1, 16), torch.zeros(1, T, 2, 16)
+        q, v = torch.zeros(1, T, 1, 16, device=P.device), torch.zeros(1, T, 2, 16, device=P.device)
         with config_override({"gdn_chunk": fields}):
-            plan = plan_mod.chunk_plan(q, v, None if cu is None else torch.tensor(cu), cu)
+            plan = plan_mod.chunk_plan(q, v, None if cu is None else torch.tensor(cu, device=P.device), cu)
             return launch_mod._fuse_out(plan, 2, 16, q)
 
     assert fused(64 * 4, sout_chunks=4) and not fused(64 * 4 + 1, sout_chunks=4)

@@ -22,23 +22,32 @@ import torch
 import triton
 import triton.language as tl
 
-from ...dispatch import select_config
+from ...dispatch import device_info, select_config
 from .config import WARPS, KernelConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class CombineConfig(KernelConfig):
-    """``combine``: ``elems`` = largest (heads x D) tile of one program; ``num_warps``."""
+    """``combine``: a program merges one (heads x D) tile of at most ``elems`` values of one (sequence, query
+    token); where that leaves fewer than ``waves`` programs per SM (small batches) the tile shrinks, heads first,
+    down to ``min_elems``. Each loop step loads the partials of ``step_elems // tile`` splits at once (their loads
+    in flight together: the split loop is latency-bound, not bandwidth-bound). ``num_warps``."""
 
     OP: ClassVar[str] = "combine"
     MATCH: ClassVar[dict] = {"D": int}
 
     elems: int = 2048
+    min_elems: int = 128
+    waves: int = 2
+    step_elems: int = 8192
     num_warps: int = 4
 
     def check(self) -> None:
-        self.one_of("elems", tuple(2**i for i in range(4, 17)))
+        self.one_of(("elems", "min_elems", "step_elems"), tuple(2**i for i in range(4, 17)))
         self.one_of("num_warps", WARPS)
+        self.within("waves", 1)
+        if self.min_elems > self.elems:
+            raise ValueError(f"combine config: 'min_elems' ({self.min_elems}) must not exceed 'elems' ({self.elems})")
 
 
 @triton.jit
@@ -94,19 +103,23 @@ def store_rows(o, lse, o_mask, lse_mask, cols, b64, split, q64, h64,
 @triton.jit
 def combine_splits_kernel(
     o_part, lse_part, out, lse_out,
-    num_splits, Q, H, D,
+    num_splits, Q, H, D, NH,
     s_ob, s_os, s_oq, s_oh,
     s_lb, s_ls, s_lq,
     s_outb, s_outq, s_outh,
     s_lob, s_loh, s_loq,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    pid_bq = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    """One [BLOCK_H, BLOCK_D] tile: ``program_id(0)`` = (sequence x query token) x NH head tiles + head tile,
+    ``program_id(1)`` the D tile; BLOCK_S splits per step, merged online (the running max of their lse, the
+    rescale of what is summed so far)."""
+    pid = tl.program_id(0)
+    pid_bq = pid // NH
     b = pid_bq // Q
     q = pid_bq % Q
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_h = (pid % NH) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S)
     mh = offs_h < H
     md = offs_d < D
     b64 = b.to(tl.int64)
@@ -114,29 +127,52 @@ def combine_splits_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # pointers advance split by split (64-bit: no int32 product of the split index and its stride)
-    lse_ptr = lse_part + b64 * s_lb + q * s_lq + offs_h
-    o_ptr = o_part + b64 * s_ob + q * s_oq + offs_h[:, None] * s_oh + offs_d[None, :]
-    for _ in range(num_splits):
-        lse_s = tl.load(lse_ptr, mask=mh, other=float("-inf"))
-        o_s = tl.load(o_ptr, mask=mh[:, None] & md[None, :], other=0.0)
+    lse_base = lse_part + b64 * s_lb + q * s_lq + offs_h
+    o_base = o_part + b64 * s_ob + q * s_oq + (offs_h[:, None] * s_oh + offs_d[None, :])
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + offs_s
+        ms = sp < num_splits
+        sp64 = sp.to(tl.int64)  # no int32 product of a split index and its stride
+        lse_s = tl.load(lse_base[None, :] + sp64[:, None] * s_ls, mask=ms[:, None] & mh[None, :],
+                        other=float("-inf"))
+        o_s = tl.load(o_base[None, :, :] + sp64[:, None, None] * s_os,
+                      mask=ms[:, None, None] & (mh[:, None] & md[None, :])[None, :, :], other=0.0)
         # as softmax_step: the max skips NaN (it reaches l through w), an infinite max rescales from 0
-        m_new = tl.maximum(m, lse_s)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
         m_ref = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
         alpha = tl.exp(m - m_ref)
-        w = tl.exp(lse_s - m_ref)
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        l = l * alpha + w
+        w = tl.exp(lse_s - m_ref[None, :])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+        l = l * alpha + tl.sum(w, 0)
         m = m_new
-        lse_ptr += s_ls
-        o_ptr += s_os
     empty = l == 0
     safe_l = tl.where(empty, 1.0, l)
     o = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
     lse = tl.where(empty, float("-inf"), m + tl.log(safe_l))
     tl.store(out + b64 * s_outb + q * s_outq + offs_h[:, None] * s_outh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=mh[:, None] & md[None, :])
-    tl.store(lse_out + b64 * s_lob + offs_h * s_loh + q * s_loq, lse, mask=mh)
+    first = (offs_h * 0 + tl.program_id(1)) == 0  # lse once per head: by the programs of the first D tile
+    tl.store(lse_out + b64 * s_lob + offs_h * s_loh + q * s_loq, lse, mask=mh & first)
+
+
+def combine_geometry(B: int, S: int, Q: int, H: int, D: int, sm_count: int,
+                     cfg: CombineConfig) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_D, BLOCK_S)`` of ``combine_splits_kernel``: the largest tile of at most ``cfg.elems``,
+    halved (heads first, then D down to 16) while the grid has fewer than ``cfg.waves`` programs per SM and the
+    tile holds more than ``cfg.min_elems``; ``BLOCK_S`` splits per step from ``cfg.step_elems`` (at most S's
+    power of two)."""
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_H = max(1, min(triton.next_power_of_2(H), cfg.elems // BLOCK_D))
+    while BLOCK_H * BLOCK_D > cfg.min_elems and B * Q * triton.cdiv(H, BLOCK_H) * triton.cdiv(D, BLOCK_D) < \
+            cfg.waves * sm_count:
+        if BLOCK_H > 1:
+            BLOCK_H //= 2
+        elif BLOCK_D > 16:
+            BLOCK_D //= 2
+        else:
+            break
+    BLOCK_S = max(1, min(triton.next_power_of_2(S), cfg.step_elems // (BLOCK_H * BLOCK_D)))
+    return BLOCK_H, BLOCK_D, BLOCK_S
 
 
 def combine_splits(
@@ -153,15 +189,15 @@ def combine_splits(
     if B * Q * H == 0:
         return
     cfg = select_config("combine", {"D": D}, device=out.device)
-    BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_H = max(1, min(triton.next_power_of_2(H), cfg.elems // BLOCK_D))
-    grid = (B * Q, triton.cdiv(H, BLOCK_H))
+    BLOCK_H, BLOCK_D, BLOCK_S = combine_geometry(B, S, Q, H, D, device_info(out.device).sm_count, cfg)
+    NH = triton.cdiv(H, BLOCK_H)
+    grid = (B * Q * NH, max(1, triton.cdiv(D, BLOCK_D)))  # D tiles: a few (CUDA's 65535 along this axis)
     combine_splits_kernel[grid](
         o_partial, lse_partial, out, lse,
-        S, Q, H, D,
+        S, Q, H, D, NH,
         *o_partial.stride()[:4],
         *lse_partial.stride()[:3],
         *out.stride()[:3],
         *lse.stride(),
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=cfg.num_warps,
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, num_warps=cfg.num_warps,
     )
