@@ -257,7 +257,8 @@ def test_bench_results_plot_without_a_gpu(tmp_path):
 
 def test_split_planner_follows_its_cost():
     """plan_splits: the count stays in [1, cap]; a dearer partial tile (split_cost) never gives more splits, and an
-    even number of waves gives none; mla_decode's config carries the cost into its plan."""
+    even number of waves gives none; the waves rule fills its programs per SM; mla_decode's config carries the
+    cost into its plan."""
     from gqla_triton.ops._common.split import MIN_TILES_PER_SPLIT, plan_splits
     from gqla_triton.ops.mla.config import MLADecodeConfig
 
@@ -266,6 +267,13 @@ def test_split_planner_follows_its_cost():
         cap = max(1, min(64, keys // (MIN_TILES_PER_SPLIT * 64)))
         assert all(1 <= n <= cap for n in counts) and counts == sorted(counts, reverse=True), counts
     assert plan_splits(264, 4096, 132, block_n=64) == 1
+    # the waves rule: the most splits that keep programs within waves per SM, from 1 to the cap
+    for programs, keys, w in ((8, 32768, 2), (8, 4096, 2), (64, 8192, 2), (128, 2048, 2), (256, 4096, 2),
+                              (1024, 4096, 6), (8, 32768, 6)):
+        n = plan_splits(programs, keys, 132, block_n=64, waves=w)
+        cap = max(1, min(64, keys // (MIN_TILES_PER_SPLIT * 64)))
+        assert 1 <= n <= cap and (n == 1 or programs * n <= w * 132), (programs, keys, w, n)
+        assert n == cap or programs * (n + 1) > w * 132, (programs, keys, w, n)
     assert plan_splits(2, 4096, 132, block_n=64, split_cost=5.0) < plan_splits(2, 4096, 132, block_n=64)
     with pytest.raises(ValueError, match="split_cost"):
         MLADecodeConfig(split_cost=-1.0)

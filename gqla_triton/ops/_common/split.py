@@ -22,14 +22,16 @@ def plan_splits(programs: int, max_keys: int, sm_count: int, *, block_n: int, wa
     """Split-KV count for ``programs`` unsplit programs (sequences x row tiles) over at most ``max_keys`` keys.
 
     The count lies in ``[1, min(MAX_SPLITS, max_keys // (MIN_TILES_PER_SPLIT · block_n))]`` (at least 1).
-    ``waves`` set: the count that gives about ``waves`` programs per SM. ``waves`` None: the count that
+    ``waves`` set: the largest count that gives at most ``waves`` programs per SM (1 where the unsplit programs
+    already exceed that): programs of a memory-bound kernel that fit side by side on an SM keep more loads in
+    flight, while each split beyond that only adds a partial to combine. ``waves`` None: the count that
     minimises the wave-quantised time of the split kernel, ``ceil(programs·S / sm_count) / S`` (in units of
     one unsplit program), plus the combine's ``split_cost · programs·S / sm_count`` when S > 1 (default
     ``SPLIT_COST``; a config table can set its own per GPU); the smallest such S on ties.
     """
     cap = max(1, min(MAX_SPLITS, max_keys // (MIN_TILES_PER_SPLIT * block_n)))
     if waves is not None:
-        return max(1, min(-(-waves * sm_count // max(1, programs)), cap))
+        return max(1, min(waves * sm_count // max(1, programs), cap))
     slots = max(1, sm_count)
     best, best_cost = 1, float("inf")
     for S in range(1, cap + 1):
