@@ -1,17 +1,20 @@
 """Split-KV combine: merge S fp32 partial results (out, lse) of h_q 128 heads, D 512 (MLA) or 128 (GQA), into
 bf16 out and fp32 lse. Anchor: the same merge in torch (max-shifted exponentials). Memory-bound: the floor is its
-bytes over the measured copy bandwidth."""
+bytes over the measured copy bandwidth. C3 / C4 are single sequences of 64 splits (the small-batch decode plans),
+latency-bound: their ``graph_ms`` (CUDA graphs) is the number that matters."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.common import time_ms
+from bench.common import time_graph_ms, time_ms
 from gqla_triton.ops._common import combine_splits
 
 WORKLOADS = {
     "C1": dict(B=128, S=4, Q=1, H=128, D=512),
     "C2": dict(B=32, S=16, Q=2, H=128, D=128),
+    "C3": dict(B=1, S=64, Q=1, H=128, D=128),
+    "C4": dict(B=1, S=64, Q=1, H=128, D=512),
 }
 
 
@@ -24,8 +27,8 @@ def run(names, ctx, anchors=True):
         out = torch.empty(B, Q, H, D, device="cuda", dtype=torch.bfloat16)
         lse_out = torch.empty(B, H, Q, device="cuda")
         nbytes = o.numel() * 4 + lse.numel() * 4 + out.numel() * 2 + lse_out.numel() * 4
-        ms = time_ms(lambda: combine_splits(o, lse, out, lse_out))
-        ctx.row("combine", name, "gqla_triton", ms, nbytes=nbytes)
+        fn = lambda: combine_splits(o, lse, out, lse_out)  # noqa: E731
+        ctx.row("combine", name, "gqla_triton", time_ms(fn), nbytes=nbytes, graph_ms=time_graph_ms(fn))
         if ctx.want("torch", anchors):
             def torch_combine():
                 m = lse.amax(1, keepdim=True)
