@@ -1,6 +1,8 @@
 """Host-side integer helpers for launchers. Plain Python: ``triton.cdiv`` / ``triton.next_power_of_2`` are
 constexpr functions whose calls cost about a microsecond each, which adds up on the small-launch paths."""
 
+import torch
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -8,3 +10,22 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def device_ints(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """``values`` (host integers) as a tensor of ``dtype`` on ``device``. To a CUDA device they travel through
+    pinned host memory in a non-blocking copy, so building a plan does not wait for the GPU (torch's caching host
+    allocator keeps the pinned buffer until the copy has run). During CUDA-graph capture the plain copy is used: a
+    captured copy would re-read a pinned buffer that is reused after the call."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def stream_key(device) -> int | None:
+    """The current stream of a CUDA ``device`` (its ``stream_id``), else None: the key under which host-built
+    device tensors that arrived by ``device_ints``' non-blocking copy may be reused."""
+    device = torch.device(device)
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ...dispatch import select_config
-from .._common.host import cdiv, next_pow2
+from .._common.host import cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
 
 __all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "host_cu_seqlens",
@@ -94,16 +94,18 @@ def host_cu_seqlens(cu_seqlens_cpu, n: int, T: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=32)
-def _chunk_index(seq_cu: tuple[int, ...], BT: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+def _chunk_index(seq_cu: tuple[int, ...], BT: int, device: torch.device,
+                 stream: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Varlen chunk programs of the sequences ``seq_cu`` in chunks of BT tokens: (NTT, cidx [NTT, 2] int32,
-    coff [N+1] int32)."""
+    coff [N+1] int32). ``stream`` (``host.stream_key``) is part of the cache key only: the tensors arrive by a
+    non-blocking copy, ordered before the kernels of the stream that made them and no other."""
     pairs, offs = [], [0]
     for n in range(len(seq_cu) - 1):
         c = cdiv(seq_cu[n + 1] - seq_cu[n], BT)
         pairs.extend((n, i) for i in range(c))
         offs.append(offs[-1] + c)
-    cidx = torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2)
-    return len(pairs), cidx, torch.tensor(offs, dtype=torch.int32, device=device)
+    cidx = device_ints(pairs, torch.int32, device).reshape(-1, 2)
+    return len(pairs), cidx, device_ints(offs, torch.int32, device)
 
 
 # sequence splitting chains [K, K] fp32 segment maps in one program: at K 256 such a map alone (256 KiB) is more than
@@ -122,8 +124,9 @@ def seg_len(cfg: ChunkConfig, units: int, max_chunks: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device) -> SegPlan:
-    """Split each sequence (token bounds ``seq_cu``) into segments of L chunks of BT tokens."""
+def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device, stream: int | None = None) -> SegPlan:
+    """Split each sequence (token bounds ``seq_cu``) into segments of L chunks of BT tokens (``stream``: as
+    ``_chunk_index``'s)."""
     cu, rows, soff = [0], [], [0]
     row = 0
     for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True):
@@ -136,8 +139,8 @@ def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device) ->
             cu.append(b)
         row += nc
         soff.append(len(rows))
-    t = functools.partial(torch.tensor, device=device)
-    return SegPlan(len(rows), t(cu, dtype=torch.int64), t(rows, dtype=torch.int32), t(soff, dtype=torch.int32), L)
+    return SegPlan(len(rows), device_ints(cu, torch.int64, device), device_ints(rows, torch.int32, device),
+                   device_ints(soff, torch.int32, device), L)
 
 
 def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
@@ -155,10 +158,10 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         NTT, NG, cidx, coff, cu = B * NT, NT, None, None, None
     else:
         seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))
-        NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device)
+        NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device, stream_key(cu_seqlens.device))
         NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
     N = len(seq_cu) - 1
     longest = max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
-    seg = _seg_plan(seq_cu, L, BT, q.device) if L else None
+    seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
     return ChunkPlan(cfg, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest)
