@@ -30,7 +30,7 @@ from .config import WARPS, KernelConfig
 class CombineConfig(KernelConfig):
     """``combine``: a program merges one (heads x D) tile of at most ``elems`` values of one (sequence, query
     token); where that leaves fewer than ``waves`` programs per SM (small batches) the tile shrinks, heads first,
-    down to ``min_elems``. Each loop step loads the partials of ``step_elems // tile`` splits at once (their loads
+    down to ``min_elems`` (a tile of ``elems <= min_elems`` stays as it is). Each loop step loads the partials of ``step_elems // tile`` splits at once (their loads
     in flight together: the split loop is latency-bound, not bandwidth-bound). ``num_warps``."""
 
     OP: ClassVar[str] = "combine"
@@ -46,8 +46,6 @@ class CombineConfig(KernelConfig):
         self.one_of(("elems", "min_elems", "step_elems"), tuple(2**i for i in range(4, 17)))
         self.one_of("num_warps", WARPS)
         self.within("waves", 1)
-        if self.min_elems > self.elems:
-            raise ValueError(f"combine config: 'min_elems' ({self.min_elems}) must not exceed 'elems' ({self.elems})")
 
 
 @triton.jit
