@@ -24,14 +24,16 @@ import triton.language as tl
 
 from ...dispatch import device_info, select_config
 from .config import WARPS, KernelConfig
+from .host import cdiv, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
 class CombineConfig(KernelConfig):
     """``combine``: a program merges one (heads x D) tile of at most ``elems`` values of one (sequence, query
     token); where that leaves fewer than ``waves`` programs per SM (small batches) the tile shrinks, heads first,
-    down to ``min_elems`` (a tile of ``elems <= min_elems`` stays as it is). Each loop step loads the partials of ``step_elems // tile`` splits at once (their loads
-    in flight together: the split loop is latency-bound, not bandwidth-bound). ``num_warps``."""
+    down to ``min_elems`` (a tile of ``elems <= min_elems`` stays as it is). Each loop step loads the partials of
+    ``step_elems // tile`` splits at once (their loads in flight together: the split loop is latency-bound, not
+    bandwidth-bound). ``num_warps``."""
 
     OP: ClassVar[str] = "combine"
     MATCH: ClassVar[dict] = {"D": int}
@@ -159,17 +161,16 @@ def combine_geometry(B: int, S: int, Q: int, H: int, D: int, sm_count: int,
     halved (heads first, then D down to 16) while the grid has fewer than ``cfg.waves`` programs per SM and the
     tile holds more than ``cfg.min_elems``; ``BLOCK_S`` splits per step from ``cfg.step_elems`` (at most S's
     power of two)."""
-    BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_H = max(1, min(triton.next_power_of_2(H), cfg.elems // BLOCK_D))
-    while BLOCK_H * BLOCK_D > cfg.min_elems and B * Q * triton.cdiv(H, BLOCK_H) * triton.cdiv(D, BLOCK_D) < \
-            cfg.waves * sm_count:
+    BLOCK_D = max(1, next_pow2(D))
+    BLOCK_H = max(1, min(next_pow2(H), cfg.elems // BLOCK_D))
+    while BLOCK_H * BLOCK_D > cfg.min_elems and B * Q * cdiv(H, BLOCK_H) * cdiv(D, BLOCK_D) < cfg.waves * sm_count:
         if BLOCK_H > 1:
             BLOCK_H //= 2
         elif BLOCK_D > 16:
             BLOCK_D //= 2
         else:
             break
-    BLOCK_S = max(1, min(triton.next_power_of_2(S), cfg.step_elems // (BLOCK_H * BLOCK_D)))
+    BLOCK_S = max(1, min(next_pow2(S), cfg.step_elems // (BLOCK_H * BLOCK_D)))
     return BLOCK_H, BLOCK_D, BLOCK_S
 
 
@@ -188,8 +189,8 @@ def combine_splits(
         return
     cfg = select_config("combine", {"D": D}, device=out.device)
     BLOCK_H, BLOCK_D, BLOCK_S = combine_geometry(B, S, Q, H, D, device_info(out.device).sm_count, cfg)
-    NH = triton.cdiv(H, BLOCK_H)
-    grid = (B * Q * NH, max(1, triton.cdiv(D, BLOCK_D)))  # D tiles: a few (CUDA's 65535 along this axis)
+    NH = cdiv(H, BLOCK_H)
+    grid = (B * Q * NH, max(1, cdiv(D, BLOCK_D)))  # D tiles: a few (CUDA's 65535 along this axis)
     combine_splits_kernel[grid](
         o_partial, lse_partial, out, lse,
         S, Q, H, D, NH,

@@ -17,11 +17,10 @@ def device_ints(values, dtype: torch.dtype, device) -> torch.Tensor:
     pinned host memory in a non-blocking copy, so building a plan does not wait for the GPU (torch's caching host
     allocator keeps the pinned buffer until the copy has run). During CUDA-graph capture the plain copy is used: a
     captured copy would re-read a pinned buffer that is reused after the call."""
-    t = torch.tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def stream_key(device) -> int | None:
