@@ -4,6 +4,8 @@
     compute-sanitizer --tool racecheck python -m tools.racecheck_ws --default-writes smem   # 1 hazard
     compute-sanitizer --tool racecheck python -m tools.racecheck_ws --default-writes mbarrier
     compute-sanitizer --tool racecheck python -m tools.racecheck_ws --default-writes exchange
+    compute-sanitizer --tool racecheck python -m tools.racecheck_ws --hand-over pingpong   # the MLA hand-overs
+    compute-sanitizer --tool racecheck python -m tools.racecheck_ws --tile vec --steps 8    # one tile hand-over
 
 A Gluon kernel of three partitions (4 + 4 + 4 warps) that share nothing: each loads 128 floats and stores them
 shifted to its own slice of ``out``. With ``smem`` / ``mbarrier`` the default warps first write shared memory (a
@@ -15,7 +17,10 @@ SASS): the report is the tool's, not a race. ``exchange``: the default partition
 memory and arrives on an mbarrier, the workers wait on it and load them (the ordering the MLA kernel's score,
 rescale and row-sum hand-over between its consumers relies on, used once): on the H200 racecheck reports only the
 entry hazard of ``mbarrier`` then (at the kernel's entry and ``gl.warp_specialize`` lines), not the store and
-load. Exits 1 on a wrong result.
+load. ``--hand-over`` runs one of the MLA kernel's hand-over patterns (``PATTERNS``) and ``--tile`` one store /
+load hand-over of a tile shape and layout (``TILES``), ``--steps`` times per launch: racecheck clears the 4-byte
+accesses apart from the entry report and flags the vector ones (``tools/README.md`` has the counts). Exits 1 on a
+wrong result.
 """
 
 from __future__ import annotations
