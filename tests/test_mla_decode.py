@@ -471,8 +471,10 @@ def test_gluon_config_has_one_key_ring():
     assert MLADecodeConfig(impl="triton", block_n=32, num_stages=3).num_stages == 3  # the portable kernel's fields
 
 
-@pytest.mark.parametrize("sparse,split,tail", [(False, True, False), (True, False, False), (False, False, True)])
-def test_gluon_kernel_compiles_for_sm90(sparse, split, tail):
+@pytest.mark.parametrize("sparse,split,tail,fp8", [(False, True, False, False), (True, False, False, False),
+                                                   (False, False, True, False), (False, True, True, True),
+                                                   (True, False, False, True)])
+def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
     TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
@@ -480,7 +482,7 @@ def test_gluon_kernel_compiles_for_sm90(sparse, split, tail):
     import sys
 
     code = ("from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
-            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}); ptx = k.asm['ptx']; "
+            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}, fp8={fp8}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
