@@ -32,10 +32,14 @@ def _call(q, kv_cache, block_table, cache_seqlens, head_dim_v, **kw):
                               head_dim_v=head_dim_v, **kw), impl="auto")
 
 
-def _case(seed, B, s_q, h_q, page, *, bad_pages=False, scale=1.0):
+def _case(seed, B, s_q, h_q, page, *, bad_pages=False, scale=1.0, past_cap=False):
+    """``past_cap``: the first sequence one key longer than its block table holds (the capacity bounds the keys,
+    the length places the causal boundary)."""
     g = gen(seed)
     lens = torch.randint(0, MAXLEN + 1, (B,), generator=g)
     max_pages = max(1, math.ceil(int(lens.max()) / page) + int(torch.randint(0, 2, (1,), generator=g)))
+    if past_cap:
+        lens[0] = max_pages * page + 1
     num_pages = B * max_pages + 2
     bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
     if bad_pages:
@@ -116,10 +120,11 @@ def test_quantizer_nonfinite_stays_in_its_tile_and_refusals():
 
 # ---------------------------------------------------------------------------------------------- the op
 @settings(max_examples=examples(4, 12), deadline=None)
-@given(B=st.integers(1, 3), s_q=st.integers(1, 2), h_q=st.sampled_from(HEADS), page=st.sampled_from(PAGE),
-       causal=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), bad_pages=st.booleans(), seed=seeds())
-def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages, seed):
-    q, kv8, bt, lens, _ = _case(seed, B, s_q, h_q, page, bad_pages=bad_pages)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from(HEADS), page=st.sampled_from(PAGE),
+       causal=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), bad_pages=st.booleans(), past_cap=st.booleans(),
+       seed=seeds())
+def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages, past_cap, seed):
+    q, kv8, bt, lens, _ = _case(seed, B, s_q, h_q, page, bad_pages=bad_pages, past_cap=past_cap)
     out, lse = _call(q, kv8, bt, lens, 512, causal=causal, num_splits=num_splits)
     _check(out, lse, q, kv8, bt, lens, causal=causal)
 
