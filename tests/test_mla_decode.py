@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gqla_triton.ops._common import sparse_rows
-from gqla_triton.ops.mla import mla_decode, mla_decode_ref
+from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
 
 # every buffer the launchers allocate starts NaN-filled: an element a kernel does not write fails the comparison
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -474,27 +474,33 @@ def test_gluon_config_has_one_key_ring():
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("s_q", [1, 3])
-def test_gluon_kernel_is_deterministic(sparse, s_q):
-    """The Gluon kernel over many tiles, with and without splits (s_q 3, dense: the boundary keys one per tile)
-    gives the same bits on every call, and the float64 reference's answer."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gluon_kernel_is_deterministic(fp8, sparse, s_q):
+    """The Gluon kernel over many tiles, with and without splits (s_q 3, dense: the boundary keys one per tile;
+    FP8: the in-place dequantisation of every stage) gives the same bits on every call, and the float64
+    reference's answer."""
     g = gen(11)
     B, h_q, page, S = 4, 16 if s_q > 1 else 128, 64, 3000
     lens = torch.tensor([S, S - 37, 1, 700], dtype=torch.int32).cuda()
     max_pages = math.ceil(S / page)
     bt = torch.randperm(B * max_pages, generator=g).reshape(B, max_pages).int().cuda()
     q = randn((B, s_q, h_q, 576), g, dtype=torch.bfloat16).cuda()
-    kv = randn((B * max_pages, page, 1, 576), g, dtype=torch.bfloat16).cuda()
+    kv = randn((B * max_pages, page, 1, 576), g, dtype=torch.float32)
+    kv = quantize_latent_fp8(kv).cuda() if fp8 else kv.to(torch.bfloat16).cuda()
+    ref_kv = dequantize_latent_fp8(kv, torch.bfloat16) if fp8 else kv  # the values the kernel multiplies
     idx = torch.randint(-2, S, (B, s_q, 2048), generator=g).int().cuda() if sparse else None
     for ns in (0, 3):
         o, l = mla_decode(q, kv, bt, lens, 512, indices=idx, num_splits=ns, impl="gluon")
         for _ in range(4):
             o2, l2 = mla_decode(q, kv, bt, lens, 512, indices=idx, num_splits=ns, impl="gluon")
             assert torch.equal(o, o2) and torch.equal(l, l2), f"num_splits={ns}: a repeat differs"
-        _check(o, l, q, kv, bt, lens, 512, True, torch.bfloat16, indices=idx)
+        _check(o, l, q, ref_kv, bt, lens, 512, True, torch.bfloat16, indices=idx)
 
 
-@pytest.mark.parametrize("sparse,split,tail", [(False, True, False), (True, False, False), (False, False, True)])
-def test_gluon_kernel_compiles_for_sm90(sparse, split, tail):
+@pytest.mark.parametrize("sparse,split,tail,fp8", [(False, True, False, False), (True, False, False, False),
+                                                   (False, False, True, False), (False, True, True, True),
+                                                   (True, False, False, True)])
+def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
     TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
@@ -502,7 +508,7 @@ def test_gluon_kernel_compiles_for_sm90(sparse, split, tail):
     import sys
 
     code = ("from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
-            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}); ptx = k.asm['ptx']; "
+            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}, fp8={fp8}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

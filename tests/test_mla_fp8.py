@@ -24,12 +24,14 @@ QDT = torch.bfloat16 if P.big else torch.float32  # the interpreter computes bf1
 HEADS = pick([16], [16, 64, 128])
 PAGE = pick([16, 32], [64])
 MAXLEN = pick(60, 1500)
+# on the GPU both kernels: "auto" takes the Gluon one on Hopper (bf16 q), "triton" the portable one
+IMPLS = pick(["auto"], ["auto", "triton"])
 
 
-def _call(q, kv_cache, block_table, cache_seqlens, head_dim_v, **kw):
+def _call(q, kv_cache, block_table, cache_seqlens, head_dim_v, impl="auto", **kw):
     """``mla_decode`` as the adversarial suite runs it (poisoned buffers; the address check under the interpreter)."""
     return run_op("mla", dict(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                              head_dim_v=head_dim_v, **kw), impl="auto")
+                              head_dim_v=head_dim_v, **kw), impl=impl)
 
 
 def _case(seed, B, s_q, h_q, page, *, bad_pages=False, scale=1.0, past_cap=False):
@@ -122,24 +124,24 @@ def test_quantizer_nonfinite_stays_in_its_tile_and_refusals():
 @settings(max_examples=examples(4, 12), deadline=None)
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from(HEADS), page=st.sampled_from(PAGE),
        causal=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), bad_pages=st.booleans(), past_cap=st.booleans(),
-       seed=seeds())
-def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages, past_cap, seed):
+       impl=st.sampled_from(IMPLS), seed=seeds())
+def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages, past_cap, impl, seed):
     q, kv8, bt, lens, _ = _case(seed, B, s_q, h_q, page, bad_pages=bad_pages, past_cap=past_cap)
-    out, lse = _call(q, kv8, bt, lens, 512, causal=causal, num_splits=num_splits)
+    out, lse = _call(q, kv8, bt, lens, 512, impl, causal=causal, num_splits=num_splits)
     _check(out, lse, q, kv8, bt, lens, causal=causal)
 
 
 @settings(max_examples=examples(4, 12), deadline=None)
 @given(B=st.integers(1, 3), s_q=st.integers(1, 2), topk=st.sampled_from([16, 40]), with_len=st.booleans(),
-       num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), seed=seeds())
-def test_sparse_fp8_vs_reference(B, s_q, topk, with_len, num_splits, uint8, seed):
+       num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), impl=st.sampled_from(IMPLS), seed=seeds())
+def test_sparse_fp8_vs_reference(B, s_q, topk, with_len, num_splits, uint8, impl, seed):
     """Sparse top-k over the FP8 cache; indices out of range, negative or past the table are ignored. The same
     bytes given as uint8 are the same cache."""
     q, kv8, bt, lens, g = _case(seed, B, s_q, 16, PAGE[0])
     idx = torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
     tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len else None
     cache = kv8.view(torch.uint8) if uint8 else kv8
-    out, lse = _call(q, cache, bt, lens, 512, indices=idx, topk_length=tl_, num_splits=num_splits)
+    out, lse = _call(q, cache, bt, lens, 512, impl, indices=idx, topk_length=tl_, num_splits=num_splits)
     _check(out, lse, q, kv8, bt, lens, indices=idx, topk_length=tl_)
 
 
@@ -174,12 +176,31 @@ def test_fp8_refusals_name_the_argument():
     odd = raw.as_strided(kv8.shape, (kv8.stride(0), kv8.stride(1), 3, 1))  # a size-1 dim with an odd stride
     with pytest.raises(ValueError, match="kv_cache.*strides .* multiples of 4"):
         mla_decode(q, odd, bt, lens, 512)
-    with pytest.raises(ValueError, match="impl='gluon'"):
-        mla_decode(q, kv8, bt, lens, 512, impl="gluon")
+    with pytest.raises(ValueError, match="impl='gluon'"):  # float32 q: the Gluon kernel takes bf16 only
+        mla_decode(q.float(), kv8, bt, lens, 512, impl="gluon")
     # the reference impl takes the layout too
     o, _ = mla_decode(q, kv8, bt, lens, 512, impl="reference")
     r, _ = mla_decode_ref(q, dequantize_latent_fp8(kv8.cpu(), torch.float64), bt, lens, 512)
     torch.testing.assert_close(o.double().cpu(), r.to(o.dtype).double(), rtol=0, atol=0)
+
+
+def test_which_fp8_caches_the_gluon_kernel_takes():
+    """The Gluon kernel's own conditions on an FP8 cache (a CPU check of shapes, strides and dtypes; on a Hopper GPU
+    ``impl="auto"`` takes it exactly where this says None, and the FP8 properties above run both kernels): bf16 q,
+    rows whose page and token strides and base are 16-byte aligned (the rope values come by cp.async)."""
+    from gqla_triton.ops.mla.gluon_sm90 import gluon_unsupported
+
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    kv8 = torch.zeros(3, 64, 1, FP8_ROW_BYTES, dtype=torch.float8_e4m3fn)
+    assert gluon_unsupported(q, kv8, 512) is None
+    assert gluon_unsupported(q, kv8.view(torch.uint8), 512) is None
+    assert "bf16 only" in gluon_unsupported(q.half(), kv8, 512)
+    assert "bf16 only" in gluon_unsupported(q.float(), kv8, 512)
+    raw = torch.zeros(3 * 64 * (FP8_ROW_BYTES + 4) + 4, dtype=torch.uint8)
+    padded = raw.as_strided((3, 64, 1, FP8_ROW_BYTES), (64 * (FP8_ROW_BYTES + 4), FP8_ROW_BYTES + 4, 1, 1))
+    assert "16-byte" in gluon_unsupported(q, padded, 512)  # 660-byte rows: the scales aligned, the rope not
+    assert "16-byte" in gluon_unsupported(q, raw[4:].as_strided(kv8.shape, kv8.stride()), 512)
+    assert "kv_cache dtype" in gluon_unsupported(q, torch.zeros(3, 64, 1, 576, dtype=torch.float16), 512)
 
 
 def test_fp8_under_torch_compile_fullgraph():

@@ -4,7 +4,8 @@ One program per (batch entry, KV split, 64-row tile), three partitions:
 
 * a producer warpgroup gathers each 64-key tile (64 cache rows x ``D`` channels, one 64-channel slab at a time)
   into a two-stage shared-memory ring with ``cp.async``, so any page size and sparse rows work alike; masked rows
-  are zero-filled;
+  are zero-filled. From an FP8 latent cache (``fp8.py``) it loads the e4m3 bytes, multiplies them by their
+  float32 tile scales and stores bf16 into the same ring, so the consumers are those of a bf16 cache;
 * two consumer warpgroups each own half of the value columns and compute each score tile ``S = Q·Kᵀ`` once,
   between them: the owner over latent channels 0-255 and the rope (its rope channels of Q in registers, the
   rest of Q in shared memory), the partner over channels 256-511, whose fp32 partial reaches the owner through
@@ -32,16 +33,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .fp8 import is_fp8_latent
 from .plan import MLAPlan
 
 # Triton 3.6 names the cp.async copy async_copy_global_to_shared; later releases call it async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# ... and the shared-memory view of other bytes ``_reinterpret`` and the CTA barrier ``thread_barrier``
+_reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
+                or gl.shared_memory_descriptor._reinterpret)
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
 SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(40)  # registers per thread of the producer warpgroup (setmaxnreg)
 CONSUMER_REGS = gl.constexpr(232)  # registers per thread of each consumer warpgroup
+# one split for both cache kinds: over an FP8 cache, 72 / 216 (room for the dequantising producer) is 7 % faster at
+# SM1 on the H200 (Triton 3.6), but the consumers at 216 registers return NaN rows in the boundary-key path (s_q 3,
+# causal) under compute-sanitizer, where 232 gives the reference's answer
 MAXNREG = 168  # register cap of the launch (4 default warps)
 
 __all__ = ["compile_sm90", "gluon_unsupported", "mla_decode_gluon", "mla_decode_gluon_kernel"]
@@ -105,54 +114,141 @@ def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
 
 
 @gluon.jit
+def _fill_stage(kv, kv_smem, sc_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
+                D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr):
+    """Fill stage ``s`` with the cache rows of key positions ``[k0, k0 + BLOCK_N)`` (those at or past ``hi`` or
+    not counting zero-filled); returns which rows count. bf16: every slab by ``cp.async`` (the consumers wait on
+    the copies). FP8 (``kv`` the cache's bytes, ``fp8.py`` layout): see ``_dequant_stage``."""
+    NSLAB: gl.constexpr = D // SLAB
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, cp)
+    cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
+    row, ok = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=rows), hi, rows_src, b64, qt, s_rb, s_rq, max_pages,
+                        num_pages, SPARSE, PAGE_SIZE)
+    base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
+    if FP8:
+        _dequant_stage(kv, kv_smem, sc_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages,
+                       num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE)
+    else:
+        for c in gl.static_range(NSLAB):
+            _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
+    return ok
+
+
+@gluon.jit
+def _dequant_stage(kv, kv_smem, sc_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+                   s_kvp, s_kvt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, SPARSE: gl.constexpr):
+    """Stage an FP8 tile in place. ``cp.async`` brings the rope values (bf16) into the rope slab and the e4m3
+    bytes of latent tile ``k`` (128 values per row) into latent slab ``4 + k``, as two 64 x 64-byte halves; the
+    float32 scales go to ``sc_smem`` [4, BLOCK_N]. Once the bytes have landed, tile ``k`` (``k`` = 0..3) becomes
+    bf16 slabs ``2k`` and ``2k + 1``: every thread loads its bytes of the tile, a partition barrier, then it
+    stores the values. The barrier orders each tile's stores after every load of the bytes they overwrite
+    (tiles 0 and 1 under tile 2's values, tile 2 and tile 3 itself under tile 3's). Rows that do not count are
+    zero bytes with scale 0."""
+    NSLAB: gl.constexpr = D // SLAB
+    NT: gl.constexpr = DV // 128  # scale tiles of 128 latent values
+    RB: gl.constexpr = 32  # rows per dequantisation pass: 16 values per thread
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])  # 16-byte copies and passes
+    scl: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # the ring as 64-byte rows: half h of slab c of stage s is raw.index(2 * (s * NSLAB + c) + h)
+    raw = _reinterpret(kv_smem, gl.uint8, [2 * STAGES * NSLAB, BLOCK_N, SLAB], plain)
+    RAW0: gl.constexpr = NT  # the slab of tile 0's bytes
+
+    cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
+    rope = (base + DV + 4 * NT).to(gl.pointer_type(gl.bfloat16), bitcast=True)
+    _async_load(kv_smem.index(s * NSLAB + NSLAB - 1), rope[:, None] + cc[None, :], mask=ok[:, None])
+    rowb, okb = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b16)), hi, rows_src, b64, qt, s_rb,
+                          s_rq, max_pages, num_pages, SPARSE, PAGE_SIZE)
+    bb = kv + (rowb // PAGE_SIZE).to(gl.int64) * s_kvp + (rowb % PAGE_SIZE).to(gl.int64) * s_kvt
+    cb = gl.arange(0, SLAB, layout=gl.SliceLayout(0, b16))
+    for k in gl.static_range(NT):
+        for h in gl.static_range(2):
+            _async_load(raw.index(2 * (s * NSLAB + RAW0 + k) + h), bb[:, None] + (128 * k + SLAB * h + cb)[None, :],
+                        mask=okb[:, None])
+    async_copy.commit_group()
+    rows_s, ok_s = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=scl), hi, rows_src, b64, qt, s_rb, s_rq, max_pages,
+                             num_pages, SPARSE, PAGE_SIZE)
+    bs = (kv + (rows_s // PAGE_SIZE).to(gl.int64) * s_kvp + (rows_s % PAGE_SIZE).to(gl.int64) * s_kvt + DV).to(
+        gl.pointer_type(gl.float32), bitcast=True)
+    for t in gl.static_range(NT):  # the previous tile's scales were read before its last barrier
+        sc_smem.index(t).store(gl.load(bs + t, mask=ok_s, other=0.0))
+    async_copy.wait_group(0)
+    _barrier()
+    for k in gl.static_range(NT):
+        src = 2 * (s * NSLAB + RAW0 + k)
+        u00 = raw.index(src).slice(0, RB, dim=0).load(b16)
+        u01 = raw.index(src).slice(RB, RB, dim=0).load(b16)
+        u10 = raw.index(src + 1).slice(0, RB, dim=0).load(b16)
+        u11 = raw.index(src + 1).slice(RB, RB, dim=0).load(b16)
+        _barrier()
+        dst = s * NSLAB + 2 * k
+        _store_rows(u00, sc_smem.index(k), kv_smem.index(dst), 0, RB, b16)
+        _store_rows(u01, sc_smem.index(k), kv_smem.index(dst), RB, RB, b16)
+        _store_rows(u10, sc_smem.index(k), kv_smem.index(dst + 1), 0, RB, b16)
+        _store_rows(u11, sc_smem.index(k), kv_smem.index(dst + 1), RB, RB, b16)
+
+
+@gluon.jit
+def _store_rows(u, sc_row, dst, r0, RB: gl.constexpr, lay: gl.constexpr):
+    """``dst[r0 : r0 + RB] = e4m3(u) * scale`` in bf16, ``u`` [RB, 64] bytes, the scales from ``sc_row`` [BLOCK_N]."""
+    sc = sc_row.slice(r0, RB).load(gl.SliceLayout(1, lay))
+    x = u.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+    dst.slice(r0, RB, dim=0).store(x.to(gl.bfloat16))
+
+
+@gluon.jit
+def _publish(ready, FP8: gl.constexpr):
+    """Every producer thread arrives on ``ready`` once its own copies have landed (the barrier counts them all);
+    one more arrival, after the partition's barrier, publishes the key mask and the stores of dequantised values
+    (fenced for the consumers' wgmma, which reads through the async proxy)."""
+    if FP8:
+        fence_async_shared()
+    async_copy.mbarrier_arrive(ready, increment_count=False)
+    mbarrier.arrive(ready, count=1)
+
+
+@gluon.jit
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
-     s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, sc_smem, ready, empty,
+     first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
      s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
      s_plq) = rt
-    NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, n_tail = _tile_rows(
         row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
         topk, max_pages, SPARSE, HAS_TOPK_LEN, BLOCK_N, PAGE_SIZE, TAIL)
     b64 = b.to(gl.int64)
     rk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp))
-    cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        row, ok = _key_rows(lo + j * BLOCK_N + rk, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
-                            SPARSE, PAGE_SIZE)
-        base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
-        for c in gl.static_range(NSLAB):
-            _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
+        k0 = lo + j * BLOCK_N
+        ok = _fill_stage(kv, kv_smem, sc_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+                         s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
         # per key: the first query token (within the tile's sequence) that sees it; NEVER where it counts for none
         first_q = gl.full([BLOCK_N], 0, gl.int32, layout=gl.SliceLayout(1, cp))
         if not SPARSE:
             if causal != 0:
-                first_q = gl.maximum(lo + j * BLOCK_N + rk - (seqlen - s_q), 0)
+                first_q = gl.maximum(k0 + rk - (seqlen - s_q), 0)
         first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
-        # every producer thread arrives once its own copies have landed (the barrier counts them all), and one
-        # more arrival publishes the key mask (after the partition's barrier)
-        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-        mbarrier.arrive(ready.index(s), count=1)
+        _publish(ready.index(s), FP8)
     if TAIL:  # the boundary keys, one per tile (row 0; the others zero-filled), through the same ring
         for jt in range(n_tail):
             j = n_tiles + jt
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-            kpos = t_lo + jt + rk
-            row, ok = _key_rows(kpos, t_lo + jt + 1, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
-                                SPARSE, PAGE_SIZE)
-            base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
-            for c in gl.static_range(NSLAB):
-                _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
-            first_q_smem.index(s).store(gl.where(ok, gl.maximum(kpos - (seqlen - s_q), 0), NEVER))
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            mbarrier.arrive(ready.index(s), count=1)
+            k0 = t_lo + jt
+            ok = _fill_stage(kv, kv_smem, sc_smem, s, k0, k0 + 1, rows_src, b64, qt, s_rb, s_rq, max_pages,
+                             num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
+            first_q_smem.index(s).store(gl.where(ok, gl.maximum(k0 + rk - (seqlen - s_q), 0), NEVER))
+            _publish(ready.index(s), FP8)
 
 
 @gluon.jit
@@ -211,8 +307,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
     then adds ``P·V`` for its half of the value columns."""
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
-     s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, sc_smem, ready, empty,
+     first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
      s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
      s_plq) = rt
@@ -234,7 +330,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     r = gl.arange(0, BLOCK_H, layout=row_s)
     qi = qt * QPT + r // HPT
     rvalid = (r // HPT < QPT) & (qi < s_q) & (ht * HPT + r % HPT < h_q)
-    q_a = gl.zeros([BLOCK_H, SLAB], kv.dtype.element_ty, layout=qa_l)
+    q_a = gl.zeros([BLOCK_H, SLAB], q.dtype.element_ty, layout=qa_l)
     if OWNER:  # the rope channels of Q, the A operand of the rope slab's product
         ra = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qa_l))
         ca = gl.arange(0, SLAB, layout=gl.SliceLayout(0, qa_l))
@@ -268,7 +364,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             mbarrier.arrive(s_free, count=1)
             sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-            pb = p.to(kv.dtype.element_ty)
+            pb = p.to(q.dtype.element_ty)
             kv_smem.index(s * NSLAB + ROPE).store(pb)
             a_smem.index(s).store(alpha)
             fence_async_shared()  # P was written by the generic proxy; the other warpgroup's wgmma reads it
@@ -371,10 +467,10 @@ def mla_decode_gluon_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
-    TAIL: gl.constexpr,
+    TAIL: gl.constexpr, FP8: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
-    dt: gl.constexpr = kv.dtype.element_ty
+    dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is dequantised to it
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(dt, [DV // SLAB, BLOCK_H, SLAB], sw)  # the latent channels of Q
@@ -385,6 +481,10 @@ def mla_decode_gluon_kernel(
     a_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], vec)  # the owner's row rescale per stage
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)  # the owner's final row sums
     first_q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], vec)
+    if FP8:  # the float32 scales of the tile the producer dequantises, per 128-value tile
+        sc_smem = gl.allocate_shared_memory(gl.float32, [DV // 128, BLOCK_N], vec)
+    else:
+        sc_smem = gl.allocate_shared_memory(gl.float32, [1, 1], vec)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -419,28 +519,32 @@ def mla_decode_gluon_kernel(
     fence_async_shared()
 
     # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
-    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty, first_q_smem,
-          s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
+    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, sc_smem, ready, empty,
+          first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
           qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
           s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
           s_plq)
     gl.warp_specialize([
         (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
         (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
-        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
+        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> str | None:
     """Why the Gluon kernel cannot run these inputs (None when it can); the GPU itself is checked by the caller."""
     D = q.shape[-1]
-    if kv_cache.dtype != q.dtype:
-        return f"kv_cache dtype {kv_cache.dtype} (the FP8 latent layout runs on the portable kernel)"
+    fp8 = is_fp8_latent(kv_cache)
+    if fp8 and q.dtype != torch.bfloat16:
+        return f"q dtype {q.dtype} with an FP8 latent cache (bf16 only: its rope values are bf16)"
+    if not fp8 and kv_cache.dtype != q.dtype:
+        return f"kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     if head_dim_v != 512 or D != 576:
         return f"head_dim_v {head_dim_v}, D {D} (latent 512 + rope 64 only)"
-    if kv_cache.stride(0) % 8 or kv_cache.stride(1) % 8 or kv_cache.data_ptr() % 16:
+    align = 16 // kv_cache.element_size()
+    if kv_cache.stride(0) % align or kv_cache.stride(1) % align or kv_cache.data_ptr() % 16:
         return "kv_cache rows not 16-byte aligned (cp.async copies 16 bytes)"
     return None
 
@@ -455,6 +559,9 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     num_pages, page_size = kv_cache.shape[:2]
     S = p.num_splits
     topk = rows_src.shape[-1] if sparse else 0
+    fp8 = is_fp8_latent(kv_cache)
+    if fp8:
+        kv_cache = kv_cache.view(torch.uint8)  # read as bytes; strides count bytes
     mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
         q, kv_cache, rows_src, cache_seqlens, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, qk_scale,
@@ -469,11 +576,12 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
         SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-        num_warps=4, maxnreg=MAXNREG,
+        FP8=fp8, num_warps=4, maxnreg=MAXNREG,
     )
 
 
-def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False):
+def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False,
+                 fp8: bool = False):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -485,8 +593,8 @@ def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: i
     fn = mla_decode_gluon_kernel
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail)
-    ptr = {"q": f"*{dtype}", "kv": f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
+                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8)
+    ptr = {"q": f"*{dtype}", "kv": "*u8" if fp8 else f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = [n for n in names if n in ptr or n.startswith("s_kv")]
