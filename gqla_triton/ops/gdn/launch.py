@@ -20,7 +20,7 @@ from .._common.host import cdiv, next_pow2
 from .config import WY_BWD_TILES
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
-from .kernels.options import gdn_beta_in_kernel, gdn_options_bwd_kernel
+from .kernels.options import gdn_beta_in_kernel, gdn_options_bwd_kernel, gdn_options_sum_kernel
 from .kernels.output import gdn_output_fwd_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
@@ -384,5 +384,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH)
     if gate is None:
         return dq, dk, dv, dg, dbeta, dh0
-    par = par.sum(-1)  # [2, HV]: the blocks' sums of dL/dA_log and dL/ddt_bias, in a fixed order
-    return dq, dk, dv, dg, dbeta, dh0, par[0].clone(), (par[1].clone() if gate[1] is not None else None)
+    has_bias = gate[1] is not None
+    da_log = empty(HV, dtype=torch.float32, device=dev)
+    ddt = empty(HV, dtype=torch.float32, device=dev) if has_bias else None
+    gdn_options_sum_kernel[(HV, 2 if has_bias else 1)](par, da_log, ddt if has_bias else da_log, HV, nprog,
+                                                       BLOCK=min(1024, max(16, next_pow2(nprog))))
+    return dq, dk, dv, dg, dbeta, dh0, da_log, ddt

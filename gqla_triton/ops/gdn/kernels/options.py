@@ -1,5 +1,6 @@
 """fla's in-kernel options in the backward: beta as the recurrence takes it, and the chain rule of the beta transform
-and of the gate, one elementwise pass over the ``[rows, HV]`` arrays on each side of ``wy_bwd``.
+and of the gate, one elementwise pass over the ``[rows, HV]`` arrays on each side of ``wy_bwd``, then the
+gate parameters' gradients as fixed-order sums of that pass's block partials (one launch for both).
 
 ``wy_bwd`` runs at the register limit on sm_90: the sigmoid and the gate derivative inside it cost it 4-7 % (G1 on
 the H200), while these passes read and write a few bytes per token and head. So the backward's chunk kernels run
@@ -50,3 +51,21 @@ def gdn_options_bwd_kernel(beta, dbt, dbeta, a, dgl, dg, a_log, dt_bias, part, R
         np_ = tl.num_programs(0)
         tl.store(part + h * np_ + pid, tl.sum(tl.where(m, rev * gv, 0.0), 0), mask=h < HV)
         tl.store(part + (HV + h) * np_ + pid, tl.sum(tl.where(m, da, 0.0), 0), mask=h < HV)
+
+
+@triton.jit
+def gdn_options_sum_kernel(part, da_log, ddt_bias, HV, NP, BLOCK: tl.constexpr):
+    """dL/dA_log (program axis 1 = 0) or dL/ddt_bias (= 1) of value head ``program_id(0)``: the sum of the ``NP``
+    block partials ``part [2, HV, NP]`` fp32 in a fixed order (blocks of BLOCK, then their running sum), fp32."""
+    h = tl.program_id(0)
+    which = tl.program_id(1)
+    row = part + (which * HV + h).to(tl.int64) * NP
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, NP, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        acc += tl.load(row + o, mask=o < NP, other=0.0)
+    total = tl.sum(acc, 0)
+    if which == 0:
+        tl.store(da_log + h, total)
+    else:
+        tl.store(ddt_bias + h, total)
