@@ -278,12 +278,17 @@ def _partial_scores(q_a, q_smem, kv_smem, s, FIRST: gl.constexpr, NSLAB: gl.cons
 
 
 @gluon.jit
-def _pv(p_op, a_o, kv_smem, v0, o0, o1, o2, o3):
-    """``o = o·alpha + P·V`` over the four value slabs from ``kv_smem.index(v0)`` (P from registers or shared)."""
+def _pv(p_op, a_o, kv_smem, v0, o0, o1, o2, o3, P_REGS: gl.constexpr):
+    """``o = o·alpha + P·V`` over the four value slabs from ``kv_smem.index(v0)``: P from registers (``P_REGS``)
+    or shared memory. P in registers is an operand the asynchronous wgmma reads until the wait, so the wait keeps it
+    alive (without that the compiler may reuse its registers while the products still read them)."""
     o0 = warpgroup_mma(p_op, kv_smem.index(v0 + 0), o0 * a_o, is_async=True)
     o1 = warpgroup_mma(p_op, kv_smem.index(v0 + 1), o1 * a_o, is_async=True)
     o2 = warpgroup_mma(p_op, kv_smem.index(v0 + 2), o2 * a_o, is_async=True)
     o3 = warpgroup_mma(p_op, kv_smem.index(v0 + 3), o3 * a_o, is_async=True)
+    if P_REGS:
+        o0, o1, o2, o3, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3, p_op))
+        return o0, o1, o2, o3
     return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
 
 
@@ -356,7 +361,10 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         mbarrier.wait(ready.index(s), ph)
         fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
         sacc = _partial_scores(q_a, q_smem, kv_smem, s, FIRST, NSLAB, VS, BLOCK_H, BLOCK_N, OWNER, s_l)
-        sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
+        if OWNER:  # q_a, the rope product's register operand, stays alive until the wait
+            sacc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, q_a))
+        else:
+            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
         if OWNER:
             first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
             mbarrier.wait(s_full, j & 1)
@@ -380,12 +388,12 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             a_o = a_smem.index(s).load(row_o)[:, None]
         if TAIL:
             if j < n_tiles:
-                o0, o1, o2, o3 = _pv(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3)
+                o0, o1, o2, o3 = _pv(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3, OWNER)
             else:
                 o0, o1, o2, o3 = _pv_boundary(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3, zero,
                                               ((t_lo + j - n_tiles) <= last_o)[:, None])
         else:
-            o0, o1, o2, o3 = _pv(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3)
+            o0, o1, o2, o3 = _pv(p_op, a_o, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3, OWNER)
         mbarrier.arrive(empty.index(s), count=1)
 
     # epilogue: normalise and store this half's value columns (and lse from the owner). As
