@@ -48,7 +48,7 @@ SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, o
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(40)  # registers per thread of the producer warpgroup (setmaxnreg)
 CONSUMER_REGS = gl.constexpr(232)  # registers per thread of each consumer warpgroup
-# one split for both cache kinds: over an FP8 cache, 72 / 216 (room for the dequantising producer) is 7 % faster at
+# one split for both cache kinds: over an FP8 cache, 72 / 216 (room for the dequantising producer) is 6 % faster at
 # SM1 on the H200 (Triton 3.6), but the consumers at 216 registers return NaN rows in the boundary-key path (s_q 3,
 # causal) under compute-sanitizer, where 232 gives the reference's answer
 MAXNREG = 168  # register cap of the launch (4 default warps)
