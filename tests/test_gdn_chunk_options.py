@@ -315,6 +315,33 @@ def test_gate_in_kernel_vs_recurrence(lens, varlen, G, bias, save, seg, dtype, s
         assert_close(f"d{name}", a.grad, r.grad, lw.grad, dtype=dtype)
 
 
+@pytest.mark.parametrize("NP", [1, 17, 1024, 2500])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_parameter_gradients_sum_every_block(NP, bias):
+    """dA_log and ddt_bias from the options pass's block partials (``gdn_options_sum_kernel``): any number of
+    blocks (one, a ragged one, exactly one loop step, several with a ragged last one) gives the float64 sum to fp32
+    rounding, the same bits on every call, and without dt_bias nothing but dA_log is written."""
+    from gqla_triton.ops._common.host import next_pow2
+    from gqla_triton.ops.gdn.kernels.options import gdn_options_sum_kernel
+
+    HV = 3
+    part = randn((2, HV, NP), 7)
+    ref = part.double().sum(-1)
+    outs = []
+    for _ in range(2):
+        da, ddt = (torch.full((HV,), float("nan"), device=P.device) for _ in range(2))
+        gdn_options_sum_kernel[(HV, 2 if bias else 1)](part, da, ddt if bias else da, HV, NP,
+                                                       BLOCK=min(1024, max(16, next_pow2(NP))))
+        outs.append((da, ddt))
+    bound = 2 * NP * 2.0 ** -24 * part.double().abs().sum(-1)
+    assert ((outs[0][0].double() - ref[0]).abs() <= bound[0]).all()
+    if bias:
+        assert ((outs[0][1].double() - ref[1]).abs() <= bound[1]).all()
+    else:
+        assert outs[0][1].isnan().all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num())
+
+
 def test_gate_in_kernel_pool_reference_and_errors():
     """The pooled call with the in-kernel gate equals the op on gathered states bitwise; impl="reference" applies the
     same gate; the gate's parameters are checked (A_log required, neither without the flag, shapes / devices), and
