@@ -361,11 +361,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         mbarrier.wait(ready.index(s), ph)
         fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
         sacc = _partial_scores(q_a, q_smem, kv_smem, s, FIRST, NSLAB, VS, BLOCK_H, BLOCK_N, OWNER, s_l)
-        if OWNER:  # q_a, the rope product's register operand, stays alive until the wait
-            sacc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, q_a))
-        else:
-            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
         if OWNER:
+            sacc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, q_a))  # q_a: the rope product's operand
             first_q = first_q_smem.index(s).load(gl.SliceLayout(0, s_l))  # the producer's key mask
             mbarrier.wait(s_full, j & 1)
             sacc = sacc + s_smem.load(s_l)
@@ -380,6 +377,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             p_op = gl.convert_layout(pb, p_l)
             a_o = gl.convert_layout(alpha, row_o)[:, None]
         else:
+            sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
             mbarrier.wait(s_free, (j & 1) ^ 1)
             s_smem.store(sacc)
             mbarrier.arrive(s_full, count=1)
