@@ -289,16 +289,19 @@ def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | No
     return cfg
 
 
-def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any = None):
+def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any = None,
+                  info: DeviceInfo | None = None):
     """Launch config of ``op`` on this GPU: an instance of its schema (``schema(op)``).
 
     ``key`` holds the shape features the table may match on (e.g. ``{"K": 128, "V": 128}``; the names are the
     schema's ``MATCH``). Lookup: the table of this GPU, then ``default.json``, then the overrides. Under the
-    interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
+    interpreter only ``interpreter.json`` is read, so exactly one config is ever seen. ``info``: the device's
+    ``device_info`` where the caller has it (then ``device`` is not read).
     """
     if key is not None and not isinstance(key, Mapping):
         raise TypeError(f"select_config: key expected a mapping of shape features or None, got {type(key).__name__}")
-    info = device_info(device)
+    if info is None:
+        info = device_info(device)
     cfg = table_config(info.key, op, key, fallback=not info.interpreter)
     if cfg is None:
         raise KeyError(f"select_config: no config for op {op!r} (key {dict(key or {})}) in configs/{info.key}.json")

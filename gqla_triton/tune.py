@@ -251,7 +251,7 @@ def _gdn_chunk_target(tiny: bool) -> Target:
         space[f"{stage}_num_stages"] = (1, 2, 3)
     for flag in ("out_early", "dvl_early", "grad_early", "grad_late", "grad_trans", "wy_bwd_late", "wy_bwd_trans"):
         space[flag] = (False, True)
-    stages = {"wy": ("gdn_wy_fwd_kernel",), "wu": ("gdn_wu_fwd_kernel", "gdn_wu_fix_kernel"),
+    stages = {"wy": ("gdn_wy_fwd_kernel",), "wu": ("gdn_wu_fwd_kernel",),
               "state": ("gdn_state_fwd_kernel",), "out": ("gdn_output_fwd_kernel",), "dvl": ("gdn_dv_local_kernel",),
               "state_bwd": ("gdn_state_bwd_kernel",), "grad": ("gdn_grad_chunk_kernel",),
               "wy_bwd": ("gdn_wy_bwd_kernel",)}

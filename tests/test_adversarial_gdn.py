@@ -155,8 +155,8 @@ def test_nonfinite_token_spares_the_chunks_earlier_tokens_and_other_sequences(wh
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
-def test_nonfinite_fix_launches_stay_in_bounds():
-    """The second launches over chunks with non-finite inputs (odd head dims: masked tiles; varlen) address only
+def test_nonfinite_paths_stay_in_bounds():
+    """The kernels' paths over chunks with non-finite inputs (odd head dims: masked tiles; varlen) address only
     the tensors passed in and the op's own buffers, forward and backward."""
     from addresscheck import AddressCheck
 

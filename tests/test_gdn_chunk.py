@@ -572,7 +572,7 @@ def test_fused_output_rule():
         q, v = torch.zeros(1, T, 1, 16, device=P.device), torch.zeros(1, T, 2, 16, device=P.device)
         with config_override({"gdn_chunk": fields}):
             plan = plan_mod.chunk_plan(q, v, None if cu is None else torch.tensor(cu, device=P.device), cu)
-            return launch_mod._fuse_out(plan, 2, 16, q)
+            return launch_mod._fuse_out(plan, 2, 16)
 
     assert fused(64 * 4, sout_chunks=4) and not fused(64 * 4 + 1, sout_chunks=4)
     assert not fused(64, sout_chunks=0)

@@ -12,7 +12,7 @@ so a wrong answer also fails (exit 1).
 
 Then the non-finite cases: one NaN / +inf per input (q, k, v, g, beta, initial state; g = -inf as the valid full
 decay) at a token inside a chunk, dense and varlen, K = V = 128 and the masked odd dims K = 24 / V = 20, forward
-and backward (the second launches over marked chunks run here). The output and final state must be non-finite
+and backward (the non-finite paths of the marked chunks run here). The output and final state must be non-finite
 exactly where the float64 recurrence is and within the tolerance above elsewhere; the gradients of the clean
 sequence must be finite.
 """

@@ -184,8 +184,14 @@ class _ChunkGDN(torch.autograd.Function):
 
 def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
            neg_eigval, A_log, dt_bias, chunk_size, *, cu_host):
-    return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size),
-                           save_states, needs_grad, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
+    """The eager forward: through ``_ChunkGDN`` where a backward may follow, else the launchers themselves (no
+    autograd node to build: its cost paces short inference chunks)."""
+    plan = chunk_plan(q, v, cu_seqlens, cu_host, chunk_size)
+    if not needs_grad:
+        return _fwd(q, k, v, g, beta, scale, initial_state, plan, False, False, v_first, beta_sigmoid, neg_eigval,
+                    A_log, dt_bias)
+    return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, plan, save_states, needs_grad, v_first,
+                           beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 # ------------------------------------------------------------------------------------------- state pool (inference)

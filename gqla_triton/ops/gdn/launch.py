@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...dispatch import device_info
+from ...dispatch import DeviceInfo
 from .._common.alloc import empty
 from .._common.host import cdiv, next_pow2
 from .config import WY_BWD_TILES
@@ -25,7 +25,7 @@ from .kernels.output import gdn_output_fwd_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
 from .kernels.state_bwd import gdn_state_bwd_kernel
-from .kernels.wu import gdn_wu_fix_kernel, gdn_wu_fwd_kernel
+from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
 from .plan import ChunkPlan
@@ -75,10 +75,9 @@ def h_rows(B: int, T: int, N: int, varlen: bool, BT: int) -> int:
     return cdiv(T, BT) + N if varlen else B * cdiv(T, BT)
 
 
-def _state_bv(bv: int, V: int, programs: int, t: torch.Tensor, floor: int = 16) -> int:
+def _state_bv(bv: int, V: int, programs: int, info: DeviceInfo, floor: int = 16) -> int:
     """Narrow the V block of the sequential state passes (not below ``floor``) while they would leave half the
-    SMs idle."""
-    info = device_info(t)
+    SMs of the device ``info`` idle."""
     bv = min(bv, tile(V))
     if info.interpreter:
         return bv
@@ -151,7 +150,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
                         state_indices=state_indices, v_first=v_first)
         cu, co, units, store_ht, varlen = split.cu, split.coff, split.nseg, False, True
     row_pool = pool and split is None  # the state pass itself reads and writes the pool
-    BV = _state_bv(cfg.state_bv, V, units * HV, k)
+    BV = _state_bv(cfg.state_bv, V, units * HV, plan.gpu)
     q, o, vbad, scale = out if out is not None else (dummy, dummy, dummy, 1.0)
     launch = cfg.launch("sout" if out is not None else "state")
     gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
@@ -163,7 +162,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     return h, vnew, ht, split
 
 
-def _fuse_out(plan: ChunkPlan, HV: int, V: int, t: torch.Tensor) -> bool:
+def _fuse_out(plan: ChunkPlan, HV: int, V: int) -> bool:
     """Whether the forward's state pass forms the output itself (``sout``; config ``sout_chunks`` / ``sout_waves``):
     no state program runs more than sout_chunks chunks and there are at most sout_waves programs per SM."""
     cfg = plan.cfg
@@ -172,8 +171,8 @@ def _fuse_out(plan: ChunkPlan, HV: int, V: int, t: torch.Tensor) -> bool:
     units, longest = (plan.N, plan.max_chunks) if plan.seg is None else (plan.seg.nseg, plan.seg.L)
     if longest > cfg.sout_chunks:
         return False
-    info = device_info(t)
-    programs = cdiv(V, _state_bv(cfg.state_bv, V, units * HV, t)) * units * HV
+    info = plan.gpu
+    programs = cdiv(V, _state_bv(cfg.state_bv, V, units * HV, info)) * units * HV
     return info.interpreter or programs <= cfg.sout_waves * info.sm_count
 
 
@@ -197,19 +196,11 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_e
     dummy = k
     BK, BV = wu_tiles(cfg, K, V)
     vbad = empty(B, plan.NG, HV, dtype=torch.int32, device=k.device)
-    # then the fix over the chunks with non-finite inputs (the others return at once), unpipelined: a rare path
-    for kernel, launch in ((gdn_wu_fwd_kernel, cfg.launch("wu")), (gdn_wu_fix_kernel, _fix_launch(cfg, "wu"))):
-        kernel[(plan.NG, B * HV)](
-            k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy,
-            plan.cidx if plan.varlen else dummy, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV,
-            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **launch)
+    gdn_wu_fwd_kernel[(plan.NG, B * HV)](
+        k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
+        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid,
+        NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
     return w, u, vbad
-
-
-def _fix_launch(cfg, stage: str) -> dict:
-    """Launch options of a stage's second launch over the chunks with non-finite inputs: the stage's warps, one
-    stage (no software pipelining: the rare path stays clear of Triton 3.6's pipelined multi-dot miscompiles)."""
-    return {**cfg.launch(stage), "num_stages": 1}
 
 
 def _gate_args(gate: tuple | None) -> dict:
@@ -252,19 +243,16 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
         vbad = dummy
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    fused = fuse and _fuse_out(plan, HV, V, q)
+    fused = fuse and _fuse_out(plan, HV, V)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
                                          rows=h_rows(B, T, plan.N, plan.varlen, plan.BT) if keep_h else None,
                                          state_indices=state_indices, v_first=v_first,
                                          out=(q, o, vbad, scale) if fused else None, store_steps=keep_h or not fused)
     if plan.NTT > 0 and not fused:
         BV = min(cfg.out_bv, tile(V))
-        # every chunk, then those with a non-finite v again (the others return at once)
-        for nonfinite, launch in ((False, cfg.launch("out")), (True, _fix_launch(cfg, "out"))):
-            gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
-                q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
-                BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, NONFINITE=nonfinite,
-                **launch)
+        gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
+            q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
+            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, **cfg.launch("out"))
     if keep_h:
         return o, ht, gc, Ainv, States(w, h, vnew)
     return o, ht, gc, Ainv
@@ -326,7 +314,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         EARLY=cfg.dvl_early, IS_VARLEN=varlen, **cfg.launch("dvl"))
     dhe = empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
-    BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, k)
+    BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, plan.gpu)
     NVB = cdiv(V, BV)
     if split is None:
         gdn_state_bwd_kernel[(NVB, N * HV)](

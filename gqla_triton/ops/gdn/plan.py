@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...dispatch import select_config
+from ...dispatch import DeviceInfo, device_info, select_config
 from .._common.host import cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
 
@@ -40,6 +40,7 @@ class ChunkPlan(NamedTuple):
     batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``."""
 
     cfg: ChunkConfig
+    gpu: DeviceInfo  # the inputs' device (``dispatch.device_info``)
     BT: int  # chunk size (one of CHUNK_SIZES)
     N: int  # sequences
     seq_cu: tuple[int, ...]  # token bounds of the sequences in the flattened [B·T] rows, N+1 values
@@ -151,7 +152,8 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     BT = chunk_size
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cfg = select_config("gdn_chunk", config_key(K, V), device=q.device)
+    gpu = device_info(q)
+    cfg = select_config("gdn_chunk", config_key(K, V), info=gpu)
     if cu_seqlens is None:
         NT = cdiv(T, BT)
         seq_cu = tuple(range(0, (B + 1) * T, T))
@@ -164,4 +166,4 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     longest = max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
-    return ChunkPlan(cfg, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest)
+    return ChunkPlan(cfg, gpu, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest)

@@ -12,20 +12,15 @@ from .wu import VBAD_V, _vbad_at
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, NT, H,
                           HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          NONFINITE: tl.constexpr = False):
+                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block.
     q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines). EARLY: v_new and gc are
     loaded before that loop (their latency overlaps it) instead of after it.
 
-    NONFINITE: the second launch, over the chunks ``wu`` marked in vbad (a non-finite v; the others return at
-    once). Their v_new is non-finite in a suffix of each column's rows; the product then reads the finite entries
-    only (a later row's NaN must not reach an earlier row as 0·NaN), the rows from each column's first
-    non-finite one on are NaN, and o is stored over the first launch's."""
+    A chunk ``wu`` marked in vbad (a non-finite v) has v_new non-finite in a suffix of each column's rows; its
+    product reads the finite entries only (a later row's NaN must not reach an earlier row as 0·NaN), and the rows
+    from each column's first non-finite one on are NaN."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if NONFINITE:
-        if (tl.load(vbad + _vbad_at(i_t, i_bh, tl.num_programs(1), HV)) & VBAD_V) == 0:
-            return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     i_ch = _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN)
     cv = i_v * BV + tl.arange(0, BV)
@@ -51,11 +46,11 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, 
     P = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0)
     if not EARLY:
         vn = tl.load(vnew + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-    if NONFINITE:
+    oi = oi * tl.exp(gg)[:, None]
+    if (tl.load(vbad + _vbad_at(i_t, i_bh, tl.num_programs(1), HV)) & VBAD_V) != 0:
         ok = tl.abs(vn.to(tl.float32)) < float("inf")
-        vn = tl.where(ok, vn, 0.0).to(vn.dtype)
-    out = (oi * tl.exp(gg)[:, None] + tl.dot(P.to(vn.dtype), vn)) * scale
-    if NONFINITE:
-        out = _nan_from_first_bad(out, ok, BT)
+        out = _nan_from_first_bad((oi + tl.dot(P.to(vn.dtype), tl.where(ok, vn, 0.0).to(vn.dtype))) * scale, ok, BT)
+    else:
+        out = (oi + tl.dot(P.to(vn.dtype), vn)) * scale
     tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
 

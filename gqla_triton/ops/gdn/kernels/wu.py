@@ -30,28 +30,19 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
 
     Non-finite inputs: gc is NaN from the chunk's first token with a non-finite k, beta or decay on (``wy``), and
     w and u are NaN there through it downstream; a non-finite v[t, c] makes u's column c NaN from row t on. The
-    products here would also carry a later row's NaN to the earlier rows through their zeros (0·NaN):
-    ``gdn_wu_fix_kernel`` forms the chunks vbad marks again."""
+    products would also carry a later row's NaN to the earlier rows through their zeros (0·NaN): a chunk with
+    any non-finite input forms w and u again from its finite entries (``_wu_rows_nonfinite``, in loops the
+    compiler does not pipeline: a rare path), stored over the first results after a barrier."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     nbv, ndead = _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV, BETA_SIGMOID,
                           NEG_EIGVAL)
-    tl.store(vbad + _vbad_at(i_t, i_bh, tl.num_programs(0), HV), tl.where(nbv > 0, VBAD_V, 0) + tl.where(ndead > 0, VBAD_ROWS, 0))
-
-
-@triton.jit(do_not_specialize=["T", "H", "HV"])
-def gdn_wu_fix_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
-    """The second launch of the ``wu`` stage (``gdn_wu_fwd_kernel``'s grid and arguments): the chunks vbad marks
-    get w and u from the live rows' finite entries only, with u's columns poisoned, stored over the first
-    results; the others return at once."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    if tl.load(vbad + _vbad_at(i_t, i_bh, tl.num_programs(0), HV)) == 0:
-        return
-    i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
-    _wu_rows_nonfinite(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV, BETA_SIGMOID,
-                       NEG_EIGVAL)
+    bad = tl.where(nbv > 0, VBAD_V, 0) + tl.where(ndead > 0, VBAD_ROWS, 0)
+    tl.store(vbad + _vbad_at(i_t, i_bh, tl.num_programs(0), HV), bad)
+    if bad != 0:
+        tl.debug_barrier()  # the first results' stores are ordered before the stores over them
+        _wu_rows_nonfinite(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV, BETA_SIGMOID,
+                           NEG_EIGVAL)
 
 
 @triton.jit
@@ -100,13 +91,13 @@ def _wu_rows_nonfinite(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K
     Ad, b, gcv = _wu_chunk(beta, gc, Ainv, x, valid, i_hv, HV, BT, k.dtype.element_ty, BETA_SIGMOID, NEG_EIGVAL)
     live = gcv == gcv
     s = tl.where(live, b * tl.exp(gcv), 0.0)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=1):
         ck = k0 + tl.arange(0, BK)
         mk = valid[:, None] & (ck[None, :] < K)
         kk = tl.load(k + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
         wk = tl.dot(Ad, tl.where(live[:, None], kk * s[:, None], 0.0).to(Ad.dtype))
         tl.store(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], wk.to(w.dtype.element_ty), mask=mk)
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=1):
         cv = v0 + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)

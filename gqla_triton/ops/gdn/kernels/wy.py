@@ -59,13 +59,18 @@ def _ld16(k, rows, valid, i_h, c, H, K: tl.constexpr):
 
 
 @triton.jit
-def _ld_g(g, na, bias, rows, valid, i_hv, HV, GATE: tl.constexpr):
-    """g of 16 rows in fp64, floored at G_FLOOR: every fp32 decay through a floored token is 0, as for g = -inf,
-    and the cumulative sums stay finite. GATE: g holds the raw gate input (``_gate_in`` with the parameters
-    (na, bias) of ``_gate_par``); rows past the sequence are 0."""
-    x = tl.load(g + rows * HV + i_hv, mask=valid, other=0.0)
+def _ld_row(x, rows, valid, i_hv, HV):
+    """One value per row of a ``[rows, HV]`` tensor (g or beta) at value head i_hv, fp32, 0 past the sequence."""
+    return tl.load(x + rows * HV + i_hv, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _g_in(x, na, bias, valid, GATE: tl.constexpr):
+    """The loaded g of 16 rows (fp32) as the cumulative sum takes it, in fp64, floored at G_FLOOR: every fp32 decay
+    through a floored token is 0, as for g = -inf, and the cumulative sums stay finite. GATE: x holds the raw gate
+    input (``_gate_in`` with the parameters (na, bias) of ``_gate_par``); rows past the sequence are 0."""
     if GATE:
-        gv, _ = _gate_in(x.to(tl.float32), na, bias)
+        gv, _ = _gate_in(x, na, bias)
         x = tl.where(valid, gv, 0.0)
     x = x.to(tl.float64)
     return tl.where(x < _G_FLOOR, _G_FLOOR, x)  # not tl.maximum: on the GPU it returns the non-NaN operand
@@ -122,32 +127,16 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
         x1 = bos + t_1
     if NB == 4:
         x2, x3 = bos + t_2, bos + t_3
-    # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
-    # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
+    # g, beta (and the gate's parameters) are loaded here and taken after the K loop, which hides their latency
     na, bias = 0.0, 0.0
     if GATE:  # the parameters once, for every block
         na, bias = _gate_par(a_log, dt_bias, i_hv, HAS_BIAS)
-    g0 = _ld_g(g, na, bias, x0, v0, i_hv, HV, GATE)
+    g0, b0 = _ld_row(g, x0, v0, i_hv, HV), _ld_row(beta, x0, v0, i_hv, HV)
     if NB >= 2:
-        g1 = _ld_g(g, na, bias, x1, v1, i_hv, HV, GATE)
+        g1, b1 = _ld_row(g, x1, v1, i_hv, HV), _ld_row(beta, x1, v1, i_hv, HV)
     if NB == 4:
-        g2 = _ld_g(g, na, bias, x2, v2, i_hv, HV, GATE)
-        g3 = _ld_g(g, na, bias, x3, v3, i_hv, HV, GATE)
-    c0 = tl.cumsum(g0, 0).to(tl.float32)
-    if NB >= 2:
-        c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
-    if NB == 4:
-        c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
-        c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
-    b0 = _beta_in(tl.load(beta + x0 * HV + i_hv, mask=v0, other=0.0).to(tl.float32), v0, BETA_SIGMOID, NEG_EIGVAL)
-    if NB >= 2:
-        b1 = _beta_in(tl.load(beta + x1 * HV + i_hv, mask=v1, other=0.0).to(tl.float32), v1, BETA_SIGMOID,
-                      NEG_EIGVAL)
-    if NB == 4:
-        b2 = _beta_in(tl.load(beta + x2 * HV + i_hv, mask=v2, other=0.0).to(tl.float32), v2, BETA_SIGMOID,
-                      NEG_EIGVAL)
-        b3 = _beta_in(tl.load(beta + x3 * HV + i_hv, mask=v3, other=0.0).to(tl.float32), v3, BETA_SIGMOID,
-                      NEG_EIGVAL)
+        g2, b2 = _ld_row(g, x2, v2, i_hv, HV), _ld_row(beta, x2, v2, i_hv, HV)
+        g3, b3 = _ld_row(g, x3, v3, i_hv, HV), _ld_row(beta, x3, v3, i_hv, HV)
     z = tl.zeros([16, 16], dtype=tl.float32)
     a00 = z
     if NB >= 2:
@@ -180,6 +169,24 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
             a30 += tl.dot(k3t, tl.trans(k0t))
             a31 += tl.dot(k3t, tl.trans(k1t))
             a32 += tl.dot(k3t, tl.trans(k2t))
+    # the chunk-local cumsum in fp64, then rounded to fp32: with strong decay it reaches |gc| ~ 1e3, where fp32's
+    # accumulated rounding would make the decays e^(gc_i - gc_j) of nearby rows visibly inexact
+    g0 = _g_in(g0, na, bias, v0, GATE)
+    if NB >= 2:
+        g1 = _g_in(g1, na, bias, v1, GATE)
+    if NB == 4:
+        g2, g3 = _g_in(g2, na, bias, v2, GATE), _g_in(g3, na, bias, v3, GATE)
+    c0 = tl.cumsum(g0, 0).to(tl.float32)
+    if NB >= 2:
+        c1 = (tl.cumsum(g1, 0) + tl.sum(g0, 0)).to(tl.float32)
+    if NB == 4:
+        c2 = (tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)).to(tl.float32)
+        c3 = (tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)).to(tl.float32)
+    b0 = _beta_in(b0, v0, BETA_SIGMOID, NEG_EIGVAL)
+    if NB >= 2:
+        b1 = _beta_in(b1, v1, BETA_SIGMOID, NEG_EIGVAL)
+    if NB == 4:
+        b2, b3 = _beta_in(b2, v2, BETA_SIGMOID, NEG_EIGVAL), _beta_in(b3, v3, BETA_SIGMOID, NEG_EIGVAL)
     # Non-finite inputs: from the chunk's first token with a non-finite k, beta or decay (row fb) on, the recurrence
     # is NaN. gc is stored NaN from fb on, which carries that to every output and state downstream; the inverse
     # runs on the rows before fb (the A rows from fb on are zeroed, so no 0·NaN reaches the earlier rows). The rows
