@@ -12,6 +12,11 @@ its outputs and gradients are compared with the table config's (max relative err
 shows. ``--fwd-only`` profiles the forward alone; ``--recompute`` uses ``save_states=False``; ``--inputs gate`` runs
 fla's in-kernel gate and beta sigmoid and ``--inputs gate_values`` the plain call on the very values they form, so
 the two runs' difference per kernel is what those options cost.
+
+``--host`` measures the host side of one inference forward instead (no autograd; C1-C3 from their initial
+states): CPU ms per call without synchronising, the same with every Triton launch replaced by a no-op (what
+validation, planning and allocation cost), and the GPU ms per call (torch.profiler). A call is host-bound where
+the first exceeds the last.
 """
 
 from __future__ import annotations
@@ -91,6 +96,47 @@ def _child(a, fields: dict) -> dict:
     return {"max_rel_err_vs_table": max(rel_err(x, y) for x, y in zip(out, ref, strict=True)), "kernels_ms": times}
 
 
+def _host(name: str, iters: int) -> dict:
+    """``--host``: CPU and GPU ms per inference forward of workload ``name``."""
+    import time
+
+    import torch
+    from triton.runtime.jit import KernelInterface
+
+    import gqla_triton as gq
+    from bench.gdn import WORKLOADS, _initial_state, _inputs
+
+    q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
+    kw = dict(initial_state=_initial_state(WORKLOADS[name]), output_final_state=True, cu_seqlens=cu)
+    if cu is not None:
+        kw["cu_seqlens_cpu"] = cu.cpu()
+
+    def step():
+        return gq.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+
+    def cpu_ms():
+        best = float("inf")
+        for _ in range(5):  # the best of five rounds: other processes on the host only ever add time
+            t = time.perf_counter()
+            for _ in range(iters):
+                step()
+            best = min(best, (time.perf_counter() - t) / iters * 1e3)
+            torch.cuda.synchronize()
+        return best
+
+    step()
+    torch.cuda.synchronize()
+    host = cpu_ms()
+    gpu = sum(_kernel_times(step, iters).values())
+    launch = KernelInterface.__getitem__
+    KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    try:
+        python = cpu_ms()
+    finally:
+        KernelInterface.__getitem__ = launch
+    return {"host_ms": host, "host_ms_without_launches": python, "gpu_ms": gpu}
+
+
 def main(argv=None) -> int:
     from tools._common import parse_configs, write_json
 
@@ -103,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inputs", choices=INPUTS, default="plain",
                     help="plain: g and beta as given; gate: fla's in-kernel gate and beta sigmoid on the same tensors; "
                          "gate_values: the plain call on the g and beta those options form (bench.gdn)")
+    ap.add_argument("--host", action="store_true", help="the host cost of an inference forward (see above)")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one variant's fields, in a child process
     a = ap.parse_args(argv)
@@ -113,6 +160,12 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         sys.exit("tools.profile_gdn needs a CUDA GPU")
+    if a.host:
+        for name in a.workload.split(","):
+            r = _host(name, max(a.iters, 50))
+            print(f"{name}: host {r['host_ms']:.3f} ms per call ({r['host_ms_without_launches']:.3f} without the "
+                  f"launches), GPU {r['gpu_ms']:.3f} ms", flush=True)
+        return 0
     variants = {"table": {}, **parse_configs(a.config)}
     base = [sys.executable, "-m", "tools.profile_gdn", "--workload", a.workload, "--iters", str(a.iters)]
     base += ["--fwd-only"] * a.fwd_only + ["--recompute"] * a.recompute + ["--inputs", a.inputs]

@@ -127,7 +127,7 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
         x1 = bos + t_1
     if NB == 4:
         x2, x3 = bos + t_2, bos + t_3
-    # g, beta (and the gate's parameters) are loaded here and taken after the K loop, which hides their latency
+    # g, beta (and the gate's parameters) are loaded before the K loop and transformed after it
     na, bias = 0.0, 0.0
     if GATE:  # the parameters once, for every block
         na, bias = _gate_par(a_log, dt_bias, i_hv, HAS_BIAS)
