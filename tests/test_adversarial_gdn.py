@@ -79,16 +79,19 @@ def _check_pattern(name, out, ref, lowp, dtype):
 @given(lens=st.lists(st.integers(1, pick(100, 300)), min_size=1, max_size=3), varlen=st.booleans(),
        G=st.sampled_from([1, 2]), chunk_size=st.sampled_from(pick([32, 64], [32, 64])),
        spots=st.lists(SPOTS, min_size=1, max_size=3), full_decay=st.lists(st.floats(0, 0.999), max_size=2),
-       seg=st.booleans(), dtype=dtypes(), seed=seeds())
+       seg=st.booleans(), fuse=st.booleans(), dtype=dtypes(), seed=seeds())
 def test_nonfinite_inputs_reach_what_the_recurrence_reaches(lens, varlen, G, chunk_size, spots, full_decay, seg,
-                                                            dtype, seed):
+                                                            fuse, dtype, seed):
+    """``fuse`` False: the output comes from its own kernel (``sout_chunks`` 0), not from the state pass."""
     H, K, V = 1, pick(16, 64), pick(32, 64)
     if not varlen:
         lens = [lens[0]] * len(lens)
     ins, cu = gdn_problem(seed, lens, varlen, H, H * G, K, V)
     bad = _spoil([t.to(dtype).double() if i < 5 else t.float().double() for i, t in enumerate(ins)], spots,
                  full_decay)
-    over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else None
+    over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else {}
+    if not fuse:
+        over["sout_chunks"] = 0
     with config_override({"gdn_chunk": over} if over else {}):
         o, ht = _run(bad, dtype, cu, chunk_size=chunk_size)
     ro, rht = recurrent_gated_delta_rule_ref(*bad[:5], initial_state=bad[5], output_final_state=True, cu_seqlens=cu)
@@ -97,6 +100,31 @@ def test_nonfinite_inputs_reach_what_the_recurrence_reaches(lens, varlen, G, chu
                                          compute_dtype=dtype if dtype != torch.float32 else None)
     _check_pattern("o", o, ro, lo, dtype)
     _check_pattern("final_state", ht, rht, lht, dtype)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("what", ["v", "k"])
+def test_nonfinite_input_through_both_inference_output_paths(what, fuse):
+    """A forward without autograd forms the output in the state pass (``sout``, fuse) or in the output kernel
+    (``sout_chunks`` 0); both place a mid-chunk NaN v[t, c] (column c from t on) or k[t] (every column from t on)
+    as the float64 recurrence does, in a chunk that also has clean rows before it."""
+    dtype = torch.float32 if P.device == "cpu" else torch.bfloat16
+    ins, cu = gdn_problem(3, [150], False, 1, 2, pick(16, 64), pick(32, 64))
+    bad = [t.to(dtype).double() if i < 5 else t.float().double() for i, t in enumerate(ins)]
+    if what == "v":
+        bad[2][0, 70, 1, 3] = math.nan
+    else:
+        bad[1][0, 70, 0, 5] = math.inf
+    over = {"sout_chunks": 1 << 20, "sout_waves": 1 << 20} if fuse else {"sout_chunks": 0}
+    with config_override({"gdn_chunk": over}):
+        o, ht = _run(bad, dtype, cu)
+    ro, rht = recurrent_gated_delta_rule_ref(*bad[:5], initial_state=bad[5], output_final_state=True)
+    low = dtype if dtype != torch.float32 else None
+    lo, lht = chunk_gated_delta_rule_ref(*[t.float() for t in bad[:5]], initial_state=bad[5].float(),
+                                         output_final_state=True, compute_dtype=low)
+    _check_pattern("o", o, ro, lo, dtype)
+    _check_pattern("final_state", ht, rht, lht, dtype)
+    assert torch.isfinite(o[0, :70]).all() and o[0, 70:, 0 if what == "k" else 1].isnan().any()
 
 
 @settings(max_examples=examples(10, 10), deadline=None)
