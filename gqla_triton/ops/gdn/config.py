@@ -29,10 +29,11 @@ class ChunkConfig(KernelConfig):
     about ``seg_units`` units of at least ``seg_min`` chunks each, so the sequential state passes run on more SMs. ``*_trans``: a term of dk taken as a
     transposed dot result. ``*_early``: the loads that follow a kernel's K / V loop are issued before it.
     ``*_late``: in the GVA sums of dq / dk the later value heads wait for the earlier ones' running sum after
-    their other work, while the first passes its sum on before it. ``sout_chunks`` / ``sout_waves``: the forward's
-    state pass also forms the output (``sout``: one kernel instead of two, no h / v_new round trip) when no state
-    program has more than ``sout_chunks`` chunks and there are at most ``sout_waves`` of them per SM: it adds the
-    output's products to sequential programs, which pays where they are short and few (chunked-prefill chunks)."""
+    their other work, while the first passes its sum on before it. ``sout_chunks`` / ``sout_waves``: a forward
+    without gradient runs as ``wy`` and one sequential pass forming w and u's products, the state and the output
+    (``sout``: no w, u, h or v_new round trip through HBM) when no state program has more than ``sout_chunks``
+    chunks and there are at most ``sout_waves`` of them per SM: it adds the products of ``wu`` and ``out`` to
+    sequential programs, which pays where they are short or many."""
 
     OP: ClassVar[str] = "gdn_chunk"
     MATCH: ClassVar[dict] = {"K": int, "V": int}
@@ -50,6 +51,7 @@ class ChunkConfig(KernelConfig):
     state_num_stages: int = 2
     sout_chunks: int = 0
     sout_waves: int = 2
+    sout_bv: int = 32
     sout_num_warps: int = 8
     sout_num_stages: int = 3
     seg_units: int = 0

@@ -2,8 +2,9 @@
 sequences, the state pass and the chaining of split sequences.
 
 Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state; long sequences split into segments:
-``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o; or ``sout``, the state pass forming o itself and,
-when no backward reads them, writing no h and v_new: ``_fuse_out``). Backward (after w, u, h, v_new are recomputed
+``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). A forward that no backward follows may instead run
+``wy`` -> ``sout`` (``_fuse_out``): one pass forming w and u's products from Ainv, the state and o, with nothing
+else through HBM (under sequence splitting ``wu`` and the segment maps still run first). Backward (after w, u, h, v_new are recomputed
 or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes
 from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*`` (``ChunkConfig``).
 """
@@ -25,6 +26,7 @@ from .kernels.output import gdn_output_fwd_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
 from .kernels.state_bwd import gdn_state_bwd_kernel
+from .kernels.state_out import gdn_state_out_kernel
 from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
@@ -118,52 +120,79 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
     return _Split(nseg, cu, co, soff, mb)
 
 
+def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_first: bool, V: int, HV: int):
+    """Where the sequential programs of a forward state pass start: (h0, ht, cu, coff, units, store_ht, varlen,
+    row_pool, v_first, split). Without splitting, one program per sequence from initial_state (or the pool); with
+    it, the segment maps are chained (``_chain_segments``) into each segment's start state h0 and the final state
+    ht, and the programs run segments. ``row_pool``: the pass itself reads and writes the pool."""
+    N = plan.N
+    pool = state_indices is not None
+    ht = initial_state if pool else empty(N, HV, *((V, k.shape[3]) if v_first else (k.shape[3], V)),
+                                          dtype=torch.float32, device=k.device)
+    split = _segments(k, w, u, gc, V, plan)
+    if split is None:
+        return initial_state, ht, plan.cu, plan.coff, N, True, plan.varlen, pool, v_first, None
+    h0 = empty(split.nseg, HV, k.shape[3], V, dtype=torch.float32, device=k.device)
+    _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False, state_indices=state_indices,
+                    v_first=v_first)
+    return h0, ht, split.cu, split.coff, split.nseg, False, True, False, False, split
+
+
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None,
-                        state_indices: torch.Tensor | None = None, v_first: bool = False, out: tuple | None = None,
-                        store_steps: bool = True):
+                        state_indices: torch.Tensor | None = None, v_first: bool = False):
     """State pass: h ``[rows or NTT, HV, K, V]`` (k's dtype), v_new ``[B, T, HV, V]`` (u's dtype), the final
-    state ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. ``out``: (q,
-    o, vbad, scale): the pass also writes the output o (stage ``sout``); ``store_steps`` False: h and v_new are not written
-    (None in their places). Long sequences with few heads are split into segments (exactly: each segment's state map
-    S -> M·S + b is computed in parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]``
-    int32: initial_state is a state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n]
-    and its final state is written back there in place (rows outside [0, P): a zero start, no write); the pool is
-    returned as the final state. One program reads its slice of a row and later writes the same slice, so every read
-    of a row comes before its write (unless two sequences share a row). initial_state (or the pool) is fp32, bf16 or
-    fp16; ``v_first``: it and the final state have ``[V, K]`` rows."""
+    state ``[N, HV, K, V]`` fp32, and the ``_Split`` (or None) that the backward's reverse pass reuses. Long
+    sequences with few heads are split into segments (exactly: each segment's state map S -> M·S + b is computed in
+    parallel, then chained; see ``gdn_state_seg_kernel``). ``state_indices`` ``[N]`` int32: initial_state is a
+    state pool ``[P, HV, K, V]`` contiguous, sequence n starts from row state_indices[n] and its final state is
+    written back there in place (rows outside [0, P): a zero start, no write); the pool is returned as the final
+    state. One program reads its slice of a row and later writes the same slice, so every read of a row comes
+    before its write (unless two sequences share a row). initial_state (or the pool) is fp32, bf16 or fp16;
+    ``v_first``: it and the final state have ``[V, K]`` rows."""
     cfg = plan.cfg
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
-    N = plan.N
-    pool = state_indices is not None
-    h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device) if store_steps else None
-    vnew = empty(u.shape, dtype=u.dtype, device=u.device) if store_steps else None
-    ht = initial_state if pool else empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32,
-                                          device=k.device)
-    BK = tile(K)
+    h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device)
+    vnew = empty(u.shape, dtype=u.dtype, device=u.device)
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
-    h0, cu, co, units, store_ht, varlen = initial_state, plan.cu, plan.coff, N, True, plan.varlen
-    split = _segments(k, w, u, gc, V, plan)
-    if split is not None:
-        h0 = empty(split.nseg, HV, K, V, dtype=torch.float32, device=k.device)
-        _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False,
-                        state_indices=state_indices, v_first=v_first)
-        cu, co, units, store_ht, varlen = split.cu, split.coff, split.nseg, False, True
-    row_pool = pool and split is None  # the state pass itself reads and writes the pool
+    h0, ht, cu, co, units, store_ht, varlen, row_pool, vf, split = _state_starts(k, w, u, gc, initial_state, plan,
+                                                                                 state_indices, v_first, V, HV)
     BV = _state_bv(cfg.state_bv, V, units * HV, plan.gpu)
-    q, o, vbad, scale = out if out is not None else (dummy, dummy, dummy, 1.0)
-    launch = cfg.launch("sout" if out is not None else "state")
     gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
-        k, w, u, gc, h if store_steps else dummy, vnew if store_steps else dummy, h0 if h0 is not None else dummy,
-        ht, cu if cu is not None else dummy, co if co is not None else dummy, state_indices if row_pool else dummy,
-        q, o, vbad, scale, T, plan.NT, ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK,
-        BV=BV, USE_H0=h0 is not None, STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool,
-        V_FIRST=v_first and split is None, OUT=out is not None, STORE_STEPS=store_steps, **launch)
+        k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
+        co if co is not None else dummy, state_indices if row_pool else dummy, T, plan.NT,
+        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV, USE_H0=h0 is not None,
+        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=vf, **cfg.launch("state"))
     return h, vnew, ht, split
 
 
+def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: ChunkPlan, state_indices, v_first: bool,
+               beta_sigmoid: bool, neg_eigval: bool):
+    """Stage ``sout`` (``gdn_state_out_kernel``): o ``[B, T, HV, V]`` (v's dtype) and the final state (as
+    ``chunk_gdn_state_fwd``'s, with the same pool and ``v_first`` semantics) of a forward without gradient. Under
+    sequence splitting the segment maps are formed from ``wu``'s w and u first."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dummy = k
+    w = u = None
+    if plan.seg is not None:
+        w, u, _ = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
+    h0, ht, cu, co, units, store_ht, varlen, row_pool, vf, _ = _state_starts(k, w, u, gc, initial_state, plan,
+                                                                             state_indices, v_first, V, HV)
+    o = empty(v.shape, dtype=v.dtype, device=v.device)
+    BV = _state_bv(plan.cfg.sout_bv, V, units * HV, plan.gpu)
+    gdn_state_out_kernel[(cdiv(V, BV), units * HV)](
+        q, k, v, beta, gc, Ainv, o, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
+        co if co is not None else dummy, state_indices if row_pool else dummy, scale, T, plan.NT,
+        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV, USE_H0=h0 is not None,
+        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=vf, BETA_SIGMOID=beta_sigmoid,
+        NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
+    return o, ht
+
+
 def _fuse_out(plan: ChunkPlan, HV: int, V: int) -> bool:
-    """Whether the forward's state pass forms the output itself (``sout``; config ``sout_chunks`` / ``sout_waves``):
+    """Whether a forward without gradient runs its state pass and output as ``sout`` (``_state_out``; config
+    ``sout_chunks`` / ``sout_waves``):
     no state program runs more than sout_chunks chunks and there are at most sout_waves programs per SM."""
     cfg = plan.cfg
     if not cfg.sout_chunks or plan.NTT == 0:
@@ -172,7 +201,7 @@ def _fuse_out(plan: ChunkPlan, HV: int, V: int) -> bool:
     if longest > cfg.sout_chunks:
         return False
     info = plan.gpu
-    programs = cdiv(V, _state_bv(cfg.state_bv, V, units * HV, info)) * units * HV
+    programs = cdiv(V, _state_bv(cfg.sout_bv, V, units * HV, info)) * units * HV
     return info.interpreter or programs <= cfg.sout_waves * info.sm_count
 
 
@@ -220,8 +249,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     the ``States`` the backward would otherwise recompute. ``state_indices``: initial_state is a state pool
     updated in place (``chunk_gdn_state_fwd``), returned in the final state's place. ``beta_sigmoid``: beta holds
     logits (sigmoid taken in the kernels); ``neg_eigval``: beta doubled (after the sigmoid). ``gate``:
-    ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of fla's in-kernel gate. ``fuse``: the state
-    pass may form the output itself (``_fuse_out``); False where a backward follows."""
+    ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of fla's in-kernel gate. ``fuse``: a forward without
+    gradient may run as ``wy`` then ``sout`` (``_fuse_out``); False where a backward follows."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -237,18 +266,21 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
+    if plan.NTT > 0 and fuse and not keep_h and _fuse_out(plan, HV, V):
+        o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first, beta_sigmoid,
+                           neg_eigval)
+        return o, ht, gc, Ainv
+    if plan.NTT > 0:
         w, u, vbad = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     else:
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
         vbad = dummy
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    fused = fuse and _fuse_out(plan, HV, V)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
                                          rows=h_rows(B, T, plan.N, plan.varlen, plan.BT) if keep_h else None,
-                                         state_indices=state_indices, v_first=v_first,
-                                         out=(q, o, vbad, scale) if fused else None, store_steps=keep_h or not fused)
-    if plan.NTT > 0 and not fused:
+                                         state_indices=state_indices, v_first=v_first)
+    if plan.NTT > 0:
         BV = min(cfg.out_bv, tile(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
             q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,

@@ -1,0 +1,75 @@
+"""Stage ``sout``: a forward without gradient in one sequential pass per (sequence or segment, value head, V block).
+Each chunk's w / u products are formed from Ainv on the fly and the state stays in registers: only o and the
+final state leave the kernel (no w, u, h or v_new in HBM)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _beta_in, _chunk_k_g, _decay_update, _h_row, _nan_from_first_bad, _state_heads, _state_ptr
+
+
+@triton.jit(do_not_specialize=["T", "NT", "P", "H", "HV"])
+def gdn_state_out_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, NT, P, H, HV,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, POOL: tl.constexpr,
+                         V_FIRST: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """Per chunk, from the state S at its start (``gdn_state_fwd_kernel``'s arguments and layouts, plus q, v, beta
+    and Ainv ``[rows, HV, BT]``):
+
+        v_new = Ainv·(beta·(v − e^gc·(k S)))          (= u − w S, without w and u)
+        o     = scale·(e^gc·q S + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new)
+        S    ← e^gl·S + kᵀ (e^(gl−gc)·v_new)
+
+    The difference ``v − e^gc·k S`` is taken in fp32 before its one rounding to k's dtype. BETA_SIGMOID / NEG_EIGVAL:
+    beta as ``_beta_in`` takes it. Non-finite inputs: a chunk with a non-finite v or a row whose gc is NaN (``wy``:
+    from the first non-finite k, beta or decay on) forms its products from the finite, live entries only (a later
+    row's NaN must not reach an earlier row as 0·NaN through the triangular products), and each column of v_new
+    and of o is NaN from its first non-finite v on: where ``gdn_wu_fwd_kernel`` and ``gdn_output_fwd_kernel`` put
+    NaN."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
+        S += tl.load(_state_ptr(h0, row, ck, cv, K, V, V_FIRST), mask=mrow, other=0.0).to(tl.float32)
+    dt = k.dtype.element_ty
+    dv = v.dtype.element_ty
+    r = tl.arange(0, BT)
+    for i_c in range(0, tl.cdiv(Tn, BT)):
+        Sd = S.to(dt)
+        t = i_c * BT + r
+        valid = t < Tn
+        x = bos + t
+        mk = valid[:, None] & (ck[None, :] < K)
+        mv = valid[:, None] & (cv[None, :] < V)
+        kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        qq = tl.load(q + x[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0)
+        A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dt)
+        b = _beta_in(tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32), valid, BETA_SIGMOID,
+                     NEG_EIGVAL)
+        vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        eg = tl.exp(gg)
+        xs = b[:, None] * (vv - eg[:, None] * tl.dot(kk, Sd))
+        oi = tl.dot(qq, Sd) * eg[:, None]
+        qk = tl.dot(qq, tl.trans(kk))
+        m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
+        Pm = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dv)
+        okv = tl.abs(vv) < float("inf")
+        live = gg == gg
+        if tl.sum(tl.sum(tl.where(okv, 0, 1), 1) + tl.where(live, 0, 1), 0) == 0:
+            vn = tl.dot(A, xs.to(dt))
+            out = (oi + tl.dot(Pm, vn.to(dv))) * scale
+        else:
+            vn = _nan_from_first_bad(tl.dot(A, tl.where(okv & live[:, None], xs, 0.0).to(dt)), okv, BT)
+            ok = tl.abs(vn.to(dv).to(tl.float32)) < float("inf")
+            out = _nan_from_first_bad((oi + tl.dot(Pm, tl.where(ok, vn, 0.0).to(dv))) * scale, ok, BT)
+        tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
+        S = _decay_update(S, vn, kk, gg, gl, valid)
+    if STORE_HT:
+        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)  # formed again: nothing of it lives in the loop
+        tl.store(_state_ptr(ht, row, ck, cv, K, V, V_FIRST), S.to(ht.dtype.element_ty), mask=mrow)
