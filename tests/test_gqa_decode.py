@@ -341,10 +341,8 @@ VARIANTS = [
     {"paged": True},  # dense: one block-table lookup per tile
     {"rows_ahead": True},  # sparse: the next tile's row indices loaded one iteration ahead
     {"paged": True, "rows_ahead": True},
-    {"key_major": True},  # transposed tiles: S^T = K Q^T, O^T += V^T P^T
-    {"key_major": True, "paged": True, "rows_ahead": True},
 ]
-FLAGS_OFF = {"paged": False, "rows_ahead": False, "key_major": False}
+FLAGS_OFF = {"paged": False, "rows_ahead": False}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(f"{k}={v[k]}" for k in v) or "plain")

@@ -46,12 +46,6 @@ VARIANTS = {
         "unpaged": (None, {"paged": False}),
         "rows_ahead_off": (None, {"rows_ahead": False}),
         "n16_s4": (None, {"block_n": 16, "num_stages": 4}),
-        # transposed tiles (keys on the 64-row side of the products)
-        "km": (None, {"key_major": True}),
-        "km_w8": (None, {"key_major": True, "num_warps": 8}),
-        "km_n32_s4": (None, {"key_major": True, "block_n": 32, "num_stages": 4}),
-        "km_s2": (None, {"key_major": True, "num_stages": 2}),
-        "km_waves4": (None, {"key_major": True, "waves": 4}),
     },
     "gdn_decode": {"table": (None, {})} | {
         f"bv{bv}_w{w}": (None, {"bv": bv, "num_warps": w, "num_stages": 1})

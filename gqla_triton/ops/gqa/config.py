@@ -16,7 +16,7 @@ class GQADecodeConfig(KernelConfig):
     query rows per tile; ``acc_elems_4w``: largest fp32 accumulator (rows x d_v) run with 4 warps (larger ones
     take 8); ``waves``: split-KV aims at this many programs per SM. Variants: ``paged`` (dense, block_n divides
     the page: one block-table lookup per tile), ``rows_ahead`` (sparse: the next tile's cache rows loaded one
-    iteration ahead), ``key_major`` (transposed tiles: keys on the 64-row side of the products, ``triton.py``)."""
+    iteration ahead)."""
 
     OP: ClassVar[str] = "gqa_decode"
     MATCH: ClassVar[dict] = {"sparse": bool, "G": int, "rows": int, "d_h": int, "d_r": int, "d_v": int}
@@ -30,7 +30,6 @@ class GQADecodeConfig(KernelConfig):
     waves: int = 4
     paged: bool = False
     rows_ahead: bool = False
-    key_major: bool = False
 
     def check(self) -> None:
         self.one_of(("block_n", "max_m"), TILES)

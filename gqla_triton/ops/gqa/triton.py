@@ -6,8 +6,7 @@ read by one program per group and the multi-token-prediction tokens ride along f
 fastest-varying program id so the ``g`` programs of one (sequence, split) run together and re-read the shared
 rope key from L2. Variants (config fields): ``paged`` (dense, ``BLOCK_N`` divides the page: one block-table
 lookup per tile, contiguous in-page addressing), ``rows_ahead`` (sparse: the next tile's row indices load one
-iteration ahead), ``key_major`` (the tiles are transposed, ``S^T = K Q^T`` and ``O^T += V^T P^T``: the keys fill the
-64-row side of the tensor-core product, so 16 or 32 query rows leave none of it idle).
+iteration ahead).
 
 Every row sees every key of a tile: dense tiles stop at token 0's position (and at the block table's capacity),
 and under causal MTP the ``S_Q - 1`` keys only later tokens see run after the key loop in 16-key tiles (``TAIL``;
@@ -75,7 +74,7 @@ def gqa_decode_fwd_kernel(
     DH: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, KEY_MAJOR: tl.constexpr,
+    FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -139,13 +138,7 @@ def gqa_decode_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if KEY_MAJOR:  # acc holds O^T [BDV, BLOCK_M]; the query tile enters the score products as Q^T
-        acc = tl.zeros([BDV, BLOCK_M], tl.float32)
-        qn_t = tl.trans(qn)
-        if DR > 0:
-            qr_t = tl.trans(qr)
-    else:
-        acc = tl.zeros([BLOCK_M, BDV], tl.float32)
+    acc = tl.zeros([BLOCK_M, BDV], tl.float32)
     arange_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + arange_n
@@ -185,28 +178,17 @@ def gqa_decode_fwd_kernel(
                     mask=ok[:, None] & m_dh[None, :], other=0.0)
         if DR > 0:
             kr = tl.load(kr_cache + r_off[:, None] + offs_dr[None, :], mask=ok[:, None] & m_dr[None, :], other=0.0)
+        s = _dot(qn, tl.trans(k), FP32)
+        if DR > 0:
+            s += _dot(qr, tl.trans(kr), FP32)
+        s = s * qk_scale  # log2 units
         # every row sees every key of a tile (dense: the loop bounds; sparse: one index row per program)
-        if KEY_MAJOR:
-            s = _dot(k, qn_t, FP32)
-            if DR > 0:
-                s += _dot(kr, qr_t, FP32)
-            s = tl.where(ok[:, None], s * qk_scale, float("-inf"))  # log2 units
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 0)
-        else:
-            s = _dot(qn, tl.trans(k), FP32)
-            if DR > 0:
-                s += _dot(qr, tl.trans(kr), FP32)
-            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
         v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
                     mask=ok[:, None] & m_dv[None, :], other=0.0)
-        if KEY_MAJOR:
-            acc = acc * alpha[None, :] + _dot(tl.trans(v), p.to(v.dtype), FP32)
-        else:
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new
-    if KEY_MAJOR:
-        acc = tl.trans(acc)
 
     if TAIL:  # causal MTP: the keys only later query tokens see, 16 per tile, each entering only those rows
         qpos = seqlen - S_Q + jj  # [BLOCK_M] each row's own position
@@ -280,6 +262,6 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
         PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
-        TAIL=bool(causal) and not sparse and s_q > 1, KEY_MAJOR=p.cfg.key_major,
+        TAIL=bool(causal) and not sparse and s_q > 1,
         num_warps=p.num_warps, num_stages=p.cfg.num_stages,
     )
