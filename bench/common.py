@@ -179,13 +179,16 @@ def add_ratios(rows: list[dict], ours: str = "gqla_triton") -> None:
                 r[name] = {k: v / r[key] for k, v in others.items()}
 
 
-def write_results(op: str, rows: list[dict], ceilings: dict, command: str, *, complete: bool = True) -> Path:
-    """``bench/results/<gpu>-<op>.json``: one file per (GPU, op), holding the latest run. ``complete`` False: the
-    run was cut short (the rows measured before it stopped; the file says ``"complete": false``)."""
+def write_results(op: str, rows: list[dict], ceilings: dict, command: str, *, complete: bool = True,
+                  part: list[str] | None = None) -> Path:
+    """``bench/results/<gpu>-<op>.json``: one file per (GPU, op), holding the latest run over all its workloads;
+    ``part`` (a run over some of them) writes ``<gpu>-<op>-<w1>-<w2>....json`` instead, leaving the full run's file
+    as it is. ``complete`` False: the run was cut short (the rows measured before it stopped; the file says
+    ``"complete": false``)."""
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
     gpu = env["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
-    path = RESULTS / f"{gpu}-{op}.json"
+    path = RESULTS / ("-".join([f"{gpu}-{op}", *(part or [])]) + ".json")
     doc = {"env": env, "command": command, "ceilings": ceilings, "rows": rows}
     if not complete:
         doc["complete"] = False

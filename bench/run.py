@@ -2,7 +2,8 @@
 
 Measures the copy / GEMM ceilings in the same run, times gqla_triton's public ops and every importable anchor
 (fla, FlashQLA, FlashMLA, torch) on the named workloads (default: all of each op), prints one table per op and
-writes ``bench/results/<gpu>-<op>.json`` (git sha, versions, GPU name, the exact command, ceilings, rows).
+writes ``bench/results/<gpu>-<op>.json`` (git sha, versions, GPU name, the exact command, ceilings, rows; a run over
+some of an op's workloads writes ``<gpu>-<op>-<workloads>.json``).
 ``--op ceilings`` measures only the ceilings. Needs a CUDA GPU; ``--help`` and ``--list`` work anywhere.
 """
 
@@ -82,17 +83,18 @@ def main(argv: list[str] | None = None) -> None:
         names = [w for w in wanted if w in mod.WORKLOADS] if wanted else list(mod.WORKLOADS)
         if not names:
             continue
+        part = names if set(names) != set(mod.WORKLOADS) else None
         ctx = BenchContext(ceilings, anchors=only)
         try:
             mod.run(names, ctx, anchors=not args.no_anchors)
         except (KeyboardInterrupt, SystemExit):
             add_ratios(ctx.rows)
-            print(f"\nstopped: wrote {write_results(op, ctx.rows, ceilings, command, complete=False)}", flush=True)
+            print(f"\nstopped: wrote {write_results(op, ctx.rows, ceilings, command, complete=False, part=part)}", flush=True)
             raise
         add_ratios(ctx.rows)
         print(f"\n== {op}")
         print_table(ctx.rows)
-        print(f"wrote {write_results(op, ctx.rows, ceilings, command)}")
+        print(f"wrote {write_results(op, ctx.rows, ceilings, command, part=part)}")
 
 
 if __name__ == "__main__":

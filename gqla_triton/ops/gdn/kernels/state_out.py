@@ -61,13 +61,16 @@ def gdn_state_out_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scal
         Pm = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dv)
         okv = tl.abs(vv) < float("inf")
         live = gg == gg
-        if tl.sum(tl.sum(tl.where(okv, 0, 1), 1) + tl.where(live, 0, 1), 0) == 0:
-            vn = tl.dot(A, xs.to(dt))
-            out = (oi + tl.dot(Pm, vn.to(dv))) * scale
-        else:
-            vn = _nan_from_first_bad(tl.dot(A, tl.where(okv & live[:, None], xs, 0.0).to(dt)), okv, BT)
-            ok = tl.abs(vn.to(dv).to(tl.float32)) < float("inf")
-            out = _nan_from_first_bad((oi + tl.dot(Pm, tl.where(ok, vn, 0.0).to(dv))) * scale, ok, BT)
+        clean = tl.sum(tl.sum(tl.where(okv, 0, 1), 1) + tl.where(live, 0, 1), 0) == 0
+        # the products take the finite, live entries only; the NaN placement is elementwise work in rare branches
+        vn = tl.dot(A, tl.where(okv & live[:, None], xs, 0.0).to(dt))
+        if not clean:
+            vn = _nan_from_first_bad(vn, okv, BT)
+        vnd = vn.to(dv)
+        ok = (tl.abs(vnd.to(tl.float32)) < float("inf")) | clean
+        out = (oi + tl.dot(Pm, tl.where(ok, vnd, 0.0).to(dv))) * scale
+        if not clean:
+            out = _nan_from_first_bad(out, ok, BT)
         tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
         S = _decay_update(S, vn, kk, gg, gl, valid)
     if STORE_HT:
