@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             mod.run(names, ctx, anchors=not args.no_anchors)
         except (KeyboardInterrupt, SystemExit):
             add_ratios(ctx.rows)
-            print(f"\nstopped: wrote {write_results(op, ctx.rows, ceilings, command, complete=False, part=part)}", flush=True)
+            path = write_results(op, ctx.rows, ceilings, command, complete=False, part=part)
+            print(f"\nstopped: wrote {path}", flush=True)
             raise
         add_ratios(ctx.rows)
         print(f"\n== {op}")
