@@ -9,6 +9,8 @@ for the table config and config variants, next to the same computation in torch 
 keys point nearly the same way and its WY system is ill-conditioned), v in [0, 1); ``--decay weak`` is
 g = logsigmoid(U[0, 1))/10, ``none`` g = 0 (the state keeps growing); ``--h0`` adds a unit-scale initial state;
 ``--fla`` adds fla's forward (o and the final state; its backward refuses on Hopper with Triton < 3.7.1).
+``infer`` / ``infer_sep``: o and the final state of the forward without gradient, through the fused inference pass
+where the table picks it (``sout``) and through the separate kernels.
 
 Runs on the GPU (the CPU interpreter computes bf16 wrongly and cannot stand in; ``--device cpu --dtype float16``
 under ``TRITON_INTERPRET=1`` only checks the script). Prints one line per (seed, variant): relative
@@ -117,9 +119,16 @@ def main():
         for vname, fields in variants.items():
             with config_override({"gdn_chunk": fields} if fields else {}):
                 line(vname, _run(gq.chunk_gated_delta_rule, xs, do, dht, h0=h0, use_qk_l2norm_in_kernel=True))
+        def fwd_line(name, out):
+            print(f"{name:11s} " + " ".join(f"{_rel(a, b):8.2e}" for a, b in zip(out, ref, strict=False)), flush=True)
+
+        # the forward without gradient: the fused pass (sout) where the table picks it, and the separate kernels
+        for vname, fields in (("infer", {}), ("infer_sep", {"sout_chunks": 0})):
+            with torch.no_grad(), config_override({"gdn_chunk": fields} if fields else {}):
+                fwd_line(vname, _run(gq.chunk_gated_delta_rule, xs, do, dht, h0=h0, fwd_only=True,
+                                     use_qk_l2norm_in_kernel=True))
         if fla is not None:
-            out = _run(fla, xs, do, dht, h0=h0, fwd_only=True, use_qk_l2norm_in_kernel=True)
-            print(f"{'fla':11s} " + " ".join(f"{_rel(a, b):8.2e}" for a, b in zip(out, ref, strict=False)), flush=True)
+            fwd_line("fla", _run(fla, xs, do, dht, h0=h0, fwd_only=True, use_qk_l2norm_in_kernel=True))
 
 
 if __name__ == "__main__":
