@@ -2,10 +2,10 @@
 sequences, the state pass and the chaining of split sequences.
 
 Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state; long sequences split into segments:
-``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). A forward that no backward follows may instead run
-``wy`` -> ``sout`` (``_fuse_out``): one pass forming w and u's products from Ainv, the state and o, with nothing
-else through HBM (under sequence splitting ``wu`` and the segment maps still run first). Backward (after w, u, h, v_new are recomputed
-or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes
+``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). A forward that no backward follows may instead
+run ``wy`` -> ``sout`` (``_fuse_out``): one pass forming w and u's products from Ainv, the state and o, with nothing
+else through HBM (under sequence splitting ``wu`` and the segment maps still run first). Backward (after w, u, h,
+v_new are recomputed or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes
 from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*`` (``ChunkConfig``).
 """
 
@@ -120,22 +120,52 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
     return _Split(nseg, cu, co, soff, mb)
 
 
-def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_first: bool, V: int, HV: int):
-    """Where the sequential programs of a forward state pass start: (h0, ht, cu, coff, units, store_ht, varlen,
-    row_pool, v_first, split). Without splitting, one program per sequence from initial_state (or the pool); with
-    it, the segment maps are chained (``_chain_segments``) into each segment's start state h0 and the final state
-    ht, and the programs run segments. ``row_pool``: the pass itself reads and writes the pool."""
-    N = plan.N
+class _Starts(NamedTuple):
+    """Where the sequential programs of a forward state pass start (``_state_starts``): the start states h0 (or
+    None: zeros), the final state ht, the programs' token bounds cu and first chunk-state rows coff (None: dense),
+    how many (sequences or segments) there are, whether the pass stores ht, runs varlen, reads and writes the pool
+    itself (``row_pool``) and has ``[V, K]`` state rows (``v_first``), and the ``_Split`` or None."""
+
+    h0: torch.Tensor | None
+    ht: torch.Tensor
+    cu: torch.Tensor | None
+    coff: torch.Tensor | None
+    units: int
+    store_ht: bool
+    varlen: bool
+    row_pool: bool
+    v_first: bool
+    split: _Split | None
+
+
+def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_first: bool, V: int,
+                  HV: int) -> _Starts:
+    """Without splitting, one program per sequence from initial_state (or the pool); with it, the segment maps are
+    chained (``_chain_segments``) into each segment's start state and the final state, and the programs run
+    segments."""
+    N, K = plan.N, k.shape[3]
     pool = state_indices is not None
-    ht = initial_state if pool else empty(N, HV, *((V, k.shape[3]) if v_first else (k.shape[3], V)),
-                                          dtype=torch.float32, device=k.device)
+    ht = initial_state if pool else empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32,
+                                          device=k.device)
     split = _segments(k, w, u, gc, V, plan)
     if split is None:
-        return initial_state, ht, plan.cu, plan.coff, N, True, plan.varlen, pool, v_first, None
-    h0 = empty(split.nseg, HV, k.shape[3], V, dtype=torch.float32, device=k.device)
+        return _Starts(initial_state, ht, plan.cu, plan.coff, N, True, plan.varlen, pool, v_first, None)
+    h0 = empty(split.nseg, HV, K, V, dtype=torch.float32, device=k.device)
     _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False, state_indices=state_indices,
                     v_first=v_first)
-    return h0, ht, split.cu, split.coff, split.nseg, False, True, False, False, split
+    return _Starts(h0, ht, split.cu, split.coff, split.nseg, False, True, False, False, split)
+
+
+def _starts_args(st: _Starts, state_indices, dummy) -> tuple:
+    """The state kernels' pointer arguments (h0, ht, cu, coff, idx) of ``st``, with ``dummy`` for absent ones."""
+    return (st.h0 if st.h0 is not None else dummy, st.ht, st.cu if st.cu is not None else dummy,
+            st.coff if st.coff is not None else dummy, state_indices if st.row_pool else dummy)
+
+
+def _starts_flags(st: _Starts) -> dict:
+    """The state kernels' constexpr flags of ``st``."""
+    return dict(USE_H0=st.h0 is not None, STORE_HT=st.store_ht, IS_VARLEN=st.varlen, POOL=st.row_pool,
+                V_FIRST=st.v_first)
 
 
 def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: int | None = None,
@@ -155,15 +185,13 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     h = empty(rows or plan.NTT, HV, K, V, dtype=k.dtype, device=k.device)
     vnew = empty(u.shape, dtype=u.dtype, device=u.device)
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
-    h0, ht, cu, co, units, store_ht, varlen, row_pool, vf, split = _state_starts(k, w, u, gc, initial_state, plan,
-                                                                                 state_indices, v_first, V, HV)
-    BV = _state_bv(cfg.state_bv, V, units * HV, plan.gpu)
-    gdn_state_fwd_kernel[(cdiv(V, BV), units * HV)](
-        k, w, u, gc, h, vnew, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
-        co if co is not None else dummy, state_indices if row_pool else dummy, T, plan.NT,
-        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV, USE_H0=h0 is not None,
-        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=vf, **cfg.launch("state"))
-    return h, vnew, ht, split
+    st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
+    BV = _state_bv(cfg.state_bv, V, st.units * HV, plan.gpu)
+    gdn_state_fwd_kernel[(cdiv(V, BV), st.units * HV)](
+        k, w, u, gc, h, vnew, *_starts_args(st, state_indices, dummy), T, plan.NT,
+        st.ht.shape[0] if st.row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+        **_starts_flags(st), **cfg.launch("state"))
+    return h, vnew, st.ht, st.split
 
 
 def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: ChunkPlan, state_indices, v_first: bool,
@@ -177,17 +205,14 @@ def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: Chunk
     w = u = None
     if plan.seg is not None:
         w, u, _ = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
-    h0, ht, cu, co, units, store_ht, varlen, row_pool, vf, _ = _state_starts(k, w, u, gc, initial_state, plan,
-                                                                             state_indices, v_first, V, HV)
+    st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    BV = _state_bv(plan.cfg.sout_bv, V, units * HV, plan.gpu)
-    gdn_state_out_kernel[(cdiv(V, BV), units * HV)](
-        q, k, v, beta, gc, Ainv, o, h0 if h0 is not None else dummy, ht, cu if cu is not None else dummy,
-        co if co is not None else dummy, state_indices if row_pool else dummy, scale, T, plan.NT,
-        ht.shape[0] if row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV, USE_H0=h0 is not None,
-        STORE_HT=store_ht, IS_VARLEN=varlen, POOL=row_pool, V_FIRST=vf, BETA_SIGMOID=beta_sigmoid,
-        NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
-    return o, ht
+    BV = _state_bv(plan.cfg.sout_bv, V, st.units * HV, plan.gpu)
+    gdn_state_out_kernel[(cdiv(V, BV), st.units * HV)](
+        q, k, v, beta, gc, Ainv, o, *_starts_args(st, state_indices, dummy), scale, T, plan.NT,
+        st.ht.shape[0] if st.row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+        **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
+    return o, st.ht
 
 
 def _fuse_out(plan: ChunkPlan, HV: int, V: int) -> bool:
