@@ -900,7 +900,7 @@ def _h200_cfg(bv_state=None, seg=0):
 
     cfg = table_config("h200", "gdn_chunk", plan_mod.config_key(128, 128)).as_dict()
     if bv_state:  # what _state_bv narrows to on the GPU when few (sequence, head) programs run
-        cfg["state_bv"] = cfg["state_bwd_bv"] = bv_state
+        cfg["state_bv"] = cfg["state_bwd_bv"] = cfg["sout_bv"] = bv_state
     if seg:
         cfg.update(seg_units=1 << 20, seg_below=1 << 20, seg_min=seg)
     return cfg
