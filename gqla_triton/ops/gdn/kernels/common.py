@@ -93,6 +93,33 @@ def _state_ptr(base, row, ck, cv, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.
 
 
 @triton.jit
+def _state_begin(h0, idx, cu, coff, T, NT, P, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, POOL: tl.constexpr,
+                 V_FIRST: tl.constexpr):
+    """A sequential state program (V block ``program_id(0)``, sequence x value head ``program_id(1)``): (i_nh, i_hv,
+    i_h, bos, length, first state row, ck [BK], cv [BV], its slice mask, and its start state S [BK, BV] fp32: read
+    from h0 (``_h_row``; the reverse pass: the final state's gradient) with USE_H0, zeros without)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
+        S += tl.load(_state_ptr(h0, row, ck, cv, K, V, V_FIRST), mask=mrow, other=0.0).to(tl.float32)
+    return i_nh, i_hv, i_h, bos, Tn, boh, ck, cv, mkv, S
+
+
+@triton.jit
+def _state_end(ht, idx, S, i_nh, ck, cv, mkv, HV, P, K: tl.constexpr, V: tl.constexpr, POOL: tl.constexpr,
+               V_FIRST: tl.constexpr):
+    """Store a sequential state program's final S into ht (rounded to its dtype; rows as ``_state_begin`` reads)."""
+    row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)  # formed again: nothing of it lives in the loop
+    tl.store(_state_ptr(ht, row, ck, cv, K, V, V_FIRST), S.to(ht.dtype.element_ty), mask=mrow)
+
+
+@triton.jit
 def _beta_in(b, mask, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
     """beta as the recurrence takes it from the loaded values b (fp32, 0 where not ``mask``): sigmoid(b) with
     BETA_SIGMOID (b holds logits), doubled with NEG_EIGVAL; b itself with neither."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_k_g, _decay_update, _h_row, _state_heads, _state_ptr
+from .common import _chunk_k_g, _decay_update, _state_begin, _state_end
 
 
 @triton.jit(do_not_specialize=["T", "NT", "P", "H", "HV"])
@@ -19,15 +19,8 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, idx, T, NT, P, 
     segment's start state. POOL: h0 and ht are one state pool ``[P, HV, K, V]``, sequence n reads and then writes
     row idx[n] (none outside [0, P): a zero start, no write). h0 and ht may be fp32, bf16 or fp16 (h0 is read to
     fp32, S is rounded to ht's dtype); V_FIRST: their rows are ``[V, K]``."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
-        S += tl.load(_state_ptr(h0, row, ck, cv, K, V, V_FIRST), mask=mrow, other=0.0).to(tl.float32)
+    i_nh, i_hv, i_h, bos, Tn, boh, ck, cv, mkv, S = _state_begin(h0, idx, cu, coff, T, NT, P, H, HV, K, V, BK, BV,
+                                                                 USE_H0, IS_VARLEN, POOL, V_FIRST)
     dt = w.dtype.element_ty
     r = tl.arange(0, BT)
     for i_c in range(0, tl.cdiv(Tn, BT)):
@@ -46,5 +39,4 @@ def gdn_state_fwd_kernel(k, w, u, gc, h, vnew, h0, ht, cu, coff, idx, T, NT, P, 
         kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_c * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
         S = _decay_update(S, vn, kk, gg, gl, valid)
     if STORE_HT:
-        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)  # formed again: nothing of it lives in the loop
-        tl.store(_state_ptr(ht, row, ck, cv, K, V, V_FIRST), S.to(ht.dtype.element_ty), mask=mrow)
+        _state_end(ht, idx, S, i_nh, ck, cv, mkv, HV, P, K, V, POOL, V_FIRST)

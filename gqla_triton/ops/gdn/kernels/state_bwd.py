@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _state_heads, _state_ptr
+from .common import _state_begin, _state_end
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -17,14 +17,8 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
     dS ← e^gl·dS + qᵀ (scale·e^gc·dO) − wᵀ dv_new; dh0 = dS at the sequence start. Without STORE_STEPS only
     dh0 is written (sequence splitting: a segment's dS contribution from a zero start). dht is fp32, dh0 fp32, bf16
     or fp16; V_FIRST: the rows of both are ``[V, K]``."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        dS += tl.load(_state_ptr(dht, i_nh.to(tl.int64), ck, cv, K, V, V_FIRST), mask=mkv, other=0.0)
+    i_nh, i_hv, i_h, bos, Tn, boh, ck, cv, mkv, dS = _state_begin(dht, dht, cu, coff, T, NT, 0, H, HV, K, V, BK, BV,
+                                                                  USE_DHT, IS_VARLEN, False, V_FIRST)
     dt = k.dtype.element_ty
     NTn = tl.cdiv(Tn, BT)
     for j in range(0, NTn):
@@ -53,5 +47,5 @@ def gdn_state_bwd_kernel(q, k, w, gc, do, dvl, dhe, dvn, dht, dh0, cu, coff, sca
         ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         dS = dS * tl.exp(gl) + tl.dot(tl.trans(qq), ddq.to(dt)) - tl.dot(tl.trans(ww), dv.to(dt))
     if STORE_DH0:
-        tl.store(_state_ptr(dh0, i_nh.to(tl.int64), ck, cv, K, V, V_FIRST), dS.to(dh0.dtype.element_ty), mask=mkv)
+        _state_end(dh0, dh0, dS, i_nh, ck, cv, mkv, HV, 0, K, V, False, V_FIRST)
 

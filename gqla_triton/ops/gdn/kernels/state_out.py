@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _beta_in, _chunk_k_g, _decay_update, _h_row, _nan_from_first_bad, _state_heads, _state_ptr
+from .common import _beta_in, _chunk_k_g, _decay_update, _nan_from_first_bad, _state_begin, _state_end
 
 
 @triton.jit(do_not_specialize=["T", "NT", "P", "H", "HV"])
@@ -28,15 +28,8 @@ def gdn_state_out_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scal
     row's NaN must not reach an earlier row as 0·NaN through the triangular products), and each column of v_new
     and of o is NaN from its first non-finite v on: where ``gdn_wu_fwd_kernel`` and ``gdn_output_fwd_kernel`` put
     NaN."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)
-        S += tl.load(_state_ptr(h0, row, ck, cv, K, V, V_FIRST), mask=mrow, other=0.0).to(tl.float32)
+    i_nh, i_hv, i_h, bos, Tn, boh, ck, cv, mkv, S = _state_begin(h0, idx, cu, coff, T, NT, P, H, HV, K, V, BK, BV,
+                                                                 USE_H0, IS_VARLEN, POOL, V_FIRST)
     dt = k.dtype.element_ty
     dv = v.dtype.element_ty
     r = tl.arange(0, BT)
@@ -74,5 +67,4 @@ def gdn_state_out_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scal
         tl.store(o + x[:, None] * (HV * V) + i_hv * V + cv[None, :], out.to(o.dtype.element_ty), mask=mv)
         S = _decay_update(S, vn, kk, gg, gl, valid)
     if STORE_HT:
-        row, mrow = _h_row(idx, i_nh, ck, cv, mkv, HV, P, K, V, POOL)  # formed again: nothing of it lives in the loop
-        tl.store(_state_ptr(ht, row, ck, cv, K, V, V_FIRST), S.to(ht.dtype.element_ty), mask=mrow)
+        _state_end(ht, idx, S, i_nh, ck, cv, mkv, HV, P, K, V, POOL, V_FIRST)
