@@ -5,8 +5,9 @@ Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state;
 ``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). A forward that no backward follows may instead
 run ``wy`` -> ``sout`` (``_fuse_out``): one pass forming w and u's products from Ainv, the state and o, with nothing
 else through HBM (under sequence splitting ``wu`` and the segment maps still run first). Backward (after w, u, h,
-v_new are recomputed or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes
-from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*`` (``ChunkConfig``).
+v_new are recomputed or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a
+kernel fills comes from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*``
+(``ChunkConfig``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ class _Starts(NamedTuple):
     v_first: bool
     split: _Split | None
 
+    @property
+    def pool_rows(self) -> int:
+        """P, the state pool's rows, where the pass reads and writes the pool itself (else 0)."""
+        return self.ht.shape[0] if self.row_pool else 0
+
 
 def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_first: bool, V: int,
                   HV: int) -> _Starts:
@@ -189,7 +195,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     BV = _state_bv(cfg.state_bv, V, st.units * HV, plan.gpu)
     gdn_state_fwd_kernel[(cdiv(V, BV), st.units * HV)](
         k, w, u, gc, h, vnew, *_starts_args(st, state_indices, dummy), T, plan.NT,
-        st.ht.shape[0] if st.row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+        st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
         **_starts_flags(st), **cfg.launch("state"))
     return h, vnew, st.ht, st.split
 
@@ -210,7 +216,7 @@ def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: Chunk
     BV = _state_bv(plan.cfg.sout_bv, V, st.units * HV, plan.gpu)
     gdn_state_out_kernel[(cdiv(V, BV), st.units * HV)](
         q, k, v, beta, gc, Ainv, o, *_starts_args(st, state_indices, dummy), scale, T, plan.NT,
-        st.ht.shape[0] if st.row_pool else 0, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+        st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
         **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
     return o, st.ht
 
@@ -291,7 +297,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
-    if plan.NTT > 0 and fuse and not keep_h and _fuse_out(plan, HV, V):
+    if fuse and not keep_h and _fuse_out(plan, HV, V):
         o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first, beta_sigmoid,
                            neg_eigval)
         return o, ht, gc, Ainv
