@@ -318,26 +318,27 @@ def _gqa_targets(tiny: bool) -> list[Target]:
     g, dh, dr, page = (2, 16, 16, 16) if tiny else (8, 128, 64, 64)
     hq = 16 * g
 
-    def case(B, S, topk):
+    def case(B, S, topk, hq=hq, dr=dr):
         def build():
             bt, lens, kc = _paged(B, S, page, dh, _lowp(), groups=g)
             vc = torch.randn_like(kc)
-            kr = torch.randn(kc.shape[0], page, dr, device=_dev(), dtype=_lowp())
+            kr = torch.randn(kc.shape[0], page, dr, device=_dev(), dtype=_lowp()) if dr else None
             q = torch.randn(B, 1, hq, dh + dr, device=_dev(), dtype=_lowp())
             idx = torch.randint(0, S, (B, 1, topk), device=_dev(), dtype=torch.int32) if topk else None
             return lambda: gqa_decode(q, kc, vc, bt, lens, kr, indices=idx)
         return build
 
-    def checker(sparse):
+    def checker(sparse, hq=hq, dr=dr):
         def check() -> float:
             bt, lens, kc = _paged(2, 300 if not tiny else 40, page, dh, _lowp(), groups=g)
             vc = torch.randn_like(kc)
-            kr = torch.randn(kc.shape[0], page, dr, device=_dev(), dtype=_lowp())
+            kr = torch.randn(kc.shape[0], page, dr, device=_dev(), dtype=_lowp()) if dr else None
             q = torch.randn(2, 2, hq, dh + dr, device=_dev(), dtype=_lowp())
             idx = torch.randint(-5, 320, (2, 2, 64), device=_dev(), dtype=torch.int32) if sparse else None
             out = _repeatable(lambda: [gqa_decode(q, kc, vc, bt, lens, kr, indices=idx)[0]])[0]
             ref, _ = gqa_decode_reference(*(t.double().cpu() for t in (q, kc, vc)), bt.cpu(), lens.cpu(),
-                                          k_rope_cache=kr.double().cpu(), indices=None if idx is None else idx.cpu())
+                                          k_rope_cache=None if kr is None else kr.double().cpu(),
+                                          indices=None if idx is None else idx.cpu())
             return _rel(out, ref)
         return check
 
@@ -349,7 +350,14 @@ def _gqa_targets(tiny: bool) -> list[Target]:
     space = {"smem": (90000, 160000, 220000), "block_n+num_warps": tuple(itertools.product((32, 64, 128), (4, 8))),
              "num_stages": (2, 3, 4), "waves": (1, 2, 4, 6, 8), "max_m": (32, 64), "paged": (False, True),
              "rows_ahead": (False, True)}
+    # plain GQA with 4 query heads per group and one query token (no rope key: Q4's LLaMA layout) has an entry
+    # of its own
+    plain_hq = 4 * g
+    plain = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for w in roofline.GQA_WORKLOADS.values()
+                                       if w.get("rope_dim") == 0] + [(b, s, 0) for b, s in SPLIT_REGIME]
     return [Target("gqa_decode", {}, [case(*s) for s in dense], checker(False), space, name="gqa_decode dense"),
+            Target("gqa_decode", {"sparse": False, "rows": 4, "d_r": 0}, [case(*s, hq=plain_hq, dr=0) for s in plain],
+                   checker(False, hq=plain_hq, dr=0), space, name="gqa_decode plain"),
             Target("gqa_decode", {"sparse": True}, [case(*s) for s in sparse], checker(True), space,
                    name="gqa_decode sparse")]
 

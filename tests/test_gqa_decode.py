@@ -377,3 +377,19 @@ def test_variants_bitwise_repeatable(config_override, variant, sparse, splits):
             again = _run(*args, indices=idx, num_splits=splits)
             assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
     _check(f"variant {variant}", first, args, torch.bfloat16, causal=True, indices=idx)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_plain_gqa_bitwise_repeatable(s_q, splits):
+    """Plain GQA (no rope key, 4 query heads per group: the LLaMA layout, which the H200 table gives a pipeline
+    of its own) returns the same bits call after call, and the reference's answer."""
+    q, k, v, bt, lens, kr, _ = _case(4, B=4, s_q=s_q, g=8, G=4, d_h=128, d_r=0, d_v=128, max_len=1500,
+                                     dtype=torch.bfloat16)
+    args = (q, k, v, bt, lens, kr)
+    first = _run(*args, num_splits=splits)
+    for _ in range(4):
+        again = _run(*args, num_splits=splits)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    _check("plain", first, args, torch.bfloat16, causal=True)
