@@ -328,12 +328,12 @@ def _gqa_targets(tiny: bool) -> list[Target]:
             return lambda: gqa_decode(q, kc, vc, bt, lens, kr, indices=idx)
         return build
 
-    def checker(sparse, hq=hq, dr=dr):
+    def checker(sparse, hq=hq, dr=dr, s_q=2):
         def check() -> float:
             bt, lens, kc = _paged(2, 300 if not tiny else 40, page, dh, _lowp(), groups=g)
             vc = torch.randn_like(kc)
             kr = torch.randn(kc.shape[0], page, dr, device=_dev(), dtype=_lowp()) if dr else None
-            q = torch.randn(2, 2, hq, dh + dr, device=_dev(), dtype=_lowp())
+            q = torch.randn(2, s_q, hq, dh + dr, device=_dev(), dtype=_lowp())
             idx = torch.randint(-5, 320, (2, 2, 64), device=_dev(), dtype=torch.int32) if sparse else None
             out = _repeatable(lambda: [gqa_decode(q, kc, vc, bt, lens, kr, indices=idx)[0]])[0]
             ref, _ = gqa_decode_reference(*(t.double().cpu() for t in (q, kc, vc)), bt.cpu(), lens.cpu(),
@@ -357,7 +357,7 @@ def _gqa_targets(tiny: bool) -> list[Target]:
                                        if w.get("rope_dim") == 0] + [(b, s, 0) for b, s in SPLIT_REGIME]
     return [Target("gqa_decode", {}, [case(*s) for s in dense], checker(False), space, name="gqa_decode dense"),
             Target("gqa_decode", {"sparse": False, "rows": 4, "d_r": 0}, [case(*s, hq=plain_hq, dr=0) for s in plain],
-                   checker(False, hq=plain_hq, dr=0), space, name="gqa_decode plain"),
+                   checker(False, hq=plain_hq, dr=0, s_q=1), space, name="gqa_decode plain"),
             Target("gqa_decode", {"sparse": True}, [case(*s) for s in sparse], checker(True), space,
                    name="gqa_decode sparse")]
 
