@@ -6,6 +6,7 @@
     compute-sanitizer --tool racecheck python -m tools.racecheck_ws --default-writes exchange
     compute-sanitizer --tool racecheck python -m tools.racecheck_ws --hand-over pingpong   # the MLA hand-overs
     compute-sanitizer --tool racecheck python -m tools.racecheck_ws --tile vec --steps 8    # one tile hand-over
+    compute-sanitizer --tool racecheck python -m tools.racecheck_ws --tile vec --sync named  # by named barriers
 
 A Gluon kernel of three partitions (4 + 4 + 4 warps) that share nothing: each loads 128 floats and stores them
 shifted to its own slice of ``out``. With ``smem`` / ``mbarrier`` the default warps first write shared memory (a
@@ -19,8 +20,9 @@ rescale and row-sum hand-over between its consumers relies on, used once): on th
 entry hazard of ``mbarrier`` then (at the kernel's entry and ``gl.warp_specialize`` lines), not the store and
 load. ``--hand-over`` runs one of the MLA kernel's hand-over patterns (``PATTERNS``) and ``--tile`` one store /
 load hand-over of a tile shape and layout (``TILES``), ``--steps`` times per launch: racecheck clears the 4-byte
-accesses apart from the entry report and flags the vector ones (``tools/README.md`` has the counts). Exits 1 on a
-wrong result.
+accesses apart from the entry report and flags the vector ones (``tools/README.md`` has the counts); ``--sync
+named`` hands the ``multi`` / ``vec`` / ``mma`` tiles over by ``bar.arrive`` / ``bar.sync`` instead, with no
+mbarrier in the kernel, and racecheck flags the vector ones all the same. Exits 1 on a wrong result.
 """
 
 from __future__ import annotations
@@ -326,13 +328,92 @@ def racecheck_tile_kernel(x, out, n, VARIANT: gl.constexpr):
                             (_tile_pp, (x, out, buf, bars, n, mma, True, 4096, 2))], [4, 4], [232, 40])
 
 
+@gluon.jit
+def _bar(ID: gl.constexpr, SYNC: gl.constexpr):
+    """A named barrier (``bar.sync`` / ``bar.arrive``) over the 256 threads of two 4-warp partitions, issued once per
+    thread (inline PTX on a tensor of one value per thread). IDs 14 and 15: Triton's own barriers take the low ones."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    t = gl.full([32 * gl.num_warps()], 0, gl.int32, layout=lay)
+    if SYNC:
+        if ID == 14:
+            gl.inline_asm_elementwise("bar.sync 14, 256;\n\tmov.b32 $0, $1;", "=r,r", [t], gl.int32, False, 1)
+        else:
+            gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.b32 $0, $1;", "=r,r", [t], gl.int32, False, 1)
+    else:
+        if ID == 14:
+            gl.inline_asm_elementwise("bar.arrive 14, 256;\n\tmov.b32 $0, $1;", "=r,r", [t], gl.int32, False, 1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive 15, 256;\n\tmov.b32 $0, $1;", "=r,r", [t], gl.int32, False, 1)
+
+
+@gluon.jit
+def _tile_named(x, out, buf, n, lay: gl.constexpr, TWO_D: gl.constexpr, N: gl.constexpr, ROLE: gl.constexpr):
+    """``_tile_pp`` handed over by named barriers instead of mbarriers: ROLE 1 stores, then arrives on barrier 14;
+    ROLE 0 syncs on it, loads, and arrives on 15, on which ROLE 1 syncs before its next store."""
+    if TWO_D:
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        off = r[:, None] * 64 + c[None, :]
+        acc = gl.zeros([64, 64], gl.float32, layout=lay)
+    else:
+        off = gl.arange(0, N, layout=lay)
+        acc = gl.zeros([N], gl.float32, layout=lay)
+    for j in range(n):
+        if ROLE == 0:
+            _bar(14, True)
+            acc = acc + buf.load(lay)
+            if j < n - 1:
+                _bar(15, False)
+        elif ROLE == 1:
+            if j > 0:
+                _bar(15, True)
+            buf.store(gl.load(x + off) + j)
+            _bar(14, False)
+    if ROLE == 0:
+        gl.store(out + off, acc)
+
+
+@gluon.jit
+def racecheck_named_kernel(x, out, n, VARIANT: gl.constexpr):
+    """``racecheck_tile_kernel``'s vector and accumulator-layout hand-overs by named barriers, and no mbarrier (so no
+    shared memory is written before the entry)."""
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    swz: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    if VARIANT == 0:  # 8 values per thread, one 4-byte store each
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        buf = gl.allocate_shared_memory(gl.float32, [1024], vec)
+        gl.warp_specialize([(_tile_named, (x, out, buf, n, lay, False, 1024, 0)),
+                            (_tile_named, (x, out, buf, n, lay, False, 1024, 1)),
+                            (_tile_named, (x, out, buf, n, lay, False, 1024, 2))], [4, 4], [232, 40])
+    elif VARIANT == 1:  # 4 adjacent values per thread, one 16-byte store
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+        buf = gl.allocate_shared_memory(gl.float32, [512], vec)
+        gl.warp_specialize([(_tile_named, (x, out, buf, n, lay, False, 512, 0)),
+                            (_tile_named, (x, out, buf, n, lay, False, 512, 1)),
+                            (_tile_named, (x, out, buf, n, lay, False, 512, 2))], [4, 4], [232, 40])
+    else:  # the wgmma accumulator layout into the score buffer's swizzled layout
+        buf = gl.allocate_shared_memory(gl.float32, [64, 64], swz)
+        gl.warp_specialize([(_tile_named, (x, out, buf, n, mma, True, 4096, 0)),
+                            (_tile_named, (x, out, buf, n, mma, True, 4096, 1)),
+                            (_tile_named, (x, out, buf, n, mma, True, 4096, 2))], [4, 4], [232, 40])
+
+
+NAMED_TILES = ("multi", "vec", "mma")
+
+
 TILES = ("multi", "vec", "2d", "2d-swizzled", "mma", "mma-flat")
 
 
-def _tile(variant: str, n: int) -> bool:
+def _tile(variant: str, n: int, sync: str = "mbarrier") -> bool:
     x = torch.arange(4096, device="cuda", dtype=torch.float32)
     out = torch.zeros(4096, device="cuda")
-    racecheck_tile_kernel[(2,)](x, out, n, VARIANT=TILES.index(variant), num_warps=4, maxnreg=168)
+    if sync == "named":
+        if variant not in NAMED_TILES:
+            raise SystemExit(f"--sync named takes --tile {', '.join(NAMED_TILES)}")
+        racecheck_named_kernel[(2,)](x, out, n, VARIANT=NAMED_TILES.index(variant), num_warps=4, maxnreg=168)
+    else:
+        racecheck_tile_kernel[(2,)](x, out, n, VARIANT=TILES.index(variant), num_warps=4, maxnreg=168)
     m = {"multi": 1024, "vec": 512}.get(variant, 4096)
     return bool(torch.equal(out[:m], n * x[:m] + n * (n - 1) / 2))
 
@@ -366,13 +447,15 @@ def main(argv=None) -> int:
     ap.add_argument("--hand-over", choices=PATTERNS, help="run this hand-over pattern instead")
     ap.add_argument("--tile", choices=TILES, help="run the store / load hand-over of this tile shape and layout")
     ap.add_argument("--steps", type=int, default=8, help="hand-overs per launch (--tile)")
+    ap.add_argument("--sync", choices=("mbarrier", "named"), default="mbarrier",
+                    help="--tile: hand over through mbarriers or through named barriers (bar.arrive / bar.sync)")
     args = ap.parse_args(argv)
     mode = args.default_writes
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("tools.racecheck_ws needs a Hopper GPU (sm_90)")
     if args.tile:
-        ok = _tile(args.tile, args.steps)
-        print(f"tile {args.tile} x {args.steps}: {'correct' if ok else 'WRONG'}")
+        ok = _tile(args.tile, args.steps, args.sync)
+        print(f"tile {args.tile} x {args.steps} ({args.sync}): {'correct' if ok else 'WRONG'}")
         return 0 if ok else 1
     if args.hand_over:
         ok = _hand_over(args.hand_over)
