@@ -215,6 +215,25 @@ def test_decode_out_of_pool_index_raises_on_host():
         gated_delta_rule_decode(**a, state_indices=torch.tensor([0, 3], dtype=torch.int32))
 
 
+@pytest.mark.skipif(P.device != "cpu", reason="host check applies to CPU index tensors")
+def test_decode_pool_row_named_twice_raises_on_host():
+    """Two sequences naming one pool row would update it in place at once: refused on the host, the pool left as it
+    was; negative entries (sequences skipped) may repeat."""
+    a = _small(B=3)
+    a["q"].normal_()
+    a["k"].normal_()
+    a["v"].normal_()
+    a["beta"].fill_(0.5)
+    a["state"].normal_()
+    before = a["state"].clone()
+    with pytest.raises(ValueError, match="state_indices: pool row 1 is named by more than one sequence"):
+        gated_delta_rule_decode(**a, state_indices=torch.tensor([1, 0, 1], dtype=torch.int32))
+    assert torch.equal(a["state"], before)
+    o = gated_delta_rule_decode(**a, state_indices=torch.tensor([-1, 0, -1], dtype=torch.int32))
+    assert not o[0].any() and not o[2].any() and o[1].any()
+    assert torch.equal(a["state"][1:], before[1:]) and not torch.equal(a["state"][0], before[0])
+
+
 def test_decode_out_of_pool_index_on_device_is_skipped():
     """On the device an index >= P is never accessed: treated as skipped (o = 0, pool unchanged)."""
     g = gen(7)

@@ -132,7 +132,7 @@ def test_rows_outside_the_pool_are_never_accessed(monkeypatch, varlen, seg):
     sequences alone."""
     from addresscheck import AddressCheck
 
-    monkeypatch.setattr(api_mod, "_check_pool_rows", lambda *a: None)  # what a device tensor skips
+    monkeypatch.setattr(api_mod, "check_pool_rows", lambda *a: None)  # what a device tensor skips
     HV, K, V, Pr = 2, pick(16, 128), pick(32, 128), 3
     lens = [20, 70, 1, 65, 9, 5]
     x, cu, N = _problem(11, lens, varlen, HV, K, V, P.dtypes[0])

@@ -169,6 +169,23 @@ def check_kernel_device(device: torch.device, reference: str, dtype: torch.dtype
     )
 
 
+def check_pool_rows(name: str, rows: torch.Tensor, pool_rows: int) -> None:
+    """A CPU tensor of state-pool rows: every row it names (>= 0; a negative entry skips its sequence) lies in
+    ``[0, pool_rows)`` and is named once, since two sequences updating one row in place would race. Rows on a device
+    are not read (no sync)."""
+    if rows.device.type != "cpu":
+        return
+    named = rows[rows >= 0]
+    if not named.numel():
+        return
+    hi = int(named.max())
+    if hi >= pool_rows:
+        raise ValueError(f"{name}: row {hi} is outside the state pool [0, {pool_rows})")
+    uniq, counts = named.unique(return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"{name}: pool row {int(uniq[counts > 1][0])} is named by more than one sequence")
+
+
 def check_decode_inputs(
     q: torch.Tensor,
     block_table: torch.Tensor,

@@ -21,6 +21,7 @@ from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_kernel_device,
+    check_pool_rows,
     check_same_device,
     check_same_dtype,
     check_scale,
@@ -195,22 +196,6 @@ def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, need
 
 
 # ------------------------------------------------------------------------------------------- state pool (inference)
-def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
-    """A CPU ``state_indices`` is checked: every row it names (>= 0) lies in the pool and is named once. Indices on
-    a device are not read (no sync)."""
-    if state_indices.device.type != "cpu":
-        return
-    rows = state_indices[state_indices >= 0]
-    if not rows.numel():
-        return
-    hi = int(rows.max())
-    if hi >= pool_rows:
-        raise ValueError(f"state_indices: row {hi} is outside the state pool [0, {pool_rows})")
-    uniq, counts = rows.unique(return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"state_indices: pool row {int(uniq[counts > 1][0])} is named by more than one sequence")
-
-
 def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
           A_log, dt_bias, chunk_size, *, cu_host):
     return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size),
@@ -223,7 +208,8 @@ def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None,
              v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
              dt_bias: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
-    _check_pool_rows(state_indices, state_pool.shape[0])  # the public function cannot read it while tracing
+    # the public function cannot read it while tracing
+    check_pool_rows("state_indices", state_indices, state_pool.shape[0])
     return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
                  A_log, dt_bias, chunk_size, cu_host=None)
 
@@ -422,7 +408,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         cu_host = read_cu_seqlens(cu_seqlens, T)
     check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
     if state_indices is not None and not torch.compiler.is_compiling():
-        _check_pool_rows(state_indices, initial_state.shape[0])
+        check_pool_rows("state_indices", state_indices, initial_state.shape[0])
     if impl == "reference":
         beta = _beta_ref(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
         if use_gate_in_kernel:

@@ -28,7 +28,14 @@ from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
-from .._common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_scale, check_tensor
+from .._common.validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kernel_device,
+    check_pool_rows,
+    check_scale,
+    check_tensor,
+)
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
 from .kernels.common import _softplus
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
@@ -177,14 +184,6 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     return o
 
 
-def _check_pool_rows(state_indices: torch.Tensor, pool_rows: int) -> None:
-    """A CPU ``state_indices`` is checked against the pool size (no device sync); device indices are not read."""
-    if state_indices.device.type == "cpu" and state_indices.numel():
-        hi = int(state_indices.max())
-        if hi >= pool_rows:
-            raise ValueError(f"state_indices: index {hi} is outside the state pool [0, {pool_rows})")
-
-
 def _check_cu_values(cu_seqlens: torch.Tensor | None, T: int) -> None:
     """A CPU ``cu_seqlens`` is checked (non-decreasing, within [0, T]); device values are not read (the kernel
     clamps them)."""
@@ -203,7 +202,7 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
                v_first: bool) -> torch.Tensor:
     # the public function cannot read CPU index tensors while tracing: checked here
-    _check_pool_rows(state_indices, state.shape[0])
+    check_pool_rows("state_indices", state_indices, state.shape[0])
     _check_cu_values(cu_seqlens, q.shape[1])
     return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel,
                                        cu_seqlens, accepted, intermediate_states, A_log=A_log, dt_bias=dt_bias,
@@ -320,8 +319,10 @@ def gated_delta_rule_decode(
             ``state_indices`` are read (to fp32) and written back (rounded to the pool's dtype) in place.
         state_indices: ``[B]`` int32 pool row of each sequence (``[N]`` with ``cu_seqlens``; default ``arange``, needs
             ``P`` >= that many rows). A negative index skips that sequence: its output is 0 and no state row (nor
-            intermediate state) is touched. An index ``>= P`` raises ``ValueError`` when ``state_indices`` is on the
-            CPU (checked without any device sync); on the GPU such a row is treated like a negative one.
+            intermediate state) is touched. Each row may be named by one sequence only (two would update it in
+            place at once). An index ``>= P`` or a row named twice raises ``ValueError`` when ``state_indices`` is on
+            the CPU (checked without any device sync); on the GPU an index ``>= P`` is treated like a negative one,
+            and a row named twice ends up holding one of the updates or a mix of them.
         scale: output scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (``x / sqrt(sum(x^2) + 1e-6)``) first.
         cu_seqlens: ``[N+1]`` int32/int64 (then ``B == 1``): the ``s = T`` tokens hold ``N`` sequences packed in order,
@@ -425,7 +426,7 @@ def gated_delta_rule_decode(
     _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
                         A_log=A_log, dt_bias=dt_bias)
     if not torch.compiler.is_compiling():
-        _check_pool_rows(state_indices, state.shape[0])
+        check_pool_rows("state_indices", state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)
     opts = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
