@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "chunk_gated_delta_rule": "gqla_triton.ops.gdn",
     "gated_delta_rule_decode": "gqla_triton.ops.gdn",
+    "fused_recurrent_gated_delta_rule": "gqla_triton.ops.gdn",
     "mla_decode": "gqla_triton.ops.mla",
     "quantize_latent_fp8": "gqla_triton.ops.mla",
     "dequantize_latent_fp8": "gqla_triton.ops.mla",

@@ -1,4 +1,5 @@
-"""fla's keyword options on ``chunk_gated_delta_rule`` and ``gated_delta_rule_decode``.
+"""fla's keyword options on ``chunk_gated_delta_rule`` and ``gated_delta_rule_decode``, and fla's recurrent function
+``fused_recurrent_gated_delta_rule``.
 
 Options at the value that changes nothing give bit-identical results to the call without them (which the op tests
 check against float64 references); every other value is a ``ValueError`` naming the option as unsupported and
@@ -10,8 +11,8 @@ import pytest
 import torch
 from harness import P, assert_close, rand, randn
 
-from gqla_triton.ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
-from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref
+from gqla_triton.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_delta_rule_decode
+from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
 
@@ -201,3 +202,92 @@ def test_decode_cu_seqlens_cpu_checks():
     assert torch.equal(state, keep)
     call(cu_seqlens=cu, cu_seqlens_cpu=[0, 2, 4])  # padded: token 4 belongs to no sequence
     assert not torch.equal(state, keep)
+
+
+# ------------------------------------------------------------------------------ fused_recurrent_gated_delta_rule
+
+
+def _recurrent_ref(q, k, v, g, beta, h0, cu, l2, cdt):
+    """fla's recurrent function on the CPU in ``cdt`` (g None: no decay; beta None: ones)."""
+    B, T, HVv = v.shape[:3]
+    g = torch.zeros(B, T, HVv) if g is None else g
+    beta = torch.ones(B, T, HVv) if beta is None else beta
+    return recurrent_gated_delta_rule_ref(*(t.to("cpu", cdt) for t in (q, k, v, g, beta)),
+                                          initial_state=None if h0 is None else h0.to("cpu", cdt),
+                                          output_final_state=True, use_qk_l2norm=l2,
+                                          cu_seqlens=None if cu is None else cu.cpu())
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("case", ["h0", "no_h0", "no_g_beta", "v_first"])
+def test_fused_recurrent_matches_the_recurrence(varlen, case):
+    """fla's recurrent function against float64: outputs in v's dtype, fp32 final states only when asked for, the
+    initial states left as they were, the V-first layout transposing both; the chunked op gives the same result."""
+    dtype = P.dtypes[-1]
+    cu_list = [0, 7, 7, 40, 45]
+    B, T = (1, cu_list[-1]) if varlen else (3, 20)
+    N = len(cu_list) - 1 if varlen else B
+    cu = torch.tensor(cu_list, dtype=torch.int64, device=P.device) if varlen else None
+    q, k, v, g, beta = _inputs(B, T, 91, dtype)
+    if case == "no_g_beta":
+        g, beta = None, None
+    h0 = randn((N, HV, K, V), 92, scale=0.5) if case in ("h0", "v_first") else None
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    o64, s64 = _recurrent_ref(q, k, v, g, beta, h0, cu, True, torch.float64)
+    olp, slp = _recurrent_ref(q, k, v, g, beta, h0, cu, True, torch.float32)
+    if case == "v_first":
+        keep = h0.transpose(-1, -2).contiguous()
+        o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **{**kw, "initial_state": keep},
+                                                 state_v_first=True)
+        assert torch.equal(keep, h0.transpose(-1, -2)), "the initial states were written"
+        ht = ht.transpose(-1, -2)
+    else:
+        keep = None if h0 is None else h0.clone()
+        o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
+        assert h0 is None or torch.equal(h0, keep), "the initial states were written"
+    assert o.dtype == v.dtype and ht.dtype == torch.float32 and tuple(ht.shape) == (N, HV, K, V)
+    assert_close("o", o, o64, olp.to(dtype), dtype=dtype)
+    assert_close("final state", ht, s64, slp, dtype=torch.float32)
+    _, none = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **{**kw, "output_final_state": False,
+                                                                     "initial_state": None})
+    assert none is None
+    if g is not None:
+        oc, hc = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        assert_close("o (chunked op)", oc, o64, olp.to(dtype), dtype=dtype)
+
+
+def test_fused_recurrent_inputs_that_require_grad():
+    """As fla's: the forward runs on inputs that require grad; a backward through its outputs raises. (fla's
+    signature: g, gk, gv, beta in that order, so g and beta go by keyword.)"""
+    q, k, v, g, beta = _inputs(2, 6, 93)
+    q.requires_grad_()
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
+    with torch.no_grad():
+        o2, ht2 = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2) and o.requires_grad
+    with pytest.raises(RuntimeError, match="forward-only"):
+        o.sum().backward()
+
+
+def test_fused_recurrent_refusals():
+    """fla's options this function does not compute are refused by name, as are unknown keywords."""
+    q, k, v, g, beta = _inputs(1, 4, 94)
+    B, T = 1, 4
+    for kw, exc, match in ((dict(gk=torch.zeros(B, T, HV, K, device=P.device)), ValueError, "gk: per-key"),
+                           (dict(gv=torch.zeros(B, T, HV, V, device=P.device)), ValueError, "gv: per-value"),
+                           (dict(beta=torch.ones(B, T, HV, V, device=P.device)), ValueError, "beta: per-value"),
+                           (dict(g=None, use_gate_in_kernel=True, A_log=torch.zeros(HV, device=P.device)),
+                            ValueError, "g: required"),
+                           (dict(head_first=True), ValueError, "head_first"),
+                           (dict(cp_context=None), TypeError, "cp_context"),
+                           (dict(output_final_state=1), TypeError, "output_final_state"),
+                           (dict(state_v_first=1), TypeError, "state_v_first"),
+                           (dict(state_v_first=True, transpose_state_layout=False), ValueError, "contradict"),
+                           (dict(initial_state=randn((2, HV, K, V), 95)), ValueError, "initial_state")):
+        args = dict(g=g, beta=beta) | kw
+        with pytest.raises(exc, match=match):
+            fused_recurrent_gated_delta_rule(q, k, v, **args)
+    o1, h1 = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                              transpose_state_layout=True)
+    o2, h2 = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True, state_v_first=True)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2) and tuple(h1.shape) == (1, HV, V, K)

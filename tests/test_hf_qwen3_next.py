@@ -141,6 +141,46 @@ def test_cached_decode_matches_transformers(T, H, G, dtype, seed):
         assert c.seqlens.tolist() == [T + STEPS] * B
 
 
+def _on_our_functions(monkeypatch):
+    """transformers' layer with the two GDN functions it takes from fla replaced by ours, each called as its hub
+    wrapper calls fla's (keywords outside the function's signature dropped)."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as mod
+
+    from gqla_triton.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    def as_fla(fn):
+        names = set(inspect.signature(fn).parameters)
+        return lambda *a, **kw: fn(*a, **{k: v for k, v in kw.items() if k in names})
+
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", as_fla(chunk_gated_delta_rule))
+    monkeypatch.setattr(mod, "torch_recurrent_gated_delta_rule", as_fla(fused_recurrent_gated_delta_rule))
+
+
+@ONE
+@given(T=st.integers(1, pick(12, 150)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]), dtype=dtypes(),
+       seed=seeds())
+def test_transformers_layer_runs_on_our_fla_functions(T, H, G, dtype, seed):
+    """transformers' own layer with ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` taken from
+    here where it would take fla's: prefill and 16 cached decode steps as close to float64 as its torch path."""
+    B = 2
+    cfg = _config(H, G, pick(16, 128))
+    hf = _hf_layer(cfg, seed, dtype)
+    x64 = randn((B, T + STEPS, cfg.hidden_size), seed + 1, dtype=F64)
+    xs64 = _chunks(x64, T)
+    xs = [x.to(dtype) for x in xs64]
+    r64 = _ours(hf, "reference", F64)
+    out64 = _run(r64, xs64, r64.init_cache(B))
+    out_hf = _run(hf, xs, DynamicCache(config=cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        _on_our_functions(mp)
+        cache = DynamicCache(config=cfg)
+        out = _run(hf, xs, cache)
+    for i, (o, o64, oh) in enumerate(zip(out, out64, out_hf, strict=True)):
+        what = "prefill" if i == 0 else f"decode step {i}"
+        assert_close(f"transformers on our functions, {what}", o, o64, oh, dtype=dtype)
+    assert _hf_states(cache)[1].dtype == torch.float32
+
+
 @ONE
 @given(T=st.integers(1, pick(12, 150)), dtype=dtypes(), seed=seeds())
 def test_cache_states_carry_across_implementations(T, dtype, seed):

@@ -1,13 +1,16 @@
 """Gated DeltaNet ops: chunked prefill / training (``api``: ``chunk_gated_delta_rule``), the recurrent decode step
-(``decode``: ``gated_delta_rule_decode``) and their torch references (``reference``)."""
+(``decode``: ``gated_delta_rule_decode``), fla's recurrent form over it (``recurrent``:
+``fused_recurrent_gated_delta_rule``) and their torch references (``reference``)."""
 
 from .api import chunk_gated_delta_rule
 from .decode import gated_delta_rule_decode
+from .recurrent import fused_recurrent_gated_delta_rule
 from .reference import chunk_gated_delta_rule_ref, l2norm_ref, recurrent_gated_delta_rule_ref
 
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
+    "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_decode",
     "l2norm_ref",
     "recurrent_gated_delta_rule_ref",

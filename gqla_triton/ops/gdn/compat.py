@@ -37,13 +37,16 @@ _DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by
 
 CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_NONE)
 DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_LAYOUT, *_DECODE_NONE)
+RECURRENT_OPTIONS = (*_FLAGS, _LAYOUT[1])  # fused_recurrent_gated_delta_rule: state_v_first is its argument
 
 
 def check_fla_options(op: str, options: dict) -> None:
-    """Check the fla keyword ``options`` of ``op`` (``"chunk_gated_delta_rule"`` or ``"gated_delta_rule_decode"``):
-    each at the value that changes nothing here, else a ``ValueError`` naming it; unknown names: ``TypeError``."""
+    """Check the fla keyword ``options`` of ``op`` (``"chunk_gated_delta_rule"``, ``"gated_delta_rule_decode"`` or
+    ``"fused_recurrent_gated_delta_rule"``): each at the value that changes nothing here, else a ``ValueError``
+    naming it; unknown names: ``TypeError``."""
     chunk = op == "chunk_gated_delta_rule"
-    known = CHUNK_OPTIONS if chunk else DECODE_OPTIONS
+    known = {"chunk_gated_delta_rule": CHUNK_OPTIONS, "gated_delta_rule_decode": DECODE_OPTIONS,
+             "fused_recurrent_gated_delta_rule": RECURRENT_OPTIONS}[op]
     unknown = [name for name in options if name not in known]
     if unknown:
         raise TypeError(f"{op}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
