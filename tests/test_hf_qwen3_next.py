@@ -141,19 +141,33 @@ def test_cached_decode_matches_transformers(T, H, G, dtype, seed):
         assert c.seqlens.tolist() == [T + STEPS] * B
 
 
-def _on_our_functions(monkeypatch):
+def _on_our_functions(monkeypatch, layer) -> dict:
     """transformers' layer with the two GDN functions it takes from fla replaced by ours, each called as its hub
-    wrapper calls fla's (keywords outside the function's signature dropped)."""
+    wrapper calls fla's (keywords outside the function's signature dropped); returns the calls counted per name."""
     import transformers.models.qwen3_next.modeling_qwen3_next as mod
 
     from gqla_triton.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    def as_fla(fn):
-        names = set(inspect.signature(fn).parameters)
-        return lambda *a, **kw: fn(*a, **{k: v for k, v in kw.items() if k in names})
+    calls = {"chunk": 0, "recurrent": 0}
 
-    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", as_fla(chunk_gated_delta_rule))
-    monkeypatch.setattr(mod, "torch_recurrent_gated_delta_rule", as_fla(fused_recurrent_gated_delta_rule))
+    def as_fla(fn, name):
+        names = set(inspect.signature(fn).parameters)
+
+        def call(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **{k: v for k, v in kw.items() if k in names})
+        return call
+
+    for what, fn, attrs in (
+            ("chunk", chunk_gated_delta_rule, ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")),
+            ("recurrent", fused_recurrent_gated_delta_rule,
+             ("torch_recurrent_gated_delta_rule", "recurrent_gated_delta_rule"))):
+        # the module function (transformers from 5.25) and the layer's bound attribute (earlier releases)
+        if hasattr(mod, attrs[0]):
+            monkeypatch.setattr(mod, attrs[0], as_fla(fn, what))
+        if hasattr(layer, attrs[1]):
+            monkeypatch.setattr(layer, attrs[1], as_fla(fn, what))
+    return calls
 
 
 @ONE
@@ -172,9 +186,10 @@ def test_transformers_layer_runs_on_our_fla_functions(T, H, G, dtype, seed):
     out64 = _run(r64, xs64, r64.init_cache(B))
     out_hf = _run(hf, xs, DynamicCache(config=cfg))
     with pytest.MonkeyPatch.context() as mp:
-        _on_our_functions(mp)
+        calls = _on_our_functions(mp, hf)
         cache = DynamicCache(config=cfg)
         out = _run(hf, xs, cache)
+    assert calls == {"chunk": 1, "recurrent": STEPS}, calls
     for i, (o, o64, oh) in enumerate(zip(out, out64, out_hf, strict=True)):
         what = "prefill" if i == 0 else f"decode step {i}"
         assert_close(f"transformers on our functions, {what}", o, o64, oh, dtype=dtype)
