@@ -82,6 +82,15 @@ def _chunks(x, T):
     return [x[:, :T]] + [x[:, T + i:T + i + 1] for i in range(x.shape[1] - T)]
 
 
+def _decode_case(B, T, H, G, dtype, seed):
+    """A random layer and ``B`` sequences of ``T`` prompt tokens then ``STEPS`` decode tokens: ``(config,
+    transformers' layer, the input chunks in float64, the same in dtype)``."""
+    cfg = _config(H, G, pick(16, 128))
+    hf = _hf_layer(cfg, seed, dtype)
+    xs64 = _chunks(randn((B, T + STEPS, cfg.hidden_size), seed + 1, dtype=F64), T)
+    return cfg, hf, xs64, [x.to(dtype) for x in xs64]
+
+
 @pytest.mark.parametrize("dtype", P.dtypes)
 @FEW
 @given(B=st.integers(1, 2), T=st.integers(1, pick(20, 200)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
@@ -109,11 +118,7 @@ def test_cached_decode_matches_transformers(T, H, G, dtype, seed):
     """Prefill T tokens into a cache, then 16 single-token decode steps: every step's output and the final
     states of ours (kernels and the reference impl) equal transformers' (its DynamicCache on its side)."""
     B = 2
-    cfg = _config(H, G, pick(16, 128))
-    hf = _hf_layer(cfg, seed, dtype)
-    x64 = randn((B, T + STEPS, cfg.hidden_size), seed + 1, dtype=F64)
-    xs64 = _chunks(x64, T)
-    xs = [x.to(dtype) for x in xs64]
+    cfg, hf, xs64, xs = _decode_case(B, T, H, G, dtype, seed)
     r64 = _ours(hf, "reference", F64)
     c64 = r64.init_cache(B)
     out64 = _run(r64, xs64, c64)
@@ -177,11 +182,7 @@ def test_transformers_layer_runs_on_our_fla_functions(T, H, G, dtype, seed):
     """transformers' own layer with ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` taken from
     here where it would take fla's: prefill and 16 cached decode steps as close to float64 as its torch path."""
     B = 2
-    cfg = _config(H, G, pick(16, 128))
-    hf = _hf_layer(cfg, seed, dtype)
-    x64 = randn((B, T + STEPS, cfg.hidden_size), seed + 1, dtype=F64)
-    xs64 = _chunks(x64, T)
-    xs = [x.to(dtype) for x in xs64]
+    cfg, hf, xs64, xs = _decode_case(B, T, H, G, dtype, seed)
     r64 = _ours(hf, "reference", F64)
     out64 = _run(r64, xs64, r64.init_cache(B))
     out_hf = _run(hf, xs, DynamicCache(config=cfg))
@@ -202,11 +203,7 @@ def test_cache_states_carry_across_implementations(T, dtype, seed):
     """transformers prefills, ours decodes from its cache's states (load_hf_states); and ours prefills,
     transformers decodes from ours (hf_states): both give the decode outputs of one implementation throughout."""
     B, H, G = 2, 2, 2
-    cfg = _config(H, G, pick(16, 128))
-    hf = _hf_layer(cfg, seed, dtype)
-    x64 = randn((B, T + STEPS, cfg.hidden_size), seed + 1, dtype=F64)
-    xs64 = _chunks(x64, T)
-    xs = [x.to(dtype) for x in xs64]
+    cfg, hf, xs64, xs = _decode_case(B, T, H, G, dtype, seed)
     r64 = _ours(hf, "reference", F64)
     out64 = _run(r64, xs64, r64.init_cache(B))
     m = _ours(hf, "triton", dtype)

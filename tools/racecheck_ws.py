@@ -259,9 +259,8 @@ def racecheck_hand_over_kernel(x, xb, out, n, PATTERN: gl.constexpr):
 
 
 @gluon.jit
-def _tile_pp(x, out, buf, bars, n, lay: gl.constexpr, TWO_D: gl.constexpr, N: gl.constexpr, ROLE: gl.constexpr):
-    """``_pingpong`` with a tile of ``N`` fp32 values (``TWO_D``: a 64 x 64 tile) in the register layout ``lay``:
-    which shapes and layouts of an mbarrier-ordered store / load racecheck follows."""
+def _tile_offsets(lay: gl.constexpr, TWO_D: gl.constexpr, N: gl.constexpr):
+    """Offsets of a tile of ``N`` fp32 values (``TWO_D``: 64 x 64) in the register layout ``lay``, and zeros."""
     if TWO_D:
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
         c = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
@@ -270,6 +269,14 @@ def _tile_pp(x, out, buf, bars, n, lay: gl.constexpr, TWO_D: gl.constexpr, N: gl
     else:
         off = gl.arange(0, N, layout=lay)
         acc = gl.zeros([N], gl.float32, layout=lay)
+    return off, acc
+
+
+@gluon.jit
+def _tile_pp(x, out, buf, bars, n, lay: gl.constexpr, TWO_D: gl.constexpr, N: gl.constexpr, ROLE: gl.constexpr):
+    """``_pingpong`` with a tile of ``N`` fp32 values (``TWO_D``: a 64 x 64 tile) in the register layout ``lay``:
+    which shapes and layouts of an mbarrier-ordered store / load racecheck follows."""
+    off, acc = _tile_offsets(lay, TWO_D, N)
     for j in range(n):
         if ROLE == 0:
             mbarrier.wait(bars.index(0), j & 1)
@@ -350,14 +357,7 @@ def _bar(ID: gl.constexpr, SYNC: gl.constexpr):
 def _tile_named(x, out, buf, n, lay: gl.constexpr, TWO_D: gl.constexpr, N: gl.constexpr, ROLE: gl.constexpr):
     """``_tile_pp`` handed over by named barriers instead of mbarriers: ROLE 1 stores, then arrives on barrier 14;
     ROLE 0 syncs on it, loads, and arrives on 15, on which ROLE 1 syncs before its next store."""
-    if TWO_D:
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
-        c = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        off = r[:, None] * 64 + c[None, :]
-        acc = gl.zeros([64, 64], gl.float32, layout=lay)
-    else:
-        off = gl.arange(0, N, layout=lay)
-        acc = gl.zeros([N], gl.float32, layout=lay)
+    off, acc = _tile_offsets(lay, TWO_D, N)
     for j in range(n):
         if ROLE == 0:
             _bar(14, True)
