@@ -291,3 +291,22 @@ def test_fused_recurrent_refusals():
                                               transpose_state_layout=True)
     o2, h2 = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True, state_v_first=True)
     assert torch.equal(o1, o2) and torch.equal(h1, h2) and tuple(h1.shape) == (1, HV, V, K)
+
+
+def test_fused_recurrent_torch_compile():
+    """``torch.compile(fullgraph=True)`` of fla's recurrent function (transformers compiles its decode step) equals the
+    eager call, outputs and final states."""
+    q, k, v, g, beta = _inputs(1, 6, 96)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int64, device=P.device)
+    h0 = randn((2, HV, K, V), 97, scale=0.5)
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        return o * 2, ht
+
+    backend = "aot_eager" if P.device == "cpu" else "inductor"
+    o1, h1 = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, g, beta, h0)
+    o2, h2 = f(q, k, v, g, beta, h0)
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(h1, h2)
