@@ -283,7 +283,10 @@ def test_fused_recurrent_refusals():
                            (dict(output_final_state=1), TypeError, "output_final_state"),
                            (dict(state_v_first=1), TypeError, "state_v_first"),
                            (dict(state_v_first=True, transpose_state_layout=False), ValueError, "contradict"),
-                           (dict(initial_state=randn((2, HV, K, V), 95)), ValueError, "initial_state")):
+                           (dict(initial_state=randn((2, HV, K, V), 95)), ValueError, "initial_state"),
+                           (dict(cu_seqlens=torch.zeros(0, dtype=torch.int64, device=P.device)), ValueError,
+                            "cu_seqlens: expected"),
+                           (dict(cu_seqlens=[0, 4]), TypeError, "cu_seqlens")):
         args = dict(g=g, beta=beta) | kw
         with pytest.raises(exc, match=match):
             fused_recurrent_gated_delta_rule(q, k, v, **args)

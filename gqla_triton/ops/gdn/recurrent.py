@@ -91,6 +91,8 @@ def fused_recurrent_gated_delta_rule(
     N = B
     if cu_seqlens is not None:
         check_tensor("cu_seqlens", cu_seqlens, ndim=1, device=q.device)
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
         N = cu_seqlens.numel() - 1
     rows = (N, HV, V, K) if v_first else (N, HV, K, V)
     if initial_state is not None:
