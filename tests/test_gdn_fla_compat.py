@@ -280,7 +280,7 @@ def test_fused_recurrent_refusals():
                             ValueError, "g: required"),
                            (dict(head_first=True), ValueError, "head_first"),
                            (dict(cp_context=None), TypeError, "cp_context"),
-                           (dict(output_final_state=1), TypeError, "output_final_state"),
+                           (dict(output_final_state="yes"), TypeError, "output_final_state"),
                            (dict(state_v_first=1), TypeError, "state_v_first"),
                            (dict(state_v_first=True, transpose_state_layout=False), ValueError, "contradict"),
                            (dict(initial_state=randn((2, HV, K, V), 95)), ValueError, "initial_state"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common.validation import FLOAT_DTYPES, check_tensor
+from .._common.validation import FLOAT_DTYPES, check_flag, check_tensor
 from .compat import check_fla_options
 from .compat import state_v_first as layout_v_first
 from .decode import gated_delta_rule_decode
@@ -67,8 +67,7 @@ def fused_recurrent_gated_delta_rule(
         raise TypeError(f"state_v_first: expected a bool, got {type(state_v_first).__name__}")
     v_first = layout_v_first("vk" if state_v_first else "kv",
                              {**fla_options, **({"state_v_first": True} if state_v_first else {})})
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
+    output_final_state = check_flag("output_final_state", output_final_state)
     for name, t in (("gk", gk), ("gv", gv)):
         if t is not None:
             raise ValueError(f"{name}: per-{'key' if name == 'gk' else 'value'} decays are not supported here "
