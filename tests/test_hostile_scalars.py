@@ -59,6 +59,11 @@ def _ops():
     def chunk(**o):
         return gq.chunk_gated_delta_rule(*x, **o)
 
+    def recurrent(**o):
+        o.setdefault("g", x[3])
+        o.setdefault("beta", x[4])
+        return gq.fused_recurrent_gated_delta_rule(*x[:3], **o)
+
     xd = [torch.randn(2, 1, H, K, generator=g), torch.randn(2, 1, H, K, generator=g),
           torch.randn(2, 1, 2, V, generator=g), -torch.rand(2, 1, 2, generator=g), torch.rand(2, 1, 2, generator=g)]
     pool = torch.randn(3, 2, K, V, generator=g)
@@ -90,11 +95,18 @@ def _ops():
         "gated_delta_rule_decode": (dec, ["state", "state_indices", "scale", "use_qk_l2norm_in_kernel", "impl",
                                           "A_log", "dt_bias", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
                                           "allow_neg_eigval", "cu_seqlens", "intermediate_states"]),
+        "fused_recurrent_gated_delta_rule": (recurrent, ["g", "gk", "gv", "beta", "scale", "initial_state",
+                                                         "output_final_state", "use_qk_l2norm_in_kernel",
+                                                         "use_gate_in_kernel", "A_log", "dt_bias",
+                                                         "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                                                         "state_v_first", "cu_seqlens", "impl", "head_first",
+                                                         "transpose_state_layout"]),
     }
 
 
 @pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "gqa_decode",
-                                "chunk_gated_delta_rule", "gated_delta_rule_decode"])
+                                "chunk_gated_delta_rule", "gated_delta_rule_decode",
+                                "fused_recurrent_gated_delta_rule"])
 def test_hostile_keyword_values_run_or_are_refused_by_name(op):
     fn, keywords = _ops()[op]
     fn()  # the base call is valid
