@@ -47,9 +47,10 @@ def fused_recurrent_gated_delta_rule(
         gk, gv: fla's per-key / per-value decays: not supported (``ValueError`` unless None).
         beta: ``[B, T, HV]``, or None (all ones); fla's per-value beta ``[B, T, HV, V]`` is not supported.
         scale: output scale, default ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) in fp32, bf16 or fp16, or None
-            (zeros); read, not written.
-        output_final_state: return the final states ``[N, HV, K, V]`` (or ``[N, HV, V, K]``) in fp32.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) in fp32, bf16 or fp16 (float64
+            too with the reference), or None (zeros); read, not written.
+        output_final_state: return the final states ``[N, HV, K, V]`` (or ``[N, HV, V, K]``) in fp32 (float64 with
+            the reference on float64 inputs).
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval:
             as ``gated_delta_rule_decode``.
         state_v_first: V-first state rows (fla's older name ``transpose_state_layout`` is taken too).
