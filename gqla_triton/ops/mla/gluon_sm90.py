@@ -4,8 +4,10 @@ One program per (batch entry, KV split, 64-row tile), three partitions:
 
 * a producer warpgroup gathers each 64-key tile (64 cache rows x ``D`` channels, one 64-channel slab at a time)
   into a two-stage shared-memory ring with ``cp.async``, so any page size and sparse rows work alike; masked rows
-  are zero-filled. From an FP8 latent cache (``fp8.py``) it loads the e4m3 bytes, multiplies them by their
-  float32 tile scales and stores bf16 into the same ring, so the consumers are those of a bf16 cache;
+  are zero-filled. From an FP8 latent cache (``fp8.py``) it copies the e4m3 bytes, their float32 tile scales and
+  the rope values into the stage, and each consumer converts the half of the latent values it reads to bf16 in
+  place before its products (the conversion is spread over both consumer warpgroups rather than bounding the
+  producer's four warps);
 * two consumer warpgroups each own half of the value columns and compute each score tile ``S = Q·Kᵀ`` once,
   between them: the owner over latent channels 0-255 and the rope (its rope channels of Q in registers, the
   rest of Q in shared memory), the partner over channels 256-511, whose fp32 partial reaches the owner through
@@ -48,9 +50,6 @@ SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, o
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(40)  # registers per thread of the producer warpgroup (setmaxnreg)
 CONSUMER_REGS = gl.constexpr(232)  # registers per thread of each consumer warpgroup
-# one split for both cache kinds: over an FP8 cache, 72 / 216 (room for the dequantising producer) is 6 % faster at
-# SM1 on the H200 (Triton 3.6), but the consumers at 216 registers return NaN rows in the boundary-key path (s_q 3,
-# causal) under compute-sanitizer, where 232 gives the reference's answer
 MAXNREG = 168  # register cap of the launch (4 default warps)
 
 __all__ = ["compile_sm90", "gluon_unsupported", "mla_decode_gluon", "mla_decode_gluon_kernel"]
@@ -114,12 +113,12 @@ def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
 
 
 @gluon.jit
-def _fill_stage(kv, kv_smem, sc_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
+def _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
                 D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr):
     """Fill stage ``s`` with the cache rows of key positions ``[k0, k0 + BLOCK_N)`` (those at or past ``hi`` or
     not counting zero-filled); returns which rows count. bf16: every slab by ``cp.async`` (the consumers wait on
-    the copies). FP8 (``kv`` the cache's bytes, ``fp8.py`` layout): see ``_dequant_stage``."""
+    the copies). FP8 (``kv`` the cache's bytes, ``fp8.py`` layout): ``_fp8_stage``."""
     NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, cp)
@@ -128,36 +127,44 @@ def _fill_stage(kv, kv_smem, sc_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, 
                         num_pages, SPARSE, PAGE_SIZE)
     base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
     if FP8:
-        _dequant_stage(kv, kv_smem, sc_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages,
-                       num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE)
+        _fp8_stage(kv, kv_smem, s, base, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp,
+                   s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, ok)
     else:
         for c in gl.static_range(NSLAB):
             _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
     return ok
 
 
+# FP8 stage layout (``fp8.py`` rows): the e4m3 bytes of latent tile k (128 values per row) in slab RAW_SLAB[k], as
+# two 64-byte halves; the float32 scales of tiles 2h and 2h + 1 as the first two rows of slab 4h (h = 0, 1); the rope values (bf16) in the rope slab. The consumer warpgroup that reads tile k's values
+# converts it into bf16 slabs 2k and 2k + 1 (``_fp8_convert``): the owner tiles 0 and 1 (slabs 0-3), the other
+# warpgroup tiles 2 and 3 (slabs 4-7), so neither writes a slab the other reads.
+RAW_SLAB = gl.constexpr((2, 3, 6, 7))
+
+
 @gluon.jit
-def _dequant_stage(kv, kv_smem, sc_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
-                   s_kvp, s_kvt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, SPARSE: gl.constexpr):
-    """Stage an FP8 tile in place. ``cp.async`` brings the rope values (bf16) into the rope slab and the e4m3
-    bytes of latent tile ``k`` (128 values per row) into latent slab ``4 + k``, as two 64 x 64-byte halves; the
-    float32 scales go to ``sc_smem`` [4, BLOCK_N]. Once the bytes have landed, tile ``k`` (``k`` = 0..3) becomes
-    bf16 slabs ``2k`` and ``2k + 1``: every thread loads its bytes of the tile, a partition barrier, then it
-    stores the values. The barrier orders each tile's stores after every load of the bytes they overwrite
-    (tiles 0 and 1 under tile 2's values, tile 2 and tile 3 itself under tile 3's). Rows that do not count are
-    zero bytes with scale 0."""
+def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The ring as 64-byte rows (``raw``: half h of slab c of stage s at ``2 * (s * NSLAB + c) + h``) and as pairs
+    of ``BLOCK_N``-float32 rows (``scv``: the first two rows of slab c of stage s at ``(s * NSLAB + c) * SLAB // 4``)."""
+    raw = _reinterpret(kv_smem, gl.uint8, [2 * STAGES * NSLAB, BLOCK_N, SLAB],
+                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    scv = _reinterpret(kv_smem, gl.float32, [STAGES * NSLAB * SLAB // 4, 2, BLOCK_N],
+                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    return raw, scv
+
+
+@gluon.jit
+def _fp8_stage(kv, kv_smem, s, base, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
+               D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, SPARSE: gl.constexpr, ok):
+    """Copy an FP8 tile's bytes into stage ``s`` as laid out above, every part by ``cp.async`` (rows that do not
+    count are zero bytes with scale 0)."""
     NSLAB: gl.constexpr = D // SLAB
     NT: gl.constexpr = DV // 128  # scale tiles of 128 latent values
-    RB: gl.constexpr = 32  # rows per dequantisation pass: 16 values per thread
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])  # 16-byte copies and passes
-    scl: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    # the ring as 64-byte rows: half h of slab c of stage s is raw.index(2 * (s * NSLAB + c) + h)
-    raw = _reinterpret(kv_smem, gl.uint8, [2 * STAGES * NSLAB, BLOCK_N, SLAB], plain)
-    RAW0: gl.constexpr = NT  # the slab of tile 0's bytes
-
+    b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])  # 16-byte copies
+    sl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, gl.num_warps() // 2], [1, 0])  # 2 x 64 scales
+    raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N)
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
     rope = (base + DV + 4 * NT).to(gl.pointer_type(gl.bfloat16), bitcast=True)
     _async_load(kv_smem.index(s * NSLAB + NSLAB - 1), rope[:, None] + cc[None, :], mask=ok[:, None])
@@ -167,46 +174,60 @@ def _dequant_stage(kv, kv_smem, sc_smem, s, base, ok, k0, hi, rows_src, b64, qt,
     cb = gl.arange(0, SLAB, layout=gl.SliceLayout(0, b16))
     for k in gl.static_range(NT):
         for h in gl.static_range(2):
-            _async_load(raw.index(2 * (s * NSLAB + RAW0 + k) + h), bb[:, None] + (128 * k + SLAB * h + cb)[None, :],
-                        mask=okb[:, None])
-    async_copy.commit_group()
-    rows_s, ok_s = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=scl), hi, rows_src, b64, qt, s_rb, s_rq, max_pages,
-                             num_pages, SPARSE, PAGE_SIZE)
+            _async_load(raw.index(2 * (s * NSLAB + RAW_SLAB[k]) + h),
+                        bb[:, None] + (128 * k + SLAB * h + cb)[None, :], mask=okb[:, None])
+    rows_s, ok_s = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sl)), hi, rows_src, b64, qt,
+                             s_rb, s_rq, max_pages, num_pages, SPARSE, PAGE_SIZE)
     bs = (kv + (rows_s // PAGE_SIZE).to(gl.int64) * s_kvp + (rows_s % PAGE_SIZE).to(gl.int64) * s_kvt + DV).to(
         gl.pointer_type(gl.float32), bitcast=True)
-    for t in gl.static_range(NT):  # the previous tile's scales were read before its last barrier
-        sc_smem.index(t).store(gl.load(bs + t, mask=ok_s, other=0.0))
-    async_copy.wait_group(0)
+    pair = gl.arange(0, 2, layout=gl.SliceLayout(1, sl))
+    for h in gl.static_range(NT // 2):
+        _async_load(scv.index((s * NSLAB + 4 * h) * SLAB // 4), bs[None, :] + (2 * h + pair)[:, None],
+                    mask=ok_s[None, :])
+
+
+@gluon.jit
+def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OWNER: gl.constexpr):
+    """This consumer warpgroup's two FP8 tiles of stage ``s`` to bf16 in place (layout above), complete and visible
+    to its wgmma on return. Per tile: every thread loads its bytes (and, first, both tiles' scales, which tile
+    2h's values overwrite), a partition barrier, then it stores the values, so no store lands on bytes another
+    thread has still to read."""
+    NSLAB: gl.constexpr = D // SLAB
+    H: gl.constexpr = 0 if OWNER else 1
+    b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, b16)
+    raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N)
+    pair: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [gl.num_warps(), 1], [1, 0])  # a key's two scales
+    sc0, sc1 = gl.split(scv.index((s * NSLAB + 4 * H) * SLAB // 4).permute((1, 0)).load(pair))
+    sc0 = gl.convert_layout(sc0, rows)
+    sc1 = gl.convert_layout(sc1, rows)
+    src = 2 * (s * NSLAB + RAW_SLAB[2 * H])
+    u0 = raw.index(src).load(b16)
+    u1 = raw.index(src + 1).load(b16)
     _barrier()
-    for k in gl.static_range(NT):
-        src = 2 * (s * NSLAB + RAW0 + k)
-        u00 = raw.index(src).slice(0, RB, dim=0).load(b16)
-        u01 = raw.index(src).slice(RB, RB, dim=0).load(b16)
-        u10 = raw.index(src + 1).slice(0, RB, dim=0).load(b16)
-        u11 = raw.index(src + 1).slice(RB, RB, dim=0).load(b16)
-        _barrier()
-        dst = s * NSLAB + 2 * k
-        _store_rows(u00, sc_smem.index(k), kv_smem.index(dst), 0, RB, b16)
-        _store_rows(u01, sc_smem.index(k), kv_smem.index(dst), RB, RB, b16)
-        _store_rows(u10, sc_smem.index(k), kv_smem.index(dst + 1), 0, RB, b16)
-        _store_rows(u11, sc_smem.index(k), kv_smem.index(dst + 1), RB, RB, b16)
+    dst = s * NSLAB + 4 * H
+    kv_smem.index(dst).store(_e4m3_scaled(u0, sc0))
+    kv_smem.index(dst + 1).store(_e4m3_scaled(u1, sc0))
+    src = 2 * (s * NSLAB + RAW_SLAB[2 * H + 1])
+    u0 = raw.index(src).load(b16)
+    u1 = raw.index(src + 1).load(b16)
+    _barrier()
+    kv_smem.index(dst + 2).store(_e4m3_scaled(u0, sc1))
+    kv_smem.index(dst + 3).store(_e4m3_scaled(u1, sc1))
+    fence_async_shared()  # the values were stored by the generic proxy; wgmma reads the async proxy
+    _barrier()
 
 
 @gluon.jit
-def _store_rows(u, sc_row, dst, r0, RB: gl.constexpr, lay: gl.constexpr):
-    """``dst[r0 : r0 + RB] = e4m3(u) * scale`` in bf16, ``u`` [RB, 64] bytes, the scales from ``sc_row`` [BLOCK_N]."""
-    sc = sc_row.slice(r0, RB).load(gl.SliceLayout(1, lay))
-    x = u.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-    dst.slice(r0, RB, dim=0).store(x.to(gl.bfloat16))
+def _e4m3_scaled(u, sc):
+    """``e4m3(u) * scale`` in bf16 (the product in fp32, rounded once), ``u`` [rows, 64] bytes, ``sc`` [rows]."""
+    return (u.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
 
 
 @gluon.jit
-def _publish(ready, FP8: gl.constexpr):
+def _publish(ready):
     """Every producer thread arrives on ``ready`` once its own copies have landed (the barrier counts them all);
-    one more arrival, after the partition's barrier, publishes the key mask and the stores of dequantised values
-    (fenced for the consumers' wgmma, which reads through the async proxy)."""
-    if FP8:
-        fence_async_shared()
+    one more arrival publishes the key mask."""
     async_copy.mbarrier_arrive(ready, increment_count=False)
     mbarrier.arrive(ready, count=1)
 
@@ -215,7 +236,7 @@ def _publish(ready, FP8: gl.constexpr):
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
               SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, sc_smem, ready, empty,
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
      s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
@@ -230,7 +251,7 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         k0 = lo + j * BLOCK_N
-        ok = _fill_stage(kv, kv_smem, sc_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+        ok = _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
                          s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
         # per key: the first query token (within the tile's sequence) that sees it; NEVER where it counts for none
         first_q = gl.full([BLOCK_N], 0, gl.int32, layout=gl.SliceLayout(1, cp))
@@ -238,17 +259,17 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             if causal != 0:
                 first_q = gl.maximum(k0 + rk - (seqlen - s_q), 0)
         first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
-        _publish(ready.index(s), FP8)
+        _publish(ready.index(s))
     if TAIL:  # the boundary keys, one per tile (row 0; the others zero-filled), through the same ring
         for jt in range(n_tail):
             j = n_tiles + jt
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             k0 = t_lo + jt
-            ok = _fill_stage(kv, kv_smem, sc_smem, s, k0, k0 + 1, rows_src, b64, qt, s_rb, s_rq, max_pages,
+            ok = _fill_stage(kv, kv_smem, s, k0, k0 + 1, rows_src, b64, qt, s_rb, s_rq, max_pages,
                              num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
             first_q_smem.index(s).store(gl.where(ok, gl.maximum(k0 + rk - (seqlen - s_q), 0), NEVER))
-            _publish(ready.index(s), FP8)
+            _publish(ready.index(s))
 
 
 @gluon.jit
@@ -307,12 +328,12 @@ def _pv_boundary(p_op, a_o, kv_smem, v0, o0, o1, o2, o3, zero, sees):
 @gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, OWNER: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, OWNER: gl.constexpr):
     """One of the two consumer warpgroups. Both add their part of each score tile (the owner: latent columns
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
     then adds ``P·V`` for its half of the value columns."""
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, sc_smem, ready, empty,
+    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
      s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
@@ -360,6 +381,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         ph = (j // STAGES) & 1
         mbarrier.wait(ready.index(s), ph)
         fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
+        if FP8:
+            _fp8_convert(kv_smem, s, D, BLOCK_N, STAGES, OWNER)
         sacc = _partial_scores(q_a, q_smem, kv_smem, s, FIRST, NSLAB, VS, BLOCK_H, BLOCK_N, OWNER, s_l)
         if OWNER:
             sacc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, q_a))  # q_a: the rope product's operand
@@ -447,15 +470,15 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 @gluon.jit
 def _owner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-           SPLIT: gl.constexpr, TAIL: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, True)
+           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, True)
 
 
 @gluon.jit
 def _partner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-             SPLIT: gl.constexpr, TAIL: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, False)
+             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, False)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
@@ -476,7 +499,7 @@ def mla_decode_gluon_kernel(
     TAIL: gl.constexpr, FP8: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
-    dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is dequantised to it
+    dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is converted to it in place
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(dt, [DV // SLAB, BLOCK_H, SLAB], sw)  # the latent channels of Q
@@ -487,10 +510,6 @@ def mla_decode_gluon_kernel(
     a_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], vec)  # the owner's row rescale per stage
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)  # the owner's final row sums
     first_q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], vec)
-    if FP8:  # the float32 scales of the tile the producer dequantises, per 128-value tile
-        sc_smem = gl.allocate_shared_memory(gl.float32, [DV // 128, BLOCK_N], vec)
-    else:
-        sc_smem = gl.allocate_shared_memory(gl.float32, [1, 1], vec)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -525,14 +544,14 @@ def mla_decode_gluon_kernel(
     fence_async_shared()
 
     # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
-    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, sc_smem, ready, empty,
+    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
           first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
           qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
           s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
           s_plq)
     gl.warp_specialize([
-        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
-        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL)),
+        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
+        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
         (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
