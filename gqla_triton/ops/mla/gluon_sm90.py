@@ -189,9 +189,8 @@ def _fp8_stage(kv, kv_smem, s, base, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_
 @gluon.jit
 def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OWNER: gl.constexpr):
     """This consumer warpgroup's two FP8 tiles of stage ``s`` to bf16 in place (layout above), complete and visible
-    to its wgmma on return. Per tile: every thread loads its bytes (and, first, both tiles' scales, which tile
-    2h's values overwrite), a partition barrier, then it stores the values, so no store lands on bytes another
-    thread has still to read."""
+    to its wgmma on return. Every thread loads both tiles' scales and bytes, a partition barrier, then it stores
+    the values, so no store lands on bytes another thread has still to read."""
     NSLAB: gl.constexpr = D // SLAB
     H: gl.constexpr = 0 if OWNER else 1
     b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
@@ -204,16 +203,15 @@ def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.
     src = 2 * (s * NSLAB + RAW_SLAB[2 * H])
     u0 = raw.index(src).load(b16)
     u1 = raw.index(src + 1).load(b16)
+    src = 2 * (s * NSLAB + RAW_SLAB[2 * H + 1])
+    u2 = raw.index(src).load(b16)
+    u3 = raw.index(src + 1).load(b16)
     _barrier()
     dst = s * NSLAB + 4 * H
     kv_smem.index(dst).store(_e4m3_scaled(u0, sc0))
     kv_smem.index(dst + 1).store(_e4m3_scaled(u1, sc0))
-    src = 2 * (s * NSLAB + RAW_SLAB[2 * H + 1])
-    u0 = raw.index(src).load(b16)
-    u1 = raw.index(src + 1).load(b16)
-    _barrier()
-    kv_smem.index(dst + 2).store(_e4m3_scaled(u0, sc1))
-    kv_smem.index(dst + 3).store(_e4m3_scaled(u1, sc1))
+    kv_smem.index(dst + 2).store(_e4m3_scaled(u2, sc1))
+    kv_smem.index(dst + 3).store(_e4m3_scaled(u3, sc1))
     fence_async_shared()  # the values were stored by the generic proxy; wgmma reads the async proxy
     _barrier()
 
