@@ -417,6 +417,45 @@ def test_long_mtp_boundary_keys_match_reference(op):
 
 
 @pytest.mark.parametrize("op", ["mla", "gqa"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("impl", IMPLS["mla"])
+def test_huge_softmax_scale_matches_reference(op, splits, impl):
+    """A valid softmax_scale near the float32 limit (2e37: its product with log2(e) is finite) over scores whose
+    scaled values pass the float32 range in log2 units (15 · 2e37 · log2(e)) but not in natural log: each query's
+    one top key takes all the weight, so out is exactly that key's value row and lse = 15 · 2e37 = 3e38, finite,
+    as in the float64 reference."""
+    if op == "gqa" and impl != "triton":
+        pytest.skip("gqa_decode has one kernel")
+    dtype = P.dtypes[0]
+    inputs = _clean(op, 1, [CAP - 5, CAP // 2 + 3], splits, dtype, impl)
+    scale = 2e37
+    q = inputs["q"]
+    q.zero_()
+    q[..., 0] = 1.0  # every head's score is a key's channel 0 (latent for mla, the group's key for gqa)
+    g = gen(5)
+    key = inputs["kv_cache"] if op == "mla" else inputs["k_cache"]
+    ch0 = key[..., 0]
+    ch0.copy_(torch.rand(ch0.shape, generator=g, dtype=torch.float64).to(dtype) * 2 - 1)
+    top = []
+    for b, n in enumerate(inputs["cache_seqlens"].tolist()):
+        pos = int(torch.randint(0, n, (1,), generator=g))
+        blk = int(inputs["block_table"][b, pos // PAGE])
+        key[blk, pos % PAGE, ..., 0] = 15.0
+        top.append((blk, pos % PAGE))
+    inputs["softmax_scale"] = scale
+    out, lse = run_op(op, inputs, impl)
+    ref_o, ref_l = reference(op, inputs)
+    assert torch.isfinite(ref_l).all() and torch.isfinite(ref_o).all()
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all(), f"{op} {impl}: non-finite out / lse"
+    assert torch.equal(out.cpu(), ref_o.to(dtype)), f"{op} {impl}: out is not the top key's value row"
+    torch.testing.assert_close(lse.double().cpu(), ref_l, rtol=1e-5, atol=0)
+    assert abs(float(ref_l.flatten()[0]) - 15.0 * scale) < 1e-5 * 15.0 * scale
+    if op == "mla":  # and it is that row: the key's latent channels
+        for b, (blk, slot) in enumerate(top):
+            assert torch.equal(out[b, 0, 0].cpu(), inputs["kv_cache"][blk, slot, 0, :MLA_DIMS[0]].cpu())
+
+
+@pytest.mark.parametrize("op", ["mla", "gqa"])
 def test_lengths_past_capacity_and_negative(op):
     """A length above the block table's capacity (up to INT32_MAX) attends to the capacity's keys, exactly as a
     length at which every query already sees all of them; a negative length is an empty sequence."""

@@ -181,10 +181,9 @@ def gqa_decode_fwd_kernel(
         s = _dot(qn, tl.trans(k), FP32)
         if DR > 0:
             s += _dot(qr, tl.trans(kr), FP32)
-        s = s * qk_scale  # log2 units
         # every row sees every key of a tile (dense: the loop bounds; sparse: one index row per program)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
         v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
                     mask=ok[:, None] & m_dv[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
@@ -203,8 +202,8 @@ def gqa_decode_fwd_kernel(
             s = _dot(qn, tl.trans(tk), FP32)
             if DR > 0:
                 s += _dot(qr, tl.trans(tkr), FP32)
-            s = tl.where(t_ok[None, :] & (t_pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            s = tl.where(t_ok[None, :] & (t_pos[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
             acc = acc * alpha[:, None]
             # one key at a time through P·V, into the rows that see it only (no 0 · v for the others)
             for t in range(t0, tl.minimum(t0 + 16, t_hi)):
@@ -212,7 +211,7 @@ def gqa_decode_fwd_kernel(
                 pv = _dot(tl.where(one[None, :], p, 0.0).to(tv.dtype), tl.where(one[:, None], tv, 0.0), FP32)
                 acc += tl.where((t <= qpos)[:, None], pv, 0.0)
 
-    o, lse = finish_rows(acc, m_i, l_i, SPLIT)
+    o, lse = finish_rows(acc, m_i, l_i, qk_scale, SPLIT)
     store_rows(o, lse, row_ok[:, None] & m_dv[None, :], row_ok, offs_dv, b64, split, jj.to(tl.int64),
                hh.to(tl.int64), out, s_ob, s_os, s_oh, lse_out, s_lb, s_lh, s_ls,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)

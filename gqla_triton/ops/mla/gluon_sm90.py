@@ -271,13 +271,14 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, l_i):
-    """One online-softmax step on log2-scaled scores, as ``_common.combine.softmax_step``: NaN reaches l through
-    p, an infinite max rescales from 0. Returns ``(p, alpha, m, l)``."""
+def _softmax_step(sc, m_i, l_i, qk_scale):
+    """One online-softmax step on raw scores, as ``_common.combine.softmax_step`` (the max of the raw scores, the
+    scale applied to differences from it): NaN reaches l through p, an infinite max rescales from 0. Returns
+    ``(p, alpha, m, l)``."""
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(sc - m_safe[:, None])
+    alpha = gl.exp2((m_i - m_safe) * qk_scale)
+    p = gl.exp2((sc - m_safe[:, None]) * qk_scale)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -388,8 +389,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             mbarrier.wait(s_full, j & 1)
             sacc = sacc + s_smem.load(s_l)
             mbarrier.arrive(s_free, count=1)
-            sc = gl.where(first_q[None, :] <= qi[:, None], sacc * qk_scale, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+            sc = gl.where(first_q[None, :] <= qi[:, None], sacc, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
             pb = p.to(q.dtype.element_ty)
             kv_smem.index(s * NSLAB + ROPE).store(pb)
             a_smem.index(s).store(alpha)
@@ -451,7 +452,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2, mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3, mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * 0.6931471805599453 + gl.log(safe_l))
+            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453) + gl.log(safe_l))
             gl.store(lse_part + b64 * s_plb + split.to(gl.int64) * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
     else:
         ty = out.dtype.element_ty
@@ -461,7 +462,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2.to(ty), mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3.to(ty), mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * 0.6931471805599453 + gl.log(safe_l))
+            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453) + gl.log(safe_l))
             gl.store(lse + b64 * s_lb + hr * s_lh + qr * s_lq, lse_row, mask=rvalid)
 
 

@@ -62,13 +62,13 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l
                       DOT_PREC: tl.constexpr, SPARSE: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
     them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant)."""
-    s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC) * qk_scale
-         + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * qk_scale)
+    s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+         + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC))
     if SPARSE:
         keep = ok[None, :] & rvalid[:, None]
     else:  # every row sees every key of a dense tile (the loop bounds; the boundary keys: the TAIL loop)
         keep = ok[None, :]
-    return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, 1)
+    return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, 1)
 
 
 @triton.jit
@@ -228,8 +228,8 @@ def mla_decode_fwd_kernel(
                 keep = ok[None, :] & rvalid[:, None]
             else:  # every row sees every key of a dense tile (the loop bounds)
                 keep = ok[None, :]
-            s = tl.where(keep, s * qk_scale, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            s = tl.where(keep, s, float("-inf"))
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
@@ -244,13 +244,13 @@ def mla_decode_fwd_kernel(
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
             sees = t <= last
-            s = tl.where(ok[None, :] & sees[:, None], s * qk_scale, float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
+            s = tl.where(ok[None, :] & sees[:, None], s, float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
             # rows that do not see the key keep their accumulator (alpha is 1 there): no 0 · v enters them
             acc = acc * alpha[:, None] + tl.where(sees[:, None], tl.dot(p.to(k_lat.dtype), k_lat,
                                                                          input_precision=DOT_PREC), 0.0)
 
-    o, lse_row = finish_rows(acc, m_i, l_i, SPLIT)
+    o, lse_row = finish_rows(acc, m_i, l_i, qk_scale, SPLIT)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
                h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
