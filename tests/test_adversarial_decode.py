@@ -456,6 +456,32 @@ def test_huge_softmax_scale_matches_reference(op, splits, impl):
 
 
 @pytest.mark.parametrize("op", ["mla", "gqa"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("impl", IMPLS["mla"])
+def test_raw_score_softmax_matches_reference(op, splits, impl):
+    """softmax_scale 1.5 (scale · log2(e) > 1: the kernels' raw-score softmax, ``raw_scores``) on causal MTP
+    (s_q 3, boundary keys) with a NaN and a -inf among the keys: the float64 reference, as at the default scale."""
+    if op == "gqa" and impl != "triton":
+        pytest.skip("gqa_decode has one kernel")
+    dtype = P.dtypes[0]
+    n = CAP - 3
+    inputs = _clean(op, 3, [n, CAP // 2 + 1], splits, dtype, impl)
+    inputs["softmax_scale"] = 1.5
+    if op == "mla":
+        _set(inputs, "kv_cache", 0, n - 2, math.nan, channel=3)
+        _set(inputs, "kv_cache", 1, 7, -math.inf, channel=1)
+    else:
+        _set(inputs, "v_cache", 0, n - 2, math.nan, channel=2, group=1)
+        _set(inputs, "k_cache", 1, 7, -math.inf, channel=0, group=0)
+    out, lse = run_op(op, inputs, impl)
+    ref_o, ref_l = reference(op, inputs)
+    low_o, low_l = reference(op, inputs, dtype)
+    assert_matches(f"{op} raw-score out", out, ref_o, low_o, dtype=dtype)
+    assert_matches(f"{op} raw-score lse", lse, ref_l, ref_l.float() if op == "mla" else low_l,
+                   dtype=torch.float32 if op == "mla" else dtype, eps=1e-4 if op == "mla" else None)
+
+
+@pytest.mark.parametrize("op", ["mla", "gqa"])
 def test_lengths_past_capacity_and_negative(op):
     """A length above the block table's capacity (up to INT32_MAX) attends to the capacity's keys, exactly as a
     length at which every query already sees all of them; a negative length is an empty sequence."""

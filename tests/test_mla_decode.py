@@ -497,10 +497,13 @@ def test_gluon_kernel_is_deterministic(fp8, sparse, s_q):
         _check(o, l, q, ref_kv, bt, lens, 512, True, torch.bfloat16, indices=idx)
 
 
-@pytest.mark.parametrize("sparse,split,tail,fp8", [(False, True, False, False), (True, False, False, False),
-                                                   (False, False, True, False), (False, True, True, True),
-                                                   (True, False, False, True)])
-def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8):
+@pytest.mark.parametrize("sparse,split,tail,fp8,raw", [(False, True, False, False, False),
+                                                       (True, False, False, False, False),
+                                                       (False, False, True, False, False),
+                                                       (False, True, True, True, False),
+                                                       (True, False, False, True, False),
+                                                       (False, True, False, False, True)])
+def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8, raw):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
     TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
@@ -508,7 +511,7 @@ def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8):
     import sys
 
     code = ("from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
-            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}, fp8={fp8}); ptx = k.asm['ptx']; "
+            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}, fp8={fp8}, raw={raw}); ptx = k.asm['ptx']; "
             "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

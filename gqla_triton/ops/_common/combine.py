@@ -51,40 +51,65 @@ class CombineConfig(KernelConfig):
 
 
 @triton.jit
-def softmax_step(s, m_i, l_i, qk_scale, AXIS: tl.constexpr):
-    """One online-softmax step over a tile of raw scores ``q·k`` (-inf where masked), reduced along ``AXIS``
-    (1: s is [rows, keys]; 0: [keys, rows]); ``qk_scale`` = softmax_scale · log2(e) > 0. The running max is of the
-    raw scores and the scale applies to differences from it, ``p = 2^((s - m)·qk_scale)``, so no finite score
-    overflows however large the scale (a scaled score ``s·qk_scale`` could pass the float32 range where the
-    softmax is finite). Returns ``(m_new, alpha, p, l_new)``: the running max, the rescale of the old
+def scale_scores(s, qk_scale, RAW: tl.constexpr):
+    """The scores ``softmax_step`` takes from raw ``q·k``: ``s·qk_scale`` (log2 units), or under ``RAW`` (see
+    ``raw_scores``) the raw scores themselves."""
+    if RAW:
+        return s
+    return s * qk_scale
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, qk_scale, AXIS: tl.constexpr, RAW: tl.constexpr):
+    """One online-softmax step over a tile of scores from ``scale_scores`` (-inf where masked), reduced along
+    ``AXIS`` (1: s is [rows, keys]; 0: [keys, rows]); ``qk_scale`` = softmax_scale · log2(e) > 0. For
+    ``qk_scale <= 1`` the scores are scaled (``|s·qk_scale| <= |s|``: nothing overflows) and the running max m is
+    of the scaled scores. With ``RAW`` (``qk_scale > 1``, where a finite score times the scale may pass the
+    float32 range while the softmax is finite) m is the max of the raw scores and the scale applies to
+    differences from it, ``p = 2^((s - m)·qk_scale)``. Returns ``(m_new, alpha, p, l_new)``: the running max, the rescale of the old
     accumulator, the tile's probabilities and the running sum. A row with no key so far keeps m = -inf and gets
     p = 0. The max skips NaN scores; they reach ``l`` (and P·V) through ``p = NaN``. A ``+inf`` max rescales
     from 0, so a ``+inf`` score gives ``p = +inf`` and ``l = +inf`` (lse ``+inf``) instead of ``inf - inf``."""
     m_new = tl.maximum(m_i, tl.max(s, AXIS))
     m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
-    alpha = tl.exp2((m_i - m_safe) * qk_scale)
-    if AXIS == 1:
-        p = tl.exp2((s - m_safe[:, None]) * qk_scale)
+    if RAW:
+        alpha = tl.exp2((m_i - m_safe) * qk_scale)
+        if AXIS == 1:
+            p = tl.exp2((s - m_safe[:, None]) * qk_scale)
+        else:
+            p = tl.exp2((s - m_safe[None, :]) * qk_scale)
     else:
-        p = tl.exp2((s - m_safe[None, :]) * qk_scale)
+        alpha = tl.exp2(m_i - m_safe)
+        if AXIS == 1:
+            p = tl.exp2(s - m_safe[:, None])
+        else:
+            p = tl.exp2(s - m_safe[None, :])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, AXIS)
 
 
 @triton.jit
-def finish_rows(acc, m, l, qk_scale, SPLIT: tl.constexpr):
+def finish_rows(acc, m, l, qk_scale, SPLIT: tl.constexpr, RAW: tl.constexpr):
     """Normalise a [rows, D] online-softmax accumulator: ``(o, lse)`` with lse in natural log. ``m`` is the
-    running max of the raw scores (``softmax_step``), ``l`` the running sum; ``lse = m·softmax_scale + ln l``,
-    softmax_scale taken as ``qk_scale·ln 2`` (so ``m·qk_scale`` itself, which may pass the float32 range where
-    lse does not, is never formed). A row whose weights sum to 0 (no key, or every score -inf) gets lse = -inf
-    and o = 0, or under ``SPLIT`` its raw accumulator (0, or NaN where a -inf score met an infinite value) for
-    ``combine_splits``. A NaN ``l`` gives NaN o and lse."""
+    running max of ``softmax_step`` (of the raw scores under ``RAW``, else of the scaled ones), ``l`` the running
+    sum; under ``RAW`` ``lse = m·(qk_scale·ln 2) + ln l`` (``m·qk_scale`` itself, which may pass the float32 range
+    where lse does not, is never formed). A row whose weights sum to 0 (no key, or every score -inf) gets
+    lse = -inf and o = 0, or under ``SPLIT`` its raw accumulator (0, or NaN where a -inf score met an infinite
+    value) for ``combine_splits``. A NaN ``l`` gives NaN o and lse."""
     empty = l == 0
     safe_l = tl.where(empty, 1.0, l)
     o = acc / safe_l[:, None]
     if not SPLIT:
         o = tl.where(empty[:, None], 0.0, o)
-    lse = tl.where(empty, float("-inf"), m * (qk_scale * 0.6931471805599453) + tl.log(safe_l))
+    if RAW:
+        lse = tl.where(empty, float("-inf"), m * (qk_scale * 0.6931471805599453) + tl.log(safe_l))
+    else:
+        lse = tl.where(empty, float("-inf"), m * 0.6931471805599453 + tl.log(safe_l))
     return o, lse
+
+
+def raw_scores(qk_scale: float) -> bool:
+    """Whether the decode kernels keep raw scores (``softmax_step``'s ``RAW``) for this ``qk_scale``."""
+    return qk_scale > 1.0
 
 
 @triton.jit

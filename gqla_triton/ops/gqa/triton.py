@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import finish_rows, logical_to_physical, softmax_step, split_bounds, store_rows
+from .._common import finish_rows, logical_to_physical, raw_scores, scale_scores, softmax_step, split_bounds, store_rows
 from .._common.paging import table_keys
 from .plan import GQAPlan
 
@@ -74,7 +74,7 @@ def gqa_decode_fwd_kernel(
     DH: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr,
+    FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, RAW: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -181,9 +181,10 @@ def gqa_decode_fwd_kernel(
         s = _dot(qn, tl.trans(k), FP32)
         if DR > 0:
             s += _dot(qr, tl.trans(kr), FP32)
+        s = scale_scores(s, qk_scale, RAW)
         # every row sees every key of a tile (dense: the loop bounds; sparse: one index row per program)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
         v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
                     mask=ok[:, None] & m_dv[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
@@ -202,8 +203,9 @@ def gqa_decode_fwd_kernel(
             s = _dot(qn, tl.trans(tk), FP32)
             if DR > 0:
                 s += _dot(qr, tl.trans(tkr), FP32)
-            s = tl.where(t_ok[None, :] & (t_pos[None, :] <= qpos[:, None]), s, float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
+            s = tl.where(t_ok[None, :] & (t_pos[None, :] <= qpos[:, None]), scale_scores(s, qk_scale, RAW),
+                         float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
             acc = acc * alpha[:, None]
             # one key at a time through P·V, into the rows that see it only (no 0 · v for the others)
             for t in range(t0, tl.minimum(t0 + 16, t_hi)):
@@ -211,7 +213,7 @@ def gqa_decode_fwd_kernel(
                 pv = _dot(tl.where(one[None, :], p, 0.0).to(tv.dtype), tl.where(one[:, None], tv, 0.0), FP32)
                 acc += tl.where((t <= qpos)[:, None], pv, 0.0)
 
-    o, lse = finish_rows(acc, m_i, l_i, qk_scale, SPLIT)
+    o, lse = finish_rows(acc, m_i, l_i, qk_scale, SPLIT, RAW)
     store_rows(o, lse, row_ok[:, None] & m_dv[None, :], row_ok, offs_dv, b64, split, jj.to(tl.int64),
                hh.to(tl.int64), out, s_ob, s_os, s_oh, lse_out, s_lb, s_lh, s_ls,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
@@ -261,6 +263,6 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
         PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
-        TAIL=bool(causal) and not sparse and s_q > 1,
+        TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw_scores(qk_scale),
         num_warps=p.num_warps, num_stages=p.cfg.num_stages,
     )

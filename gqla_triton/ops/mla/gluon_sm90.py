@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .._common import raw_scores
 from .fp8 import is_fp8_latent
 from .plan import MLAPlan
 
@@ -271,14 +272,18 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, l_i, qk_scale):
-    """One online-softmax step on raw scores, as ``_common.combine.softmax_step`` (the max of the raw scores, the
-    scale applied to differences from it): NaN reaches l through p, an infinite max rescales from 0. Returns
-    ``(p, alpha, m, l)``."""
+def _softmax_step(sc, m_i, l_i, qk_scale, RAW: gl.constexpr):
+    """One online-softmax step, as ``_common.combine.softmax_step`` (``sc`` scaled, or under ``RAW`` raw with the
+    scale applied to differences from their max): NaN reaches l through p, an infinite max rescales from 0.
+    Returns ``(p, alpha, m, l)``."""
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
-    alpha = gl.exp2((m_i - m_safe) * qk_scale)
-    p = gl.exp2((sc - m_safe[:, None]) * qk_scale)
+    if RAW:
+        alpha = gl.exp2((m_i - m_safe) * qk_scale)
+        p = gl.exp2((sc - m_safe[:, None]) * qk_scale)
+    else:
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - m_safe[:, None])
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -327,7 +332,7 @@ def _pv_boundary(p_op, a_o, kv_smem, v0, o0, o1, o2, o3, zero, sees):
 @gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, OWNER: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, OWNER: gl.constexpr):
     """One of the two consumer warpgroups. Both add their part of each score tile (the owner: latent columns
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
@@ -389,8 +394,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             mbarrier.wait(s_full, j & 1)
             sacc = sacc + s_smem.load(s_l)
             mbarrier.arrive(s_free, count=1)
-            sc = gl.where(first_q[None, :] <= qi[:, None], sacc, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
+            sc = gl.where(first_q[None, :] <= qi[:, None], sacc if RAW else sacc * qk_scale, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale, RAW)
             pb = p.to(q.dtype.element_ty)
             kv_smem.index(s * NSLAB + ROPE).store(pb)
             a_smem.index(s).store(alpha)
@@ -452,7 +457,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2, mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3, mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453) + gl.log(safe_l))
+            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453) + gl.log(safe_l))
             gl.store(lse_part + b64 * s_plb + split.to(gl.int64) * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
     else:
         ty = out.dtype.element_ty
@@ -462,22 +467,22 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2.to(ty), mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3.to(ty), mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453) + gl.log(safe_l))
+            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453) + gl.log(safe_l))
             gl.store(lse + b64 * s_lb + hr * s_lh + qr * s_lq, lse_row, mask=rvalid)
 
 
 @gluon.jit
 def _owner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, True)
+           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, True)
 
 
 @gluon.jit
 def _partner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, False)
+             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, False)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
@@ -495,7 +500,7 @@ def mla_decode_gluon_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
-    TAIL: gl.constexpr, FP8: gl.constexpr,
+    TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is converted to it in place
@@ -549,8 +554,8 @@ def mla_decode_gluon_kernel(
           s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
           s_plq)
     gl.warp_specialize([
-        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
-        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
+        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW)),
+        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW)),
         (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -600,12 +605,12 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
         SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-        FP8=fp8, num_warps=4, maxnreg=MAXNREG,
+        FP8=fp8, RAW=raw_scores(qk_scale), num_warps=4, maxnreg=MAXNREG,
     )
 
 
 def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False,
-                 fp8: bool = False):
+                 fp8: bool = False, raw: bool = False):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -617,7 +622,7 @@ def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: i
     fn = mla_decode_gluon_kernel
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8)
+                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8, RAW=raw)
     ptr = {"q": f"*{dtype}", "kv": "*u8" if fp8 else f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}

@@ -27,7 +27,16 @@ import triton
 import triton.language as tl
 
 from ...dispatch import device_info
-from .._common import finish_rows, logical_to_physical, next_pow2, softmax_step, split_bounds, store_rows
+from .._common import (
+    finish_rows,
+    logical_to_physical,
+    next_pow2,
+    raw_scores,
+    scale_scores,
+    softmax_step,
+    split_bounds,
+    store_rows,
+)
 from .._common.alloc import empty
 from .._common.paging import table_keys
 from .fp8 import is_fp8_latent
@@ -59,16 +68,16 @@ def _tile_block(bt_row, start, max_pages, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l_i,
-                      DOT_PREC: tl.constexpr, SPARSE: tl.constexpr):
+                      DOT_PREC: tl.constexpr, SPARSE: tl.constexpr, RAW: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
     them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant)."""
-    s = (tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-         + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC))
+    s = (scale_scores(tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC), qk_scale, RAW)
+         + scale_scores(tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC), qk_scale, RAW))
     if SPARSE:
         keep = ok[None, :] & rvalid[:, None]
     else:  # every row sees every key of a dense tile (the loop bounds; the boundary keys: the TAIL loop)
         keep = ok[None, :]
-    return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, 1)
+    return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, 1, RAW)
 
 
 @triton.jit
@@ -116,7 +125,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
-    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr,
+    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -212,7 +221,7 @@ def mla_decode_fwd_kernel(
             # of its tile. The tiles alternate between two buffers, so one barrier per tile orders both the read
             # after this tile's writes and the next write to the same buffer (two tiles later) after every read.
             m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l_i,
-                                                     DOT_PREC, SPARSE)
+                                                     DOT_PREC, SPARSE, RAW)
             nb = ((start - lo) // BLOCK_N) % 2
             tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
             tl.store(a_row + nb * BLOCK_H, alpha)  # alpha too: it reaches the PV dot through the accumulator
@@ -228,8 +237,8 @@ def mla_decode_fwd_kernel(
                 keep = ok[None, :] & rvalid[:, None]
             else:  # every row sees every key of a dense tile (the loop bounds)
                 keep = ok[None, :]
-            s = tl.where(keep, s, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
+            s = tl.where(keep, scale_scores(s, qk_scale, RAW), float("-inf"))
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
@@ -244,13 +253,13 @@ def mla_decode_fwd_kernel(
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
             sees = t <= last
-            s = tl.where(ok[None, :] & sees[:, None], s, float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1)
+            s = tl.where(ok[None, :] & sees[:, None], scale_scores(s, qk_scale, RAW), float("-inf"))
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
             # rows that do not see the key keep their accumulator (alpha is 1 there): no 0 · v enters them
             acc = acc * alpha[:, None] + tl.where(sees[:, None], tl.dot(p.to(k_lat.dtype), k_lat,
                                                                          input_precision=DOT_PREC), 0.0)
 
-    o, lse_row = finish_rows(acc, m_i, l_i, qk_scale, SPLIT)
+    o, lse_row = finish_rows(acc, m_i, l_i, qk_scale, SPLIT, RAW)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
                h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
@@ -297,6 +306,6 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
-        TAIL=causal and not sparse and p.QPT > 1, FP8=fp8,
+        TAIL=causal and not sparse and p.QPT > 1, FP8=fp8, RAW=raw_scores(qk_scale),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
