@@ -137,16 +137,18 @@ def _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages
 
 
 # FP8 stage layout (``fp8.py`` rows): the e4m3 bytes of latent tile k (128 values per row) in slab RAW_SLAB[k], as
-# two 64-byte halves; the float32 scales of tiles 2h and 2h + 1 as the first two rows of slab 4h (h = 0, 1); the rope values (bf16) in the rope slab. The consumer warpgroup that reads tile k's values
-# converts it into bf16 slabs 2k and 2k + 1 (``_fp8_convert``): the owner tiles 0 and 1 (slabs 0-3), the other
-# warpgroup tiles 2 and 3 (slabs 4-7), so neither writes a slab the other reads.
+# two 64-byte halves; the float32 scales of tiles 2h and 2h + 1 as the first two rows of slab 4h (h = 0, 1); the
+# rope values (bf16) in the rope slab. The consumer warpgroup that reads tile k's values converts it into bf16
+# slabs 2k and 2k + 1 (``_fp8_convert``): the owner tiles 0 and 1 (slabs 0-3), the other warpgroup tiles 2 and 3
+# (slabs 4-7), so neither writes a slab the other reads.
 RAW_SLAB = gl.constexpr((2, 3, 6, 7))
 
 
 @gluon.jit
 def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.constexpr):
     """The ring as 64-byte rows (``raw``: half h of slab c of stage s at ``2 * (s * NSLAB + c) + h``) and as pairs
-    of ``BLOCK_N``-float32 rows (``scv``: the first two rows of slab c of stage s at ``(s * NSLAB + c) * SLAB // 4``)."""
+    of ``BLOCK_N``-float32 rows (``scv``: the first two rows of slab c of stage s at
+    ``(s * NSLAB + c) * SLAB // 4``)."""
     raw = _reinterpret(kv_smem, gl.uint8, [2 * STAGES * NSLAB, BLOCK_N, SLAB],
                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     scv = _reinterpret(kv_smem, gl.float32, [STAGES * NSLAB * SLAB // 4, 2, BLOCK_N],
@@ -432,6 +434,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         l_i = l_smem.load(row_s)
     empty_r = l_i == 0
     safe_l = gl.where(empty_r, 1.0, l_i)
+    # lse = m·ln_m + ln l: m in log2 units, or under RAW the raw scores' max (as _common.combine.finish_rows)
+    ln_m = qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453
     inv = gl.convert_layout(1.0 / safe_l, row_o)[:, None]
     o0 = o0 * inv
     o1 = o1 * inv
@@ -457,7 +461,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2, mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3, mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453) + gl.log(safe_l))
+            lse_row = gl.where(empty_r, float("-inf"), m_i * ln_m + gl.log(safe_l))
             gl.store(lse_part + b64 * s_plb + split.to(gl.int64) * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
     else:
         ty = out.dtype.element_ty
@@ -467,7 +471,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2.to(ty), mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3.to(ty), mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * (qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453) + gl.log(safe_l))
+            lse_row = gl.where(empty_r, float("-inf"), m_i * ln_m + gl.log(safe_l))
             gl.store(lse + b64 * s_lb + hr * s_lh + qr * s_lq, lse_row, mask=rvalid)
 
 
