@@ -73,18 +73,16 @@ def softmax_step(s, m_i, l_i, qk_scale, AXIS: tl.constexpr, RAW: tl.constexpr):
     ``inf - inf``."""
     m_new = tl.maximum(m_i, tl.max(s, AXIS))
     m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
-    if RAW:
-        alpha = tl.exp2((m_i - m_safe) * qk_scale)
-        if AXIS == 1:
-            p = tl.exp2((s - m_safe[:, None]) * qk_scale)
-        else:
-            p = tl.exp2((s - m_safe[None, :]) * qk_scale)
+    a = m_i - m_safe
+    if AXIS == 1:
+        d = s - m_safe[:, None]
     else:
-        alpha = tl.exp2(m_i - m_safe)
-        if AXIS == 1:
-            p = tl.exp2(s - m_safe[:, None])
-        else:
-            p = tl.exp2(s - m_safe[None, :])
+        d = s - m_safe[None, :]
+    if RAW:
+        a = a * qk_scale
+        d = d * qk_scale
+    alpha = tl.exp2(a)
+    p = tl.exp2(d)
     return m_new, alpha, p, l_i * alpha + tl.sum(p, AXIS)
 
 
@@ -101,10 +99,8 @@ def finish_rows(acc, m, l, qk_scale, SPLIT: tl.constexpr, RAW: tl.constexpr):
     o = acc / safe_l[:, None]
     if not SPLIT:
         o = tl.where(empty[:, None], 0.0, o)
-    if RAW:
-        lse = tl.where(empty, float("-inf"), m * (qk_scale * 0.6931471805599453) + tl.log(safe_l))
-    else:
-        lse = tl.where(empty, float("-inf"), m * 0.6931471805599453 + tl.log(safe_l))
+    ln_m = qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453
+    lse = tl.where(empty, float("-inf"), m * ln_m + tl.log(safe_l))
     return o, lse
 
 

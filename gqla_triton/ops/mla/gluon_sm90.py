@@ -128,8 +128,8 @@ def _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages
                         num_pages, SPARSE, PAGE_SIZE)
     base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
     if FP8:
-        _fp8_stage(kv, kv_smem, s, base, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp,
-                   s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, ok)
+        _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp,
+                   s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE)
     else:
         for c in gl.static_range(NSLAB):
             _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
@@ -157,9 +157,9 @@ def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _fp8_stage(kv, kv_smem, s, base, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
+def _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
                D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, SPARSE: gl.constexpr, ok):
+               STAGES: gl.constexpr, SPARSE: gl.constexpr):
     """Copy an FP8 tile's bytes into stage ``s`` as laid out above, every part by ``cp.async`` (rows that do not
     count are zero bytes with scale 0)."""
     NSLAB: gl.constexpr = D // SLAB
@@ -280,12 +280,13 @@ def _softmax_step(sc, m_i, l_i, qk_scale, RAW: gl.constexpr):
     Returns ``(p, alpha, m, l)``."""
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
+    a = m_i - m_safe
+    d = sc - m_safe[:, None]
     if RAW:
-        alpha = gl.exp2((m_i - m_safe) * qk_scale)
-        p = gl.exp2((sc - m_safe[:, None]) * qk_scale)
-    else:
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
+        a = a * qk_scale
+        d = d * qk_scale
+    alpha = gl.exp2(a)
+    p = gl.exp2(d)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
