@@ -92,6 +92,7 @@ class BenchContext:
     ceilings: dict
     rows: list = field(default_factory=list)
     anchors: frozenset | None = None  # anchor names to time; None: every importable one
+    fwd_only: bool = False  # ops with a backward (gdn): time the forward only
 
     def want(self, anchor: str, anchors: bool = True) -> bool:
         """Whether to time ``anchor``: anchors are on and ``--anchors`` (if given) names it."""

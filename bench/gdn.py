@@ -67,7 +67,7 @@ def _initial_state(w, seed=0):
     return torch.randn(n, w["HV"], K, V, device="cuda", generator=gen) / 8
 
 
-def _timings(fn, args, cu, h0=None):
+def _timings(fn, args, cu, h0=None, fwd_only=False):
     """(forward ms, forward+backward ms or None, error string or None) of fn(q, k, v, g, beta, ...)."""
     q, k, v, g, beta = args
 
@@ -75,6 +75,8 @@ def _timings(fn, args, cu, h0=None):
         return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 
     f_ms = time_ms(fwd)
+    if fwd_only:
+        return f_ms, None, None
     xs = [t.detach().clone().requires_grad_() for t in args]
     do = torch.randn_like(v)
 
@@ -134,7 +136,7 @@ def _gate_values(a, b):
     return g, torch.sigmoid(b.float())
 
 
-def _child(impl: str, names: list[str]) -> None:
+def _child(impl: str, names: list[str], fwd_only: bool = False) -> None:
     """Time one implementation on the workloads ``names``; one ``[gdn]`` JSON line per workload on stdout."""
     try:  # Linux: end with the parent (a bench cut by ``timeout`` must not leave this process on the GPU)
         import ctypes
@@ -154,7 +156,7 @@ def _child(impl: str, names: list[str]) -> None:
         # ours takes the host copy of cu_seqlens as fla's option of that name (no host sync per call)
         run = functools.partial(fn, cu_seqlens_cpu=cu.cpu()) if cu is not None and impl.startswith("gqla") else fn
         try:
-            f_ms, fb_ms, err = _timings(run, (q, k, v, g, beta), cu, _initial_state(WORKLOADS[name]))
+            f_ms, fb_ms, err = _timings(run, (q, k, v, g, beta), cu, _initial_state(WORKLOADS[name]), fwd_only)
         except Exception as e:
             f_ms, fb_ms, err = None, None, f"{type(e).__name__}: {str(e)[:160]}"
         print("[gdn] " + json.dumps({"workload": name, "fwd": f_ms, "fwd_bwd": fb_ms, "error": err}), flush=True)
@@ -164,11 +166,12 @@ def _child(impl: str, names: list[str]) -> None:
 
 def run(names, ctx, anchors=True):
     """Each implementation times all workloads in its own process (see the module docstring); rows are recorded
-    as each child reports them."""
+    as each child reports them. ``ctx.fwd_only``: the forward of gqla_triton and the anchors only."""
     shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
     models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
-    for impl in OURS + [n for n in ANCHORS if ctx.want(n, anchors)]:
+    for impl in (OURS[:1] if ctx.fwd_only else OURS) + [n for n in ANCHORS if ctx.want(n, anchors)]:
         cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
+        cmd += ["--fwd-only"] if ctx.fwd_only else []
         seen = set()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
             for line in p.stdout:
@@ -181,6 +184,8 @@ def run(names, ctx, anchors=True):
                 fm, bm = models[r["workload"]]
                 seen.add(r["workload"])
                 ctx.row("gdn_fwd", r["workload"], impl, r["fwd"], flops=fm.flops, nbytes=fm.bytes)
+                if ctx.fwd_only:
+                    continue
                 extra = {"error": r["error"]} if r["error"] else {}
                 ctx.row("gdn_fwd_bwd", r["workload"], impl, r["fwd_bwd"], flops=fm.flops + bm.flops,
                         nbytes=fm.bytes + bm.bytes, **extra)
@@ -190,7 +195,8 @@ def run(names, ctx, anchors=True):
                     if name not in seen:
                         err = {"error": f"{impl} process exited with code {p.returncode} before this workload"}
                         ctx.row("gdn_fwd", name, impl, None, **err)
-                        ctx.row("gdn_fwd_bwd", name, impl, None, **err)
+                        if not ctx.fwd_only:
+                            ctx.row("gdn_fwd_bwd", name, impl, None, **err)
     ctx.rows.sort(key=lambda r: names.index(r["workload"]))  # table by workload (stable: impls keep their order)
 
 
@@ -198,8 +204,9 @@ def main():
     ap = argparse.ArgumentParser(description="(internal) time one implementation; used by run()")
     ap.add_argument("--impl", required=True, choices=[*OURS, *ANCHORS])
     ap.add_argument("--workload", required=True)
+    ap.add_argument("--fwd-only", action="store_true")
     a = ap.parse_args()
-    _child(a.impl, [w for w in a.workload.split(",") if w])
+    _child(a.impl, [w for w in a.workload.split(",") if w], a.fwd_only)
 
 
 if __name__ == "__main__":

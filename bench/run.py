@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="comma list of anchor names to time (default: every importable one; environment "
                          "variable GQLA_BENCH_ANCHORS sets the default), e.g. fla,flashqla,flash_mla,torch_sdpa")
     ap.add_argument("--no-anchors", action="store_true", help="time only gqla_triton")
+    ap.add_argument("--fwd-only", action="store_true", help="gdn: time the forward only (gqla_triton and anchors)")
     ap.add_argument("--plot", metavar="DIR", help="draw the committed results (bench/results) into DIR and exit "
                     "(no GPU needed)")
     ap.add_argument("--list", action="store_true", help="print each op's workloads and exit (no GPU needed)")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         if not names:
             continue
         part = names if set(names) != set(mod.WORKLOADS) else None
-        ctx = BenchContext(ceilings, anchors=only)
+        ctx = BenchContext(ceilings, anchors=only, fwd_only=args.fwd_only)
         try:
             mod.run(names, ctx, anchors=not args.no_anchors)
         except (KeyboardInterrupt, SystemExit):

@@ -33,7 +33,13 @@ class ChunkConfig(KernelConfig):
     without gradient runs as ``wy`` and one sequential pass forming w and u's products, the state and the output
     (``sout``: no w, u, h or v_new round trip through HBM) when no state program has more than ``sout_chunks``
     chunks and there are at most ``sout_waves`` of them per SM: it adds the products of ``wu`` and ``out`` to
-    sequential programs, which pays where they are short or many."""
+    sequential programs, which pays where they are short or many. ``sout_impl`` ``"gluon"``: on sm_90, inputs the
+    warp-specialised kernel takes (``kernels/state_out_sm90.py``: bf16, K 128, chunk 64, V a multiple of 32) run
+    ``sout`` there, for any length (its output products leave the state's chain), with ``sout_num_stages`` ring
+    stages (1-3), where the call has at least ``sout_gluon_units`` (chunk x value head) units: its launch costs
+    more host time than the portable kernels' (on the H200 host, eager chunks of 512-2048 tokens measured 0.35 ms
+    a call against 0.12-0.21), which pays only where the GPU time it saves is larger. Other calls run the portable
+    kernel under the rule above."""
 
     OP: ClassVar[str] = "gdn_chunk"
     MATCH: ClassVar[dict] = {"K": int, "V": int}
@@ -52,6 +58,8 @@ class ChunkConfig(KernelConfig):
     sout_chunks: int = 0
     sout_waves: int = 2
     sout_bv: int = 32
+    sout_impl: Literal["triton", "gluon"] = "triton"
+    sout_gluon_units: int = 0
     sout_num_warps: int = 8
     sout_num_stages: int = 3
     seg_units: int = 0
@@ -95,7 +103,9 @@ class ChunkConfig(KernelConfig):
         self.one_of(("wy_bwd_bk", "wy_bwd_bv"), WY_BWD_TILES)
         self.one_of([n for n in names if n.endswith("_num_warps")], WARPS)
         self.within([n for n in names if n.endswith("_num_stages")], 1, 6)
-        self.within(("seg_units", "seg_below", "seg_min", "sout_chunks", "sout_waves"), 0)
+        self.within(("seg_units", "seg_below", "seg_min", "sout_chunks", "sout_waves", "sout_gluon_units"), 0)
+        if self.sout_impl == "gluon":  # the ring's stages and the kernel's other buffers fit 227 KB up to 3
+            self.within("sout_num_stages", 1, 3)
 
     def launch(self, stage: str) -> dict:
         """Triton launch options of one stage."""

@@ -28,6 +28,8 @@ from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
 from .kernels.state_bwd import gdn_state_bwd_kernel
 from .kernels.state_out import gdn_state_out_kernel
+from .kernels.state_out_sm90 import MAXNREG as SOUT_SM90_MAXNREG
+from .kernels.state_out_sm90 import gdn_state_out_sm90_kernel
 from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
@@ -200,11 +202,47 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     return h, vnew, st.ht, st.split
 
 
+def sout_sm90_unsupported(plan: ChunkPlan, q, k, v, Ainv) -> str | None:
+    """Why ``sout`` cannot run the sm_90 Gluon kernel (``kernels/state_out_sm90.py``) on these inputs (None when it
+    can)."""
+    info = plan.gpu
+    if info.interpreter or info.capability != (9, 0):
+        return f"device capability {info.capability} (sm_90 only)"
+    if plan.BT != 64:
+        return f"chunk_size {plan.BT} (64 only)"
+    if k.shape[3] != 128:
+        return f"K {k.shape[3]} (128 only)"
+    if v.shape[3] % 32:
+        return f"V {v.shape[3]} (a multiple of 32 only)"
+    if not (q.dtype == k.dtype == v.dtype == Ainv.dtype == torch.bfloat16):
+        return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (bf16 only)"
+    if any(t.data_ptr() % 16 for t in (q, k, v, Ainv)):
+        return "q, k, v or Ainv not 16-byte aligned (cp.async copies 16 bytes)"
+    return None
+
+
+def use_sout_sm90(plan: ChunkPlan, q, k, v, Ainv) -> bool:
+    """Whether a fused forward (``sout``) runs the Gluon kernel: the table's ``sout_impl: "gluon"``, sequences not
+    split (split, the separate state and output kernels beat it: the segment maps need w and u first), at least
+    ``sout_gluon_units`` (chunk x value head) units, and inputs it takes (``sout_sm90_unsupported``)."""
+    cfg = plan.cfg
+    return (cfg.sout_impl == "gluon" and plan.seg is None and plan.NTT * v.shape[2] >= cfg.sout_gluon_units
+            and sout_sm90_unsupported(plan, q, k, v, Ainv) is None)
+
+
+def _sout_bv(plan: ChunkPlan, V: int, programs: int, sm90: bool) -> int:
+    """V block of ``sout``: ``_state_bv`` of the config's; the Gluon kernel's is 32 or 64 and divides V."""
+    if not sm90:
+        return _state_bv(plan.cfg.sout_bv, V, programs, plan.gpu)
+    bv = _state_bv(min(plan.cfg.sout_bv, 64), V, programs, plan.gpu, floor=32)
+    return bv if bv >= 32 and V % bv == 0 else 32
+
+
 def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: ChunkPlan, state_indices, v_first: bool,
-               beta_sigmoid: bool, neg_eigval: bool):
-    """Stage ``sout`` (``gdn_state_out_kernel``): o ``[B, T, HV, V]`` (v's dtype) and the final state (as
-    ``chunk_gdn_state_fwd``'s, with the same pool and ``v_first`` semantics) of a forward without gradient. Under
-    sequence splitting the segment maps are formed from ``wu``'s w and u first."""
+               beta_sigmoid: bool, neg_eigval: bool, sm90: bool = False):
+    """Stage ``sout`` (``gdn_state_out_kernel``, or with ``sm90`` the Gluon kernel): o ``[B, T, HV, V]`` (v's dtype)
+    and the final state (as ``chunk_gdn_state_fwd``'s, with the same pool and ``v_first`` semantics) of a forward
+    without gradient. Under sequence splitting the segment maps are formed from ``wu``'s w and u first."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dummy = k
@@ -213,21 +251,31 @@ def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: Chunk
         w, u, _ = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    BV = _state_bv(plan.cfg.sout_bv, V, st.units * HV, plan.gpu)
-    gdn_state_out_kernel[(cdiv(V, BV), st.units * HV)](
-        q, k, v, beta, gc, Ainv, o, *_starts_args(st, state_indices, dummy), scale, T, plan.NT,
-        st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
-        **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
+    BV = _sout_bv(plan, V, st.units * HV, sm90)
+    h0, ht, cu, coff, idx = _starts_args(st, state_indices, dummy)
+    if sm90:
+        gdn_state_out_sm90_kernel[(V // BV, st.units * HV)](
+            q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, st.pool_rows, H, HV, V=V, BV=BV,
+            STAGES=plan.cfg.sout_num_stages, **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
+            num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
+    else:
+        gdn_state_out_kernel[(cdiv(V, BV), st.units * HV)](
+            q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, plan.NT,
+            st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+            **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
     return o, st.ht
 
 
-def _fuse_out(plan: ChunkPlan, HV: int, V: int) -> bool:
+def _fuse_out(plan: ChunkPlan, HV: int, V: int, sm90: bool = False) -> bool:
     """Whether a forward without gradient runs its state pass and output as ``sout`` (``_state_out``; config
-    ``sout_chunks`` / ``sout_waves``):
-    no state program runs more than sout_chunks chunks and there are at most sout_waves programs per SM."""
+    ``sout_chunks`` / ``sout_waves``): not with sout_chunks 0; always where ``sm90`` (the Gluon kernel runs it);
+    else where no state program runs more than sout_chunks chunks and there are at most sout_waves programs per
+    SM."""
     cfg = plan.cfg
     if not cfg.sout_chunks or plan.NTT == 0:
         return False
+    if sm90:
+        return True
     units, longest = (plan.N, plan.max_chunks) if plan.seg is None else (plan.seg.nseg, plan.seg.L)
     if longest > cfg.sout_chunks:
         return False
@@ -297,9 +345,10 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
-    if fuse and not keep_h and _fuse_out(plan, HV, V):
+    sm90 = use_sout_sm90(plan, q, k, v, Ainv)
+    if fuse and not keep_h and _fuse_out(plan, HV, V, sm90):
         o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first, beta_sigmoid,
-                           neg_eigval)
+                           neg_eigval, sm90)
         return o, ht, gc, Ainv
     if plan.NTT > 0:
         w, u, vbad = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)

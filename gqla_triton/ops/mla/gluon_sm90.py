@@ -36,15 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .._common import raw_scores
+from .._common.gluon import async_load, barrier, reinterpret
 from .fp8 import is_fp8_latent
 from .plan import MLAPlan
-
-# Triton 3.6 names the cp.async copy async_copy_global_to_shared; later releases call it async_load
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# ... and the shared-memory view of other bytes ``_reinterpret`` and the CTA barrier ``thread_barrier``
-_reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
-                or gl.shared_memory_descriptor._reinterpret)
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
 SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
@@ -132,7 +126,7 @@ def _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages
                    s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE)
     else:
         for c in gl.static_range(NSLAB):
-            _async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
+            async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
     return ok
 
 
@@ -149,9 +143,9 @@ def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.c
     """The ring as 64-byte rows (``raw``: half h of slab c of stage s at ``2 * (s * NSLAB + c) + h``) and as pairs
     of ``BLOCK_N``-float32 rows (``scv``: the first two rows of slab c of stage s at
     ``(s * NSLAB + c) * SLAB // 4``)."""
-    raw = _reinterpret(kv_smem, gl.uint8, [2 * STAGES * NSLAB, BLOCK_N, SLAB],
+    raw = reinterpret(kv_smem, gl.uint8, [2 * STAGES * NSLAB, BLOCK_N, SLAB],
                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    scv = _reinterpret(kv_smem, gl.float32, [STAGES * NSLAB * SLAB // 4, 2, BLOCK_N],
+    scv = reinterpret(kv_smem, gl.float32, [STAGES * NSLAB * SLAB // 4, 2, BLOCK_N],
                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     return raw, scv
 
@@ -170,14 +164,14 @@ def _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, 
     raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N)
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
     rope = (base + DV + 4 * NT).to(gl.pointer_type(gl.bfloat16), bitcast=True)
-    _async_load(kv_smem.index(s * NSLAB + NSLAB - 1), rope[:, None] + cc[None, :], mask=ok[:, None])
+    async_load(kv_smem.index(s * NSLAB + NSLAB - 1), rope[:, None] + cc[None, :], mask=ok[:, None])
     rowb, okb = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b16)), hi, rows_src, b64, qt, s_rb,
                           s_rq, max_pages, num_pages, SPARSE, PAGE_SIZE)
     bb = kv + (rowb // PAGE_SIZE).to(gl.int64) * s_kvp + (rowb % PAGE_SIZE).to(gl.int64) * s_kvt
     cb = gl.arange(0, SLAB, layout=gl.SliceLayout(0, b16))
     for k in gl.static_range(NT):
         for h in gl.static_range(2):
-            _async_load(raw.index(2 * (s * NSLAB + RAW_SLAB[k]) + h),
+            async_load(raw.index(2 * (s * NSLAB + RAW_SLAB[k]) + h),
                         bb[:, None] + (128 * k + SLAB * h + cb)[None, :], mask=okb[:, None])
     rows_s, ok_s = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sl)), hi, rows_src, b64, qt,
                              s_rb, s_rq, max_pages, num_pages, SPARSE, PAGE_SIZE)
@@ -185,7 +179,7 @@ def _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, 
         gl.pointer_type(gl.float32), bitcast=True)
     pair = gl.arange(0, 2, layout=gl.SliceLayout(1, sl))
     for h in gl.static_range(NT // 2):
-        _async_load(scv.index((s * NSLAB + 4 * h) * SLAB // 4), bs[None, :] + (2 * h + pair)[:, None],
+        async_load(scv.index((s * NSLAB + 4 * h) * SLAB // 4), bs[None, :] + (2 * h + pair)[:, None],
                     mask=ok_s[None, :])
 
 
@@ -209,14 +203,14 @@ def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.
     src = 2 * (s * NSLAB + RAW_SLAB[2 * H + 1])
     u2 = raw.index(src).load(b16)
     u3 = raw.index(src + 1).load(b16)
-    _barrier()
+    barrier()
     dst = s * NSLAB + 4 * H
     kv_smem.index(dst).store(_e4m3_scaled(u0, sc0))
     kv_smem.index(dst + 1).store(_e4m3_scaled(u1, sc0))
     kv_smem.index(dst + 2).store(_e4m3_scaled(u2, sc1))
     kv_smem.index(dst + 3).store(_e4m3_scaled(u3, sc1))
     fence_async_shared()  # the values were stored by the generic proxy; wgmma reads the async proxy
-    _barrier()
+    barrier()
 
 
 @gluon.jit

@@ -1,0 +1,360 @@
+"""Stage ``sout`` for Hopper (sm_90): ``gdn_state_out_kernel``'s pass as a warp-specialised Gluon kernel.
+
+One program per (sequence, value head, V block of ``BV``), the chunk size 64 and K = 128 (two 64-column slabs),
+four partitions of four warps each:
+
+* the producer copies each chunk's k, q (two slabs each), its v block and Ainv rows into a ring of ``STAGES``
+  shared-memory stages with ``cp.async`` (rows past the sequence end zero-filled);
+* the chain carries the fp32 state ``S = [S0; S1]`` (K rows 0-63 and 64-127, ``[64, BV]`` each) in registers and
+  runs the dependent products of each chunk: ``k·S``, then ``v_new = Ainv·(beta·(v − e^gc·k S))``, then
+  ``S ← e^gl·S + kᵀ(e^(gl−gc)·v_new)``; it publishes the chunk's start state and v_new (bf16, two buffers each)
+  and, for a chunk with non-finite inputs, the row from which each column of o is NaN;
+* the scores partition forms ``P = q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j]`` of each chunk (two buffers);
+* the output partition (the default one) adds ``o = scale·(e^gc·q S + P·v_new)`` and stores it.
+
+Only the chain's three products per chunk are sequential; the scores and the output of a chunk overlap the chain's
+next one. The arithmetic and its roundings are ``gdn_state_out_kernel``'s (the difference in fp32, rounded once;
+the same non-finite placement), so the portable kernel, which serves other GPUs, shapes and the interpreter, is
+its reference as well as the float64 recurrence.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..._common.gluon import async_load
+
+__all__ = ["BT", "K", "MAXNREG", "compile_sm90", "gdn_state_out_sm90_kernel"]
+
+BT = gl.constexpr(64)  # chunk size
+K = gl.constexpr(128)  # key head dim: two 64-column slabs
+SLAB = gl.constexpr(64)
+NK = gl.constexpr(2)  # slabs of K
+PRODUCER_WARPS = gl.constexpr(4)
+PRODUCER_REGS = gl.constexpr(56)  # registers per thread of each partition (setmaxnreg; 16 warps share 64K)
+CHAIN_REGS = gl.constexpr(168)
+SCORES_REGS = gl.constexpr(152)
+MAXNREG = 128  # register cap of the launch: the output warpgroup's (the default partition)
+
+
+@gluon.jit
+def _coords(cu, T, H, HV, IS_VARLEN: gl.constexpr):
+    """(V block, sequence x value head, value head, q/k head, first row int64, length) of this program."""
+    i_v = gl.program_id(0)
+    i_nh = gl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    if IS_VARLEN:
+        bos = gl.load(cu + i_n).to(gl.int64)
+        Tn = (gl.load(cu + i_n + 1).to(gl.int64) - bos).to(gl.int32)
+    else:
+        bos = i_n.to(gl.int64) * T
+        Tn = T
+    return i_v, i_nh, i_hv, i_hv // (HV // H), bos, Tn
+
+
+@gluon.jit
+def _state_rows(idx, i_nh, r, cv, HV, P, V: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr):
+    """Element offsets (int64) of state slice (K rows ``r``, V columns ``cv``) of sequence x value head i_nh and its
+    mask: row i_nh of ``[N, HV, K, V]`` (``[.., V, K]`` with V_FIRST), or with POOL row ``idx[i_nh // HV]`` of the
+    pool, masked off entirely where that row is outside [0, P) (as ``common._h_row``)."""
+    if POOL:
+        pr = gl.load(idx + i_nh // HV).to(gl.int64)
+        live = (pr >= 0) & (pr < P)
+        row = gl.where(live, pr, 0) * HV + i_nh % HV
+        mask = (r[:, None] < K) & (cv[None, :] < gl.where(live, V, 0))
+    else:
+        row = i_nh.to(gl.int64)
+        mask = (r[:, None] < K) & (cv[None, :] < V)
+    if V_FIRST:
+        off = (row * V + cv[None, :]) * K + r[:, None]
+    else:
+        off = (row * K + r[:, None]) * V + cv[None, :]
+    return off, mask
+
+
+@gluon.jit
+def _beta_in(b, mask, BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
+    """beta as the recurrence takes it (``common._beta_in``)."""
+    if BETA_SIGMOID:
+        b = gl.where(mask, 1.0 / (1.0 + gl.exp(-b)), 0.0)
+    if NEG_EIGVAL:
+        b = b * 2.0
+    return b
+
+
+@gluon.jit
+def _nan_from_first_bad(x, ok, r):
+    """x with each column NaN from its first row where ok is False on (``common._nan_from_first_bad``)."""
+    first = gl.min(gl.where(ok, BT, r[:, None]), 0)
+    return gl.where(r[:, None] >= first[None, :], float("nan"), x)
+
+
+@gluon.jit
+def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The producer: each chunk's k, q, v block and Ainv rows into ring stage ``c % STAGES``."""
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
+     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    TPV: gl.constexpr = BV // 8  # threads along a v row (16-byte copies)
+    cpv: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPV, TPV], [PRODUCER_WARPS, 1], [1, 0])
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, cp))
+    cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
+    rv = gl.arange(0, BT, layout=gl.SliceLayout(1, cpv))
+    cv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, cpv))
+    for c in range(gl.cdiv(Tn, BT)):
+        s = c % STAGES
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+        t = c * BT + r
+        ok = (t < Tn)[:, None]
+        x = bos + t
+        kq = x * (H * K) + i_h * K
+        for j in gl.static_range(NK):
+            async_load(k_smem.index(s * NK + j), k + kq[:, None] + (j * SLAB + cc)[None, :], mask=ok)
+            async_load(q_smem.index(s * NK + j), q + kq[:, None] + (j * SLAB + cc)[None, :], mask=ok)
+        async_load(a_smem.index(s), Ainv + (x * HV + i_hv)[:, None] * BT + cc[None, :], mask=ok)
+        tv = c * BT + rv
+        async_load(v_smem.index(s), v + ((bos + tv) * (HV * V) + i_hv * V)[:, None] + cv[None, :],
+                   mask=(tv < Tn)[:, None])
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr,
+           STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr,
+           BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
+    """The chain: the state recurrence, v_new and the final state (``gdn_state_out_kernel``'s arithmetic)."""
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
+     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, o_l)
+    cols: gl.constexpr = gl.SliceLayout(0, o_l)
+    r = gl.arange(0, BT, layout=rows)
+    cv = i_v * BV + gl.arange(0, BV, layout=cols)
+    dt = k.dtype.element_ty
+    dv = v.dtype.element_ty
+    zero = gl.zeros([BT, BV], gl.float32, layout=o_l)
+    S0 = zero
+    S1 = zero
+    if USE_H0:
+        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST)
+        S0 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
+        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST)
+        S1 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
+    n = gl.cdiv(Tn, BT)
+    # this chunk's gates and beta, loaded one chunk ahead
+    valid = r < Tn
+    gg = gl.load(gc + (bos + r) * HV + i_hv, mask=valid, other=0.0)
+    bb = gl.load(beta + (bos + r) * HV + i_hv, mask=valid, other=0.0).to(gl.float32)
+    glast = gl.load(gc + (bos + gl.minimum(BT, Tn) - 1) * HV + i_hv, mask=n > 0, other=0.0)
+    for c in range(n):
+        s = c % STAGES
+        b2 = c % 2
+        t1 = (c + 1) * BT + r
+        v1 = t1 < Tn
+        gg1 = gl.load(gc + (bos + t1) * HV + i_hv, mask=v1, other=0.0)
+        bb1 = gl.load(beta + (bos + t1) * HV + i_hv, mask=v1, other=0.0).to(gl.float32)
+        gl1 = gl.load(gc + (bos + gl.minimum((c + 2) * BT, Tn) - 1) * HV + i_hv, mask=c + 1 < n, other=0.0)
+        b = _beta_in(bb, valid, BETA_SIGMOID, NEG_EIGVAL)
+
+        # publish the state at the chunk's start (the output warpgroup reads it for q S)
+        mbarrier.wait(ofree.index(b2), ((c // 2) & 1) ^ 1)
+        sd_smem.index(b2 * NK).store(S0.to(dt))
+        sd_smem.index(b2 * NK + 1).store(S1.to(dt))
+        fence_async_shared()
+        mbarrier.arrive(sd_ready.index(b2), count=1)
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        fence_async_shared()  # the stage arrived through cp.async (generic proxy); wgmma reads the async proxy
+        ks = warpgroup_mma(k_smem.index(s * NK), sd_smem.index(b2 * NK), zero, use_acc=False, is_async=True)
+        ks = warpgroup_mma(k_smem.index(s * NK + 1), sd_smem.index(b2 * NK + 1), ks, is_async=True)
+        vv = v_smem.index(s).load(o_l).to(gl.float32)
+        ks = warpgroup_mma_wait(num_outstanding=0, deps=(ks,))
+        eg = gl.exp(gg)
+        xs = b[:, None] * (vv - eg[:, None] * ks)
+        okv = gl.abs(vv) < float("inf")
+        live = gg == gg
+        clean = gl.sum(gl.sum(gl.where(okv, 0, 1), 1) + gl.where(live, 0, 1), 0) == 0
+        xs_smem.store(gl.where(okv & live[:, None], xs, 0.0).to(dt))
+        fence_async_shared()
+        vn = warpgroup_mma(a_smem.index(s), xs_smem, zero, use_acc=False, is_async=True)
+        vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn,))
+        # what the output multiplies: v_new, or in a chunk with non-finite inputs its finite entries, and the row
+        # from which each column of o is NaN (BT: none)
+        if clean:
+            vo = vn.to(dv)
+            fb = gl.full([BV], BT, gl.int32, layout=cols)
+        else:
+            vn = _nan_from_first_bad(vn, okv, r)
+            vnd = vn.to(dv)
+            okn = gl.abs(vnd.to(gl.float32)) < float("inf")
+            vo = gl.where(okn, vnd, gl.zeros_like(vnd))
+            fb = gl.min(gl.where(okn, BT, r[:, None]), 0)
+        vn_smem.index(b2).store(vo)
+        fb_smem.index(b2).store(fb)
+        vd = vn * gl.exp(gl.where(valid, glast - gg, 0.0))[:, None]
+        vd_smem.store(vd.to(dt))
+        fence_async_shared()
+        mbarrier.arrive(vn_ready.index(b2), count=1)
+        el = gl.exp(glast)
+        S0 = warpgroup_mma(k_smem.index(s * NK).permute((1, 0)), vd_smem, S0 * el, is_async=True)
+        S1 = warpgroup_mma(k_smem.index(s * NK + 1).permute((1, 0)), vd_smem, S1 * el, is_async=True)
+        S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(S0, S1))
+        mbarrier.arrive(empty.index(s), count=1)
+        gg = gg1
+        bb = bb1
+        glast = gl1
+        valid = v1
+    if STORE_HT:
+        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST)
+        gl.store(ht + off, S0.to(ht.dtype.element_ty), mask=m)
+        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST)
+        gl.store(ht + off, S1.to(ht.dtype.element_ty), mask=m)
+
+
+@gluon.jit
+def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The scores warpgroup: each chunk's ``P = q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j]`` (v's dtype) into ``p_smem``."""
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
+     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    ri = gl.arange(0, BT, layout=gl.SliceLayout(1, s_l))
+    rj = gl.arange(0, BT, layout=gl.SliceLayout(0, s_l))
+    zs = gl.zeros([BT, BT], gl.float32, layout=s_l)
+    for c in range(gl.cdiv(Tn, BT)):
+        s = c % STAGES
+        b2 = c % 2
+        t0 = c * BT
+        gi = gl.load(gc + (bos + t0 + ri) * HV + i_hv, mask=t0 + ri < Tn, other=0.0)
+        gj = gl.load(gc + (bos + t0 + rj) * HV + i_hv, mask=t0 + rj < Tn, other=0.0)
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        fence_async_shared()  # the stage arrived through cp.async (generic proxy); wgmma reads the async proxy
+        qk = warpgroup_mma(q_smem.index(s * NK), k_smem.index(s * NK).permute((1, 0)), zs, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma(q_smem.index(s * NK + 1), k_smem.index(s * NK + 1).permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        mbarrier.arrive(empty.index(s), count=1)
+        m = (ri[:, None] >= rj[None, :]) & (t0 + ri < Tn)[:, None] & (t0 + rj < Tn)[None, :]
+        pm = gl.where(m, qk * gl.exp(gl.where(m, gi[:, None] - gj[None, :], 0.0)), 0.0).to(v.dtype.element_ty)
+        mbarrier.wait(p_free.index(b2), ((c // 2) & 1) ^ 1)
+        p_smem.index(b2).store(pm)
+        fence_async_shared()  # P was written by the generic proxy; the output warpgroup's wgmma reads it
+        mbarrier.arrive(p_ready.index(b2), count=1)
+
+
+@gluon.jit
+def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The output warpgroup: ``o = scale·(e^gc·q S + P·v_new)`` per chunk, NaN where the chain says."""
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
+     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, o_l))
+    cv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, o_l))
+    zero = gl.zeros([BT, BV], gl.float32, layout=o_l)
+    for c in range(gl.cdiv(Tn, BT)):
+        s = c % STAGES
+        b2 = c % 2
+        t0 = c * BT
+        go = gl.load(gc + (bos + t0 + r) * HV + i_hv, mask=t0 + r < Tn, other=0.0)
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        fence_async_shared()
+        mbarrier.wait(sd_ready.index(b2), (c // 2) & 1)
+        qs = warpgroup_mma(q_smem.index(s * NK), sd_smem.index(b2 * NK), zero, use_acc=False, is_async=True)
+        qs = warpgroup_mma(q_smem.index(s * NK + 1), sd_smem.index(b2 * NK + 1), qs, is_async=True)
+        qs = warpgroup_mma_wait(num_outstanding=0, deps=(qs,))
+        mbarrier.arrive(empty.index(s), count=1)
+        oi = qs * gl.exp(go)[:, None]
+        mbarrier.wait(p_ready.index(b2), (c // 2) & 1)
+        mbarrier.wait(vn_ready.index(b2), (c // 2) & 1)
+        pv = warpgroup_mma(p_smem.index(b2), vn_smem.index(b2), zero, use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        fb = fb_smem.index(b2).load(gl.SliceLayout(0, o_l))
+        mbarrier.arrive(p_free.index(b2), count=1)
+        mbarrier.arrive(ofree.index(b2), count=1)
+        out = gl.where(r[:, None] >= fb[None, :], float("nan"), (oi + pv) * scale)
+        t = t0 + r
+        gl.store(o + ((bos + t) * (HV * V) + i_hv * V)[:, None] + cv[None, :], out.to(o.dtype.element_ty),
+                 mask=(t < Tn)[:, None])
+
+
+@gluon.jit(do_not_specialize=["T", "P", "H", "HV"])
+def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV,
+                              V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr,
+                              STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, POOL: gl.constexpr,
+                              V_FIRST: gl.constexpr, BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
+    """``gdn_state_out_kernel`` (same arguments without coff / NT / the tile widths; K = 128, chunk 64, bf16 k and
+    Ainv) for sm_90, grid ``(V // BV, programs x HV)``."""
+    dt: gl.constexpr = k.dtype.element_ty
+    dv: gl.constexpr = v.dtype.element_ty
+    sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    swv: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BV if BV < 64 else 128, element_bitwidth=16,
+                                             rank=2)
+    k_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
+    q_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
+    a_smem = gl.allocate_shared_memory(dt, [STAGES, BT, BT], sw)
+    v_smem = gl.allocate_shared_memory(dv, [STAGES, BT, BV], swv)
+    sd_smem = gl.allocate_shared_memory(dt, [2 * NK, SLAB, BV], swv)  # the chunk's start state, two buffers
+    vn_smem = gl.allocate_shared_memory(dv, [2, BT, BV], swv)  # v_new, two buffers
+    xs_smem = gl.allocate_shared_memory(dt, [BT, BV], swv)
+    vd_smem = gl.allocate_shared_memory(dt, [BT, BV], swv)
+    # per buffer, the row from which each column of o is NaN (BT: none)
+    fb_smem = gl.allocate_shared_memory(gl.int32, [2, BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_smem = gl.allocate_shared_memory(dv, [2, BT, BT], sw)  # the chunk's P, two buffers
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sd_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    vn_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ofree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # one cp.async arrival per producer thread
+        mbarrier.init(empty.index(i), count=3)  # the chain, scores and output warpgroups
+    for i in gl.static_range(2):
+        mbarrier.init(sd_ready.index(i), count=1)
+        mbarrier.init(vn_ready.index(i), count=1)
+        mbarrier.init(ofree.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+    rt = (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
+          xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free)
+    gl.warp_specialize([
+        (_output, (rt, V, BV, STAGES, IS_VARLEN)),
+        (_chain, (rt, V, BV, STAGES, USE_H0, STORE_HT, IS_VARLEN, POOL, V_FIRST, BETA_SIGMOID, NEG_EIGVAL)),
+        (_scores, (rt, V, BV, STAGES, IS_VARLEN)),
+        (_producer, (rt, V, BV, STAGES, IS_VARLEN)),
+    ], [4, 4, PRODUCER_WARPS], [CHAIN_REGS, SCORES_REGS, PRODUCER_REGS])
+
+
+def compile_sm90(*, bv: int = 32, stages: int = 2, dtype: str = "bf16", use_h0: bool = True, store_ht: bool = True,
+                 varlen: bool = False, pool: bool = False, v_first: bool = False, beta_sigmoid: bool = False,
+                 neg_eigval: bool = False, V: int = 128):
+    """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
+    ``.metadata``). Pointers are taken 16-byte aligned, as the launch specialises them."""
+    import inspect
+
+    from triton import compile as tcompile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = gdn_state_out_sm90_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    const = dict(V=V, BV=bv, STAGES=stages, USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, POOL=pool,
+                 V_FIRST=v_first, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval)
+    ptr = {"q": f"*{dtype}", "k": f"*{dtype}", "v": f"*{dtype}", "beta": f"*{dtype}", "gc": "*fp32",
+           "Ainv": f"*{dtype}", "o": f"*{dtype}", "h0": "*fp32", "ht": "*fp32", "cu": "*i64", "idx": "*i32"}
+    sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptr})
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))

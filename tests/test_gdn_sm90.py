@@ -1,0 +1,200 @@
+"""The Hopper (sm_90) Gluon kernel of the forward without gradient (``sout``, ``kernels/state_out_sm90.py``): it
+compiles without a GPU; on an H100 / H200 it gives the portable kernel's results (NaN placement included), the
+float64 recurrence's within tolerance, the same bits on every call, and the table runs it where it applies."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from harness import P, gen, rand, randn, rel_err, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gqla_triton.ops.gdn.launch as launch_mod
+import gqla_triton.ops.gdn.plan as plan_mod
+from gqla_triton.dispatch import config_override, table_config
+from gqla_triton.ops.gdn import chunk_gated_delta_rule
+from gqla_triton.ops.gdn.config import ChunkConfig
+from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+ALWAYS = {"sout_chunks": 1 << 20, "sout_waves": 1 << 20, "sout_gluon_units": 0}
+
+
+def _hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon GDN kernel is Hopper-only (sm_90)")
+
+
+def _inputs(seed, B, T, H, HV, V, N, pool_rows=0):
+    """bf16 q, k (unit rows), v; fp32 g in [-1, 0); bf16 beta; fp32 h0 ``[N or pool_rows, HV, 128, V]``."""
+    g_ = gen(seed)
+    q = torch.nn.functional.normalize(randn((B, T, H, 128), g_, dtype=torch.float32), dim=-1)
+    k = torch.nn.functional.normalize(randn((B, T, H, 128), g_, dtype=torch.float32), dim=-1)
+    v = randn((B, T, HV, V), g_, dtype=torch.float32)
+    g = rand((B, T, HV), g_, lo=-1.0, hi=0.0, dtype=torch.float32)
+    beta = rand((B, T, HV), g_, lo=0.05, hi=0.95, dtype=torch.float32)
+    h0 = randn((pool_rows or N, HV, 128, V), g_, dtype=torch.float32, scale=0.5)
+    bf = torch.bfloat16
+    return [t.to(P.device) for t in (q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), h0)]
+
+
+def _forward(impl, ins, cu, **kw):
+    """The no-grad forward with ``sout`` on ``impl`` (``"gluon"`` / ``"triton"``); (o, final state or pool)."""
+    q, k, v, g, beta, h0 = ins
+    h0 = h0.clone()
+    with torch.no_grad(), config_override({"gdn_chunk": {"sout_impl": impl, **ALWAYS}}):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                       output_final_state="state_indices" not in kw, **kw)
+    return o, (h0 if ht is None else ht)
+
+
+@pytest.mark.gpu_only
+@settings(max_examples=12, deadline=None)
+@given(lens=st.lists(st.integers(0, 400), min_size=1, max_size=3), varlen=st.booleans(), G=st.sampled_from([1, 2]),
+       V=st.sampled_from([32, 64, 128]), layout=st.sampled_from(["kv", "vk", "pool"]),
+       beta_opts=st.booleans(), bad=st.sampled_from([None, "v", "k", "g"]), seed=seeds())
+def test_gluon_matches_portable_kernel(lens, varlen, G, V, layout, beta_opts, bad, seed):
+    """Against the portable ``sout`` kernel on the same inputs: the same NaN positions (a non-finite v, k or g
+    entry mid-sequence), the finite values to rounding (the same roundings; only the tensor-core products'
+    summation order differs), the final states / pool rows likewise; dense and varlen (empty sequences too), GVA,
+    every V block, both state layouts, the state pool, beta as logits with negative eigenvalues."""
+    _hopper()
+    if varlen:
+        B, T, N = 1, sum(lens), len(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=P.device)
+    else:
+        B, T, N, cu = len(lens), max(1, max(lens)), len(lens), None
+    ins = _inputs(seed, B, T, 1, G, V, N, pool_rows=N + 2 if layout == "pool" else 0)
+    kw = {}
+    if layout == "vk":
+        ins[5] = ins[5].transpose(-1, -2).contiguous()
+        kw["state_layout"] = "vk"
+    if layout == "pool":  # sequence n at row perm[n]; one sequence has no row (-1: zero start, no write)
+        perm = torch.randperm(N + 2, generator=gen(seed))[:N].to(torch.int32)
+        perm[0] = -1
+        kw["state_indices"] = perm.to(P.device)
+    if beta_opts:
+        ins[4] = torch.randn(ins[4].shape, generator=gen(seed + 1)).to(P.device, torch.bfloat16)
+        kw.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    if bad is not None and T > 0:
+        t = int(torch.randint(0, T, (1,), generator=gen(seed + 2)))
+        x = {"v": 2, "k": 1, "g": 3}[bad]
+        ins[x] = ins[x].clone()
+        ins[x][(0, t, 0, 3)[:ins[x].dim()]] = float("nan")
+    o, ht = _forward("gluon", ins, cu, **kw)
+    o2, ht2 = _forward("triton", ins, cu, **kw)
+    assert torch.equal(o.isnan(), o2.isnan()) and torch.equal(ht.isnan(), ht2.isnan())
+    ok, okh = ~o.isnan(), ~ht.isnan()
+    if ok.any():
+        assert rel_err(o[ok].double(), o2[ok].double()) < 1e-3
+    if okh.any():
+        assert rel_err(ht[okh].double(), ht2[okh].double()) < 1e-3
+
+
+@pytest.mark.gpu_only
+def test_gluon_vs_float64_and_deterministic():
+    """Long sequences (many chunks through the ring and both buffer pairs) against the float64 recurrence, as close
+    as the portable kernel; every call the same bits."""
+    _hopper()
+    ins = _inputs(5, 2, 1500, 2, 4, 128, 2)
+    cu = None
+    o, ht = _forward("gluon", ins, cu)
+    o2, ht2 = _forward("triton", ins, cu)
+    ro, rht = recurrent_gated_delta_rule_ref(*[t.double() for t in ins[:5]], initial_state=ins[5].double(),
+                                             output_final_state=True)
+    e, e2 = rel_err(o.double(), ro), rel_err(o2.double(), ro)
+    assert e < 1.2 * e2 + 1e-4 and e < 1e-2, (e, e2)
+    assert rel_err(ht.double(), rht) < 1.2 * rel_err(ht2.double(), rht) + 1e-4
+    for _ in range(3):
+        o3, ht3 = _forward("gluon", ins, cu)
+        assert torch.equal(o, o3) and torch.equal(ht, ht3)
+
+
+@pytest.mark.gpu_only
+def test_table_runs_gluon_where_it_applies():
+    """On sm_90 the table runs the kernel for bf16, K 128, chunk 64 calls of at least ``sout_gluon_units`` units
+    (not for fp16 or K 64: the portable kernel's rule), and names the reason where it cannot."""
+    _hopper()
+
+    def use(T, HV, dtype=torch.bfloat16, K=128):
+        q = torch.zeros(1, T, 1, K, dtype=dtype, device=P.device)
+        v = torch.zeros(1, T, HV, 128, dtype=dtype, device=P.device)
+        ainv = torch.zeros(1, T, HV, 64, dtype=dtype if dtype == torch.bfloat16 else torch.float32, device=P.device)
+        plan = plan_mod.chunk_plan(q, v, None, None)
+        return launch_mod.use_sout_sm90(plan, q, q, v, ainv), launch_mod.sout_sm90_unsupported(plan, q, q, v, ainv)
+
+    units = table_config("h200", "gdn_chunk", plan_mod.config_key(128, 128)).sout_gluon_units
+    assert use(64 * (units // 32), 32) == (True, None)
+    assert use(64 * (units // 32) - 64, 32)[0] is False
+    used, why = use(64 * (units // 32), 32, dtype=torch.float16)
+    assert not used and "bf16" in why
+    used, why = use(64 * (units // 32), 32, K=64)
+    assert not used and "K 64" in why
+
+
+def test_gluon_gate():
+    """``use_sout_sm90``: compute capability 9.0 only, unsplit sequences, at least ``sout_gluon_units`` (chunk x
+    value head) units, inputs the kernel takes (checked on a plan that names an H200)."""
+    from gqla_triton.dispatch import DeviceInfo
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=60 << 20)
+    a100 = DeviceInfo("NVIDIA A100", (8, 0), sm_count=108, smem_per_block=166912, l2_bytes=40 << 20)
+
+    def use(T, HV, gpu=h200, dtype=torch.bfloat16, **fields):
+        q = torch.zeros(1, T, 1, 128, dtype=dtype)
+        v = torch.zeros(1, T, HV, 128, dtype=dtype)
+        ainv = torch.zeros(1, T, HV, 64, dtype=dtype)
+        over = {"sout_impl": "gluon", "sout_gluon_units": 4096, "seg_units": 0, **fields}
+        with config_override({"gdn_chunk": over}):
+            plan = plan_mod.chunk_plan(q, v, None, None)._replace(gpu=gpu)
+        return launch_mod.use_sout_sm90(plan, q, q, v, ainv)
+
+    assert use(64 * 64, 64) and not use(64 * 63, 64)
+    assert not use(64 * 64, 64, gpu=a100)
+    assert not use(64 * 64, 64, dtype=torch.float16)
+    assert not use(64 * 64, 64, sout_impl="triton")
+    assert not use(64 * 64, 2, sout_gluon_units=0, seg_units=64, seg_below=16, seg_min=4)  # split sequences
+
+
+def test_config_and_rule():
+    """``sout_impl`` is checked (the Gluon ring has at most 3 stages); where the Gluon kernel runs, ``_fuse_out``
+    fuses any length, never with sout_chunks 0; the H200 table selects it."""
+    assert ChunkConfig(sout_impl="gluon", sout_num_stages=3).sout_num_stages == 3
+    with pytest.raises(ValueError, match="'sout_num_stages'"):
+        ChunkConfig(sout_impl="gluon", sout_num_stages=4)
+    with pytest.raises(ValueError, match="'sout_impl'"):
+        ChunkConfig(sout_impl="cuda")
+    assert table_config("h200", "gdn_chunk", plan_mod.config_key(128, 128)).sout_impl == "gluon"
+
+    def fused(T, sm90, **fields):
+        q, v = torch.zeros(1, T, 1, 16, device=P.device), torch.zeros(1, T, 2, 16, device=P.device)
+        with config_override({"gdn_chunk": fields}):
+            return launch_mod._fuse_out(plan_mod.chunk_plan(q, v, None, None), 2, 16, sm90)
+
+    assert fused(64 * 1000, True, sout_chunks=4) and not fused(64 * 1000, False, sout_chunks=4)
+    assert not fused(64, True, sout_chunks=0)
+
+
+@pytest.mark.parametrize("kw", [dict(bv=32), dict(bv=64, stages=3), dict(bv=32, use_h0=False, store_ht=False),
+                                dict(varlen=True, pool=True, v_first=True, beta_sigmoid=True, neg_eigval=True)],
+                         ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_gluon_kernel_compiles_for_sm90(kw):
+    """The kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
+    reallocation), wgmma products, cp.async copies, within the H200's shared memory. In a child process (under
+    TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take)."""
+    import subprocess
+    import sys
+
+    code = ("from gqla_triton.ops.gdn.kernels.state_out_sm90 import compile_sm90; "
+            f"k = compile_sm90(**{kw!r}); ptx = k.asm['ptx']; "
+            "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shared, *flags = res.stdout.split()[-4:]
+    assert flags == ["True", "True", "True"], res.stdout
+    assert int(shared) <= 227 * 1024
