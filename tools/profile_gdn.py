@@ -9,7 +9,9 @@ variant is the GPU's table config; each ``--config`` adds a variant of ``gdn_chu
 separately, one variant can move several kernels at once. Each variant runs in its own process (a variant that
 faults cannot end the others' CUDA context; it is re-run with ``CUDA_LAUNCH_BLOCKING=1`` to name the kernel), and
 its outputs and gradients are compared with the table config's (max relative error), so a fast but wrong variant
-shows. ``--fwd-only`` profiles the forward alone; ``--recompute`` uses ``save_states=False``; ``--inputs gate`` runs
+shows. ``--fwd-only`` profiles the forward alone; ``--infer`` the forward without autograd as inference and
+chunked prefill call it (C1-C3 from their initial states: the fused ``sout`` pass where the table picks it);
+``--recompute`` uses ``save_states=False``; ``--inputs gate`` runs
 fla's in-kernel gate and beta sigmoid and ``--inputs gate_values`` the plain call on the very values they form, so
 the two runs' difference per kernel is what those options cost.
 
@@ -51,9 +53,12 @@ def _op(mode: str):
     return gq.chunk_gated_delta_rule
 
 
-def _step(xs, cu, do, fwd_only: bool, save_states: bool, mode: str = "plain"):
+def _step(xs, cu, do, fwd_only: bool, save_states: bool, mode: str = "plain", h0=None):
     import torch
 
+    if h0 is not None or do is None:  # inference: no autograd
+        with torch.no_grad():
+            return list(_op(mode)(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu))
     o, ht = _op(mode)(*xs, output_final_state=True, cu_seqlens=cu, save_states=save_states)
     if fwd_only:
         return [o, ht]
@@ -87,8 +92,13 @@ def _child(a, fields: dict) -> dict:
     from tools._common import rel_err
 
     xs, cu = _inputs(a.workload, a.inputs)
-    do = torch.randn_like(xs[2])
-    step = lambda: _step(xs, cu, do, a.fwd_only, not a.recompute, a.inputs)  # noqa: E731
+    do = None if a.infer else torch.randn_like(xs[2])
+    h0 = None
+    if a.infer:
+        from bench.gdn import WORKLOADS, _initial_state
+
+        h0 = _initial_state(WORKLOADS[a.workload])
+    step = lambda: _step(xs, cu, do, a.fwd_only, not a.recompute, a.inputs, h0)  # noqa: E731
     ref = [t.detach().clone() for t in step()]
     with config_override({"gdn_chunk": fields} if fields else {}):
         out = [t.detach() for t in step()]
@@ -141,10 +151,11 @@ def main(argv=None) -> int:
     from tools._common import parse_configs, write_json
 
     ap = argparse.ArgumentParser(prog="python -m tools.profile_gdn", description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="G1", help="a bench.gdn workload: G1 .. G5")
+    ap.add_argument("--workload", default="G1", help="a bench.gdn workload: G1 .. G5, C1 .. C3")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--config", action="append", default=[], help="a variant: JSON gdn_chunk fields or name=JSON")
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--infer", action="store_true", help="the forward without autograd (inference, chunked prefill)")
     ap.add_argument("--recompute", action="store_true", help="save_states=False (the backward recomputes states)")
     ap.add_argument("--inputs", choices=INPUTS, default="plain",
                     help="plain: g and beta as given; gate: fla's in-kernel gate and beta sigmoid on the same tensors; "
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
         return 0
     variants = {"table": {}, **parse_configs(a.config)}
     base = [sys.executable, "-m", "tools.profile_gdn", "--workload", a.workload, "--iters", str(a.iters)]
-    base += ["--fwd-only"] * a.fwd_only + ["--recompute"] * a.recompute + ["--inputs", a.inputs]
+    base += ["--fwd-only"] * a.fwd_only + ["--infer"] * a.infer + ["--recompute"] * a.recompute + ["--inputs", a.inputs]
     results, failed = {}, {}
     for vn, fields in variants.items():
         cmd = base + ["--child", json.dumps(fields)]
