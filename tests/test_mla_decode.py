@@ -1,11 +1,22 @@
 """mla_decode (absorb path, dense + sparse) against the float64 reference in ops/mla/reference.py."""
 
 import math
-import os
 
 import pytest
 import torch
-from harness import P, assert_close, capture_graph, dtypes, examples, gen, pick, randn, rel_err, seeds
+from harness import (
+    P,
+    assert_close,
+    capture_graph,
+    compile_sm90_in_child,
+    dtypes,
+    examples,
+    gen,
+    pick,
+    randn,
+    rel_err,
+    seeds,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -507,15 +518,7 @@ def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8, raw):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
     TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
-    import subprocess
-    import sys
-
-    code = ("from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
-            f"k = compile_sm90(sparse={sparse}, split={split}, tail={tail}, fp8={fp8}, raw={raw}); ptx = k.asm['ptx']; "
-            "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    shared, *flags = res.stdout.split()[-4:]
-    assert flags == ["True", "True", "True"], res.stdout
-    assert int(shared) <= 227 * 1024
+    flags = f"sparse={sparse}, split={split}, tail={tail}, fp8={fp8}, raw={raw}"
+    shared = compile_sm90_in_child(f"from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
+                                   f"k = compile_sm90({flags})")
+    assert shared <= 227 * 1024
