@@ -19,7 +19,7 @@ from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
 
-ALWAYS = {"sout_chunks": 1 << 20, "sout_waves": 1 << 20, "sout_gluon_units": 0}
+ALWAYS = {"sout_chunks": 1 << 20, "sout_waves": 1 << 20}  # the portable kernel fuses every forward too
 
 
 def _hopper():
@@ -41,11 +41,11 @@ def _inputs(seed, B, T, H, HV, V, N, pool_rows=0):
 
 
 def _forward(impl, ins, cu, **kw):
-    """The no-grad forward with ``sout`` on ``impl`` (``"gluon"`` / ``"triton"``); (o, final state or pool)."""
+    """The no-grad forward (``sout``) with ``impl`` ``"gluon"`` or ``"triton"``; (o, final state or pool)."""
     q, k, v, g, beta, h0 = ins
     h0 = h0.clone()
-    with torch.no_grad(), config_override({"gdn_chunk": {"sout_impl": impl, **ALWAYS}}):
-        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+    with torch.no_grad(), config_override({"gdn_chunk": ALWAYS}):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, impl=impl,
                                        output_final_state="state_indices" not in kw, **kw)
     return o, (h0 if ht is None else ht)
 
@@ -121,9 +121,8 @@ def test_table_runs_gluon_where_it_applies():
     def use(T, HV, dtype=torch.bfloat16, K=128):
         q = torch.zeros(1, T, 1, K, dtype=dtype, device=P.device)
         v = torch.zeros(1, T, HV, 128, dtype=dtype, device=P.device)
-        ainv = torch.zeros(1, T, HV, 64, dtype=dtype if dtype == torch.bfloat16 else torch.float32, device=P.device)
         plan = plan_mod.chunk_plan(q, v, None, None)
-        return launch_mod.use_sout_sm90(plan, q, q, v, ainv), launch_mod.sout_sm90_unsupported(plan, q, q, v, ainv)
+        return launch_mod.use_sout_sm90(plan, q, q, v), launch_mod.sout_sm90_unsupported(plan.gpu, 64, q, q, v)
 
     cfg = plan_mod.chunk_plan(torch.zeros(1, 64, 1, 128, device=P.device), torch.zeros(1, 64, 1, 128, device=P.device),
                               None, None).cfg
@@ -150,11 +149,10 @@ def test_gluon_gate():
     def use(T, HV, gpu=h200, dtype=torch.bfloat16, **fields):
         q = torch.zeros(1, T, 1, 128, dtype=dtype)
         v = torch.zeros(1, T, HV, 128, dtype=dtype)
-        ainv = torch.zeros(1, T, HV, 64, dtype=dtype)
         over = {"sout_impl": "gluon", "sout_gluon_units": 4096, "seg_units": 0, **fields}
         with config_override({"gdn_chunk": over}):
             plan = plan_mod.chunk_plan(q, v, None, None)._replace(gpu=gpu)
-        return launch_mod.use_sout_sm90(plan, q, q, v, ainv)
+        return launch_mod.use_sout_sm90(plan, q, q, v)
 
     assert use(64 * 64, 64) and not use(64 * 63, 64)
     assert not use(64 * 64, 64, gpu=a100)
@@ -191,3 +189,53 @@ def test_gluon_kernel_compiles_for_sm90(kw):
     shared = compile_sm90_in_child("from gqla_triton.ops.gdn.kernels.state_out_sm90 import compile_sm90; "
                                    f"k = compile_sm90(**{kw!r})")
     assert shared <= 227 * 1024
+
+
+def test_impl_choices():
+    """``impl="gluon"`` is refused by name where a backward may follow or the kernel cannot run (before any launch:
+    a state pool stays as it was); ``chunk_plan`` maps ``"triton"`` to the portable kernel and ``"gluon"`` to the
+    Gluon one at any length, sequences unsplit."""
+    q = torch.randn(1, 70, 1, 128, device=P.device)
+    v = torch.randn(1, 70, 2, 32, device=P.device)
+    g = -torch.rand(1, 70, 2, device=P.device)
+    with pytest.raises(ValueError, match="impl='gluon'.*requires grad"):
+        chunk_gated_delta_rule(q, q, v.requires_grad_(), g, g.neg(), impl="gluon")
+    v = v.detach()
+    pool = torch.randn(3, 2, 128, 32, device=P.device)
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="impl='gluon': the Gluon GDN kernel cannot run here"):
+        chunk_gated_delta_rule(q, q, v, g, g.neg(), initial_state=pool, impl="gluon",
+                               state_indices=torch.tensor([1], dtype=torch.int32, device=P.device))
+    assert torch.equal(pool, before)
+    over = {"sout_impl": "gluon", "sout_gluon_units": 1 << 20, "seg_units": 64, "seg_below": 16, "seg_min": 1,
+            "sout_chunks": 0}
+    with config_override({"gdn_chunk": over}):
+        auto = plan_mod.chunk_plan(q, v).cfg
+        tri = plan_mod.chunk_plan(q, v, impl="triton").cfg
+        glu = plan_mod.chunk_plan(q, v, impl="gluon")
+    assert auto.sout_impl == "gluon" and tri.sout_impl == "triton"
+    assert glu.cfg.sout_impl == "gluon" and glu.cfg.sout_gluon_units == 0 and glu.cfg.sout_chunks > 0
+    assert glu.seg is None
+
+
+@pytest.mark.gpu_only
+def test_impl_triton_never_launches_gluon(monkeypatch):
+    """``impl="triton"`` runs only the portable kernels even where the table picks the Gluon one; ``"auto"`` and
+    ``"gluon"`` launch it."""
+    _hopper()
+    launched = []
+
+    class Probe:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(launch_mod, "gdn_state_out_sm90_kernel", Probe())
+    ins = _inputs(3, 1, 64 * 130, 1, 32, 128, 1)
+    with torch.no_grad(), config_override({"gdn_chunk": {"sout_impl": "gluon", "sout_gluon_units": 0}}):
+        chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="triton")
+        assert not launched
+        chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="auto")
+        assert len(launched) == 1
+        chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="gluon")
+        assert len(launched) == 2

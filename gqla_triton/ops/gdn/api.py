@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ...dispatch import is_interpreter
+from ...dispatch import device_info, is_interpreter
 from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import (
@@ -28,7 +28,7 @@ from .._common.validation import (
     check_tensor,
 )
 from .compat import check_chunk_indices, check_chunk_size, check_fla_options, check_gate, state_v_first
-from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype
+from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype, sout_sm90_unsupported
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
 
@@ -76,15 +76,16 @@ def _bwd(q, k, v, g, beta, scale, initial_state, plan: ChunkPlan, gc, Ainv, do, 
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, save_states: bool,
             needs_grad: bool, v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
-            dt_bias: torch.Tensor | None, chunk_size: int
+            dt_bias: torch.Tensor | None, chunk_size: int, impl: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size),
-                save_states, needs_grad, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
+    return _fwd(q, k, v, g, beta, scale, initial_state,
+                chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size, impl=impl), save_states, needs_grad, v_first,
+                beta_sigmoid, neg_eigval, A_log, dt_bias)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
-      neg_eigval, A_log, dt_bias, chunk_size):
+      neg_eigval, A_log, dt_bias, chunk_size, impl):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -147,11 +148,11 @@ def _backward_with(bwd, plan, ctx, do, dht):
                                               *ctx.opts, A_log, dt_bias, *((ctx.chunk_size,) if traced else ()))
     grads = (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, None, None, None,
              dA if A_log is not None else None, ddt if dt_bias is not None else None)
-    return (*grads, None) if traced else grads  # the op's last input is the chunk size
+    return (*grads, None, None) if traced else grads  # the op's last inputs are the chunk size and impl
 
 
 def _setup_context(ctx, inputs, output):
-    _save(ctx, *inputs, output)
+    _save(ctx, *inputs[:-1], output)  # the op's last input is impl
 
 
 def _backward(ctx, do, dht, *_unused):
@@ -184,10 +185,10 @@ class _ChunkGDN(torch.autograd.Function):
 
 
 def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
-           neg_eigval, A_log, dt_bias, chunk_size, *, cu_host):
+           neg_eigval, A_log, dt_bias, chunk_size, impl, *, cu_host):
     """The eager forward: through ``_ChunkGDN`` where a backward may follow, else the launchers themselves (no
     autograd node to build: its cost paces short inference chunks)."""
-    plan = chunk_plan(q, v, cu_seqlens, cu_host, chunk_size)
+    plan = chunk_plan(q, v, cu_seqlens, cu_host, chunk_size, impl)
     if not needs_grad:
         return _fwd(q, k, v, g, beta, scale, initial_state, plan, False, False, v_first, beta_sigmoid, neg_eigval,
                     A_log, dt_bias)
@@ -197,8 +198,8 @@ def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, need
 
 # ------------------------------------------------------------------------------------------- state pool (inference)
 def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
-          A_log, dt_bias, chunk_size, *, cu_host):
-    return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size),
+          A_log, dt_bias, chunk_size, impl, *, cu_host):
+    return chunk_gdn_fwd(q, k, v, g, beta, scale, state_pool, chunk_plan(q, v, cu_seqlens, cu_host, chunk_size, impl),
                          state_indices=state_indices, v_first=v_first, beta_sigmoid=beta_sigmoid,
                          neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))[0]
 
@@ -207,16 +208,16 @@ def _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_firs
 def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
              state_pool: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None,
              v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
-             dt_bias: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
+             dt_bias: torch.Tensor | None, chunk_size: int, impl: str) -> torch.Tensor:
     # the public function cannot read it while tracing
     check_pool_rows("state_indices", state_indices, state_pool.shape[0])
     return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
-                 A_log, dt_bias, chunk_size, cu_host=None)
+                 A_log, dt_bias, chunk_size, impl, cu_host=None)
 
 
 @_pool_op.register_fake
 def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval, A_log,
-      dt_bias, chunk_size):
+      dt_bias, chunk_size, impl):
     return torch.empty_like(v)
 
 
@@ -233,6 +234,17 @@ def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_s
 
 
 # ------------------------------------------------------------------------------------------------ public op
+def _check_gluon(q, k, v, chunk_size: int, grad: bool) -> None:
+    """``impl="gluon"``: the Hopper kernel can run this call's forward (contiguous q, k, v), else a ValueError says
+    why."""
+    if grad:
+        raise ValueError("impl='gluon': the Gluon GDN kernel is the forward without gradient, but an input requires "
+                         "grad; use impl='auto' or 'triton', or run under torch.no_grad()")
+    why = sout_sm90_unsupported(device_info(q), chunk_size, q, k, v)
+    if why is not None:
+        raise ValueError(f"impl='gluon': the Gluon GDN kernel cannot run here: {why}")
+
+
 def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row, params=()) -> None:
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
     if pool is None:
@@ -335,8 +347,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
             function at every size, rounded differently; 64 is the tuned one; 16 not on the GPU). fla's
             ``chunk_indices`` then count chunks of this size.
-        impl: ``"auto"`` / ``"triton"``: the Triton kernels; ``"reference"``: the torch chunked reference
-            (``chunk_gated_delta_rule_ref``, differentiable, any device); ``"gluon"`` is refused (no Gluon kernel).
+        impl: ``"auto"``: this GPU's table decides (the H200's runs a forward without gradient of at least 4096
+            chunk x value-head units through the Hopper Gluon kernel where it applies, the Triton kernels
+            otherwise); ``"triton"``: the portable Triton kernels only; ``"gluon"``: the forward without gradient
+            through the Gluon kernel (sm_90, bf16, K 128, V a multiple of 32, chunk_size 64; sequences never split),
+            a ``ValueError`` saying why where it cannot, also where an input requires grad; ``"reference"``: the
+            torch chunked reference (``chunk_gated_delta_rule_ref``, differentiable, any device).
         **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
             ``head_first=False``, ``cp_context=None``; and ``state_v_first`` / ``transpose_state_layout`` (bools,
             see ``state_layout``). Any other value of these (head-first inputs, context parallelism) is a
@@ -347,7 +363,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         differentiable).
         Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
     """
-    check_impl(impl, op="chunk_gated_delta_rule", gluon=False)
+    check_impl(impl, op="chunk_gated_delta_rule", gluon=True)
     check_fla_options("chunk_gated_delta_rule", fla_options)
     chunk_size = check_chunk_size(chunk_size)
     v_first = state_v_first(state_layout, fla_options)
@@ -425,14 +441,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if use_gate_in_kernel:
         A_log = A_log.contiguous()
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    if impl == "gluon":
+        _check_gluon(q, k, v, chunk_size, state_indices is None and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)))
     if state_indices is not None:
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
-                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size), None
+                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size, impl), None
     h0 = initial_state.contiguous() if initial_state is not None else None
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save_states and grad, grad, v_first,
-                    use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size)
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size, impl)
     return o, (ht if output_final_state else None)

@@ -202,32 +202,32 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     return h, vnew, st.ht, st.split
 
 
-def sout_sm90_unsupported(plan: ChunkPlan, q, k, v, Ainv) -> str | None:
-    """Why ``sout`` cannot run the sm_90 Gluon kernel (``kernels/state_out_sm90.py``) on these inputs (None when it
-    can)."""
-    info = plan.gpu
+def sout_sm90_unsupported(info: DeviceInfo, BT: int, q, k, v) -> str | None:
+    """Why ``sout`` cannot run the sm_90 Gluon kernel (``kernels/state_out_sm90.py``) on device ``info`` in chunks
+    of ``BT`` over these (contiguous) inputs (None when it can). Ainv is ``mid_dtype(k.dtype)``, bf16 with bf16
+    inputs, and allocated here, so aligned."""
     if info.interpreter or info.capability != (9, 0):
         return f"device capability {info.capability} (sm_90 only)"
-    if plan.BT != 64:
-        return f"chunk_size {plan.BT} (64 only)"
+    if BT != 64:
+        return f"chunk_size {BT} (64 only)"
     if k.shape[3] != 128:
         return f"K {k.shape[3]} (128 only)"
     if v.shape[3] % 32:
         return f"V {v.shape[3]} (a multiple of 32 only)"
-    if not (q.dtype == k.dtype == v.dtype == Ainv.dtype == torch.bfloat16):
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
         return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (bf16 only)"
-    if any(t.data_ptr() % 16 for t in (q, k, v, Ainv)):
-        return "q, k, v or Ainv not 16-byte aligned (cp.async copies 16 bytes)"
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
+        return "q, k or v not 16-byte aligned (cp.async copies 16 bytes)"
     return None
 
 
-def use_sout_sm90(plan: ChunkPlan, q, k, v, Ainv) -> bool:
+def use_sout_sm90(plan: ChunkPlan, q, k, v) -> bool:
     """Whether a fused forward (``sout``) runs the Gluon kernel: the table's ``sout_impl: "gluon"``, sequences not
     split (split, the separate state and output kernels beat it: the segment maps need w and u first), at least
     ``sout_gluon_units`` (chunk x value head) units, and inputs it takes (``sout_sm90_unsupported``)."""
     cfg = plan.cfg
     return (cfg.sout_impl == "gluon" and plan.seg is None and plan.NTT * v.shape[2] >= cfg.sout_gluon_units
-            and sout_sm90_unsupported(plan, q, k, v, Ainv) is None)
+            and sout_sm90_unsupported(plan.gpu, plan.BT, q, k, v) is None)
 
 
 def _sout_bv(plan: ChunkPlan, V: int, programs: int, sm90: bool) -> int:
@@ -345,7 +345,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
-    sm90 = fuse and not keep_h and use_sout_sm90(plan, q, k, v, Ainv)
+    sm90 = fuse and not keep_h and use_sout_sm90(plan, q, k, v)
     if fuse and not keep_h and _fuse_out(plan, HV, V, sm90):
         o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first, beta_sigmoid,
                            neg_eigval, sm90)

@@ -144,16 +144,28 @@ def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device, st
                    device_ints(soff, torch.int32, device), L)
 
 
+@functools.lru_cache(maxsize=64)
+def _impl_config(cfg: ChunkConfig, impl: str) -> ChunkConfig:
+    """``cfg`` as ``impl`` (``"triton"`` / ``"gluon"``) runs it (``chunk_plan``)."""
+    if impl == "triton":
+        return cfg.replace(sout_impl="triton")
+    return cfg.replace(sout_impl="gluon", sout_gluon_units=0, sout_chunks=cfg.sout_chunks or 1, seg_units=0)
+
+
 def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-               cu_host: list[int] | None = None, chunk_size: int = BT) -> ChunkPlan:
+               cu_host: list[int] | None = None, chunk_size: int = BT, impl: str = "auto") -> ChunkPlan:
     """The plan of a call with q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and ``cu_seqlens`` (or None), in chunks of
     ``chunk_size`` tokens (one of ``CHUNK_SIZES``). ``cu_host``: ``read_cu_seqlens``' copy where the caller has it;
-    otherwise cu_seqlens is read here."""
+    otherwise cu_seqlens is read here. ``impl``: ``"auto"`` keeps the table's config; ``"triton"`` never runs the
+    Gluon ``sout`` kernel; ``"gluon"`` runs it for every forward without gradient (sequences unsplit, no unit
+    threshold; the caller has checked that it can, ``launch.sout_sm90_unsupported``)."""
     BT = chunk_size
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gpu = device_info(q)
     cfg = select_config("gdn_chunk", config_key(K, V), info=gpu)
+    if impl in ("triton", "gluon"):
+        cfg = _impl_config(cfg, impl)
     if cu_seqlens is None:
         NT = cdiv(T, BT)
         seq_cu = tuple(range(0, (B + 1) * T, T))
