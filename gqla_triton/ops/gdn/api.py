@@ -441,16 +441,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if use_gate_in_kernel:
         A_log = A_log.contiguous()
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    h0 = initial_state.contiguous() if initial_state is not None and state_indices is None else None
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     if impl == "gluon":
-        _check_gluon(q, k, v, chunk_size, state_indices is None and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)))
-    if state_indices is not None:
+        _check_gluon(q, k, v, chunk_size, grad)
+    if state_indices is not None:  # inference only (_check_pool_call): grad is False
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
                    v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size, impl), None
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save_states and grad, grad, v_first,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size, impl)
