@@ -56,7 +56,7 @@ def _op(mode: str):
 def _step(xs, cu, do, fwd_only: bool, save_states: bool, mode: str = "plain", h0=None):
     import torch
 
-    if h0 is not None or do is None:  # inference: no autograd
+    if do is None:  # --infer: no autograd
         with torch.no_grad():
             return list(_op(mode)(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu))
     o, ht = _op(mode)(*xs, output_final_state=True, cu_seqlens=cu, save_states=save_states)

@@ -345,11 +345,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             **cfg.launch("wy"))
-    sm90 = fuse and not keep_h and use_sout_sm90(plan, q, k, v)
-    if fuse and not keep_h and _fuse_out(plan, HV, V, sm90):
-        o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first, beta_sigmoid,
-                           neg_eigval, sm90)
-        return o, ht, gc, Ainv
+    if fuse and not keep_h:
+        sm90 = use_sout_sm90(plan, q, k, v)
+        if _fuse_out(plan, HV, V, sm90):
+            o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first,
+                               beta_sigmoid, neg_eigval, sm90)
+            return o, ht, gc, Ainv
     if plan.NTT > 0:
         w, u, vbad = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     else:
