@@ -147,8 +147,8 @@ def test_gluon_gate():
     a100 = DeviceInfo("NVIDIA A100", (8, 0), sm_count=108, smem_per_block=166912, l2_bytes=40 << 20)
 
     def use(T, HV, gpu=h200, dtype=torch.bfloat16, **fields):
-        q = torch.zeros(1, T, 1, 128, dtype=dtype)
-        v = torch.zeros(1, T, HV, 128, dtype=dtype)
+        q = torch.zeros(1, T, 1, 128, dtype=dtype, device=P.device)
+        v = torch.zeros(1, T, HV, 128, dtype=dtype, device=P.device)
         over = {"sout_impl": "gluon", "sout_gluon_units": 4096, "seg_units": 0, **fields}
         with config_override({"gdn_chunk": over}):
             plan = plan_mod.chunk_plan(q, v, None, None)._replace(gpu=gpu)

@@ -18,12 +18,13 @@ the two runs' difference per kernel is what those options cost.
 ``--host`` measures the host side of one inference forward instead (no autograd; C1-C3 from their initial
 states): CPU ms per call without synchronising, the same with every Triton launch replaced by a no-op (what
 validation, planning and allocation cost), and the GPU ms per call (torch.profiler). A call is host-bound where
-the first exceeds the last.
+the first exceeds the last. Each ``--config`` variant is measured after the table, in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -106,8 +107,8 @@ def _child(a, fields: dict) -> dict:
     return {"max_rel_err_vs_table": max(rel_err(x, y) for x, y in zip(out, ref, strict=True)), "kernels_ms": times}
 
 
-def _host(name: str, iters: int) -> dict:
-    """``--host``: CPU and GPU ms per inference forward of workload ``name``."""
+def _host(name: str, iters: int, fields: dict) -> dict:
+    """``--host``: CPU and GPU ms per inference forward of workload ``name`` under the ``gdn_chunk`` ``fields``."""
     import time
 
     import torch
@@ -115,6 +116,7 @@ def _host(name: str, iters: int) -> dict:
 
     import gqla_triton as gq
     from bench.gdn import WORKLOADS, _initial_state, _inputs
+    from gqla_triton.dispatch import config_override
 
     q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
     kw = dict(initial_state=_initial_state(WORKLOADS[name]), output_final_state=True, cu_seqlens=cu)
@@ -122,7 +124,8 @@ def _host(name: str, iters: int) -> dict:
         kw["cu_seqlens_cpu"] = cu.cpu()
 
     def step():
-        return gq.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        with config_override({"gdn_chunk": fields} if fields else {}):
+            return gq.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
 
     def cpu_ms():
         best = float("inf")
@@ -172,9 +175,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("tools.profile_gdn needs a CUDA GPU")
     if a.host:
-        for name in a.workload.split(","):
-            r = _host(name, max(a.iters, 50))
-            print(f"{name}: host {r['host_ms']:.3f} ms per call ({r['host_ms_without_launches']:.3f} without the "
+        variants = {"table": {}, **parse_configs(a.config)}
+        for name, (vn, fields) in itertools.product(a.workload.split(","), variants.items()):
+            r = _host(name, max(a.iters, 50), fields)
+            print(f"{vn} {name}: host {r['host_ms']:.3f} ms per call ({r['host_ms_without_launches']:.3f} without the "
                   f"launches), GPU {r['gpu_ms']:.3f} ms", flush=True)
         return 0
     variants = {"table": {}, **parse_configs(a.config)}
