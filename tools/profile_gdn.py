@@ -107,8 +107,8 @@ def _child(a, fields: dict) -> dict:
     return {"max_rel_err_vs_table": max(rel_err(x, y) for x, y in zip(out, ref, strict=True)), "kernels_ms": times}
 
 
-def _host(name: str, iters: int, fields: dict) -> dict:
-    """``--host``: CPU and GPU ms per inference forward of workload ``name`` under the ``gdn_chunk`` ``fields``."""
+def _host(name: str, iters: int) -> dict:
+    """``--host``: CPU and GPU ms per inference forward of workload ``name``."""
     import time
 
     import torch
@@ -116,7 +116,6 @@ def _host(name: str, iters: int, fields: dict) -> dict:
 
     import gqla_triton as gq
     from bench.gdn import WORKLOADS, _initial_state, _inputs
-    from gqla_triton.dispatch import config_override
 
     q, k, v, g, beta, cu = _inputs(WORKLOADS[name])
     kw = dict(initial_state=_initial_state(WORKLOADS[name]), output_final_state=True, cu_seqlens=cu)
@@ -124,8 +123,7 @@ def _host(name: str, iters: int, fields: dict) -> dict:
         kw["cu_seqlens_cpu"] = cu.cpu()
 
     def step():
-        with config_override({"gdn_chunk": fields} if fields else {}):
-            return gq.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        return gq.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
 
     def cpu_ms():
         best = float("inf")
@@ -175,9 +173,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("tools.profile_gdn needs a CUDA GPU")
     if a.host:
+        from gqla_triton.dispatch import config_override
+
         variants = {"table": {}, **parse_configs(a.config)}
         for name, (vn, fields) in itertools.product(a.workload.split(","), variants.items()):
-            r = _host(name, max(a.iters, 50), fields)
+            with config_override({"gdn_chunk": fields} if fields else {}):
+                r = _host(name, max(a.iters, 50))
             print(f"{vn} {name}: host {r['host_ms']:.3f} ms per call ({r['host_ms_without_launches']:.3f} without the "
                   f"launches), GPU {r['gpu_ms']:.3f} ms", flush=True)
         return 0

@@ -36,10 +36,9 @@ class ChunkConfig(KernelConfig):
     sequential programs, which pays where they are short or many. ``sout_impl`` ``"gluon"``: on sm_90, inputs the
     warp-specialised kernel takes (``kernels/state_out_sm90.py``: bf16, K 128, chunk 64, V a multiple of 32) run
     ``sout`` there, for any length (its output products leave the state's chain), with ``sout_num_stages`` ring
-    stages (1-3), where the call has at least ``sout_gluon_units`` (chunk x value head) units: eager chunks of
-    512-2048 tokens through it measured 0.35 ms a call on the H200 host against 0.12-0.21 through the portable
-    kernel (other runs), more than the GPU time it saves there. Other calls run the portable kernel under the rule
-    above."""
+    stages (1-3), where the call has at least ``sout_gluon_units`` (chunk x value head) units: its launch costs the
+    host more than the portable kernel's, which outweighs the GPU time it saves on the smallest calls (on the H200,
+    an eager 512-token chunk of 32 value heads). Other calls run the portable kernel under the rule above."""
 
     OP: ClassVar[str] = "gdn_chunk"
     MATCH: ClassVar[dict] = {"K": int, "V": int}

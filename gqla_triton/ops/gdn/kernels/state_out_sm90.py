@@ -177,16 +177,20 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         fence_async_shared()  # the stage arrived through cp.async (generic proxy); wgmma reads the async proxy
         ks = warpgroup_mma(k_smem.index(s * NK), sd_smem.index(b2 * NK), zero, use_acc=False, is_async=True)
         ks = warpgroup_mma(k_smem.index(s * NK + 1), sd_smem.index(b2 * NK + 1), ks, is_async=True)
+        # while k S runs: v, its finiteness and the gate factors (none of them depends on the state)
         vv = v_smem.index(s).load(o_l).to(gl.float32)
-        ks = warpgroup_mma_wait(num_outstanding=0, deps=(ks,))
         eg = gl.exp(gg)
-        xs = b[:, None] * (vv - eg[:, None] * ks)
         okv = gl.abs(vv) < float("inf")
         live = gg == gg
-        clean = gl.sum(gl.sum(gl.where(okv, 0, 1), 1) + gl.where(live, 0, 1), 0) == 0
-        xs_smem.store(gl.where(okv & live[:, None], xs, 0.0).to(dt))
+        keep = okv & live[:, None]
+        rdec = gl.exp(gl.where(valid, glast - gg, 0.0))
+        el = gl.exp(glast)
+        ks = warpgroup_mma_wait(num_outstanding=0, deps=(ks,))
+        xs = b[:, None] * (vv - eg[:, None] * ks)
+        xs_smem.store(gl.where(keep, xs, 0.0).to(dt))
         fence_async_shared()
         vn = warpgroup_mma(a_smem.index(s), xs_smem, zero, use_acc=False, is_async=True)
+        clean = gl.sum(gl.sum(gl.where(keep, 0, 1), 1), 0) == 0  # (a cross-warp reduction, in Ainv·xs's shadow)
         vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn,))
         # what the output multiplies: v_new, or in a chunk with non-finite inputs its finite entries, and the row
         # from which each column of o is NaN (BT: none)
@@ -201,11 +205,10 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
             fb = gl.min(gl.where(okn, BT, r[:, None]), 0)
         vn_smem.index(b2).store(vo)
         fb_smem.index(b2).store(fb)
-        vd = vn * gl.exp(gl.where(valid, glast - gg, 0.0))[:, None]
+        vd = vn * rdec[:, None]
         vd_smem.store(vd.to(dt))
         fence_async_shared()
         mbarrier.arrive(vn_ready.index(b2), count=1)
-        el = gl.exp(glast)
         S0 = warpgroup_mma(k_smem.index(s * NK).permute((1, 0)), vd_smem, S0 * el, is_async=True)
         S1 = warpgroup_mma(k_smem.index(s * NK + 1).permute((1, 0)), vd_smem, S1 * el, is_async=True)
         S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(S0, S1))
@@ -231,12 +234,15 @@ def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, s_l))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, s_l))
     zs = gl.zeros([BT, BT], gl.float32, layout=s_l)
+    # the chunk's gates, loaded one chunk ahead (a global load's latency would otherwise stall every chunk)
+    gi = gl.load(gc + (bos + ri) * HV + i_hv, mask=ri < Tn, other=0.0)
+    gj = gl.load(gc + (bos + rj) * HV + i_hv, mask=rj < Tn, other=0.0)
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         b2 = c % 2
         t0 = c * BT
-        gi = gl.load(gc + (bos + t0 + ri) * HV + i_hv, mask=t0 + ri < Tn, other=0.0)
-        gj = gl.load(gc + (bos + t0 + rj) * HV + i_hv, mask=t0 + rj < Tn, other=0.0)
+        gi1 = gl.load(gc + (bos + t0 + BT + ri) * HV + i_hv, mask=t0 + BT + ri < Tn, other=0.0)
+        gj1 = gl.load(gc + (bos + t0 + BT + rj) * HV + i_hv, mask=t0 + BT + rj < Tn, other=0.0)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         fence_async_shared()  # the stage arrived through cp.async (generic proxy); wgmma reads the async proxy
         qk = warpgroup_mma(q_smem.index(s * NK), k_smem.index(s * NK).permute((1, 0)), zs, use_acc=False,
@@ -250,6 +256,8 @@ def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
         p_smem.index(b2).store(pm)
         fence_async_shared()  # P was written by the generic proxy; the output warpgroup's wgmma reads it
         mbarrier.arrive(p_ready.index(b2), count=1)
+        gi = gi1
+        gj = gj1
 
 
 @gluon.jit
@@ -262,11 +270,12 @@ def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
     r = gl.arange(0, BT, layout=gl.SliceLayout(1, o_l))
     cv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, o_l))
     zero = gl.zeros([BT, BV], gl.float32, layout=o_l)
+    go = gl.load(gc + (bos + r) * HV + i_hv, mask=r < Tn, other=0.0)  # the chunk's gates, loaded one chunk ahead
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         b2 = c % 2
         t0 = c * BT
-        go = gl.load(gc + (bos + t0 + r) * HV + i_hv, mask=t0 + r < Tn, other=0.0)
+        go1 = gl.load(gc + (bos + t0 + BT + r) * HV + i_hv, mask=t0 + BT + r < Tn, other=0.0)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         fence_async_shared()
         mbarrier.wait(sd_ready.index(b2), (c // 2) & 1)
@@ -286,6 +295,7 @@ def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
         t = t0 + r
         gl.store(o + ((bos + t) * (HV * V) + i_hv * V)[:, None] + cv[None, :], out.to(o.dtype.element_ty),
                  mask=(t < Tn)[:, None])
+        go = go1
 
 
 @gluon.jit(do_not_specialize=["T", "P", "H", "HV"])
