@@ -18,7 +18,8 @@ the two runs' difference per kernel is what those options cost.
 ``--host`` measures the host side of one inference forward instead (no autograd; C1-C3 from their initial
 states): CPU ms per call without synchronising, the same with every Triton launch replaced by a no-op (what
 validation, planning and allocation cost), and the GPU ms per call (torch.profiler). A call is host-bound where
-the first exceeds the last. Each ``--config`` variant is measured after the table, in the same process.
+the first exceeds the last. Each ``--config`` variant is measured after the table, in the same process, through
+``GQLA_TRITON_CONFIG``.
 """
 
 from __future__ import annotations
@@ -173,12 +174,23 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("tools.profile_gdn needs a CUDA GPU")
     if a.host:
-        from gqla_triton.dispatch import config_override
+        from gqla_triton.dispatch import _env_override
 
         variants = {"table": {}, **parse_configs(a.config)}
+        base = os.environ.get("GQLA_TRITON_CONFIG")
         for name, (vn, fields) in itertools.product(a.workload.split(","), variants.items()):
-            with config_override({"gdn_chunk": fields} if fields else {}):
+            # a variant enters as GQLA_TRITON_CONFIG, whose lookups are cached as the table's are (config_override
+            # re-checks its fields on every call, which would add host time of its own)
+            over = {op: dict(f) for op, f in _env_override(base).items()} if base else {}
+            over["gdn_chunk"] = {**over.get("gdn_chunk", {}), **fields}
+            os.environ["GQLA_TRITON_CONFIG"] = json.dumps(over)
+            try:
                 r = _host(name, max(a.iters, 50))
+            finally:
+                if base is None:
+                    os.environ.pop("GQLA_TRITON_CONFIG")
+                else:
+                    os.environ["GQLA_TRITON_CONFIG"] = base
             print(f"{vn} {name}: host {r['host_ms']:.3f} ms per call ({r['host_ms_without_launches']:.3f} without the "
                   f"launches), GPU {r['gpu_ms']:.3f} ms", flush=True)
         return 0
