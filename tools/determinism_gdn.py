@@ -4,7 +4,7 @@
                                     [--config 'name={"grad_num_stages": 2}'] [--choose FILE]
 
 For each config variant (``gdn_chunk`` fields applied with ``config_override``; ``table`` is the GPU's table
-entry) and each shape (HV <= 2H, where the kernels promise bitwise-identical results), repeats one forward +
+entry) and each shape (the kernels promise bitwise-identical results for every HV / H), repeats one forward +
 backward on fixed inputs and counts the repetitions whose output, final state or any gradient (q, k, v, g, beta,
 initial state) differs bitwise from the first. A miscompiled or racy kernel shows as a nonzero count. Prints one
 line per (variant, dtype, shape); exits 1 if any count is nonzero. With ``--choose FILE`` the variants are tried
@@ -28,7 +28,8 @@ VARIANTS = {
     "no_early": {"grad_early": False, "out_early": False, "dvl_early": False},
     "no_late": {"grad_late": False, "wy_bwd_late": False},
 }
-SHAPES = [(1, 18, 1, 1), (1, 200, 1, 2), (2, 333, 2, 4), (1, 1024, 2, 2)]  # (B, T, H, HV)
+# (B, T, H, HV)
+SHAPES = [(1, 18, 1, 1), (1, 200, 1, 2), (2, 333, 2, 4), (1, 1024, 2, 2), (1, 700, 2, 6), (2, 500, 1, 4)]
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 

@@ -451,13 +451,15 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     dw = empty(B, T, HV, K, dtype=mid_dtype(k.dtype), device=dev)
     dgc = empty(B, T, HV, dtype=torch.float32, device=dev)
     dkp = empty(B, T, HV, K, dtype=mid_dtype(k.dtype), device=dev)
-    # GVA: the value heads of one q/k head pass an fp32 running sum of their dq / dk terms along (part), the last
-    # one stores the total; cnt: two int32 per tile (chunk x q/k head), one set for dq and one for dk
+    # GVA: the value heads of one q/k head add their dq / dk terms through part (fp32): two pass a running sum along,
+    # more store one slot each that the last to arrive adds in head order (kernels/gva.py); cnt: two int32 per tile
+    # (chunk x q/k head), one set for dq and one for dk
     gsum = HV > H
+    slots = HV > 2 * H
     dq = empty(B, T, H, K, dtype=q.dtype, device=dev)
     dk = empty(B, T, H, K, dtype=k.dtype, device=dev)
     if gsum:
-        part = empty(B, T, H, K, dtype=torch.float32, device=dev)
+        part = empty(B, T, HV if slots else H, K, dtype=torch.float32, device=dev)
         cnt = empty(2, 2 * NG * B * H, dtype=torch.int32, device=dev).zero_()
     else:
         part, cnt = dummy, (dummy, dummy)
@@ -466,11 +468,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
-        IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("grad"))
+        IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, **cfg.launch("grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
-        GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, **cfg.launch("wy_bwd"))
+        GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, SLOTS=slots,
+        **cfg.launch("wy_bwd"))
     if not opt_beta and gate is None:
         return dq, dk, dv, dg, dbeta, dh0
     R = B * T

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_rows, _chunk_state_row
-from .gva import _gva_program, _head_add, _head_arrive, _head_publish, _head_wait
+from .gva import _gva_program, _head_add, _head_arrive, _head_publish, _head_wait, _slot_arrive, _slot_sum
 
 
 @triton.jit
@@ -23,9 +23,10 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
                           BK: tl.constexpr, BV: tl.constexpr, GSUM: tl.constexpr,
                           TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, LATE_WAIT: tl.constexpr,
                           USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          V_FIRST: tl.constexpr = False):
+                          V_FIRST: tl.constexpr = False, SLOTS: tl.constexpr = False):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
-    through ``part`` and ``cnt``, see ``_head_arrive``), the state + intra-chunk part of dk (dkp [rows, HV, K]),
+    through ``part`` and ``cnt``, see ``gva.py``; SLOTS: one slot per value head), the state + intra-chunk part of
+    dk (dkp [rows, HV, K]),
     dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots.
     EARLY: the epilogue's q / k loads are issued before the V loop (their latency then overlaps it; sm_90: the
@@ -115,7 +116,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
     dqq += tl.dot(dPm.to(dt), kk)
     oq = x[:, None] * (H * K) + i_h * K + ck[None, :]
     G = HV // H
-    if GSUM and LATE_WAIT:
+    if GSUM and LATE_WAIT and not SLOTS:
         n = _head_arrive(cnt, tile)
         if n == 0:
             tl.store(part + oq, dqq, mask=mk)
@@ -129,7 +130,12 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
     o = x[:, None] * (HV * K) + i_hv * K + ck[None, :]
     tl.store(dkp + o, dkk.to(dkp.dtype.element_ty), mask=mk)
     tl.store(dw + o, (-dww).to(dw.dtype.element_ty), mask=mk)
-    if GSUM:
+    if SLOTS:
+        tl.store(part + o, dqq, mask=mk)
+        n = _slot_arrive(cnt, tile)
+        if n == G - 1:
+            _slot_sum(dq, oq, part, x[:, None] * (HV * K) + i_h * G * K + ck[None, :], mk, G, K)
+    elif GSUM:
         if LATE_WAIT:
             if n > 0:
                 _head_wait(cnt, tile, n)

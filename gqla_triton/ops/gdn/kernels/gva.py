@@ -1,5 +1,8 @@
-"""GVA sums: the value heads of one q/k head add their dq / dk terms into one fp32 running sum, passed from head
-to head through ``part`` with counters ``cnt`` (``grad`` and ``wy_bwd`` stages)."""
+"""GVA sums: the value heads of one q/k head add their dq / dk terms into one total (``grad`` and ``wy_bwd``
+stages), through ``part`` (fp32) and counters ``cnt``. With at most two value heads per q/k head the terms pass
+along as one running sum (``_head_arrive``: a + b rounds as b + a, so the result is bitwise fixed); with more
+(``SLOTS``), each head stores its term in a slot of its own and the last to arrive adds the G slots in head order
+(``_slot_arrive``, ``_slot_sum``), so the total does not depend on the arrival order either."""
 
 from __future__ import annotations
 
@@ -73,3 +76,22 @@ def _head_publish(cnt, slot, n, G):
         tl.debug_barrier()  # every thread's part of the sum is stored before the release
         tl.atomic_xchg(cnt + 2 * slot + 1, n + 1, sem="release")
 
+
+
+@triton.jit
+def _slot_arrive(cnt, slot):
+    """SLOTS: after every thread has stored this head's fp32 term in its own slot of ``part`` (``[rows, HV, K]``),
+    a CTA barrier, then a gpu-scope acq_rel arrival at counter ``slot`` (``cnt`` int32, zeroed). Returns the rank
+    in arrival order; rank G - 1 sees every slot (``_slot_sum``). No rank waits for another: no deadlock."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt + 2 * slot, 1, sem="acq_rel")
+
+
+@triton.jit
+def _slot_sum(out, o, part, p0, mask, G, K):
+    """SLOTS, by the last rank: the G slots from offset ``p0`` (head 0 of the q/k head; slot j at ``p0 + j·K``)
+    added in head order, stored in out's dtype at offsets ``o``."""
+    acc = tl.load(part + p0, mask=mask, other=0.0, cache_modifier=".cg")
+    for j in range(1, G):
+        acc += tl.load(part + p0 + j * K, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(out + o, acc.to(out.dtype.element_ty), mask=mask)

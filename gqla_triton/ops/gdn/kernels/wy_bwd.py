@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_rows
-from .gva import _gva_program, _head_arrive, _head_pass, _head_publish, _head_wait
+from .gva import _gva_program, _head_arrive, _head_pass, _head_publish, _head_wait, _slot_arrive, _slot_sum
 
 
 @triton.jit
@@ -29,9 +29,11 @@ def _wy_bwd_dv(A, b, v, dvn, dv, x, i_hv, valid, HV, V: tl.constexpr, BT: tl.con
 
 @triton.jit
 def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K: tl.constexpr, G,
-               BT: tl.constexpr, BK: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr,
+               SLOTS: tl.constexpr):
     """wy_bwd's dk = dkp + beta·e^gc·(Aᵀ dw) + M k + Mᵀ k over BK-wide column blocks (with GSUM rank n's
-    ``_head_pass``); returns the dbeta and dg terms of the k path [BT] (fp32)."""
+    ``_head_pass``, with SLOTS into this value head's slot of ``part``); returns the dbeta and dg terms of the k
+    path [BT] (fp32)."""
     dt = A.dtype
     db = tl.zeros([BT], dtype=tl.float32)
     dg = tl.zeros([BT], dtype=tl.float32)
@@ -50,7 +52,9 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
         else:
             dkk += tl.dot(MT, kk.to(dt))
         ok = x[:, None] * (H * K) + i_h * K + ck[None, :]
-        if GSUM:
+        if SLOTS:
+            tl.store(part + x[:, None] * (HV * K) + i_hv * K + ck[None, :], dkk, mask=mk)
+        elif GSUM:
             _head_pass(dkk, dk, part, ok, mk, n, G)
         else:
             tl.store(dk + ok, dkk.to(dk.dtype.element_ty), mask=mk)
@@ -64,9 +68,9 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
+                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
-    terms ([rows, H, K], k's dtype; with GSUM summed over the value heads like grad_chunk's dq), dv, dbeta and
+    terms ([rows, H, K], k's dtype; with GSUM / SLOTS summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
     added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer.
     LATE_WAIT: see the comment at the dk loop. beta is beta as taken and dbeta, dg are the gradients of beta as
@@ -127,13 +131,23 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     # the dk loop waits for the earlier value heads' running sum a single time, before it starts (a wait or barrier in
     # it would stop its software pipelining); with LATE_WAIT rank 0 runs its dk loop first and the later ranks
     # their dv loop first, so that they wait less
-    if GSUM:
+    if GSUM and not SLOTS:
         n = _head_arrive(cnt, tile)
     else:
         n = 0
-    if LATE_WAIT and n == 0:
+    if SLOTS:  # no rank waits: each stores its slot, the last adds them
+        dbv = _wy_bwd_dv(A, b, v, dvn, dv, x, i_hv, valid, HV, V, BT, BV)
         dbk, dgk = _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K, G, BT, BK,
-                              GSUM, TRANS_OUT)
+                              GSUM, TRANS_OUT, SLOTS)
+        if _slot_arrive(cnt, tile) == G - 1:
+            for k0 in range(0, K, BK):
+                ck = k0 + tl.arange(0, BK)
+                mk = valid[:, None] & (ck[None, :] < K)
+                _slot_sum(dk, x[:, None] * (H * K) + i_h * K + ck[None, :], part,
+                          x[:, None] * (HV * K) + i_h * G * K + ck[None, :], mk, G, K)
+    elif LATE_WAIT and n == 0:
+        dbk, dgk = _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K, G, BT, BK,
+                              GSUM, TRANS_OUT, SLOTS)
         if GSUM:
             _head_publish(cnt, tile, n, G)
         dbv = _wy_bwd_dv(A, b, v, dvn, dv, x, i_hv, valid, HV, V, BT, BV)
@@ -142,7 +156,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         if GSUM:
             _head_wait(cnt, tile, n)
         dbk, dgk = _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H, HV, K, G, BT, BK,
-                              GSUM, TRANS_OUT)
+                              GSUM, TRANS_OUT, SLOTS)
         if GSUM:
             _head_publish(cnt, tile, n, G)
     db += dbv
