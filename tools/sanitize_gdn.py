@@ -6,8 +6,9 @@
 must report 0 errors and exit 0. Without a GPU, ``TRITON_INTERPRET=1 python -m tools.sanitize_gdn`` runs the same
 cases in float32 in Triton's interpreter (a check of the script and of the interpreter's address checks).
 bf16, K = V = 128, l2-normalised q/k, initial state + final state; T in (1, 63, 65, 200) for B in (1, 2) and
-GVA (HV = 2H), plus varlen (with an empty sequence). Each result (o, final state, all six gradients) is checked
-against the float64 recurrence with the data-derived tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2,
+GVA (HV = 2H: a running sum of two heads; HV = 3H: one slot per head), plus varlen (with an empty sequence).
+Each result (o, final state, all six gradients) is checked against the float64 recurrence with the data-derived
+tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2,
 so a wrong answer also fails (exit 1).
 
 Then the non-finite cases: one NaN / +inf per input (q, k, v, g, beta, initial state; g = -inf as the valid full
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
 def finite_cases() -> bool:
     ok = True
     for T in (1, 63, 65, 200):
-        for B, H, HV in ((1, 1, 1), (2, 1, 1), (2, 2, 4)):
+        for B, H, HV in ((1, 1, 1), (2, 1, 1), (2, 2, 4), (1, 1, 3)):
             ok &= case(T, B, T, H, HV)
     for lens in ((0, 1, 64, 65), (63, 0, 137), (200,)):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
