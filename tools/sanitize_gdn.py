@@ -8,8 +8,7 @@ cases in float32 in Triton's interpreter (a check of the script and of the inter
 bf16, K = V = 128, l2-normalised q/k, initial state + final state; T in (1, 63, 65, 200) for B in (1, 2) and
 GVA (HV = 2H: a running sum of two heads; HV = 3H: one slot per head), plus varlen (with an empty sequence).
 Each result (o, final state, all six gradients) is checked against the float64 recurrence with the data-derived
-tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2,
-so a wrong answer also fails (exit 1).
+tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2, so a wrong answer also fails (exit 1).
 
 Then the non-finite cases: one NaN / +inf per input (q, k, v, g, beta, initial state; g = -inf as the valid full
 decay) at a token inside a chunk, dense and varlen, K = V = 128 and the masked odd dims K = 24 / V = 20, forward
