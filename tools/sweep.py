@@ -11,6 +11,11 @@ a JSON object or ``name={...}``). Every variant is timed inside a CUDA graph on 
 is compared with the table config's; a variant more than 1e-2 (relative) away is reported WRONG and never wins.
 Prints one line per (workload, variant), a table, and ``BEST {...}``: per workload the fastest variant and its
 fields, ready for ``gqla_triton/configs/<gpu>.json``. Timing stops after ``--max-seconds`` of wall time.
+
+``--sustain SECONDS`` times each variant under sustained load instead: its 20-call graph is replayed back to back
+for that long and the line adds the median, the fastest replay and the SM clock and board power that
+``nvidia-smi`` samples meanwhile. A kernel that is fast from a cold start can slow down once the GPU holds its
+power limit and lowers its clock; a serving loop runs in that state.
 """
 
 from __future__ import annotations
@@ -95,6 +100,56 @@ def _call(op: str, name: str):
     return step, m.flops, m.bytes
 
 
+def _sustained(fn, seconds: float, replays: int = 20) -> tuple[float, dict]:
+    """Median ms per call of ``fn`` in a graph of ``replays`` calls replayed back to back for ``seconds``, and
+    ``{"min_ms", "sm_mhz", "watts"}``: the fastest replay and nvidia-smi's mean SM clock and power meanwhile."""
+    import subprocess
+
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(replays):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    try:  # the GPU by UUID: nvidia-smi's indices ignore CUDA_VISIBLE_DEVICES
+        smi = subprocess.Popen(["nvidia-smi", *([f"--id=GPU-{uuid}"] if uuid else []), "-lms", "100",
+                                "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                               stdout=subprocess.PIPE, text=True)
+    except OSError:  # no nvidia-smi: times only
+        smi = None
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times, t0 = [], time.time()
+    while time.time() - t0 < seconds:
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / replays)
+    samples = []
+    if smi is not None:
+        smi.terminate()
+    for line in smi.communicate()[0].strip().splitlines() if smi is not None else ():
+        try:
+            clock, watts = (float(x) for x in line.split(","))
+        except ValueError:  # "[N/A]" or a torn line: skipped
+            continue
+        samples.append((clock, watts))
+    times.sort()
+    extra = {"min_ms": times[0]}
+    if samples:
+        extra.update(sm_mhz=sum(c for c, _ in samples) / len(samples), watts=sum(w for _, w in samples) / len(samples))
+    return times[len(times) // 2], extra
+
+
 def main(argv=None) -> int:
     from tools._common import parse_configs, rel_err, write_json
 
@@ -105,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[], help="extra variant: JSON fields or name=JSON")
     ap.add_argument("--max-seconds", type=float, default=600.0, help="stop timing after this much wall time")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                    help="time each variant over this many seconds of back-to-back graph replays (clock, power)")
     a = ap.parse_args(argv)
     import torch
 
@@ -130,7 +187,10 @@ def main(argv=None) -> int:
             try:
                 with config_override({cop: fields} if fields else {}):
                     err = rel_err(fn(impl).float(), ref)
-                    ms = time_graph_ms(lambda impl=impl, fn=fn: fn(impl), replays=10, reps=5)
+                    if a.sustain > 0:
+                        ms, extra = _sustained(lambda impl=impl, fn=fn: fn(impl), a.sustain)
+                    else:
+                        ms, extra = time_graph_ms(lambda impl=impl, fn=fn: fn(impl), replays=10, reps=5), {}
             except Exception as e:  # a variant that does not compile or fit is reported, never fatal
                 print(f"{name} {vn}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, error=str(e)[:200]))
@@ -138,9 +198,10 @@ def main(argv=None) -> int:
             ok = err <= 1e-2
             if ok:
                 table.setdefault(name, {})[vn] = ms
-            rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, ms=ms, rel_err_vs_table=err))
+            rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, ms=ms, rel_err_vs_table=err, **extra))
+            sus = "".join(f"  {k}={v:.4g}" for k, v in extra.items())
             print(f"{name} {vn:<16} {ms:.4f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {nbytes / ms / 1e6:7.0f} GB/s  "
-                  f"rel_err_vs_table={err:.1e}{'' if ok else ' WRONG (excluded)'}", flush=True)
+                  f"rel_err_vs_table={err:.1e}{sus}{'' if ok else ' WRONG (excluded)'}", flush=True)
         fn = ref = None  # free the inputs before the next workload
         torch.cuda.empty_cache()
     keys = list(dict.fromkeys(k for r in table.values() for k in r))
@@ -154,8 +215,10 @@ def main(argv=None) -> int:
         best[name] = dict(variant=k, ms=round(r[k], 4), impl=plan[k][0], config=plan[k][1])
     print("BEST " + json.dumps(best))
     if a.out:
+        what = (f"ms per call inside a CUDA graph of 20 calls replayed back to back for {a.sustain} s, median"
+                if a.sustain > 0 else "ms per call inside a CUDA graph of 10 calls, median of 5")
         write_json(a.out, {"command": "python -m tools.sweep " + " ".join(sys.argv[1:] if argv is None else argv),
-                           "what": "ms per call inside a CUDA graph of 10 calls, median of 5", "rows": rows,
+                           "what": what, "rows": rows,
                            "best": best})
     return 0
 
