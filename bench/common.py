@@ -30,9 +30,8 @@ def time_ms(fn, *, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def time_graph_ms(fn, *, replays=20, reps=15, before=None) -> float:
-    """Median milliseconds of one ``fn()`` inside a CUDA graph of ``replays`` calls (launch gaps removed);
-    ``before()``, when given, runs eagerly before every replay (untimed), e.g. to restore a cache's lengths."""
+def capture_graph(fn, replays: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``replays`` calls of ``fn()``, captured after three warm-up calls on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -43,6 +42,13 @@ def time_graph_ms(fn, *, replays=20, reps=15, before=None) -> float:
     with torch.cuda.graph(g):
         for _ in range(replays):
             fn()
+    return g
+
+
+def time_graph_ms(fn, *, replays=20, reps=15, before=None) -> float:
+    """Median milliseconds of one ``fn()`` inside a CUDA graph of ``replays`` calls (launch gaps removed);
+    ``before()``, when given, runs eagerly before every replay (untimed), e.g. to restore a cache's lengths."""
+    g = capture_graph(fn, replays)
     if before is not None:
         before()
     g.replay()

@@ -107,16 +107,9 @@ def _sustained(fn, seconds: float, replays: int = 20) -> tuple[float, dict]:
 
     import torch
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(replays):
-            fn()
+    from bench.common import capture_graph
+
+    g = capture_graph(fn, replays)
     g.replay()
     torch.cuda.synchronize()
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
