@@ -911,7 +911,8 @@ def _h200_cfg(bv_state=None, seg=0):
     (1, 1, 1, 1, False, 16, 0, True), (2, 1, 2, 70, False, 64, 0, True), (2, 1, 2, 200, False, None, 1, True),
     (1, 1, 2, 200, True, 16, 1, True), (1, 2, 4, 130, True, None, 0, False),
     (1, 1, 2, 200, True, 16, 1, False), (2, 1, 2, 70, False, None, 0, None), (1, 2, 4, 130, True, 16, 0, None),
-    (1, 1, 2, 200, True, 16, 1, None), (2, 1, 1, 8, False, None, 0, None)])
+    (1, 1, 2, 200, True, 16, 1, None), (2, 1, 1, 8, False, None, 0, None), (1, 1, 3, 130, True, None, 0, True),
+    (2, 2, 6, 70, False, None, 0, True)])
 def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H, HV, T, varlen, bv_state, seg,
                                              save):
     """Every load/store address the kernels form (where unmasked) lies inside a live tensor, at K=V=128 with the
