@@ -46,6 +46,19 @@ def _ops():
         hdv = o.pop("head_dim_v", r)
         return gq.mla_decode(q, kv, bt, lens, hdv, **o)
 
+    def fmla(**o):  # FlashMLA's interface over the same cache
+        hdv = o.pop("head_dim_v", r)
+        meta = o.pop("tile_scheduler_metadata", gq.get_mla_metadata()[0])
+        return gq.flash_mla_with_kvcache(q, kv, bt, lens, hdv, meta, **o)
+
+    rows = torch.randint(-1, 6 * page, (B, 1, 24), generator=g, dtype=torch.int32)
+
+    def fmla_sparse(**o):  # physical rows, with an extra cache unless the keyword under test is one of its pair
+        o.setdefault("indices", rows)
+        if "extra_k_cache" not in o and "extra_indices_in_kvcache" not in o:
+            o.update(extra_k_cache=kv[:2], extra_indices_in_kvcache=rows % (2 * page))
+        return fmla(**o)
+
     kc, vc = torch.randn(6, page, 2, 16, generator=g), torch.randn(6, page, 2, 16, generator=g)
     kr, qg = torch.randn(6, page, 16, generator=g), torch.randn(B, 1, 32, 32, generator=g)
 
@@ -88,6 +101,12 @@ def _ops():
         "mla_decode": (mla, ["head_dim_v", "softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length",
                              "return_lse"]),
         "gqa_decode": (gqa, ["softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length"]),
+        "flash_mla_with_kvcache": (fmla, ["head_dim_v", "tile_scheduler_metadata", "num_splits", "softmax_scale",
+                                          "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache",
+                                          "extra_indices_in_kvcache", "topk_length", "extra_topk_length"]),
+        "flash_mla_with_kvcache sparse": (fmla_sparse, ["indices", "attn_sink", "extra_k_cache",
+                                                        "extra_indices_in_kvcache", "topk_length", "extra_topk_length",
+                                                        "causal", "softmax_scale", "is_fp8_kvcache"]),
         "chunk_gated_delta_rule": (chunk, ["scale", "initial_state", "output_final_state", "cu_seqlens", "chunk_size",
                                            "use_qk_l2norm_in_kernel", "impl", "save_states", "allow_neg_eigval",
                                            "use_beta_sigmoid_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias",
@@ -105,7 +124,8 @@ def _ops():
 
 
 @pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "gqa_decode",
-                                "chunk_gated_delta_rule", "gated_delta_rule_decode",
+                                "flash_mla_with_kvcache", "flash_mla_with_kvcache sparse", "chunk_gated_delta_rule",
+                                "gated_delta_rule_decode",
                                 "fused_recurrent_gated_delta_rule"])
 def test_hostile_keyword_values_run_or_are_refused_by_name(op):
     fn, keywords = _ops()[op]

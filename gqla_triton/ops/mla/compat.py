@@ -1,0 +1,180 @@
+"""FlashMLA's decode interface over ``mla_decode``: ``get_mla_metadata``, ``flash_mla_with_kvcache`` and
+``FlashMLASchedMeta`` with FlashMLA's signatures and conventions, so code written against FlashMLA runs here by
+changing its import.
+
+Where FlashMLA's conventions differ from ``mla_decode``'s, these functions follow FlashMLA:
+
+- sparse ``indices`` are physical cache rows (``page · page_size + offset``), not logical positions;
+  ``block_table`` and ``cache_seqlens`` may then be None, and ``causal`` must be False. An entry of -1, or one
+  outside the cache, selects nothing;
+- a query that sees no key gets ``lse = +inf`` (``mla_decode``: ``-inf``) and ``out = 0``;
+- ``attn_sink [h_q]`` (fp32) scales each output row by ``1 / (1 + exp(attn_sink - lse))``; lse is returned without
+  it;
+- ``extra_k_cache`` with ``extra_indices_in_kvcache`` (and ``extra_topk_length``): tokens of a second cache that
+  every query attends to as well; the two caches' results are merged by their lse (``combine_splits``);
+- ``tile_scheduler_metadata`` (from ``get_mla_metadata``) records the first call's configuration, and a later call
+  with another one is a ``ValueError``, as FlashMLA asserts; the split plan here comes from shapes alone, so it
+  carries nothing else. ``num_splits`` is FlashMLA's placeholder and must be None.
+
+Beyond FlashMLA: sparse calls take a bf16 / fp16 cache as well as the FP8 one, dense calls the FP8 one as well as
+bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is. Forward only, CUDA-graph safe (no host sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._common import combine_splits
+from .._common.validation import check_flag, check_tensor
+from .api import mla_decode
+from .fp8 import is_fp8_latent
+
+__all__ = ["FlashMLASchedMeta", "flash_mla_with_kvcache", "get_mla_metadata"]
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """The scheduling record of ``flash_mla_with_kvcache`` (FlashMLA's name): empty until the first call, which
+    stores its configuration in ``config``; every later call on it must have the same one."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: int | None
+        extra_page_block_size: int | None
+        extra_topk: int | None
+
+    have_initialized: bool = False
+    config: Config | None = None
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+    """A new, empty ``FlashMLASchedMeta`` and None (FlashMLA's return value). The arguments of FlashMLA's older
+    interface (``cache_seqlens``, ``num_q_tokens_per_head_k``, ``num_heads_k``, ...) are accepted and unused."""
+    return FlashMLASchedMeta(), None
+
+
+def _check_meta(meta, config: FlashMLASchedMeta.Config) -> None:
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise TypeError(f"tile_scheduler_metadata: expected the FlashMLASchedMeta of get_mla_metadata(), got "
+                        f"{type(meta).__name__}")
+    if meta.have_initialized and meta.config != config:
+        changed = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(meta.config, f.name)]
+        raise ValueError(f"tile_scheduler_metadata: recorded for another configuration (differs in {changed}); "
+                         "use one get_mla_metadata() per configuration")
+
+
+def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
+    """Block table and lengths under which a logical position is the physical cache row: page p maps to page p,
+    every sequence holds the whole cache."""
+    table = torch.arange(num_blocks, dtype=torch.int32, device=device).expand(B, num_blocks)
+    return table, torch.full((B,), num_blocks * page, dtype=torch.int32, device=device)
+
+
+def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
+               name: str):
+    """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``."""
+    if k_cache.dim() != 4 or k_cache.shape[2] != 1:
+        raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, head_dim] (one latent head), got "
+                         f"{list(k_cache.shape)}")
+    if indices is None:
+        if block_table is None or cache_seqlens is None:
+            raise ValueError("block_table and cache_seqlens: required without indices (dense attention)")
+        return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
+    return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length)
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                           attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                           extra_topk_length=None):
+    """FlashMLA's ``flash_mla_with_kvcache`` (module docstring for its conventions).
+
+    Args:
+        q: ``[B, s_q, h_q, 576]`` (512 latent + 64 rope; other ``mla_decode`` widths too).
+        k_cache: ``[num_blocks, page_block_size, 1, 576]`` in q's dtype, or FlashMLA's FP8 layout
+            ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``).
+        block_table: ``[B, max_blocks]`` int32, or None with ``indices``.
+        cache_seqlens: ``[B]`` int32, or None with ``indices``.
+        head_dim_v: 512.
+        tile_scheduler_metadata: the ``FlashMLASchedMeta`` of ``get_mla_metadata()``.
+        num_splits: None.
+        softmax_scale: default ``q.shape[-1] ** -0.5``.
+        causal: dense only; query ``j`` sits at ``cache_seqlens - s_q + j``.
+        is_fp8_kvcache: whether ``k_cache`` (and ``extra_k_cache``) hold the FP8 layout.
+        indices: ``[B, s_q, topk]`` int32 physical cache rows (sparse); -1 selects nothing.
+        attn_sink: ``[h_q]`` float32 or None.
+        extra_k_cache, extra_indices_in_kvcache, extra_topk_length: a second cache and its rows ``[B, s_q,
+            extra_topk]`` (sparse only).
+        topk_length: ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
+
+    Returns:
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (``+inf`` for a query that
+        sees no key).
+    """
+    if num_splits is not None:
+        raise ValueError("num_splits: must be None (FlashMLA's placeholder; the split plan here comes from shapes)")
+    check_tensor("q", q, ndim=4)
+    check_tensor("k_cache", k_cache, ndim=4)
+    causal = check_flag("causal", causal)
+    is_fp8 = check_flag("is_fp8_kvcache", is_fp8_kvcache)
+    sparse = indices is not None
+    extra = extra_k_cache is not None
+    if causal and sparse:
+        raise ValueError("causal: must be False with indices (FlashMLA's sparse attention has no causal mask)")
+    if not sparse and (attn_sink is not None or extra or extra_indices_in_kvcache is not None
+                       or topk_length is not None or extra_topk_length is not None):
+        raise ValueError("attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length and extra_topk_length: "
+                         "must be None without indices (dense attention)")
+    if extra != (extra_indices_in_kvcache is not None):
+        raise ValueError("extra_k_cache and extra_indices_in_kvcache: give both or neither")
+    B, s_q = q.shape[:2]
+    if sparse:
+        check_tensor("indices", indices, shape=(B, s_q, None), dtypes=(torch.int32,))
+    if extra:
+        check_tensor("extra_k_cache", extra_k_cache, ndim=4)
+        check_tensor("extra_indices_in_kvcache", extra_indices_in_kvcache, shape=(B, s_q, None), dtypes=(torch.int32,))
+    for name, cache in (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)):
+        if cache is not None and is_fp8_latent(cache) != is_fp8:
+            raise ValueError(f"{name}: is_fp8_kvcache={is_fp8} but the cache is "
+                             f"{'' if is_fp8_latent(cache) else 'not '}FlashMLA's FP8 layout ({cache.dtype}, "
+                             f"last dim {cache.shape[-1]})")
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, shape=(q.shape[2],), dtypes=(torch.float32,))
+        if attn_sink.device != q.device:
+            raise ValueError(f"attn_sink: expected a tensor on {q.device}, got {attn_sink.device}")
+    config = FlashMLASchedMeta.Config(
+        q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8,
+        indices.shape[-1] if sparse else None, extra_k_cache.shape[1] if extra else None,
+        extra_indices_in_kvcache.shape[-1] if extra else None)
+    _check_meta(tile_scheduler_metadata, config)
+
+    out, lse = _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                          topk_length, "k_cache")
+    if extra:
+        try:
+            out2, lse2 = _one_cache(q, extra_k_cache, None, None, head_dim_v, softmax_scale, False,
+                                    extra_indices_in_kvcache, extra_topk_length, "extra_k_cache")
+        except (TypeError, ValueError) as e:  # mla_decode names its own arguments: say which cache they are
+            raise type(e)(f"extra_k_cache / extra_indices_in_kvcache / extra_topk_length: {e}") from None
+        merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+        combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
+                       merged, merged_lse)
+        out, lse = merged, merged_lse
+    if attn_sink is not None:  # out · 1 / (1 + exp(sink - lse)); a query with no key keeps out 0 (sink -inf too)
+        keep = torch.sigmoid(lse - attn_sink[None, :, None]).masked_fill(lse == float("-inf"), 0.0)
+        out = (out.float() * keep.transpose(1, 2)[..., None]).to(out.dtype)
+    # once the state is checked and the call made, as FlashMLA's own record is set by its first call
+    if not tile_scheduler_metadata.have_initialized:
+        tile_scheduler_metadata.config = config
+        tile_scheduler_metadata.have_initialized = True
+    return out, torch.where(lse == float("-inf"), float("inf"), lse)

@@ -1,0 +1,187 @@
+"""FlashMLA's interface (``flash_mla_with_kvcache``, ``get_mla_metadata``) over mla_decode: FlashMLA's conventions
+(physical sparse rows, lse = +inf for a query that sees no key, attention sink, an extra cache) against a float64
+reference written from FlashMLA's definitions, and every refusal before any state changes."""
+
+import pytest
+import torch
+from harness import P, assert_close, dtypes, examples, gen, pick, randn, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gqla_triton as gq
+from gqla_triton.ops.mla import mla_decode_ref
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+DIMS = pick([(32, 16)], [(512, 64)])  # (latent = head_dim_v, rope)
+HEADS = pick([16], [16, 64, 128])
+
+
+def _cache(g, num_pages, page, D, dtype):
+    return randn((num_pages, page, 1, D), g, dtype=dtype)
+
+
+def _rows(g, B, s_q, topk, n_rows):
+    """Physical rows: valid ones, -1, and entries past the cache (both select nothing)."""
+    idx = torch.randint(0, n_rows, (B, s_q, topk), generator=g)
+    junk = torch.tensor([-1, n_rows, n_rows + 7, 2**31 - 1], dtype=torch.int64)
+    mask = torch.rand(B, s_q, topk, generator=g) < 0.25
+    idx = torch.where(mask, junk[torch.randint(0, 4, (B, s_q, topk), generator=g)], idx)
+    return idx.int().to(P.device)
+
+
+def _flashmla_ref(q, scopes, scale, r, sink=None, p_dtype=None):
+    """FlashMLA's sparse decode by definition, in float64: each scope (cache, rows, topk_length or None) gathers
+    its rows; -1, rows outside the cache and entries past topk_length are masked; softmax over all scopes; the sink
+    scales out by 1 / (1 + exp(sink - lse)); a query with no key gets out 0, lse +inf. ``p_dtype``: the
+    probabilities rounded to it before P·V (the kernels' operand precision)."""
+    q64 = q.double().cpu()
+    keys, bad = [], []
+    for kv, idx, length in scopes:
+        rows = kv.double().cpu().reshape(-1, kv.shape[-1])
+        idx = idx.long().cpu()
+        invalid = (idx < 0) | (idx >= rows.shape[0])
+        if length is not None:
+            invalid |= torch.arange(idx.shape[-1])[None, None, :] >= length.long().cpu()[:, None, None]
+        keys.append(rows[idx.clamp(0, rows.shape[0] - 1)])
+        bad.append(invalid)
+    k = torch.cat(keys, 2)  # [B, s_q, n, D]
+    invalid = torch.cat(bad, 2)
+    s = torch.einsum("bqhd,bqnd->bqhn", q64, k) * scale
+    s = s.masked_fill(invalid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [B, s_q, h]
+    lonely = lse == float("-inf")
+    p = torch.where(lonely[..., None], 0.0, torch.exp(s - lse[..., None]))
+    if p_dtype is not None:
+        p = p.to(p_dtype).double()
+    out = torch.einsum("bqhn,bqnd->bqhd", p, k[..., :r])
+    if sink is not None:
+        out = out / (1 + torch.exp(sink.double().cpu()[None, None, :] - lse))[..., None]
+    out = out.masked_fill(lonely[..., None], 0.0)
+    return out, lse.masked_fill(lonely, float("inf")).transpose(1, 2)
+
+
+@settings(max_examples=examples(3, 12))
+@given(B=st.integers(1, 3), s_q=st.integers(1, 2), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
+       causal=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_dense_is_mla_decode_with_flashmla_lse(B, s_q, h_q, dims, causal, dtype, seed):
+    r, dr = dims
+    g = gen(seed)
+    page = 16
+    lens = torch.randint(0, 60, (B,), generator=g)
+    lens[0] = 0  # a sequence with no key: lse +inf, out 0
+    max_pages = 4
+    bt = torch.randperm(B * max_pages + 2, generator=g)[: B * max_pages].reshape(B, max_pages).int().to(P.device)
+    q = randn((B, s_q, h_q, r + dr), g, dtype=dtype)
+    kv = _cache(g, B * max_pages + 2, page, r + dr, dtype)
+    lens = lens.int().to(P.device)
+    meta, none = gq.get_mla_metadata(lens, s_q * h_q, 1)
+    assert none is None
+    out, lse = gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, causal=causal)
+    ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal)
+    lo, _ = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal, p_dtype=dtype)
+    assert_close("out", out, ro, lo, dtype=dtype)
+    rl = torch.where(rl == float("-inf"), float("inf"), rl)
+    assert_close("lse", lse, rl, rl, dtype=torch.float32, eps=1e-5 if dtype == torch.float32 else 1e-4)
+    assert torch.isinf(lse[0]).all() and (lse[0] > 0).all() and (out[0] == 0).all()
+    assert meta.have_initialized and meta.config.b == B and meta.config.topk is None
+    out2, _ = gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, causal=causal)  # the record reused
+    assert torch.equal(out2, out)
+
+
+@settings(max_examples=examples(4, 12))
+@given(B=st.integers(1, 2), s_q=st.integers(1, 2), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
+       topk=st.sampled_from([16, 40]), use_len=st.booleans(), use_sink=st.booleans(), use_extra=st.booleans(),
+       dtype=dtypes(), seed=seeds())
+def test_sparse_physical_rows_vs_flashmla_definition(B, s_q, h_q, dims, topk, use_len, use_sink, use_extra, dtype,
+                                                     seed):
+    r, dr = dims
+    g = gen(seed)
+    D = r + dr
+    kv = _cache(g, 5, 16, D, dtype)
+    idx = _rows(g, B, s_q, topk, 5 * 16)
+    idx[0, 0] = -1  # a query that sees no key in the main cache
+    length = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if use_len else None
+    q = randn((B, s_q, h_q, D), g, dtype=dtype)
+    sink = (randn((h_q,), g) * 2).float().to(P.device) if use_sink else None
+    if use_sink:
+        sink[0] = float("inf")  # head 0: out 0
+        sink[-1] = float("-inf")  # last head: no effect
+    kw, scopes = {}, [(kv, idx, length)]
+    if use_extra:
+        kv2 = _cache(g, 3, 32, D, dtype)
+        idx2 = _rows(g, B, s_q, 24, 3 * 32)
+        len2 = torch.randint(0, 25, (B,), generator=g).int().to(P.device)
+        kw = dict(extra_k_cache=kv2, extra_indices_in_kvcache=idx2, extra_topk_length=len2)
+        scopes.append((kv2, idx2, len2))
+    meta, _ = gq.get_mla_metadata()
+    scale = 0.3 * D**-0.5
+    out, lse = gq.flash_mla_with_kvcache(q, kv, None, None, r, meta, softmax_scale=scale, indices=idx,
+                                         topk_length=length, attn_sink=sink, **kw)
+    ro, rl = _flashmla_ref(q, scopes, scale, r, sink)
+    lo, _ = _flashmla_ref(q, scopes, scale, r, sink, p_dtype=dtype)
+    # the extra cache is merged from two rounded outputs: one more rounding of out than a single pass
+    factor = 3.0 if use_extra else 2.0
+    assert_close("out", out, ro, lo, dtype=dtype, factor=factor)
+    assert_close("lse", lse, rl, rl, dtype=torch.float32, eps=1e-5 if dtype == torch.float32 else 1e-4)
+    assert meta.config.topk == topk and meta.config.extra_topk == (24 if use_extra else None)
+
+
+def test_refusals_change_no_state():
+    g = gen(3)
+    r, dr = DIMS[0]
+    q = randn((2, 1, 16, r + dr), g)
+    kv = _cache(g, 4, 16, r + dr, torch.float32)
+    bt = torch.arange(4, dtype=torch.int32, device=P.device).reshape(2, 2)
+    lens = torch.tensor([20, 31], dtype=torch.int32, device=P.device)
+    idx = torch.zeros(2, 1, 16, dtype=torch.int32, device=P.device)
+    meta, _ = gq.get_mla_metadata()
+    cases = [
+        (ValueError, "num_splits", dict(num_splits=torch.ones(3, dtype=torch.int32))),
+        (ValueError, "causal: must be False with indices", dict(causal=True, indices=idx)),
+        (ValueError, "must be None without indices", dict(attn_sink=torch.zeros(16, device=P.device))),
+        (ValueError, "is_fp8_kvcache=True", dict(is_fp8_kvcache=True)),
+        (ValueError, "give both or neither", dict(indices=idx, extra_k_cache=kv)),
+        (TypeError, "attn_sink", dict(indices=idx, attn_sink=torch.zeros(16, dtype=torch.float64, device=P.device))),
+        (ValueError, "attn_sink", dict(indices=idx, attn_sink=torch.zeros(15, device=P.device))),
+        (TypeError, "causal", dict(causal="yes")),
+        (TypeError, "indices", dict(indices=idx.long())),
+    ]
+    for exc, match, kw in cases:
+        with pytest.raises(exc, match=match):
+            gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, **kw)
+        assert not meta.have_initialized and meta.config is None
+    with pytest.raises(TypeError, match="tile_scheduler_metadata"):
+        gq.flash_mla_with_kvcache(q, kv, bt, lens, r, None)
+    with pytest.raises(ValueError, match="one latent head"):
+        gq.flash_mla_with_kvcache(q, kv.expand(4, 16, 2, r + dr), bt, lens, r, meta)
+    gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta)
+    config = meta.config
+    for kw in (dict(causal=True), dict(indices=idx)):
+        with pytest.raises(ValueError, match="recorded for another configuration"):
+            gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, **kw)
+    with pytest.raises(ValueError, match="recorded for another configuration"):
+        gq.flash_mla_with_kvcache(q[:1], kv, bt[:1], lens[:1], r, meta)
+    assert meta.config == config
+
+
+@pytest.mark.gpu_only
+@settings(max_examples=examples(1, 6))
+@given(B=st.integers(1, 3), s_q=st.integers(1, 2), topk=st.sampled_from([64, 200]), seed=seeds())
+def test_fp8_sparse_vs_dequantised_cache(B, s_q, topk, seed):
+    """FlashMLA's main use: sparse decode over its FP8 cache (656-byte rows), against the float64 reference of the
+    dequantised cache (the kernels' bf16 conversion of each value is the low-precision side)."""
+    g = gen(seed)
+    h_q, D = 128, 576
+    kv = _cache(g, 6, 64, D, torch.bfloat16)
+    kv8 = gq.quantize_latent_fp8(kv)
+    deq = gq.dequantize_latent_fp8(kv8, torch.float64)
+    idx = _rows(g, B, s_q, topk, 6 * 64)
+    q = randn((B, s_q, h_q, D), g, dtype=torch.bfloat16)
+    meta, _ = gq.get_mla_metadata()
+    out, lse = gq.flash_mla_with_kvcache(q, kv8, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+    ro, rl = _flashmla_ref(q, [(deq, idx, None)], D**-0.5, 512)
+    lo, _ = _flashmla_ref(q, [(gq.dequantize_latent_fp8(kv8).to(torch.bfloat16), idx, None)], D**-0.5, 512,
+                          p_dtype=torch.bfloat16)
+    assert_close("out", out, ro, lo, dtype=torch.bfloat16)
+    assert_close("lse", lse, rl, rl, dtype=torch.float32, eps=1e-4)
