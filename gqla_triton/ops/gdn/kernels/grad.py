@@ -26,8 +26,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
                           V_FIRST: tl.constexpr = False, SLOTS: tl.constexpr = False):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
     through ``part`` and ``cnt``, see ``gva.py``; SLOTS: one slot per value head), the state + intra-chunk part of
-    dk (dkp [rows, HV, K]),
-    dw = −dv_new·hᵀ, dgc (fp32).
+    dk (dkp [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32).
     TRANS_OUT: dk's dPmᵀ·q term as (qᵀ·dPm)ᵀ, a transposed dot result, instead of dPmᵀ from its own dots.
     EARLY: the epilogue's q / k loads are issued before the V loop (their latency then overlaps it; sm_90: the
     tiles wait in shared memory, 32 KB more) instead of after it.

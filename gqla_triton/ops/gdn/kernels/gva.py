@@ -77,7 +77,6 @@ def _head_publish(cnt, slot, n, G):
         tl.atomic_xchg(cnt + 2 * slot + 1, n + 1, sem="release")
 
 
-
 @triton.jit
 def _slot_arrive(cnt, slot):
     """SLOTS: after every thread has stored this head's fp32 term in its own slot of ``part`` (``[rows, HV, K]``),
