@@ -240,18 +240,30 @@ def _check_override(value: Any, where: str) -> dict:
     return {op: dict(fields) for op, fields in value.items()}
 
 
-_OVERRIDES: list[dict] = []
+_OVERRIDES: list[dict[str, tuple]] = []  # per block: op -> its fields, frozen (sorted (name, value) pairs)
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 @contextlib.contextmanager
 def config_override(fields: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
     """Within the block, ``select_config`` applies ``{op: {field: value}}`` over the selected entry (after
     ``GQLA_TRITON_CONFIG``). Checked against the schemas on entry. For tools and tests; not thread-safe."""
-    _OVERRIDES.append(_check_override(fields, "config_override"))
+    checked = _check_override(fields, "config_override")
+    _OVERRIDES.append({op: tuple(sorted((k, _frozen(v)) for k, v in f.items())) for op, f in checked.items()})
     try:
         yield
     finally:
         _OVERRIDES.pop()
+
+
+@functools.lru_cache(maxsize=1024)
+def _overridden(op: str, cfg: Any, fields: tuple) -> Any:
+    """``cfg`` (an entry of ``op``'s schema, or None) with a ``config_override`` block's frozen ``fields`` applied:
+    built and checked once per distinct pair, so a launcher's lookup inside the block stays a dictionary hit."""
+    return schema(op).from_fields(dict(fields), base=cfg, where=" (override)")
 
 
 def _match(table: dict, op: str, key: Mapping[str, Any]):
@@ -268,7 +280,7 @@ def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fal
     cfg = _table_entry(gpu, op, frozen, fallback, os.environ.get("GQLA_TRITON_CONFIG"))
     for layer in _OVERRIDES:
         if op in layer:
-            cfg = schema(op).from_fields(layer[op], base=cfg, where=" (override)")
+            cfg = _overridden(op, cfg, layer[op])
     return cfg
 
 
