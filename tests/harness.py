@@ -170,20 +170,21 @@ def capture_graph(fn):
     return graph, out
 
 
-def compile_sm90_in_child(call: str) -> int:
+def compile_sm90_in_child(call: str, *, tma: bool = False) -> int:
     """Run ``call`` (an expression, with its imports before it, that returns a kernel compiled for sm_90) in a child
     process without TRITON_INTERPRET (under it Triton's own reductions are interpreter functions no compiler can
     take); assert the kernel is warp-specialised (register reallocation) with wgmma products and cp.async copies,
-    and return its shared memory in bytes."""
+    TMA tile copies exactly when ``tma``, and return its shared memory in bytes."""
     import os
     import subprocess
     import sys
 
     code = (f"{call}; ptx = k.asm['ptx']; "
-            "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx)")
+            "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx, "
+            "'cp.async.bulk.tensor' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    shared, *flags = res.stdout.split()[-4:]
-    assert flags == ["True", "True", "True"], res.stdout
+    shared, *flags = res.stdout.split()[-5:]
+    assert flags == ["True", "True", "True", str(tma)], res.stdout
     return int(shared)

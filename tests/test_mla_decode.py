@@ -508,17 +508,57 @@ def test_gluon_kernel_is_deterministic(fp8, sparse, s_q):
         _check(o, l, q, ref_kv, bt, lens, 512, True, torch.bfloat16, indices=idx)
 
 
-@pytest.mark.parametrize("sparse,split,tail,fp8,raw", [(False, True, False, False, False),
-                                                       (True, False, False, False, False),
-                                                       (False, False, True, False, False),
-                                                       (False, True, True, True, False),
-                                                       (True, False, False, True, False),
-                                                       (False, True, False, False, True)])
-def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8, raw):
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("layout", ["contiguous", "offset", "padded_pages"])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
+    """Dense tiles copied by TMA (``tma``) give the same bits as the ``cp.async`` gather, with tiles of one call
+    mixing both (lengths that end mid-tile, block-table entries no kernel may follow, causal boundary keys), a
+    page of two tiles, a cache at a storage offset, and pages whose stride leaves a gap (no descriptor: every tile
+    by ``cp.async``); both equal the float64 reference."""
+    g = gen(23 + page + s_q)
+    B, h_q, S = 4, 128 if s_q == 1 else 32, 1500
+    lens = torch.tensor([S, S - 37, 1, 700], dtype=torch.int32).cuda()
+    max_pages = math.ceil(S / page) + 1
+    num_pages = B * max_pages + 2
+    bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
+    bt[1, 3] = -1
+    bt[2, 0] = num_pages  # sequence 2's only key is on a page no kernel may follow
+    bt[3, 5] = 2**31 - 1
+    bt = bt.cuda()
+    q = randn((B, s_q, h_q, 576), g, dtype=torch.bfloat16).cuda()
+    kv = randn((num_pages, page, 1, 576), g, dtype=torch.bfloat16).cuda()
+    if layout == "offset":  # the cache starts 8 rows into its storage
+        kv = torch.cat([kv.new_zeros(1, page, 1, 576), kv]).reshape(-1, 576)[8:8 + num_pages * page]
+        kv = kv.reshape(num_pages, page, 1, 576)
+    elif layout == "padded_pages":  # 16 unused rows after every page
+        kv = torch.cat([kv, kv.new_full((num_pages, 16, 1, 576), float("nan"))], 1)[:, :page]
+    runs = {}
+    for tma in (True, False):
+        with config_override({"mla_decode": {"tma": tma}}):
+            for ns in (0, 3):
+                runs[tma, ns] = mla_decode(q, kv, bt, lens, 512, causal=True, num_splits=ns, impl="gluon")
+    for ns in (0, 3):
+        (o1, l1), (o2, l2) = runs[True, ns], runs[False, ns]
+        assert torch.equal(o1, o2) and torch.equal(l1, l2), f"num_splits={ns}: TMA and cp.async copies differ"
+        _check(o1, l1, q, kv, bt, lens, 512, True, torch.bfloat16)
+
+
+@pytest.mark.parametrize("sparse,split,tail,fp8,raw,tma", [(False, True, False, False, False, False),
+                                                           (True, False, False, False, False, False),
+                                                           (False, False, True, False, False, False),
+                                                           (False, True, True, True, False, False),
+                                                           (True, False, False, True, False, False),
+                                                           (False, True, False, False, True, False),
+                                                           (False, False, False, False, False, True),
+                                                           (False, True, True, False, False, True)])
+def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8, raw, tma):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
-    reallocation), wgmma products, cp.async gathers, within the H200's shared memory. In a child process: under
-    TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
-    flags = f"sparse={sparse}, split={split}, tail={tail}, fp8={fp8}, raw={raw}"
+    reallocation), wgmma products, cp.async gathers (and with ``tma`` TMA tile copies), within the H200's shared
+    memory. In a child process: under TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no
+    compiler can take."""
+    flags = f"sparse={sparse}, split={split}, tail={tail}, fp8={fp8}, raw={raw}, tma={tma}"
     shared = compile_sm90_in_child(f"from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
-                                   f"k = compile_sm90({flags})")
+                                   f"k = compile_sm90({flags})", tma=tma)
     assert shared <= 227 * 1024

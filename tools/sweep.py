@@ -30,7 +30,8 @@ VARIANTS = {
     "mla": {
         "table": ("auto", {}),
         # the Hopper Gluon kernel (64-key tiles, two-stage ring): heads per tile
-        "gluon_h64": ("gluon", {"block_h": 64, "block_n": 64, "num_stages": 2}),
+        "gluon_h64": ("gluon", {"block_h": 64, "block_n": 64, "num_stages": 2, "tma": False}),
+        "gluon_h64_tma": ("gluon", {"block_h": 64, "block_n": 64, "num_stages": 2, "tma": True}),
         "gluon_h32": ("gluon", {"block_h": 32, "block_n": 64, "num_stages": 2}),
         # the portable Triton kernel
         "triton_ps64s2": ("triton", {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2,

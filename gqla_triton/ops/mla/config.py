@@ -19,9 +19,11 @@ class MLADecodeConfig(KernelConfig):
     ``p_scratch`` (P and its row rescale pass between the warpgroups through a per-program scratch tile),
     ``rows_ahead`` (the next tile's cache rows are loaded one iteration ahead). The Gluon kernel takes 64-key tiles
     in a two-stage shared-memory ring (its P tile takes the consumed rope slab of a stage, and two stages with Q
-    and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile. ``split_cost``: the split-KV
-    planner's cost of one partial tile (its write and the combine's read), in units of one unsplit program
-    (``plan_splits``)."""
+    and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile; ``tma`` (Gluon only): dense
+    tiles that lie in one valid page with every key counting are copied by TMA (64 x 64 boxes) rather than
+    ``cp.async`` (bf16 / fp16 caches whose pages are one row range, page size a multiple of 64). ``split_cost``:
+    the split-KV planner's cost of one partial tile (its write and the combine's read), in units of one unsplit
+    program (``plan_splits``)."""
 
     OP: ClassVar[str] = "mla_decode"
     MATCH: ClassVar[dict] = {"D": int, "DV": int, "sparse": bool, "s_q": int, "impl": str, "fp32": bool}
@@ -34,6 +36,7 @@ class MLADecodeConfig(KernelConfig):
     paged_tiles: bool = False
     p_scratch: bool = False
     rows_ahead: bool = False
+    tma: bool = False
     split_cost: float = SPLIT_COST
 
     def check(self) -> None:

@@ -34,9 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._common import raw_scores
-from .._common.gluon import async_load, barrier, reinterpret
+from .._common.gluon import async_load, barrier, reinterpret, tma_load
 from .fp8 import is_fp8_latent
 from .plan import MLAPlan
 
@@ -46,6 +47,7 @@ PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(40)  # registers per thread of the producer warpgroup (setmaxnreg)
 CONSUMER_REGS = gl.constexpr(232)  # registers per thread of each consumer warpgroup
 MAXNREG = 168  # register cap of the launch (4 default warps)
+_SWIZZLE_128 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # the key slabs' layout
 
 __all__ = ["compile_sm90", "gluon_unsupported", "mla_decode_gluon", "mla_decode_gluon_kernel"]
 
@@ -230,12 +232,13 @@ def _publish(ready):
 @gluon.jit
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr):
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, TMA: gl.constexpr):
+    (q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
      s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
      s_plq) = rt
+    NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b, split, ht, qt, seqlen, lo, hi, n_tiles, t_lo, n_tail = _tile_rows(
         row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqlens, topk_length,
@@ -246,15 +249,29 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         k0 = lo + j * BLOCK_N
-        ok = _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
-                         s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
         # per key: the first query token (within the tile's sequence) that sees it; NEVER where it counts for none
         first_q = gl.full([BLOCK_N], 0, gl.int32, layout=gl.SliceLayout(1, cp))
         if not SPARSE:
             if causal != 0:
                 first_q = gl.maximum(k0 + rk - (seqlen - s_q), 0)
-        first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
-        _publish(ready.index(s))
+        whole = False
+        if TMA:  # a tile of one valid page whose every key counts: 64-row boxes of each slab by TMA
+            whole = k0 + BLOCK_N <= hi
+            blk = gl.load(rows_src + b64 * s_rb + k0 // PAGE_SIZE, mask=whole, other=-1)
+            whole = whole & (blk >= 0) & (blk < num_pages)
+            if whole:
+                mbarrier.expect(ready.index(s), D * BLOCK_N * 2)  # an arrival, and the bytes to land
+                for c in gl.static_range(NSLAB):
+                    tma_load(kv_desc, [blk * PAGE_SIZE + k0 % PAGE_SIZE, c * SLAB], ready.index(s),
+                             kv_smem.index(s * NSLAB + c))
+                first_q_smem.index(s).store(first_q)
+                barrier()  # every thread's mask store before the arrival that publishes them
+                mbarrier.arrive(ready.index(s), count=PRODUCER_WARPS * 32)
+        if not whole:
+            ok = _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
+                             s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
+            first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
+            _publish(ready.index(s))
     if TAIL:  # the boundary keys, one per tile (row 0; the others zero-filled), through the same ring
         for jt in range(n_tail):
             j = n_tiles + jt
@@ -334,7 +351,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
     then adds ``P·V`` for its half of the value columns."""
-    (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
+    (q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
      s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
@@ -487,7 +504,7 @@ def _partner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLO
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
                               "HPT", "QPT", "causal"])
 def mla_decode_gluon_kernel(
-    q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part,
+    q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part,
     qk_scale,  # softmax_scale * log2(e)
     s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal,
     s_qb, s_qq, s_qh,
@@ -499,7 +516,7 @@ def mla_decode_gluon_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
-    TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr,
+    TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, TMA: gl.constexpr,
 ):
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is converted to it in place
@@ -547,7 +564,8 @@ def mla_decode_gluon_kernel(
     fence_async_shared()
 
     # constexprs go inline: a tuple bound to a name turns them into tensors (Triton 3.6)
-    rt = (q, kv, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
+    rt = (q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready,
+          empty,
           first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
           qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
           s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
@@ -555,7 +573,7 @@ def mla_decode_gluon_kernel(
     gl.warp_specialize([
         (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW)),
         (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW)),
-        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8)),
+        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, TMA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -577,6 +595,20 @@ def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) 
     return None
 
 
+def _kv_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor | None:
+    """A TMA descriptor of a bf16 / fp16 paged cache ``[num_pages, page_size, 1, D]`` as ``[num_pages · page_size,
+    D]`` rows with 64 x 64 boxes in the kernel's 128-byte swizzle, or None where the pages are not one row range
+    of equal stride or a 64-key tile would cross a page (the kernel then copies every tile by ``cp.async``)."""
+    num_pages, page_size = kv_cache.shape[:2]
+    rows, D = num_pages * page_size, kv_cache.shape[-1]
+    s_t = kv_cache.stride(1)
+    if (page_size % 64 or rows == 0 or rows >= 2**31 or kv_cache.stride(-1) != 1
+            or (num_pages > 1 and kv_cache.stride(0) != page_size * s_t)):
+        return None
+    view = kv_cache.as_strided((rows, D), (s_t, 1))
+    return TensorDescriptor(view, [rows, D], [s_t, 1], [64, SLAB.value], _SWIZZLE_128)
+
+
 def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Tensor, cache_seqlens: torch.Tensor,
                      topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float, causal: bool, sparse: bool,
                      p: MLAPlan, out: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor,
@@ -588,10 +620,11 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     S = p.num_splits
     topk = rows_src.shape[-1] if sparse else 0
     fp8 = is_fp8_latent(kv_cache)
+    desc = _kv_descriptor(kv_cache) if p.cfg.tma and not (fp8 or sparse) else None
     if fp8:
         kv_cache = kv_cache.view(torch.uint8)  # read as bytes; strides count bytes
     mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
-        q, kv_cache, rows_src, cache_seqlens, topk_length if topk_length is not None else cache_seqlens,
+        q, kv_cache, kv_cache if desc is None else desc, rows_src, cache_seqlens, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, qk_scale,
         s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, p.h_tiles * p.q_tiles, p.h_tiles,
         p.HPT, p.QPT, int(bool(causal)),
@@ -604,12 +637,12 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
         SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-        FP8=fp8, RAW=raw_scores(qk_scale), num_warps=4, maxnreg=MAXNREG,
+        FP8=fp8, RAW=raw_scores(qk_scale), TMA=desc is not None, num_warps=4, maxnreg=MAXNREG,
     )
 
 
 def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False,
-                 fp8: bool = False, raw: bool = False):
+                 fp8: bool = False, raw: bool = False, tma: bool = False):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -621,11 +654,13 @@ def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: i
     fn = mla_decode_gluon_kernel
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8, RAW=raw)
-    ptr = {"q": f"*{dtype}", "kv": "*u8" if fp8 else f"*{dtype}", "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
+                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8, RAW=raw, TMA=tma)
+    kv = "*u8" if fp8 else f"*{dtype}"
+    desc = f"tensordesc<{dtype}[64,{SLAB.value}],{_SWIZZLE_128!r}>" if tma else kv
+    ptr = {"q": f"*{dtype}", "kv": kv, "kv_desc": desc, "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-    aligned = [n for n in names if n in ptr or n.startswith("s_kv")]
+    aligned = [n for n in names if (n in ptr and n != "kv_desc") or n.startswith("s_kv")]
     src = GluonASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))
