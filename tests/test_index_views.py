@@ -79,3 +79,17 @@ def test_index_views_equal_contiguous(op, name, kind):
                                                      or not view[name].is_contiguous())
     out, lse = _checked(lambda: run(view), *tensors, *view.values())
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_shared_row_table_is_not_copied():
+    """A block table whose sequences share one row (``row.expand(B, n)``, as FlashMLA's physical-row interface
+    builds) reaches the kernels as it is (they take its batch stride); other views of index tensors are copied."""
+    from gqla_triton.ops._common.validation import contiguous_indices
+
+    row = torch.arange(1000, dtype=torch.int32)
+    shared = row.expand(128, 1000)
+    assert contiguous_indices(shared)[0] is shared
+    # a shared row that is itself strided, a transposed table, an expanded 1-D tensor: copied
+    for view in (row[::2].expand(4, 500), row.view(10, 100).t(), row[:1].expand(1000)):
+        (out,) = contiguous_indices(view)
+        assert out is not view and out.is_contiguous() and torch.equal(out, view)

@@ -509,14 +509,15 @@ def test_gluon_kernel_is_deterministic(fp8, sparse, s_q):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("layout", ["contiguous", "offset", "padded_pages"])
+@pytest.mark.parametrize("layout", ["contiguous", "offset", "padded_pages", "shared_table"])
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("s_q", [1, 3])
 def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
     """Dense tiles copied by TMA (``tma``) give the same bits as the ``cp.async`` gather, with tiles of one call
     mixing both (lengths that end mid-tile, block-table entries no kernel may follow, causal boundary keys), a
-    page of two tiles, a cache at a storage offset, and pages whose stride leaves a gap (no descriptor: every tile
-    by ``cp.async``); both equal the float64 reference."""
+    page of two tiles, a cache at a storage offset, pages whose stride leaves a gap (no descriptor: every tile
+    by ``cp.async``), and one block-table row shared by every sequence (batch stride 0, read as it is); both equal
+    the float64 reference."""
     g = gen(23 + page + s_q)
     B, h_q, S = 4, 128 if s_q == 1 else 32, 1500
     lens = torch.tensor([S, S - 37, 1, 700], dtype=torch.int32).cuda()
@@ -527,6 +528,8 @@ def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
     bt[2, 0] = num_pages  # sequence 2's only key is on a page no kernel may follow
     bt[3, 5] = 2**31 - 1
     bt = bt.cuda()
+    if layout == "shared_table":
+        bt = bt[:1].expand(B, max_pages)
     q = randn((B, s_q, h_q, 576), g, dtype=torch.bfloat16).cuda()
     kv = randn((num_pages, page, 1, 576), g, dtype=torch.bfloat16).cuda()
     if layout == "offset":  # the cache starts 8 rows into its storage

@@ -235,8 +235,13 @@ def contiguous_indices(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | No
     """The decode kernels read index tensors (``block_table``, ``cache_seqlens``, ``indices``, ``topk_length``) with
     unit stride along their last dimension and a contiguous row layout: strided, expanded (stride 0) or transposed
     views are copied (cheap for these small int32 tensors, and safe inside a CUDA graph); contiguous ones pass
-    through untouched."""
-    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
+    through untouched, and so does a 2-D table whose rows are one shared row (batch stride 0, unit stride along
+    it: ``row.expand(B, n)``), since every kernel takes a block table's batch stride."""
+    return tuple(t if t is None or t.is_contiguous() or _shared_row(t) else t.contiguous() for t in tensors)
+
+
+def _shared_row(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(0) == 0 and t.stride(1) == 1
 
 
 def requires_grad(*tensors: torch.Tensor | None) -> bool:
