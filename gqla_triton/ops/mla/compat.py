@@ -74,7 +74,8 @@ def _check_meta(meta, config: FlashMLASchedMeta.Config) -> None:
 
 def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
     """Block table and lengths under which a logical position is the physical cache row: page p maps to page p,
-    every sequence holds the whole cache."""
+    every sequence holds the whole cache. The table is one row expanded over the batch (batch stride 0), which the
+    kernels read as it is (``contiguous_indices``)."""
     table = torch.arange(num_blocks, dtype=torch.int32, device=device).expand(B, num_blocks)
     return table, torch.full((B,), num_blocks * page, dtype=torch.int32, device=device)
 
