@@ -509,15 +509,15 @@ def test_gluon_kernel_is_deterministic(fp8, sparse, s_q):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("layout", ["contiguous", "offset", "padded_pages", "shared_table"])
+@pytest.mark.parametrize("layout", ["contiguous", "offset", "padded_pages", "shared_table", "expanded_rows"])
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("s_q", [1, 3])
 def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
     """Dense tiles copied by TMA (``tma``) give the same bits as the ``cp.async`` gather, with tiles of one call
     mixing both (lengths that end mid-tile, block-table entries no kernel may follow, causal boundary keys), a
     page of two tiles, a cache at a storage offset, pages whose stride leaves a gap (no descriptor: every tile
-    by ``cp.async``), and one block-table row shared by every sequence (batch stride 0, read as it is); both equal
-    the float64 reference."""
+    by ``cp.async``) or whose tokens share a row (token stride 0, likewise), and one block-table row shared by every
+    sequence (batch stride 0, read as it is); both equal the float64 reference."""
     g = gen(23 + page + s_q)
     B, h_q, S = 4, 128 if s_q == 1 else 32, 1500
     lens = torch.tensor([S, S - 37, 1, 700], dtype=torch.int32).cuda()
@@ -537,6 +537,8 @@ def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
         kv = kv.reshape(num_pages, page, 1, 576)
     elif layout == "padded_pages":  # 16 unused rows after every page
         kv = torch.cat([kv, kv.new_full((num_pages, 16, 1, 576), float("nan"))], 1)[:, :page]
+    elif layout == "expanded_rows":  # every token of a page one row (token stride 0): no descriptor
+        kv = kv[:, :1].expand(num_pages, page, 1, 576)
     runs = {}
     for tma in (True, False):
         with config_override({"mla_decode": {"tma": tma}}):

@@ -598,12 +598,13 @@ def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) 
 
 def _kv_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor | None:
     """A TMA descriptor of a bf16 / fp16 paged cache ``[num_pages, page_size, 1, D]`` as ``[num_pages · page_size,
-    D]`` rows with 64 x 64 boxes in the kernel's 128-byte swizzle, or None where the pages are not one row range
-    of equal stride or a 64-key tile would cross a page (the kernel then copies every tile by ``cp.async``)."""
+    D]`` rows with 64 x 64 boxes in the kernel's 128-byte swizzle, or None where the pages are not one range of
+    distinct rows (a token stride below ``D``, as an expanded view has, included) or a 64-key tile would cross a
+    page (the kernel then copies every tile by ``cp.async``)."""
     num_pages, page_size = kv_cache.shape[:2]
     rows, D = num_pages * page_size, kv_cache.shape[-1]
     s_t = kv_cache.stride(1)
-    if (page_size % 64 or rows == 0 or rows >= 2**31 or kv_cache.stride(-1) != 1
+    if (page_size % 64 or rows == 0 or rows >= 2**31 or kv_cache.stride(-1) != 1 or s_t < D
             or (num_pages > 1 and kv_cache.stride(0) != page_size * s_t)):
         return None
     view = kv_cache.as_strided((rows, D), (s_t, 1))
