@@ -93,40 +93,69 @@ def _tile_rows(row_tiles, num_splits, h_tiles, HPT, QPT, s_q, h_q, causal, seqle
 
 
 @gluon.jit
-def _key_rows(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
-              SPARSE: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """Physical cache row of each key position of a tile and whether it counts. Sparse: ``rows_src`` holds
-    rows already translated by ``sparse_rows`` (-1: the entry does not count). Dense: the block table."""
+def _row_words(kpos, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """The index words of key positions ``kpos`` (-1 at or past ``hi`` or past the block table): sparse, the rows
+    ``sparse_rows`` translated (-1: the entry does not count); dense, each key's block-table entry. The producer
+    loads a tile's words one tile ahead of its copies, so their latency is not on the copies' path."""
     inb = kpos < hi
     if SPARSE:
-        row = gl.load(rows_src + b64 * s_rb + qt.to(gl.int64) * s_rq + kpos, mask=inb, other=-1)
-        ok = row >= 0
+        w = gl.load(rows_src + b64 * s_rb + qt.to(gl.int64) * s_rq + kpos, mask=inb, other=-1)
     else:
         page = kpos // PAGE_SIZE
         pin = inb & (page < max_pages)
-        blk = gl.load(rows_src + b64 * s_rb + gl.where(pin, page, 0), mask=pin, other=-1)
-        ok = pin & (blk >= 0) & (blk < num_pages)
-        row = blk * PAGE_SIZE + kpos % PAGE_SIZE
+        w = gl.load(rows_src + b64 * s_rb + gl.where(pin, page, 0), mask=pin, other=-1)
+    return w
+
+
+@gluon.jit
+def _word_rows(w, kpos, num_pages, SPARSE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Physical cache row of each key position from its index word (``_row_words``) and whether it counts."""
+    if SPARSE:
+        ok = w >= 0
+        row = w
+    else:
+        ok = (w >= 0) & (w < num_pages)
+        row = w * PAGE_SIZE + kpos % PAGE_SIZE
     return gl.where(ok, row, 0), ok
 
 
 @gluon.jit
-def _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
-                D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr):
-    """Fill stage ``s`` with the cache rows of key positions ``[k0, k0 + BLOCK_N)`` (those at or past ``hi`` or
-    not counting zero-filled); returns which rows count. bf16: every slab by ``cp.async`` (the consumers wait on
-    the copies). FP8 (``kv`` the cache's bytes, ``fp8.py`` layout): ``_fp8_stage``."""
+def _tile_words(k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, FP8: gl.constexpr):
+    """``_row_words`` of the tile at ``k0`` in each layout its copies use: the bf16 gather's rows; FP8 also the
+    byte copy's rows and the scale copy's keys (bf16: the first again)."""
+    cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    w = _row_words(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp)), hi, rows_src, b64, qt, s_rb, s_rq,
+                   max_pages, SPARSE, PAGE_SIZE)
+    wb = w
+    ws = w
+    if FP8:
+        b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+        sl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, gl.num_warps() // 2], [1, 0])
+        wb = _row_words(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b16)), hi, rows_src, b64, qt, s_rb,
+                        s_rq, max_pages, SPARSE, PAGE_SIZE)
+        ws = _row_words(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sl)), hi, rows_src, b64, qt, s_rb,
+                        s_rq, max_pages, SPARSE, PAGE_SIZE)
+    return w, wb, ws
+
+
+@gluon.jit
+def _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D: gl.constexpr, DV: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
+                FP8: gl.constexpr):
+    """Fill stage ``s`` with the cache rows of key positions ``[k0, k0 + BLOCK_N)``, ``words`` their index words
+    (``_tile_words``; rows that do not count zero-filled); returns which rows count. bf16: every slab by
+    ``cp.async`` (the consumers wait on the copies). FP8 (``kv`` the cache's bytes, ``fp8.py`` layout):
+    ``_fp8_stage``."""
     NSLAB: gl.constexpr = D // SLAB
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    rows: gl.constexpr = gl.SliceLayout(1, cp)
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
-    row, ok = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=rows), hi, rows_src, b64, qt, s_rb, s_rq, max_pages,
-                        num_pages, SPARSE, PAGE_SIZE)
+    w, wb, ws = words
+    row, ok = _word_rows(w, k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp)), num_pages, SPARSE, PAGE_SIZE)
     base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
     if FP8:
-        _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp,
-                   s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE)
+        _fp8_stage(kv, kv_smem, s, base, ok, k0, wb, ws, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
+                   STAGES, SPARSE)
     else:
         for c in gl.static_range(NSLAB):
             async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
@@ -154,9 +183,8 @@ def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages, s_kvp, s_kvt,
-               D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, SPARSE: gl.constexpr):
+def _fp8_stage(kv, kv_smem, s, base, ok, k0, wb, ws, num_pages, s_kvp, s_kvt, D: gl.constexpr, DV: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
     """Copy an FP8 tile's bytes into stage ``s`` as laid out above, every part by ``cp.async`` (rows that do not
     count are zero bytes with scale 0)."""
     NSLAB: gl.constexpr = D // SLAB
@@ -168,16 +196,16 @@ def _fp8_stage(kv, kv_smem, s, base, ok, k0, hi, rows_src, b64, qt, s_rb, s_rq, 
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
     rope = (base + DV + 4 * NT).to(gl.pointer_type(gl.bfloat16), bitcast=True)
     async_load(kv_smem.index(s * NSLAB + NSLAB - 1), rope[:, None] + cc[None, :], mask=ok[:, None])
-    rowb, okb = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b16)), hi, rows_src, b64, qt, s_rb,
-                          s_rq, max_pages, num_pages, SPARSE, PAGE_SIZE)
+    rowb, okb = _word_rows(wb, k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b16)), num_pages, SPARSE,
+                           PAGE_SIZE)
     bb = kv + (rowb // PAGE_SIZE).to(gl.int64) * s_kvp + (rowb % PAGE_SIZE).to(gl.int64) * s_kvt
     cb = gl.arange(0, SLAB, layout=gl.SliceLayout(0, b16))
     for k in gl.static_range(NT):
         for h in gl.static_range(2):
             async_load(raw.index(2 * (s * NSLAB + RAW_SLAB[k]) + h),
                         bb[:, None] + (128 * k + SLAB * h + cb)[None, :], mask=okb[:, None])
-    rows_s, ok_s = _key_rows(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sl)), hi, rows_src, b64, qt,
-                             s_rb, s_rq, max_pages, num_pages, SPARSE, PAGE_SIZE)
+    rows_s, ok_s = _word_rows(ws, k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sl)), num_pages, SPARSE,
+                              PAGE_SIZE)
     bs = (kv + (rows_s // PAGE_SIZE).to(gl.int64) * s_kvp + (rows_s % PAGE_SIZE).to(gl.int64) * s_kvt + DV).to(
         gl.pointer_type(gl.float32), bitcast=True)
     pair = gl.arange(0, 2, layout=gl.SliceLayout(1, sl))
@@ -246,10 +274,16 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         topk, max_pages, SPARSE, HAS_TOPK_LEN, BLOCK_N, PAGE_SIZE, TAIL)
     b64 = b.to(gl.int64)
     rk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp))
+    # bf16 without TMA: each tile's index words are loaded one tile ahead (TMA: the block-table entry of a whole
+    # tile). FP8 loads its three layouts' words in the tile's own step: kept across a step, they slowed it down.
+    AHEAD: gl.constexpr = not (TMA or FP8)
+    words = _tile_words(lo, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N, FP8)
+    if TMA:
+        blk = gl.load(rows_src + b64 * s_rb + lo // PAGE_SIZE, mask=lo + BLOCK_N <= hi, other=-1)
     for j in range(n_tiles):
         s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         k0 = lo + j * BLOCK_N
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         # per key: the first query token (within the tile's sequence) that sees it; NEVER where it counts for none
         first_q = gl.full([BLOCK_N], 0, gl.int32, layout=gl.SliceLayout(1, cp))
         if not SPARSE:
@@ -257,9 +291,7 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
                 first_q = gl.maximum(k0 + rk - (seqlen - s_q), 0)
         whole = False
         if TMA:  # a tile of one valid page whose every key counts: 64-row boxes of each slab by TMA
-            whole = k0 + BLOCK_N <= hi
-            blk = gl.load(rows_src + b64 * s_rb + k0 // PAGE_SIZE, mask=whole, other=-1)
-            whole = whole & (blk >= 0) & (blk < num_pages)
+            whole = (k0 + BLOCK_N <= hi) & (blk >= 0) & (blk < num_pages)
             if whole:
                 mbarrier.expect(ready.index(s), D * BLOCK_N * 2)  # an arrival, and the bytes to land
                 for c in gl.static_range(NSLAB):
@@ -269,18 +301,28 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
                 barrier()  # every thread's mask store before the arrival that publishes them
                 mbarrier.arrive(ready.index(s), count=PRODUCER_WARPS * 32)
         if not whole:
-            ok = _fill_stage(kv, kv_smem, s, k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, num_pages,
-                             s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
+            if not AHEAD:
+                words = _tile_words(k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N,
+                                    FP8)
+            ok = _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
+                             STAGES, SPARSE, FP8)
             first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
             _publish(ready.index(s))
+        k1 = k0 + BLOCK_N
+        if TMA:
+            blk = gl.load(rows_src + b64 * s_rb + k1 // PAGE_SIZE, mask=k1 + BLOCK_N <= hi, other=-1)
+        if AHEAD:
+            words = _tile_words(k1, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N, FP8)
     if TAIL:  # the boundary keys, one per tile (row 0; the others zero-filled), through the same ring
         for jt in range(n_tail):
             j = n_tiles + jt
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             k0 = t_lo + jt
-            ok = _fill_stage(kv, kv_smem, s, k0, k0 + 1, rows_src, b64, qt, s_rb, s_rq, max_pages,
-                             num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
+            words = _tile_words(k0, k0 + 1, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N,
+                                FP8)
+            ok = _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
+                             STAGES, SPARSE, FP8)
             first_q_smem.index(s).store(gl.where(ok, gl.maximum(k0 + rk - (seqlen - s_q), 0), NEVER))
             _publish(ready.index(s))
 
