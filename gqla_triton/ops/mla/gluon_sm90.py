@@ -5,7 +5,8 @@ One program per (batch entry, KV split, 64-row tile), three partitions:
 * a producer warpgroup brings each 64-key tile (64 cache rows x ``D`` channels, one 64-channel slab at a time)
   into a two-stage shared-memory ring: a dense tile inside one valid page whose every key counts by TMA (one box
   per slab, under ``TMA``: the launch passes a descriptor where the cache's pages form one row range), every other
-  tile by a ``cp.async`` gather, so any page size and sparse rows work alike, masked rows zero-filled. From an
+  tile by a ``cp.async`` gather, so any page size and sparse rows work alike, masked rows zero-filled (the index
+  words a tile's rows come from are loaded one tile ahead, while the producer waits for the stage). From an
   FP8 latent cache (``fp8.py``) it copies the e4m3 bytes, their float32 tile scales and the rope values into the
   stage, and each consumer converts the half of the latent values it reads to bf16 in place before its products
   (the conversion is spread over both consumer warpgroups rather than bounding the producer's four warps);
