@@ -278,7 +278,8 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     # bf16 without TMA: each tile's index words are loaded one tile ahead (TMA: the block-table entry of a whole
     # tile). FP8 loads its three layouts' words in the tile's own step: kept across a step, they slowed it down.
     AHEAD: gl.constexpr = not (TMA or FP8)
-    words = _tile_words(lo, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N, FP8)
+    if AHEAD:
+        words = _tile_words(lo, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N, FP8)
     if TMA:
         blk = gl.load(rows_src + b64 * s_rb + lo // PAGE_SIZE, mask=lo + BLOCK_N <= hi, other=-1)
     for j in range(n_tiles):
@@ -302,11 +303,14 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
                 barrier()  # every thread's mask store before the arrival that publishes them
                 mbarrier.arrive(ready.index(s), count=PRODUCER_WARPS * 32)
         if not whole:
-            if not AHEAD:
-                words = _tile_words(k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N,
-                                    FP8)
-            ok = _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
-                             STAGES, SPARSE, FP8)
+            if AHEAD:
+                ok = _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
+                                 STAGES, SPARSE, FP8)
+            else:
+                ok = _fill_stage(kv, kv_smem, s, k0,
+                                 _tile_words(k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE,
+                                             BLOCK_N, FP8),
+                                 num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
             first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
             _publish(ready.index(s))
         k1 = k0 + BLOCK_N
@@ -669,7 +673,8 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     if fp8:
         kv_cache = kv_cache.view(torch.uint8)  # read as bytes; strides count bytes
     mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
-        q, kv_cache, kv_cache if desc is None else desc, rows_src, cache_seqlens, topk_length if topk_length is not None else cache_seqlens,
+        q, kv_cache, kv_cache if desc is None else desc, rows_src, cache_seqlens,
+        topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, qk_scale,
         s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, p.h_tiles * p.q_tiles, p.h_tiles,
         p.HPT, p.QPT, int(bool(causal)),
