@@ -1,8 +1,9 @@
 """gqla_triton: Triton kernels and layers for hybrid-LLM attention.
 
 Ops: ``chunk_gated_delta_rule``, ``gated_delta_rule_decode`` (Gated DeltaNet), ``mla_decode`` (GQLA absorb
-path / DeepSeek MLA), ``gqa_decode`` (GQLA grouped path / GQA). Layers: ``GatedDeltaNet``, ``GQLAttention``
-with ``LatentCache`` / ``GroupedCache``. Importing does no device work; kernels compile on first call.
+path / DeepSeek MLA), ``mla_sparse_prefill`` (DeepSeek sparse attention prefill), ``gqa_decode`` (GQLA grouped
+path / GQA). Layers: ``GatedDeltaNet``, ``GQLAttention`` with ``LatentCache`` / ``GroupedCache``. Importing does
+no device work; kernels compile on first call.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ _EXPORTS = {
     "gated_delta_rule_decode": "gqla_triton.ops.gdn",
     "fused_recurrent_gated_delta_rule": "gqla_triton.ops.gdn",
     "mla_decode": "gqla_triton.ops.mla",
+    "mla_sparse_prefill": "gqla_triton.ops.mla",
     "quantize_latent_fp8": "gqla_triton.ops.mla",
     "dequantize_latent_fp8": "gqla_triton.ops.mla",
     "flash_mla_with_kvcache": "gqla_triton.ops.mla",
+    "flash_mla_sparse_fwd": "gqla_triton.ops.mla",
     "get_mla_metadata": "gqla_triton.ops.mla",
     "FlashMLASchedMeta": "gqla_triton.ops.mla",
     "gqa_decode": "gqla_triton.ops.gqa",

@@ -131,6 +131,17 @@ def mla_decode_model(
     return OpModel(name, flops, cache + io, batch * s_q)
 
 
+def mla_sparse_prefill_model(s_q: int, s_kv: int, topk: int, num_heads: int = 128, kv_rank: int = 512,
+                             rope_dim: int = 64, elt: int = 2):
+    """Sparse prefill (``mla_sparse_prefill``): every query token attends to its own ``topk`` rows of one latent
+    tensor. Bytes: q, the latent rows once (a prompt's selections overlap; they stay in L2), the indices, out."""
+    D = kv_rank + rope_dim
+    S = min(topk, s_kv)
+    flops = 2 * s_q * num_heads * S * (D + kv_rank)
+    nbytes = (s_q * num_heads * (D + kv_rank) + s_kv * D) * elt + s_q * topk * 4
+    return OpModel(f"mla_sparse_prefill sq{s_q} S{s_kv} top{topk}", flops, nbytes, s_q)
+
+
 def gqa_decode_model(
     batch: int, seqlen: int, s_q: int = 1, num_heads: int = 128, num_groups: int = 8, head_dim: int = 128,
     v_head_dim: int | None = None, rope_dim: int = 64, topk: int | None = None, elt: int = 2,

@@ -131,6 +131,20 @@ def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.
     assert e_out <= tol, f"{name}: rel err {e_out:.3e} > tol {tol:.3e} (torch low-precision err {e_low:.3e})"
 
 
+def assert_matches(name, got, ref, lowp, *, dtype, eps=None):
+    """NaN, +inf and -inf exactly where the reference has them; the finite rest within the data-derived bound."""
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    for what, f in (("NaN", torch.isnan), ("+inf", lambda t: t == math.inf), ("-inf", lambda t: t == -math.inf)):
+        bad = f(got) != f(ref)
+        assert not bad.any(), (f"{name}: {what} differs from the reference at {int(bad.sum())} element(s), e.g. "
+                               f"{tuple(bad.nonzero()[0].tolist())}: got {got[bad][0].item()}, "
+                               f"reference {ref[bad][0].item()}")
+    fin = torch.isfinite(ref)
+    zero = torch.zeros((), dtype=torch.float64)
+    lowp = None if lowp is None else torch.where(fin, lowp.detach().double().cpu(), zero)
+    assert_close(name, torch.where(fin, got, zero), torch.where(fin, ref, zero), lowp, dtype=dtype, eps=eps)
+
+
 def assert_close_token_sum(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, d: torch.Tensor,
                            d64: torch.Tensor, dlp: torch.Tensor, w: torch.Tensor, *, dtype: torch.dtype,
                            factor: float = 2.0) -> None:

@@ -19,7 +19,7 @@ import re
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, pick, randn, seeds
+from harness import P, assert_matches, dtypes, examples, gen, pick, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -285,20 +285,6 @@ def reference(op: str, inputs: dict, lowp=None):
         return mla_decode_ref(**kw, p_dtype=lowp)
     kw = {k: v for k, v in inputs.items() if k != "num_splits"}
     return gqa_decode_reference(**kw, **({} if lowp is None else {"compute_dtype": lowp}))
-
-
-def assert_matches(name, got, ref, lowp, *, dtype, eps=None):
-    """NaN, +inf and -inf exactly where the reference has them; the finite rest within the data-derived bound."""
-    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
-    for what, f in (("NaN", torch.isnan), ("+inf", lambda t: t == math.inf), ("-inf", lambda t: t == -math.inf)):
-        bad = f(got) != f(ref)
-        assert not bad.any(), (f"{name}: {what} differs from the reference at {int(bad.sum())} element(s), e.g. "
-                               f"{tuple(bad.nonzero()[0].tolist())}: got {got[bad][0].item()}, "
-                               f"reference {ref[bad][0].item()}")
-    fin = torch.isfinite(ref)
-    zero = torch.zeros((), dtype=torch.float64)
-    lowp = None if lowp is None else torch.where(fin, lowp.detach().double().cpu(), zero)
-    assert_close(name, torch.where(fin, got, zero), torch.where(fin, ref, zero), lowp, dtype=dtype, eps=eps)
 
 
 def check_case(spec: Spec, dtype, device) -> None:

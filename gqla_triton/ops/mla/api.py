@@ -3,11 +3,14 @@ eager launcher that picks a kernel, allocates the outputs and merges the splits.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...dispatch import device_info, select_config
 from .._common import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_decode_inputs,
     check_kernel_device,
     check_same_device,
@@ -20,17 +23,25 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
-from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
+from .._common.validation import (
+    MAX_KEYS,
+    check_flag,
+    check_num_splits,
+    contiguous_indices,
+    forward_only,
+    requires_grad,
+)
 from .fp8 import FP8_DTYPES, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, is_fp8_latent
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
-from .reference import mla_decode_ref
+from .reference import mla_decode_ref, mla_sparse_prefill_ref
 from .triton import mla_decode_triton
 
-__all__ = ["mla_decode", "mla_decode_fwd"]
+__all__ = ["SparsePrefillOutput", "mla_decode", "mla_decode_fwd", "mla_sparse_prefill", "mla_sparse_prefill_fwd"]
 
 _LOG2E = 1.4426950408889634
 _REFERENCE = "gqla_triton.ops.mla.reference.mla_decode_ref"
+_PREFILL_REFERENCE = "gqla_triton.ops.mla.reference.mla_sparse_prefill_ref"
 
 
 def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool) -> bool:
@@ -218,3 +229,140 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     fn = _mla_decode_op if requires_grad(q, kv_cache) else route(_mla_decode_op, mla_decode_fwd)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
               impl)
+
+
+class SparsePrefillOutput(NamedTuple):
+    """``mla_sparse_prefill``'s result."""
+
+    out: torch.Tensor  # [s_q, h_q, head_dim_v], q's dtype
+    max_logits: torch.Tensor  # [s_q, h_q] fp32: the largest softmax_scale · q·k a query sees
+    lse: torch.Tensor  # [s_q, h_q] fp32: natural-log log-sum-exp of those scaled scores
+
+
+def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, head_dim_v: int,
+                           softmax_scale: float, topk_length: torch.Tensor | None, num_splits: int,
+                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager body of ``mla_sparse_prefill`` on validated inputs: ``(out, max_logits, lse)``.
+
+    Each query token is one entry of ``mla_decode``'s sparse batch (``s_q = 1``) over ``kv`` as a cache of one-token
+    pages: its indices are then the physical rows themselves, translated by ``sparse_rows`` (entries outside
+    ``[0, s_kv)`` or past ``topk_length`` become -1) before the portable kernel runs. The kernel writes each split's
+    largest score per row; the splits' maxima are reduced here (NaN propagating) when the plan splits."""
+    s_q, h_q, _ = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[-1]
+    if impl == "reference":
+        o, mx, lse = mla_sparse_prefill_ref(q, kv, indices, head_dim_v, softmax_scale, topk_length)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        return o.to(device=q.device, dtype=q.dtype), mx.to(**f32), lse.to(**f32)
+    if s_q == 0 or s_kv == 0:  # no launch: no query, or no key for any query
+        out = torch.zeros(s_q, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+        none = torch.full((s_q, h_q), float("-inf"), dtype=torch.float32, device=q.device)
+        return out, none, none.clone()
+    indices, topk_length = contiguous_indices(indices, topk_length)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    q4 = q.unsqueeze(1)  # [s_q, 1, h_q, D]: a batch of single-token queries
+    cache = kv.unsqueeze(1)  # [s_kv, 1, 1, D]: pages of one token, so a page id is a row
+    table = torch.arange(s_kv, dtype=torch.int32, device=q.device).expand(s_q, s_kv)  # shared row: never copied
+    lengths = torch.full((s_q,), s_kv, dtype=torch.int32, device=q.device)
+    rows = sparse_rows(indices, table, lengths, topk_length, page_size=1, num_pages=s_kv, causal=False)
+    p = plan(q4, 1, s_kv, head_dim_v, topk, num_splits, "triton")
+    S = p.num_splits
+    out = empty(s_q, 1, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = empty(s_q, h_q, 1, dtype=torch.float32, device=q.device)
+    mx = empty(s_q, S, 1, h_q, dtype=torch.float32, device=q.device)
+    if S > 1:
+        o_part = empty(s_q, S, 1, h_q, head_dim_v, dtype=torch.float32, device=q.device)
+        lse_part = empty(s_q, S, 1, h_q, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
+    mla_decode_triton(q4, cache, table, lengths, rows, topk_length, head_dim_v, softmax_scale * _LOG2E, False, True,
+                      p, out, lse, o_part, lse_part, max_logits=mx)
+    if S > 1:
+        combine_splits(o_part, lse_part, out, lse)
+    return out[:, 0], (mx[:, 0, 0] if S == 1 else mx[:, :, 0].amax(1)), lse[..., 0]
+
+
+@torch.library.custom_op("gqla_triton::mla_sparse_prefill", mutates_args=())
+def _mla_sparse_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, head_dim_v: int,
+                           softmax_scale: float, topk_length: torch.Tensor | None, num_splits: int,
+                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mla_sparse_prefill_fwd(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl)
+
+
+@_mla_sparse_prefill_op.register_fake
+def _(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl):
+    s_q, h_q, _ = q.shape
+    return (q.new_empty(s_q, h_q, head_dim_v), q.new_empty(s_q, h_q, dtype=torch.float32),
+            q.new_empty(s_q, h_q, dtype=torch.float32))
+
+
+forward_only(_mla_sparse_prefill_op, "mla_sparse_prefill")
+
+
+def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits,
+                      impl) -> tuple[float, str, int]:
+    """Every check of ``mla_sparse_prefill`` (device values are never read); returns ``(softmax_scale, impl,
+    num_splits)``."""
+    impl = check_impl(impl, op="mla_sparse_prefill", gluon=False)
+    dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
+    check_tensor("q", q, ndim=3, dtypes=dtypes)
+    check_tensor("kv", kv, ndim=3, dtypes=dtypes)
+    check_same_dtype(q=q, kv=kv)
+    check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length)
+    s_q, h_q, D = q.shape
+    if h_q == 0:
+        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+    if kv.shape[1] != 1:
+        raise ValueError(f"kv: expected one latent head shared by every query head (dim 1 == 1), got shape "
+                         f"{list(kv.shape)}")
+    if kv.shape[2] != D:
+        raise ValueError(f"kv: last dim {kv.shape[2]} != q's last dim {D}")
+    if kv.stride(-1) != 1:
+        raise ValueError("kv: the last dimension must be contiguous (stride 1)")
+    if kv.shape[0] > MAX_KEYS:
+        raise ValueError(f"kv: at most {MAX_KEYS} rows (int32 row indices), got {kv.shape[0]}")
+    check_tensor("indices", indices, shape=(s_q, 1, None), dtypes=INDEX_DTYPES)
+    if not 1 <= indices.shape[-1] <= MAX_KEYS:
+        raise ValueError(f"indices: topk (last dimension) must be in [1, {MAX_KEYS}], got {indices.shape[-1]}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, shape=(s_q,), dtypes=INDEX_DTYPES)
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= D:
+        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
+                         f"got {head_dim_v!r}")
+    scale = check_softmax_scale(softmax_scale, D ** -0.5)
+    if impl != "reference":
+        check_kernel_device(q.device, _PREFILL_REFERENCE, q.dtype)
+    return scale, impl, check_num_splits(num_splits)
+
+
+def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_length=None, num_splits=0, *,
+                       impl="auto") -> SparsePrefillOutput:
+    """Sparse MLA prefill (DeepSeek sparse attention): every query token attends to its own top-k rows of a
+    latent key/value tensor. Forward only; no host sync (CUDA-graph safe).
+
+    Args:
+        q: ``[s_q, h_q, D]`` bf16/fp16/fp32, ``D = r + d_R`` (latent first, then rope; 512 + 64, or 512 alone).
+        kv: ``[s_kv, 1, D]``, q's dtype, unit stride along D: one latent row per token, shared by every head;
+            the value of a row is its first ``head_dim_v`` channels.
+        indices: ``[s_q, 1, topk]`` int32 rows of ``kv`` per query token. An entry outside ``[0, s_kv)`` (-1
+            included) selects nothing; a duplicated one counts once per occurrence. Any value is safe.
+        head_dim_v: value width (default 512).
+        softmax_scale: a finite real number; default ``D ** -0.5``.
+        topk_length: optional ``[s_q]`` int32: only the first ``topk_length[i]`` entries of row i count (clamped
+            to ``[0, topk]``).
+        num_splits: int in ``[0, 1024]``, the split count of each query's rows; 0 = chosen from shapes (one split
+            once the query tokens fill the GPU).
+        impl: ``"auto"`` / ``"triton"`` (the portable kernel of ``mla_decode``, which writes max_logits) or
+            ``"reference"`` (``mla_sparse_prefill_ref``, any device, float64 too).
+
+    Returns:
+        ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q]
+        fp32)``: the largest scaled score ``softmax_scale · q·k`` and the natural-log log-sum-exp over the keys a
+        query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and inf follow
+        IEEE arithmetic over the keys a query sees (a NaN score makes its out, max_logits and lse NaN).
+    """
+    scale, impl, num_splits = _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits,
+                                                impl)
+    fn = _mla_sparse_prefill_op if requires_grad(q, kv) else route(_mla_sparse_prefill_op, mla_sparse_prefill_fwd)
+    return SparsePrefillOutput(*fn(q, kv, indices, head_dim_v, scale, topk_length, num_splits, impl))

@@ -1,6 +1,6 @@
-"""FlashMLA's decode interface over ``mla_decode``: ``get_mla_metadata``, ``flash_mla_with_kvcache`` and
-``FlashMLASchedMeta`` with FlashMLA's signatures and conventions, so code written against FlashMLA runs here by
-changing its import.
+"""FlashMLA's interface over ``mla_decode`` and ``mla_sparse_prefill``: ``get_mla_metadata``,
+``flash_mla_with_kvcache``, ``FlashMLASchedMeta`` and ``flash_mla_sparse_fwd`` with FlashMLA's signatures and
+conventions, so code written against FlashMLA runs here by changing its import.
 
 Where FlashMLA's conventions differ from ``mla_decode``'s, these functions follow FlashMLA:
 
@@ -16,8 +16,12 @@ Where FlashMLA's conventions differ from ``mla_decode``'s, these functions follo
   with another one is a ``ValueError``, as FlashMLA asserts; the split plan here comes from shapes alone, so it
   carries nothing else. ``num_splits`` is FlashMLA's placeholder and must be None.
 
+``flash_mla_sparse_fwd`` (sparse prefill) follows the same conventions: -1 or a row outside ``kv`` selects
+nothing, lse is ``+inf`` (and max_logits ``-inf``) for a query that sees no key, and ``attn_sink`` scales out only.
+
 Beyond FlashMLA: sparse calls take a bf16 / fp16 cache as well as the FP8 one, dense calls the FP8 one as well as
-bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is. Forward only, CUDA-graph safe (no host sync).
+bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is; the sparse prefill takes any head count and width
+``mla_sparse_prefill`` takes. Forward only, CUDA-graph safe (no host sync).
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import dataclasses
 import torch
 
 from .._common import combine_splits
-from .._common.validation import check_flag, check_tensor
-from .api import mla_decode
+from .._common.validation import check_flag, check_scale, check_tensor
+from .api import mla_decode, mla_sparse_prefill
 from .fp8 import is_fp8_latent
 
-__all__ = ["FlashMLASchedMeta", "flash_mla_with_kvcache", "get_mla_metadata"]
+__all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
+
+_LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass
@@ -149,10 +155,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             raise ValueError(f"{name}: is_fp8_kvcache={is_fp8} but the cache is "
                              f"{'' if is_fp8_latent(cache) else 'not '}FlashMLA's FP8 layout ({cache.dtype}, "
                              f"last dim {cache.shape[-1]})")
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, shape=(q.shape[2],), dtypes=(torch.float32,))
-        if attn_sink.device != q.device:
-            raise ValueError(f"attn_sink: expected a tensor on {q.device}, got {attn_sink.device}")
+    _check_sink(attn_sink, q.shape[2], q.device)
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8,
         indices.shape[-1] if sparse else None, extra_k_cache.shape[1] if extra else None,
@@ -171,11 +174,63 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
                        merged, merged_lse)
         out, lse = merged, merged_lse
-    if attn_sink is not None:  # out · 1 / (1 + exp(sink - lse)); a query with no key keeps out 0 (sink -inf too)
-        keep = torch.sigmoid(lse - attn_sink[None, :, None]).masked_fill(lse == float("-inf"), 0.0)
-        out = (out.float() * keep.transpose(1, 2)[..., None]).to(out.dtype)
+    if attn_sink is not None:
+        out = _sink(out, lse.transpose(1, 2), attn_sink)
     # once the state is checked and the call made, as FlashMLA's own record is set by its first call
     if not tile_scheduler_metadata.have_initialized:
         tile_scheduler_metadata.config = config
         tile_scheduler_metadata.have_initialized = True
     return out, torch.where(lse == float("-inf"), float("inf"), lse)
+
+
+def _check_sink(attn_sink, h_q: int, device: torch.device) -> None:
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, shape=(h_q,), dtypes=(torch.float32,))
+        if attn_sink.device != device:
+            raise ValueError(f"attn_sink: expected a tensor on {device}, got {attn_sink.device}")
+
+
+def _sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
+    """``out [..., h_q, d_v] · 1 / (1 + exp(sink - lse))`` for lse ``[..., h_q]`` (-inf: no key); a query with no
+    key keeps out 0 (with a -inf sink too, where the factor would be NaN)."""
+    keep = torch.sigmoid(lse - attn_sink).masked_fill(lse == float("-inf"), 0.0)
+    return (out.float() * keep[..., None]).to(out.dtype)
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False,
+                         return_log2_lse=None):
+    """FlashMLA's sparse prefill ``flash_mla_sparse_fwd`` over ``mla_sparse_prefill``.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` (FlashMLA: bf16, h_q 64 or 128, d_qk 512 or 576; here any ``mla_sparse_prefill``
+            takes).
+        kv: ``[s_kv, 1, d_qk]``, q's dtype.
+        indices: ``[s_q, 1, topk]`` int32 rows of kv; -1 or a row ``>= s_kv`` selects nothing.
+        sm_scale: the softmax scale (a finite real number; None: ``d_qk ** -0.5``).
+        d_v: value width, the first ``d_v`` channels of a row (FlashMLA: 512).
+        attn_sink: ``[h_q]`` float32 or None: out is multiplied by ``1 / (1 + exp(attn_sink - lse))`` (-inf: no
+            effect, +inf: out 0); max_logits and lse are not.
+        topk_length: ``[s_q]`` int32 or None: only the first ``topk_length[i]`` entries of row i count.
+        use_legacy: accepted for sgl-flash-mla's signature; there is one kernel here, so it changes nothing.
+        return_log2_lse: sgl-flash-mla's option: None (default) returns max_logits and lse in natural-log units,
+            False returns None for both, True returns both in base 2.
+
+    Returns:
+        ``(out [s_q, h_q, d_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32)``; a query that sees
+        no key gets out 0, max_logits -inf and lse +inf.
+    """
+    check_flag("use_legacy", use_legacy)
+    if return_log2_lse is not None:
+        return_log2_lse = check_flag("return_log2_lse", return_log2_lse)
+    check_tensor("q", q, ndim=3)
+    _check_sink(attn_sink, q.shape[1], q.device)
+    sm_scale = check_scale("sm_scale", sm_scale, q.shape[-1] ** -0.5, factor=_LOG2E)
+    out, max_logits, lse = mla_sparse_prefill(q, kv, indices, d_v, sm_scale, topk_length)
+    if attn_sink is not None:
+        out = _sink(out, lse, attn_sink)
+    if return_log2_lse is False:
+        return out, None, None
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)
+    if return_log2_lse:
+        return out, max_logits * _LOG2E, lse * _LOG2E
+    return out, max_logits, lse

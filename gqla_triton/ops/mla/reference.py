@@ -34,7 +34,7 @@ import torch
 from .._common.paging import gather_pages, key_capacity, page_rows
 from .fp8 import dequantize_latent_fp8, is_fp8_latent
 
-__all__ = ["mla_decode_ref", "seen_pv"]
+__all__ = ["mla_decode_ref", "mla_sparse_prefill_ref", "seen_pv"]
 
 
 def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -115,3 +115,38 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     if p_dtype is not None:
         out = out.to(p_dtype).double()
     return out, lse.permute(0, 2, 1).contiguous()
+
+
+def mla_sparse_prefill_ref(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_length=None, *, p_dtype=None):
+    """Reference of ``mla_sparse_prefill``: ``(out [s_q, h_q, head_dim_v], max_logits [s_q, h_q], lse [s_q, h_q])``,
+    float64 on the CPU.
+
+    Query token ``i`` attends to the rows ``indices[i, 0, :n]`` of ``kv [s_kv, 1, D]`` (``n = topk_length[i]``
+    clamped to ``[0, topk]``, or ``topk``); an entry outside ``[0, s_kv)`` selects nothing, a duplicated one
+    counts once per occurrence. ``max_logits`` is the largest scaled score ``softmax_scale · q·k`` over the keys a
+    query sees (NaN where one of them is NaN) and ``lse`` their log-sum-exp (natural log); a query that sees no key
+    has out 0 and both -inf. Non-finite values follow ``mla_decode_ref``: only the keys a query sees enter its
+    arithmetic. ``p_dtype`` (tests only): the probabilities and out rounded to that dtype."""
+    q = q.detach().double().cpu()
+    rows = kv.detach().double().cpu()[:, 0]  # [s_kv, D]
+    idx = indices.detach().long().cpu()[:, 0]  # [s_q, topk]
+    s_q, h_q, D = q.shape
+    topk = idx.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = D ** -0.5
+    n = torch.full((s_q,), topk) if topk_length is None else topk_length.detach().long().cpu().clamp(0, topk)
+    seen = (torch.arange(topk)[None, :] < n[:, None]) & (idx >= 0) & (idx < rows.shape[0])  # [s_q, topk]
+    keys = rows[torch.where(seen, idx, 0)] if rows.shape[0] else torch.zeros(s_q, topk, D, dtype=torch.float64)
+    keys = torch.where(seen[..., None], keys, 0.0)  # an unseen entry's row never enters (a NaN there included)
+    s = torch.einsum("qhd,qnd->qhn", q, keys) * softmax_scale
+    s = torch.where(seen[:, None, :], s, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [s_q, h_q]
+    max_logits = s.amax(dim=-1)  # NaN where a seen score is NaN
+    empty = lse == -math.inf
+    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
+    if p_dtype is not None:
+        p = p.to(p_dtype).double()
+    out = torch.einsum("qhn,qnd->qhd", p, keys[..., :head_dim_v])
+    if p_dtype is not None:
+        out = out.to(p_dtype).double()
+    return out, max_logits, lse

@@ -109,7 +109,7 @@ def _keys(kv, kvs, kvr, off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: 
                                "causal"])
 def mla_decode_fwd_kernel(
     q, kv, kvs, kvr, block_table, seqlens, indices, topk_length,
-    out, lse, o_part, lse_part, pbuf, abuf,
+    out, lse, o_part, lse_part, pbuf, abuf, mx,
     qk_scale,  # softmax_scale * log2(e)
     s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
     s_qb, s_qq, s_qh,
@@ -120,12 +120,13 @@ def mla_decode_fwd_kernel(
     s_lb, s_lh, s_lq,
     s_pb, s_ps, s_pq, s_ph,
     s_plb, s_pls, s_plq,
+    s_mb, s_ms, s_mq,
     DV: tl.constexpr, DR: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
-    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr,
+    ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr, HAS_MAX: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -263,15 +264,21 @@ def mla_decode_fwd_kernel(
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
                h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
+    if HAS_MAX:  # this split's largest score per row in natural units (softmax_scale · q·k); NaN with a NaN sum
+        ln_m = qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453  # m: raw scores, or in log2 units
+        mx_row = tl.where(l_i != l_i, float("nan"), m_i * ln_m)
+        tl.store(mx + b64 * s_mb + split.to(tl.int64) * s_ms + qi.to(tl.int64) * s_mq + h, mx_row, mask=rvalid)
 
 
 def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                       rows_src: torch.Tensor, topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float,
                       causal: bool, sparse: bool, p: MLAPlan, out: torch.Tensor, lse: torch.Tensor,
-                      o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+                      o_part: torch.Tensor, lse_part: torch.Tensor, max_logits: torch.Tensor | None = None) -> None:
     """Launch the portable kernel over plan ``p``. ``rows_src``: ``sparse_rows``' physical rows ``[B, s_q, topk]``
     (sparse) or the block table (dense); ``qk_scale = softmax_scale · log2(e)``. Writes ``out``/``lse`` (one
-    split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``."""
+    split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``; with
+    ``max_logits`` (fp32 ``[B, S, s_q, h_q]``, unit stride along h_q) each split's largest scaled score per row
+    (-inf where the split saw no key)."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     cfg, S = p.cfg, p.num_splits
@@ -289,7 +296,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     kvs, kvr = (kv.view(torch.float32), kv.view(torch.bfloat16)) if fp8 else (kv, kv)
     mla_decode_fwd_kernel[grid](
         q, kv, kvs, kvr, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
-        out, lse, o_part, lse_part, pbuf, abuf,
+        out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
         qk_scale,
         s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
         int(bool(causal)),
@@ -301,11 +308,13 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         lse.stride(0), lse.stride(1), lse.stride(2),
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
+        *(max_logits.stride()[:3] if max_logits is not None else (0, 0, 0)),
         DV=DV, DR=DR, BDV=BDV, BDR=max(16, next_pow2(max(DR, 1))),
         PAGE_SIZE=page_size, BLOCK_H=p.BLOCK_H, BLOCK_N=cfg.block_n, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
         TAIL=causal and not sparse and p.QPT > 1, FP8=fp8, RAW=raw_scores(qk_scale),
+        HAS_MAX=max_logits is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
