@@ -150,17 +150,36 @@ def _indices(gg, B, s_q, g, topk, max_len, *, per_group, adversarial, lens=None)
 @settings(max_examples=examples(16, 20))
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), G=st.sampled_from([1, 4, 16, 32]), g=st.sampled_from([1, 2]),
        topk=st.sampled_from(pick([5, 16, 40], [64, 2048, 300])), per_group=st.booleans(),
-       with_len=st.booleans(), causal=st.booleans(), splits=st.sampled_from([0, 1, 3]), dtype=dtypes(),
-       seed=seeds())
-def test_sparse_vs_reference_adversarial(B, s_q, G, g, topk, per_group, with_len, causal, splits, dtype, seed):
+       with_len=st.booleans(), causal=st.booleans(), splits=st.sampled_from([0, 1, 3]),
+       page=st.sampled_from([PAGE, 1, 61]), dtype=dtypes(), seed=seeds())
+def test_sparse_vs_reference_adversarial(B, s_q, G, g, topk, per_group, with_len, causal, splits, page, dtype,
+                                         seed):
+    """Junk, duplicated and per-group indices, topk lengths, splits, pages of any size (sparse rows are addressed
+    one by one): the float64 reference."""
     max_len = pick(60, 3000)
     q, k, v, bt, lens, kr, gg = _case(seed, B=B, s_q=s_q, g=g, G=G, d_h=pick(16, 128), d_r=pick(16, 64),
-                                      d_v=pick(16, 128), max_len=max_len, dtype=dtype)
+                                      d_v=pick(16, 128), max_len=max_len, dtype=dtype, page=page)
     idx = _indices(gg, B, s_q, g, topk, max_len, per_group=per_group, adversarial=True, lens=lens)
     tl_ = (torch.randint(-1, topk + 2, (B,), generator=gg).to(torch.int32).to(P.device) if with_len else None)
     args = (q, k, v, bt, lens, kr)
     got = _run(*args, causal=causal, indices=idx, topk_length=tl_, num_splits=splits)
     _check("sparse", got, args, dtype, causal=causal, indices=idx, topk_length=tl_)
+
+
+@pytest.mark.parametrize("page", [1, 2, 61])
+def test_sparse_any_page_size(page):
+    """Sparse rows are addressed one by one: pages of any size; a dense call on such pages is refused by name."""
+    dtype = P.dtypes[-1]
+    max_len = pick(60, 3000)
+    q, k, v, bt, lens, kr, gg = _case(23, B=2, s_q=2, g=2, G=4, d_h=pick(16, 128), d_r=pick(16, 64),
+                                      d_v=pick(16, 128), max_len=max_len, dtype=dtype, page=page)
+    idx = _indices(gg, 2, 2, 2, pick(40, 2048), max_len, per_group=True, adversarial=True, lens=lens)
+    args = (q, k, v, bt, lens, kr)
+    for splits in (0, 3):
+        got = _run(*args, causal=True, indices=idx, num_splits=splits)
+        _check("sparse", got, args, dtype, causal=True, indices=idx)
+    with pytest.raises(ValueError, match="page_size: expected a positive multiple of 16"):
+        _run(*args)
 
 
 @given(s_q=st.integers(1, 3), G=st.sampled_from([4, 16]), causal=st.booleans(), dtype=dtypes(), seed=seeds())

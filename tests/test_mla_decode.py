@@ -32,6 +32,7 @@ FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture
 DIMS = pick([(32, 16), (64, 16)], [(512, 64), (256, 64)])  # (latent r = head_dim_v, rope d_R)
 HEADS = pick([16, 48], [16, 32, 64, 128])
 PAGES = pick([16, 32], [16, 64])
+SPARSE_PAGES = PAGES + [1, 2, 61]  # sparse rows take any page size (FlashMLA's sparse caches use 2 or 61)
 MAXLEN = pick(70, 1100)
 
 
@@ -203,8 +204,9 @@ def test_sparse_rows_translation(B, s_q, groups, page_size, topk, causal, with_l
 
 
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
-       page_size=st.sampled_from(PAGES), topk=st.sampled_from(pick([1, 16, 40], [64, 2048])), causal=st.booleans(),
-       with_len=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), dtype=dtypes(), seed=seeds())
+       page_size=st.sampled_from(SPARSE_PAGES), topk=st.sampled_from(pick([1, 16, 40], [64, 2048])),
+       causal=st.booleans(), with_len=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), dtype=dtypes(),
+       seed=seeds())
 def test_sparse_vs_reference(B, s_q, h_q, dims, page_size, topk, causal, with_len, num_splits, dtype, seed):
     r, dr = dims
     q, kv, bt, lens, g = _case(seed, B, s_q, h_q, r, dr, page_size, dtype, bad_pages=True)
@@ -213,6 +215,22 @@ def test_sparse_vs_reference(B, s_q, h_q, dims, page_size, topk, causal, with_le
     out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, topk_length=tl_,
                           num_splits=num_splits)
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx, topk_length=tl_)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 61])
+def test_sparse_any_page_size(page_size):
+    """Sparse rows are addressed one by one: pages of any size (FlashMLA's sparse caches use 2 or 61 tokens), on
+    every kernel ``impl="auto"`` picks; a dense call on such pages is refused by name."""
+    r, dr = DIMS[0]
+    dtype = P.dtypes[-1]
+    q, kv, bt, lens, g = _case(17, 2, 2, HEADS[0], r, dr, page_size, dtype, bad_pages=True)
+    idx = _adversarial_indices(g, 2, 2, pick(40, 2048), lens).to(P.device)
+    tl_ = torch.tensor([pick(30, 1500), 0], dtype=torch.int32, device=P.device)
+    for num_splits in (0, 3):
+        out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, indices=idx, topk_length=tl_, num_splits=num_splits)
+        _check(out, lse, q, kv, bt, lens, r, True, dtype, indices=idx, topk_length=tl_)
+    with pytest.raises(ValueError, match="page_size: expected a positive multiple of 16"):
+        mla_decode(q, kv, bt, lens, head_dim_v=r)
 
 
 @given(s_q=st.integers(1, 3), num_splits=st.sampled_from([2, 3, 5]), causal=st.booleans(), seed=seeds())

@@ -133,11 +133,12 @@ def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages
 
 @settings(max_examples=examples(4, 12), deadline=None)
 @given(B=st.integers(1, 3), s_q=st.integers(1, 2), topk=st.sampled_from([16, 40]), with_len=st.booleans(),
-       num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), impl=st.sampled_from(IMPLS), seed=seeds())
-def test_sparse_fp8_vs_reference(B, s_q, topk, with_len, num_splits, uint8, impl, seed):
-    """Sparse top-k over the FP8 cache; indices out of range, negative or past the table are ignored. The same
-    bytes given as uint8 are the same cache."""
-    q, kv8, bt, lens, g = _case(seed, B, s_q, 16, PAGE[0])
+       num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), page=st.sampled_from([PAGE[0], 2, 61]),
+       impl=st.sampled_from(IMPLS), seed=seeds())
+def test_sparse_fp8_vs_reference(B, s_q, topk, with_len, num_splits, uint8, page, impl, seed):
+    """Sparse top-k over the FP8 cache, pages of any size (FlashMLA's sparse caches use 2 or 61 tokens); indices
+    out of range, negative or past the table are ignored. The same bytes given as uint8 are the same cache."""
+    q, kv8, bt, lens, g = _case(seed, B, s_q, 16, page)
     idx = torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
     tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len else None
     cache = kv8.view(torch.uint8) if uint8 else kv8

@@ -131,7 +131,8 @@ def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=Non
 
     Args:
         q: ``[B, s_q, h_q, d_h + d_R]`` (bf16 / fp16 / fp32); head ``i`` uses group ``i // (h_q / g)``.
-        k_cache: ``[num_pages, page_size, g, d_h]`` per-group keys (no rope part); page_size % 16 == 0.
+        k_cache: ``[num_pages, page_size, g, d_h]`` per-group keys (no rope part); page_size % 16 == 0 (any size for
+            sparse calls).
         v_cache: ``[num_pages, page_size, g, d_v]`` per-group values.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Entries outside ``[0, num_pages)`` are never read

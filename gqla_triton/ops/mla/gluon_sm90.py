@@ -637,6 +637,8 @@ def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) 
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     if head_dim_v != 512 or D != 576:
         return f"head_dim_v {head_dim_v}, D {D} (latent 512 + rope 64 only)"
+    if kv_cache.shape[1] % 16:
+        return f"page size {kv_cache.shape[1]} (multiples of 16 only)"
     align = 16 // kv_cache.element_size()
     if kv_cache.stride(0) % align or kv_cache.stride(1) % align or kv_cache.data_ptr() % 16:
         return "kv_cache rows not 16-byte aligned (cp.async copies 16 bytes)"
