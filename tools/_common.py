@@ -40,6 +40,7 @@ _REFERENCE_HOMES = {  # name -> modules that may define it, first found wins
     "recurrent_gated_delta_rule_ref": ("gqla_triton.ops.gdn.reference", "gqla_triton.testing"),
     "chunk_gated_delta_rule_ref": ("gqla_triton.ops.gdn.reference", "gqla_triton.testing"),
     "mla_decode_ref": ("gqla_triton.ops.mla.reference", "gqla_triton.testing"),
+    "mla_sparse_prefill_ref": ("gqla_triton.ops.mla.reference",),
     "gqa_decode_reference": ("gqla_triton.ops.gqa.reference", "gqla_triton.testing"),
 }
 

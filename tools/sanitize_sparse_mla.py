@@ -1,11 +1,14 @@
-"""Adversarial sparse indices and block tables through ``gq.mla_decode`` on the GPU, for ``compute-sanitizer``.
+"""Adversarial sparse indices and block tables through ``gq.mla_decode`` and ``gq.mla_sparse_prefill`` on the GPU,
+for ``compute-sanitizer``.
 
     compute-sanitizer --tool memcheck python -m tools.sanitize_sparse_mla [SEEDS=3] [--impl auto|triton|gluon]
 
 must report 0 errors and exit 0.
 Indices hold huge, negative, INT32 extremes, >= cache_seqlens, beyond the block table, repeated values; block
-tables hold junk page ids (each case also runs dense over them); topk_length is negative, 0, or past topk. Every
-result is also checked against the float64 reference, so the run fails loudly (exit 1) on a wrong answer too.
+tables hold junk page ids (each case with pages of a multiple of 16 also runs dense over them; pages of 2 and 61
+tokens run sparse only); topk_length is negative, 0, or past topk. The prefill takes the same kinds of rows over a
+latent tensor of a few rows. Every result is also checked against the float64 reference, so the run fails loudly
+(exit 1) on a wrong answer too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import gqla_triton as gq
 from tools._common import reference
 
 mla_decode_ref = reference("mla_decode_ref")
+mla_sparse_prefill_ref = reference("mla_sparse_prefill_ref")
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 DTYPE = torch.bfloat16
@@ -43,7 +47,8 @@ def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits, impl="auto"):
     q = torch.randn(B, s_q, h_q, D, generator=g).to(DTYPE)
     kv = torch.randn(num_pages, page, 1, D, generator=g).to(DTYPE)
     cu = lambda t: t.cuda()  # noqa: E731
-    for ix, tkl in ((idx, None), (idx, topk_length), (None, None)):  # the last: dense over the junk block table
+    calls = ((idx, None), (idx, topk_length), (None, None))  # the last: dense over the junk block table
+    for ix, tkl in calls[:2] if page % 16 else calls:
         out, lse = gq.mla_decode(cu(q), cu(kv), cu(bt), cu(lens), head_dim_v=r, causal=causal,
                               indices=None if ix is None else cu(ix), topk_length=None if tkl is None else cu(tkl),
                               num_splits=num_splits, impl=impl)
@@ -59,6 +64,26 @@ def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits, impl="auto"):
     return True
 
 
+def prefill_case(seed, s_q, h_q, r, dr, s_kv, topk, impl="auto"):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 2 * s_kv, (s_q, 1, topk), generator=g)
+    junk = torch.tensor([-1, -2, I32_MAX, I32_MIN, s_kv, 10**9], dtype=torch.int64)
+    idx = torch.where(torch.rand(s_q, 1, topk, generator=g) < 0.3, junk[torch.randint(0, len(junk), idx.shape,
+                                                                                      generator=g)], idx).int()
+    tkl = torch.tensor([[-3, 0, topk, topk + 100, 1][i % 5] for i in range(s_q)], dtype=torch.int32)
+    q = torch.randn(s_q, h_q, r + dr, generator=g).to(DTYPE)
+    kv = torch.randn(s_kv, 1, r + dr, generator=g).to(DTYPE)
+    got = gq.mla_sparse_prefill(q.cuda(), kv.cuda(), idx.cuda(), r, None, tkl.cuda(), impl=impl)
+    torch.cuda.synchronize()
+    ro, rm, rl = mla_sparse_prefill_ref(q, kv, idx, r, None, tkl)
+    err = (got.out.double().cpu() - ro).norm() / ro.norm().clamp(min=1e-30)
+    bad = (err > 3e-2 or not torch.equal(torch.isfinite(got.lse.cpu()), torch.isfinite(rl))
+           or not torch.equal(torch.isfinite(got.max_logits.cpu()), torch.isfinite(rm)))
+    if bad:
+        print(f"FAIL prefill seed={seed} s_q={s_q} h_q={h_q} s_kv={s_kv} topk={topk} err={float(err):.3e}")
+    return not bad
+
+
 def main():
     ok = True
     n = 0
@@ -70,11 +95,17 @@ def main():
         del args[i:i + 2]
     seeds = int(args[0]) if args else 3
     for seed in range(seeds):
-        for (r, dr, h_q, page) in ((512, 64, 128, 64), (512, 64, 16, 16), (256, 64, 64, 32)):
+        for (r, dr, h_q, page) in ((512, 64, 128, 64), (512, 64, 16, 16), (256, 64, 64, 32), (512, 64, 64, 2),
+                                   (512, 64, 128, 61)):
             for topk, s_q, causal, ns in ((64, 1, True, 0), (200, 2, True, 3), (2048, 1, False, 0), (33, 3, True, 1)):
                 ok &= case(seed, 3, s_q, h_q, r, dr, page, topk, causal, ns, impl)
                 n += 1
-    print(f"{n} adversarial cases, impl={impl} (sparse twice, dense once each): {'all OK' if ok else 'FAILURES'}")
+        if impl != "gluon":  # the prefill runs the portable kernel
+            for (s_q, h_q, dr, s_kv, topk) in ((5, 128, 64, 3, 64), (7, 64, 0, 300, 2048), (300, 128, 64, 1000, 128)):
+                ok &= prefill_case(seed, s_q, h_q, 512, dr, s_kv, topk, impl)
+                n += 1
+    print(f"{n} adversarial cases, impl={impl} (decode: sparse twice, dense once on pages of 16k; prefill once): "
+          f"{'all OK' if ok else 'FAILURES'}")
     sys.exit(0 if ok else 1)
 
 
