@@ -188,6 +188,37 @@ def test_fp8_sparse_vs_dequantised_cache(B, s_q, topk, seed):
     assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-4)
 
 
+@settings(max_examples=examples(3, 6), deadline=None)
+@given(B=st.integers(1, 2), s_q=st.integers(1, 2), pages=st.sampled_from([(2, 61), (64, 2), (61, 16)]),
+       use_len=st.booleans(), seed=seeds())
+def test_model1_fp8_sparse_with_extra_cache(B, s_q, pages, use_len, seed):
+    """FlashMLA's MODEL1 FP8 pages (d_qk = d_v = 512) in both caches, each with its own page size, topk lengths and
+    a sink: FlashMLA's definition over the dequantised caches."""
+    g = gen(seed)
+    h_q, D = HEADS[0], 512
+    qdt = torch.bfloat16 if P.big else torch.float32  # FP8 caches take bf16 or fp32 q
+    (p1, p2) = pages
+    kv8 = gq.quantize_latent_fp8(randn((5, p1, 1, D), g, device="cpu"), layout="model1").to(P.device)
+    kv28 = gq.quantize_latent_fp8(randn((3, p2, 1, D), g, device="cpu"), layout="model1").to(P.device)
+    idx, idx2 = _rows(g, B, s_q, 40, 5 * p1), _rows(g, B, s_q, 24, 3 * p2)
+    idx[0, 0] = -1
+    length = torch.randint(0, 41, (B,), generator=g).int().to(P.device) if use_len else None
+    length2 = torch.randint(0, 25, (B,), generator=g).int().to(P.device) if use_len else None
+    sink = (randn((h_q,), g) * 2).float().to(P.device)
+    q = randn((B, s_q, h_q, D), g, dtype=qdt)
+    meta, _ = gq.get_mla_metadata()
+    out, lse = gq.flash_mla_with_kvcache(q, kv8, None, None, D, meta, is_fp8_kvcache=True, indices=idx,
+                                         topk_length=length, attn_sink=sink, extra_k_cache=kv28,
+                                         extra_indices_in_kvcache=idx2, extra_topk_length=length2)
+    deq = [gq.dequantize_latent_fp8(c, torch.float64) for c in (kv8, kv28)]
+    scopes = [(deq[0], idx, length), (deq[1], idx2, length2)]
+    ro, rl = _flashmla_ref(q, scopes, D**-0.5, D, sink)
+    lo_scopes = [(d.to(qdt), i, n) for d, (_, i, n) in zip(deq, scopes, strict=True)]
+    lo, ll = _flashmla_ref(q, lo_scopes, D**-0.5, D, sink, p_dtype=qdt)
+    assert_close("out", out, ro, lo, dtype=qdt, factor=3.0)  # two caches merged: one more rounding of out
+    assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if qdt == torch.float32 else 1e-4)
+
+
 @pytest.mark.gpu_only
 def test_cuda_graph_replay_equals_eager():
     """Sparse with an extra cache and a sink, and dense: captured once in a CUDA graph (no host sync inside), each

@@ -1,6 +1,7 @@
-"""FlashMLA's FP8 latent cache (656-byte rows): the quantiser's layout and error bound, ``mla_decode`` over it
-against the float64 reference of the dequantised cache (dense, sparse, splits, MTP, bad pages), exact NaN
-propagation, and refusals by name. Under the interpreter every call runs inside the address check."""
+"""FlashMLA's FP8 latent caches (656-byte rows; MODEL1 pages): the quantiser's layout and error bound, ``mla_decode``
+over them against the float64 reference of the dequantised cache (dense, sparse, splits, MTP, bad pages, pages of
+any size for sparse calls), exact NaN propagation, and refusals by name. Under the interpreter every call runs
+inside the address check."""
 
 import copy
 import math
@@ -15,7 +16,7 @@ from test_gqla_layer import make_layer
 
 from gqla_triton.layers.cache import GroupedCache, LatentCache
 from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
-from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES
+from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES, M1_ROW_BYTES, M1_TOKEN_BYTES
 from gqla_triton.testing import gqla_reference
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -202,6 +203,99 @@ def test_which_fp8_caches_the_gluon_kernel_takes():
     assert "16-byte" in gluon_unsupported(q, padded, 512)  # 660-byte rows: the scales aligned, the rope not
     assert "16-byte" in gluon_unsupported(q, raw[4:].as_strided(kv8.shape, kv8.stride()), 512)
     assert "kv_cache dtype" in gluon_unsupported(q, torch.zeros(3, 64, 1, 576, dtype=torch.float16), 512)
+    m1 = quantize_latent_fp8(torch.zeros(2, 64, 1, 512), layout="model1")
+    assert "MODEL1" in gluon_unsupported(q[..., :512], m1, 512)
+
+
+# ---------------------------------------------------------------------------------------------- MODEL1 pages
+@settings(max_examples=examples(10, 10), deadline=None)
+@given(pages=st.integers(1, 3), page=st.sampled_from([1, 2, 61, 64]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=seeds())
+def test_model1_quantizer_layout_and_error_bound(pages, page, scale, seed):
+    """Per page: each token's 448 e4m3 values then its 64 bf16 rope values (576 bytes apart), then each token's 7
+    UE8M0 scales and a padding byte; pages padded to a multiple of 576 bytes; the scale the least power of two at or
+    above amax / 448; each value within half an e4m3 step; an all-zero tile gives zeros, a NaN only its own tile."""
+    x = randn((pages, page, 1, 512), seed, scale=scale)
+    x[0, 0, 0, 64:128] = 0.0
+    if page > 1:
+        x[-1, 1, 0, 200] = float("nan")
+    q8 = quantize_latent_fp8(x, layout="model1")
+    padded = -(-page * M1_ROW_BYTES // 576) * 576
+    assert q8.shape == (pages, page, 1, M1_ROW_BYTES) and q8.stride(-1) == 1
+    assert (pages == 1 or q8.stride(0) == padded) and (page == 1 or q8.stride(1) == M1_ROW_BYTES)
+    b = q8.contiguous().view(torch.uint8).reshape(pages, page * M1_ROW_BYTES)
+    tok = b[:, :page * M1_TOKEN_BYTES].reshape(pages, page, M1_TOKEN_BYTES)
+    e = b[:, page * M1_TOKEN_BYTES:].reshape(pages, page, 8)
+    assert (e[..., 7] == 0).all()
+    assert torch.equal(tok[..., 448:].contiguous().view(torch.bfloat16), x[:, :, 0, 448:].to(torch.bfloat16))
+    nope = x[:, :, 0, :448].double().reshape(pages, page, 7, 64)
+    finite = torch.isfinite(nope).all(-1)
+    sc = torch.exp2(e[..., :7].double() - 127)
+    amax = nope.abs().amax(-1)
+    assert torch.all(~finite | (sc >= amax / 448) & ((sc <= 2 * amax / 448) | (amax == 0)))
+    assert torch.equal(e[..., :7] == 255, ~finite)
+    deq = dequantize_latent_fp8(q8, torch.float64)
+    assert deq.shape == (pages, page, 1, 512)
+    d = deq[:, :, 0, :448].reshape(pages, page, 7, 64)
+    bound = torch.maximum(nope.abs() * 2**-4, sc[..., None] * 2**-10) * (1 + 1e-6)
+    assert torch.all(((d - nope).abs() <= bound)[finite])
+    assert torch.isnan(d[~finite]).all() and (deq[0, 0, 0, 64:128] == 0).all()
+    assert torch.equal(deq[:, :, 0, 448:], x[:, :, 0, 448:].to(torch.bfloat16).double())
+    assert torch.equal(dequantize_latent_fp8(q8.contiguous().view(torch.uint8)).nan_to_num(),
+                       dequantize_latent_fp8(q8).nan_to_num())
+
+
+def _model1_case(seed, B, s_q, h_q, page):
+    g = gen(seed)
+    lens = torch.randint(0, MAXLEN + 1, (B,), generator=g)
+    max_pages = max(1, math.ceil(int(lens.max()) / page))
+    num_pages = B * max_pages + 2
+    bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
+    q = randn((B, s_q, h_q, 512), g, dtype=QDT)
+    kv = randn((num_pages, page, 1, 512), g)
+    return q, quantize_latent_fp8(kv, layout="model1").to(P.device), bt.to(P.device), lens.int().to(P.device), g
+
+
+@settings(max_examples=examples(5, 12), deadline=None)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 2), page=st.sampled_from([2, 16, 61]), topk=st.sampled_from([16, 40]),
+       with_len=st.booleans(), num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), seed=seeds())
+def test_sparse_model1_vs_reference(B, s_q, page, topk, with_len, num_splits, uint8, seed):
+    """Sparse top-k over MODEL1 pages (the value is all 512 channels, rope included); junk indices ignored; a NaN in
+    a token reaches only the queries that select it."""
+    q, kv8, bt, lens, g = _model1_case(seed, B, s_q, HEADS[0], page)
+    idx = torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
+    tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len else None
+    cache = kv8.view(torch.uint8) if uint8 else kv8
+    out, lse = _call(q, cache, bt, lens, 512, indices=idx, topk_length=tl_, num_splits=num_splits)
+    deq = dequantize_latent_fp8(kv8.cpu(), torch.float64)
+    ro, rl = mla_decode_ref(q, deq, bt, lens, 512, indices=idx, topk_length=tl_)
+    lo, ll = mla_decode_ref(q, deq.to(QDT), bt, lens, 512, indices=idx, topk_length=tl_, p_dtype=QDT)
+    assert_close("out", out, ro, lo, dtype=QDT)
+    assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if QDT == torch.float32 else 1e-4)
+
+
+def test_model1_refusals_name_the_argument():
+    q, kv8, bt, lens, _ = _model1_case(3, 2, 1, 16, 16)
+    idx = torch.zeros(2, 1, 16, dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="MODEL1 FP8 pages .* sparse calls only"):
+        mla_decode(q, kv8, bt, lens, 512)
+    with pytest.raises(ValueError, match="q / head_dim_v: FlashMLA's MODEL1"):
+        mla_decode(q, kv8, bt, lens, 448, indices=idx)
+    with pytest.raises(ValueError, match="q / head_dim_v: FlashMLA's MODEL1"):
+        mla_decode(torch.zeros(2, 1, 16, 576, dtype=QDT, device=P.device), kv8, bt, lens, 512, indices=idx)
+    with pytest.raises(TypeError, match="q: with an FP8"):
+        mla_decode(q.half(), kv8, bt, lens, 512, indices=idx)
+    swapped = kv8.view(torch.uint8).transpose(0, 1)  # not each page's bytes in order
+    with pytest.raises(ValueError, match="kv_cache: MODEL1 pages are read in place"):
+        mla_decode(q, swapped, bt, lens, 512, indices=idx)
+    raw = torch.zeros(2 * 16 * M1_ROW_BYTES + 1, dtype=torch.uint8, device=P.device)
+    odd = raw[1:].view(2, 16, 1, M1_ROW_BYTES)
+    with pytest.raises(ValueError, match="storage offset must be a multiple of 2"):
+        mla_decode(q, odd, bt, lens, 512, indices=idx)
+    with pytest.raises(ValueError, match="layout"):
+        quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model2")
+    with pytest.raises(ValueError, match="MODEL1 layout quantises pages"):
+        quantize_latent_fp8(torch.zeros(16, 512), layout="model1")
 
 
 def test_fp8_under_torch_compile_fullgraph():

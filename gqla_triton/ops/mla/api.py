@@ -31,7 +31,7 @@ from .._common.validation import (
     forward_only,
     requires_grad,
 )
-from .fp8 import FP8_DTYPES, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, is_fp8_latent
+from .fp8 import FP8_DTYPES, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, M1_NOPE, M1_ROW_BYTES, fp8_layout, is_fp8_latent
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref, mla_sparse_prefill_ref
@@ -140,7 +140,7 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
     if fp8:
-        _check_fp8(q, kv_cache, head_dim_v)
+        _check_fp8(q, kv_cache, head_dim_v, indices is not None)
     elif kv_cache.shape[3] != D:
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
     if q.shape[2] == 0:
@@ -158,11 +158,16 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
 
 
-def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v) -> None:
-    """The FP8 latent layout (``fp8.py``): 656-byte rows read as bytes, float32 scales and bf16 rope values."""
+def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool) -> None:
+    """FlashMLA's FP8 layouts (``fp8.py``): 656-byte rows read as bytes, float32 scales and bf16 rope values, or
+    MODEL1 pages (sparse only)."""
+    if kv_cache.shape[3] == M1_ROW_BYTES:
+        _check_model1(q, kv_cache, head_dim_v, sparse)
+        return
     if kv_cache.shape[3] != FP8_ROW_BYTES:
         raise ValueError(f"kv_cache: a {kv_cache.dtype} cache holds FP8 latent rows of {FP8_ROW_BYTES} bytes (512 "
-                         f"float8_e4m3fn, 4 float32 scales, 64 bf16 rope values), got last dim {kv_cache.shape[3]}")
+                         f"float8_e4m3fn, 4 float32 scales, 64 bf16 rope values) or MODEL1 pages of {M1_ROW_BYTES} "
+                         f"bytes per token, got last dim {kv_cache.shape[3]}")
     if q.shape[-1] != FP8_LATENT + FP8_ROPE or head_dim_v != FP8_LATENT:
         raise ValueError(f"q / head_dim_v: an FP8 latent cache takes q of latent {FP8_LATENT} + rope {FP8_ROPE} = "
                          f"{FP8_LATENT + FP8_ROPE} channels and head_dim_v {FP8_LATENT}, got q's last dim "
@@ -177,10 +182,33 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v) -> None:
         _check_fp8_offset(kv_cache)
 
 
+def _check_model1(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool) -> None:
+    """FlashMLA's MODEL1 pages: 448 e4m3 + 64 bf16 values per token (key and value: D = head_dim_v = 512), UE8M0
+    scales in the page's second region; the view's elements must be each page's bytes in order."""
+    if not sparse:
+        raise ValueError("kv_cache: FlashMLA's MODEL1 FP8 pages (584 bytes per token) are read by sparse calls only "
+                         "(indices), as FlashMLA reads them")
+    D = M1_NOPE + 64
+    if q.shape[-1] != D or head_dim_v != D:
+        raise ValueError(f"q / head_dim_v: FlashMLA's MODEL1 FP8 pages take q of {D} channels (448 quantised + 64 "
+                         f"rope) and head_dim_v {D}, got q's last dim {q.shape[-1]} and head_dim_v {head_dim_v!r}")
+    if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
+                        f"impl='reference'), got {q.dtype}")
+    num_pages, page = kv_cache.shape[:2]
+    if (page > 1 and kv_cache.stride(1) != M1_ROW_BYTES) or (num_pages > 1 and kv_cache.stride(0) % 2):
+        raise ValueError(f"kv_cache: MODEL1 pages are read in place: the view's elements must be each page's bytes "
+                         f"in order (strides (page stride, {M1_ROW_BYTES}, *, 1), an even page stride), got strides "
+                         f"{list(kv_cache.stride())}")
+    if not torch.compiler.is_compiling():
+        _check_fp8_offset(kv_cache)
+
+
 def _check_fp8_offset(kv_cache: torch.Tensor) -> None:
-    if kv_cache.storage_offset() % 4:
-        raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the storage offset must "
-                         f"be a multiple of 4 bytes, got {kv_cache.storage_offset()}")
+    align = 2 if fp8_layout(kv_cache) == "model1" else 4  # bf16 rope values; float32 scales too
+    if kv_cache.storage_offset() % align:
+        raise ValueError(f"kv_cache: FP8 rows are read with their scales and rope values in place: the storage offset "
+                         f"must be a multiple of {align} bytes, got {kv_cache.storage_offset()}")
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
@@ -193,7 +221,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16 (any size for sparse calls). Or FlashMLA's FP8 latent cache
             ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512 e4m3 latent values, a
             float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q bf16 (fp32 exact);
-            ``quantize_latent_fp8`` writes it.
+            ``quantize_latent_fp8`` writes it. Sparse calls also read FlashMLA's MODEL1 FP8 pages
+            ``[num_pages, page_size, 1, 584]`` (D = ``head_dim_v`` = 512; ``layout="model1"``).
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
         cache_seqlens: ``[B]`` int32 tokens in the cache per sequence; 0 or negative = empty. Any value is safe:

@@ -109,7 +109,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     Args:
         q: ``[B, s_q, h_q, 576]`` (512 latent + 64 rope; other ``mla_decode`` widths too).
         k_cache: ``[num_blocks, page_block_size, 1, 576]`` in q's dtype, or FlashMLA's FP8 layout
-            ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``).
+            ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``), or (sparse, q of 512 channels)
+            its MODEL1 FP8 pages ``[num_blocks, page_block_size, 1, 584]``.
         block_table: ``[B, max_blocks]`` int32, or None with ``indices``.
         cache_seqlens: ``[B]`` int32, or None with ``indices``.
         head_dim_v: 512.

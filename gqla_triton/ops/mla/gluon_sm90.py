@@ -40,7 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._common import raw_scores
 from .._common.gluon import async_load, barrier, reinterpret, tma_load
-from .fp8 import is_fp8_latent
+from .fp8 import fp8_layout, is_fp8_latent
 from .plan import MLAPlan
 
 NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
@@ -629,6 +629,8 @@ def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) 
     """Why the Gluon kernel cannot run these inputs (None when it can); the GPU itself is checked by the caller."""
     D = q.shape[-1]
     fp8 = is_fp8_latent(kv_cache)
+    if fp8_layout(kv_cache) == "model1":
+        return "FlashMLA's MODEL1 FP8 pages (the portable kernel reads them)"
     if fp8 and q.dtype != torch.bfloat16:
         return f"q dtype {q.dtype} with an FP8 latent cache (bf16 only: its rope values are bf16)"
     if not fp8 and kv_cache.dtype != q.dtype:

@@ -13,6 +13,8 @@ value it does not see, so a NaN or inf there cannot reach it (``0 · NaN``).
 
 FP8 latent cache (``fp8.py``, FlashMLA's 656-byte rows): the e4m3 bytes are converted and multiplied by their
 tile's scale as a tile loads, the bf16 rope values converted to q's dtype, so the dots run as on a bf16 cache.
+FlashMLA's MODEL1 pages (sparse only): a token's 448 e4m3 values and 64 bf16 rope values form its 512-channel key
+(and value), its UE8M0 scales sit in the page's second region.
 
 Variants (config fields): ``paged_tiles`` (dense, ``BLOCK_N`` divides the page: one block-table load per tile,
 contiguous rows), ``p_scratch`` (P and its row rescale cross a per-program scratch tile, so the score product
@@ -39,7 +41,7 @@ from .._common import (
 )
 from .._common.alloc import empty
 from .._common.paging import table_keys
-from .fp8 import is_fp8_latent
+from .fp8 import M1_TOKEN_BYTES, fp8_layout
 from .plan import MLAPlan
 
 __all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
@@ -81,14 +83,33 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l
 
 
 @triton.jit
-def _keys(kv, kvs, kvr, off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: tl.constexpr, FP8: tl.constexpr):
+def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: tl.constexpr,
+          FP8: tl.constexpr):
     """``(k_lat [BLOCK_N, BDV], k_rope [BLOCK_N, BDR])`` in ``KDT`` of the cache rows at element offsets ``off``.
-    FP8 (``fp8.py``): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale (``kvs``, the same
-    memory as float32) and the bf16 rope values (``kvr``, as bf16). The NaN bytes (``S.1111.111``) are mapped to
-    NaN explicitly: the interpreter's e4m3 conversion reads them as 480."""
+    FP8 1 (``fp8.py``, 656-byte rows): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale
+    (``kvs``, the same memory as float32) and the bf16 rope values (``kvr``, as bf16). FP8 2 (MODEL1 pages): ``off``
+    is a token's byte offset in its page's first region, ``sc_off`` that of its UE8M0 scales; channels 0..447 are
+    e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part). The
+    NaN bytes (``S.1111.111``) are mapped to NaN explicitly: the interpreter's e4m3 conversion reads them as 480."""
     m2 = ok[:, None] & mv[None, :]
     mr2 = ok[:, None] & mr[None, :]
-    if FP8:
+    if FP8 == 2:
+        nope = offs_v < 448
+        mn = ok[:, None] & nope[None, :]
+        u = tl.load(kv + off[:, None] + offs_v[None, :], mask=mn, other=0)
+        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = tl.where((u & 0x7F) == 0x7F, float("nan"), x)
+        # [BLOCK_N, 8] scale bytes (the 8th is padding: its channels take the rope values below)
+        e = tl.load(kv + sc_off[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=127).to(tl.int32)
+        sc = (e << 23).to(tl.float32, bitcast=True)
+        sc = tl.where(e == 255, float("nan"), tl.where(e == 0, 5.877471754111438e-39, sc))  # 2^-127 for e = 0
+        xt = tl.reshape(x, [x.shape[0], 8, 64])
+        deq = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV])
+        rope = tl.load(kvr + (off // 2 + 224)[:, None] + (offs_v - 448)[None, :], mask=ok[:, None] & ~nope[None, :],
+                       other=0.0).to(tl.float32)
+        k_lat = tl.where(nope[None, :], deq, rope).to(KDT)
+        k_rope = tl.zeros([x.shape[0], offs_r.shape[0]], KDT)
+    elif FP8 == 1:
         u = tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0)
         x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         x = tl.where((u & 0x7F) == 0x7F, float("nan"), x)
@@ -199,7 +220,13 @@ def mla_decode_fwd_kernel(
                 prow = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
             ok = prow >= 0
             prow = tl.where(ok, prow, 0)
-            kv_off = (prow // PAGE_SIZE).to(tl.int64) * s_kvp + (prow % PAGE_SIZE) * s_kvt
+            page_off = (prow // PAGE_SIZE).to(tl.int64) * s_kvp
+            slot = (prow % PAGE_SIZE).to(tl.int64)
+            kv_off = page_off + slot * s_kvt
+            if FP8 == 2:  # MODEL1: the token's scales in its page's second region
+                sc_off = page_off + (PAGE_SIZE * 576 + slot * 8)
+            else:
+                sc_off = kv_off
         elif PAGED_TILES:
             # the tile lies inside one page (start is a multiple of BLOCK_N, BLOCK_N divides PAGE_SIZE): one
             # scalar block-table load, contiguous rows
@@ -211,11 +238,13 @@ def mla_decode_fwd_kernel(
             pok = (blk >= 0) & (blk < num_pages)
             ok = (offs_n < hi) & pok
             kv_off = (tl.where(pok, blk, 0).to(tl.int64) * s_kvp
-                      + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * s_kvt)
+                      + ((start % PAGE_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * s_kvt)
+            sc_off = kv_off
         else:
             row, ok = logical_to_physical(bt_row, pos, offs_n < hi, max_pages, num_pages, PAGE_SIZE)
             kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
-        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV, FP8)
+            sc_off = kv_off
+        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, sc_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV, FP8)
         if P_SCRATCH:
             # P and alpha cross a global scratch tile (an L2 round trip): the store / load ends S's forward slice,
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
@@ -250,7 +279,8 @@ def mla_decode_fwd_kernel(
         for t in range(t_lo, t_hi):
             row, ok = logical_to_physical(bt_row, t + offs_t, offs_t == 0, max_pages, num_pages, PAGE_SIZE)
             kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
-            k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV, FP8)
+            k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV,
+                                  FP8)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
             sees = t <= last
@@ -291,9 +321,17 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     pbuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=q.dtype, device=q.device) if cfg.p_scratch \
         else out
     abuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H, dtype=torch.float32, device=q.device) if cfg.p_scratch else lse
-    fp8 = is_fp8_latent(kv_cache)
+    layout = fp8_layout(kv_cache)
+    fp8 = layout is not None
+    if fp8:  # a size-1 dim's stride is never used: 0 there, so the float32 / bf16 views below need no alignment of it
+        kv_cache = kv_cache.as_strided(kv_cache.shape, [st if n > 1 else 0 for n, st in
+                                                        zip(kv_cache.shape, kv_cache.stride(), strict=True)])
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
-    kvs, kvr = (kv.view(torch.float32), kv.view(torch.bfloat16)) if fp8 else (kv, kv)
+    kvs = kv.view(torch.float32) if layout == "v32" else kv
+    kvr = kv.view(torch.bfloat16) if fp8 else kv
+    # MODEL1: a token's values are 576 bytes apart in its page's first region (the view's 584-byte rows are the
+    # page's bytes in order, scales last)
+    s_kvt = M1_TOKEN_BYTES if layout == "model1" else kv.stride(1)
     mla_decode_fwd_kernel[grid](
         q, kv, kvs, kvr, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
@@ -301,7 +339,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
         int(bool(causal)),
         q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
+        kv.stride(0), s_kvt,
         block_table.stride(0),
         rows_src.stride(0), rows_src.stride(1) if sparse else 0,
         out.stride(0), out.stride(1), out.stride(2),
@@ -314,7 +352,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
-        TAIL=causal and not sparse and p.QPT > 1, FP8=fp8, RAW=raw_scores(qk_scale),
+        TAIL=causal and not sparse and p.QPT > 1, FP8={None: 0, "v32": 1, "model1": 2}[layout], RAW=raw_scores(qk_scale),
         HAS_MAX=max_logits is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
