@@ -24,6 +24,7 @@ _EXPORTS = {
     "flash_mla_with_kvcache": "gqla_triton.ops.mla",
     "flash_mla_sparse_fwd": "gqla_triton.ops.mla",
     "get_mla_metadata": "gqla_triton.ops.mla",
+    "get_mla_decoding_metadata": "gqla_triton.ops.mla",
     "FlashMLASchedMeta": "gqla_triton.ops.mla",
     "gqa_decode": "gqla_triton.ops.gqa",
     "GatedDeltaNet": "gqla_triton.layers.gated_deltanet",

@@ -146,6 +146,11 @@ def test_refusals_change_no_state():
         (ValueError, "attn_sink", dict(indices=idx, attn_sink=torch.zeros(15, device=P.device))),
         (TypeError, "causal", dict(causal="yes")),
         (TypeError, "indices", dict(indices=idx.long())),
+        (ValueError, "kv_format: must be None", dict(kv_format="v32")),
+        (ValueError, "descale_q: per-tensor descales", dict(descale_q=torch.ones(1, device=P.device))),
+        (ValueError, "descale_k: per-tensor descales", dict(descale_k=torch.ones(1, device=P.device))),
+        (TypeError, "enable_batch_invariant", dict(enable_batch_invariant="yes")),
+        (TypeError, "use_legacy", dict(use_legacy=None)),
     ]
     for exc, match, kw in cases:
         with pytest.raises(exc, match=match):
@@ -163,6 +168,37 @@ def test_refusals_change_no_state():
     with pytest.raises(ValueError, match="recorded for another configuration"):
         gq.flash_mla_with_kvcache(q[:1], kv, bt[:1], lens[:1], r, meta)
     assert meta.config == config
+
+
+def test_sgl_flash_mla_keywords_and_batch_invariance():
+    """sgl-flash-mla's surface: ``is_fp8_kvcache=None`` told by the cache, ``use_legacy`` no effect,
+    ``get_mla_decoding_metadata`` placeholders assignable onto the metadata, and ``enable_batch_invariant``: a
+    sequence's result bit for bit the same alone as inside a batch (every call unsplit), recorded in the metadata."""
+    g = gen(8)
+    r, dr = DIMS[0]
+    D = r + dr
+    kv = _cache(g, 40, 16, D, P.dtypes[-1])
+    B, s_q, h_q = pick(8, 132), 1, HEADS[0]  # as many sequences as SMs: unsplit by default, alone split
+    idx = _rows(g, B, s_q, pick(256, 2048), 40 * 16)  # long enough rows that a batch of one would be split
+    q = randn((B, s_q, h_q, D), g, dtype=P.dtypes[-1])
+    lens = torch.full((B,), 90, dtype=torch.int32, device=P.device)
+    tsm, splits = gq.get_mla_decoding_metadata(lens, s_q * h_q, 1, h_q, False, idx.shape[-1])
+    assert tsm.dtype == splits.dtype == torch.int32 and splits.shape == (B + 1,)
+    meta, _ = gq.get_mla_metadata()
+    meta.tile_scheduler_metadata, meta.num_splits = tsm, splits
+    full, full_lse = gq.flash_mla_with_kvcache(q, kv, None, None, r, meta, indices=idx, is_fp8_kvcache=None,
+                                               use_legacy=True, enable_batch_invariant=True)
+    assert meta.config.enable_batch_invariant and not meta.config.is_fp8_kvcache
+    for b in (0, B - 1):
+        one_meta, _ = gq.get_mla_metadata()
+        one, one_lse = gq.flash_mla_with_kvcache(q[b:b + 1], kv, None, None, r, one_meta, indices=idx[b:b + 1],
+                                                 enable_batch_invariant=True)
+        assert torch.equal(one[0], full[b]) and torch.equal(one_lse[0], full_lse[b])
+    ro, rl = _flashmla_ref(q, [(kv, idx, None)], D**-0.5, r)
+    lo, _ = _flashmla_ref(q, [(kv, idx, None)], D**-0.5, r, p_dtype=P.dtypes[-1])
+    assert_close("out", full, ro, lo, dtype=P.dtypes[-1])
+    with pytest.raises(ValueError, match="recorded for another configuration"):
+        gq.flash_mla_with_kvcache(q, kv, None, None, r, meta, indices=idx)  # batch invariance off: another config
 
 
 @pytest.mark.gpu_only

@@ -19,6 +19,12 @@ Where FlashMLA's conventions differ from ``mla_decode``'s, these functions follo
 ``flash_mla_sparse_fwd`` (sparse prefill) follows the same conventions: -1 or a row outside ``kv`` selects
 nothing, lse is ``+inf`` (and max_logits ``-inf``) for a query that sees no key, and ``attn_sink`` scales out only.
 
+sgl-flash-mla's additions are taken too: ``get_mla_decoding_metadata`` (its two tensors are placeholders here, since
+the split plan comes from shapes), ``is_fp8_kvcache=None`` (told by the cache's dtype), ``enable_batch_invariant``
+(every call unsplit, so a sequence's result does not depend on the rest of its batch), ``use_legacy`` (one kernel
+family here: no effect); ``kv_format``, ``descale_q`` and ``descale_k`` only at None (the layout is told by the
+row width; per-tensor descales of a dense FP8 path are not supported).
+
 Beyond FlashMLA: sparse calls take a bf16 / fp16 cache as well as the FP8 one, dense calls the FP8 one as well as
 bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is; the sparse prefill takes any head count and width
 ``mla_sparse_prefill`` takes. Forward only, CUDA-graph safe (no host sync).
@@ -35,7 +41,8 @@ from .._common.validation import check_flag, check_scale, check_tensor
 from .api import mla_decode, mla_sparse_prefill
 from .fp8 import is_fp8_latent
 
-__all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
+__all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_decoding_metadata",
+           "get_mla_metadata"]
 
 _LOG2E = 1.4426950408889634
 
@@ -57,15 +64,31 @@ class FlashMLASchedMeta:
         topk: int | None
         extra_page_block_size: int | None
         extra_topk: int | None
+        enable_batch_invariant: bool = False
 
     have_initialized: bool = False
     config: Config | None = None
+    tile_scheduler_metadata: torch.Tensor | None = None  # sgl-flash-mla's fields: kept, never read here
+    num_splits: torch.Tensor | None = None
 
 
 def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
     """A new, empty ``FlashMLASchedMeta`` and None (FlashMLA's return value). The arguments of FlashMLA's older
     interface (``cache_seqlens``, ``num_q_tokens_per_head_k``, ``num_heads_k``, ...) are accepted and unused."""
     return FlashMLASchedMeta(), None
+
+
+def get_mla_decoding_metadata(seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False, topk=None,
+                              use_legacy=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """sgl-flash-mla's precomputed split metadata: ``(tile_scheduler_metadata [0, 8] int32, num_splits [B + 1]
+    int32)`` on ``seqlens_k``'s device, placeholders that code may assign onto a ``FlashMLASchedMeta``; the split
+    plan here comes from shapes alone, so they carry nothing. ``seqlens_k [B]`` int32 is checked, never read."""
+    check_tensor("seqlens_k", seqlens_k, ndim=1, dtypes=(torch.int32,))
+    check_flag("is_fp8_kvcache", is_fp8_kvcache)
+    check_flag("use_legacy", use_legacy)
+    dev = seqlens_k.device
+    return (torch.zeros(0, 8, dtype=torch.int32, device=dev),
+            torch.zeros(seqlens_k.shape[0] + 1, dtype=torch.int32, device=dev))
 
 
 def _check_meta(meta, config: FlashMLASchedMeta.Config) -> None:
@@ -87,7 +110,7 @@ def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
 
 
 def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-               name: str):
+               name: str, num_splits: int = 0):
     """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``."""
     if k_cache.dim() != 4 or k_cache.shape[2] != 1:
         raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, head_dim] (one latent head), got "
@@ -95,15 +118,17 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if indices is None:
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens: required without indices (dense attention)")
-        return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+        return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                          num_splits=num_splits)
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
-    return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length)
+    return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits)
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
                            attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
-                           extra_topk_length=None):
+                           extra_topk_length=None, enable_batch_invariant=False, use_legacy=False, kv_format=None,
+                           descale_q=None, descale_k=None):
     """FlashMLA's ``flash_mla_with_kvcache`` (module docstring for its conventions).
 
     Args:
@@ -118,12 +143,14 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         num_splits: None.
         softmax_scale: default ``q.shape[-1] ** -0.5``.
         causal: dense only; query ``j`` sits at ``cache_seqlens - s_q + j``.
-        is_fp8_kvcache: whether ``k_cache`` (and ``extra_k_cache``) hold the FP8 layout.
+        is_fp8_kvcache: whether ``k_cache`` (and ``extra_k_cache``) hold an FP8 layout; None: told by the dtype.
         indices: ``[B, s_q, topk]`` int32 physical cache rows (sparse); -1 selects nothing.
         attn_sink: ``[h_q]`` float32 or None.
         extra_k_cache, extra_indices_in_kvcache, extra_topk_length: a second cache and its rows ``[B, s_q,
             extra_topk]`` (sparse only).
         topk_length: ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
+        enable_batch_invariant: every call unsplit (recorded in the metadata like the shapes).
+        use_legacy: no effect. kv_format, descale_q, descale_k: None only.
 
     Returns:
         ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (``+inf`` for a query that
@@ -134,7 +161,16 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     check_tensor("q", q, ndim=4)
     check_tensor("k_cache", k_cache, ndim=4)
     causal = check_flag("causal", causal)
-    is_fp8 = check_flag("is_fp8_kvcache", is_fp8_kvcache)
+    is_fp8 = is_fp8_latent(k_cache) if is_fp8_kvcache is None else check_flag("is_fp8_kvcache", is_fp8_kvcache)
+    invariant = check_flag("enable_batch_invariant", enable_batch_invariant)
+    check_flag("use_legacy", use_legacy)
+    if kv_format is not None:
+        raise ValueError(f"kv_format: must be None (the FP8 layout is told by the cache's row width), got "
+                         f"{kv_format!r}")
+    for name, value in (("descale_q", descale_q), ("descale_k", descale_k)):
+        if value is not None:
+            raise ValueError(f"{name}: per-tensor descales (a dense FP8 path with scaled q) are not supported; pass "
+                             "None")
     sparse = indices is not None
     extra = extra_k_cache is not None
     if causal and sparse:
@@ -160,15 +196,16 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8,
         indices.shape[-1] if sparse else None, extra_k_cache.shape[1] if extra else None,
-        extra_indices_in_kvcache.shape[-1] if extra else None)
+        extra_indices_in_kvcache.shape[-1] if extra else None, invariant)
     _check_meta(tile_scheduler_metadata, config)
 
+    splits = 1 if invariant else 0
     out, lse = _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, "k_cache")
+                          topk_length, "k_cache", splits)
     if extra:
         try:
             out2, lse2 = _one_cache(q, extra_k_cache, None, None, head_dim_v, softmax_scale, False,
-                                    extra_indices_in_kvcache, extra_topk_length, "extra_k_cache")
+                                    extra_indices_in_kvcache, extra_topk_length, "extra_k_cache", splits)
         except (TypeError, ValueError) as e:  # mla_decode names its own arguments: say which cache they are
             raise type(e)(f"extra_k_cache / extra_indices_in_kvcache / extra_topk_length: {e}") from None
         merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
