@@ -145,6 +145,22 @@ def assert_matches(name, got, ref, lowp, *, dtype, eps=None):
     assert_close(name, torch.where(fin, got, zero), torch.where(fin, ref, zero), lowp, dtype=dtype, eps=eps)
 
 
+def assert_refused(fn, base: dict, calls) -> None:
+    """Each ``(label, overrides, exception type, message regex)`` of ``calls``: ``fn(**{**base, **overrides})``
+    raises exactly that type with a message matching the regex (it names the argument)."""
+    import re
+
+    import pytest
+
+    for label, over, exc, pattern in calls:
+        try:
+            fn(**{**base, **over})
+        except Exception as e:  # noqa: BLE001 (the type is checked next)
+            assert type(e) is exc and re.search(pattern, str(e)), f"{label}: {type(e).__name__}: {e}"
+        else:
+            pytest.fail(f"{label}: accepted")
+
+
 def assert_close_token_sum(name: str, out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, d: torch.Tensor,
                            d64: torch.Tensor, dlp: torch.Tensor, w: torch.Tensor, *, dtype: torch.dtype,
                            factor: float = 2.0) -> None:
