@@ -218,10 +218,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     Args:
         q: ``[B, s_q, h_q, D]`` bf16/fp16/fp32, ``D = r + d_R`` (latent first, then rope; 512 + 64 tuned).
         kv_cache: ``[num_pages, page_size, 1, D]``, same dtype; the value of a token is the first
-            ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16 (any size for sparse calls). Or FlashMLA's FP8 latent cache
-            ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512 e4m3 latent values, a
-            float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q bf16 (fp32 exact);
-            ``quantize_latent_fp8`` writes it. Sparse calls also read FlashMLA's MODEL1 FP8 pages
+            ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16 (any size for sparse calls). Or
+            FlashMLA's FP8 latent cache ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512
+            e4m3 latent values, a float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q
+            bf16 (fp32 exact); ``quantize_latent_fp8`` writes it. Sparse calls also read FlashMLA's MODEL1 FP8 pages
             ``[num_pages, page_size, 1, 584]`` (D = ``head_dim_v`` = 512; ``layout="model1"``).
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.

@@ -352,7 +352,8 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
-        TAIL=causal and not sparse and p.QPT > 1, FP8={None: 0, "v32": 1, "model1": 2}[layout], RAW=raw_scores(qk_scale),
+        TAIL=causal and not sparse and p.QPT > 1, FP8={None: 0, "v32": 1, "model1": 2}[layout],
+        RAW=raw_scores(qk_scale),
         HAS_MAX=max_logits is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
