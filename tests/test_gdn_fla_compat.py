@@ -7,6 +7,8 @@ changes nothing; unknown keywords are a ``TypeError`` naming them. The decode st
 in test_gdn_decode_options.py.
 """
 
+import warnings
+
 import pytest
 import torch
 from harness import P, assert_close, rand, randn
@@ -313,3 +315,112 @@ def test_fused_recurrent_torch_compile():
     o2, h2 = f(q, k, v, g, beta, h0)
     torch.testing.assert_close(o1, o2)
     torch.testing.assert_close(h1, h2)
+
+
+# ------------------------------------------------------------------ fla's deprecated layout name, FlashQLA's keywords
+
+
+def _layout_call(op, layout_kw, seed=101):
+    """One call of ``op`` with the V-first layout flags ``layout_kw``: its outputs (o, and the final state or the
+    updated pool), each [V, K] state given as such. The inputs depend on the seed only."""
+    q, k, v, g, beta = _inputs(2, 5, seed)
+    h0 = randn((2, HV, V, K), seed + 7, scale=0.5)  # read as [V, K] rows where the flags ask for V-first
+    if op == "chunk":
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, **layout_kw)
+    if op == "fused_recurrent":
+        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                                **layout_kw)
+    pool = h0.clone()
+    return gated_delta_rule_decode(q, k, v, g, beta, pool, **layout_kw), pool
+
+
+@pytest.mark.parametrize("op", ["chunk", "fused_recurrent", "decode"])
+@pytest.mark.parametrize("value", [True, False])
+def test_transpose_state_layout_is_flas_deprecated_name(op, value):
+    """As in fla (both functions): ``transpose_state_layout`` alone warns (DeprecationWarning) and sets the layout,
+    exactly as ``state_v_first`` at that value, also beside ``state_v_first=False``; with ``state_v_first=True`` it
+    is a ValueError whatever its value, before any state changes; ``state_v_first`` alone does not warn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        want = _layout_call(op, {"state_v_first": value})
+        plain = _layout_call(op, {})
+    assert torch.equal(want[0], plain[0]) != value  # the layout does change the result: the test can tell
+    for kw in ({"transpose_state_layout": value}, {"state_v_first": False, "transpose_state_layout": value}):
+        with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+            got = _layout_call(op, kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
+    q, k, v, g, beta = _inputs(1, 3, 103)
+    pool = randn((1, HV, V, K), 104)
+    keep = pool.clone()
+    with pytest.raises(ValueError, match="state_v_first=True and transpose_state_layout"):
+        if op == "chunk":
+            chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_v_first=True,
+                                   transpose_state_layout=value)
+        elif op == "fused_recurrent":
+            fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=pool, state_v_first=True,
+                                             transpose_state_layout=value)
+        else:
+            gated_delta_rule_decode(q, k, v, g, beta, pool, state_v_first=True, transpose_state_layout=value)
+    assert torch.equal(pool, keep)
+
+
+FLASH_QLA_SCHEDULING = ("auto_cp", "enable_fwd_cp_cache", "force_intra_cp")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunk_takes_flash_qla_scheduling_keywords(grad):
+    """FlashQLA 0.1.3's auto_cp / enable_fwd_cp_cache / force_intra_cp schedule its intra-card context parallelism
+    and change no result: taken at either value, outputs, final states and gradients bit-identical to the call
+    without them (split sequences included); a non-bool is a TypeError naming it; the recurrent functions, which
+    FlashQLA does not have, refuse them as unknown keywords."""
+    q, k, v, g, beta = _inputs(1, 70, 111)
+    cu = torch.tensor([0, 5, 70], dtype=torch.int64, device=P.device)
+    h0 = randn((2, HV, K, V), 112, scale=0.5)
+
+    def run(**kw):
+        xs = [t.clone().requires_grad_(grad) for t in (q, k, v, g, beta, h0)]
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                       use_qk_l2norm_in_kernel=True, **kw)
+        if not grad:
+            return [o, ht]
+        ((o * o.detach()).sum() + ht.sum()).backward()
+        return [o, ht] + [t.grad for t in xs]
+
+    base = run()
+    for name in FLASH_QLA_SCHEDULING:
+        for value in (True, False):
+            got = run(**{name: value})
+            assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True)), (name, value)
+    got = run(auto_cp=False, enable_fwd_cp_cache=True, force_intra_cp=True, head_first=False, cp_context=None,
+              state_v_first=False)  # every keyword of FlashQLA's signature at once
+    assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+    for name in FLASH_QLA_SCHEDULING:
+        with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+            chunk_gated_delta_rule(q, k, v, g, beta, **{name: 1})
+        with pytest.raises(TypeError, match=f"unexpected keyword argument.*'{name}'"):
+            fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **{name: True})
+        (q2, k2, v2, g2, beta2, state, idx), _ = _pool_call()
+        with pytest.raises(TypeError, match=f"unexpected keyword argument.*'{name}'"):
+            gated_delta_rule_decode(q2, k2, v2, g2, beta2, state, idx, **{name: True})
+
+
+def test_fla_and_flash_qla_keywords_under_torch_compile():
+    """The deprecated layout name and FlashQLA's scheduling keywords trace with ``fullgraph=True`` (no warning is
+    issued while tracing) and give the eager results."""
+    q, k, v, g, beta = _inputs(1, 6, 121)
+    h0 = randn((1, HV, V, K), 122, scale=0.5)
+
+    def f(q, k, v, g, beta, h0):
+        o1, h1 = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                                  transpose_state_layout=True)
+        o2, h2 = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                        transpose_state_layout=True, auto_cp=False, force_intra_cp=True,
+                                        enable_fwd_cp_cache=False)
+        return o1 * 2, h1, o2 * 2, h2
+
+    backend = "aot_eager" if P.device == "cpu" else "inductor"
+    got = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, g, beta, h0)
+    with pytest.warns(DeprecationWarning):
+        want = f(q, k, v, g, beta, h0)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -343,7 +343,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k kᵀ`` may have eigenvalues down to -1.
         state_layout: ``"kv"`` (state rows ``[K, V]``) or ``"vk"`` (``[V, K]``, the decode layout of vLLM / SGLang /
             FlashInfer) for initial_state, the final state, the state pool and the initial state's gradient; fla's
-            ``state_v_first=True`` (and its older name ``transpose_state_layout``) is the same as ``"vk"``.
+            ``state_v_first=True`` is the same as ``"vk"``; its deprecated name ``transpose_state_layout`` is taken
+            as fla takes it (a ``DeprecationWarning``; a ``ValueError`` together with ``state_v_first=True``).
         chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
             function at every size, rounded differently; 64 is the tuned one; 16 not on the GPU). fla's
             ``chunk_indices`` then count chunks of this size.
@@ -353,10 +354,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             through the Gluon kernel (sm_90, bf16, K 128, V a multiple of 32, chunk_size 64; sequences never split),
             a ``ValueError`` saying why where it cannot, also where an input requires grad; ``"reference"``: the
             torch chunked reference (``chunk_gated_delta_rule_ref``, differentiable, any device).
-        **fla_options: fla's other keywords, accepted at the value that computes what this function computes:
-            ``head_first=False``, ``cp_context=None``; and ``state_v_first`` / ``transpose_state_layout`` (bools,
-            see ``state_layout``). Any other value of these (head-first inputs, context parallelism) is a
-            ``ValueError`` naming the option as unsupported; any other keyword a ``TypeError`` naming it.
+        **fla_options: fla's / FlashQLA's other keywords, accepted at the value that computes what this function
+            computes: ``head_first=False``, ``cp_context=None``; ``state_v_first`` / ``transpose_state_layout``
+            (bools, see ``state_layout``); FlashQLA's ``auto_cp``, ``enable_fwd_cp_cache`` and ``force_intra_cp``
+            (bools, either value: they schedule FlashQLA's intra-card context parallelism and change no result;
+            here the plan splits long sequences by itself, results independent of the split). Any other value of
+            these (head-first inputs, context parallelism) is a ``ValueError`` naming the option as unsupported; any
+            other keyword a ``TypeError`` naming it.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
         beta, initial_state, A_log, dt_bias (its gradient in its dtype and layout; with ``state_indices``: ``(o, None)``, not

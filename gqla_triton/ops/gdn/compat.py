@@ -2,14 +2,17 @@
 
 Options that leave the math as computed here are accepted at the value that does so (fla's default), with their
 consistency checked where that costs no device read; every other value is refused by name (``ValueError``: not
-supported here), and a keyword neither function knows is a ``TypeError`` naming it. The decode step takes fla's
-in-kernel gate / beta / eigenvalue options as its own keywords, and so does the chunked op; both
-functions take fla's V-first layout flags at either value (``state_v_first``).
+supported here), and a keyword neither function knows is a ``TypeError`` naming it. FlashQLA's scheduling switches
+(``auto_cp``, ``enable_fwd_cp_cache``, ``force_intra_cp``) change no result at either value and are taken as bools
+by the chunked op. The decode step takes fla's in-kernel gate / beta / eigenvalue options as its own keywords, and so
+does the chunked op; both functions take fla's V-first layout flags at either value (``state_v_first``, and its
+deprecated name ``transpose_state_layout`` as fla takes it).
 """
 
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 
@@ -30,12 +33,16 @@ _DECODE_FLAGS = {
 }
 # fla's names of the V-first state layout: either value is taken by both functions
 _LAYOUT = ("state_v_first", "transpose_state_layout")
+# FlashQLA's switches of its intra-card context parallelism (how a long sequence is spread over the SMs): scheduling
+# only, they leave the result as it is, so either value is taken; the split here is the plan's sequence splitting
+# (chosen from shapes: results do not depend on it)
+_CHUNK_SCHEDULING = ("auto_cp", "enable_fwd_cp_cache", "force_intra_cp")
 # option -> what a value other than None asks for
 _CHUNK_NONE = {"cp_context": "context parallelism"}
 _DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by its accepted draft count (here "
                                        "`accepted` commits the state after the accepted tokens instead)"}
 
-CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_NONE)
+CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_SCHEDULING, *_CHUNK_NONE)
 DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_LAYOUT, *_DECODE_NONE)
 RECURRENT_OPTIONS = (*_FLAGS, _LAYOUT[1])  # fused_recurrent_gated_delta_rule: state_v_first is its argument
 
@@ -53,7 +60,7 @@ def check_fla_options(op: str, options: dict) -> None:
     flags = {**_FLAGS, **(_CHUNK_FLAGS if chunk else _DECODE_FLAGS)}
     nones = _CHUNK_NONE if chunk else _DECODE_NONE
     for name, value in options.items():
-        if name in _LAYOUT:
+        if name in _LAYOUT or name in _CHUNK_SCHEDULING:
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
         elif name in flags:
@@ -128,22 +135,32 @@ def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int) -> None:
 
 def state_v_first(state_layout, options: dict) -> bool:
     """Whether the state rows (of the decode step's pool, of the chunked op's initial / final states and pool) are
-    V-first: ``state_layout="vk"``, or fla's ``state_v_first`` /
-    ``transpose_state_layout`` True in ``options`` (their types are checked by ``check_fla_options``). The two fla
-    names at different values, or one of them False with ``state_layout="vk"``, is a ``ValueError``."""
+    V-first: ``state_layout="vk"``, or fla's ``state_v_first`` / ``transpose_state_layout`` True in ``options``
+    (their types are checked by ``check_fla_options``). As in fla, ``transpose_state_layout`` is the deprecated name
+    of ``state_v_first``: passing it warns (``DeprecationWarning``, in eager calls: not while torch.compile traces)
+    and sets the layout, and passing it together with ``state_v_first=True`` is a ``ValueError``. An fla name at
+    False with ``state_layout="vk"`` is a ``ValueError``."""
     if not isinstance(state_layout, str):
         raise TypeError(f"state_layout: expected 'kv' or 'vk', got {type(state_layout).__name__}")
     if state_layout not in ("kv", "vk"):
         raise ValueError(f"state_layout: expected 'kv' ([..., K, V] rows) or 'vk' ([..., V, K] rows), got "
                          f"{state_layout!r}")
-    given = {name: options[name] for name in _LAYOUT if name in options}
-    if len(set(given.values())) > 1:
-        raise ValueError(f"state_v_first={given['state_v_first']} and transpose_state_layout="
-                         f"{given['transpose_state_layout']} contradict each other (both name the V-first layout)")
-    if state_layout == "vk" and False in given.values():
-        name = next(n for n, v in given.items() if v is False)
+    name = "state_v_first" if "state_v_first" in options else None
+    v_first = options.get("state_v_first", False)
+    if "transpose_state_layout" in options:
+        old = options["transpose_state_layout"]
+        if v_first:
+            raise ValueError(f"state_v_first=True and transpose_state_layout={old}: transpose_state_layout is fla's "
+                             "deprecated name of state_v_first, pass state_v_first alone (fla refuses both together, "
+                             "and at different values they contradict each other)")
+        if not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: fullgraph would break)
+            # stacklevel 3: the caller of the public function
+            warnings.warn("transpose_state_layout is deprecated and renamed to state_v_first (as in fla)",
+                          DeprecationWarning, stacklevel=3)
+        name, v_first = "transpose_state_layout", old
+    if state_layout == "vk" and name is not None and not v_first:
         raise ValueError(f"{name}=False contradicts state_layout='vk'")
-    return state_layout == "vk" or True in given.values()
+    return state_layout == "vk" or v_first
 
 
 decode_state_v_first = state_v_first

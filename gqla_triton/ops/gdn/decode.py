@@ -347,7 +347,8 @@ def gated_delta_rule_decode(
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernel takes ``sigmoid(beta)``.
         allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k k^T`` may have eigenvalues down to -1.
         state_layout: ``"kv"`` (``[..., K, V]`` rows) or ``"vk"`` (``[..., V, K]``, the layout of vLLM / SGLang /
-            FlashInfer decode); fla's ``state_v_first=True`` (and its older name ``transpose_state_layout``) is
+            FlashInfer decode); fla's ``state_v_first=True`` (and its deprecated name ``transpose_state_layout``,
+            with a ``DeprecationWarning``; the two together with ``state_v_first=True`` are a ``ValueError``) is
             ``"vk"``.
         impl: ``"auto"`` / ``"triton"``: the Triton kernel; ``"reference"``: ``recurrent_gated_delta_rule_ref`` token
             by token (any device, float64 too; reads the index tensors on the host; the state is updated in place

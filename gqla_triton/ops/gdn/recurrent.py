@@ -53,7 +53,8 @@ def fused_recurrent_gated_delta_rule(
             the reference on float64 inputs).
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval:
             as ``gated_delta_rule_decode``.
-        state_v_first: V-first state rows (fla's older name ``transpose_state_layout`` is taken too).
+        state_v_first: V-first state rows. fla's deprecated name ``transpose_state_layout`` is taken too, as fla
+            takes it: a ``DeprecationWarning``, and a ``ValueError`` together with ``state_v_first=True``.
         cu_seqlens: ``[N+1]`` int32 / int64 sequence bounds (see ``gated_delta_rule_decode``).
         impl: ``"auto"`` / ``"triton"`` (the decode kernel) or ``"reference"`` (the torch recurrence).
         **fla_options: ``head_first=False``, ``transpose_state_layout`` (a bool); another value is a
@@ -66,8 +67,7 @@ def fused_recurrent_gated_delta_rule(
     check_fla_options("fused_recurrent_gated_delta_rule", fla_options)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"state_v_first: expected a bool, got {type(state_v_first).__name__}")
-    v_first = layout_v_first("vk" if state_v_first else "kv",
-                             {**fla_options, **({"state_v_first": True} if state_v_first else {})})
+    v_first = layout_v_first("kv", {**fla_options, "state_v_first": state_v_first})
     output_final_state = check_flag("output_final_state", output_final_state)
     for name, t in (("gk", gk), ("gv", gv)):
         if t is not None:
