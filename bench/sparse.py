@@ -78,11 +78,11 @@ def _run_mla(name, w, ctx, anchors):
     phys = _physical(idx, bt).reshape(B * s_q, 1, topk)
     prefill = lambda: gq.flash_mla_sparse_fwd(q2, kv2, phys, scale, 512)  # noqa: E731
     ctx.row("sparse_decode", name, "gqla_triton_prefill", time_ms(prefill), flops=model.flops, nbytes=model.bytes)
-    _flash_mla_sparse(name, ctx, anchors, model, q2, kv2, phys, scale)
+    _flash_mla_sparse("sparse_decode", name, ctx, anchors, model, q2, kv2, phys, scale)
 
 
-def _flash_mla_sparse(name, ctx, anchors, model, q, kv, rows, scale):
-    """FlashMLA's ``flash_mla_sparse_fwd`` on these inputs, its legacy (SM90) and current kernels."""
+def _flash_mla_sparse(kind, name, ctx, anchors, model, q, kv, rows, scale):
+    """FlashMLA's ``flash_mla_sparse_fwd`` on these inputs, its legacy (SM90) and current kernels (rows of ``kind``)."""
     if not ctx.want("flash_mla", anchors):
         return
     fm = try_import("flash_mla")
@@ -92,7 +92,7 @@ def _flash_mla_sparse(name, ctx, anchors, model, q, kv, rows, scale):
         try:
             fn = lambda: fm.flash_mla_sparse_fwd(q, kv, rows, scale, 512, use_legacy=legacy)  # noqa: E731
             fn()
-            ctx.row("sparse_decode", name, "flash_mla_sparse" + ("_legacy" if legacy else ""), time_ms(fn),
+            ctx.row(kind, name, "flash_mla_sparse" + ("_legacy" if legacy else ""), time_ms(fn),
                     flops=model.flops, nbytes=model.bytes)
         except Exception as e:  # an anchor failing is reported, never fatal
             print(f"[bench.sparse] {name}: flash_mla_sparse_fwd(use_legacy={legacy}) failed: "
@@ -112,7 +112,7 @@ def _run_prefill(name, w, ctx, anchors):
     scale = 576**-0.5
     ours = lambda: gq.mla_sparse_prefill(q, kv, idx, 512, scale)  # noqa: E731
     ctx.row("sparse_prefill", name, "gqla_triton", time_ms(ours), flops=model.flops, nbytes=model.bytes)
-    _flash_mla_sparse(name, ctx, anchors, model, q, kv, idx, scale)
+    _flash_mla_sparse("sparse_prefill", name, ctx, anchors, model, q, kv, idx, scale)
 
 
 def _run_gqa(name, w, ctx, anchors):
