@@ -151,11 +151,20 @@ def test_refusals_change_no_state():
         (ValueError, "descale_k: per-tensor descales", dict(descale_k=torch.ones(1, device=P.device))),
         (TypeError, "enable_batch_invariant", dict(enable_batch_invariant="yes")),
         (TypeError, "use_legacy", dict(use_legacy=None)),
+        (ValueError, "^extra_topk_length: given without extra_k_cache",
+         dict(indices=idx, extra_topk_length=torch.ones(2, dtype=torch.int32, device=P.device))),
+        (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:0])),
+        (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:0], indices=idx)),
+        (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:, :0], indices=idx)),
     ]
     for exc, match, kw in cases:
         with pytest.raises(exc, match=match):
-            gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, **kw)
+            gq.flash_mla_with_kvcache(**{**dict(q=q, k_cache=kv, block_table=bt, cache_seqlens=lens, head_dim_v=r,
+                                                tile_scheduler_metadata=meta), **kw})
         assert not meta.have_initialized and meta.config is None
+    for junk in (None, "config"):  # marked initialised by hand, with no configuration recorded
+        with pytest.raises(ValueError, match="^tile_scheduler_metadata: have_initialized is set"):
+            gq.flash_mla_with_kvcache(q, kv, bt, lens, r, gq.FlashMLASchedMeta(have_initialized=True, config=junk))
     with pytest.raises(TypeError, match="tile_scheduler_metadata"):
         gq.flash_mla_with_kvcache(q, kv, bt, lens, r, None)
     with pytest.raises(ValueError, match="one latent head"):

@@ -296,6 +296,12 @@ def test_model1_refusals_name_the_argument():
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model2")
     with pytest.raises(ValueError, match="MODEL1 layout quantises pages"):
         quantize_latent_fp8(torch.zeros(16, 512), layout="model1")
+    with pytest.raises(ValueError, match="^layout"):
+        quantize_latent_fp8(torch.zeros(2, 576), layout=["v32"])
+    with pytest.raises(TypeError, match="^pow2_scales"):
+        quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model1", pow2_scales="yes")
+    with pytest.raises(ValueError, match=r"^kv_cache: MODEL1 pages are \[num_pages, page_size, 1, 584\]"):
+        dequantize_latent_fp8(torch.zeros(2, 3, 2, M1_ROW_BYTES, dtype=torch.uint8))
 
 
 def test_fp8_under_torch_compile_fullgraph():

@@ -520,7 +520,11 @@ class LatentCache(PagedCache):
             self._append(ids, c_kv, k_rope)
 
     def _append(self, ids, c_kv, k_rope, idx=_MISSING) -> None:
-        val = torch.cat([c_kv.detach(), k_rope.detach()], -1)
+        c, r = c_kv.detach(), k_rope.detach()
+        if c.dtype != r.dtype:  # torch.cat promotes no float8 dtype: widen both as it would (exactly)
+            wide = torch.float64 if torch.float64 in (c.dtype, r.dtype) else torch.float32
+            c, r = c.to(wide), r.to(wide)
+        val = torch.cat([c, r], -1)
         if self.fp8:  # the rows as bytes (index_copy_ takes uint8 on every device)
             val = quantize_latent_fp8(val).view(torch.uint8).reshape(-1, FP8_ROW_BYTES)
             dst = self.kv.view(torch.uint8).view(-1, FP8_ROW_BYTES)
@@ -621,8 +625,13 @@ class GroupedCache(PagedCache):
         Keeps the slot structure (same pages, reference counts, block tables, lengths and flags); ``layer`` is
         the GQLAttention whose ``kv_b_proj`` produced the latent. The rope key is copied unchanged.
         """
+        from .gqla import GQLAttention
+
         if not isinstance(latent_cache, LatentCache):
             raise TypeError(f"latent_cache: expected a LatentCache, got {type(latent_cache).__name__}")
+        if not isinstance(layer, GQLAttention):
+            raise TypeError(f"layer: expected the GQLAttention whose kv_b_proj produced the latent, got "
+                            f"{type(layer).__name__}")
         if latent_cache.kv_rank != layer.kv_rank or latent_cache.rope_dim != layer.rope_dim:
             raise ValueError(f"latent_cache: kv_rank/rope_dim {latent_cache.kv_rank}/{latent_cache.rope_dim} do not "
                              f"match the layer's {layer.kv_rank}/{layer.rope_dim}")

@@ -423,6 +423,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
         cu_host = host_cu_seqlens(cu_seqlens_cpu, N + 1, T)
+        if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu_host:
+            # the plan follows the host copy, the kernels the tensor: compared where that needs no sync
+            raise ValueError(f"cu_seqlens_cpu: {cu_host} differs from cu_seqlens {cu_seqlens.tolist()}")
     elif cu_seqlens is not None and not torch.compiler.is_compiling():
         # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
         cu_host = read_cu_seqlens(cu_seqlens, T)

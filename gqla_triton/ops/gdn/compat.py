@@ -177,7 +177,7 @@ def check_gate(use_gate_in_kernel: bool, A_log, dt_bias, HV: int, q: torch.Tenso
         return
     if A_log is None:
         raise ValueError("A_log: required with use_gate_in_kernel=True (g = -exp(A_log)·softplus(g + dt_bias))")
-    pdt = (torch.float32, q.dtype) + ((torch.float64,) if reference else ())
+    pdt = tuple(dict.fromkeys((torch.float32, q.dtype) + ((torch.float64,) if reference else ())))
     check_tensor("A_log", A_log, shape=(HV,), dtypes=pdt, device=q.device)
     if dt_bias is not None:
         check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=pdt, device=q.device)

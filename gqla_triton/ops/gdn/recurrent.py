@@ -65,8 +65,9 @@ def fused_recurrent_gated_delta_rule(
         carry a backward that raises (fla has none either); ``chunk_gated_delta_rule`` is the differentiable form.
     """
     check_fla_options("fused_recurrent_gated_delta_rule", fla_options)
-    if not isinstance(state_v_first, bool):
-        raise TypeError(f"state_v_first: expected a bool, got {type(state_v_first).__name__}")
+    for name, flag in (("state_v_first", state_v_first), ("use_gate_in_kernel", use_gate_in_kernel)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     v_first = layout_v_first("kv", {**fla_options, "state_v_first": state_v_first})
     output_final_state = check_flag("output_final_state", output_final_state)
     for name, t in (("gk", gk), ("gv", gv)):

@@ -95,6 +95,9 @@ def _check_meta(meta, config: FlashMLASchedMeta.Config) -> None:
     if not isinstance(meta, FlashMLASchedMeta):
         raise TypeError(f"tile_scheduler_metadata: expected the FlashMLASchedMeta of get_mla_metadata(), got "
                         f"{type(meta).__name__}")
+    if meta.have_initialized and not isinstance(meta.config, FlashMLASchedMeta.Config):
+        raise ValueError(f"tile_scheduler_metadata: have_initialized is set but no configuration is recorded (config "
+                         f"{meta.config!r}); use a new get_mla_metadata()")
     if meta.have_initialized and meta.config != config:
         changed = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(meta.config, f.name)]
         raise ValueError(f"tile_scheduler_metadata: recorded for another configuration (differs in {changed}); "
@@ -115,6 +118,8 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if k_cache.dim() != 4 or k_cache.shape[2] != 1:
         raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, head_dim] (one latent head), got "
                          f"{list(k_cache.shape)}")
+    if not k_cache.shape[0] or not k_cache.shape[1]:
+        raise ValueError(f"{name}: expected at least one block of at least one token, got {list(k_cache.shape)}")
     if indices is None:
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens: required without indices (dense attention)")
@@ -181,6 +186,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          "must be None without indices (dense attention)")
     if extra != (extra_indices_in_kvcache is not None):
         raise ValueError("extra_k_cache and extra_indices_in_kvcache: give both or neither")
+    if extra_topk_length is not None and not extra:
+        raise ValueError("extra_topk_length: given without extra_k_cache (it limits the extra cache's index rows)")
     B, s_q = q.shape[:2]
     if sparse:
         check_tensor("indices", indices, shape=(B, s_q, None), dtypes=(torch.int32,))

@@ -108,15 +108,15 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point() or is_fp8_latent(kv):
         got = kv.dtype if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise TypeError(f"kv: expected a floating tensor of latent + rope values, got {got}")
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {tuple(LAYOUTS)}, got {layout!r}")
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"pow2_scales: expected a bool, got {pow2_scales!r}")
     if layout == "model1":
         return _quantize_model1(kv)
     if kv.dim() < 1 or kv.shape[-1] != FP8_LATENT + FP8_ROPE:
         raise ValueError(f"kv: expected a last dim of {FP8_LATENT + FP8_ROPE} (latent {FP8_LATENT} + rope "
                          f"{FP8_ROPE}), got shape {list(kv.shape)}")
-    if not isinstance(pow2_scales, bool):
-        raise TypeError(f"pow2_scales: expected a bool, got {pow2_scales!r}")
     lead = kv.shape[:-1]
     lat = kv[..., :FP8_LATENT].float().reshape(*lead, FP8_SCALES, FP8_TILE)
     amax = lat.abs().amax(-1)
@@ -147,6 +147,9 @@ def dequantize_latent_fp8(kv_cache: torch.Tensor, dtype: torch.dtype = torch.flo
         raise TypeError(f"kv_cache: expected a float8_e4m3fn or uint8 tensor of FP8 rows, got "
                         f"{kv_cache.dtype if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
     if kv_cache.dim() == 4 and kv_cache.shape[-1] == M1_ROW_BYTES:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"kv_cache: MODEL1 pages are [num_pages, page_size, 1, {M1_ROW_BYTES}] (one latent head), "
+                             f"got shape {list(kv_cache.shape)}")
         return _dequantize_model1(kv_cache, dtype)
     if kv_cache.dim() < 1 or kv_cache.shape[-1] != FP8_ROW_BYTES:
         raise ValueError(f"kv_cache: expected {FP8_ROW_BYTES}-byte rows (or MODEL1 pages [num_pages, page_size, 1, "
