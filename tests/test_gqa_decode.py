@@ -178,7 +178,7 @@ def test_sparse_any_page_size(page):
     for splits in (0, 3):
         got = _run(*args, causal=True, indices=idx, num_splits=splits)
         _check("sparse", got, args, dtype, causal=True, indices=idx)
-    with pytest.raises(ValueError, match="page_size: expected a positive multiple of 16"):
+    with pytest.raises(ValueError, match=r"page_size \(dim 1\) must be a positive multiple of 16"):
         _run(*args)
 
 

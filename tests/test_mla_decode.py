@@ -229,7 +229,7 @@ def test_sparse_any_page_size(page_size):
     for num_splits in (0, 3):
         out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, indices=idx, topk_length=tl_, num_splits=num_splits)
         _check(out, lse, q, kv, bt, lens, r, True, dtype, indices=idx, topk_length=tl_)
-    with pytest.raises(ValueError, match="page_size: expected a positive multiple of 16"):
+    with pytest.raises(ValueError, match=r"page_size \(dim 1\) must be a positive multiple of 16"):
         mla_decode(q, kv, bt, lens, head_dim_v=r)
 
 

@@ -344,3 +344,53 @@ def test_cuda_graph_replay_and_compile():
     o2, m2, l2 = torch.compile(f, fullgraph=True)(q, kv, idx, length)
     ref = mla_sparse_prefill(q, kv, idx, r, None, length)
     assert torch.equal(o2, ref.out * 2) and torch.equal(m2, ref.max_logits) and torch.equal(l2, ref.lse)
+
+
+def test_work_buffers_do_not_grow_with_s_kv():
+    """A huge kv given as an expanded view (2^30 rows, stride 0) costs nothing of its size: every tensor the call
+    creates is bounded by q, the indices and the outputs, and the result is the reference's (every row is the same
+    key, so every valid entry selects it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Sizes(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    Sizes.largest = max(Sizes.largest, t.untyped_storage().nbytes())
+            return out
+
+    r, dr = DIMS[0]
+    dtype = P.dtypes[-1]
+    s_kv = 2**30
+    q = randn((3, HEADS[0], r + dr), 5, dtype=dtype)
+    kv = randn((1, 1, r + dr), 6, dtype=dtype).expand(s_kv, 1, r + dr)
+    idx = torch.tensor([[[0, 5, s_kv - 1, s_kv, -1]], [[7, 7, 2**31 - 1, -5, 3]], [[-1] * 5]], dtype=torch.int32,
+                       device=P.device)
+    with Sizes():
+        got = mla_sparse_prefill(q, kv, idx, r)
+    assert Sizes.largest <= 64 * q.untyped_storage().nbytes()
+    small = kv[:1].clone()  # the same key as one row: every valid entry of idx selects it
+    ref_o, ref_m, ref_l = mla_sparse_prefill_ref(q, small, torch.where((idx >= 0) & (idx < s_kv), 0, -1), r)
+    assert_matches("out", got.out, ref_o, mla_sparse_prefill_ref(
+        q, small, torch.where((idx >= 0) & (idx < s_kv), 0, -1), r, p_dtype=dtype)[0], dtype=dtype)
+    assert_matches("lse", got.lse, ref_l, ref_l.float(), dtype=torch.float32, eps=1e-4)
+
+
+def test_integral_head_dim_v():
+    """``head_dim_v`` takes any integral number (numpy's too), as ``num_splits`` does, in both MLA ops."""
+    import numpy as np
+
+    q, kv, idx, r = _small()
+    want = mla_sparse_prefill(q, kv, idx, r)
+    got = mla_sparse_prefill(q, kv, idx, np.int64(r))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    cache = kv[:16].reshape(1, 16, 1, kv.shape[-1])
+    bt = torch.zeros(3, 1, dtype=torch.int32, device=P.device)
+    lens = torch.tensor([16, 3, 0], dtype=torch.int32, device=P.device)
+    a = gq.mla_decode(q[:, None], cache, bt, lens, np.int32(r))
+    b = gq.mla_decode(q[:, None], cache, bt, lens, r)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

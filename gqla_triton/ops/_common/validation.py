@@ -197,11 +197,13 @@ def check_decode_inputs(
     topk_length: torch.Tensor | None = None,
     num_groups: int | None = None,
     num_splits: int = 0,
+    cache_name: str = "kv_cache",
 ) -> None:
     """Checks shared by the paged decode ops (q ``[B, s_q, h_q, D]``); device values are never read.
 
-    ``page_size``: a multiple of 16 for dense calls, any positive size with ``indices`` (sparse rows are addressed
-    one by one). ``num_groups`` set: ``indices`` may also be per group, ``[B, s_q, g, topk]``.
+    ``page_size`` (dim 1 of the cache, named ``cache_name`` in messages): a multiple of 16 for dense calls, any
+    positive size with ``indices`` (sparse rows are addressed one by one). ``num_groups`` set: ``indices`` may also
+    be per group, ``[B, s_q, g, topk]``.
     """
     B, s_q = q.shape[0], q.shape[1]
     if B == 0 or s_q == 0:
@@ -210,12 +212,12 @@ def check_decode_inputs(
     check_tensor("cache_seqlens", cache_seqlens, shape=(B,), dtypes=INDEX_DTYPES, device=q.device)
     if block_table.shape[1] == 0:
         raise ValueError("block_table: expected at least one page column, got shape " + str(list(block_table.shape)))
-    if indices is None:  # dense key tiles are page-aligned; sparse rows are addressed one by one
-        check_multiple("page_size", page_size, 16)
-    elif page_size <= 0:
-        raise ValueError(f"page_size: expected a positive page size, got {page_size}")
+    # dense key tiles are page-aligned; sparse rows are addressed one by one
+    if page_size <= 0 or (indices is None and page_size % 16):
+        raise ValueError(f"{cache_name}: page_size (dim 1) must be a positive multiple of 16 for dense calls, positive "
+                         f"for sparse ones, got {page_size}")
     if num_pages <= 0:
-        raise ValueError(f"kv cache: expected at least one page, got {num_pages}")
+        raise ValueError(f"{cache_name}: expected at least one page (dim 0), got {num_pages}")
     if block_table.shape[1] * page_size > MAX_KEYS:
         raise ValueError(f"block_table: {block_table.shape[1]} pages x page_size {page_size} address more than "
                          f"{MAX_KEYS} tokens per sequence")

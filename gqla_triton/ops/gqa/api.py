@@ -121,7 +121,8 @@ def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, sof
             raise ValueError(f"{name}: the last dimension must be contiguous (stride 1)")
     scale = check_softmax_scale(softmax_scale, q.shape[-1] ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=num_pages, page_size=page_size,
-                        indices=indices, topk_length=topk_length, num_groups=g, num_splits=num_splits)
+                        indices=indices, topk_length=topk_length, num_groups=g, num_splits=num_splits,
+                        cache_name="k_cache")
     return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
 
 

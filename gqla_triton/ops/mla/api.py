@@ -3,6 +3,7 @@ eager launcher that picks a kernel, allocates the outputs and merges the splits.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -145,9 +146,7 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
     if q.shape[2] == 0:
         raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
-    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= D:
-        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
-                         f"got {head_dim_v!r}")
+    head_dim_v = _check_head_dim_v(head_dim_v, D)
     scale = check_softmax_scale(softmax_scale, D ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
                         indices=indices, topk_length=topk_length, num_splits=num_splits)
@@ -156,6 +155,14 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if impl != "reference":
         check_kernel_device(q.device, _REFERENCE, q.dtype)
     return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
+
+
+def _check_head_dim_v(head_dim_v, D: int) -> int:
+    """The value width as an int in ``[1, D]`` (any integral number but a bool)."""
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or not 0 < head_dim_v <= D:
+        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
+                         f"got {head_dim_v!r}")
+    return int(head_dim_v)
 
 
 def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool) -> None:
@@ -254,6 +261,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     """
     scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                                                 causal, indices, topk_length, num_splits, impl)
+    head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
     # inputs that require grad go through the custom op, whose backward raises (forward_only)
     fn = _mla_decode_op if requires_grad(q, kv_cache) else route(_mla_decode_op, mla_decode_fwd)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
@@ -292,9 +300,11 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         q = q.contiguous()
     q4 = q.unsqueeze(1)  # [s_q, 1, h_q, D]: a batch of single-token queries
     cache = kv.unsqueeze(1)  # [s_kv, 1, 1, D]: pages of one token, so a page id is a row
-    table = torch.arange(s_kv, dtype=torch.int32, device=q.device).expand(s_q, s_kv)  # shared row: never copied
+    # the translation sees kv as one page of MAX_KEYS (>= s_kv) rows, so an entry in [0, s_kv) is its own row and
+    # any other is -1, with a one-entry table whatever s_kv
+    table = torch.zeros(1, 1, dtype=torch.int32, device=q.device).expand(s_q, 1)
     lengths = torch.full((s_q,), s_kv, dtype=torch.int32, device=q.device)
-    rows = sparse_rows(indices, table, lengths, topk_length, page_size=1, num_pages=s_kv, causal=False)
+    rows = sparse_rows(indices, table, lengths, topk_length, page_size=MAX_KEYS, num_pages=1, causal=False)
     p = plan(q4, 1, s_kv, head_dim_v, topk, num_splits, "triton")
     S = p.num_splits
     out = empty(s_q, 1, h_q, head_dim_v, dtype=q.dtype, device=q.device)
@@ -330,9 +340,9 @@ forward_only(_mla_sparse_prefill_op, "mla_sparse_prefill")
 
 
 def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits,
-                      impl) -> tuple[float, str, int]:
+                      impl) -> tuple[float, str, int, int]:
     """Every check of ``mla_sparse_prefill`` (device values are never read); returns ``(softmax_scale, impl,
-    num_splits)``."""
+    num_splits, head_dim_v)``."""
     impl = check_impl(impl, op="mla_sparse_prefill", gluon=False)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     check_tensor("q", q, ndim=3, dtypes=dtypes)
@@ -356,13 +366,11 @@ def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, nu
         raise ValueError(f"indices: topk (last dimension) must be in [1, {MAX_KEYS}], got {indices.shape[-1]}")
     if topk_length is not None:
         check_tensor("topk_length", topk_length, shape=(s_q,), dtypes=INDEX_DTYPES)
-    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= D:
-        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
-                         f"got {head_dim_v!r}")
+    head_dim_v = _check_head_dim_v(head_dim_v, D)
     scale = check_softmax_scale(softmax_scale, D ** -0.5)
     if impl != "reference":
         check_kernel_device(q.device, _PREFILL_REFERENCE, q.dtype)
-    return scale, impl, check_num_splits(num_splits)
+    return scale, impl, check_num_splits(num_splits), head_dim_v
 
 
 def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_length=None, num_splits=0, *,
@@ -391,7 +399,7 @@ def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_
         query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and inf follow
         IEEE arithmetic over the keys a query sees (a NaN score makes its out, max_logits and lse NaN).
     """
-    scale, impl, num_splits = _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits,
-                                                impl)
+    scale, impl, num_splits, head_dim_v = _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length,
+                                                            num_splits, impl)
     fn = _mla_sparse_prefill_op if requires_grad(q, kv) else route(_mla_sparse_prefill_op, mla_sparse_prefill_fwd)
     return SparsePrefillOutput(*fn(q, kv, indices, head_dim_v, scale, topk_length, num_splits, impl))
