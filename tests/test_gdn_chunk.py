@@ -1010,6 +1010,6 @@ def test_cu_seqlens_cpu_is_checked():
             chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens=cu, cu_seqlens_cpu=bad)
     with pytest.raises(ValueError, match="cu_seqlens_cpu: given without cu_seqlens"):
         chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens_cpu=[0, 8])
-    if cu.device.type == "cpu":  # a host copy that disagrees with a CPU cu_seqlens (once NaN outputs)
+    if cu.device.type == "cpu":  # a host copy that disagrees with a CPU cu_seqlens (unchecked: NaN outputs)
         with pytest.raises(ValueError, match=r"cu_seqlens_cpu: \[0, 7, 8\] differs from cu_seqlens"):
             chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens=cu, cu_seqlens_cpu=[0, 7, 8])

@@ -1,5 +1,5 @@
-"""Hostile arguments of the public API that once leaked a raw torch / Python exception or a silently wrong result:
-each is now refused by a TypeError / ValueError naming the argument, or runs as its documented definition."""
+"""Hostile arguments of the public API that reach torch / Python internals unless checked: each is refused by a
+TypeError / ValueError naming the argument, or runs as its documented definition."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from gqla_triton.layers.cache import GroupedCache, LatentCache
 def test_fused_recurrent_flag_tensor_is_refused_by_name():
     q = torch.randn(1, 3, 1, 16, device=P.device)
     v = torch.randn(1, 3, 1, 16, device=P.device)
-    for g in (None, torch.zeros(1, 3, 1, device=P.device)):  # without g the flag was read as a truth value
+    for g in (None, torch.zeros(1, 3, 1, device=P.device)):  # without g the flag would be read as a truth value
         with pytest.raises(TypeError, match="^use_gate_in_kernel: expected a bool"):
             gq.fused_recurrent_gated_delta_rule(q, q, v, g, use_gate_in_kernel=torch.tensor([1, 0]))
 
