@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # must be set before gqla_triton (and its ker
 import gqla_triton as gq  # noqa: E402
 from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref  # noqa: E402
 from gqla_triton.ops.gqa.reference import gqa_decode_reference  # noqa: E402
-from gqla_triton.ops.mla.reference import mla_decode_ref  # noqa: E402
+from gqla_triton.ops.mla.reference import mla_decode_ref, mla_sparse_prefill_ref  # noqa: E402
 
 GPU = torch.cuda.is_available()
 dev = "cuda" if GPU else "cpu"
@@ -81,6 +81,16 @@ out, lse = gq.mla_decode(qm, kv, bt, lens, head_dim_v=r)
 out_ref, lse_ref = mla_decode_ref(*f64(qm, kv), bt.cpu(), lens.cpu(), head_dim_v=r)
 check(f"mla_decode (absorb path) B{Bd} S{L} h{hq} {r}+{dr}: out", out, out_ref)
 check("mla_decode: lse", lse, lse_ref)
+
+sq, topk = (64, 256) if GPU else (4, 24)  # sparse prefill: each prompt token attends to its own rows of kv
+rows = kv.reshape(-1, 1, r + dr)
+idx = torch.randint(-1, rows.shape[0], (sq, 1, topk), device=dev, dtype=torch.int32)  # -1 selects nothing
+qp = torch.randn(sq, hq, r + dr, device=dev, dtype=dt)
+got = gq.mla_sparse_prefill(qp, rows, idx, head_dim_v=r)
+ref = mla_sparse_prefill_ref(*f64(qp, rows), idx.cpu(), head_dim_v=r)
+check(f"mla_sparse_prefill s_q{sq} top{topk}: out", got.out, ref[0])
+check("mla_sparse_prefill: max_logits", got.max_logits, ref[1])
+check("mla_sparse_prefill: lse", got.lse, ref[2])
 
 gg, dh = (8, 128) if GPU else (2, 16)
 hq = 8 * gg
