@@ -32,7 +32,17 @@ from .._common.validation import (
     forward_only,
     requires_grad,
 )
-from .fp8 import FP8_DTYPES, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, M1_NOPE, M1_ROW_BYTES, fp8_layout, is_fp8_latent
+from .fp8 import (
+    FP8_DTYPES,
+    FP8_LATENT,
+    FP8_ROPE,
+    FP8_ROW_BYTES,
+    M1_NOPE,
+    M1_ROPE,
+    M1_ROW_BYTES,
+    fp8_layout,
+    is_fp8_latent,
+)
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref, mla_sparse_prefill_ref
@@ -179,14 +189,18 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool
         raise ValueError(f"q / head_dim_v: an FP8 latent cache takes q of latent {FP8_LATENT} + rope {FP8_ROPE} = "
                          f"{FP8_LATENT + FP8_ROPE} channels and head_dim_v {FP8_LATENT}, got q's last dim "
                          f"{q.shape[-1]} and head_dim_v {head_dim_v!r}")
-    if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-        raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
-                        f"impl='reference'), got {q.dtype}")
+    _check_fp8_q(q)
     if any(st % 4 for st in kv_cache.stride()[:3]):
         raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the strides of the first "
                          f"three dims must be multiples of 4 bytes, got strides {list(kv_cache.stride())}")
     if not torch.compiler.is_compiling():  # torch.compile cannot trace storage_offset(): the op's body checks it
         _check_fp8_offset(kv_cache)
+
+
+def _check_fp8_q(q: torch.Tensor) -> None:
+    if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
+                        f"impl='reference'), got {q.dtype}")
 
 
 def _check_model1(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool) -> None:
@@ -195,13 +209,11 @@ def _check_model1(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: b
     if not sparse:
         raise ValueError("kv_cache: FlashMLA's MODEL1 FP8 pages (584 bytes per token) are read by sparse calls only "
                          "(indices), as FlashMLA reads them")
-    D = M1_NOPE + 64
+    D = M1_NOPE + M1_ROPE
     if q.shape[-1] != D or head_dim_v != D:
-        raise ValueError(f"q / head_dim_v: FlashMLA's MODEL1 FP8 pages take q of {D} channels (448 quantised + 64 "
-                         f"rope) and head_dim_v {D}, got q's last dim {q.shape[-1]} and head_dim_v {head_dim_v!r}")
-    if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-        raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
-                        f"impl='reference'), got {q.dtype}")
+        raise ValueError(f"q / head_dim_v: FlashMLA's MODEL1 FP8 pages take q of {D} channels ({M1_NOPE} quantised + "
+                         f"{M1_ROPE} rope) and head_dim_v {D}, got q's last dim {q.shape[-1]} and head_dim_v {head_dim_v!r}")
+    _check_fp8_q(q)
     num_pages, page = kv_cache.shape[:2]
     if (page > 1 and kv_cache.stride(1) != M1_ROW_BYTES) or (num_pages > 1 and kv_cache.stride(0) % 2):
         raise ValueError(f"kv_cache: MODEL1 pages are read in place: the view's elements must be each page's bytes "

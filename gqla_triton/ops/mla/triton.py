@@ -41,7 +41,7 @@ from .._common import (
 )
 from .._common.alloc import empty
 from .._common.paging import table_keys
-from .fp8 import M1_TOKEN_BYTES, fp8_layout
+from .fp8 import M1_NOPE, M1_SCALES, M1_TILE, M1_TOKEN_BYTES, fp8_layout
 from .plan import MLAPlan
 
 __all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
@@ -82,6 +82,25 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l
     return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, 1, RAW)
 
 
+# the kernel's FP8 argument: which of FlashMLA's layouts (fp8.py) the cache holds
+V32 = tl.constexpr(1)
+MODEL1 = tl.constexpr(2)
+FP8_KINDS = {None: 0, "v32": 1, "model1": 2}
+# MODEL1 pages (fp8.py): a token's values, their 64-value scale tiles, the bytes its scales take
+_M1_NOPE = tl.constexpr(M1_NOPE)
+_M1_TOKEN = tl.constexpr(M1_TOKEN_BYTES)
+_M1_TILE = tl.constexpr(M1_TILE)
+_M1_SCALE_BYTES = tl.constexpr(M1_SCALES + 1)
+
+
+@triton.jit
+def _e4m3(u):
+    """float32 values of e4m3 bytes ``u`` (uint8). The NaN bytes (``S.1111.111``) are mapped to NaN explicitly: the
+    interpreter's e4m3 conversion reads them as 480."""
+    x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.where((u & 0x7F) == 0x7F, float("nan"), x)
+
+
 @triton.jit
 def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: tl.constexpr,
           FP8: tl.constexpr):
@@ -89,30 +108,25 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
     FP8 1 (``fp8.py``, 656-byte rows): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale
     (``kvs``, the same memory as float32) and the bf16 rope values (``kvr``, as bf16). FP8 2 (MODEL1 pages): ``off``
     is a token's byte offset in its page's first region, ``sc_off`` that of its UE8M0 scales; channels 0..447 are
-    e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part). The
-    NaN bytes (``S.1111.111``) are mapped to NaN explicitly: the interpreter's e4m3 conversion reads them as 480."""
+    e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part)."""
     m2 = ok[:, None] & mv[None, :]
     mr2 = ok[:, None] & mr[None, :]
-    if FP8 == 2:
-        nope = offs_v < 448
-        mn = ok[:, None] & nope[None, :]
-        u = tl.load(kv + off[:, None] + offs_v[None, :], mask=mn, other=0)
-        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        x = tl.where((u & 0x7F) == 0x7F, float("nan"), x)
+    if FP8 == MODEL1:
+        nope = offs_v < _M1_NOPE
+        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=ok[:, None] & nope[None, :], other=0))
         # [BLOCK_N, 8] scale bytes (the 8th is padding: its channels take the rope values below)
-        e = tl.load(kv + sc_off[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=127).to(tl.int32)
+        e = tl.load(kv + sc_off[:, None] + tl.arange(0, _M1_SCALE_BYTES)[None, :], mask=ok[:, None],
+                    other=127).to(tl.int32)
         sc = (e << 23).to(tl.float32, bitcast=True)
         sc = tl.where(e == 255, float("nan"), tl.where(e == 0, 5.877471754111438e-39, sc))  # 2^-127 for e = 0
-        xt = tl.reshape(x, [x.shape[0], 8, 64])
+        xt = tl.reshape(x, [x.shape[0], _M1_SCALE_BYTES, _M1_TILE])
         deq = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV])
-        rope = tl.load(kvr + (off // 2 + 224)[:, None] + (offs_v - 448)[None, :], mask=ok[:, None] & ~nope[None, :],
-                       other=0.0).to(tl.float32)
+        rope = tl.load(kvr + (off // 2 + _M1_NOPE // 2)[:, None] + (offs_v - _M1_NOPE)[None, :],
+                       mask=ok[:, None] & ~nope[None, :], other=0.0).to(tl.float32)
         k_lat = tl.where(nope[None, :], deq, rope).to(KDT)
         k_rope = tl.zeros([x.shape[0], offs_r.shape[0]], KDT)
-    elif FP8 == 1:
-        u = tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0)
-        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        x = tl.where((u & 0x7F) == 0x7F, float("nan"), x)
+    elif FP8 == V32:
+        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0))
         # [BLOCK_N, DV / 128] scales, broadcast over their tiles (a [BLOCK_N, DV] gather would be pipelined whole)
         sc = tl.load(kvs + (off // 4 + DV // 4)[:, None] + tl.arange(0, DV // 128)[None, :], mask=ok[:, None],
                      other=0.0)
@@ -223,8 +237,8 @@ def mla_decode_fwd_kernel(
             page_off = (prow // PAGE_SIZE).to(tl.int64) * s_kvp
             slot = (prow % PAGE_SIZE).to(tl.int64)
             kv_off = page_off + slot * s_kvt
-            if FP8 == 2:  # MODEL1: the token's scales in its page's second region
-                sc_off = page_off + (PAGE_SIZE * 576 + slot * 8)
+            if FP8 == MODEL1:  # the token's scales in its page's second region
+                sc_off = page_off + (PAGE_SIZE * _M1_TOKEN + slot * _M1_SCALE_BYTES)
             else:
                 sc_off = kv_off
         elif PAGED_TILES:
@@ -352,7 +366,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
-        TAIL=causal and not sparse and p.QPT > 1, FP8={None: 0, "v32": 1, "model1": 2}[layout],
+        TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
         RAW=raw_scores(qk_scale),
         HAS_MAX=max_logits is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
