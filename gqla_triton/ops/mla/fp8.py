@@ -63,6 +63,11 @@ def fp8_layout(kv_cache: torch.Tensor) -> str | None:
     return {FP8_ROW_BYTES: "v32", M1_ROW_BYTES: "model1"}.get(kv_cache.shape[-1])
 
 
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The least power of two at or above each positive ``x``."""
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
 def _ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     """float32 powers of two (NaN / inf for non-finite tiles) -> their UE8M0 bytes (255: NaN)."""
     bits = scale.contiguous().view(torch.int32)
@@ -80,8 +85,9 @@ def _quantize_model1(kv: torch.Tensor) -> torch.Tensor:
     nope = x[..., :M1_NOPE].reshape(nb, bs, M1_SCALES, M1_TILE)
     finite = torch.isfinite(nope).all(-1)
     amax = torch.where(finite, nope.abs().amax(-1), torch.zeros_like(finite, dtype=torch.float32))
-    # the least power of two >= amax / 448 (2^-127 for an all-zero tile); NaN marks a non-finite tile
-    scale = torch.exp2(torch.ceil(torch.log2((amax / _E4M3_MAX).clamp(min=2.0**-126))))
+    # the least power of two >= amax / 448 (2^-126, a normal float32, for an all-zero tile); NaN marks a
+    # non-finite tile
+    scale = _pow2_ceil((amax / _E4M3_MAX).clamp(min=2.0**-126))
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     q8 = (nope / torch.where(finite, scale, 1.0)[..., None]).clamp(-_E4M3_MAX, _E4M3_MAX)
     q8 = torch.where(finite[..., None], q8, nope)
@@ -123,7 +129,7 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     finite = torch.isfinite(lat).all(-1)
     scale = amax / _E4M3_MAX
     if pow2_scales:
-        scale = torch.where(scale > 0, torch.exp2(torch.ceil(torch.log2(scale))), scale)
+        scale = torch.where(scale > 0, _pow2_ceil(scale), scale)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     div = torch.where(scale > 0, scale, torch.ones_like(scale))
     q8 = (lat / div[..., None]).clamp(-_E4M3_MAX, _E4M3_MAX)
