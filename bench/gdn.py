@@ -12,7 +12,9 @@ decays (fp32), beta = sigmoid(N(0,1)) (bf16), final state requested; C1-C3 start
 with ``use_beta_sigmoid_in_kernel``; ``gqla_triton_gate_values`` is the plain call on the very g and beta those
 options form in the kernels (computed once by torch from the same ``a`` and logits, outside the timing, fp32), so
 the same values reach the same kernels and ``gate`` minus ``gate_values`` is what the options themselves cost (the
-plain ``gqla_triton`` row runs other decay and beta values).
+plain ``gqla_triton`` row runs other decay and beta values). Our varlen rows pass ``cu_seqlens_cpu`` (fla's host
+copy: the plan from host values); ``gqla_triton_device_plan`` times the varlen workloads (G4, C3) without it, as
+the anchors are called: the plan built on the device from the GPU ``cu_seqlens``, no host read.
 
 Each implementation runs in its own child process (``python -m bench.gdn --impl NAME --workload ...``, started
 by ``run``): host-bound workloads (G3) are then timed without other libraries' runtimes loaded, and an anchor
@@ -96,7 +98,8 @@ def _timings(fn, args, cu, h0=None, fwd_only=False):
 OURS_RECOMPUTE = "gqla_triton_recompute"
 OURS_GATE = "gqla_triton_gate"
 OURS_GATE_VALUES = "gqla_triton_gate_values"
-OURS = ["gqla_triton", OURS_RECOMPUTE, OURS_GATE, OURS_GATE_VALUES]
+OURS_DEVICE_PLAN = "gqla_triton_device_plan"
+OURS = ["gqla_triton", OURS_RECOMPUTE, OURS_GATE, OURS_GATE_VALUES, OURS_DEVICE_PLAN]
 ANCHORS = {"fla": "fla.ops.gated_delta_rule", "flashqla": "flash_qla"}  # name -> module with chunk_gated_delta_rule
 
 
@@ -108,7 +111,7 @@ def _impl(name: str):
         return functools.partial(gq.chunk_gated_delta_rule, save_states=False)
     if name == OURS_GATE:
         return _gated
-    if name == OURS_GATE_VALUES:
+    if name in (OURS_GATE_VALUES, OURS_DEVICE_PLAN):
         return gq.chunk_gated_delta_rule
     os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla on its own Triton kernels
     mod = try_import(ANCHORS[name])
@@ -154,7 +157,8 @@ def _child(impl: str, names: list[str], fwd_only: bool = False) -> None:
         if impl == OURS_GATE_VALUES:
             g, beta = _gate_values(g, beta)
         # ours takes the host copy of cu_seqlens as fla's option of that name (no host sync per call)
-        run = functools.partial(fn, cu_seqlens_cpu=cu.cpu()) if cu is not None and impl.startswith("gqla") else fn
+        host = cu is not None and impl.startswith("gqla") and impl != OURS_DEVICE_PLAN
+        run = functools.partial(fn, cu_seqlens_cpu=cu.cpu()) if host else fn
         try:
             f_ms, fb_ms, err = _timings(run, (q, k, v, g, beta), cu, _initial_state(WORKLOADS[name]), fwd_only)
         except Exception as e:
@@ -166,11 +170,14 @@ def _child(impl: str, names: list[str], fwd_only: bool = False) -> None:
 
 def run(names, ctx, anchors=True):
     """Each implementation times all workloads in its own process (see the module docstring); rows are recorded
-    as each child reports them. ``ctx.fwd_only``: the forward of gqla_triton and the anchors only."""
+    as each child reports them. ``ctx.fwd_only``: the forward of gqla_triton (both plans) and the anchors only."""
     shape = lambda n: (WORKLOADS[n]["B"], WORKLOADS[n]["T"], WORKLOADS[n]["H"], WORKLOADS[n]["HV"], K, V)  # noqa: E731
     models = {n: (gdn_chunk_fwd_model(*shape(n)), gdn_chunk_bwd_model(*shape(n))) for n in names}
-    for impl in (OURS[:1] if ctx.fwd_only else OURS) + [n for n in ANCHORS if ctx.want(n, anchors)]:
-        cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(names)]
+    for impl in (OURS[:1] + OURS[-1:] if ctx.fwd_only else OURS) + [n for n in ANCHORS if ctx.want(n, anchors)]:
+        todo = [n for n in names if "cu" in WORKLOADS[n]] if impl == OURS_DEVICE_PLAN else names
+        if not todo:
+            continue
+        cmd = [sys.executable, "-m", "bench.gdn", "--impl", impl, "--workload", ",".join(todo)]
         cmd += ["--fwd-only"] if ctx.fwd_only else []
         seen = set()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
@@ -191,7 +198,7 @@ def run(names, ctx, anchors=True):
                         nbytes=fm.bytes + bm.bytes, **extra)
             else:
                 p.wait()
-                for name in names:  # a child that died (illegal address, ...) leaves its remaining rows empty
+                for name in todo:  # a child that died (illegal address, ...) leaves its remaining rows empty
                     if name not in seen:
                         err = {"error": f"{impl} process exited with code {p.returncode} before this workload"}
                         ctx.row("gdn_fwd", name, impl, None, **err)

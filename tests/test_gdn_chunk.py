@@ -197,10 +197,13 @@ def test_varlen_equals_loop(lens, G, dtype, seed):
         assert_close(f"final seq {n}", ht[n:n + 1], hn.double(), hn.double(), dtype=dtype)
 
 
-def test_varlen_plan_follows_cu_seqlens_changes(monkeypatch):
-    """cu_seqlens is read to the host one time per forward + backward (the forward's plan serves the backward); a change
-    in place, with the version counter bumped or not (``.data``, numpy), is honoured by the next call; a bad in-place
-    value is refused."""
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_varlen_plan_follows_cu_seqlens_changes(monkeypatch, where):
+    """A plan from host values reads cu_seqlens one time per forward + backward (the forward's plan serves the
+    backward); a plan built on the device reads it never. Either way a change in place, with the version counter
+    bumped or not (``.data``, numpy), is honoured by the next call. A bad in-place value is refused by the host
+    plan; the device plan clamps it (cu[1] > T: the first sequence takes every token, the second none)."""
+    monkeypatch.setattr(plan_mod, "plans_on_device", lambda cu: where == "device")
     T, K, V = 100, 16, 32
     ins = _inputs(3, 1, T, 1, 1, K, V, 2)
     x = [t.to(P.device, torch.float32) for t in ins]
@@ -218,7 +221,8 @@ def test_varlen_plan_follows_cu_seqlens_changes(monkeypatch):
         return o.detach(), ht.detach()
 
     o1, _ = run(cu, grad=True)
-    assert len(reads) == 1, f"cu_seqlens read to the host {len(reads)} times in one forward + backward"
+    want = 1 if where == "host" else 0
+    assert len(reads) == want, f"cu_seqlens read to the host {len(reads)} times in one forward + backward"
 
     def same_as_fresh_copy(what):
         o, h = run(cu)
@@ -238,8 +242,15 @@ def test_varlen_plan_follows_cu_seqlens_changes(monkeypatch):
         assert cu._version == version
         same_as_fresh_copy("after cu.numpy()[1] = 20")
     cu[1] = 120
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        run(cu)
+    if where == "host":
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            run(cu)
+    else:
+        o, h = run(cu)
+        r, rh = run(torch.tensor([0, T, T], dtype=torch.int32, device=P.device))
+        assert torch.equal(o, r) and torch.equal(h, rh)
+    if where == "device":
+        assert not reads
 
 
 def test_strided_cu_seqlens_equals_contiguous():
@@ -742,8 +753,9 @@ def test_bad_inputs():
           g.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8], device=d))
     with pytest.raises(TypeError, match="cu_seqlens"):
         f(q, q, v, g, g, cu_seqlens=torch.tensor([0.0, 8.0], device=d))
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 5], device=d))
+    if not plan_mod.plans_on_device(q):  # a GPU cu_seqlens is clamped on the device (test_gdn_device_plan.py)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 5], device=d))
     with pytest.raises(ValueError, match="initial_state"):
         f(q, q, v, g, g, initial_state=torch.zeros(2, 4, 16, 16, device=d), cu_seqlens=torch.tensor([0, 8], device=d))
     with pytest.raises(TypeError, match="initial_state"):

@@ -117,14 +117,17 @@ def test_chunk_option_types_and_chunk_indices_checks():
         with pytest.raises(ValueError, match="chunk_size"), torch.no_grad():
             call(chunk_size=bad, initial_state=pool, state_indices=idx)
     assert torch.equal(pool, keep)
-    with pytest.raises(ValueError, match=r"chunk_indices: 2 chunks, but cu_seqlens \[0, 64, 70\] has 3 chunks of 32"):
-        call(cu_seqlens=cu, chunk_indices=ci, chunk_size=32)  # chunk_indices count chunks of chunk_size
+    # checked against the host values of cu_seqlens: its host copy, or itself on the CPU (a GPU tensor is not read)
+    for host in ({"cu_seqlens_cpu": cu_list},) + (({},) if cu.device.type == "cpu" else ()):
+        with pytest.raises(ValueError, match=r"chunk_indices: 2 chunks, but cu_seqlens \[0, 64, 70\] has 3 chunks "
+                                             "of 32"):
+            call(cu_seqlens=cu, chunk_indices=ci, chunk_size=32, **host)  # chunk_indices count chunks of chunk_size
+        with pytest.raises(ValueError, match="chunk_indices: 3 chunks, but cu_seqlens"):
+            call(cu_seqlens=cu, chunk_indices=_chunk_indices([0, 64, 65, 70]), **host)
+        with pytest.raises(ValueError, match="chunk_indices: does not match cu_seqlens"):
+            call(cu_seqlens=cu, chunk_indices=ci.flip(0), **host)
     with pytest.raises(ValueError, match="chunk_indices: given without cu_seqlens"):
         call(chunk_indices=ci)
-    with pytest.raises(ValueError, match="chunk_indices: 3 chunks, but cu_seqlens"):
-        call(cu_seqlens=cu, chunk_indices=_chunk_indices([0, 64, 65, 70]))
-    with pytest.raises(ValueError, match="chunk_indices: does not match cu_seqlens"):
-        call(cu_seqlens=cu, chunk_indices=ci.flip(0))
     with pytest.raises(ValueError, match=r"chunk_indices: expected \[NT, 2\]"):
         call(cu_seqlens=cu, chunk_indices=ci[:, :1])
     with pytest.raises(TypeError, match="chunk_indices: expected int32 or int64"):

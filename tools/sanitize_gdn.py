@@ -10,6 +10,11 @@ GVA (HV = 2H: a running sum of two heads; HV = 3H: one slot per head), plus varl
 Each result (o, final state, all six gradients) is checked against the float64 recurrence with the data-derived
 tolerance err <= 2·err(torch bf16 chunk ref) + 2e-2, so a wrong answer also fails (exit 1).
 
+Then cu_seqlens values no host check has seen (the device-built plan: negative, past T, decreasing, the int32
+extremes, padding before cu[0] and after cu[N]): forward + backward must equal, bitwise, the call with the clamped
+bounds (``[0, T]``, running maximum), with zero outputs and gradients for the padding tokens. Under the
+interpreter these cases force the device plan (a CPU cu_seqlens is otherwise read and checked on the host).
+
 Then the non-finite cases: one NaN / +inf per input (q, k, v, g, beta, initial state; g = -inf as the valid full
 decay) at a token inside a chunk, dense and varlen, K = V = 128 and the masked odd dims K = 24 / V = 20, forward
 and backward (the non-finite paths of the marked chunks run here). The output and final state must be non-finite
@@ -133,6 +138,47 @@ NONFINITE_SPOTS = (("q", math.nan), ("k", math.inf), ("k", math.nan), ("v", math
                    ("h0", math.nan))
 
 
+HOSTILE_CU = ([-5, 40, 30, 10**9], [0, 2**31 - 1, 7], [7, 7, 100, 90, 150], [20, 64, 130], [0, 150, -3, 150],
+              [-(2**31), 1, 2])
+
+
+def hostile_cu_cases() -> bool:
+    """The device plan over each of HOSTILE_CU (T = 150, GVA HV = 2H) against the clamped bounds, bitwise."""
+    import gqla_triton.ops.gdn.plan as plan_mod
+
+    on_device = plan_mod.plans_on_device
+    plan_mod.plans_on_device = lambda cu: True  # a no-op on the GPU: a cuda cu_seqlens plans on the device anyway
+    ok = True
+    try:
+        g = torch.Generator().manual_seed(5)
+        T = 150
+        for raw in HOSTILE_CU:
+            N = len(raw) - 1
+            ins = [torch.randn(1, T, 1, K, generator=g), torch.randn(1, T, 1, K, generator=g),
+                   torch.randn(1, T, 2, V, generator=g), -torch.rand(1, T, 2, generator=g),
+                   torch.rand(1, T, 2, generator=g) * 0.9 + 0.05, torch.randn(N, 2, K, V, generator=g) * 0.5]
+            ins = [x.to(DTYPE) if i < 5 else x for i, x in enumerate(ins)]
+            clamped, run_ = [], 0
+            for c in raw:
+                run_ = max(run_, min(max(c, 0), T))
+                clamped.append(run_)
+            outs = [run(gq.chunk_gated_delta_rule, ins, torch.tensor(c, dtype=torch.int64), DEV,
+                        use_qk_l2norm_in_kernel=True) for c in (raw, clamped)]
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            msgs = [name for name, a, b in zip(NAMES, *outs, strict=True) if not torch.equal(a, b)]
+            pad = torch.ones(T, dtype=torch.bool)
+            pad[clamped[0]:clamped[-1]] = False
+            msgs += [f"{name} padding" for name, a in zip(NAMES, outs[0], strict=True)
+                     if name not in ("final_state", "dh0") and bool((a[0, pad] != 0).any())]
+            tag = f"cu_seqlens {raw} (clamped {clamped})"
+            print(("FAIL " if msgs else "ok   ") + tag + ("  differs: " + ", ".join(msgs) if msgs else ""), flush=True)
+            ok &= not msgs
+    finally:
+        plan_mod.plans_on_device = on_device
+    return ok
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -146,6 +192,7 @@ def main(argv=None) -> int:
     ok = True
     if which != "nonfinite":
         ok &= finite_cases()
+        ok &= hostile_cu_cases()
     if which != "finite":
         for K_, V_ in dims:
             for i, (what, val) in enumerate(NONFINITE_SPOTS):

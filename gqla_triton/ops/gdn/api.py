@@ -27,6 +27,7 @@ from .._common.validation import (
     check_scale,
     check_tensor,
 )
+from . import plan as plan_mod
 from .compat import check_chunk_indices, check_chunk_size, check_fla_options, check_gate, state_v_first
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype, sout_sm90_unsupported
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
@@ -310,17 +311,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             whatever initial_state's dtype, as fla (must be False with ``state_indices``: the final states go into
             the pool).
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts, non-decreasing from 0 to T (varlen; then B
-            must be 1); any strides. One host read per call (forward and backward together), which waits for the
-            work already queued on the device; ``cu_seqlens_cpu`` avoids it.
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts (varlen; then B must be 1), any strides:
+            sequence n owns tokens ``[cu[n], cu[n+1])`` (0 tokens allowed). A CPU tensor is checked: non-decreasing
+            from 0 to T (``ValueError``). A GPU tensor is never read on the host: the plan is built on the device
+            (one small kernel; no sync, so the call can be captured in a CUDA graph), its values clamped to
+            ``[0, T]`` and made non-decreasing (a running maximum), so no value can reach outside the inputs.
+            Tokens outside ``[cu[0], cu[N])`` then belong to no sequence (padding, as a serving batch padded to a
+            graph's size): their outputs and gradients are 0 and they touch no state.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's
-            option of the same name): the plan is built from it without reading the device tensor, so a varlen call
-            needs no host sync. It must hold the same values as ``cu_seqlens`` (checked: shape, 0..T,
-            non-decreasing; not compared with the device copy, which would need the sync it avoids).
+            option of the same name): the plan is built on the host from it (checked: shape, 0..T,
+            non-decreasing; not compared with the device copy, which would need a sync), with the exact chunk
+            counts and sequence lengths; index tensors are reused across calls with the same values.
         chunk_indices: fla's precomputed ``[NT, 2]`` (sequence, chunk) pairs of the varlen input's 64-token chunks;
             accepted and unused (the plan comes from ``cu_seqlens``), it must describe the chunks of ``cu_seqlens``
-            (``ValueError`` otherwise: its shape is checked against the host copy of ``cu_seqlens``, its values when
-            it is a CPU tensor).
+            (``ValueError`` otherwise: its shape is checked against the host values of ``cu_seqlens`` where there
+            are any, its values when it is a CPU tensor).
         state_indices: ``[N]`` int32 on the inputs' device, or None. Given, ``initial_state`` is a state pool:
             sequence n starts from pool row ``state_indices[n]`` and its final state is written back into that row
             in place (the kernels read and write the rows through the index; no other row is touched). A negative
@@ -426,8 +431,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu_host:
             # the plan follows the host copy, the kernels the tensor: compared where that needs no sync
             raise ValueError(f"cu_seqlens_cpu: {cu_host} differs from cu_seqlens {cu_seqlens.tolist()}")
-    elif cu_seqlens is not None and not torch.compiler.is_compiling():
-        # the one host read of cu_seqlens (values checked); under torch.compile the custom op reads it
+    elif cu_seqlens is not None and not torch.compiler.is_compiling() and (
+            impl == "reference" or not plan_mod.plans_on_device(cu_seqlens)):
+        # read and checked where that is no sync (a CPU tensor) or the torch reference runs; a GPU tensor is planned
+        # on the device; under torch.compile the custom op plans inside itself
         cu_host = read_cu_seqlens(cu_seqlens, T)
     check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
     if state_indices is not None and not torch.compiler.is_compiling():

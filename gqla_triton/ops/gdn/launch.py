@@ -24,6 +24,7 @@ from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
 from .kernels.options import gdn_beta_in_kernel, gdn_options_bwd_kernel, gdn_options_sum_kernel
 from .kernels.output import gdn_output_fwd_kernel
+from .kernels.plan import gdn_pad_zero_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
 from .kernels.state_bwd import gdn_state_bwd_kernel
@@ -36,6 +37,7 @@ from .kernels.wy_bwd import gdn_wy_bwd_kernel
 from .plan import ChunkPlan
 
 OPTIONS_BLOCK = 2048  # elements per program of the options' elementwise passes (options.py)
+PAD_ROWS = 16  # rows per program of the padding rows' zeroing (kernels/plan.py)
 
 __all__ = ["States", "chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_state_fwd", "h_rows", "mid_dtype"]
 
@@ -307,8 +309,20 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_e
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid,
-        NEG_EIGVAL=neg_eigval, **cfg.launch("wu"))
+        NEG_EIGVAL=neg_eigval, PADDED=plan.padded, **cfg.launch("wu"))
     return w, u, vbad
+
+
+def _zero_padding(plan: ChunkPlan, *xs: torch.Tensor) -> None:
+    """Zero the rows of the contiguous ``[1, T, ...]`` tensors xs (at most five) whose tokens belong to no sequence
+    of a device-built plan (outside [cu[0], cu[N])): rows no chunk program writes. Nothing for other plans."""
+    if not plan.padded:
+        return
+    T = xs[0].shape[1]
+    ws = [x.numel() // T if T else 0 for x in xs]
+    gdn_pad_zero_kernel[(cdiv(T, PAD_ROWS),)](
+        plan.cu, plan.N, T, *xs, *(xs[0],) * (5 - len(xs)), *ws, *(0,) * (5 - len(xs)), NUM=len(xs), BR=PAD_ROWS,
+        BW=min(256, tile(max(ws))))
 
 
 def _gate_args(gate: tuple | None) -> dict:
@@ -344,12 +358,13 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
-            **cfg.launch("wy"))
+            PADDED=plan.padded, **cfg.launch("wy"))
     if fuse and not keep_h:
         sm90 = use_sout_sm90(plan, q, k, v)
         if _fuse_out(plan, HV, V, sm90):
             o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first,
                                beta_sigmoid, neg_eigval, sm90)
+            _zero_padding(plan, o)
             return o, ht, gc, Ainv
     if plan.NTT > 0:
         w, u, vbad = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
@@ -365,7 +380,9 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         BV = min(cfg.out_bv, tile(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
             q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
-            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, **cfg.launch("out"))
+            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, PADDED=plan.padded,
+            **cfg.launch("out"))
+    _zero_padding(plan, o)
     if keep_h:
         return o, ht, gc, Ainv, States(w, h, vnew)
     return o, ht, gc, Ainv
@@ -424,7 +441,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     BV = min(cfg.dvl_bv, BVp)
     gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
-        EARLY=cfg.dvl_early, IS_VARLEN=varlen, **cfg.launch("dvl"))
+        EARLY=cfg.dvl_early, IS_VARLEN=varlen, PADDED=plan.padded, **cfg.launch("dvl"))
     dhe = empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
     BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, plan.gpu)
@@ -468,12 +485,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
-        IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, **cfg.launch("grad"))
+        IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, PADDED=plan.padded, **cfg.launch("grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
         GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, SLOTS=slots,
-        **cfg.launch("wy_bwd"))
+        PADDED=plan.padded, **cfg.launch("wy_bwd"))
+    _zero_padding(plan, dq, dk, dv, *((dg,) if gate is None else ()), *(() if opt_beta else (dbeta,)))
     if not opt_beta and gate is None:
         return dq, dk, dv, dg, dbeta, dh0
     R = B * T
@@ -483,9 +501,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     par = empty(2, HV, nprog, dtype=torch.float32, device=dev) if gate is not None else dummy
     gdn_options_bwd_kernel[(nprog,)](
         beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
-        gate[1] if gate is not None and gate[1] is not None else dummy, par, R, HV, BETA=opt_beta,
+        gate[1] if gate is not None and gate[1] is not None else dummy, par, cu, R, HV, N, BETA=opt_beta,
         BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, GATE=gate is not None,
-        HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH)
+        HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH, PADDED=plan.padded)
     if gate is None:
         return dq, dk, dv, dg, dbeta, dh0
     has_bias = gate[1] is not None

@@ -1,9 +1,11 @@
 """What one call of the chunked op launches: its config, the chunk programs and the segments of sequence splitting.
 
-``chunk_plan`` is built per call, before the forward, and the backward reuses the forward's plan: one host read of
-cu_seqlens per forward + backward (under torch.compile each custom op builds its plan inside itself, one read
-each). The index tensors are cached by value (``_chunk_index``, ``_seg_plan``): a cu_seqlens changed in
-place gives a new plan on the next call.
+``chunk_plan`` is built per call, before the forward, and the backward reuses the forward's plan (under
+torch.compile each custom op builds its plan inside itself). A varlen plan comes from the host values of
+cu_seqlens where the caller has them (``cu_seqlens_cpu``, or a CPU tensor): its index tensors are cached by value
+(``_chunk_index``, ``_seg_plan``). Otherwise it is built on the device (``device_plan``): one small kernel, no host
+read, so a call with cu_seqlens on a GPU never waits for the device and can be captured in a CUDA graph; the
+counts that size its grids are bounds from the shapes, the programs past the real chunks return at once.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import NamedTuple
 import torch
 
 from ...dispatch import DeviceInfo, device_info, select_config
+from .._common.alloc import empty
 from .._common.host import cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
+from .kernels.plan import gdn_plan_kernel
 
-__all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "host_cu_seqlens",
-           "read_cu_seqlens", "seg_len"]
+__all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "device_plan", "host_cu_seqlens",
+           "plans_on_device", "read_cu_seqlens", "seg_len"]
 
 BT = 64  # the default chunk size (fla's)
 CHUNK_SIZES = (16, 32, 64)  # the chunk sizes the kernels take (fla's set)
@@ -37,13 +41,16 @@ class SegPlan(NamedTuple):
 
 class ChunkPlan(NamedTuple):
     """Launch plan of one call. Chunk programs run on a grid ``(NG, B·HV)``: dense inputs have NG = NT chunks per
-    batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``."""
+    batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``. A plan built on the
+    device is ``padded``: NTT, the segment count and max_chunks are bounds, cidx rows past the real chunks are
+    (-1, 0) (their programs return at once), and tokens outside [cu[0], cu[N]) belong to no sequence (their
+    outputs and gradients are zeroed)."""
 
     cfg: ChunkConfig
     gpu: DeviceInfo  # the inputs' device (``dispatch.device_info``)
     BT: int  # chunk size (one of CHUNK_SIZES)
     N: int  # sequences
-    seq_cu: tuple[int, ...]  # token bounds of the sequences in the flattened [B·T] rows, N+1 values
+    seq_cu: tuple[int, ...] | None  # token bounds of the sequences in the [B·T] rows, N+1 values (None: padded)
     cu: torch.Tensor | None  # [N+1] cu_seqlens as the kernels read it (contiguous), None for dense inputs
     NTT: int  # chunks over all sequences
     NT: int  # chunks per sequence (dense inputs), 0 under varlen
@@ -52,6 +59,7 @@ class ChunkPlan(NamedTuple):
     coff: torch.Tensor | None  # [N+1] int32 first chunk-state row of each sequence, varlen only
     seg: SegPlan | None  # sequence splitting of the state passes, or None
     max_chunks: int  # chunks of the longest sequence
+    padded: bool = False  # built on the device (see above)
 
     @property
     def varlen(self) -> bool:
@@ -156,7 +164,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
                cu_host: list[int] | None = None, chunk_size: int = BT, impl: str = "auto") -> ChunkPlan:
     """The plan of a call with q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and ``cu_seqlens`` (or None), in chunks of
     ``chunk_size`` tokens (one of ``CHUNK_SIZES``). ``cu_host``: ``read_cu_seqlens``' copy where the caller has it;
-    otherwise cu_seqlens is read here. ``impl``: ``"auto"`` keeps the table's config; ``"triton"`` never runs the
+    otherwise cu_seqlens is read here when it is a CPU tensor, and the plan built on the device when it is not. ``impl``: ``"auto"`` keeps the table's config; ``"triton"`` never runs the
     Gluon ``sout`` kernel; ``"gluon"`` runs it for every forward without gradient (sequences unsplit, no unit
     threshold; the caller has checked that it can, ``launch.sout_sm90_unsupported``)."""
     BT = chunk_size
@@ -166,6 +174,8 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     cfg = select_config("gdn_chunk", config_key(K, V), info=gpu)
     if impl in ("triton", "gluon"):
         cfg = _impl_config(cfg, impl)
+    if cu_seqlens is not None and cu_host is None and plans_on_device(cu_seqlens):
+        return device_plan(cfg, gpu, cu_seqlens, T, HV, K, BT)
     if cu_seqlens is None:
         NT = cdiv(T, BT)
         seq_cu = tuple(range(0, (B + 1) * T, T))
@@ -179,3 +189,37 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
     return ChunkPlan(cfg, gpu, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest)
+
+
+PLAN_BLOCK = 1024  # entries per step of the device plan's passes
+
+
+def plans_on_device(cu_seqlens: torch.Tensor) -> bool:
+    """Whether a varlen call without a host copy of ``cu_seqlens`` builds its plan on the device: wherever reading
+    it would be a host sync (any device but the CPU)."""
+    return cu_seqlens.device.type != "cpu"
+
+
+def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: int, HV: int, K: int,
+                BT: int) -> ChunkPlan:
+    """The plan of a varlen call (T tokens, HV value heads, key dim K, chunks of BT) from ``cu_seqlens`` ``[N+1]``
+    as it lies on its device (any strides), by ``gdn_plan_kernel``: no host read. The bounds, from the shapes:
+    N sequences in T tokens hold at most (T + N·(BT−1)) // BT chunks, the longest at most ceil(T/BT); segments of
+    L chunks number at most chunks // L + N. Sequence splitting is chosen as ``chunk_plan`` chooses it, with the
+    longest sequence taken at its bound."""
+    N = cu_seqlens.numel() - 1
+    NTT = (T + N * (BT - 1)) // BT
+    longest = cdiv(T, BT)
+    L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
+    NSEG = NTT // L + N if L else 0
+    dev = cu_seqlens.device
+    i64 = empty(N + 1 + (NSEG + 1 if L else 0), dtype=torch.int64, device=dev)
+    i32 = empty(N + 1 + 2 * NTT + (NSEG + N + 1 if L else 0), dtype=torch.int32, device=dev)
+    cu, coff = i64[:N + 1], i32[:N + 1]
+    cidx = i32[N + 1:N + 1 + 2 * NTT].view(NTT, 2)
+    seg_cu, seg_coff, soff = i64[N + 1:], i32[N + 1 + 2 * NTT:][:NSEG], i32[N + 1 + 2 * NTT + NSEG:]
+    gdn_plan_kernel[(1,)](cu_seqlens, cu_seqlens.stride(0), cu, coff, cidx, seg_cu if L else cu,
+                          seg_coff if L else coff, soff if L else coff, N, T, NTT, NSEG, N.bit_length(), max(L, 1),
+                          BT=BT, SPLIT=L > 0, BLOCK=PLAN_BLOCK, num_warps=4)
+    seg = SegPlan(NSEG, seg_cu, seg_coff, soff, L) if L else None
+    return ChunkPlan(cfg, gpu, BT, N, None, cu, NTT, 0, NTT, cidx, coff, seg, longest, True)

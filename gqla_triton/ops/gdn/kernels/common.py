@@ -6,8 +6,9 @@ w ``[rows, HV, K]``; g, gc (chunk-local cumsum, fp32), beta ``[rows, HV]``; Ainv
 bf16 inputs, else fp32; row t holds row t mod BT of its chunk's ``(I + A)^-1``); chunk states h
 ``[chunks, HV, K, V]`` (state at each chunk's start). Sequences come from ``cu`` (varlen: token bounds
 ``[N+1]``, with ``cidx [chunks, 2]`` (sequence, chunk within it) and ``coff [N+1]`` (first chunk-state row of
-each sequence)) or are the B rows of length T. Head counts and lengths are runtime values that Triton does not
-specialise on: one compiled variant per (K, V, dtype, launch config) serves every H, HV and T.
+each sequence); a device-built plan has more chunk programs than chunks, the extra ones return at once) or are
+the B rows of length T. Head counts and lengths are runtime values that Triton does not specialise on: one compiled
+variant per (K, V, dtype, launch config) serves every H, HV and T.
 """
 
 from __future__ import annotations
@@ -154,6 +155,13 @@ def _chunk_state_row(i_t, i_b, coff, cidx, NT, IS_VARLEN: tl.constexpr):
     else:
         i_ch = i_b.to(tl.int64) * NT + i_t
     return i_ch
+
+
+@triton.jit
+def _empty_slot(cidx, i_t):
+    """Whether chunk program i_t of a device-built varlen plan has no chunk: its cidx row is (-1, 0) (the plan's
+    program count is a bound; ``kernels/plan.py``)."""
+    return tl.load(cidx + 2 * i_t) < 0
 
 
 @triton.jit

@@ -26,31 +26,36 @@ def gdn_beta_in_kernel(beta, bt, n, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.c
 
 
 @triton.jit
-def gdn_options_bwd_kernel(beta, dbt, dbeta, a, dgl, dg, a_log, dt_bias, part, R, HV, BETA: tl.constexpr,
+def gdn_options_bwd_kernel(beta, dbt, dbeta, a, dgl, dg, a_log, dt_bias, part, cu, R, HV, N, BETA: tl.constexpr,
                            BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, GATE: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, PADDED: tl.constexpr = False):
     """One block of BR rows of the ``[R, HV]`` arrays. BETA: dbeta (beta's dtype) = the gradient of the loaded
     beta from dbt = dL/d(beta as taken) (fp32). GATE: dg (the raw gate input's dtype) = dgl · dg/da with dgl = dL/dg
     (fp32), a the raw gate input; part ``[2, HV, programs]`` fp32 gets this block's sums of dL/dA_log (dg/dA_log = g)
-    and of dL/ddt_bias (= dL/da), summed in a fixed order."""
+    and of dL/ddt_bias (= dL/da), summed in a fixed order. PADDED (a device-built varlen plan, token bounds cu
+    ``[N+1]``): rows outside [cu[0], cu[N]) belong to no sequence: their gradients are 0, whatever their inputs,
+    and they add nothing to the sums."""
     pid = tl.program_id(0)
     r = pid.to(tl.int64) * BR + tl.arange(0, BR)
     h = tl.arange(0, BH)
     m = (r[:, None] < R) & (h[None, :] < HV)
+    lv = m
+    if PADDED:
+        lv = m & ((r >= tl.load(cu)) & (r < tl.load(cu + N)))[:, None]
     o = r[:, None] * HV + h[None, :]
     if BETA:
-        b = _beta_in(tl.load(beta + o, mask=m, other=0.0).to(tl.float32), m, BETA_SIGMOID, NEG_EIGVAL)
-        db = _dbeta_out(tl.load(dbt + o, mask=m, other=0.0), b, BETA_SIGMOID, NEG_EIGVAL)
-        tl.store(dbeta + o, db.to(dbeta.dtype.element_ty), mask=m)
+        b = _beta_in(tl.load(beta + o, mask=lv, other=0.0).to(tl.float32), lv, BETA_SIGMOID, NEG_EIGVAL)
+        db = _dbeta_out(tl.load(dbt + o, mask=lv, other=0.0), b, BETA_SIGMOID, NEG_EIGVAL)
+        tl.store(dbeta + o, tl.where(lv, db, 0.0).to(dbeta.dtype.element_ty), mask=m)
     if GATE:
         na, bias = _gate_par(a_log, dt_bias, h, HAS_BIAS, h < HV)
-        gv, dgda = _gate_in(tl.load(a + o, mask=m, other=0.0).to(tl.float32), na[None, :], bias[None, :])
-        rev = tl.load(dgl + o, mask=m, other=0.0)
-        da = rev * dgda
+        gv, dgda = _gate_in(tl.load(a + o, mask=lv, other=0.0).to(tl.float32), na[None, :], bias[None, :])
+        rev = tl.load(dgl + o, mask=lv, other=0.0)
+        da = tl.where(lv, rev * dgda, 0.0)
         tl.store(dg + o, da.to(dg.dtype.element_ty), mask=m)
         np_ = tl.num_programs(0)
-        tl.store(part + h * np_ + pid, tl.sum(tl.where(m, rev * gv, 0.0), 0), mask=h < HV)
-        tl.store(part + (HV + h) * np_ + pid, tl.sum(tl.where(m, da, 0.0), 0), mask=h < HV)
+        tl.store(part + h * np_ + pid, tl.sum(tl.where(lv, rev * gv, 0.0), 0), mask=h < HV)
+        tl.store(part + (HV + h) * np_ + pid, tl.sum(da, 0), mask=h < HV)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _beta_in, _chunk_rows, _nan_from_first_bad
+from .common import _beta_in, _chunk_rows, _empty_slot, _nan_from_first_bad
 
 # vbad codes (bits): the chunk has a non-finite v / rows past a non-finite k, beta or decay (gc NaN there)
 VBAD_V: tl.constexpr = tl.constexpr(1)
@@ -23,7 +23,8 @@ def _vbad_at(i_t, i_bh, NG, HV):
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
+                      IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
+                      PADDED: tl.constexpr = False):
     """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype), and
     vbad ``[B, NG, HV]`` int32 (``_vbad_at``): which non-finite inputs the chunk has (``VBAD_*`` bits).
     BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
@@ -34,6 +35,9 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
     any non-finite input forms w and u again from its finite entries (``_wu_rows_nonfinite``, in loops the
     compiler does not pipeline: a rare path), stored over the first results after a barrier."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    if PADDED:  # a device-built plan: programs past the last chunk have none
+        if _empty_slot(cidx, i_t):
+            return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     nbv, ndead = _wu_rows(k, v, beta, gc, Ainv, w, u, x, valid, i_h, i_hv, H, HV, K, V, BT, BK, BV, BETA_SIGMOID,
                           NEG_EIGVAL)

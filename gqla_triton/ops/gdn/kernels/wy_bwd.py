@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_rows
+from .common import _chunk_rows, _empty_slot
 from .gva import _gva_program, _head_arrive, _head_pass, _head_publish, _head_wait, _slot_arrive, _slot_sum
 
 
@@ -68,7 +68,7 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False):
+                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False, PADDED: tl.constexpr = False):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K], k's dtype; with GSUM / SLOTS summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
@@ -76,6 +76,9 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     LATE_WAIT: see the comment at the dk loop. beta is beta as taken and dbeta, dg are the gradients of beta as
     taken and of the decay: fla's beta and gate options are chained on outside this kernel (``options.py``)."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
+    if PADDED:  # a device-built plan: programs past the last chunk have none
+        if _empty_slot(cidx, i_t):
+            return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
     r = tl.arange(0, BT)
     dt = dw.dtype.element_ty  # operand dtype of this kernel's dots: bf16, or fp32 (tf32) for fp16/fp32 inputs
