@@ -105,6 +105,35 @@ def test_device_plan_matches_host_plan(lens, BT, L, HV):
     assert torch.equal(plan.seg.coff[:host.nseg].cpu(), host.coff.cpu())
 
 
+@pytest.mark.parametrize("L", [0, 2])
+def test_device_plan_many_sequences(L):
+    """Past one block of the plan kernel's passes (1024 entries): 2500 sequences (a third of them empty) with
+    unsorted raw bounds, in int64; the bounds, chunk programs and segments equal the host plan's of the clamped
+    bounds."""
+    g = torch.Generator().manual_seed(L)
+    lens = torch.randint(0, 90, (2500,), generator=g) * (torch.rand(2500, generator=g) > 0.33)
+    T = int(lens.sum()) + 37
+    raw = [0, *lens.cumsum(0).tolist()]
+    raw[700], raw[1900], raw[2400] = -9, T + 5, 3  # clamped: 0, T (then every later bound is T), T
+    cu_list = _project(raw, T)
+    cu = torch.tensor(raw, dtype=torch.int64, device=P.device)
+    q = torch.zeros(1, T, 1, 16, device=P.device)
+    base = select_config("gdn_chunk", plan_mod.config_key(16, 16), info=device_info(q))
+    cfg = base.replace(**{**SEG, "seg_min": L}) if L else base.replace(seg_units=0)
+    plan = plan_mod.device_plan(cfg, device_info(q), cu, T, 1, 16, 64)
+    assert plan.cu.cpu().tolist() == cu_list
+    ntt, cidx, coff = plan_mod._chunk_index(tuple(cu_list), 64, torch.device(P.device))
+    assert torch.equal(plan.coff.cpu(), coff.cpu()) and torch.equal(plan.cidx[:ntt].cpu(), cidx.cpu())
+    assert (plan.cidx[ntt:].cpu() == torch.tensor([-1, 0], dtype=torch.int32)).all()
+    assert (plan.seg is not None) == bool(L)
+    if L:
+        host = plan_mod._seg_plan(tuple(cu_list), plan.seg.L, 64, torch.device(P.device))
+        assert torch.equal(plan.seg.soff.cpu(), host.soff.cpu())
+        assert torch.equal(plan.seg.cu[:host.nseg + 1].cpu(), host.cu.cpu())
+        assert (plan.seg.cu[host.nseg:].cpu() == cu_list[-1]).all()
+        assert torch.equal(plan.seg.coff[:host.nseg].cpu(), host.coff.cpu())
+
+
 # ------------------------------------------------------------------------------------------ results, both plans
 @settings(max_examples=examples(4, 12), deadline=None)
 @given(lens=st.lists(st.integers(0, pick(140, 700)), min_size=1, max_size=4), G=st.sampled_from([1, 2, 4]),
