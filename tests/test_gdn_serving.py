@@ -250,6 +250,45 @@ def test_prefill_into_fresh_and_held_slots(impl):
     assert not cache.recurrent_state[0].any() and not cache.conv_state[0].any() and cache.seqlens[0] == 0
 
 
+@pytest.mark.parametrize("hostile", [False, True])
+def test_prefill_with_gpu_bounds_reads_nothing_and_pads(monkeypatch, hostile):
+    """A prefill whose cu_seqlens is planned on the device (a GPU tensor; forced under the interpreter) reads
+    nothing of it on the host. Its bounds are taken clamped to [0, T] and made non-decreasing: padding tokens
+    before cu[0] and from cu[N] on (NaN hidden states) reach no sequence and no cache row, and output 0 where
+    finite; each sequence's outputs and cache rows equal those of the call over its tokens alone. ``hostile``: a
+    bound out of order that clamps to the same sequences."""
+    import gqla_triton.ops.gdn.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "plans_on_device", lambda cu: True)
+    base = _layer(1, 2, 16, torch.float64, 5)
+    m = _as(base, "triton", P.dtypes[0])
+    dt = m.in_proj.weight.dtype
+    g = gen(5)
+    lens, lead, tail = [7, 0, 12], 3, 5
+    T = lead + sum(lens) + tail
+    x = randn((1, T, m.hidden_size), g, dtype=dt)
+    x[:, :lead] = float("nan")
+    x[:, T - tail:] = float("nan")
+    x[:, T - 2] = 1.0  # one finite padding token: its output is exactly 0
+    bounds = [lead, lead + 7, lead + 7, lead + 19]
+    raw = [lead, lead + 7, lead + 3, lead + 19] if hostile else bounds  # lead + 3 < lead + 7: clamps to lead + 7
+    cu = torch.tensor(raw, **I32)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (
+        reads.append(1) if self.data_ptr() == cu.data_ptr() else None, tolist(self))[1])
+    cache, alone = m.init_cache(4), m.init_cache(4)
+    with torch.no_grad():
+        out = m(x, cache, cu, slots=[2, 0, 3])
+        ref = m(x[:, lead:T - tail], alone, torch.tensor([b - lead for b in bounds], **I32), slots=[2, 0, 3])
+    assert not reads, "cu_seqlens read on the host"
+    assert torch.equal(out[:, T - 2], torch.zeros_like(out[:, T - 2]))
+    torch.testing.assert_close(out[:, lead:T - tail], ref, rtol=1e-5, atol=1e-5)
+    for name in ("conv_state", "recurrent_state", "seqlens"):
+        torch.testing.assert_close(getattr(cache, name), getattr(alone, name), rtol=1e-5, atol=1e-5, msg=name)
+    assert cache.seqlens.tolist() == [0, 0, 7, 12] and cache.holds() == alone.holds()
+
+
 # ------------------------------------------------------------------------------------------ rejected calls
 def test_rejected_calls_change_nothing():
     """Every invalid call raises TypeError / ValueError and leaves every cache tensor, flag and pending step as it
@@ -285,16 +324,16 @@ def test_rejected_calls_change_nothing():
         (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([[0, 2, 4]], **I32), slots=[2, 0])),
         (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([4], **I32), slots=[2, 0])),
         (ValueError, "slots", dict(x=x1, cu=torch.tensor([0, 4], **I32), slots=[2, 0])),
-        (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[1, 0])),  # prefill: read
-        (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 3], **I32), slots=[1, 0])),  # must end at T
         (ValueError, "verify", dict(x=x, slots=[1, 0], verify=True)),  # slot 1 holds no state
         (TypeError, "verify", dict(x=x, slots=[2, 0], verify=1)),
         (TypeError, "cache", dict(x=x, cache=object())),
         (ValueError, "cache", dict(x=x, cache=GatedDeltaNetCache(3, m.conv_dim, 4, 4, 16, 32, device=dev,
                                                                  dtype=dt))),
     ]
-    if dev == "cpu":  # a CPU cu_seqlens is checked on the host for a decode step too (no sync)
-        bad += [(ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[2, 0])),
+    if dev == "cpu":  # a CPU cu_seqlens is checked on the host (no sync), for a prefill and a decode step
+        bad += [(ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[1, 0])),
+                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 3], **I32), slots=[1, 0])),  # not T
+                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[2, 0])),
                 (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 5], **I32), slots=[2, 0]))]
     snap = _snapshot(cache)
     with torch.no_grad():

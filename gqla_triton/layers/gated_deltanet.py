@@ -36,6 +36,7 @@ from ..ops._common.validation import (
     check_tensor,
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
+from ..ops.gdn import plan as gdn_plan
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from .gdn_step import gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
@@ -108,6 +109,13 @@ def _windows(old: torch.Tensor, xf: torch.Tensor, seq: torch.Tensor, bos: torch.
     ext = torch.cat([old.reshape(N * W1, C), xf], 0)
     idx = torch.where(pos < W1, seq[:, None] * W1 + pos, N * W1 + bos[:, None] + pos - W1)
     return ext[idx.clamp(0, ext.shape[0] - 1)]
+
+
+def _clamped_bounds(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """``cu_seqlens [N+1]`` as the chunked op's device plan takes it (``ops/gdn/plan.py``): each bound clamped to
+    ``[0, T]``, then their running maximum (int64, device ops; a well-formed cu_seqlens is unchanged). Sequence n owns
+    tokens ``[cu[n], cu[n+1])``; tokens outside ``[cu[0], cu[N])`` are padding."""
+    return torch.cummax(cu_seqlens.long().clamp(0, T), 0).values
 
 
 def _check_cu_host(cu: list[int], T: int, *, padded: bool) -> None:
@@ -595,8 +603,9 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, x, init, cu_seqlens):
         """Causal depthwise conv over ``x [B, T, C]`` starting from ``init [N, C, W-1]`` (None = zeros).
 
-        Returns ``(y [B, T, C], final [N, C, W-1])``; with ``cu_seqlens`` (values checked: non-decreasing from 0 to
-        T) no sequence sees another's tokens.
+        Returns ``(y [B, T, C], final [N, C, W-1])``; with ``cu_seqlens`` (``_clamped_bounds``' form:
+        non-decreasing within ``[0, T]``) no sequence sees another's tokens, and the padding tokens outside
+        ``[cu[0], cu[N])`` reach no sequence (their own outputs are unspecified).
         """
         W, C = self.conv_size, x.shape[-1]
         w = self.conv1d.weight
@@ -606,15 +615,16 @@ class GatedDeltaNet(nn.Module):
             xf = torch.cat([pad, x], 1)
             y = _depthwise_conv(xf, w)
             return y, xf[:, T:].transpose(1, 2)
-        # varlen: give every sequence its own W-1 leading slots (zeros or its initial state), conv once. Every index
-        # stays inside its buffer whatever cu_seqlens holds (a device tensor is not checked under torch.compile)
+        # varlen: give every sequence its own W-1 leading slots (zeros or its initial state), conv once. Sequence n's
+        # stream (slots, then tokens) starts at cu[n] + n(W-1); padding tokens before cu[0] keep their own index and
+        # those from cu[N] on move by N(W-1): places no stream holds, so every index is distinct and in the buffer
         T = x.shape[1]
         dev = x.device
-        cu = cu_seqlens.to(device=dev, dtype=torch.long).clamp(0, T)
+        cu = _clamped_bounds(cu_seqlens.to(dev), T)
         N = cu.numel() - 1
         t = torch.arange(T, device=dev)
         seq = torch.searchsorted(cu[1:], t, right=True).clamp(max=N - 1)
-        dest = t + (seq + 1) * (W - 1)
+        dest = torch.where(t < cu[0], t, torch.where(t >= cu[N], t + N * (W - 1), t + (seq + 1) * (W - 1)))
         j = torch.arange(W - 1, device=dev)
         head = (cu[:-1] + torch.arange(N, device=dev) * (W - 1))[:, None] + j  # [N, W-1] leading slots
         xp = x.new_zeros(T + N * (W - 1), C)
@@ -737,8 +747,13 @@ class GatedDeltaNet(nn.Module):
           the cache rows (the chunked op over the state pool). Sets the slots' flags;
         - a device slot tensor: a decode step (any number of tokens).
 
-        A decode step has no host sync, host-to-device copy or branch on device values (``cu_seqlens`` on a GPU is
-        never read; a malformed one cannot cause an out-of-bounds access). Skipped (padding) sequences output 0.
+        A decode step has no host sync, host-to-device copy or branch on device values. ``cu_seqlens`` on a GPU is
+        never read on the host, prefill included (the chunked op plans on the device), and no value of it can cause
+        an out-of-bounds access: a decode step clamps each bound as its kernel does, a prefill takes the bounds
+        clamped to ``[0, T]`` and made non-decreasing, its tokens outside ``[cu[0], cu[N])`` being padding that
+        reaches no sequence and no cache row (their output: ``o_proj`` of the gated norm of a zero o, 0 for finite
+        inputs). A CPU ``cu_seqlens`` is checked on the host (``ValueError``): non-decreasing from 0 to T for a
+        prefill, within ``[0, T]`` for a decode step. Skipped (padding) sequences output 0.
         ``verify=True`` (decode only): the tokens are drafts; outputs of all of them are returned, the cache is left
         as it was until ``cache.commit(accepted)`` advances each sequence by its accepted tokens. A decode step is
         inference only (a ``RuntimeError`` under autograd with parameters requiring grad). Invalid arguments raise
@@ -785,9 +800,12 @@ class GatedDeltaNet(nn.Module):
                                  f"{[s for s, f in zip(batch.ids, fresh, strict=True) if f]}")
         cu_host = None
         if cu_seqlens is not None and not torch.compiler.is_compiling() and (
-                not decode or cu_seqlens.device.type == "cpu"):  # a prefill reads it anyway; a CPU read: no sync
+                not gdn_plan.plans_on_device(cu_seqlens) or (self.impl == "reference" and not decode)):
+            # read where the chunked op reads it (a CPU tensor: no sync) or the torch reference runs
             cu_host = cu_seqlens.tolist()
             _check_cu_host(cu_host, T, padded=decode)
+        if cu_seqlens is not None and not decode:
+            cu_seqlens = _clamped_bounds(cu_seqlens, T)
         if cache is None:
             xc, z, b, a = self._project_in(x)
             o, _ = self._rule(*self._qkv_gates(self._conv(xc, None, cu_seqlens)[0], b, a), None, cu_seqlens, False,
