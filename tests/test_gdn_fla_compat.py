@@ -147,6 +147,29 @@ def _pool_call(**kw):
     return (q, k, v, g, beta, state, idx), kw
 
 
+def test_flags_take_bools_and_name_a_tensor_in_their_place():
+    """``output_final_state`` and ``use_qk_l2norm_in_kernel`` of the three GDN functions take a bool (or 0 / 1); a
+    tensor there (cu_seqlens passed ninth, as some fla forks order it) is a TypeError naming the flag, not torch's
+    ambiguous-truth error."""
+    q, k, v, g, beta = _inputs(1, 8, 61)
+    cu = torch.tensor([0, 3, 8], device=P.device)
+    with pytest.raises(TypeError, match=r"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape \[3\] "
+                                        r"\(cu_seqlens is the tenth argument"):
+        chunk_gated_delta_rule(q, k, v, g, beta, None, None, False, cu)
+    for bad in ("yes", 2, 0.5, torch.tensor(True)):
+        for name in ("output_final_state", "use_qk_l2norm_in_kernel"):
+            with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+                chunk_gated_delta_rule(q, k, v, g, beta, **{name: bad})
+            with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+                fused_recurrent_gated_delta_rule(q, k, v, g, beta, **{name: bad})
+        state = torch.zeros(1, HV, K, V, device=P.device)
+        with pytest.raises(TypeError, match="use_qk_l2norm_in_kernel: expected a bool"):
+            gated_delta_rule_decode(q, k, v, g, beta, state, use_qk_l2norm_in_kernel=bad)
+    o1, _ = chunk_gated_delta_rule(q, k, v, g, beta, None, None, 1, 1)
+    o2, _ = chunk_gated_delta_rule(q, k, v, g, beta, None, None, True, True)
+    assert torch.equal(o1, o2)
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_decode_noop_options_change_nothing(impl):
     """cu_seqlens_cpu, inplace_final_state=True, output_final_state=False and the off values of the other

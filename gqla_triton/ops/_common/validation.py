@@ -138,7 +138,9 @@ def check_flag(name: str, value: object) -> bool:
     """A boolean option: ``bool`` (or an integer 0 / 1); anything else is a ``TypeError``."""
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
         return bool(value)
-    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+        f"{type(value).__name__} {value!r}"
+    raise TypeError(f"{name}: expected a bool, got {got}")
 
 
 def check_num_splits(num_splits: object) -> int:

@@ -20,6 +20,7 @@ from .._common.impl import check_impl
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_flag,
     check_kernel_device,
     check_pool_rows,
     check_same_device,
@@ -381,6 +382,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                        ("allow_neg_eigval", allow_neg_eigval)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if isinstance(use_qk_l2norm_in_kernel, torch.Tensor):  # fla releases that put cu_seqlens ninth, positionally
+        raise TypeError(f"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape "
+                        f"{list(use_qk_l2norm_in_kernel.shape)} (cu_seqlens is the tenth argument here, as in fla: "
+                        "pass it by keyword)")
+    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    output_final_state = check_flag("output_final_state", output_final_state)
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, K = q.shape
     check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)

@@ -31,6 +31,7 @@ from .._common.impl import check_impl
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_flag,
     check_kernel_device,
     check_pool_rows,
     check_scale,
@@ -372,6 +373,7 @@ def gated_delta_rule_decode(
                        ("allow_neg_eigval", allow_neg_eigval)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     ref = impl == "reference"
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("q", q, ndim=4, dtypes=fdt)

@@ -70,6 +70,7 @@ def fused_recurrent_gated_delta_rule(
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     v_first = layout_v_first("kv", {**fla_options, "state_v_first": state_v_first})
     output_final_state = check_flag("output_final_state", output_final_state)
+    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     for name, t in (("gk", gk), ("gv", gv)):
         if t is not None:
             raise ValueError(f"{name}: per-{'key' if name == 'gk' else 'value'} decays are not supported here "
