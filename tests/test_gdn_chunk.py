@@ -754,8 +754,9 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="cu_seqlens"):
         f(q, q, v, g, g, cu_seqlens=torch.tensor([0.0, 8.0], device=d))
     if not plan_mod.plans_on_device(q):  # a GPU cu_seqlens is clamped on the device (test_gdn_device_plan.py)
-        with pytest.raises(ValueError, match="cu_seqlens"):
-            f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 5], device=d))
+        for bad in ([0, 9], [-1, 8], [0, 5, 4, 8]):  # past T, negative, decreasing (cu[N] < T is padding)
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                f(q, q, v, g, g, cu_seqlens=torch.tensor(bad, device=d))
     with pytest.raises(ValueError, match="initial_state"):
         f(q, q, v, g, g, initial_state=torch.zeros(2, 4, 16, 16, device=d), cu_seqlens=torch.tensor([0, 8], device=d))
     with pytest.raises(TypeError, match="initial_state"):
@@ -768,7 +769,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="HV"):
         f(q, q, torch.zeros(1, 8, 3, 16, device=d), g[..., :3], g[..., :3], impl="reference")
     with pytest.raises(ValueError, match="cu_seqlens"):
-        f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 5], device=d), impl="reference")
+        f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 9], device=d), impl="reference")
     if d == "cuda":
         with pytest.raises(ValueError, match="g"):
             f(q, q, v, g.cpu(), g)

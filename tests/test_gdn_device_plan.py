@@ -85,7 +85,7 @@ def test_device_plan_matches_host_plan(lens, BT, L, HV):
     cfg = base.replace(**{**SEG, "seg_min": L}) if L else base.replace(seg_units=0)
     longest = -(-T // BT)
     plan = plan_mod.device_plan(cfg, device_info(q), cu, T, HV, K, BT)
-    assert plan.padded and plan.varlen and plan.N == len(lens)
+    assert plan.empty_slots and plan.padding and plan.varlen and plan.N == len(lens)
     assert torch.equal(plan.cu.cpu(), torch.tensor(cu_list, dtype=torch.int64))
     ntt, cidx, coff = plan_mod._chunk_index(tuple(cu_list), BT, torch.device(P.device))
     assert plan.NTT == plan.NG >= ntt and plan.NTT == (T + len(lens) * (BT - 1)) // BT
@@ -189,15 +189,17 @@ def test_device_plan_over_a_state_pool():
 
 
 # ------------------------------------------------------------------------------- padding and hostile cu_seqlens
+@pytest.mark.parametrize("where", ["host", "device"])
 @settings(max_examples=examples(4, 12), deadline=None)
 @given(lens=st.lists(st.integers(0, pick(90, 400)), min_size=1, max_size=3), lead=st.integers(0, pick(40, 200)),
-       tail=st.integers(0, pick(70, 200)), opts=st.integers(0, 7), G=st.sampled_from([1, 2]), dtype=dtypes(),
-       seed=seeds())
-def test_padding_tokens_are_inert(lens, lead, tail, opts, G, dtype, seed):
-    """Tokens before cu[0] and from cu[N] on (a serving batch padded to a graph's size) hold NaN and inf: their
-    outputs and every gradient of them are 0, and the sequences' outputs, final states and gradients are bitwise
-    those of the same call without the padding (dA_log / ddt_bias: the same sums in another order); with fla's
-    in-kernel gate and beta sigmoid too."""
+       tail=st.integers(0, pick(70, 200)), opts=st.integers(0, 7), seg=st.booleans(), G=st.sampled_from([1, 2]),
+       dtype=dtypes(), seed=seeds())
+def test_padding_tokens_are_inert(where, lens, lead, tail, opts, seg, G, dtype, seed):
+    """Tokens before cu[0] and from cu[N] on (a serving batch padded to a graph's size, FlashQLA's cu[N] < T) hold
+    NaN and inf: their outputs and every gradient of them are 0, and the sequences' outputs, final states and
+    gradients are bitwise those of the same call without the padding (dA_log / ddt_bias: the same sums in another
+    order); with fla's in-kernel gate and beta sigmoid too, with and without sequence splitting, on the host plan
+    and the device plan."""
     if sum(lens) == 0:
         return
     H, K, V = 1, pick(16, 128), pick(16, 128)
@@ -217,7 +219,7 @@ def test_padding_tokens_are_inert(lens, lead, tail, opts, G, dtype, seed):
         kw["dt_bias"] = randn((HV,), seed + 4, device=P.device, scale=0.5).requires_grad_()
     do = randn((1, T, HV, V), seed + 5, device=P.device).to(dtype)  # the padding rows' too: they must not matter
     res = []
-    with _Patch("device"):
+    with _Patch(where), config_override({"gdn_chunk": SEG if seg else {}}):
         for x, c, d in ((padded, cu + lead, do), (ins, cu, do[:, lead:T - tail])):
             xs = _device_inputs(x, dtype)
             if gate:

@@ -332,7 +332,7 @@ def test_rejected_calls_change_nothing():
     ]
     if dev == "cpu":  # a CPU cu_seqlens is checked on the host (no sync), for a prefill and a decode step
         bad += [(ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[1, 0])),
-                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 3], **I32), slots=[1, 0])),  # not T
+                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 5], **I32), slots=[1, 0])),  # > T
                 (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[2, 0])),
                 (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 5], **I32), slots=[2, 0]))]
     snap = _snapshot(cache)

@@ -118,13 +118,11 @@ def _clamped_bounds(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cummax(cu_seqlens.long().clamp(0, T), 0).values
 
 
-def _check_cu_host(cu: list[int], T: int, *, padded: bool) -> None:
-    """Host values of ``cu_seqlens``: non-decreasing from 0 to T; ``padded`` (a decode step): within [0, T], the
-    tokens outside ``[cu[0], cu[N])`` being padding."""
-    ok = cu[0] >= 0 and cu[-1] <= T and all(b >= a for a, b in zip(cu[:-1], cu[1:], strict=True))
-    if not (ok and (padded or (cu[0] == 0 and cu[-1] == T))):
-        want = "non-decreasing within [0, T]" if padded else "non-decreasing from 0 to T"
-        raise ValueError(f"cu_seqlens: expected {want} (T={T}), got {cu}")
+def _check_cu_host(cu: list[int], T: int) -> None:
+    """Host values of ``cu_seqlens``: non-decreasing within [0, T], the tokens outside ``[cu[0], cu[N])`` being
+    padding."""
+    if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens: expected non-decreasing values within [0, T] (T={T}), got {cu}")
 
 
 def _depthwise_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -747,13 +745,13 @@ class GatedDeltaNet(nn.Module):
           the cache rows (the chunked op over the state pool). Sets the slots' flags;
         - a device slot tensor: a decode step (any number of tokens).
 
-        A decode step has no host sync, host-to-device copy or branch on device values. ``cu_seqlens`` on a GPU is
-        never read on the host, prefill included (the chunked op plans on the device), and no value of it can cause
-        an out-of-bounds access: a decode step clamps each bound as its kernel does, a prefill takes the bounds
-        clamped to ``[0, T]`` and made non-decreasing, its tokens outside ``[cu[0], cu[N])`` being padding that
-        reaches no sequence and no cache row (their output: ``o_proj`` of the gated norm of a zero o, 0 for finite
-        inputs). A CPU ``cu_seqlens`` is checked on the host (``ValueError``): non-decreasing from 0 to T for a
-        prefill, within ``[0, T]`` for a decode step. Skipped (padding) sequences output 0.
+        A decode step has no host sync, host-to-device copy or branch on device values. Tokens outside
+        ``[cu[0], cu[N])`` are padding: they reach no sequence and no cache row (their output: ``o_proj`` of the
+        gated norm of a zero o, 0 for finite inputs). ``cu_seqlens`` on a GPU is never read on the host, prefill
+        included (the chunked op plans on the device), and no value of it can cause an out-of-bounds access: a
+        decode step clamps each bound as its kernel does, a prefill takes the bounds clamped to ``[0, T]`` and made
+        non-decreasing. A CPU ``cu_seqlens`` is checked on the host: non-decreasing within ``[0, T]``
+        (``ValueError``). Skipped (padding) sequences output 0.
         ``verify=True`` (decode only): the tokens are drafts; outputs of all of them are returned, the cache is left
         as it was until ``cache.commit(accepted)`` advances each sequence by its accepted tokens. A decode step is
         inference only (a ``RuntimeError`` under autograd with parameters requiring grad). Invalid arguments raise
@@ -803,7 +801,7 @@ class GatedDeltaNet(nn.Module):
                 not gdn_plan.plans_on_device(cu_seqlens) or (self.impl == "reference" and not decode)):
             # read where the chunked op reads it (a CPU tensor: no sync) or the torch reference runs
             cu_host = cu_seqlens.tolist()
-            _check_cu_host(cu_host, T, padded=decode)
+            _check_cu_host(cu_host, T)
         if cu_seqlens is not None and not decode:
             cu_seqlens = _clamped_bounds(cu_seqlens, T)
         if cache is None:

@@ -312,16 +312,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             whatever initial_state's dtype, as fla (must be False with ``state_indices``: the final states go into
             the pool).
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence starts (varlen; then B must be 1), any strides:
-            sequence n owns tokens ``[cu[n], cu[n+1])`` (0 tokens allowed). A CPU tensor is checked: non-decreasing
-            from 0 to T (``ValueError``). A GPU tensor is never read on the host: the plan is built on the device
-            (one small kernel; no sync, so the call can be captured in a CUDA graph), its values clamped to
-            ``[0, T]`` and made non-decreasing (a running maximum), so no value can reach outside the inputs.
-            Tokens outside ``[cu[0], cu[N])`` then belong to no sequence (padding, as a serving batch padded to a
-            graph's size): their outputs and gradients are 0 and they touch no state.
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence bounds (varlen; then B must be 1), any strides:
+            sequence n owns tokens ``[cu[n], cu[n+1])`` (0 tokens allowed); tokens outside ``[cu[0], cu[N])``
+            belong to no sequence (padding, as a serving batch padded to a graph's size, or FlashQLA's
+            ``cu[N] < T``): their outputs and gradients are 0 and they touch no state. A CPU tensor is checked:
+            non-decreasing within ``[0, T]`` (``ValueError``). A GPU tensor is never read on the host: the plan is
+            built on the device (one small kernel; no sync, so the call can be captured in a CUDA graph), its
+            values clamped to ``[0, T]`` and made non-decreasing (a running maximum), so no value can reach
+            outside the inputs.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's
-            option of the same name): the plan is built on the host from it (checked: shape, 0..T,
-            non-decreasing; not compared with the device copy, which would need a sync), with the exact chunk
+            option of the same name): the plan is built on the host from it (checked: shape, non-decreasing
+            within ``[0, T]``; not compared with the device copy, which would need a sync), with the exact chunk
             counts and sequence lengths; index tensors are reused across calls with the same values.
         chunk_indices: fla's precomputed ``[NT, 2]`` (sequence, chunk) pairs of the varlen input's 64-token chunks;
             accepted and unused (the plan comes from ``cu_seqlens``), it must describe the chunks of ``cu_seqlens``

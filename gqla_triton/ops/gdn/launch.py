@@ -148,6 +148,15 @@ class _Starts(NamedTuple):
         return self.ht.shape[0] if self.row_pool else 0
 
 
+def _seg_states(plan: ChunkPlan, nseg: int, HV: int, K: int, V: int, device) -> torch.Tensor:
+    """The segments' start states (or, reversed, end-state gradients) ``[nseg, HV, K, V]`` fp32 that the chain
+    fills for every real segment; zeros under a device-built plan, whose empty segments past the real ones the
+    chain never reaches but their (chunkless) state programs still read."""
+    if plan.empty_slots:
+        return torch.zeros(nseg, HV, K, V, dtype=torch.float32, device=device)
+    return empty(nseg, HV, K, V, dtype=torch.float32, device=device)
+
+
 def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_first: bool, V: int,
                   HV: int) -> _Starts:
     """Without splitting, one program per sequence from initial_state (or the pool); with it, the segment maps are
@@ -160,7 +169,7 @@ def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_
     split = _segments(k, w, u, gc, V, plan)
     if split is None:
         return _Starts(initial_state, ht, plan.cu, plan.coff, N, True, plan.varlen, pool, v_first, None)
-    h0 = empty(split.nseg, HV, K, V, dtype=torch.float32, device=k.device)
+    h0 = _seg_states(plan, split.nseg, HV, K, V, k.device)
     _chain_segments(split.mb, None, initial_state, h0, ht, split.soff, N, reverse=False, state_indices=state_indices,
                     v_first=v_first)
     return _Starts(h0, ht, split.cu, split.coff, split.nseg, False, True, False, False, split)
@@ -309,14 +318,15 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_e
     gdn_wu_fwd_kernel[(plan.NG, B * HV)](
         k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid,
-        NEG_EIGVAL=neg_eigval, PADDED=plan.padded, **cfg.launch("wu"))
+        NEG_EIGVAL=neg_eigval, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wu"))
     return w, u, vbad
 
 
 def _zero_padding(plan: ChunkPlan, *xs: torch.Tensor) -> None:
     """Zero the rows of the contiguous ``[1, T, ...]`` tensors xs (at most five) whose tokens belong to no sequence
-    of a device-built plan (outside [cu[0], cu[N])): rows no chunk program writes. Nothing for other plans."""
-    if not plan.padded:
+    (outside [cu[0], cu[N]) of a varlen plan with ``padding``): rows no chunk program writes. Nothing for other
+    plans."""
+    if not plan.padding:
         return
     T = xs[0].shape[1]
     ws = [x.numel() // T if T else 0 for x in xs]
@@ -358,7 +368,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
-            PADDED=plan.padded, **cfg.launch("wy"))
+            EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wy"))
     if fuse and not keep_h:
         sm90 = use_sout_sm90(plan, q, k, v)
         if _fuse_out(plan, HV, V, sm90):
@@ -380,7 +390,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         BV = min(cfg.out_bv, tile(V))
         gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
             q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
-            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, PADDED=plan.padded,
+            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, EMPTY_SLOTS=plan.empty_slots,
             **cfg.launch("out"))
     _zero_padding(plan, o)
     if keep_h:
@@ -441,7 +451,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     BV = min(cfg.dvl_bv, BVp)
     gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
         q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
-        EARLY=cfg.dvl_early, IS_VARLEN=varlen, PADDED=plan.padded, **cfg.launch("dvl"))
+        EARLY=cfg.dvl_early, IS_VARLEN=varlen, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("dvl"))
     dhe = empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
     BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, plan.gpu)
@@ -458,7 +468,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
             HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
             IS_VARLEN=True, **cfg.launch("state_bwd"))
-        dse = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
+        dse = _seg_states(plan, split.nseg, HV, K, V, dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True, v_first=v_first)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
@@ -485,12 +495,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
         EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
-        IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, PADDED=plan.padded, **cfg.launch("grad"))
+        IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("grad"))
     gdn_wy_bwd_kernel[(NG, B * HV)](
         k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
         GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, SLOTS=slots,
-        PADDED=plan.padded, **cfg.launch("wy_bwd"))
+        EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wy_bwd"))
     _zero_padding(plan, dq, dk, dv, *((dg,) if gate is None else ()), *(() if opt_beta else (dbeta,)))
     if not opt_beta and gate is None:
         return dq, dk, dv, dg, dbeta, dh0
@@ -503,7 +513,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
         gate[1] if gate is not None and gate[1] is not None else dummy, par, cu, R, HV, N, BETA=opt_beta,
         BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, GATE=gate is not None,
-        HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH, PADDED=plan.padded)
+        HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH, PADDING=plan.padding)
     if gate is None:
         return dq, dk, dv, dg, dbeta, dh0
     has_bias = gate[1] is not None

@@ -41,16 +41,16 @@ class SegPlan(NamedTuple):
 
 class ChunkPlan(NamedTuple):
     """Launch plan of one call. Chunk programs run on a grid ``(NG, B·HV)``: dense inputs have NG = NT chunks per
-    batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``. A plan built on the
-    device is ``padded``: NTT, the segment count and max_chunks are bounds, cidx rows past the real chunks are
-    (-1, 0) (their programs return at once), and tokens outside [cu[0], cu[N]) belong to no sequence (their
-    outputs and gradients are zeroed)."""
+    batch row, varlen inputs (B = 1) NG = NTT chunks over all sequences, indexed by ``cidx``. A varlen plan has
+    ``padding`` where tokens may lie outside [cu[0], cu[N]): they belong to no sequence, and their outputs and
+    gradients are zeroed. A plan built on the device has ``empty_slots``: NTT, the segment count and max_chunks are
+    bounds, and the cidx rows past the real chunks are (-1, 0) (their programs return at once)."""
 
     cfg: ChunkConfig
     gpu: DeviceInfo  # the inputs' device (``dispatch.device_info``)
     BT: int  # chunk size (one of CHUNK_SIZES)
     N: int  # sequences
-    seq_cu: tuple[int, ...] | None  # token bounds of the sequences in the [B·T] rows, N+1 values (None: padded)
+    seq_cu: tuple[int, ...] | None  # token bounds of the sequences in the [B·T] rows, N+1 values (None: on device)
     cu: torch.Tensor | None  # [N+1] cu_seqlens as the kernels read it (contiguous), None for dense inputs
     NTT: int  # chunks over all sequences
     NT: int  # chunks per sequence (dense inputs), 0 under varlen
@@ -59,7 +59,8 @@ class ChunkPlan(NamedTuple):
     coff: torch.Tensor | None  # [N+1] int32 first chunk-state row of each sequence, varlen only
     seg: SegPlan | None  # sequence splitting of the state passes, or None
     max_chunks: int  # chunks of the longest sequence
-    padded: bool = False  # built on the device (see above)
+    padding: bool = False  # tokens outside every sequence may exist (see above)
+    empty_slots: bool = False  # built on the device (see above)
 
     @property
     def varlen(self) -> bool:
@@ -73,13 +74,14 @@ def config_key(K: int, V: int) -> dict:
 
 
 def _check_cu(name: str, cu: list[int], T: int) -> list[int]:
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        raise ValueError(f"{name}: must be non-decreasing from 0 to T={T}, got {cu}")
+    """Host values of cu_seqlens: non-decreasing within [0, T] (tokens outside [cu[0], cu[N]) are padding)."""
+    if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"{name}: must be non-decreasing within [0, T={T}], got {cu}")
     return cu
 
 
 def read_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> list[int]:
-    """Host copy of ``cu_seqlens`` (any strides), checked: non-decreasing from 0 to T."""
+    """Host copy of ``cu_seqlens`` (any strides), checked: non-decreasing within [0, T]."""
     return _check_cu("cu_seqlens", cu_seqlens.tolist(), T)
 
 
@@ -136,7 +138,7 @@ def seg_len(cfg: ChunkConfig, units: int, max_chunks: int) -> int:
 def _seg_plan(seq_cu: tuple[int, ...], L: int, BT: int, device: torch.device, stream: int | None = None) -> SegPlan:
     """Split each sequence (token bounds ``seq_cu``) into segments of L chunks of BT tokens (``stream``: as
     ``_chunk_index``'s)."""
-    cu, rows, soff = [0], [], [0]
+    cu, rows, soff = [seq_cu[0]], [], [0]
     row = 0
     for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True):
         nc = cdiv(b - a, BT)
@@ -188,7 +190,8 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     longest = max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
-    return ChunkPlan(cfg, gpu, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest)
+    padding = cu_seqlens is not None and (seq_cu[0] > 0 or seq_cu[-1] < T)
+    return ChunkPlan(cfg, gpu, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest, padding)
 
 
 PLAN_BLOCK = 1024  # entries per step of the device plan's passes
@@ -222,4 +225,4 @@ def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: 
                           seg_coff if L else coff, soff if L else coff, N, T, NTT, NSEG, N.bit_length(), max(L, 1),
                           BT=BT, SPLIT=L > 0, BLOCK=PLAN_BLOCK, num_warps=4)
     seg = SegPlan(NSEG, seg_cu, seg_coff, soff, L) if L else None
-    return ChunkPlan(cfg, gpu, BT, N, None, cu, NTT, 0, NTT, cidx, coff, seg, longest, True)
+    return ChunkPlan(cfg, gpu, BT, N, None, cu, NTT, 0, NTT, cidx, coff, seg, longest, True, True)

@@ -11,11 +11,11 @@ from .common import _chunk_rows, _empty_slot
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def gdn_dv_local_kernel(q, k, gc, do, dvl, cu, cidx, scale, T, H, HV,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        EARLY: tl.constexpr, IS_VARLEN: tl.constexpr, PADDED: tl.constexpr = False):
+                        EARLY: tl.constexpr, IS_VARLEN: tl.constexpr, EMPTY_SLOTS: tl.constexpr = False):
     """dvl_j = scale·Σ_{i≥j} (q_i·k_j) e^(gc_i−gc_j) dO_i ([rows, HV, V]); k qᵀ over BK-wide slices of K. EARLY:
     dO and gc are loaded before that loop instead of after it."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PADDED:  # a device-built plan: programs past the last chunk have none
+    if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)

@@ -24,7 +24,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
                           TRANS_OUT: tl.constexpr, EARLY: tl.constexpr, LATE_WAIT: tl.constexpr,
                           USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                           V_FIRST: tl.constexpr = False, SLOTS: tl.constexpr = False,
-                          PADDED: tl.constexpr = False):
+                          EMPTY_SLOTS: tl.constexpr = False):
     """Per chunk and value head: dq ([rows, H, K], q's dtype; with GSUM summed over the value heads of each q/k head
     through ``part`` and ``cnt``, see ``gva.py``; SLOTS: one slot per value head), the state + intra-chunk part of
     dk (dkp [rows, HV, K]), dw = −dv_new·hᵀ, dgc (fp32).
@@ -38,7 +38,7 @@ def gdn_grad_chunk_kernel(q, k, vnew, gc, h, dhe, h0, dht, do, dvn, dq, dkp, dw,
     most of dg, a sum with cancellation). h0 is fp32, bf16 or fp16 (read to fp32); V_FIRST: h0 and dht rows are
     ``[V, K]``."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
-    if PADDED:  # a device-built plan: programs past the last chunk have none
+    if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)

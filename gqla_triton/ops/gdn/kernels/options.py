@@ -28,19 +28,19 @@ def gdn_beta_in_kernel(beta, bt, n, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.c
 @triton.jit
 def gdn_options_bwd_kernel(beta, dbt, dbeta, a, dgl, dg, a_log, dt_bias, part, cu, R, HV, N, BETA: tl.constexpr,
                            BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, GATE: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, PADDED: tl.constexpr = False):
+                           HAS_BIAS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, PADDING: tl.constexpr = False):
     """One block of BR rows of the ``[R, HV]`` arrays. BETA: dbeta (beta's dtype) = the gradient of the loaded
     beta from dbt = dL/d(beta as taken) (fp32). GATE: dg (the raw gate input's dtype) = dgl · dg/da with dgl = dL/dg
     (fp32), a the raw gate input; part ``[2, HV, programs]`` fp32 gets this block's sums of dL/dA_log (dg/dA_log = g)
-    and of dL/ddt_bias (= dL/da), summed in a fixed order. PADDED (a device-built varlen plan, token bounds cu
-    ``[N+1]``): rows outside [cu[0], cu[N]) belong to no sequence: their gradients are 0, whatever their inputs,
-    and they add nothing to the sums."""
+    and of dL/ddt_bias (= dL/da), summed in a fixed order. PADDING (a varlen plan whose tokens may lie outside every
+    sequence, bounds cu ``[N+1]``): rows outside [cu[0], cu[N]) belong to no sequence: their gradients are 0,
+    whatever their inputs, and they add nothing to the sums."""
     pid = tl.program_id(0)
     r = pid.to(tl.int64) * BR + tl.arange(0, BR)
     h = tl.arange(0, BH)
     m = (r[:, None] < R) & (h[None, :] < HV)
     lv = m
-    if PADDED:
+    if PADDING:
         lv = m & ((r >= tl.load(cu)) & (r < tl.load(cu + N)))[:, None]
     o = r[:, None] * HV + h[None, :]
     if BETA:

@@ -12,7 +12,7 @@ from .wu import VBAD_V, _vbad_at
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, NT, H,
                           HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr, PADDED: tl.constexpr = False):
+                          BV: tl.constexpr, EARLY: tl.constexpr, IS_VARLEN: tl.constexpr, EMPTY_SLOTS: tl.constexpr = False):
     """o = scale·(e^gc·q·h + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new) for one chunk, value head and V block.
     q·h and q kᵀ accumulate over BK-wide slices of K (a loop the compiler pipelines). EARLY: v_new and gc are
     loaded before that loop (their latency overlaps it) instead of after it.
@@ -21,7 +21,7 @@ def gdn_output_fwd_kernel(q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, 
     product reads the finite entries only (a later row's NaN must not reach an earlier row as 0·NaN), and the rows
     from each column's first non-finite one on are NaN."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PADDED:  # a device-built plan: programs past the last chunk have none
+    if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)

@@ -24,7 +24,7 @@ def _vbad_at(i_t, i_bh, NG, HV):
 def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
-                      PADDED: tl.constexpr = False):
+                      EMPTY_SLOTS: tl.constexpr = False):
     """w = Ainv·(beta·e^gc·k) [rows, HV, K], u = Ainv·(beta·v) [rows, HV, V] (stored in the input dtype), and
     vbad ``[B, NG, HV]`` int32 (``_vbad_at``): which non-finite inputs the chunk has (``VBAD_*`` bits).
     BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
@@ -35,7 +35,7 @@ def gdn_wu_fwd_kernel(k, v, beta, gc, Ainv, w, u, vbad, cu, cidx, T, H, HV,
     any non-finite input forms w and u again from its finite entries (``_wu_rows_nonfinite``, in loops the
     compiler does not pipeline: a rare path), stored over the first results after a barrier."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    if PADDED:  # a device-built plan: programs past the last chunk have none
+    if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)

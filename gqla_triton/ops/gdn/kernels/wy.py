@@ -102,7 +102,7 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False, a_log=None,
                       dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-                      PADDED: tl.constexpr = False):
+                      EMPTY_SLOTS: tl.constexpr = False):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 diagonal blocks by substitution, merged by
     dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core
@@ -111,7 +111,7 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     ``[HV]``)."""
     NB: tl.constexpr = BT // 16
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    if PADDED:  # a device-built plan: programs past the last chunk have none
+    if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)

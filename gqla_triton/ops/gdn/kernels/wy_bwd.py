@@ -68,7 +68,7 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False, PADDED: tl.constexpr = False):
+                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False, EMPTY_SLOTS: tl.constexpr = False):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K], k's dtype; with GSUM / SLOTS summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
@@ -76,7 +76,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     LATE_WAIT: see the comment at the dk loop. beta is beta as taken and dbeta, dg are the gradients of beta as
     taken and of the decay: fla's beta and gate options are chained on outside this kernel (``options.py``)."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
-    if PADDED:  # a device-built plan: programs past the last chunk have none
+    if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
     i_b, i_hv, i_h, bos, Tn, t0, t, valid, x = _chunk_rows(i_t, i_bh, cu, cidx, T, H, HV, BT, IS_VARLEN)
