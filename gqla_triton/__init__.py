@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first attribute access)
 _EXPORTS = {
     "chunk_gated_delta_rule": "gqla_triton.ops.gdn",
+    "chunk_gated_delta_rule_fwd": "gqla_triton.ops.gdn",
+    "chunk_gated_delta_rule_bwd": "gqla_triton.ops.gdn",
     "gated_delta_rule_decode": "gqla_triton.ops.gdn",
     "fused_recurrent_gated_delta_rule": "gqla_triton.ops.gdn",
     "mla_decode": "gqla_triton.ops.mla",

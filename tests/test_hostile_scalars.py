@@ -72,6 +72,15 @@ def _ops():
     def chunk(**o):
         return gq.chunk_gated_delta_rule(*x, **o)
 
+    def fqla_fwd(**o):
+        return gq.chunk_gated_delta_rule_fwd(*x, **o)
+
+    g_cum, A, o_, _, ht, _ = gq.chunk_gated_delta_rule_fwd(*x)
+
+    def fqla_bwd(**o):
+        return gq.chunk_gated_delta_rule_bwd(x[0], x[1], x[2], o.pop("g", g_cum), x[4], o.pop("A", A),
+                                             o.pop("do", torch.ones_like(o_)), **o)
+
     def recurrent(**o):
         o.setdefault("g", x[3])
         o.setdefault("beta", x[4])
@@ -111,6 +120,10 @@ def _ops():
                                            "use_qk_l2norm_in_kernel", "impl", "save_states", "allow_neg_eigval",
                                            "use_beta_sigmoid_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias",
                                            "cu_seqlens_cpu", "chunk_indices", "head_first"]),
+        "chunk_gated_delta_rule_fwd": (fqla_fwd, ["scale", "initial_state", "cu_seqlens", "output_final_state",
+                                                  "output_h", "auto_cp", "state_v_first", "enable_fwd_cp_cache"]),
+        "chunk_gated_delta_rule_bwd": (fqla_bwd, ["g", "A", "do", "dht", "scale", "initial_state", "cu_seqlens",
+                                                  "state_v_first", "auto_cp", "cp_cache"]),
         "gated_delta_rule_decode": (dec, ["state", "state_indices", "scale", "use_qk_l2norm_in_kernel", "impl",
                                           "A_log", "dt_bias", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
                                           "allow_neg_eigval", "cu_seqlens", "intermediate_states"]),
@@ -125,7 +138,7 @@ def _ops():
 
 @pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "gqa_decode",
                                 "flash_mla_with_kvcache", "flash_mla_with_kvcache sparse", "chunk_gated_delta_rule",
-                                "gated_delta_rule_decode",
+                                "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "gated_delta_rule_decode",
                                 "fused_recurrent_gated_delta_rule"])
 def test_hostile_keyword_values_run_or_are_refused_by_name(op):
     fn, keywords = _ops()[op]

@@ -1,14 +1,18 @@
-"""Gated DeltaNet ops: chunked prefill / training (``api``: ``chunk_gated_delta_rule``), the recurrent decode step
-(``decode``: ``gated_delta_rule_decode``), fla's recurrent form over it (``recurrent``:
-``fused_recurrent_gated_delta_rule``) and their torch references (``reference``)."""
+"""Gated DeltaNet ops: chunked prefill / training (``api``: ``chunk_gated_delta_rule``; ``flash_qla``: FlashQLA's
+forward and backward entry points over it), the recurrent decode step (``decode``: ``gated_delta_rule_decode``),
+fla's recurrent form over it (``recurrent``: ``fused_recurrent_gated_delta_rule``) and their torch references
+(``reference``)."""
 
 from .api import chunk_gated_delta_rule
 from .decode import gated_delta_rule_decode
+from .flash_qla import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from .recurrent import fused_recurrent_gated_delta_rule
 from .reference import chunk_gated_delta_rule_ref, l2norm_ref, recurrent_gated_delta_rule_ref
 
 __all__ = [
     "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_bwd",
+    "chunk_gated_delta_rule_fwd",
     "chunk_gated_delta_rule_ref",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_decode",

@@ -291,6 +291,42 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
     return o.to(v.dtype), ht
 
 
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int, impl: str) -> tuple[int, str]:
+    """The checks of the chunked op's tensors every entry point shares (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+    g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims and chunk size the kernels
+    take); initial_state only joins the device check. Returns (N, the device)."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    B, T, H, K = q.shape
+    check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
+    check_tensor("v", v, shape=(B, T, None, None), dtypes=FLOAT_DTYPES)
+    HV, V = v.shape[2], v.shape[3]
+    check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_tensor("beta", beta, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_same_dtype(q=q, k=k, v=v)
+    dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if H == 0 or HV == 0 or HV % H != 0:
+        raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
+    for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
+        if d <= 0 or d > 256:
+            raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
+    if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter():
+        # Triton 3.6 on sm_90 miscompiles wy_bwd's 16-wide products; 16-token chunks would make every one 16 deep
+        if chunk_size == 16:
+            raise ValueError("chunk_size=16 is not supported by the GPU kernels (32 and 64 are; impl='reference' "
+                             "and the CPU interpreter take 16)")
+    if T < 1 or B < 1:
+        raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen input needs B == 1, got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
+        N = cu_seqlens.numel() - 1
+    return N, dev
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_indices=None,
                            state_indices=None, save_states=True, use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -389,37 +425,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                         "pass it by keyword)")
     use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     output_final_state = check_flag("output_final_state", output_final_state)
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, impl)
     B, T, H, K = q.shape
-    check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
-    check_tensor("v", v, shape=(B, T, None, None), dtypes=FLOAT_DTYPES)
     HV, V = v.shape[2], v.shape[3]
-    check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    check_tensor("beta", beta, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    check_same_dtype(q=q, k=k, v=v)
-    dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    if H == 0 or HV == 0 or HV % H != 0:
-        raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
-    for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
-        if d <= 0 or d > 256:
-            raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
-    if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter():
-        # Triton 3.6 on sm_90 miscompiles wy_bwd's 16-wide products; 16-token chunks would make every one 16 deep
-        if chunk_size == 16:
-            raise ValueError("chunk_size=16 is not supported by the GPU kernels (32 and 64 are; impl='reference' "
-                             "and the CPU interpreter take 16)")
-    if T < 1 or B < 1:
-        raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
-    N = B
     cu_host = None
-    if cu_seqlens is not None:
-        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
-        if B != 1:
-            raise ValueError(f"cu_seqlens: varlen input needs B == 1, got B={B}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
-        N = cu_seqlens.numel() - 1
     row = (HV, V, K) if v_first else (HV, K, V)
     if state_indices is not None:
         _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))

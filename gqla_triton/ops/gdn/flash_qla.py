@@ -1,0 +1,137 @@
+"""FlashQLA's low-level entry points, ``chunk_gated_delta_rule_fwd`` and ``chunk_gated_delta_rule_bwd``
+(``flash_qla`` 0.1.x), on this package's chunked kernels: the forward and the backward as two calls, for callers
+that keep their own autograd state (FlashQLA's tests, its autograd function, frameworks built on it).
+
+They run the stages of ``chunk_gated_delta_rule`` (``api.py``): eager calls the launchers, torch.compile the same
+custom ops. FlashQLA's intra-card context parallelism is a schedule, not a result: here the plan splits long
+sequences itself, so ``auto_cp`` / ``enable_fwd_cp_cache`` change nothing and no CP cache is ever returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._common.host import cdiv
+from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor
+from . import plan as plan_mod
+from .api import _REFERENCE, _STATE_DTYPES, _bwd, _bwd_op, _fwd, _fwd_op, check_inputs
+from .launch import mid_dtype
+from .plan import chunk_plan, read_cu_seqlens
+
+__all__ = ["chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd"]
+
+CHUNK = 64  # FlashQLA's chunk on Hopper (its A is [B, T, HV, 64])
+
+
+def _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
+    """Checks both entry points share; returns (N, scale, v_first, state row shape)."""
+    v_first = check_flag("state_v_first", state_v_first)
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, CHUNK, "auto")
+    K, HV, V = q.shape[3], v.shape[2], v.shape[3]
+    row = (HV, V, K) if v_first else (HV, K, V)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
+        check_kernel_device(dev, _REFERENCE, initial_state.dtype)
+    check_kernel_device(dev, _REFERENCE, q.dtype)
+    return N, float(check_scale("scale", scale, K ** -0.5)), v_first, row
+
+
+def _host_bounds(cu_seqlens, T: int, need: bool):
+    """cu_seqlens' host values where the call reads them: a CPU tensor (no sync), or ``need``; else None (a GPU
+    tensor is planned on the device)."""
+    if cu_seqlens is None or torch.compiler.is_compiling():
+        return None
+    if need or not plan_mod.plans_on_device(cu_seqlens):
+        return read_cu_seqlens(cu_seqlens, T)
+    return None
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                               output_final_state=True, output_h=False, auto_cp=True, state_v_first=False,
+                               enable_fwd_cp_cache=False):
+    """FlashQLA's forward: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g (log decay), beta ``[B, T, HV]``,
+    initial_state ``[N, HV, K, V]`` (``state_v_first``: ``[N, HV, V, K]``) or None, cu_seqlens ``[N+1]`` or None;
+    inputs as ``chunk_gated_delta_rule`` takes them (no in-kernel l2norm or gate: FlashQLA's autograd function
+    applies those around this call).
+
+    Returns ``(g, A, o, h, final_state, cp_cache)``: g ``[B, T, HV]`` fp32, the decay's cumulative sum within each
+    64-token chunk; A ``[B, T, HV, 64]`` (bf16 for bf16 inputs, else fp32), each chunk's ``(I + A)^-1`` with the
+    decays in it, for ``chunk_gated_delta_rule_bwd`` only (not FlashQLA's ungated matrix: the two libraries'
+    A do not mix); o ``[B, T, HV, V]`` in v's dtype; h the state at each chunk's start in k's dtype with
+    ``output_h`` (``[B, ceil(T/64), HV, K, V]``, or ``[1, chunks, HV, K, V]`` over the sequences' own chunks with
+    cu_seqlens, which then reads cu_seqlens on the host and is refused under torch.compile; ``[.., V, K]`` rows with
+    ``state_v_first``), else None; final_state ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]``) or None without
+    ``output_final_state``; cp_cache None. ``auto_cp`` / ``enable_fwd_cp_cache``: bools, no effect (see the
+    module docstring). No autograd: the outputs carry no gradient.
+    """
+    output_final_state = check_flag("output_final_state", output_final_state)
+    output_h = check_flag("output_h", output_h)
+    check_flag("auto_cp", auto_cp)
+    check_flag("enable_fwd_cp_cache", enable_fwd_cp_cache)
+    N, scale, v_first, _ = _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if output_h and cu_seqlens is not None and torch.compiler.is_compiling():
+        raise ValueError("output_h: with cu_seqlens, h has one row per chunk of the sequences, a count that depends "
+                         "on cu_seqlens' values: call chunk_gated_delta_rule_fwd(output_h=True) outside "
+                         "torch.compile")
+    cu_host = _host_bounds(cu_seqlens, T, need=output_h)
+    q, k, v, g, beta = (t.detach().contiguous() for t in (q, k, v, g, beta))
+    h0 = initial_state.detach().contiguous() if initial_state is not None else None
+    with torch.no_grad():
+        if torch.compiler.is_compiling():
+            o, ht, gc, A, _, h, _ = _fwd_op(q, k, v, g, beta, scale, h0, cu_seqlens, output_h, output_h, v_first,
+                                            False, False, None, None, CHUNK, "auto")
+        else:
+            plan = chunk_plan(q, v, cu_seqlens, cu_host, CHUNK, "auto")
+            o, ht, gc, A, _, h, _ = _fwd(q, k, v, g, beta, scale, h0, plan, output_h, output_h, v_first, False,
+                                         False)
+    if output_h:
+        if cu_host is None:
+            h = h[:B * cdiv(T, CHUNK)].view(B, cdiv(T, CHUNK), HV, K, V)
+        else:
+            h = h[:sum(cdiv(b - a, CHUNK) for a, b in zip(cu_host[:-1], cu_host[1:], strict=True))][None]
+        if v_first:
+            h = h.transpose(-1, -2).contiguous()
+    else:
+        h = None
+    return gc, A, o, h, (ht if output_final_state else None), None
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+                               state_v_first=False, auto_cp=True, cp_cache=None):
+    """FlashQLA's backward: the forward's inputs with g and A as ``chunk_gated_delta_rule_fwd`` returned them (g
+    the chunk-local cumulative decay, fp32), do ``[B, T, HV, V]`` the output's gradient, dht the final state's
+    (``[N, HV, K, V]``, ``[N, HV, V, K]`` with ``state_v_first``) or None. The chunk states are recomputed.
+
+    Returns ``(dq, dk, dv, db, dg, dh0)``: dq, dk ``[B, T, H, K]`` (summed over each q/k head's value heads), dv,
+    db (beta's) as their inputs, dg fp32 the gradient of the raw decay (not of its cumulative sum), dh0 in
+    initial_state's dtype and layout, or None without initial_state. ``cp_cache`` must be None (the forward here
+    never makes one); ``auto_cp``: a bool, no effect.
+    """
+    check_flag("auto_cp", auto_cp)
+    if cp_cache is not None:
+        raise ValueError("cp_cache: must be None (chunk_gated_delta_rule_fwd here returns no context-parallel "
+                         "cache: the plan splits long sequences without one)")
+    N, scale, v_first, row = _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32,))
+    check_tensor("A", A, shape=(B, T, HV, CHUNK), dtypes=(mid_dtype(k.dtype),), device=q.device)
+    check_tensor("do", do, shape=(B, T, HV, V), dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                 device=q.device)
+    if dht is not None:
+        check_tensor("dht", dht, shape=(N, *row), dtypes=(torch.float32,), device=q.device)
+    cu_host = _host_bounds(cu_seqlens, T, need=False)
+    q, k, v, g, beta, A, do = (t.detach().contiguous() for t in (q, k, v, g, beta, A, do))
+    h0 = initial_state.detach().contiguous() if initial_state is not None else None
+    dht = dht.detach().contiguous() if dht is not None else None
+    with torch.no_grad():
+        if torch.compiler.is_compiling():
+            dq, dk, dv, dg, db, dh0, _, _ = _bwd_op(q, k, v, g, beta, scale, h0, cu_seqlens, g, A, do, dht, None, None,
+                                                    None, v_first, False, False, None, None, CHUNK)
+        else:
+            plan = chunk_plan(q, v, cu_seqlens, cu_host, CHUNK, "auto")
+            dq, dk, dv, dg, db, dh0, _, _ = _bwd(q, k, v, g, beta, scale, h0, plan, g, A, do, dht, None, None, None,
+                                                 v_first, False, False)
+    return dq, dk, dv, db, dg, (dh0 if initial_state is not None else None)

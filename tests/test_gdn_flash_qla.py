@@ -1,0 +1,123 @@
+"""FlashQLA's entry points (ops/gdn/flash_qla.py): ``chunk_gated_delta_rule_fwd`` / ``_bwd`` against
+``chunk_gated_delta_rule`` (the same kernels: bitwise) and against float64 for what only they return (the chunk
+cumulative decay, the chunk states h)."""
+
+import pytest
+import torch
+from harness import EPS, P, assert_close, dtypes, examples, gdn_problem, pick, randn, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gqla_triton as gq
+from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
+
+pytestmark = pytest.mark.usefixtures("poison_buffers")
+
+C = 64
+
+
+def _device(ins, dtype):
+    return [t.to(P.device, dtype if i < 5 else torch.float32) for i, t in enumerate(ins)]
+
+
+def _chunk_states64(ins, bounds):
+    """float64 state at the start of every 64-token chunk of each sequence ``(b, lo, hi)``, in order."""
+    q, k, v, g, beta, h0 = ins
+    out = []
+    for n, (b, lo, hi) in enumerate(bounds):
+        for s in range(lo, hi, C):
+            sl = slice(lo, s)
+            _, S = recurrent_gated_delta_rule_ref(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], g[b:b + 1, sl],
+                                                  beta[b:b + 1, sl], initial_state=h0[n:n + 1],
+                                                  output_final_state=True)
+            out.append(S[0])
+    return torch.stack(out)
+
+
+@settings(max_examples=examples(4, 12), deadline=None)
+@given(lens=st.lists(st.integers(0, pick(150, 600)), min_size=1, max_size=3), varlen=st.booleans(),
+       G=st.sampled_from([1, 2, 4]), v_first=st.booleans(), pad=st.integers(0, 9), dtype=dtypes(), seed=seeds())
+def test_fwd_bwd_equal_the_autograd_op(lens, varlen, G, v_first, pad, dtype, seed):
+    """o, the final state and all six gradients of the two-call form equal ``chunk_gated_delta_rule`` and its
+    autograd bitwise (dq, dk summed per q/k head; db, dg in FlashQLA's order; dh0 None without an initial state);
+    g is the chunk-local cumulative decay; h the float64 chunk states; varlen with FlashQLA's cu[N] < T padding."""
+    if sum(lens) == 0 or (not varlen and max(lens) == 0):
+        return
+    H, K, V = 1, pick(16, 128), pick(32, 128)
+    HV = H * G
+    ins, cu = gdn_problem(seed, lens, varlen, H, HV, K, V)
+    if varlen and pad:
+        ins = [torch.cat([t, t[:, :pad]], 1) if i < 5 else t for i, t in enumerate(ins)]
+    xs = _device(ins, dtype)
+    if v_first:
+        xs[5] = xs[5].transpose(-1, -2).contiguous()
+    cu_d = cu.to(P.device) if cu is not None else None
+    B, T = xs[0].shape[:2]
+    do = randn((B, T, HV, V), seed + 1, device=P.device).to(dtype)
+    dht = randn(tuple(xs[5].shape), seed + 2, device=P.device)
+    layout = "vk" if v_first else "kv"
+
+    gc, A, o, h, ht, cp = gq.chunk_gated_delta_rule_fwd(*xs[:5], initial_state=xs[5], cu_seqlens=cu_d,
+                                                         output_h=True, state_v_first=v_first)
+    assert cp is None and A.shape == (B, T, HV, C)
+    leaves = [t.clone().requires_grad_() for t in xs]
+    o2, ht2 = gq.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                        cu_seqlens=cu_d, state_layout=layout)
+    torch.autograd.backward([o2, ht2], [do, dht])
+    assert torch.equal(o, o2.detach()) and torch.equal(ht, ht2.detach())
+    dq, dk, dv, db, dg, dh0 = gq.chunk_gated_delta_rule_bwd(*xs[:3], gc, xs[4], A, do, dht, initial_state=xs[5],
+                                                            cu_seqlens=cu_d, state_v_first=v_first)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "db", "dh0"), (dq, dk, dv, dg, db, dh0),
+                          [leaves[i].grad for i in (0, 1, 2, 3, 4, 5)], strict=True):
+        # dg: fp32 here (FlashQLA's), the input's dtype through autograd: the same values before that rounding
+        assert torch.equal(a.to(b.dtype), b), f"{name}: the two-call backward differs from autograd's"
+    assert dg.dtype == torch.float32
+    assert gq.chunk_gated_delta_rule_bwd(*xs[:3], gc, xs[4], A, do, cu_seqlens=cu_d)[5] is None
+
+    bounds = ([(0, a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)] if varlen
+              else [(b, 0, T) for b in range(B)])
+    g64 = ins[3].to(dtype).double()  # g as the kernels read it
+    want = torch.zeros_like(g64)
+    for b, lo, hi in bounds:
+        for s in range(lo, hi, C):
+            want[b, s:min(s + C, hi)] = g64[b, s:min(s + C, hi)].cumsum(0)
+    inside = torch.zeros(B, T, dtype=torch.bool)
+    for b, lo, hi in bounds:
+        inside[b, lo:hi] = True
+    torch.testing.assert_close(gc.cpu()[inside].double(), want[inside], rtol=1e-5, atol=1e-5)
+    h64 = _chunk_states64([t.double() for t in ins], bounds)
+    hk = h.transpose(-1, -2) if v_first else h
+    hk = hk.reshape(-1, HV, K, V)
+    assert h.shape[:2] == ((1, h64.shape[0]) if varlen else (B, -(-T // C)))
+    # h is stored in the input dtype: its rounding (and the products' at that precision) against float64
+    assert_close("h", hk[:h64.shape[0]].double().cpu(), h64, dtype=dtype, eps=4 * EPS[dtype])
+
+
+def test_refusals_and_flags():
+    """Bad arguments are refused by name; the scheduling flags take bools and change nothing."""
+    ins, _ = gdn_problem(3, [70], False, 1, 2, 16, 16)
+    xs = _device(ins, P.dtypes[0])
+    gc, A, o, h, ht, _ = gq.chunk_gated_delta_rule_fwd(*xs[:5], initial_state=xs[5])
+    assert h is None
+    for kw in (dict(auto_cp=False), dict(enable_fwd_cp_cache=True), dict(auto_cp=False, enable_fwd_cp_cache=True)):
+        assert torch.equal(gq.chunk_gated_delta_rule_fwd(*xs[:5], initial_state=xs[5], **kw)[2], o)
+    assert gq.chunk_gated_delta_rule_fwd(*xs[:5], output_final_state=False)[4] is None
+    do = torch.ones_like(o)
+    bwd = gq.chunk_gated_delta_rule_bwd
+    for label, call, exc, pattern in [
+        ("cp_cache", lambda: bwd(*xs[:3], gc, xs[4], A, do, cp_cache=(1,)), ValueError, "cp_cache"),
+        ("A shape", lambda: bwd(*xs[:3], gc, xs[4], A[..., :32], do), ValueError, "A"),
+        ("A dtype", lambda: bwd(*xs[:3], gc, xs[4], A.double(), do), TypeError, "A"),
+        ("g dtype", lambda: bwd(*xs[:3], gc.half(), xs[4], A, do), TypeError, "g"),
+        ("do shape", lambda: bwd(*xs[:3], gc, xs[4], A, do[:, :5]), ValueError, "do"),
+        ("dht shape", lambda: bwd(*xs[:3], gc, xs[4], A, do, ht[:, :1]), ValueError, "dht"),
+        ("auto_cp", lambda: bwd(*xs[:3], gc, xs[4], A, do, auto_cp="yes"), TypeError, "auto_cp"),
+        ("output_h", lambda: gq.chunk_gated_delta_rule_fwd(*xs[:5], output_h=2), TypeError, "output_h"),
+        ("state_v_first", lambda: gq.chunk_gated_delta_rule_fwd(*xs[:5], state_v_first=None), TypeError,
+         "state_v_first"),
+        ("initial_state", lambda: gq.chunk_gated_delta_rule_fwd(*xs[:5], initial_state=xs[5][:, :1]), ValueError,
+         "initial_state"),
+    ]:
+        with pytest.raises(exc, match=pattern):
+            call()
+        del label
