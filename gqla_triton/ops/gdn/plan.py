@@ -166,9 +166,10 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
                cu_host: list[int] | None = None, chunk_size: int = BT, impl: str = "auto") -> ChunkPlan:
     """The plan of a call with q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and ``cu_seqlens`` (or None), in chunks of
     ``chunk_size`` tokens (one of ``CHUNK_SIZES``). ``cu_host``: ``read_cu_seqlens``' copy where the caller has it;
-    otherwise cu_seqlens is read here when it is a CPU tensor, and the plan built on the device when it is not. ``impl``: ``"auto"`` keeps the table's config; ``"triton"`` never runs the
-    Gluon ``sout`` kernel; ``"gluon"`` runs it for every forward without gradient (sequences unsplit, no unit
-    threshold; the caller has checked that it can, ``launch.sout_sm90_unsupported``)."""
+    otherwise cu_seqlens is read here when it is a CPU tensor, and the plan built on the device when it is not
+    (``device_plan``). ``impl``: ``"auto"`` keeps the table's config; ``"triton"`` never runs the Gluon ``sout``
+    kernel; ``"gluon"`` runs it for every forward without gradient (sequences unsplit, no unit threshold; the caller
+    has checked that it can, ``launch.sout_sm90_unsupported``)."""
     BT = chunk_size
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
