@@ -17,6 +17,7 @@ _EXPORTS = {
     "chunk_gated_delta_rule": "gqla_triton.ops.gdn",
     "chunk_gated_delta_rule_fwd": "gqla_triton.ops.gdn",
     "chunk_gated_delta_rule_bwd": "gqla_triton.ops.gdn",
+    "recurrent_gated_delta_rule": "gqla_triton.ops.gdn",
     "gated_delta_rule_decode": "gqla_triton.ops.gdn",
     "fused_recurrent_gated_delta_rule": "gqla_triton.ops.gdn",
     "mla_decode": "gqla_triton.ops.mla",

@@ -121,3 +121,51 @@ def test_refusals_and_flags():
         with pytest.raises(exc, match=pattern):
             call()
         del label
+
+
+@pytest.mark.parametrize("use_h0", [False, True])
+@pytest.mark.parametrize("Hk,Hv", [(2, 2), (1, 4), (2, 8)])
+def test_recurrent_decode_form(use_h0, Hk, Hv):
+    """``recurrent_gated_delta_rule``: each row's first seqlens[b] tokens through the float64 recurrence (o and the
+    final state), o = 0 past them, the initial state untouched; all T tokens without seqlens; GQA value heads take
+    q/k head ``h // (Hv / Hk)``."""
+    dtype = P.dtypes[0]
+    B, T, K, V = 3, 6, pick(16, 128), pick(16, 128)
+    g_ = torch.Generator().manual_seed(Hk * 10 + Hv + use_h0)
+    q = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=g_, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=g_, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, Hv, V, generator=g_, dtype=torch.float64)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, Hv, generator=g_, dtype=torch.float64)) / 16
+    beta = torch.rand(B, T, Hv, generator=g_, dtype=torch.float64)
+    h0 = torch.randn(B, Hv, K, V, generator=g_, dtype=torch.float64) if use_h0 else None
+    xs = [t.to(P.device, dtype) for t in (q, k, v)] + [t.to(P.device, torch.float32) for t in (g, beta)]
+    h0d = h0.to(P.device, torch.float32) if use_h0 else None
+    keep = h0d.clone() if use_h0 else None
+    seqlens = torch.tensor([1, T - 1, 0], dtype=torch.int32, device=P.device)
+    o, ht = gq.recurrent_gated_delta_rule(*xs, scale=K ** -0.5, initial_state=h0d, seqlens=seqlens)
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    if use_h0:
+        assert torch.equal(h0d, keep)
+    lows = [t.to(dtype).double() for t in (q, k, v)] + [g.float().double(), beta.float().double()]
+    for b, L in enumerate(seqlens.tolist()):
+        start = h0[b:b + 1] if use_h0 else torch.zeros(1, Hv, K, V, dtype=torch.float64)
+        r_o, r_s = recurrent_gated_delta_rule_ref(*(t[b:b + 1, :L] for t in lows), initial_state=start,
+                                                  output_final_state=True)
+        if L:
+            assert_close(f"o row {b}", o[b:b + 1, :L].double().cpu(), r_o, dtype=dtype, eps=4 * EPS[dtype])
+        assert (o[b, L:] == 0).all()
+        assert_close(f"state row {b}", ht[b:b + 1].double().cpu(), r_s, dtype=dtype, eps=4 * EPS[dtype])
+    o_all, _ = gq.recurrent_gated_delta_rule(*xs, initial_state=h0d)
+    r_o, _ = recurrent_gated_delta_rule_ref(*lows, initial_state=h0, output_final_state=True)
+    assert_close("o (all tokens)", o_all.double().cpu(), r_o, dtype=dtype, eps=4 * EPS[dtype])
+    assert gq.recurrent_gated_delta_rule(*xs, output_final_state=False)[1] is None
+    with pytest.raises(ValueError, match="head_first"):
+        gq.recurrent_gated_delta_rule(*xs, head_first=True)
+    for bad in (0, 1.5, "2", True):
+        with pytest.raises(TypeError, match="head_batch"):
+            gq.recurrent_gated_delta_rule(*xs, head_batch=bad)
+    assert torch.equal(gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, head_batch=4)[0], o_all)
+    with pytest.raises(ValueError, match="seqlens"):
+        gq.recurrent_gated_delta_rule(*xs, seqlens=seqlens[:2])
+    with pytest.raises(ValueError, match="initial_state"):
+        gq.recurrent_gated_delta_rule(*xs, initial_state=torch.zeros(B, Hv, V, K + 1, device=P.device))

@@ -81,6 +81,9 @@ def _ops():
         return gq.chunk_gated_delta_rule_bwd(x[0], x[1], x[2], o.pop("g", g_cum), x[4], o.pop("A", A),
                                              o.pop("do", torch.ones_like(o_)), **o)
 
+    def fqla_recurrent(**o):
+        return gq.recurrent_gated_delta_rule(*x, **o)
+
     def recurrent(**o):
         o.setdefault("g", x[3])
         o.setdefault("beta", x[4])
@@ -124,6 +127,9 @@ def _ops():
                                                   "output_h", "auto_cp", "state_v_first", "enable_fwd_cp_cache"]),
         "chunk_gated_delta_rule_bwd": (fqla_bwd, ["g", "A", "do", "dht", "scale", "initial_state", "cu_seqlens",
                                                   "state_v_first", "auto_cp", "cp_cache"]),
+        "recurrent_gated_delta_rule": (fqla_recurrent, ["scale", "initial_state", "output_final_state",
+                                                        "use_qk_l2norm_in_kernel", "seqlens", "head_first",
+                                                        "head_batch"]),
         "gated_delta_rule_decode": (dec, ["state", "state_indices", "scale", "use_qk_l2norm_in_kernel", "impl",
                                           "A_log", "dt_bias", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
                                           "allow_neg_eigval", "cu_seqlens", "intermediate_states"]),
@@ -138,7 +144,8 @@ def _ops():
 
 @pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "gqa_decode",
                                 "flash_mla_with_kvcache", "flash_mla_with_kvcache sparse", "chunk_gated_delta_rule",
-                                "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "gated_delta_rule_decode",
+                                "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd",
+                                "recurrent_gated_delta_rule", "gated_delta_rule_decode",
                                 "fused_recurrent_gated_delta_rule"])
 def test_hostile_keyword_values_run_or_are_refused_by_name(op):
     fn, keywords = _ops()[op]

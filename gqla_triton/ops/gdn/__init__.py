@@ -5,7 +5,7 @@ fla's recurrent form over it (``recurrent``: ``fused_recurrent_gated_delta_rule`
 
 from .api import chunk_gated_delta_rule
 from .decode import gated_delta_rule_decode
-from .flash_qla import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from .flash_qla import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd, recurrent_gated_delta_rule
 from .recurrent import fused_recurrent_gated_delta_rule
 from .reference import chunk_gated_delta_rule_ref, l2norm_ref, recurrent_gated_delta_rule_ref
 
@@ -17,5 +17,6 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_decode",
     "l2norm_ref",
+    "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_ref",
 ]

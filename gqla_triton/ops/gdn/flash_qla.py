@@ -1,6 +1,7 @@
-"""FlashQLA's low-level entry points, ``chunk_gated_delta_rule_fwd`` and ``chunk_gated_delta_rule_bwd``
-(``flash_qla`` 0.1.x), on this package's chunked kernels: the forward and the backward as two calls, for callers
-that keep their own autograd state (FlashQLA's tests, its autograd function, frameworks built on it).
+"""FlashQLA's entry points beside its ``chunk_gated_delta_rule``: ``chunk_gated_delta_rule_fwd`` and
+``chunk_gated_delta_rule_bwd`` (the forward and the backward as two calls, for callers that keep their own autograd
+state: FlashQLA's tests, its autograd function, frameworks built on it) on this package's chunked kernels, and its
+decode form ``recurrent_gated_delta_rule`` on the decode step (``decode.py``).
 
 They run the stages of ``chunk_gated_delta_rule`` (``api.py``): eager calls the launchers, torch.compile the same
 custom ops. FlashQLA's intra-card context parallelism is a schedule, not a result: here the plan splits long
@@ -15,10 +16,11 @@ from .._common.host import cdiv
 from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor
 from . import plan as plan_mod
 from .api import _REFERENCE, _STATE_DTYPES, _bwd, _bwd_op, _fwd, _fwd_op, check_inputs
+from .decode import gated_delta_rule_decode
 from .launch import mid_dtype
 from .plan import chunk_plan, read_cu_seqlens
 
-__all__ = ["chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd"]
+__all__ = ["chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd", "recurrent_gated_delta_rule"]
 
 CHUNK = 64  # FlashQLA's chunk on Hopper (its A is [B, T, HV, 64])
 
@@ -135,3 +137,41 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
             dq, dk, dv, dg, db, dh0, _, _ = _bwd(q, k, v, g, beta, scale, h0, plan, g, A, do, dht, None, None, None,
                                                  v_first, False, False)
     return dq, dk, dv, db, dg, (dh0 if initial_state is not None else None)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
+                               use_qk_l2norm_in_kernel=False, seqlens=None, head_first=False, head_batch=None):
+    """FlashQLA's decode form: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``, a batch of B
+    sequences of up to T new tokens each, through the token recurrence (``gated_delta_rule_decode``'s kernel).
+    initial_state ``[B, HV, K, V]`` (read, not written; None: zeros); seqlens ``[B]`` int32 on q's device: row b
+    holds ``seqlens[b]`` tokens (clamped to [0, T]; None: all T), the rest are padding with o = 0.
+
+    Returns ``(o [B, T, HV, V] in q's dtype, final_state [B, HV, K, V] fp32 after each row's tokens, or None without
+    output_final_state)``. ``head_first`` must be False; ``head_batch`` (FlashQLA's heads per program) is a
+    schedule, taken as None or a positive int, with no effect. Forward only.
+    """
+    output_final_state = check_flag("output_final_state", output_final_state)
+    if check_flag("head_first", head_first):
+        raise ValueError("head_first=True is not supported by recurrent_gated_delta_rule (inputs in the "
+                         "head-first [B, H, T, ...] layout); only head_first=False")
+    if head_batch is not None and (isinstance(head_batch, bool) or not isinstance(head_batch, int) or head_batch < 1):
+        raise TypeError(f"head_batch: expected None or a positive int, got {type(head_batch).__name__} "
+                        f"{head_batch!r}")
+    check_tensor("q", q, ndim=4)
+    check_tensor("v", v, ndim=4, device=q.device)
+    B, T, K = q.shape[0], q.shape[1], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(B, HV, K, V), dtypes=_STATE_DTYPES, device=q.device)
+        state = initial_state.detach().to(torch.float32, copy=True).contiguous()
+    else:
+        state = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
+    if seqlens is not None:
+        check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device)
+    rows = torch.arange(B, dtype=torch.int32, device=q.device)
+    o = gated_delta_rule_decode(q, k, v, g, beta, state, rows, scale=scale,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, accepted=seqlens)
+    if seqlens is not None:
+        live = torch.arange(T, device=q.device)[None, :] < seqlens[:, None]
+        o = torch.where(live[:, :, None, None], o, 0)
+    return o.to(q.dtype), (state if output_final_state else None)
