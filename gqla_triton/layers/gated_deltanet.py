@@ -118,13 +118,6 @@ def _clamped_bounds(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cummax(cu_seqlens.long().clamp(0, T), 0).values
 
 
-def _check_cu_host(cu: list[int], T: int) -> None:
-    """Host values of ``cu_seqlens``: non-decreasing within [0, T], the tokens outside ``[cu[0], cu[N])`` being
-    padding."""
-    if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        raise ValueError(f"cu_seqlens: expected non-decreasing values within [0, T] (T={T}), got {cu}")
-
-
 def _depthwise_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Valid depthwise conv along time: ``x [B, L, C]``, ``w [C, 1, W]`` -> ``[B, L - W + 1, C]`` in x's dtype. On the
     CPU as W shifted multiply-adds in at least float32 (torch's CPU depthwise conv1d is orders of magnitude
@@ -796,12 +789,8 @@ class GatedDeltaNet(nn.Module):
             if verify and any(fresh):
                 raise ValueError("verify: every slot must hold a state (prefill first); fresh slots "
                                  f"{[s for s, f in zip(batch.ids, fresh, strict=True) if f]}")
-        cu_host = None
-        if cu_seqlens is not None and not torch.compiler.is_compiling() and (
-                not gdn_plan.plans_on_device(cu_seqlens) or (self.impl == "reference" and not decode)):
-            # read where the chunked op reads it (a CPU tensor: no sync) or the torch reference runs
-            cu_host = cu_seqlens.tolist()
-            _check_cu_host(cu_host, T)
+        # read (and checked) where the chunked op reads it: a CPU tensor (no sync), or for the torch reference
+        cu_host = gdn_plan.host_bounds(cu_seqlens, T, need=self.impl == "reference" and not decode)
         if cu_seqlens is not None and not decode:
             cu_seqlens = _clamped_bounds(cu_seqlens, T)
         if cache is None:

@@ -31,7 +31,7 @@ from .._common.validation import (
 from . import plan as plan_mod
 from .compat import check_chunk_indices, check_chunk_size, check_fla_options, check_gate, state_v_first
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype, sout_sm90_unsupported
-from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens, read_cu_seqlens
+from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
 
 __all__ = ["chunk_gated_delta_rule"]
@@ -429,7 +429,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
-    cu_host = None
     row = (HV, V, K) if v_first else (HV, K, V)
     if state_indices is not None:
         _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))
@@ -449,11 +448,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu_host:
             # the plan follows the host copy, the kernels the tensor: compared where that needs no sync
             raise ValueError(f"cu_seqlens_cpu: {cu_host} differs from cu_seqlens {cu_seqlens.tolist()}")
-    elif cu_seqlens is not None and not torch.compiler.is_compiling() and (
-            impl == "reference" or not plan_mod.plans_on_device(cu_seqlens)):
-        # read and checked where that is no sync (a CPU tensor) or the torch reference runs; a GPU tensor is planned
-        # on the device; under torch.compile the custom op plans inside itself
-        cu_host = read_cu_seqlens(cu_seqlens, T)
+    else:
+        cu_host = plan_mod.host_bounds(cu_seqlens, T, need=impl == "reference")
     check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
     if state_indices is not None and not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, initial_state.shape[0])

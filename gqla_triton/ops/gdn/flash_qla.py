@@ -18,7 +18,7 @@ from . import plan as plan_mod
 from .api import _REFERENCE, _STATE_DTYPES, _bwd, _bwd_op, _fwd, _fwd_op, check_inputs
 from .decode import gated_delta_rule_decode
 from .launch import mid_dtype
-from .plan import chunk_plan, read_cu_seqlens
+from .plan import chunk_plan
 
 __all__ = ["chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd", "recurrent_gated_delta_rule"]
 
@@ -36,16 +36,6 @@ def _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
         check_kernel_device(dev, _REFERENCE, initial_state.dtype)
     check_kernel_device(dev, _REFERENCE, q.dtype)
     return N, float(check_scale("scale", scale, K ** -0.5)), v_first, row
-
-
-def _host_bounds(cu_seqlens, T: int, need: bool):
-    """cu_seqlens' host values where the call reads them: a CPU tensor (no sync), or ``need``; else None (a GPU
-    tensor is planned on the device)."""
-    if cu_seqlens is None or torch.compiler.is_compiling():
-        return None
-    if need or not plan_mod.plans_on_device(cu_seqlens):
-        return read_cu_seqlens(cu_seqlens, T)
-    return None
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
@@ -77,7 +67,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
         raise ValueError("output_h: with cu_seqlens, h has one row per chunk of the sequences, a count that depends "
                          "on cu_seqlens' values: call chunk_gated_delta_rule_fwd(output_h=True) outside "
                          "torch.compile")
-    cu_host = _host_bounds(cu_seqlens, T, need=output_h)
+    cu_host = plan_mod.host_bounds(cu_seqlens, T, need=output_h)
     q, k, v, g, beta = (t.detach().contiguous() for t in (q, k, v, g, beta))
     h0 = initial_state.detach().contiguous() if initial_state is not None else None
     with torch.no_grad():
@@ -124,7 +114,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
                  device=q.device)
     if dht is not None:
         check_tensor("dht", dht, shape=(N, *row), dtypes=(torch.float32,), device=q.device)
-    cu_host = _host_bounds(cu_seqlens, T, need=False)
+    cu_host = plan_mod.host_bounds(cu_seqlens, T)
     q, k, v, g, beta, A, do = (t.detach().contiguous() for t in (q, k, v, g, beta, A, do))
     h0 = initial_state.detach().contiguous() if initial_state is not None else None
     dht = dht.detach().contiguous() if dht is not None else None

@@ -21,8 +21,8 @@ from .._common.host import cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
 from .kernels.plan import gdn_plan_kernel
 
-__all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "device_plan", "host_cu_seqlens",
-           "plans_on_device", "read_cu_seqlens", "seg_len"]
+__all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "device_plan", "host_bounds",
+           "host_cu_seqlens", "plans_on_device", "read_cu_seqlens", "seg_len"]
 
 BT = 64  # the default chunk size (fla's)
 CHUNK_SIZES = (16, 32, 64)  # the chunk sizes the kernels take (fla's set)
@@ -83,6 +83,17 @@ def _check_cu(name: str, cu: list[int], T: int) -> list[int]:
 def read_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """Host copy of ``cu_seqlens`` (any strides), checked: non-decreasing within [0, T]."""
     return _check_cu("cu_seqlens", cu_seqlens.tolist(), T)
+
+
+def host_bounds(cu_seqlens: torch.Tensor | None, T: int, *, need: bool = False) -> list[int] | None:
+    """cu_seqlens' checked host values where a call reads them: a CPU tensor (no sync), or wherever ``need`` (the
+    torch reference, a result sized by the real chunk count); None where the plan is built on the device instead,
+    for no cu_seqlens, and while torch.compile traces (the custom ops plan inside themselves)."""
+    if cu_seqlens is None or torch.compiler.is_compiling():
+        return None
+    if need or not plans_on_device(cu_seqlens):
+        return read_cu_seqlens(cu_seqlens, T)
+    return None
 
 
 def host_cu_seqlens(cu_seqlens_cpu, n: int, T: int) -> list[int]:
