@@ -405,3 +405,127 @@ def test_gqla_layer_decode_step_over_an_fp8_cache_under_torch_compile():
             assert torch.equal(compiled(x), twin(x, None, twin_cache))
             assert torch.equal(cache.kv.view(torch.uint8), twin_cache.kv.view(torch.uint8))
             assert torch.equal(cache.cache_seqlens, twin_cache.cache_seqlens)
+
+
+# ------------------------------------------- a float8 cache scaled per tensor (vLLM's kv_cache_dtype="fp8")
+def _scaled_case(seed, B, s_q, h_q, page, *, q8, per_seq):
+    """A float8_e4m3fn cache ``[pages, page, 1, 576]`` with its k_descale, q (float8 with its q_descale where
+    ``q8``, else QDT), block table and lengths; descales ``[B]`` where ``per_seq``, else ``[1]``."""
+    q, _, bt, lens, g = _case(seed, B, s_q, h_q, page)
+    kv8 = (torch.randn(bt.numel() + 2, page, 1, 576, generator=g) * 40).to(torch.float8_e4m3fn).to(P.device)
+    n = B if per_seq else 1
+    kd = (torch.rand(n, generator=g) * 0.05 + 0.005).to(P.device)
+    qd = (torch.rand(n, generator=g) * 0.1 + 0.01).to(P.device) if q8 else None
+    if q8:
+        q = (randn(q.shape, g) * 30).to(torch.float8_e4m3fn).to(P.device)
+    return q, kv8, bt, lens, qd, kd, g
+
+
+def _check_scaled(out, lse, q, kv8, bt, lens, qd, kd, **kw):
+    ro, rl = mla_decode_ref(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd, **kw)
+    # the kernel's precision: the exact e4m3 values in the dots' dtype (fp16 for a float8 q), P rounded to it, out
+    # rounded to out's dtype
+    kdt = torch.float16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    lo, ll = mla_decode_ref(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd, p_dtype=kdt, **kw)
+    assert out.dtype == (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype) and out.shape == ro.shape
+    assert_close("out", out, ro, lo.to(out.dtype).double(), dtype=out.dtype)
+    assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5)
+
+
+@settings(max_examples=examples(4, 12), deadline=None)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), page=st.sampled_from(PAGE), causal=st.booleans(),
+       num_splits=st.sampled_from([0, 1, 3]), q8=st.booleans(), per_seq=st.booleans(), sparse=st.booleans(),
+       seed=seeds())
+def test_scaled_fp8_cache_vs_reference(B, s_q, page, causal, num_splits, q8, per_seq, sparse, seed):
+    """Dense (MTP, causal or not) and sparse calls over a float8 cache scaled per tensor, with a float8 q and its
+    descale or a QDT q, one descale for the batch or one per sequence, against the float64 reference of the
+    descaled scores and output; the FlashMLA entry point gives the same result for the dense path."""
+    q, kv8, bt, lens, qd, kd, g = _scaled_case(seed, B, s_q, 16, page, q8=q8, per_seq=per_seq)
+    kw = dict(causal=causal)
+    if sparse:
+        kw = dict(causal=causal, indices=torch.randint(-4, MAXLEN + 8, (B, s_q, 24), generator=g).int().to(P.device))
+    out, lse = _call(q, kv8, bt, lens, 512, num_splits=num_splits, q_descale=qd, k_descale=kd, **kw)
+    _check_scaled(out, lse, q, kv8, bt, lens, qd, kd, **kw)
+    if not sparse and (q8 or qd is None):
+        import gqla_triton as gq
+
+        meta, _ = gq.get_mla_metadata()
+        fo, fl = gq.flash_mla_with_kvcache(q, kv8, bt, lens, 512, meta, causal=causal, descale_q=qd, descale_k=kd,
+                                           is_fp8_kvcache=True)
+        ref_o, ref_l = mla_decode(q, kv8, bt, lens, 512, causal=causal, q_descale=qd, k_descale=kd)
+        assert torch.equal(fo, ref_o)
+        assert torch.equal(fl, torch.where(ref_l == -math.inf, math.inf, ref_l))
+
+
+def test_scaled_fp8_nonfinite_and_empty_rows():
+    """A NaN byte in the newest token reaches only the MTP query that sees it; an empty sequence gives out 0 and
+    lse -inf whatever its descale (NaN included); a NaN descale poisons exactly its own sequence."""
+    q, kv8, bt, lens, qd, kd, _ = _scaled_case(3, 3, 2, 16, PAGE[0], q8=True, per_seq=True)
+    lens[0] = min(MAXLEN, bt.shape[1] * PAGE[0])
+    lens[1] = 0
+    L = int(lens[0])
+    page, slot = int(bt[0, (L - 1) // PAGE[0]]), (L - 1) % PAGE[0]
+    raw = kv8.view(torch.uint8)
+    raw[page, slot, 0, 7] = 0x7F  # e4m3 NaN
+    kd[1] = float("nan")
+    kd[2] = float("nan") if int(lens[2]) > 0 else kd[2]
+    out, lse = _call(q, kv8, bt, lens, 512, causal=True, q_descale=qd, k_descale=kd)
+    assert out[0, 0].isfinite().all() and lse[0, :, 0].isfinite().all()
+    assert out[0, 1].isnan().all() and lse[0, :, 1].isnan().all()
+    assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
+    if int(lens[2]) > 0:
+        assert out[2].isnan().all() and lse[2].isnan().all()
+    _check_scaled(out[:1, :1], lse[:1, :, :1], q[:1, :1], kv8, bt[:1], lens[:1] - 1, qd[:1], kd[:1], causal=True)
+
+
+def test_scaled_fp8_refusals_name_the_argument():
+    q, kv8, bt, lens, qd, kd, _ = _scaled_case(1, 2, 1, 16, PAGE[0], q8=True, per_seq=False)
+    qb = q.to(QDT)
+    with pytest.raises(TypeError, match="q: a float8_e4m3fn q needs q_descale and k_descale"):
+        mla_decode(q, kv8, bt, lens, 512)
+    with pytest.raises(ValueError, match="q_descale: a float8_e4m3fn q needs it"):
+        mla_decode(q, kv8, bt, lens, 512, k_descale=kd)
+    with pytest.raises(ValueError, match="q_descale: a float8_e4m3fn q needs it and any other q takes none"):
+        mla_decode(qb, kv8, bt, lens, 512, q_descale=qd, k_descale=kd)
+    with pytest.raises(ValueError, match="q_descale: given without k_descale"):
+        mla_decode(qb, kv8, bt, lens, 512, q_descale=qd)
+    with pytest.raises(ValueError, match="k_descale: scales a float8_e4m3fn cache"):
+        mla_decode(qb, kv8.view(torch.uint8), bt, lens, 512, k_descale=kd)
+    with pytest.raises(ValueError, match="k_descale: scales a float8_e4m3fn cache"):
+        mla_decode(qb, quantize_latent_fp8(torch.randn(4, 16, 1, 576)).to(P.device), bt, lens, 512, k_descale=kd)
+    with pytest.raises(ValueError, match="k_descale: expected shape \\[1\\]"):
+        mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd.expand(3).contiguous())
+    with pytest.raises(TypeError, match="k_descale: expected dtype"):
+        mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd.double())
+    with pytest.raises(ValueError, match="q_descale: expected 1 dimensions"):
+        mla_decode(q, kv8, bt, lens, 512, q_descale=qd[None], k_descale=kd)
+    with pytest.raises(TypeError, match="k_descale: expected a torch.Tensor"):
+        mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=0.5)
+    with pytest.raises(ValueError, match="k_descale: expected a tensor on"):
+        mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=torch.ones(1, device="meta"))
+    with pytest.raises(ValueError, match="impl='gluon'.*k_descale"):
+        mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd, impl="gluon")
+    import gqla_triton as gq
+
+    with pytest.raises(ValueError, match="descale_q / descale_k: the dense FP8 path"):
+        gq.flash_mla_with_kvcache(q, kv8, None, None, 512, gq.get_mla_metadata()[0], descale_q=qd, descale_k=kd,
+                                  indices=torch.zeros(2, 1, 16, dtype=torch.int32, device=P.device))
+    # the reference impl and the custom op (torch.compile's route) take the descales too
+    o, lse = mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd, impl="reference")
+    r, rl = mla_decode_ref(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd)
+    assert o.dtype == torch.bfloat16 and torch.equal(o.cpu(), r.to(o.dtype))
+    got = mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd)
+    op = torch.ops.gqla_triton.mla_decode(q, kv8, bt, lens, 512, 576 ** -0.5, True, None, None, 0, "auto", qd, kd)
+    assert all(torch.equal(a, b) for a, b in zip(op, got, strict=True))
+
+
+def test_scaled_fp8_under_torch_compile_fullgraph():
+    """The scaled cache traced by ``torch.compile(fullgraph=True)``: the eager bits, out bfloat16 for a float8 q."""
+    q, kv8, bt, lens, qd, kd, _ = _scaled_case(7, 2, 2, 16, PAGE[0], q8=True, per_seq=True)
+
+    def f(q, kv, bt, lens, qd, kd):
+        return mla_decode(q, kv, bt, lens, 512, q_descale=qd, k_descale=kd)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for a, b in zip(f(q, kv8, bt, lens, qd, kd), compiled(q, kv8, bt, lens, qd, kd), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

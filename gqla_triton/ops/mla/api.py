@@ -55,13 +55,16 @@ _REFERENCE = "gqla_triton.ops.mla.reference.mla_decode_ref"
 _PREFILL_REFERENCE = "gqla_triton.ops.mla.reference.mla_sparse_prefill_ref"
 
 
-def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool) -> bool:
+def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool,
+               scaled: bool = False) -> bool:
     """Whether ``impl`` runs the Gluon kernel: ``"gluon"`` always (ValueError where it cannot), ``"auto"`` where the
-    inputs allow it and this GPU's table selects ``impl: "gluon"``."""
+    inputs allow it and this GPU's table selects ``impl: "gluon"``. ``scaled``: a per-tensor scaled float8 cache
+    (``k_descale``), which the portable kernel reads."""
     if impl == "triton":
         return False
     info = device_info(q)
-    why = ("the Triton interpreter runs no Gluon kernel" if info.interpreter
+    why = ("a float8 cache scaled per tensor (k_descale): the portable kernel reads it" if scaled
+           else "the Triton interpreter runs no Gluon kernel" if info.interpreter
            else f"{info.name} is not a Hopper GPU (sm_90)" if info.capability[0] != 9
            else gluon_unsupported(q, kv_cache, head_dim_v))
     if impl == "gluon":
@@ -74,27 +77,32 @@ def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: i
 
 def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
-                   topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
+                   k_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
-    Returns ``(out [B, s_q, h_q, head_dim_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
+    Returns ``(out [B, s_q, h_q, head_dim_v] in out_dtype(q), lse [B, h_q, s_q] fp32)``."""
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                                topk_length)
-        return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
-    if is_fp8_latent(kv_cache):
+                                topk_length, q_descale=q_descale, k_descale=k_descale)
+        return o.to(device=q.device, dtype=out_dtype(q)), lse.to(device=q.device, dtype=torch.float32)
+    scaled = k_descale is not None
+    out_bf16 = q.dtype == torch.float8_e4m3fn
+    if out_bf16:  # exact in fp16, which the dots then run in; out is bf16 (FlashMLA's)
+        q = q.to(torch.float16)
+    if is_fp8_latent(kv_cache) and not scaled:
         _check_fp8_offset(kv_cache)
     block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
                                                                           topk_length)
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
-    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse)
+    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse, scaled)
     p = plan(q, page_size, block_table.shape[1], head_dim_v, indices.shape[-1] if sparse else None, num_splits,
              "gluon" if gluon else "triton")
     S = p.num_splits
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = empty(B, s_q, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+    out = empty(B, s_q, h_q, head_dim_v, dtype=torch.bfloat16 if out_bf16 else q.dtype, device=q.device)
     lse = empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
     if S > 1:
         o_part = empty(B, S, s_q, h_q, head_dim_v, dtype=torch.float32, device=q.device)
@@ -108,49 +116,62 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                          causal, sparse, p, out, lse, o_part, lse_part)
     else:
         mla_decode_triton(q, kv_cache, block_table, cache_seqlens, rows_src, topk_length, head_dim_v,
-                          softmax_scale * _LOG2E, causal, sparse, p, out, lse, o_part, lse_part)
+                          softmax_scale * _LOG2E, causal, sparse, p, out, lse, o_part, lse_part, q_descale=q_descale,
+                          k_descale=k_descale)
     if S > 1:
         combine_splits(o_part, lse_part, out, lse)
     return out, lse
 
 
+def out_dtype(q: torch.Tensor) -> torch.dtype:
+    """``mla_decode``'s output dtype: q's, bfloat16 for a float8 q (FlashMLA's)."""
+    return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+
+
 @torch.library.custom_op("gqla_triton::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
-                   topk_length: torch.Tensor | None, num_splits: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
+                   k_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, num_splits, impl)
+                          topk_length, num_splits, impl, q_descale, k_descale)
 
 
 @_mla_decode_op.register_fake
 def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
-      impl):
+      impl, q_descale=None, k_descale=None):
     B, s_q, h_q, _ = q.shape
-    return q.new_empty(B, s_q, h_q, head_dim_v), q.new_empty(B, h_q, s_q, dtype=torch.float32)
+    return q.new_empty(B, s_q, h_q, head_dim_v, dtype=out_dtype(q)), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
 
 forward_only(_mla_decode_op, "mla_decode")
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-              num_splits, impl) -> tuple[float, str, bool, int]:
+              num_splits, impl, q_descale=None, k_descale=None) -> tuple[float, str, bool, int]:
     """Every check of ``mla_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
     num_splits)`` as the kernels take them."""
     impl = check_impl(impl, op="mla_decode", gluon=True)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
-    check_tensor("q", q, ndim=4, dtypes=dtypes)
+    scaled = k_descale is not None
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn and not scaled:
+        raise TypeError("q: a float8_e4m3fn q needs q_descale and k_descale (over a float8_e4m3fn cache scaled per "
+                        "tensor)")
+    check_tensor("q", q, ndim=4, dtypes=dtypes + ((torch.float8_e4m3fn,) if scaled else ()))
     fp8 = isinstance(kv_cache, torch.Tensor) and is_fp8_latent(kv_cache)
     check_tensor("kv_cache", kv_cache, ndim=4, dtypes=dtypes + FP8_DTYPES)  # the message lists the FP8 layout's
     if not fp8:
         check_same_dtype(q=q, kv_cache=kv_cache)
     check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                      indices=indices, topk_length=topk_length)
+                      indices=indices, topk_length=topk_length, q_descale=q_descale, k_descale=k_descale)
     D = q.shape[-1]
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
-    if fp8:
+    if scaled or q_descale is not None:
+        _check_descales(q, kv_cache, q_descale, k_descale)
+    elif fp8:
         _check_fp8(q, kv_cache, head_dim_v, indices is not None)
     elif kv_cache.shape[3] != D:
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
@@ -165,6 +186,29 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if impl != "reference":
         check_kernel_device(q.device, _REFERENCE, q.dtype)
     return scale, impl, check_flag("causal", causal), check_num_splits(num_splits)
+
+
+def _check_descales(q: torch.Tensor, kv_cache: torch.Tensor, q_descale, k_descale) -> None:
+    """A per-tensor scaled float8 cache (vLLM's ``kv_cache_dtype="fp8"``, FlashMLA's dense FP8 path): float8_e4m3fn
+    rows of q's width D, the keys ``k_descale · row``; a float8_e4m3fn q is ``q_descale · q``. Each descale is
+    float32 ``[1]`` (one for the batch) or ``[B]`` (one per sequence)."""
+    if k_descale is None:
+        raise ValueError("q_descale: given without k_descale (the descales belong to a float8 q over a float8 cache "
+                         "scaled per tensor; pass both, or k_descale alone for a bf16 / fp16 / fp32 q)")
+    if kv_cache.dtype != torch.float8_e4m3fn or kv_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"k_descale: scales a float8_e4m3fn cache of q's width {q.shape[3]} (one e4m3 value per "
+                         f"channel), got a {kv_cache.dtype} cache of last dim {kv_cache.shape[3]} (FlashMLA's FP8 "
+                         "layouts carry their own scales: pass k_descale=None)")
+    B = q.shape[0]
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale)):
+        if d is not None:
+            check_tensor(name, d, ndim=1, dtypes=(torch.float32,))
+            if d.shape[0] not in (1, B):
+                raise ValueError(f"{name}: expected shape [1] (the batch's) or [B={B}] (one per sequence), got "
+                                 f"{list(d.shape)}")
+    if (q.dtype == torch.float8_e4m3fn) != (q_descale is not None):
+        raise ValueError(f"q_descale: a float8_e4m3fn q needs it and any other q takes none (got q {q.dtype}, "
+                         f"q_descale {'a tensor' if q_descale is not None else 'None'})")
 
 
 def _check_head_dim_v(head_dim_v, D: int) -> int:
@@ -231,7 +275,7 @@ def _check_fp8_offset(kv_cache: torch.Tensor) -> None:
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
-               indices=None, topk_length=None, num_splits=0, *, impl="auto"):
+               indices=None, topk_length=None, num_splits=0, *, impl="auto", q_descale=None, k_descale=None):
     """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
 
     Args:
@@ -241,7 +285,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             FlashMLA's FP8 latent cache ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512
             e4m3 latent values, a float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q
             bf16 (fp32 exact); ``quantize_latent_fp8`` writes it. Sparse calls also read FlashMLA's MODEL1 FP8 pages
-            ``[num_pages, page_size, 1, 584]`` (D = ``head_dim_v`` = 512; ``layout="model1"``).
+            ``[num_pages, page_size, 1, 584]`` (D = ``head_dim_v`` = 512; ``layout="model1"``). Or, with
+            ``k_descale``, a float8_e4m3fn cache ``[num_pages, page_size, 1, D]`` scaled per tensor (vLLM's
+            ``kv_cache_dtype="fp8"``): key = ``k_descale · row``.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
         cache_seqlens: ``[B]`` int32 tokens in the cache per sequence; 0 or negative = empty. Any value is safe:
@@ -260,24 +306,30 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
         impl: ``"auto"`` (this GPU's config table: on Hopper the Gluon kernel for bf16/fp16 with latent 512 +
             rope 64, the portable Triton kernel otherwise), ``"triton"``, ``"gluon"`` (ValueError where that
             kernel cannot run) or ``"reference"`` (``mla_decode_ref``, any device, float64 too).
+        q_descale, k_descale: float32 ``[1]`` (the batch's) or ``[B]`` (per sequence) on q's device, for a cache
+            scaled per tensor (above): the scores are ``softmax_scale · q_descale · k_descale · (q·row)`` and out
+            ``k_descale · Σ p·row[:head_dim_v]``, the dots over the exact e4m3 values. ``q_descale`` goes with a
+            float8_e4m3fn q (out is then bfloat16, as FlashMLA's), and a bf16 / fp16 / fp32 q takes none. The
+            portable kernel runs these calls (``impl="gluon"`` refuses them).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
     Returns:
-        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural log). A query
-        that sees no key (or only ``-inf`` scores) gives ``out = 0`` and ``lse = -inf``. NaN / inf follow IEEE
-        arithmetic over the keys a query sees and reach no other query: a NaN in q or in a key it sees makes its
-        out and lse NaN; a ``+inf`` score gives ``lse = +inf``, out NaN (``reference.py`` defines it all).
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q) and ``lse [B, h_q, s_q]`` fp32
+        (natural log). A query that sees no key (or only ``-inf`` scores) gives ``out = 0`` and ``lse = -inf``.
+        NaN / inf follow IEEE arithmetic over the keys a query sees and reach no other query: a NaN in q or in a
+        key it sees makes its out and lse NaN; a ``+inf`` score gives ``lse = +inf``, out NaN (``reference.py``
+        defines it all).
 
     Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
     scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
-                                                causal, indices, topk_length, num_splits, impl)
+                                                causal, indices, topk_length, num_splits, impl, q_descale, k_descale)
     head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
     # inputs that require grad go through the custom op, whose backward raises (forward_only)
     fn = _mla_decode_op if requires_grad(q, kv_cache) else route(_mla_decode_op, mla_decode_fwd)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
-              impl)
+              impl, q_descale, k_descale)
 
 
 class SparsePrefillOutput(NamedTuple):

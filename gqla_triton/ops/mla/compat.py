@@ -22,8 +22,9 @@ nothing, lse is ``+inf`` (and max_logits ``-inf``) for a query that sees no key,
 sgl-flash-mla's additions are taken too: ``get_mla_decoding_metadata`` (its two tensors are placeholders here, since
 the split plan comes from shapes), ``is_fp8_kvcache=None`` (told by the cache's dtype), ``enable_batch_invariant``
 (every call unsplit, so a sequence's result does not depend on the rest of its batch), ``use_legacy`` (one kernel
-family here: no effect); ``kv_format``, ``descale_q`` and ``descale_k`` only at None (the layout is told by the
-row width; per-tensor descales of a dense FP8 path are not supported).
+family here: no effect), ``kv_format`` only at None (the layout is told by the row width), and its dense FP8 path:
+a float8_e4m3fn q and cache of 576 channels scaled per tensor by ``descale_q`` / ``descale_k`` (vLLM's
+``kv_cache_dtype="fp8"``), out in bfloat16.
 
 Beyond FlashMLA: sparse calls take a bf16 / fp16 cache as well as the FP8 one, dense calls the FP8 one as well as
 bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is; the sparse prefill takes any head count and width
@@ -113,8 +114,9 @@ def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
 
 
 def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-               name: str, num_splits: int = 0):
-    """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``."""
+               name: str, num_splits: int = 0, q_descale=None, k_descale=None):
+    """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``; the
+    descales: the dense FP8 path's."""
     if k_cache.dim() != 4 or k_cache.shape[2] != 1:
         raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, head_dim] (one latent head), got "
                          f"{list(k_cache.shape)}")
@@ -123,8 +125,11 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if indices is None:
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens: required without indices (dense attention)")
-        return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                          num_splits=num_splits)
+        try:
+            return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                              num_splits=num_splits, q_descale=q_descale, k_descale=k_descale)
+        except (TypeError, ValueError) as e:  # FlashMLA's names of the descales
+            raise type(e)(str(e).replace("q_descale", "descale_q").replace("k_descale", "descale_k")) from None
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
     return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits)
 
@@ -140,7 +145,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         q: ``[B, s_q, h_q, 576]`` (512 latent + 64 rope; other ``mla_decode`` widths too).
         k_cache: ``[num_blocks, page_block_size, 1, 576]`` in q's dtype, or FlashMLA's FP8 layout
             ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``), or (sparse, q of 512 channels)
-            its MODEL1 FP8 pages ``[num_blocks, page_block_size, 1, 584]``.
+            its MODEL1 FP8 pages ``[num_blocks, page_block_size, 1, 584]``, or (dense, with ``descale_k``) a
+            float8_e4m3fn cache ``[num_blocks, page_block_size, 1, 576]`` scaled per tensor.
         block_table: ``[B, max_blocks]`` int32, or None with ``indices``.
         cache_seqlens: ``[B]`` int32, or None with ``indices``.
         head_dim_v: 512.
@@ -155,11 +161,14 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             extra_topk]`` (sparse only).
         topk_length: ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
         enable_batch_invariant: every call unsplit (recorded in the metadata like the shapes).
-        use_legacy: no effect. kv_format, descale_q, descale_k: None only.
+        use_legacy: no effect. kv_format: None only.
+        descale_q, descale_k: float32 ``[1]`` (or ``[B]``) on q's device: the dense FP8 path, a float8_e4m3fn
+            ``k_cache`` of q's width scaled per tensor (key = ``descale_k · row``) and a float8_e4m3fn q
+            (``descale_q · q``; a bf16 q takes descale_k alone); ``mla_decode``'s ``q_descale`` / ``k_descale``.
 
     Returns:
-        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (``+inf`` for a query that
-        sees no key).
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q) and ``lse [B, h_q, s_q]`` fp32
+        (``+inf`` for a query that sees no key).
     """
     if num_splits is not None:
         raise ValueError("num_splits: must be None (FlashMLA's placeholder; the split plan here comes from shapes)")
@@ -172,11 +181,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if kv_format is not None:
         raise ValueError(f"kv_format: must be None (the FP8 layout is told by the cache's row width), got "
                          f"{kv_format!r}")
-    for name, value in (("descale_q", descale_q), ("descale_k", descale_k)):
-        if value is not None:
-            raise ValueError(f"{name}: per-tensor descales (a dense FP8 path with scaled q) are not supported; pass "
-                             "None")
     sparse = indices is not None
+    if (descale_q is not None or descale_k is not None) and (sparse or extra_k_cache is not None):
+        raise ValueError("descale_q / descale_k: the dense FP8 path's (a float8 cache scaled per tensor); sparse "
+                         "calls read FlashMLA's FP8 layouts, which carry their own scales")
     extra = extra_k_cache is not None
     if causal and sparse:
         raise ValueError("causal: must be False with indices (FlashMLA's sparse attention has no causal mask)")
@@ -208,7 +216,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
     splits = 1 if invariant else 0
     out, lse = _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, "k_cache", splits)
+                          topk_length, "k_cache", splits, descale_q, descale_k)
     if extra:
         try:
             out2, lse2 = _one_cache(q, extra_k_cache, None, None, head_dim_v, softmax_scale, False,

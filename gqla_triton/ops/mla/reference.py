@@ -64,15 +64,23 @@ def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tenso
 
 
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
-                   indices=None, topk_length=None, *, p_dtype=None):
+                   indices=None, topk_length=None, *, q_descale=None, k_descale=None, p_dtype=None):
     """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU.
 
-    ``kv_cache`` may be in the FP8 layout (``fp8.py``): the reference runs on its exact dequantised values.
-    ``p_dtype`` (tests only): round the probabilities and the output to that dtype, i.e. what a torch
-    implementation at the kernel's precision does; gives the low-precision error the tolerance is built on.
+    ``kv_cache`` may be in the FP8 layout (``fp8.py``): the reference runs on its exact dequantised values. With
+    ``k_descale`` (``[1]`` or ``[B]``) it is a float8_e4m3fn cache scaled per tensor: the scores are
+    ``softmax_scale · q_descale · k_descale · (q·row)`` over the exact e4m3 values (``q_descale`` 1 where None) and
+    out is ``k_descale · Σ p·row[:head_dim_v]``. ``p_dtype`` (tests only): round the probabilities and the output to
+    that dtype, i.e. what a torch implementation at the kernel's precision does; gives the low-precision error the
+    tolerance is built on.
     """
     q = q.detach().double().cpu()
-    if is_fp8_latent(kv_cache):
+    B = q.shape[0]
+    scaled = k_descale is not None
+    if scaled:  # [B] factors of the scores and of the output
+        k_desc = k_descale.detach().double().cpu().expand(B)
+        s_desc = k_desc * (q_descale.detach().double().cpu().expand(B) if q_descale is not None else 1.0)
+    elif is_fp8_latent(kv_cache):
         kv_cache = dequantize_latent_fp8(kv_cache.detach().cpu(), torch.float64)
     kv_cache = kv_cache.detach().double().cpu()
     block_table = block_table.detach().long().cpu()
@@ -103,7 +111,10 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
         count.scatter_add_(2, safe, ok.double())
 
     seen = (count > 0)[:, :, None, :]  # [B, s_q, 1, L]
-    s = torch.einsum("bqhd,bnd->bqhn", q, keys) * softmax_scale
+    s = torch.einsum("bqhd,bnd->bqhn", q, keys)
+    if scaled:
+        s = s * s_desc[:, None, None, None]
+    s = s * softmax_scale
     # a key a query does not see takes no part in its arithmetic (a NaN or inf score there included)
     s = torch.where(seen, s + torch.where(seen, count[:, :, None, :], 1.0).log(), -math.inf)
     lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]: +inf for a +inf score, NaN for a NaN one
@@ -111,7 +122,10 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
     if p_dtype is not None:
         p = p.to(p_dtype).double()
-    out = torch.where(empty[..., None], 0.0, seen_pv(p, keys[..., :head_dim_v], seen))
+    out = seen_pv(p, keys[..., :head_dim_v], seen)
+    if scaled:
+        out = out * k_desc[:, None, None, None]
+    out = torch.where(empty[..., None], 0.0, out)
     if p_dtype is not None:
         out = out.to(p_dtype).double()
     return out, lse.permute(0, 2, 1).contiguous()

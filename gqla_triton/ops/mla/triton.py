@@ -13,6 +13,8 @@ value it does not see, so a NaN or inf there cannot reach it (``0 · NaN``).
 
 FP8 latent cache (``fp8.py``, FlashMLA's 656-byte rows): the e4m3 bytes are converted and multiplied by their
 tile's scale as a tile loads, the bf16 rope values converted to q's dtype, so the dots run as on a bf16 cache.
+A float8 cache scaled per tensor (``k_descale``; q optionally float8 too, then taken in fp16): the e4m3 values are
+converted exactly and the descales multiply the scores and the output, never the values.
 FlashMLA's MODEL1 pages (sparse only): a token's 448 e4m3 values and 64 bf16 rope values form its 512-channel key
 (and value), its UE8M0 scales sit in the page's second region.
 
@@ -69,12 +71,13 @@ def _tile_block(bt_row, start, max_pages, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l_i,
-                      DOT_PREC: tl.constexpr, SPARSE: tl.constexpr, RAW: tl.constexpr):
+def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, sdesc, ok, rvalid, m_i, l_i,
+                      DOT_PREC: tl.constexpr, SPARSE: tl.constexpr, RAW: tl.constexpr, DESCALE: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
     them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant)."""
-    s = (scale_scores(tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC), qk_scale, RAW)
-         + scale_scores(tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC), qk_scale, RAW))
+    s = (_descale(tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC), sdesc, DESCALE)
+         + _descale(tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC), sdesc, DESCALE))
+    s = scale_scores(s, qk_scale, RAW)
     if SPARSE:
         keep = ok[None, :] & rvalid[:, None]
     else:  # every row sees every key of a dense tile (the loop bounds; the boundary keys: the TAIL loop)
@@ -82,10 +85,19 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l
     return softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, 1, RAW)
 
 
+@triton.jit
+def _descale(s, sdesc, DESCALE: tl.constexpr):
+    """Raw scores of a cache scaled per tensor: the dot of the e4m3 values times ``q_descale · k_descale``."""
+    if DESCALE > 0:
+        return s * sdesc
+    return s
+
+
 # the kernel's FP8 argument: which of FlashMLA's layouts (fp8.py) the cache holds
 V32 = tl.constexpr(1)
 MODEL1 = tl.constexpr(2)
-FP8_KINDS = {None: 0, "v32": 1, "model1": 2}
+E4M3 = tl.constexpr(3)  # one e4m3 value per channel, scaled per tensor (k_descale)
+FP8_KINDS = {None: 0, "v32": 1, "model1": 2, "e4m3": 3}
 # MODEL1 pages (fp8.py): a token's values, their 64-value scale tiles, the bytes its scales take
 _M1_NOPE = tl.constexpr(M1_NOPE)
 _M1_TOKEN = tl.constexpr(M1_TOKEN_BYTES)
@@ -108,7 +120,9 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
     FP8 1 (``fp8.py``, 656-byte rows): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale
     (``kvs``, the same memory as float32) and the bf16 rope values (``kvr``, as bf16). FP8 2 (MODEL1 pages): ``off``
     is a token's byte offset in its page's first region, ``sc_off`` that of its UE8M0 scales; channels 0..447 are
-    e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part)."""
+    e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part).
+    FP8 3 (a cache scaled per tensor): every channel one e4m3 byte, unscaled (the descales multiply the scores and
+    the output)."""
     m2 = ok[:, None] & mv[None, :]
     mr2 = ok[:, None] & mr[None, :]
     if FP8 == MODEL1:
@@ -133,6 +147,9 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
         xt = tl.reshape(x, [x.shape[0], DV // 128, 128])
         k_lat = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV]).to(KDT)
         k_rope = tl.load(kvr + (off // 2 + (DV + 16) // 2)[:, None] + offs_r[None, :], mask=mr2, other=0.0).to(KDT)
+    elif FP8 == E4M3:
+        k_lat = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0)).to(KDT)
+        k_rope = _e4m3(tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0)).to(KDT)
     else:
         k_lat = tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0.0)
         k_rope = tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0.0)
@@ -144,7 +161,7 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
                                "causal"])
 def mla_decode_fwd_kernel(
     q, kv, kvs, kvr, block_table, seqlens, indices, topk_length,
-    out, lse, o_part, lse_part, pbuf, abuf, mx,
+    out, lse, o_part, lse_part, pbuf, abuf, mx, qd, kd,
     qk_scale,  # softmax_scale * log2(e)
     s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
     s_qb, s_qq, s_qh,
@@ -156,12 +173,14 @@ def mla_decode_fwd_kernel(
     s_pb, s_ps, s_pq, s_ph,
     s_plb, s_pls, s_plq,
     s_mb, s_ms, s_mq,
+    s_qd, s_kd,
     DV: tl.constexpr, DR: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
     ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr, HAS_MAX: tl.constexpr,
+    DESCALE: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -179,6 +198,12 @@ def mla_decode_fwd_kernel(
     rvalid = (rq < QPT) & (qi < s_q) & (h < h_q)
 
     seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
+    sdesc = 1.0
+    if DESCALE > 0:  # a cache scaled per tensor: the scores take q_descale · k_descale, the output k_descale
+        kdesc = tl.load(kd + b64 * s_kd)
+        sdesc = kdesc
+        if DESCALE == 2:
+            sdesc = sdesc * tl.load(qd + b64 * s_qd)
 
     offs_r = tl.arange(0, BDR)
     mr = offs_r < DR
@@ -264,8 +289,8 @@ def mla_decode_fwd_kernel(
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
             # of its tile. The tiles alternate between two buffers, so one barrier per tile orders both the read
             # after this tile's writes and the next write to the same buffer (two tiles later) after every read.
-            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, ok, rvalid, m_i, l_i,
-                                                     DOT_PREC, SPARSE, RAW)
+            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, sdesc, ok, rvalid, m_i,
+                                                     l_i, DOT_PREC, SPARSE, RAW, DESCALE)
             nb = ((start - lo) // BLOCK_N) % 2
             tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
             tl.store(a_row + nb * BLOCK_H, alpha)  # alpha too: it reaches the PV dot through the accumulator
@@ -276,7 +301,7 @@ def mla_decode_fwd_kernel(
             acc = tl.dot(pp, k_lat, acc, input_precision=DOT_PREC)
         else:
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+            s = _descale(tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC), sdesc, DESCALE)
             if SPARSE:
                 keep = ok[None, :] & rvalid[:, None]
             else:  # every row sees every key of a dense tile (the loop bounds)
@@ -296,7 +321,7 @@ def mla_decode_fwd_kernel(
             k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV,
                                   FP8)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+            s = _descale(tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC), sdesc, DESCALE)
             sees = t <= last
             s = tl.where(ok[None, :] & sees[:, None], scale_scores(s, qk_scale, RAW), float("-inf"))
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
@@ -305,6 +330,8 @@ def mla_decode_fwd_kernel(
                                                                          input_precision=DOT_PREC), 0.0)
 
     o, lse_row = finish_rows(acc, m_i, l_i, qk_scale, SPLIT, RAW)
+    if DESCALE > 0:  # a row with no key keeps its 0 (or a split's raw partial), whatever the descale
+        o = tl.where((l_i == 0)[:, None], o, o * kdesc)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
                h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
@@ -317,12 +344,14 @@ def mla_decode_fwd_kernel(
 def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                       rows_src: torch.Tensor, topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float,
                       causal: bool, sparse: bool, p: MLAPlan, out: torch.Tensor, lse: torch.Tensor,
-                      o_part: torch.Tensor, lse_part: torch.Tensor, max_logits: torch.Tensor | None = None) -> None:
+                      o_part: torch.Tensor, lse_part: torch.Tensor, max_logits: torch.Tensor | None = None, *,
+                      q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None) -> None:
     """Launch the portable kernel over plan ``p``. ``rows_src``: ``sparse_rows``' physical rows ``[B, s_q, topk]``
     (sparse) or the block table (dense); ``qk_scale = softmax_scale · log2(e)``. Writes ``out``/``lse`` (one
     split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``; with
     ``max_logits`` (fp32 ``[B, S, s_q, h_q]``, unit stride along h_q) each split's largest scaled score per row
-    (-inf where the split saw no key)."""
+    (-inf where the split saw no key). ``k_descale`` (``q_descale``): fp32 ``[1]`` or ``[B]``, the descales of a
+    float8_e4m3fn cache scaled per tensor (and of the float8 q that ``q`` holds in fp16)."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     cfg, S = p.cfg, p.num_splits
@@ -335,20 +364,21 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     pbuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=q.dtype, device=q.device) if cfg.p_scratch \
         else out
     abuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H, dtype=torch.float32, device=q.device) if cfg.p_scratch else lse
-    layout = fp8_layout(kv_cache)
+    layout = "e4m3" if k_descale is not None else fp8_layout(kv_cache)
     fp8 = layout is not None
     if fp8:  # a size-1 dim's stride is never used: 0 there, so the float32 / bf16 views below need no alignment of it
         kv_cache = kv_cache.as_strided(kv_cache.shape, [st if n > 1 else 0 for n, st in
                                                         zip(kv_cache.shape, kv_cache.stride(), strict=True)])
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     kvs = kv.view(torch.float32) if layout == "v32" else kv
-    kvr = kv.view(torch.bfloat16) if fp8 else kv
+    kvr = kv.view(torch.bfloat16) if layout in ("v32", "model1") else kv
     # MODEL1: a token's values are 576 bytes apart in its page's first region (the view's 584-byte rows are the
     # page's bytes in order, scales last)
     s_kvt = M1_TOKEN_BYTES if layout == "model1" else kv.stride(1)
     mla_decode_fwd_kernel[grid](
         q, kv, kvs, kvr, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
+        q_descale if q_descale is not None else lse, k_descale if k_descale is not None else lse,
         qk_scale,
         s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
         int(bool(causal)),
@@ -361,6 +391,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         *(max_logits.stride()[:3] if max_logits is not None else (0, 0, 0)),
+        *(d.stride(0) if d is not None and d.shape[0] > 1 else 0 for d in (q_descale, k_descale)),
         DV=DV, DR=DR, BDV=BDV, BDR=max(16, next_pow2(max(DR, 1))),
         PAGE_SIZE=page_size, BLOCK_H=p.BLOCK_H, BLOCK_N=cfg.block_n, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
@@ -368,6 +399,6 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
         TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
         RAW=raw_scores(qk_scale),
-        HAS_MAX=max_logits is not None,
+        HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
