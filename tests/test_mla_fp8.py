@@ -347,18 +347,48 @@ def test_latent_cache_quantises_on_append():
         GroupedCache(2, 64, 2, 16, 16, dtype=torch.float8_e4m3fn)
 
 
+def test_latent_cache_scaled_per_tensor():
+    """``LatentCache(dtype=float8_e4m3fn, k_scale=s)``: one e4m3 byte per channel (any widths), each value
+    ``x / s`` rounded to e4m3 and saturated at ±448 (an infinity too; NaN kept), read back as ``e4m3 · s``;
+    ``k_descale`` is the kernels' float32 ``[1]``; a bad scale or dtype is refused by name."""
+    cache = LatentCache(3, 80, 96, 32, page_size=PAGE[0], dtype=torch.float8_e4m3fn, device=P.device, k_scale=0.25,
+                        compute_dtype=torch.float32)
+    assert cache.bytes_per_token == 128 and not cache.fp8 and cache.k_descale.tolist() == [0.25]
+    c, kr = randn((2, 21, 96), 3, device=P.device, scale=30.0), randn((2, 21, 32), 4, device=P.device)
+    c[0, 0, :3] = torch.tensor([1e6, -math.inf, math.nan])
+    cache.append([2, 0], c, kr)
+    for i, s in enumerate([2, 0]):
+        got_c, got_r = cache.gather(s)
+        want = (torch.cat([c[i], kr[i]], -1) / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.25
+        torch.testing.assert_close(got_c, want[:, :96], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_r, want[:, 96:], rtol=0, atol=0)
+    got_c, _ = cache.gather(2)
+    assert got_c[0, 0] == 112.0 and got_c[0, 1] == -112.0 and got_c[0, 2].isnan()
+    assert torch.equal(cache.latent_rows()[..., :96].isnan().sum(), torch.tensor(1, device=P.device))
+    for bad in (0.0, -1.0, math.inf, math.nan, True, "0.1", torch.ones(1)):
+        with pytest.raises(ValueError, match="k_scale"):
+            LatentCache(2, 64, 96, 32, dtype=torch.float8_e4m3fn, k_scale=bad)
+    with pytest.raises(ValueError, match="k_scale"):
+        LatentCache(2, 64, 96, 32, dtype=torch.bfloat16, k_scale=0.5)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        LatentCache(2, 64, 96, 32, dtype=torch.float8_e4m3fn, k_scale=0.5, compute_dtype=torch.float64)
+
+
 @settings(max_examples=examples(2, 6), deadline=None)
 @given(B=st.integers(1, 2), g=st.sampled_from([1, 2]), steps=st.integers(1, 2), seed=seeds())
-def test_gqla_layer_decodes_over_an_fp8_latent_cache(B, g, steps, seed):
-    """GQLAttention's absorb decode over an FP8 latent cache (``make_cache(dtype=float8_e4m3fn)``) equals the
-    float64 layer reference over the dequantised past, within torch's error at the same precision
-    (``impl="reference"`` on a copy of the cache); the switch to the grouped path reads the same dequantised
-    latents."""
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gqla_layer_decodes_over_an_fp8_latent_cache(scaled, B, g, steps, seed):
+    """GQLAttention's absorb decode over an FP8 latent cache (``make_cache(dtype=float8_e4m3fn)``, FlashMLA's layout,
+    or with ``k_scale`` one scaled per tensor) equals the float64 layer reference over the dequantised past, within
+    torch's error at the same precision (``impl="reference"`` on a copy of the cache); the switch to the grouped
+    path reads the same dequantised latents."""
     dims = dict(hidden=64, num_heads=16, head_dim=16, rope_dim=64, kv_rank=512)
     gg = gen(seed)
     layer = make_layer(seed, g=g, dtype=QDT, dims=dims)
-    cache = layer.make_cache(B + 1, MAXLEN + 8, path="absorb", page_size=PAGE[0], dtype=torch.float8_e4m3fn)
-    assert cache.fp8 and cache.compute_dtype == QDT
+    cache = layer.make_cache(B + 1, MAXLEN + 8, path="absorb", page_size=PAGE[0], dtype=torch.float8_e4m3fn,
+                             k_scale=0.01 if scaled else None)
+    assert cache.fp8 != scaled and cache.compute_dtype == QDT
+    assert cache.kv.shape[-1] == (576 if scaled else FP8_ROW_BYTES)
     ids = list(range(1, B + 1))
     lens = torch.randint(1, MAXLEN + 1 - steps, (B,), generator=gg).tolist()
     for i, s in enumerate(ids):
@@ -385,13 +415,15 @@ def test_gqla_layer_decodes_over_an_fp8_latent_cache(B, g, steps, seed):
         assert cache.seqlens(ids) == [n + step + 1 for n in lens]
 
 
-def test_gqla_layer_decode_step_over_an_fp8_cache_under_torch_compile():
-    """A decode step of the absorb layer over an FP8 latent cache (quantise on append, then ``mla_decode``) traced by
-    ``torch.compile(fullgraph=True)``: the eager step's output bits and the same cache bytes, step after step."""
+@pytest.mark.parametrize("k_scale", [None, 0.02])
+def test_gqla_layer_decode_step_over_an_fp8_cache_under_torch_compile(k_scale):
+    """A decode step of the absorb layer over an FP8 latent cache (quantise on append, then ``mla_decode``; FlashMLA's
+    layout or scaled per tensor) traced by ``torch.compile(fullgraph=True)``: the eager step's output bits and the
+    same cache bytes, step after step."""
     dims = dict(hidden=64, num_heads=16, head_dim=16, rope_dim=64, kv_rank=512)
     gg = gen(7)
     layer = make_layer(7, g=1, dtype=QDT, dims=dims, path="absorb")
-    cache = layer.make_cache(3, 64, path="absorb", page_size=PAGE[0], dtype=torch.float8_e4m3fn)
+    cache = layer.make_cache(3, 64, path="absorb", page_size=PAGE[0], dtype=torch.float8_e4m3fn, k_scale=k_scale)
     with torch.no_grad():
         for s, n in ((0, 13), (1, 17)):
             layer(randn((1, n, 64), gg, dtype=QDT), None, cache, seq_ids=[s])

@@ -60,6 +60,10 @@ _INDEX_CACHE_SIZE = 64  # slot-index tensors kept per cache (one per distinct tu
 _MISSING = object()
 
 
+_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+_SCALED_COMPUTE = (torch.bfloat16, torch.float16, torch.float32)  # the q dtypes a cache scaled per tensor serves
+
+
 def _is_int(v) -> bool:
     """An int (not a bool) within int32, the kernels' size type."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and abs(v) <= INT32_MAX
@@ -477,21 +481,31 @@ class LatentCache(PagedCache):
     """Absorb-path cache: ``kv [num_pages + 1, page_size, 1, kv_rank + rope_dim]`` (latent, then rope key; the
     last page is the scratch page). ``dtype=torch.float8_e4m3fn``: FlashMLA's FP8 latent layout (``kv_rank`` 512,
     ``rope_dim`` 64; ``kv [..., 656]`` float8_e4m3fn rows, ``ops/mla/fp8.py``), quantised on append; queries then
-    run in ``compute_dtype`` (bf16, or float32: exact and slow). Other arguments as ``PagedCache``."""
+    run in ``compute_dtype`` (bf16, or float32: exact and slow). With ``k_scale`` (a positive finite number) it is
+    instead one e4m3 value per channel scaled per tensor (vLLM's ``kv_cache_dtype="fp8"``; any ``kv_rank`` /
+    ``rope_dim``): a row is stored as ``row / k_scale`` saturated to ±448 (NaN kept) and reads back as
+    ``e4m3 · k_scale`` (``k_descale``, float32 ``[1]``); queries run in ``compute_dtype`` (bf16, fp16 or float32).
+    Other arguments as ``PagedCache``."""
 
     def __init__(self, max_batch: int, max_seqlen: int, kv_rank: int, rope_dim: int, *, page_size: int = 64,
                  num_pages: int | None = None, dtype=torch.bfloat16, device=None, auto_reserve: bool = True,
-                 compute_dtype=None):
+                 compute_dtype=None, k_scale=None):
         if not _is_int(kv_rank) or not _is_int(rope_dim) or kv_rank <= 0 or rope_dim < 0:
             raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
         check_float_dtype(dtype, optional=False)
-        fp8 = dtype == torch.float8_e4m3fn
-        if dtype.itemsize == 1 and not fp8:
+        scaled = k_scale is not None
+        fp8 = dtype == torch.float8_e4m3fn and not scaled
+        if dtype.itemsize == 1 and dtype != torch.float8_e4m3fn:
             raise TypeError(f"dtype: the one 8-bit cache is FlashMLA's FP8 layout (torch.float8_e4m3fn), got {dtype}")
+        if scaled and (dtype != torch.float8_e4m3fn or isinstance(k_scale, bool)
+                       or not isinstance(k_scale, numbers.Real) or not 0 < float(k_scale) < math.inf):
+            raise ValueError(f"k_scale: the scale of a float8_e4m3fn cache (dtype=torch.float8_e4m3fn), a positive "
+                             f"finite number; got {k_scale!r} for dtype {dtype}")
         if fp8 and (kv_rank, rope_dim) != (FP8_LATENT, FP8_ROPE):
             raise ValueError(f"kv_rank/rope_dim: the FP8 latent layout holds {FP8_LATENT} latent + {FP8_ROPE} rope "
-                             f"values per token, got {kv_rank}/{rope_dim}")
-        allowed = (torch.bfloat16, torch.float32) if fp8 else (dtype,)
+                             f"values per token, got {kv_rank}/{rope_dim} (k_scale: a cache scaled per tensor holds "
+                             "any widths)")
+        allowed = (torch.bfloat16, torch.float32) if fp8 else _SCALED_COMPUTE if scaled else (dtype,)
         if compute_dtype is not None and compute_dtype not in allowed:
             raise ValueError(f"compute_dtype: expected None or one of {allowed} for a {dtype} cache, got "
                              f"{compute_dtype!r}")
@@ -500,6 +514,9 @@ class LatentCache(PagedCache):
         self.kv_rank, self.rope_dim, self.dtype = int(kv_rank), int(rope_dim), dtype
         self.fp8 = fp8
         self.compute_dtype = compute_dtype or allowed[0]
+        self.k_scale = float(k_scale) if scaled else None
+        # the kernels' k_descale (None: no per-tensor scale)
+        self.k_descale = torch.full((1,), self.k_scale, dtype=torch.float32, device=self.device) if scaled else None
         width = FP8_ROW_BYTES if fp8 else self.kv_rank + self.rope_dim
         self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, width, dtype=dtype, device=self.device)
 
@@ -528,6 +545,10 @@ class LatentCache(PagedCache):
         if self.fp8:  # the rows as bytes (index_copy_ takes uint8 on every device)
             val = quantize_latent_fp8(val).view(torch.uint8).reshape(-1, FP8_ROW_BYTES)
             dst = self.kv.view(torch.uint8).view(-1, FP8_ROW_BYTES)
+        elif self.k_scale is not None:
+            D = self.kv_rank + self.rope_dim
+            val = (val.to(torch.float32) / self.k_scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(self.dtype)
+            val, dst = val.view(torch.uint8).reshape(-1, D), self.kv.view(torch.uint8).view(-1, D)
         else:
             D = self.kv_rank + self.rope_dim
             val, dst = val.to(self.dtype).reshape(-1, D), self.kv.view(-1, D)
@@ -539,13 +560,19 @@ class LatentCache(PagedCache):
         s = self._slot(seq_id)
         L = int(self.cache_seqlens[s])
         pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
-        flat = self.kv[pages, :, 0].reshape(-1, self.kv.shape[-1])[:L]
-        if self.fp8:
-            flat = dequantize_latent_fp8(flat, torch.float32).to(self.compute_dtype)
+        flat = self._dequantized(self.kv[pages, :, 0].reshape(-1, self.kv.shape[-1])[:L]).to(self.compute_dtype)
         return flat[:, : self.kv_rank], flat[:, self.kv_rank:]
 
+    def _dequantized(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cache rows ``[..., width]`` as the values they hold: an FP8 cache's dequantised (float32), else a view."""
+        if self.fp8:
+            return dequantize_latent_fp8(rows, torch.float32)
+        if self.k_scale is not None:
+            return rows.to(torch.float32) * self.k_scale
+        return rows
+
     def latent_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The rows of pages ``[start, stop)`` as ``[pages, page_size, kv_rank + rope_dim]``: a view, or an FP8
+        """The rows of pages ``[start, stop)`` as ``[pages, page_size, kv_rank + rope_dim]``: a view, or an 8-bit
         cache's rows dequantised (float32). ``start`` / ``stop``: ints in ``[0, num_pages + 1]`` (the scratch page
         is the last), ``stop`` None for the end."""
         P = self.kv.shape[0]
@@ -553,8 +580,7 @@ class LatentCache(PagedCache):
             raise ValueError(f"start: expected an int in [0, {P}], got {start!r}")
         if stop is not None and (not _is_int(stop) or not 0 <= stop <= P):
             raise ValueError(f"stop: expected None or an int in [0, {P}], got {stop!r}")
-        rows = self.kv[start:stop, :, 0]
-        return dequantize_latent_fp8(rows, torch.float32) if self.fp8 else rows
+        return self._dequantized(self.kv[start:stop, :, 0])
 
 
 class GroupedCache(PagedCache):

@@ -171,10 +171,11 @@ class GQLAttention(nn.Module):
         return choose_decode_path(self.layer_shape, s_q, info, batch=batch, seqlen=seqlen, override=override)
 
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
-                   num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True):
+                   num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True,
+                   k_scale=None):
         """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch.
-        ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only). ``auto_reserve``: see
-        ``PagedCache``."""
+        ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only); with ``k_scale`` the float8 cache
+        scaled per tensor (``LatentCache``). ``auto_reserve``: see ``PagedCache``."""
         path = path or self.path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
@@ -186,11 +187,16 @@ class GQLAttention(nn.Module):
         if path == "auto":
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
         if path == "absorb":
-            # an FP8 latent cache computes in the layer's dtype where it can (bf16, or fp32 exact)
-            compute = w.dtype if dtype == torch.float8_e4m3fn and w.dtype in (torch.bfloat16, torch.float32) else None
+            # an FP8 latent cache computes in the layer's dtype where it can (bf16, or fp32 exact; fp16 too scaled
+            # per tensor)
+            served = (torch.bfloat16, torch.float32) + ((torch.float16,) if k_scale is not None else ())
+            compute = w.dtype if dtype == torch.float8_e4m3fn and w.dtype in served else None
             return LatentCache(max_batch, max_seqlen, self.kv_rank, self.rope_dim, page_size=page_size,
                                num_pages=num_pages, dtype=dtype, device=device, auto_reserve=auto_reserve,
-                               compute_dtype=compute)
+                               compute_dtype=compute, k_scale=k_scale)
+        if k_scale is not None:
+            raise ValueError("k_scale: scales the absorb path's float8 latent cache (path='absorb'); the grouped "
+                             "cache has no 8-bit layout")
         return GroupedCache(max_batch, max_seqlen, self.num_groups, self.head_dim, self.rope_dim, self.v_head_dim,
                             page_size=page_size, num_pages=num_pages, dtype=dtype, device=device,
                             auto_reserve=auto_reserve)
@@ -389,15 +395,16 @@ class GQLAttention(nn.Module):
             w_uk, w_uv = self.w_uk_uv()
             q = absorb_q(q, w_uk, cos_sin, head_dim=dh, out_dtype=cache.compute_dtype)
             scale, impl, causal, splits = mla._validate(q, cache.kv, bt, sl, r, self.softmax_scale, True, indices,
-                                                        topk_length, 0, self.impl)
+                                                        topk_length, 0, self.impl, None, cache.k_descale)
             if impl == "gluon":
-                mla._use_gluon(impl, q, cache.kv, r, indices is not None)
+                mla._use_gluon(impl, q, cache.kv, r, indices is not None, cache.k_descale is not None)
             cache._append(ids, c, k_rope, idx)
             if idx is not None:
                 bt, sl = cache._rows(idx, B)
             fn = (mla._mla_decode_op if requires_grad(q, cache.kv)
                   else route(mla._mla_decode_op, mla.mla_decode_fwd))
-            out, _ = fn(q, cache.kv, bt, sl, r, scale, causal, indices, topk_length, splits, impl)
+            out, _ = fn(q, cache.kv, bt, sl, r, scale, causal, indices, topk_length, splits, impl, None,
+                        cache.k_descale)
             return absorb_o(out, w_uv)
         k_nope, v = self._expand(c)
         q = grouped_q(q, cos_sin, head_dim=dh, out_dtype=cache.dtype)
@@ -425,7 +432,7 @@ class GQLAttention(nn.Module):
         q = torch.cat([q_lat, q_rope], -1).to(cache.compute_dtype).contiguous()
         # every check of the attention op (on the tables' shapes) before the cache is written
         mla._validate(q, cache.kv, cache.block_table[:B], cache.cache_seqlens[:B], r, self.softmax_scale, True,
-                      indices, topk_length, 0, self.impl)
+                      indices, topk_length, 0, self.impl, None, cache.k_descale)
         cache._append(ids, c, k_rope, idx)
         out = latent_cache_attention(q, cache, ids, r, self.softmax_scale, indices, topk_length)
         out = out.to(w_uv.dtype).reshape(B, T, g, h // g, r)
