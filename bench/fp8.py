@@ -9,6 +9,12 @@ page 64). Every row is a CUDA-graph time (``ms``: one call inside a graph of 20)
   use_legacy=True)``) over the same FP8 bytes; ``flash_mla``: its bf16 kernel over ``kv`` (sparse:
   ``flash_mla_sparse_fwd``; dense: the legacy SM90 kernel). FlashMLA has no dense kernel for these rows.
 
+Dense workloads also time the cache scaled per tensor (vLLM's ``kv_cache_dtype="fp8"``): ``gqla_triton_fp8_scaled``,
+``mla_decode(q8, kv8s, ..., q_descale=, k_descale=)`` over ``kv / s`` and ``q / s_q`` in e4m3 (one scale each, the
+amax over 448), and ``flash_mla_fp8_scaled``, FlashMLA's dense FP8 kernel (``flash_mla_with_kvcache(...,
+is_fp8_kvcache=True, use_legacy=True, descale_q=, descale_k=)``, its metadata from ``get_mla_decoding_metadata``)
+over the same bytes.
+
 Each FP8 row carries ``rel_err_vs_bf16``: ``|o_fp8 - o_bf16| / |o_bf16|`` (Frobenius) against the same library's
 bf16 output; ``gqla_triton_fp8`` rows also carry ``rel_diff_vs_flash_mla_fp8`` (both read the same bytes, so this
 checks the layout and the dequantisation, not the quantiser).
@@ -51,6 +57,25 @@ def _flash_mla_fp8(fm, q, kv8, bt, idx, scale):
     def f():
         return fm.flash_mla_with_kvcache(q, kv8, None, None, R, meta, softmax_scale=scale, is_fp8_kvcache=True,
                                          indices=phys, use_legacy=True)
+    f()
+    return f
+
+
+def _per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in float8_e4m3fn scaled per tensor (amax / 448) and its float32 ``[1]`` descale."""
+    d = (x.float().abs().amax() / 448).clamp(min=1e-12).reshape(1)
+    return (x.float() / d).clamp(-448, 448).to(torch.float8_e4m3fn), d
+
+
+def _flash_mla_fp8_scaled(fm, q8, kv8s, bt, lens, qd, kd, scale):
+    B, s_q, h_q = q8.shape[:3]
+    meta = fm.get_mla_metadata()[0]
+    meta.tile_scheduler_metadata, meta.num_splits = fm.get_mla_decoding_metadata(
+        lens, s_q * h_q, 1, is_fp8_kvcache=True, use_legacy=True)
+
+    def f():
+        return fm.flash_mla_with_kvcache(q8, kv8s, bt, lens, R, meta, softmax_scale=scale, causal=True,
+                                         is_fp8_kvcache=True, use_legacy=True, descale_q=qd, descale_k=kd)
     f()
     return f
 
@@ -98,17 +123,36 @@ def run(names, ctx, anchors=True):
                 ctx.row("fp8", name, "flash_mla", _graph(f"{name} flash_mla", fn), flops=m16.flops, nbytes=m16.bytes)
             except Exception as e:
                 print(f"[bench.fp8] {name}: flash_mla failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        if not topk:  # the cache scaled per tensor: ours and FlashMLA's dense FP8 kernel over the same bytes
+            (q8, qd), (kv8s, kd) = _per_tensor(q), _per_tensor(kv)
+            bs = m16.bytes - tokens * (R + DR) * 2 + tokens * (R + DR)
+            runs = [("gqla_triton_fp8_scaled", lambda: lambda: gq.mla_decode(
+                q8, kv8s, bt, lens, R, scale, causal=True, q_descale=qd, k_descale=kd))]
+            if fm is not None:
+                runs.append(("flash_mla_fp8_scaled", lambda: _flash_mla_fp8_scaled(fm, q8, kv8s, bt, lens, qd, kd,
+                                                                                   scale)))
+            for impl, build in runs:
+                try:
+                    fn = build()
+                    outs[impl] = fn()[0]
+                    ms = _graph(f"{name} {impl}", fn)
+                except Exception as e:  # recorded, never fatal
+                    print(f"[bench.fp8] {name}: {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
+                ctx.row("fp8", name, impl, ms, flops=m16.flops, nbytes=bs)
         for r in ctx.rows:
             if r["workload"] != name or r["op"] != "fp8":
                 continue
-            base = {"gqla_triton_fp8": "gqla_triton", "flash_mla_fp8": "flash_mla"}.get(r["impl"])
+            base = {"gqla_triton_fp8": "gqla_triton", "flash_mla_fp8": "flash_mla",
+                    "gqla_triton_fp8_scaled": "gqla_triton"}.get(r["impl"])
             if base in outs and r["impl"] in outs:
                 r["rel_err_vs_bf16"] = _rel(outs[r["impl"]], outs[base])
-            if r["impl"] == "gqla_triton_fp8" and "flash_mla_fp8" in outs and r["impl"] in outs:
-                r["rel_diff_vs_flash_mla_fp8"] = _rel(outs[r["impl"]], outs["flash_mla_fp8"])
+            twin = {"gqla_triton_fp8": "flash_mla_fp8", "gqla_triton_fp8_scaled": "flash_mla_fp8_scaled"}.get(r["impl"])
+            if twin in outs and r["impl"] in outs:
+                r["rel_diff_vs_flash_mla_fp8"] = _rel(outs[r["impl"]], outs[twin])
             errs = {k: round(r[k], 5) for k in ("rel_err_vs_bf16", "rel_diff_vs_flash_mla_fp8") if k in r}
             if errs:
                 print(f"[fp8] {name} {r['impl']} {errs}", flush=True)
-        q = kv = kv8 = bt = lens = idx = None
+        q = kv = kv8 = bt = lens = idx = q8 = kv8s = None
         outs.clear()
         torch.cuda.empty_cache()
