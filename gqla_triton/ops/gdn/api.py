@@ -291,7 +291,8 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
     return o.to(v.dtype), ht
 
 
-def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int, impl: str) -> tuple[int, str]:
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int,
+                 impl: str) -> tuple[int, torch.device]:
     """The checks of the chunked op's tensors every entry point shares (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
     g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims and chunk size the kernels
     take); initial_state only joins the device check. Returns (N, the device)."""
