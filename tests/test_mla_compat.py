@@ -146,7 +146,7 @@ def test_refusals_change_no_state():
         (ValueError, "attn_sink", dict(indices=idx, attn_sink=torch.zeros(15, device=P.device))),
         (TypeError, "causal", dict(causal="yes")),
         (TypeError, "indices", dict(indices=idx.long())),
-        (ValueError, "kv_format: must be None", dict(kv_format="v32")),
+        (ValueError, "^kv_format: expected None or one of", dict(kv_format="v32")),
         (ValueError, "^descale_q: given without descale_k", dict(descale_q=torch.ones(1, device=P.device))),
         (ValueError, "^descale_k: scales a float8_e4m3fn cache", dict(descale_k=torch.ones(1, device=P.device))),
         (ValueError, "^descale_q / descale_k: the dense FP8 path",
@@ -264,6 +264,78 @@ def test_model1_fp8_sparse_with_extra_cache(B, s_q, pages, use_len, seed):
     lo, ll = _flashmla_ref(q, lo_scopes, D**-0.5, D, sink, p_dtype=qdt)
     assert_close("out", out, ro, lo, dtype=qdt, factor=3.0)  # two caches merged: one more rounding of out
     assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if qdt == torch.float32 else 1e-4)
+
+
+_LAYOUT_CASES = {  # (k_cache layout, extra_k_cache layout or None, FlashMLA keywords)
+    "V41 + fp4 extra, named": ("v41", "v41_fp4", dict(kv_format="V41")),
+    "V41 + fp4 extra, by width": ("v41", "v41_fp4", {}),
+    "V41 + V41 extra": ("v41", "v41", dict(kv_format="V41", use_legacy=True)),
+    "V32_NO_ROPE, legacy": ("v32_no_rope", "v32_no_rope", dict(use_legacy=True)),
+    "V32_NO_ROPE, named": ("v32_no_rope", None, dict(kv_format="V32_NO_ROPE")),
+    "V4, named": ("model1", None, dict(kv_format="V4")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LAYOUT_CASES))
+@settings(max_examples=examples(1, 4), deadline=None)
+@given(B=st.integers(1, 2), s_q=st.integers(1, 2),
+       pages=st.sampled_from([(2, 61), (64, 2), (61, 16)]), use_len=st.booleans(), seed=seeds())
+def test_v41_and_no_rope_layouts_through_flash_mla(case, B, s_q, pages, use_len, seed):
+    """sgl-flash-mla's layouts of d_qk 512: V4.1 FP8 pages with a V4.1 fp4 (or V4.1) extra cache, V3.2 rows
+    without rope and V4 pages, told by ``kv_format`` or, for 528 bytes per token, by ``use_legacy`` (V3.2 without
+    rope there, V4.1 otherwise): FlashMLA's definition over the dequantised caches."""
+    layout, extra_layout, kw = _LAYOUT_CASES[case]
+    g = gen(seed)
+    h_q, D = HEADS[0], 512
+    qdt = torch.bfloat16 if P.big else torch.float32
+    (p1, p2) = pages
+
+    def cache(lay, n, page):
+        return gq.quantize_latent_fp8(randn((n, page, 1, D), g, device="cpu"), layout=lay).to(P.device)
+
+    kv8 = cache(layout, 5, p1)
+    idx = _rows(g, B, s_q, 40, 5 * p1)
+    length = torch.randint(0, 41, (B,), generator=g).int().to(P.device) if use_len else None
+    sink = (randn((h_q,), g) * 2).float().to(P.device)
+    q = randn((B, s_q, h_q, D), g, dtype=qdt)
+    scopes = [(gq.dequantize_latent_fp8(kv8, torch.float64, kv_format=layout), idx, length)]
+    extra = {}
+    if extra_layout is not None:
+        kv28 = cache(extra_layout, 3, p2)
+        idx2 = _rows(g, B, s_q, 24, 3 * p2)
+        length2 = torch.randint(0, 25, (B,), generator=g).int().to(P.device) if use_len else None
+        extra = dict(extra_k_cache=kv28, extra_indices_in_kvcache=idx2, extra_topk_length=length2)
+        scopes.append((gq.dequantize_latent_fp8(kv28, torch.float64, kv_format=extra_layout), idx2, length2))
+    meta, _ = gq.get_mla_metadata()
+    out, lse = gq.flash_mla_with_kvcache(q, kv8, None, None, D, meta, is_fp8_kvcache=True, indices=idx,
+                                         topk_length=length, attn_sink=sink, **extra, **kw)
+    ro, rl = _flashmla_ref(q, scopes, D**-0.5, D, sink)
+    lo_scopes = [(d.to(qdt), i, n) for d, i, n in scopes]
+    lo, ll = _flashmla_ref(q, lo_scopes, D**-0.5, D, sink, p_dtype=qdt)
+    assert_close("out", out, ro, lo, dtype=qdt, factor=3.0)
+    assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if qdt == torch.float32 else 1e-4)
+
+
+def test_kv_format_refusals_change_no_state():
+    """``kv_format`` takes FlashMLA's names of k_cache's layout, of its width, for a quantised cache only; a refused
+    call leaves the metadata unset."""
+    g = gen(2)
+    q = randn((1, 1, 16, 512), g, dtype=torch.bfloat16 if P.big else torch.float32)
+    v41 = gq.quantize_latent_fp8(randn((2, 16, 1, 512), g, device="cpu"), layout="v41").to(P.device)
+    idx = _rows(g, 1, 1, 8, 32)
+    meta, _ = gq.get_mla_metadata()
+    for bad, cache, match in (("v41", v41, "expected None or one of"), ("V4", v41, "'V4' is a layout of 584 bytes"),
+                              ("V41", v41.view(torch.uint8)[..., :512].contiguous().float().to(q.dtype),
+                               "names the layout of a quantised k_cache"),
+                              (41, v41, "expected None or one of")):
+        with pytest.raises(ValueError, match=f"^kv_format: {match}"):
+            gq.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=idx, kv_format=bad)
+        assert not meta.have_initialized and meta.config is None
+    fp4 = gq.quantize_latent_fp8(randn((2, 16, 1, 512), g, device="cpu"), layout="v41_fp4").to(P.device)
+    with pytest.raises(ValueError, match="^extra_k_cache / .*kv_cache: a torch.float8_e4m3fn cache holds"):
+        gq.flash_mla_with_kvcache(q, v41, None, None, 512, meta, indices=idx, kv_format="V41",
+                                  extra_k_cache=fp4[..., :200], extra_indices_in_kvcache=idx)
+    assert not meta.have_initialized
 
 
 @pytest.mark.gpu_only

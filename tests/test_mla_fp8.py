@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from harness import P, assert_close, examples, gen, pick, randn, seeds
+from harness import P, assert_close, assert_matches, examples, gen, pick, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_adversarial_decode import run_op
@@ -16,7 +16,7 @@ from test_gqla_layer import make_layer
 
 from gqla_triton.layers.cache import GroupedCache, LatentCache
 from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
-from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES, M1_ROW_BYTES, M1_TOKEN_BYTES
+from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES, M1_ROW_BYTES, M1_TOKEN_BYTES, PAGED, ROW_BYTES, _e2m1_codes
 from gqla_triton.testing import gqla_reference
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -203,8 +203,11 @@ def test_which_fp8_caches_the_gluon_kernel_takes():
     assert "16-byte" in gluon_unsupported(q, padded, 512)  # 660-byte rows: the scales aligned, the rope not
     assert "16-byte" in gluon_unsupported(q, raw[4:].as_strided(kv8.shape, kv8.stride()), 512)
     assert "kv_cache dtype" in gluon_unsupported(q, torch.zeros(3, 64, 1, 576, dtype=torch.float16), 512)
-    m1 = quantize_latent_fp8(torch.zeros(2, 64, 1, 512), layout="model1")
-    assert "MODEL1" in gluon_unsupported(q[..., :512], m1, 512)
+    for layout in ("model1", "v41", "v41_fp4"):
+        paged = quantize_latent_fp8(torch.zeros(2, 64, 1, 512), layout=layout)
+        assert f"{layout} layout" in gluon_unsupported(q[..., :512], paged, 512, layout)
+    no_rope = quantize_latent_fp8(torch.zeros(2, 64, 1, 512), layout="v32_no_rope")
+    assert "v32_no_rope layout" in gluon_unsupported(q[..., :512], no_rope, 512)
 
 
 # ---------------------------------------------------------------------------------------------- MODEL1 pages
@@ -286,7 +289,7 @@ def test_model1_refusals_name_the_argument():
     with pytest.raises(TypeError, match="q: with an FP8"):
         mla_decode(q.half(), kv8, bt, lens, 512, indices=idx)
     swapped = kv8.view(torch.uint8).transpose(0, 1)  # not each page's bytes in order
-    with pytest.raises(ValueError, match="kv_cache: MODEL1 pages are read in place"):
+    with pytest.raises(ValueError, match="kv_cache: FlashMLA's MODEL1 FP8 pages .* are read in place"):
         mla_decode(q, swapped, bt, lens, 512, indices=idx)
     raw = torch.zeros(2 * 16 * M1_ROW_BYTES + 1, dtype=torch.uint8, device=P.device)
     odd = raw[1:].view(2, 16, 1, M1_ROW_BYTES)
@@ -294,14 +297,231 @@ def test_model1_refusals_name_the_argument():
         mla_decode(q, odd, bt, lens, 512, indices=idx)
     with pytest.raises(ValueError, match="layout"):
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model2")
-    with pytest.raises(ValueError, match="MODEL1 layout quantises pages"):
+    with pytest.raises(ValueError, match="the model1 layout quantises pages"):
         quantize_latent_fp8(torch.zeros(16, 512), layout="model1")
     with pytest.raises(ValueError, match="^layout"):
         quantize_latent_fp8(torch.zeros(2, 576), layout=["v32"])
     with pytest.raises(TypeError, match="^pow2_scales"):
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model1", pow2_scales="yes")
-    with pytest.raises(ValueError, match=r"^kv_cache: MODEL1 pages are \[num_pages, page_size, 1, 584\]"):
+    with pytest.raises(ValueError, match=r"^kv_cache: model1 pages are \[num_pages, page_size, 1, 584\]"):
         dequantize_latent_fp8(torch.zeros(2, 3, 2, M1_ROW_BYTES, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------- V4.1 pages, no rope
+def _page_regions(q8, layout):
+    """The tokens' data bytes ``[pages, page, token]`` and scale bytes ``[pages, page, scales]`` of a paged cache."""
+    lay = PAGED[layout]
+    pages, page = q8.shape[:2]
+    b = q8.contiguous().view(torch.uint8).reshape(pages, page * (lay.token + lay.scales))
+    return (b[:, :page * lay.token].reshape(pages, page, lay.token),
+            b[:, page * lay.token:].reshape(pages, page, lay.scales))
+
+
+def _paged_strides_ok(q8, layout, pages, page):
+    lay = PAGED[layout]
+    row = lay.token + lay.scales
+    padded = -(-page * row // lay.pad) * lay.pad
+    return (q8.shape == (pages, page, 1, row) and q8.stride(-1) == 1 and (pages == 1 or q8.stride(0) == padded)
+            and (page == 1 or q8.stride(1) == row))
+
+
+@settings(max_examples=examples(10, 10), deadline=None)
+@given(pages=st.integers(1, 3), page=st.sampled_from([1, 2, 61, 64]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=seeds())
+def test_v41_quantizer_layout_and_error_bound(pages, page, scale, seed):
+    """Per page: each token's 512 e4m3 values (rope channels too), then each token's 16 UE8M0 scales, one per 32
+    values; pages padded to a multiple of 512 bytes; the scale the least power of two at or above amax / 448; each
+    value within half an e4m3 step; an all-zero tile gives zeros, a NaN only its own tile."""
+    x = randn((pages, page, 1, 512), seed, scale=scale)
+    x[0, 0, 0, 32:64] = 0.0
+    if page > 1:
+        x[-1, 1, 0, 200] = float("nan")
+    q8 = quantize_latent_fp8(x, layout="v41")
+    assert _paged_strides_ok(q8, "v41", pages, page)
+    tok, e = _page_regions(q8, "v41")
+    vals = x[:, :, 0].double().reshape(pages, page, 16, 32)
+    finite = torch.isfinite(vals).all(-1)
+    sc = torch.exp2(e.double() - 127)
+    amax = vals.abs().amax(-1)
+    assert torch.all(~finite | (sc >= amax / 448) & ((sc <= 2 * amax / 448) | (amax == 0)))
+    assert torch.equal(e == 255, ~finite)
+    deq = dequantize_latent_fp8(q8, torch.float64, kv_format="v41")
+    assert deq.shape == (pages, page, 1, 512)
+    d = deq[:, :, 0].reshape(pages, page, 16, 32)
+    mine = tok.view(torch.float8_e4m3fn).double().reshape(pages, page, 16, 32) * sc[..., None]
+    assert torch.equal(d[finite], mine[finite])  # the scale tile of value i is i // 32
+    bound = torch.maximum(vals.abs() * 2**-4, sc[..., None] * 2**-10) * (1 + 1e-6)
+    assert torch.all(((d - vals).abs() <= bound)[finite])
+    assert torch.isnan(d[~finite]).all() and (deq[0, 0, 0, 32:64] == 0).all()
+
+
+def test_e2m1_rounds_to_nearest_even_and_saturates():
+    """The fp4 quantiser's rounding: the nearest e2m1 value, a tie to the even code, saturated at ±6, the sign
+    kept for -0; NaN gives code 0 (its tile's scale carries the NaN)."""
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, float("inf"), -0.25, -5.0, -100.0, 0.3, 2.6,
+                      float("nan"), -0.0, 6.0, 0.5])
+    want = torch.tensor([0, 2, 2, 4, 4, 6, 6, 7, 7, 8, 14, 15, 1, 5, 0, 8, 7, 1], dtype=torch.uint8)
+    assert torch.equal(_e2m1_codes(x), want)
+
+
+@settings(max_examples=examples(10, 10), deadline=None)
+@given(pages=st.integers(1, 3), page=st.sampled_from([1, 2, 61, 64]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=seeds())
+def test_v41_fp4_quantizer_layout_and_error_bound(pages, page, scale, seed):
+    """Per page: each token's 512 e2m1 values in 256 bytes (the even channel in the low nibble), then its 32 e4m3
+    scales amax / 6 (within [2^-9, 448]), one per 16 values; pages padded to a multiple of 512 bytes; each value
+    within half an e2m1 step of its scaled value (plus what saturation at ±6 cuts); a NaN poisons its tile's scale."""
+    x = randn((pages, page, 1, 512), seed, scale=scale)
+    x[0, 0, 0, 16:32] = 0.0
+    if page > 1:
+        x[-1, 1, 0, 200] = float("nan")
+    q8 = quantize_latent_fp8(x, layout="v41_fp4")
+    assert _paged_strides_ok(q8, "v41_fp4", pages, page)
+    tok, s = _page_regions(q8, "v41_fp4")
+    codes = torch.stack((tok & 15, tok >> 4), -1).reshape(pages, page, 512)
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)[(codes & 7).long()]
+    e2m1 = torch.where((codes & 8) != 0, -mags, mags).reshape(pages, page, 32, 16)
+    sc = s.view(torch.float8_e4m3fn).double()
+    vals = x[:, :, 0].double().reshape(pages, page, 32, 16)
+    finite = torch.isfinite(vals).all(-1)
+    amax = vals.abs().amax(-1)
+    want_sc = (amax / 6).clamp(2.0**-9, 448).float().to(torch.float8_e4m3fn).double()
+    assert torch.equal(sc[finite], want_sc[finite]) and torch.isnan(sc[~finite]).all()
+    deq = dequantize_latent_fp8(q8, torch.float64)
+    d = deq[:, :, 0].reshape(pages, page, 32, 16)
+    assert torch.equal(d[finite], (e2m1 * sc[..., None])[finite])
+    r = (vals / sc[..., None]).abs()
+    half = torch.where(r <= 2, 0.25, torch.where(r <= 4, 0.5, 1.0))
+    bound = sc[..., None] * (half + (r - 6).clamp(min=0)) * (1 + 1e-9)
+    assert torch.all(((d - vals).abs() <= bound)[finite])
+    assert torch.isnan(d[~finite]).all() and (deq[0, 0, 0, 16:32] == 0).all()
+
+
+def test_v32_no_rope_rows_are_the_v32_rows_without_rope():
+    """The 528-byte rows are the first 528 bytes of the 656-byte rows of the same latent values (and read back as
+    them); a 528-byte cache is that layout unless ``kv_format`` names V4.1."""
+    x = randn((3, 5, 576), 7, scale=3.0)
+    full = quantize_latent_fp8(x)
+    short = quantize_latent_fp8(x[..., :512], layout="v32_no_rope")
+    assert short.shape == (3, 5, ROW_BYTES["v32_no_rope"])
+    assert torch.equal(short.view(torch.uint8), full.view(torch.uint8)[..., :528])
+    assert torch.equal(dequantize_latent_fp8(short, torch.float64),
+                       dequantize_latent_fp8(full, torch.float64)[..., :512])
+    pages = quantize_latent_fp8(randn((2, 4, 1, 512), 8), layout="v41")
+    assert not torch.equal(dequantize_latent_fp8(pages, torch.float64).nan_to_num(),
+                           dequantize_latent_fp8(pages, torch.float64, kv_format="v41"))
+
+
+def _layout_case(seed, layout, B, s_q, h_q, page, *, nan_token=False):
+    """A cache of ``layout`` (pages of ``page`` tokens), its block table and lengths, q of the layout's width."""
+    g = gen(seed)
+    lens = torch.randint(0, MAXLEN + 1, (B,), generator=g)
+    max_pages = max(1, math.ceil(int(lens.max()) / page))
+    num_pages = B * max_pages + 2
+    bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
+    q = randn((B, s_q, h_q, 512), g, dtype=QDT)
+    if layout in PAGED:
+        kv = randn((num_pages, page, 1, 512), g)
+    else:
+        kv = randn((num_pages, page, 1, 512), g, scale=2.0)
+    if nan_token:  # one channel of one token of the first sequence's first page
+        kv[int(bt[0, 0]), 0, 0, int(torch.randint(0, 512, (1,), generator=g))] = float("nan")
+    return q, quantize_latent_fp8(kv, layout=layout).to(P.device), bt.to(P.device), lens.int().to(P.device), g
+
+
+@settings(max_examples=examples(6, 12), deadline=None)
+@given(layout=st.sampled_from(["v41", "v41_fp4", "v32_no_rope"]), B=st.integers(1, 3), s_q=st.integers(1, 2),
+       page=st.sampled_from([2, 16, 61]), topk=st.sampled_from([16, 40]), with_len=st.booleans(),
+       num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), named=st.booleans(), dense=st.booleans(),
+       seed=seeds())
+def test_v41_and_no_rope_layouts_vs_reference(layout, B, s_q, page, topk, with_len, num_splits, uint8, named, dense,
+                                              seed):
+    """Sparse top-k over V4.1 FP8 / fp4 pages and V3.2 rows without rope (dense too: per-token rows, pages of a
+    multiple of 16), against the float64 reference of the dequantised cache; junk indices ignored. A 528-byte cache
+    is read as V4.1 only where ``kv_format`` says so."""
+    dense = dense and layout == "v32_no_rope"
+    page = 16 if dense else page
+    q, kv8, bt, lens, g = _layout_case(seed, layout, B, s_q, HEADS[0], page)
+    fmt = layout if named or layout == "v41" else None
+    idx = None if dense else torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
+    tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len and not dense else None
+    cache = kv8.view(torch.uint8) if uint8 else kv8
+    out, lse = _call(q, cache, bt, lens, 512, indices=idx, topk_length=tl_, num_splits=num_splits, kv_format=fmt)
+    deq = dequantize_latent_fp8(kv8.cpu(), torch.float64, kv_format=layout)
+    ro, rl = mla_decode_ref(q, deq, bt, lens, 512, indices=idx, topk_length=tl_)
+    lo, ll = mla_decode_ref(q, deq.to(QDT), bt, lens, 512, indices=idx, topk_length=tl_, p_dtype=QDT)
+    assert_close("out", out, ro, lo, dtype=QDT)
+    assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if QDT == torch.float32 else 1e-4)
+    r2, l2 = mla_decode_ref(q, kv8, bt, lens, 512, indices=idx, topk_length=tl_, kv_format=fmt)  # the same layout
+    assert torch.equal(r2, ro) and torch.equal(l2, rl)
+
+
+@pytest.mark.parametrize("layout", ["v41", "v41_fp4", "v32_no_rope", "model1"])
+def test_nan_in_a_quantised_tile_reaches_only_the_queries_that_select_it(layout):
+    """A NaN value makes its tile's scale NaN: the token's key and value are NaN over that tile, and exactly the
+    queries whose rows select the token get NaN (others exact as the reference)."""
+    q, kv8, bt, lens, g = _layout_case(11, layout, 2, 2, HEADS[0], 16, nan_token=True)
+    lens = torch.full_like(lens, 40)
+    bad = int(bt[0, 0]) * 16  # the NaN token's physical row is page bt[0, 0], slot 0: logical position 0 of seq 0
+    idx = torch.randint(1, 40, (2, 2, 16), generator=g).int().to(P.device)
+    idx[0, 1, 3] = 0  # only query token 1 of sequence 0 selects position 0
+    fmt = "v41" if layout == "v41" else None
+    out, lse = _call(q, kv8, bt, lens, 512, indices=idx, kv_format=fmt)
+    deq = dequantize_latent_fp8(kv8.cpu(), torch.float64, kv_format=fmt)
+    assert torch.isnan(deq.reshape(-1, 512)[bad]).any()
+    ro, rl = mla_decode_ref(q, deq, bt, lens, 512, indices=idx)
+    lo, _ = mla_decode_ref(q, deq.to(QDT), bt, lens, 512, indices=idx, p_dtype=QDT)
+    assert torch.isnan(ro[0, 1]).all() and not torch.isnan(ro[0, 0]).any() and not torch.isnan(ro[1]).any()
+    assert_matches("out", out, ro, lo, dtype=QDT)
+    assert_matches("lse", lse, rl, rl, dtype=torch.float32, eps=1e-5 if QDT == torch.float32 else 1e-4)
+
+
+def test_layout_refusals_name_the_argument():
+    q, kv8, bt, lens, _ = _layout_case(3, "v41", 2, 1, 16, 16)
+    idx = torch.zeros(2, 1, 16, dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="^kv_format: expected None or one of"):
+        mla_decode(q, kv8, bt, lens, 512, indices=idx, kv_format="V41")  # FlashMLA's name belongs to compat
+    with pytest.raises(ValueError, match="^kv_format: expected None or one of"):
+        mla_decode(q, kv8, bt, lens, 512, indices=idx, kv_format=4)
+    with pytest.raises(ValueError, match="^kv_format: 'model1' is a layout of 584-byte rows"):
+        mla_decode(q, kv8, bt, lens, 512, indices=idx, kv_format="model1")
+    with pytest.raises(ValueError, match="^kv_format: names the layout"):
+        mla_decode(q, torch.zeros(4, 16, 1, 512, dtype=QDT, device=P.device), bt, lens, 512, indices=idx,
+                   kv_format="v41")
+    with pytest.raises(ValueError, match=r"V4.1 FP8 pages \(528 bytes per token\) are read by sparse calls only"):
+        mla_decode(q, kv8, bt, lens, 512, kv_format="v41")
+    with pytest.raises(ValueError, match="^q / head_dim_v: FlashMLA's V4.1 FP8 pages"):
+        mla_decode(q, kv8, bt, lens, 448, indices=idx, kv_format="v41")
+    with pytest.raises(ValueError, match="^q / head_dim_v: FlashMLA's V3.2 FP8 \\(no rope\\) rows"):
+        mla_decode(torch.zeros(2, 1, 16, 576, dtype=QDT, device=P.device), kv8, bt, lens, 512, indices=idx)
+    with pytest.raises(ValueError, match="are read in place"):
+        mla_decode(q, kv8.view(torch.uint8).transpose(0, 1), bt, lens, 512, indices=idx, kv_format="v41")
+    fp4 = quantize_latent_fp8(torch.zeros(4, 16, 1, 512), layout="v41_fp4").to(P.device)
+    with pytest.raises(ValueError, match="V4.1 fp4 pages .* sparse calls only"):
+        mla_decode(q, fp4, bt, lens, 512)
+    with pytest.raises(ValueError, match="^kv_cache: a torch.uint8 cache holds one of FlashMLA's quantised"):
+        mla_decode(q, torch.zeros(4, 16, 1, 530, dtype=torch.uint8, device=P.device), bt, lens, 512, indices=idx)
+    with pytest.raises(ValueError, match="the v41 layout quantises pages"):
+        quantize_latent_fp8(torch.zeros(16, 512), layout="v41")
+    with pytest.raises(ValueError, match="last dim of 512 .* v32_no_rope"):
+        quantize_latent_fp8(torch.zeros(2, 576), layout="v32_no_rope")
+    with pytest.raises(ValueError, match="^kv_format"):
+        dequantize_latent_fp8(kv8.cpu(), kv_format="V41")
+    with pytest.raises(ValueError, match=r"^kv_cache: expected rows of .* \(584 for 'model1'\)"):
+        dequantize_latent_fp8(kv8.cpu(), kv_format="model1")
+
+
+def test_v41_under_torch_compile_fullgraph():
+    """``kv_format`` crosses the custom op as a string: the traced call gives the eager bits."""
+    q, kv8, bt, lens, g = _layout_case(5, "v41", 2, 1, 16, 16)
+    idx = torch.randint(-3, MAXLEN + 8, (2, 1, 32), generator=g, dtype=torch.int32).to(P.device)
+
+    def f(q, kv, bt, lens, idx):
+        return mla_decode(q, kv, bt, lens, 512, indices=idx, kv_format="v41")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for a, b in zip(f(q, kv8, bt, lens, idx), compiled(q, kv8, bt, lens, idx), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_fp8_under_torch_compile_fullgraph():

@@ -32,17 +32,7 @@ from .._common.validation import (
     forward_only,
     requires_grad,
 )
-from .fp8 import (
-    FP8_DTYPES,
-    FP8_LATENT,
-    FP8_ROPE,
-    FP8_ROW_BYTES,
-    M1_NOPE,
-    M1_ROPE,
-    M1_ROW_BYTES,
-    fp8_layout,
-    is_fp8_latent,
-)
+from .fp8 import FP8_DTYPES, PAGED, ROW_BYTES, check_kv_format, fp8_layout, is_fp8_latent
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
 from .plan import config_key, plan
 from .reference import mla_decode_ref, mla_sparse_prefill_ref
@@ -55,18 +45,19 @@ _REFERENCE = "gqla_triton.ops.mla.reference.mla_decode_ref"
 _PREFILL_REFERENCE = "gqla_triton.ops.mla.reference.mla_sparse_prefill_ref"
 
 
-def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool,
-               scaled: bool = False) -> bool:
+def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool, scaled: bool,
+               layout: str | None) -> bool:
     """Whether ``impl`` runs the Gluon kernel: ``"gluon"`` always (ValueError where it cannot), ``"auto"`` where the
     inputs allow it and this GPU's table selects ``impl: "gluon"``. ``scaled``: a per-tensor scaled float8 cache
-    (``k_descale``), which the portable kernel reads."""
+    (``k_descale``), which the portable kernel reads; ``layout``: the cache's quantised layout (``fp8_layout``) or
+    None."""
     if impl == "triton":
         return False
     info = device_info(q)
     why = ("a float8 cache scaled per tensor (k_descale): the portable kernel reads it" if scaled
            else "the Triton interpreter runs no Gluon kernel" if info.interpreter
            else f"{info.name} is not a Hopper GPU (sm_90)" if info.capability[0] != 9
-           else gluon_unsupported(q, kv_cache, head_dim_v))
+           else gluon_unsupported(q, kv_cache, head_dim_v, layout))
     if impl == "gluon":
         if why is not None:
             raise ValueError(f"impl='gluon': the Gluon MLA kernel cannot run here: {why}")
@@ -78,25 +69,27 @@ def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: i
 def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
                    topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
-                   k_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_descale: torch.Tensor | None = None, kv_format: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
     Returns ``(out [B, s_q, h_q, head_dim_v] in out_dtype(q), lse [B, h_q, s_q] fp32)``."""
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                                topk_length, q_descale=q_descale, k_descale=k_descale)
+                                topk_length, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
         return o.to(device=q.device, dtype=out_dtype(q)), lse.to(device=q.device, dtype=torch.float32)
     scaled = k_descale is not None
     out_bf16 = q.dtype == torch.float8_e4m3fn
     if out_bf16:  # exact in fp16, which the dots then run in; out is bf16 (FlashMLA's)
         q = q.to(torch.float16)
-    if is_fp8_latent(kv_cache) and not scaled:
-        _check_fp8_offset(kv_cache)
+    layout = "e4m3" if scaled else fp8_layout(kv_cache, kv_format)
+    if layout in ROW_BYTES:
+        _check_fp8_offset(kv_cache, layout)
     block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
                                                                           topk_length)
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
-    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse, scaled)
+    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse, scaled, layout)
     p = plan(q, page_size, block_table.shape[1], head_dim_v, indices.shape[-1] if sparse else None, num_splits,
              "gluon" if gluon else "triton")
     S = p.num_splits
@@ -117,7 +110,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     else:
         mla_decode_triton(q, kv_cache, block_table, cache_seqlens, rows_src, topk_length, head_dim_v,
                           softmax_scale * _LOG2E, causal, sparse, p, out, lse, o_part, lse_part, q_descale=q_descale,
-                          k_descale=k_descale)
+                          k_descale=k_descale, layout=layout)
     if S > 1:
         combine_splits(o_part, lse_part, out, lse)
     return out, lse
@@ -132,14 +125,15 @@ def out_dtype(q: torch.Tensor) -> torch.dtype:
 def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
                    topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
-                   k_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_descale: torch.Tensor | None = None, kv_format: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, num_splits, impl, q_descale, k_descale)
+                          topk_length, num_splits, impl, q_descale, k_descale, kv_format)
 
 
 @_mla_decode_op.register_fake
 def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
-      impl, q_descale=None, k_descale=None):
+      impl, q_descale=None, k_descale=None, kv_format=None):
     B, s_q, h_q, _ = q.shape
     return q.new_empty(B, s_q, h_q, head_dim_v, dtype=out_dtype(q)), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
@@ -148,7 +142,7 @@ forward_only(_mla_decode_op, "mla_decode")
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-              num_splits, impl, q_descale=None, k_descale=None) -> tuple[float, str, bool, int]:
+              num_splits, impl, q_descale=None, k_descale=None, kv_format=None) -> tuple[float, str, bool, int]:
     """Every check of ``mla_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
     num_splits)`` as the kernels take them."""
     impl = check_impl(impl, op="mla_decode", gluon=True)
@@ -169,10 +163,14 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
+    if check_kv_format(kv_format) is not None and (not fp8 or scaled or q_descale is not None):
+        raise ValueError(f"kv_format: names the layout of one of FlashMLA's quantised caches (uint8 / float8_e4m3fn "
+                         f"rows with their own scales), got {kv_format!r} with a {kv_cache.dtype} cache"
+                         f"{' scaled per tensor (k_descale)' if scaled or q_descale is not None else ''}")
     if scaled or q_descale is not None:
         _check_descales(q, kv_cache, q_descale, k_descale)
     elif fp8:
-        _check_fp8(q, kv_cache, head_dim_v, indices is not None)
+        _check_fp8(q, kv_cache, head_dim_v, indices is not None, kv_format)
     elif kv_cache.shape[3] != D:
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
     if q.shape[2] == 0:
@@ -219,63 +217,61 @@ def _check_head_dim_v(head_dim_v, D: int) -> int:
     return int(head_dim_v)
 
 
-def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool) -> None:
-    """FlashMLA's FP8 layouts (``fp8.py``): 656-byte rows read as bytes, float32 scales and bf16 rope values, or
-    MODEL1 pages (sparse only)."""
-    if kv_cache.shape[3] == M1_ROW_BYTES:
-        _check_model1(q, kv_cache, head_dim_v, sparse)
-        return
-    if kv_cache.shape[3] != FP8_ROW_BYTES:
-        raise ValueError(f"kv_cache: a {kv_cache.dtype} cache holds FP8 latent rows of {FP8_ROW_BYTES} bytes (512 "
-                         f"float8_e4m3fn, 4 float32 scales, 64 bf16 rope values) or MODEL1 pages of {M1_ROW_BYTES} "
-                         f"bytes per token, got last dim {kv_cache.shape[3]}")
-    if q.shape[-1] != FP8_LATENT + FP8_ROPE or head_dim_v != FP8_LATENT:
-        raise ValueError(f"q / head_dim_v: an FP8 latent cache takes q of latent {FP8_LATENT} + rope {FP8_ROPE} = "
-                         f"{FP8_LATENT + FP8_ROPE} channels and head_dim_v {FP8_LATENT}, got q's last dim "
+# FlashMLA's names of the quantised layouts (fp8.py), and the alignment in bytes their in-place views need (float32
+# scales, bf16 rope values)
+_NAMES = {"v32": "V3.2 FP8", "v32_no_rope": "V3.2 FP8 (no rope)", "model1": "MODEL1 FP8", "v41": "V4.1 FP8",
+          "v41_fp4": "V4.1 fp4"}
+_ALIGN = {"v32": 4, "v32_no_rope": 4, "model1": 2, "v41": 1, "v41_fp4": 1}
+
+
+def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool, kv_format: str | None) -> None:
+    """FlashMLA's quantised layouts (``fp8.py``): rows read in place as bytes, float32 scales and bf16 rope values
+    (``v32``, ``v32_no_rope``; dense or sparse), or pages of token data then scales (sparse only)."""
+    layout = fp8_layout(kv_cache, kv_format)
+    if layout is None and kv_format is not None:
+        raise ValueError(f"kv_format: {kv_format!r} is a layout of {ROW_BYTES[kv_format]}-byte rows, got a kv_cache "
+                         f"of last dim {kv_cache.shape[3]}")
+    if layout is None:
+        widths = ", ".join(f"{w} ({name})" for name, w in ROW_BYTES.items())
+        raise ValueError(f"kv_cache: a {kv_cache.dtype} cache holds one of FlashMLA's quantised layouts, bytes per "
+                         f"token {widths}, got last dim {kv_cache.shape[3]}")
+    name = f"FlashMLA's {_NAMES[layout]} {'pages' if layout in PAGED else 'rows'} ({ROW_BYTES[layout]} bytes per token)"
+    D = 576 if layout == "v32" else 512
+    if q.shape[-1] != D or head_dim_v != 512:
+        raise ValueError(f"q / head_dim_v: {name} take q of {D} channels and head_dim_v 512, got q's last dim "
                          f"{q.shape[-1]} and head_dim_v {head_dim_v!r}")
     _check_fp8_q(q)
-    if any(st % 4 for st in kv_cache.stride()[:3]):
-        raise ValueError(f"kv_cache: FP8 rows are read with their float32 scales in place: the strides of the first "
+    num_pages, page = kv_cache.shape[:2]
+    if layout in PAGED:
+        if not sparse:
+            raise ValueError(f"kv_cache: {name} are read by sparse calls only (indices), as FlashMLA reads them")
+        if (page > 1 and kv_cache.stride(1) != ROW_BYTES[layout]) or (num_pages > 1
+                                                                     and kv_cache.stride(0) % _ALIGN[layout]):
+            raise ValueError(f"kv_cache: {name} are read in place: the view's elements must be each page's bytes in "
+                             f"order (strides (page stride, {ROW_BYTES[layout]}, *, 1), a page stride a multiple of "
+                             f"{_ALIGN[layout]}), got strides {list(kv_cache.stride())}")
+    elif any(st % 4 for st in kv_cache.stride()[:3]):
+        raise ValueError(f"kv_cache: {name} are read with their float32 scales in place: the strides of the first "
                          f"three dims must be multiples of 4 bytes, got strides {list(kv_cache.stride())}")
     if not torch.compiler.is_compiling():  # torch.compile cannot trace storage_offset(): the op's body checks it
-        _check_fp8_offset(kv_cache)
+        _check_fp8_offset(kv_cache, layout)
 
 
 def _check_fp8_q(q: torch.Tensor) -> None:
     if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-        raise TypeError(f"q: with an FP8 latent cache (bf16 rope values) q must be bfloat16 or float32 (float64 for "
-                        f"impl='reference'), got {q.dtype}")
+        raise TypeError(f"q: with an FP8 latent cache q must be bfloat16 or float32 (float64 for impl='reference'), "
+                        f"got {q.dtype}")
 
 
-def _check_model1(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool) -> None:
-    """FlashMLA's MODEL1 pages: 448 e4m3 + 64 bf16 values per token (key and value: D = head_dim_v = 512), UE8M0
-    scales in the page's second region; the view's elements must be each page's bytes in order."""
-    if not sparse:
-        raise ValueError("kv_cache: FlashMLA's MODEL1 FP8 pages (584 bytes per token) are read by sparse calls only "
-                         "(indices), as FlashMLA reads them")
-    D = M1_NOPE + M1_ROPE
-    if q.shape[-1] != D or head_dim_v != D:
-        raise ValueError(f"q / head_dim_v: FlashMLA's MODEL1 FP8 pages take q of {D} channels ({M1_NOPE} quantised + "
-                         f"{M1_ROPE} rope) and head_dim_v {D}, got q's last dim {q.shape[-1]} and head_dim_v {head_dim_v!r}")
-    _check_fp8_q(q)
-    num_pages, page = kv_cache.shape[:2]
-    if (page > 1 and kv_cache.stride(1) != M1_ROW_BYTES) or (num_pages > 1 and kv_cache.stride(0) % 2):
-        raise ValueError(f"kv_cache: MODEL1 pages are read in place: the view's elements must be each page's bytes "
-                         f"in order (strides (page stride, {M1_ROW_BYTES}, *, 1), an even page stride), got strides "
-                         f"{list(kv_cache.stride())}")
-    if not torch.compiler.is_compiling():
-        _check_fp8_offset(kv_cache)
-
-
-def _check_fp8_offset(kv_cache: torch.Tensor) -> None:
-    align = 2 if fp8_layout(kv_cache) == "model1" else 4  # bf16 rope values; float32 scales too
-    if kv_cache.storage_offset() % align:
+def _check_fp8_offset(kv_cache: torch.Tensor, layout: str) -> None:
+    if kv_cache.storage_offset() % _ALIGN[layout]:
         raise ValueError(f"kv_cache: FP8 rows are read with their scales and rope values in place: the storage offset "
-                         f"must be a multiple of {align} bytes, got {kv_cache.storage_offset()}")
+                         f"must be a multiple of {_ALIGN[layout]} bytes, got {kv_cache.storage_offset()}")
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
-               indices=None, topk_length=None, num_splits=0, *, impl="auto", q_descale=None, k_descale=None):
+               indices=None, topk_length=None, num_splits=0, *, impl="auto", q_descale=None, k_descale=None,
+               kv_format=None):
     """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
 
     Args:
@@ -284,8 +280,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16 (any size for sparse calls). Or
             FlashMLA's FP8 latent cache ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512
             e4m3 latent values, a float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q
-            bf16 (fp32 exact); ``quantize_latent_fp8`` writes it. Sparse calls also read FlashMLA's MODEL1 FP8 pages
-            ``[num_pages, page_size, 1, 584]`` (D = ``head_dim_v`` = 512; ``layout="model1"``). Or, with
+            bf16 (fp32 exact); ``quantize_latent_fp8`` writes it; or its 528-byte rows without rope (D = 512).
+            Sparse calls also read FlashMLA's paged layouts (D = ``head_dim_v`` = 512): MODEL1 FP8 pages ``[num_pages,
+            page_size, 1, 584]``, V4.1 FP8 pages ``[..., 528]`` (``kv_format="v41"``) and V4.1 fp4 pages ``[...,
+            288]``. Or, with
             ``k_descale``, a float8_e4m3fn cache ``[num_pages, page_size, 1, D]`` scaled per tensor (vLLM's
             ``kv_cache_dtype="fp8"``): key = ``k_descale · row``.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
@@ -311,6 +309,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             ``k_descale · Σ p·row[:head_dim_v]``, the dots over the exact e4m3 values. ``q_descale`` goes with a
             float8_e4m3fn q (out is then bfloat16, as FlashMLA's), and a bf16 / fp16 / fp32 q takes none. The
             portable kernel runs these calls (``impl="gluon"`` refuses them).
+        kv_format: the layout of a quantised cache (``fp8.KV_FORMATS``: ``"v32"``, ``"v32_no_rope"``,
+            ``"model1"``, ``"v41"``, ``"v41_fp4"``); None: told by the row width, 528 bytes being ``"v32_no_rope"``
+            (FlashMLA's rule: V3.2 without rope and V4.1 share that width).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
@@ -324,12 +325,13 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
     scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
-                                                causal, indices, topk_length, num_splits, impl, q_descale, k_descale)
+                                                causal, indices, topk_length, num_splits, impl, q_descale, k_descale,
+                                                kv_format)
     head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
     # inputs that require grad go through the custom op, whose backward raises (forward_only)
     fn = _mla_decode_op if requires_grad(q, kv_cache) else route(_mla_decode_op, mla_decode_fwd)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
-              impl, q_descale, k_descale)
+              impl, q_descale, k_descale, kv_format)
 
 
 class SparsePrefillOutput(NamedTuple):

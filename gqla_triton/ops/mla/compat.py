@@ -22,9 +22,13 @@ nothing, lse is ``+inf`` (and max_logits ``-inf``) for a query that sees no key,
 sgl-flash-mla's additions are taken too: ``get_mla_decoding_metadata`` (its two tensors are placeholders here, since
 the split plan comes from shapes), ``is_fp8_kvcache=None`` (told by the cache's dtype), ``enable_batch_invariant``
 (every call unsplit, so a sequence's result does not depend on the rest of its batch), ``use_legacy`` (one kernel
-family here: no effect), ``kv_format`` only at None (the layout is told by the row width), and its dense FP8 path:
+family here: it only tells a 528-byte cache's layout, as below), ``kv_format`` and its layouts, and its dense FP8 path:
 a float8_e4m3fn q and cache of 576 channels scaled per tensor by ``descale_q`` / ``descale_k`` (vLLM's
-``kv_cache_dtype="fp8"``), out in bfloat16.
+``kv_cache_dtype="fp8"``), out in bfloat16. The quantised layouts (``fp8.py``) are told by the row width: 656 bytes
+per token V3.2, 584 V4 (MODEL1), 288 V4.1 fp4, and 528 either V4.1 or V3.2 without rope, which ``kv_format`` ("V32",
+"V32_NO_ROPE", "V4", "V41", "V41_FP4") names; without it 528 bytes are V4.1 (sgl-flash-mla's current kernels) or,
+with ``use_legacy=True``, V3.2 without rope (its legacy kernels). ``extra_k_cache`` takes ``k_cache``'s layout where
+its width is that layout's, else the layout of its width (a V4.1 fp4 extra cache beside a V4.1 one).
 
 Beyond FlashMLA: sparse calls take a bf16 / fp16 cache as well as the FP8 one, dense calls the FP8 one as well as
 bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is; the sparse prefill takes any head count and width
@@ -40,12 +44,14 @@ import torch
 from .._common import combine_splits
 from .._common.validation import check_flag, check_scale, check_tensor
 from .api import mla_decode, mla_sparse_prefill
-from .fp8 import is_fp8_latent
+from .fp8 import ROW_BYTES, fp8_layout, is_fp8_latent
 
 __all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_decoding_metadata",
            "get_mla_metadata"]
 
 _LOG2E = 1.4426950408889634
+# FlashMLA's kv_format names -> fp8.py's layouts
+KV_FORMATS = {"V32": "v32", "V32_NO_ROPE": "v32_no_rope", "V4": "model1", "V41": "v41", "V41_FP4": "v41_fp4"}
 
 
 @dataclasses.dataclass
@@ -113,10 +119,31 @@ def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
     return table, torch.full((B,), num_blocks * page, dtype=torch.int32, device=device)
 
 
+def _layouts(k_cache, extra_k_cache, kv_format, use_legacy: bool) -> tuple[str | None, str | None]:
+    """The ``fp8.py`` layouts of the two caches (module docstring; None: not quantised, or told by the row width)."""
+    if kv_format is not None:
+        if not isinstance(kv_format, str) or kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format: expected None or one of {tuple(KV_FORMATS)}, got {kv_format!r}")
+        if not is_fp8_latent(k_cache):
+            raise ValueError(f"kv_format: names the layout of a quantised k_cache (uint8 / float8_e4m3fn), got "
+                             f"{kv_format!r} with a {k_cache.dtype} cache")
+        main = KV_FORMATS[kv_format]
+        if ROW_BYTES[main] != k_cache.shape[-1]:
+            raise ValueError(f"kv_format: {kv_format!r} is a layout of {ROW_BYTES[main]} bytes per token, got "
+                             f"k_cache of last dim {k_cache.shape[-1]}")
+    else:
+        main = "v41" if is_fp8_latent(k_cache) and k_cache.shape[-1] == ROW_BYTES["v41"] and not use_legacy else None
+    extra = None
+    if extra_k_cache is not None and is_fp8_latent(extra_k_cache):
+        like = main or fp8_layout(k_cache)
+        extra = like if like is not None and ROW_BYTES[like] == extra_k_cache.shape[-1] else None
+    return main, extra
+
+
 def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-               name: str, num_splits: int = 0, q_descale=None, k_descale=None):
+               name: str, num_splits: int = 0, q_descale=None, k_descale=None, kv_format=None):
     """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``; the
-    descales: the dense FP8 path's."""
+    descales: the dense FP8 path's; ``kv_format``: its ``fp8.py`` layout."""
     if k_cache.dim() != 4 or k_cache.shape[2] != 1:
         raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, head_dim] (one latent head), got "
                          f"{list(k_cache.shape)}")
@@ -127,11 +154,12 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
             raise ValueError("block_table and cache_seqlens: required without indices (dense attention)")
         try:
             return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                              num_splits=num_splits, q_descale=q_descale, k_descale=k_descale)
+                              num_splits=num_splits, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
         except (TypeError, ValueError) as e:  # FlashMLA's names of the descales
             raise type(e)(str(e).replace("q_descale", "descale_q").replace("k_descale", "descale_k")) from None
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
-    return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits)
+    return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits,
+                      kv_format=kv_format)
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
@@ -144,8 +172,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     Args:
         q: ``[B, s_q, h_q, 576]`` (512 latent + 64 rope; other ``mla_decode`` widths too).
         k_cache: ``[num_blocks, page_block_size, 1, 576]`` in q's dtype, or FlashMLA's FP8 layout
-            ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``), or (sparse, q of 512 channels)
-            its MODEL1 FP8 pages ``[num_blocks, page_block_size, 1, 584]``, or (dense, with ``descale_k``) a
+            ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``), or (q of 512 channels) its V3.2
+            rows without rope ``[..., 528]``, or (sparse, q of 512 channels) its V4 (MODEL1), V4.1 and V4.1 fp4
+            pages ``[..., 584 | 528 | 288]``, or (dense, with ``descale_k``) a
             float8_e4m3fn cache ``[num_blocks, page_block_size, 1, 576]`` scaled per tensor.
         block_table: ``[B, max_blocks]`` int32, or None with ``indices``.
         cache_seqlens: ``[B]`` int32, or None with ``indices``.
@@ -161,7 +190,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             extra_topk]`` (sparse only).
         topk_length: ``[B]`` int32: only the first ``topk_length[b]`` entries of each row count.
         enable_batch_invariant: every call unsplit (recorded in the metadata like the shapes).
-        use_legacy: no effect. kv_format: None only.
+        use_legacy: tells a 528-byte cache without ``kv_format`` (V3.2 without rope; else V4.1).
+        kv_format: FlashMLA's name of ``k_cache``'s layout ("V32", "V32_NO_ROPE", "V4", "V41", "V41_FP4") or None.
         descale_q, descale_k: float32 ``[1]`` (or ``[B]``) on q's device: the dense FP8 path, a float8_e4m3fn
             ``k_cache`` of q's width scaled per tensor (key = ``descale_k · row``) and a float8_e4m3fn q
             (``descale_q · q``; a bf16 q takes descale_k alone); ``mla_decode``'s ``q_descale`` / ``k_descale``.
@@ -177,10 +207,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     causal = check_flag("causal", causal)
     is_fp8 = is_fp8_latent(k_cache) if is_fp8_kvcache is None else check_flag("is_fp8_kvcache", is_fp8_kvcache)
     invariant = check_flag("enable_batch_invariant", enable_batch_invariant)
-    check_flag("use_legacy", use_legacy)
-    if kv_format is not None:
-        raise ValueError(f"kv_format: must be None (the FP8 layout is told by the cache's row width), got "
-                         f"{kv_format!r}")
+    legacy = check_flag("use_legacy", use_legacy)
     sparse = indices is not None
     if (descale_q is not None or descale_k is not None) and (sparse or extra_k_cache is not None):
         raise ValueError("descale_q / descale_k: the dense FP8 path's (a float8 cache scaled per tensor); sparse "
@@ -208,6 +235,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                              f"{'' if is_fp8_latent(cache) else 'not '}FlashMLA's FP8 layout ({cache.dtype}, "
                              f"last dim {cache.shape[-1]})")
     _check_sink(attn_sink, q.shape[2], q.device)
+    layout, extra_layout = _layouts(k_cache, extra_k_cache, kv_format, legacy)
     config = FlashMLASchedMeta.Config(
         q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8,
         indices.shape[-1] if sparse else None, extra_k_cache.shape[1] if extra else None,
@@ -216,11 +244,12 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
     splits = 1 if invariant else 0
     out, lse = _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, "k_cache", splits, descale_q, descale_k)
+                          topk_length, "k_cache", splits, descale_q, descale_k, layout)
     if extra:
         try:
             out2, lse2 = _one_cache(q, extra_k_cache, None, None, head_dim_v, softmax_scale, False,
-                                    extra_indices_in_kvcache, extra_topk_length, "extra_k_cache", splits)
+                                    extra_indices_in_kvcache, extra_topk_length, "extra_k_cache", splits,
+                                    kv_format=extra_layout)
         except (TypeError, ValueError) as e:  # mla_decode names its own arguments: say which cache they are
             raise type(e)(f"extra_k_cache / extra_indices_in_kvcache / extra_topk_length: {e}") from None
         merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)

@@ -625,12 +625,14 @@ def mla_decode_gluon_kernel(
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> str | None:
-    """Why the Gluon kernel cannot run these inputs (None when it can); the GPU itself is checked by the caller."""
+def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, layout: str | None = None) -> str | None:
+    """Why the Gluon kernel cannot run these inputs (None when it can); the GPU itself is checked by the caller.
+    ``layout``: the quantised cache's layout (``fp8_layout``; None: told by the row width)."""
     D = q.shape[-1]
     fp8 = is_fp8_latent(kv_cache)
-    if fp8_layout(kv_cache) == "model1":
-        return "FlashMLA's MODEL1 FP8 pages (the portable kernel reads them)"
+    layout = layout or fp8_layout(kv_cache)
+    if fp8 and layout != "v32":
+        return f"FlashMLA's {layout} layout (the Gluon kernel reads the 656-byte V3.2 rows; the portable kernel reads it)"
     if fp8 and q.dtype != torch.bfloat16:
         return f"q dtype {q.dtype} with an FP8 latent cache (bf16 only: its rope values are bf16)"
     if not fp8 and kv_cache.dtype != q.dtype:

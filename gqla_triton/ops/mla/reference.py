@@ -64,10 +64,11 @@ def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tenso
 
 
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
-                   indices=None, topk_length=None, *, q_descale=None, k_descale=None, p_dtype=None):
+                   indices=None, topk_length=None, *, q_descale=None, k_descale=None, kv_format=None, p_dtype=None):
     """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU.
 
-    ``kv_cache`` may be in the FP8 layout (``fp8.py``): the reference runs on its exact dequantised values. With
+    ``kv_cache`` may be in a quantised layout (``fp8.py``; ``kv_format`` names it, None: told by the row width): the
+    reference runs on its exact dequantised values. With
     ``k_descale`` (``[1]`` or ``[B]``) it is a float8_e4m3fn cache scaled per tensor: the scores are
     ``softmax_scale · q_descale · k_descale · (q·row)`` over the exact e4m3 values (``q_descale`` 1 where None) and
     out is ``k_descale · Σ p·row[:head_dim_v]``. ``p_dtype`` (tests only): round the probabilities and the output to
@@ -81,7 +82,7 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
         k_desc = k_descale.detach().double().cpu().expand(B)
         s_desc = k_desc * (q_descale.detach().double().cpu().expand(B) if q_descale is not None else 1.0)
     elif is_fp8_latent(kv_cache):
-        kv_cache = dequantize_latent_fp8(kv_cache.detach().cpu(), torch.float64)
+        kv_cache = dequantize_latent_fp8(kv_cache.detach().cpu(), torch.float64, kv_format=kv_format)
     kv_cache = kv_cache.detach().double().cpu()
     block_table = block_table.detach().long().cpu()
     seqlens = cache_seqlens.detach().long().cpu().clamp(min=0)

@@ -43,7 +43,7 @@ from .._common import (
 )
 from .._common.alloc import empty
 from .._common.paging import table_keys
-from .fp8 import M1_NOPE, M1_SCALES, M1_TILE, M1_TOKEN_BYTES, fp8_layout
+from .fp8 import M1_NOPE, PAGED
 from .plan import MLAPlan
 
 __all__ = ["mla_decode_fwd_kernel", "mla_decode_triton"]
@@ -94,15 +94,13 @@ def _descale(s, sdesc, DESCALE: tl.constexpr):
 
 
 # the kernel's FP8 argument: which of FlashMLA's layouts (fp8.py) the cache holds
-V32 = tl.constexpr(1)
+V32 = tl.constexpr(1)  # 656-byte rows, and the 528-byte rows without rope (DR = 0)
 MODEL1 = tl.constexpr(2)
 E4M3 = tl.constexpr(3)  # one e4m3 value per channel, scaled per tensor (k_descale)
-FP8_KINDS = {None: 0, "v32": 1, "model1": 2, "e4m3": 3}
-# MODEL1 pages (fp8.py): a token's values, their 64-value scale tiles, the bytes its scales take
-_M1_NOPE = tl.constexpr(M1_NOPE)
-_M1_TOKEN = tl.constexpr(M1_TOKEN_BYTES)
-_M1_TILE = tl.constexpr(M1_TILE)
-_M1_SCALE_BYTES = tl.constexpr(M1_SCALES + 1)
+V41 = tl.constexpr(4)
+FP4 = tl.constexpr(5)  # V4.1 fp4 pages
+FP8_KINDS = {None: 0, "v32": 1, "v32_no_rope": 1, "model1": 2, "e4m3": 3, "v41": 4, "v41_fp4": 5}
+_M1_NOPE = tl.constexpr(M1_NOPE)  # MODEL1: a token's e4m3 values, before its 64 bf16 rope values
 
 
 @triton.jit
@@ -114,6 +112,23 @@ def _e4m3(u):
 
 
 @triton.jit
+def _ue8m0(e):
+    """float32 ``2^(e - 127)`` of UE8M0 bytes ``e`` (int32; 255: NaN, 0: 2^-127, a float32 subnormal)."""
+    sc = (e << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == 255, float("nan"), tl.where(e == 0, 5.877471754111438e-39, sc))
+
+
+@triton.jit
+def _e2m1(c):
+    """float32 values of e2m1 codes ``c`` (int32, 0..15): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 by the three low
+    bits, bit 3 the sign."""
+    m = c & 7
+    e = m >> 1
+    mag = tl.where(e == 0, (m & 1).to(tl.float32) * 0.5, ((2 + (m & 1)) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
 def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: tl.constexpr,
           FP8: tl.constexpr):
     """``(k_lat [BLOCK_N, BDV], k_rope [BLOCK_N, BDR])`` in ``KDT`` of the cache rows at element offsets ``off``.
@@ -122,19 +137,18 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
     is a token's byte offset in its page's first region, ``sc_off`` that of its UE8M0 scales; channels 0..447 are
     e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part).
     FP8 3 (a cache scaled per tensor): every channel one e4m3 byte, unscaled (the descales multiply the scores and
-    the output)."""
+    the output). FP8 4 (V4.1 pages): 512 e4m3 values at ``off``, 16 UE8M0 scales (one per 32) at ``sc_off``. FP8 5
+    (V4.1 fp4 pages): 512 e2m1 values in 256 bytes at ``off`` (the even channel in the low nibble), 32 e4m3 scales
+    (one per 16) at ``sc_off``."""
     m2 = ok[:, None] & mv[None, :]
     mr2 = ok[:, None] & mr[None, :]
     if FP8 == MODEL1:
         nope = offs_v < _M1_NOPE
         x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=ok[:, None] & nope[None, :], other=0))
         # [BLOCK_N, 8] scale bytes (the 8th is padding: its channels take the rope values below)
-        e = tl.load(kv + sc_off[:, None] + tl.arange(0, _M1_SCALE_BYTES)[None, :], mask=ok[:, None],
-                    other=127).to(tl.int32)
-        sc = (e << 23).to(tl.float32, bitcast=True)
-        sc = tl.where(e == 255, float("nan"), tl.where(e == 0, 5.877471754111438e-39, sc))  # 2^-127 for e = 0
-        xt = tl.reshape(x, [x.shape[0], _M1_SCALE_BYTES, _M1_TILE])
-        deq = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV])
+        e = tl.load(kv + sc_off[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=127).to(tl.int32)
+        xt = tl.reshape(x, [x.shape[0], 8, 64])
+        deq = tl.reshape(xt * _ue8m0(e)[:, :, None], [x.shape[0], DV])
         rope = tl.load(kvr + (off // 2 + _M1_NOPE // 2)[:, None] + (offs_v - _M1_NOPE)[None, :],
                        mask=ok[:, None] & ~nope[None, :], other=0.0).to(tl.float32)
         k_lat = tl.where(nope[None, :], deq, rope).to(KDT)
@@ -147,6 +161,19 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
         xt = tl.reshape(x, [x.shape[0], DV // 128, 128])
         k_lat = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV]).to(KDT)
         k_rope = tl.load(kvr + (off // 2 + (DV + 16) // 2)[:, None] + offs_r[None, :], mask=mr2, other=0.0).to(KDT)
+    elif FP8 == V41:
+        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0))
+        e = tl.load(kv + sc_off[:, None] + tl.arange(0, 16)[None, :], mask=ok[:, None], other=127).to(tl.int32)
+        xt = tl.reshape(x, [x.shape[0], 16, 32])
+        k_lat = tl.reshape(xt * _ue8m0(e)[:, :, None], [x.shape[0], DV]).to(KDT)
+        k_rope = tl.zeros([x.shape[0], offs_r.shape[0]], KDT)
+    elif FP8 == FP4:
+        byte = tl.load(kv + off[:, None] + (offs_v // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        x = _e2m1(tl.where((offs_v % 2 == 0)[None, :], byte & 0xF, byte >> 4))
+        sc = _e4m3(tl.load(kv + sc_off[:, None] + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0))
+        xt = tl.reshape(x, [x.shape[0], 32, 16])
+        k_lat = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV]).to(KDT)
+        k_rope = tl.zeros([x.shape[0], offs_r.shape[0]], KDT)
     elif FP8 == E4M3:
         k_lat = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0)).to(KDT)
         k_rope = _e4m3(tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0)).to(KDT)
@@ -180,7 +207,7 @@ def mla_decode_fwd_kernel(
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
     ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr, HAS_MAX: tl.constexpr,
-    DESCALE: tl.constexpr,
+    DESCALE: tl.constexpr, PAGE_TOKEN: tl.constexpr, PAGE_SCALES: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -262,8 +289,8 @@ def mla_decode_fwd_kernel(
             page_off = (prow // PAGE_SIZE).to(tl.int64) * s_kvp
             slot = (prow % PAGE_SIZE).to(tl.int64)
             kv_off = page_off + slot * s_kvt
-            if FP8 == MODEL1:  # the token's scales in its page's second region
-                sc_off = page_off + (PAGE_SIZE * _M1_TOKEN + slot * _M1_SCALE_BYTES)
+            if PAGE_TOKEN > 0:  # a paged layout: the token's scales in its page's second region
+                sc_off = page_off + (PAGE_SIZE * PAGE_TOKEN + slot * PAGE_SCALES)
             else:
                 sc_off = kv_off
         elif PAGED_TILES:
@@ -345,13 +372,15 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                       rows_src: torch.Tensor, topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float,
                       causal: bool, sparse: bool, p: MLAPlan, out: torch.Tensor, lse: torch.Tensor,
                       o_part: torch.Tensor, lse_part: torch.Tensor, max_logits: torch.Tensor | None = None, *,
-                      q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None) -> None:
+                      q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+                      layout: str | None = None) -> None:
     """Launch the portable kernel over plan ``p``. ``rows_src``: ``sparse_rows``' physical rows ``[B, s_q, topk]``
     (sparse) or the block table (dense); ``qk_scale = softmax_scale · log2(e)``. Writes ``out``/``lse`` (one
     split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``; with
     ``max_logits`` (fp32 ``[B, S, s_q, h_q]``, unit stride along h_q) each split's largest scaled score per row
     (-inf where the split saw no key). ``k_descale`` (``q_descale``): fp32 ``[1]`` or ``[B]``, the descales of a
-    float8_e4m3fn cache scaled per tensor (and of the float8 q that ``q`` holds in fp16)."""
+    float8_e4m3fn cache scaled per tensor (and of the float8 q that ``q`` holds in fp16); ``layout``: the cache's
+    quantised layout (``fp8.KV_FORMATS``, or ``"e4m3"`` with ``k_descale``), None for a bf16 / fp16 / fp32 cache."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     cfg, S = p.cfg, p.num_splits
@@ -364,17 +393,17 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     pbuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=q.dtype, device=q.device) if cfg.p_scratch \
         else out
     abuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H, dtype=torch.float32, device=q.device) if cfg.p_scratch else lse
-    layout = "e4m3" if k_descale is not None else fp8_layout(kv_cache)
     fp8 = layout is not None
     if fp8:  # a size-1 dim's stride is never used: 0 there, so the float32 / bf16 views below need no alignment of it
         kv_cache = kv_cache.as_strided(kv_cache.shape, [st if n > 1 else 0 for n, st in
                                                         zip(kv_cache.shape, kv_cache.stride(), strict=True)])
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
-    kvs = kv.view(torch.float32) if layout == "v32" else kv
+    kvs = kv.view(torch.float32) if layout in ("v32", "v32_no_rope") else kv
     kvr = kv.view(torch.bfloat16) if layout in ("v32", "model1") else kv
-    # MODEL1: a token's values are 576 bytes apart in its page's first region (the view's 584-byte rows are the
-    # page's bytes in order, scales last)
-    s_kvt = M1_TOKEN_BYTES if layout == "model1" else kv.stride(1)
+    # paged layouts: a token's values are PAGED.token bytes apart in its page's first region (the view's rows are
+    # the page's bytes in order, scales last)
+    paged_fp8 = PAGED.get(layout)
+    s_kvt = paged_fp8.token if paged_fp8 else kv.stride(1)
     mla_decode_fwd_kernel[grid](
         q, kv, kvs, kvr, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
@@ -400,5 +429,6 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
         RAW=raw_scores(qk_scale),
         HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
+        PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
