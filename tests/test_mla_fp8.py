@@ -534,14 +534,17 @@ from gqla_triton.ops.mla.fp8 import PAGED
 from gqla_triton.ops.mla.triton import FP8_KINDS, mla_decode_fwd_kernel as fn
 layout = sys.argv[1]
 lay = PAGED.get(layout)
+q8 = layout == "e4m3"  # dense, a float8 q over a cache scaled per tensor
 names = list(inspect.signature(fn.fn).parameters)
-const = dict(DV=512, DR=0, BDV=512, BDR=16, PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=64, SPARSE=True, HAS_TOPK_LEN=True,
-             SPLIT=True, DOT_PREC="tf32", PAGED_TILES=False, P_SCRATCH=True, ASM_SYNC=True, ROWS_AHEAD=True,
-             TAIL=False, FP8=FP8_KINDS[layout], RAW=False, HAS_MAX=False, DESCALE=0,
-             PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0)
-ptr = dict(q="*bf16", kv="*u8", kvs="*fp32" if lay is None else "*u8", kvr="*u8", block_table="*i32", seqlens="*i32",
-           indices="*i32", topk_length="*i32", out="*bf16", lse="*fp32", o_part="*fp32", lse_part="*fp32",
-           pbuf="*bf16", abuf="*fp32", mx="*fp32", qd="*fp32", kd="*fp32")
+const = dict(DV=512, DR=64 if q8 else 0, BDV=512, BDR=64 if q8 else 16, PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=64,
+             SPARSE=not q8, HAS_TOPK_LEN=not q8, SPLIT=True, DOT_PREC="tf32", PAGED_TILES=q8, P_SCRATCH=True,
+             ASM_SYNC=True, ROWS_AHEAD=True, TAIL=False, FP8=FP8_KINDS[layout], RAW=False, HAS_MAX=False,
+             DESCALE=2 if q8 else 0, PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0,
+             Q_E4M3=q8)
+ptr = dict(q="*u8" if q8 else "*bf16", kv="*u8", kvs="*fp32" if layout == "v32_no_rope" else "*u8", kvr="*u8",
+           block_table="*i32", seqlens="*i32", indices="*i32", topk_length="*i32", out="*bf16", lse="*fp32",
+           o_part="*fp32", lse_part="*fp32", pbuf="*fp16" if q8 else "*bf16", abuf="*fp32", mx="*fp32", qd="*fp32",
+           kd="*fp32")
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
 src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
@@ -549,11 +552,11 @@ print("compiled", len(k.asm["cubin"]) > 0, "mma" in k.asm["ptx"])
 """
 
 
-@pytest.mark.parametrize("layout", ["v41", "v41_fp4", "v32_no_rope"])
+@pytest.mark.parametrize("layout", ["v41", "v41_fp4", "v32_no_rope", "e4m3"])
 def test_portable_kernel_compiles_the_new_layouts_for_sm90(layout):
-    """The sparse loaders of V4.1 FP8 / fp4 pages and of V3.2 rows without rope pass Triton's sm_90 compiler (to
-    a cubin, with tensor-core products) at the H200 table's sparse config, with no GPU (a child process without
-    the interpreter)."""
+    """The sparse loaders of V4.1 FP8 / fp4 pages and of V3.2 rows without rope, and the dense float8 q over a
+    cache scaled per tensor (its bytes converted in the kernel), pass Triton's sm_90 compiler (to a cubin, with
+    tensor-core products) at the H200 table's configs, with no GPU (a child process without the interpreter)."""
     import os
     import subprocess
     import sys

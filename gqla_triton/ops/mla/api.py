@@ -78,9 +78,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                                 topk_length, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
         return o.to(device=q.device, dtype=out_dtype(q)), lse.to(device=q.device, dtype=torch.float32)
     scaled = k_descale is not None
-    out_bf16 = q.dtype == torch.float8_e4m3fn
-    if out_bf16:  # exact in fp16, which the dots then run in; out is bf16 (FlashMLA's)
-        q = q.to(torch.float16)
+    out_bf16 = q.dtype == torch.float8_e4m3fn  # the kernel takes it in fp16 (exact); out is bf16 (FlashMLA's)
     layout = "e4m3" if scaled else fp8_layout(kv_cache, kv_format)
     if layout in ROW_BYTES:
         _check_fp8_offset(kv_cache, layout)

@@ -207,7 +207,7 @@ def mla_decode_fwd_kernel(
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
     ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr, HAS_MAX: tl.constexpr,
-    DESCALE: tl.constexpr, PAGE_TOKEN: tl.constexpr, PAGE_SCALES: tl.constexpr,
+    DESCALE: tl.constexpr, PAGE_TOKEN: tl.constexpr, PAGE_SCALES: tl.constexpr, Q_E4M3: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -237,8 +237,11 @@ def mla_decode_fwd_kernel(
     q_row = q + b64 * s_qb + qi.to(tl.int64) * s_qq + h.to(tl.int64) * s_qh
     offs_v = tl.arange(0, BDV)
     mv = offs_v < DV
-    q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0.0)
-    q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0.0)
+    q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0)
+    q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0)
+    if Q_E4M3:  # a float8 q (its bytes): exact in fp16, in which the products then run
+        q_lat = _e4m3(q_lat).to(tl.float16)
+        q_rope = _e4m3(q_rope).to(tl.float16)
 
     bt_row = block_table + b64 * s_btb
     if SPARSE:
@@ -310,7 +313,7 @@ def mla_decode_fwd_kernel(
             row, ok = logical_to_physical(bt_row, pos, offs_n < hi, max_pages, num_pages, PAGE_SIZE)
             kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
             sc_off = kv_off
-        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, sc_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV, FP8)
+        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, sc_off, ok, offs_v, mv, offs_r, mr, q_lat.dtype, DV, FP8)
         if P_SCRATCH:
             # P and alpha cross a global scratch tile (an L2 round trip): the store / load ends S's forward slice,
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
@@ -345,7 +348,7 @@ def mla_decode_fwd_kernel(
         for t in range(t_lo, t_hi):
             row, ok = logical_to_physical(bt_row, t + offs_t, offs_t == 0, max_pages, num_pages, PAGE_SIZE)
             kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
-            k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, kv_off, ok, offs_v, mv, offs_r, mr, q.dtype.element_ty, DV,
+            k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, kv_off, ok, offs_v, mv, offs_r, mr, q_lat.dtype, DV,
                                   FP8)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = _descale(tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC), sdesc, DESCALE)
@@ -379,8 +382,9 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``; with
     ``max_logits`` (fp32 ``[B, S, s_q, h_q]``, unit stride along h_q) each split's largest scaled score per row
     (-inf where the split saw no key). ``k_descale`` (``q_descale``): fp32 ``[1]`` or ``[B]``, the descales of a
-    float8_e4m3fn cache scaled per tensor (and of the float8 q that ``q`` holds in fp16); ``layout``: the cache's
-    quantised layout (``fp8.KV_FORMATS``, or ``"e4m3"`` with ``k_descale``), None for a bf16 / fp16 / fp32 cache."""
+    float8_e4m3fn cache scaled per tensor (and of a float8_e4m3fn ``q``, read as bytes and taken in fp16 in the
+    kernel); ``layout``: the cache's quantised layout (``fp8.KV_FORMATS``, or ``"e4m3"`` with ``k_descale``), None
+    for a bf16 / fp16 / fp32 cache."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     cfg, S = p.cfg, p.num_splits
@@ -389,9 +393,10 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     BDV = max(16, next_pow2(DV))
     paged = cfg.paged_tiles and not sparse and page_size % cfg.block_n == 0
     grid = (B * S, p.h_tiles * p.q_tiles)
-    # p_scratch: two [BLOCK_H, block_n] tiles per program (in q's dtype: the PV operand) and two alpha rows
-    pbuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=q.dtype, device=q.device) if cfg.p_scratch \
-        else out
+    q_e4m3 = q.dtype == torch.float8_e4m3fn  # read as bytes, converted to fp16 in the kernel
+    # p_scratch: two [BLOCK_H, block_n] tiles per program (in the products' dtype: the PV operand), two alpha rows
+    pbuf = (empty(grid[0] * grid[1] * 2 * p.BLOCK_H * cfg.block_n, dtype=torch.float16 if q_e4m3 else q.dtype,
+                  device=q.device) if cfg.p_scratch else out)
     abuf = empty(grid[0] * grid[1] * 2 * p.BLOCK_H, dtype=torch.float32, device=q.device) if cfg.p_scratch else lse
     fp8 = layout is not None
     if fp8:  # a size-1 dim's stride is never used: 0 there, so the float32 / bf16 views below need no alignment of it
@@ -405,7 +410,8 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     paged_fp8 = PAGED.get(layout)
     s_kvt = paged_fp8.token if paged_fp8 else kv.stride(1)
     mla_decode_fwd_kernel[grid](
-        q, kv, kvs, kvr, block_table, cache_seqlens, rows_src, topk_length if topk_length is not None else cache_seqlens,
+        q.view(torch.uint8) if q_e4m3 else q, kv, kvs, kvr, block_table, cache_seqlens, rows_src,
+        topk_length if topk_length is not None else cache_seqlens,
         out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
         q_descale if q_descale is not None else lse, k_descale if k_descale is not None else lse,
         qk_scale,
@@ -430,5 +436,6 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         RAW=raw_scores(qk_scale),
         HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
         PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
+        Q_E4M3=q_e4m3,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
