@@ -6,9 +6,10 @@ for ``compute-sanitizer``.
 must report 0 errors and exit 0.
 Indices hold huge, negative, INT32 extremes, >= cache_seqlens, beyond the block table, repeated values; block
 tables hold junk page ids (each case with pages of a multiple of 16 also runs dense over them; pages of 2 and 61
-tokens run sparse only); topk_length is negative, 0, or past topk. The prefill takes the same kinds of rows over a
-latent tensor of a few rows. Every result is also checked against the float64 reference, so the run fails loudly
-(exit 1) on a wrong answer too.
+tokens run sparse only); topk_length is negative, 0, or past topk. The same decode cases run over each of FlashMLA's
+quantised layouts (``fp8.py``: V3.2 rows with and without rope dense and sparse, MODEL1 / V4.1 / V4.1 fp4 pages
+sparse). The prefill takes the same kinds of rows over a latent tensor of a few rows. Every result is also checked
+against the float64 reference, so the run fails loudly (exit 1) on a wrong answer too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import torch
 
 import gqla_triton as gq
+from gqla_triton.ops.mla.fp8 import PAGED
 from tools._common import reference
 
 mla_decode_ref = reference("mla_decode_ref")
@@ -27,7 +29,7 @@ I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 DTYPE = torch.bfloat16
 
 
-def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits, impl="auto"):
+def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits, impl="auto", layout=None):
     g = torch.Generator().manual_seed(seed)
     D = r + dr
     max_pages = 5
@@ -46,20 +48,23 @@ def case(seed, B, s_q, h_q, r, dr, page, topk, causal, num_splits, impl="auto"):
     topk_length = torch.tensor([[-3, 0, topk, topk + 100, 1][i % 5] for i in range(B)], dtype=torch.int32)
     q = torch.randn(B, s_q, h_q, D, generator=g).to(DTYPE)
     kv = torch.randn(num_pages, page, 1, D, generator=g).to(DTYPE)
+    if layout is not None:  # the same values in one of FlashMLA's quantised layouts
+        kv = gq.quantize_latent_fp8(kv.float(), layout=layout)
     cu = lambda t: t.cuda()  # noqa: E731
     calls = ((idx, None), (idx, topk_length), (None, None))  # the last: dense over the junk block table
-    for ix, tkl in calls[:2] if page % 16 else calls:
+    for ix, tkl in calls[:2] if page % 16 or layout in PAGED else calls:
         out, lse = gq.mla_decode(cu(q), cu(kv), cu(bt), cu(lens), head_dim_v=r, causal=causal,
                               indices=None if ix is None else cu(ix), topk_length=None if tkl is None else cu(tkl),
-                              num_splits=num_splits, impl=impl)
+                              num_splits=num_splits, impl=impl, kv_format=layout)
         torch.cuda.synchronize()
-        ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=ix, topk_length=tkl)
+        ro, rl = mla_decode_ref(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=ix, topk_length=tkl,
+                                kv_format=layout)
         err = (out.double().cpu() - ro).norm() / ro.norm().clamp(min=1e-30)
         fin = torch.isfinite(rl)
         bad = (not torch.equal(torch.isfinite(lse.cpu()), fin)) or err > 3e-2 or not torch.isfinite(out).all()
         if bad:
             print(f"FAIL seed={seed} B={B} s_q={s_q} h_q={h_q} topk={topk} causal={causal} splits={num_splits} "
-                  f"err={float(err):.3e}")
+                  f"layout={layout} err={float(err):.3e}")
             return False
     return True
 
@@ -100,11 +105,21 @@ def main():
             for topk, s_q, causal, ns in ((64, 1, True, 0), (200, 2, True, 3), (2048, 1, False, 0), (33, 3, True, 1)):
                 ok &= case(seed, 3, s_q, h_q, r, dr, page, topk, causal, ns, impl)
                 n += 1
+        for layout, dr in (("v32", 64), ("v32_no_rope", 0), ("model1", 0), ("v41", 0), ("v41_fp4", 0)):
+            if impl == "gluon" and layout != "v32":  # the Gluon kernel reads the V3.2 rows only
+                continue
+            for (h_q, page) in ((128, 64), (16, 61)):
+                if impl == "gluon" and page % 16:
+                    continue
+                for topk, s_q, causal, ns in ((200, 2, True, 3), (2048, 1, False, 0)):
+                    ok &= case(seed, 3, s_q, h_q, 512, dr, page, topk, causal, ns, impl, layout)
+                    n += 1
         if impl != "gluon":  # the prefill runs the portable kernel
             for (s_q, h_q, dr, s_kv, topk) in ((5, 128, 64, 3, 64), (7, 64, 0, 300, 2048), (300, 128, 64, 1000, 128)):
                 ok &= prefill_case(seed, s_q, h_q, 512, dr, s_kv, topk, impl)
                 n += 1
-    print(f"{n} adversarial cases, impl={impl} (decode: sparse twice, dense once on pages of 16k; prefill once): "
+    print(f"{n} adversarial cases, impl={impl} (decode: sparse twice, dense once on pages of 16k tokens of bf16 or "
+          f"per-token FP8 rows; prefill once): "
           f"{'all OK' if ok else 'FAILURES'}")
     sys.exit(0 if ok else 1)
 
