@@ -249,14 +249,7 @@ def test_model1_quantizer_layout_and_error_bound(pages, page, scale, seed):
 
 
 def _model1_case(seed, B, s_q, h_q, page):
-    g = gen(seed)
-    lens = torch.randint(0, MAXLEN + 1, (B,), generator=g)
-    max_pages = max(1, math.ceil(int(lens.max()) / page))
-    num_pages = B * max_pages + 2
-    bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
-    q = randn((B, s_q, h_q, 512), g, dtype=QDT)
-    kv = randn((num_pages, page, 1, 512), g)
-    return q, quantize_latent_fp8(kv, layout="model1").to(P.device), bt.to(P.device), lens.int().to(P.device), g
+    return _layout_case(seed, "model1", B, s_q, h_q, page)
 
 
 @settings(max_examples=examples(5, 12), deadline=None)
@@ -317,6 +310,16 @@ def _page_regions(q8, layout):
             b[:, page * lay.token:].reshape(pages, page, lay.scales))
 
 
+def _pages_to_quantize(pages, page, scale, seed, *, zero: slice):
+    """``[pages, page, 1, 512]`` values: the first token's ``zero`` channels (one scale tile) 0, one value of the
+    last page's second token NaN (pages of more than one token)."""
+    x = randn((pages, page, 1, 512), seed, scale=scale)
+    x[0, 0, 0, zero] = 0.0
+    if page > 1:
+        x[-1, 1, 0, 200] = float("nan")
+    return x
+
+
 def _paged_strides_ok(q8, layout, pages, page):
     lay = PAGED[layout]
     row = lay.token + lay.scales
@@ -332,10 +335,7 @@ def test_v41_quantizer_layout_and_error_bound(pages, page, scale, seed):
     """Per page: each token's 512 e4m3 values (rope channels too), then each token's 16 UE8M0 scales, one per 32
     values; pages padded to a multiple of 512 bytes; the scale the least power of two at or above amax / 448; each
     value within half an e4m3 step; an all-zero tile gives zeros, a NaN only its own tile."""
-    x = randn((pages, page, 1, 512), seed, scale=scale)
-    x[0, 0, 0, 32:64] = 0.0
-    if page > 1:
-        x[-1, 1, 0, 200] = float("nan")
+    x = _pages_to_quantize(pages, page, scale, seed, zero=slice(32, 64))
     q8 = quantize_latent_fp8(x, layout="v41")
     assert _paged_strides_ok(q8, "v41", pages, page)
     tok, e = _page_regions(q8, "v41")
@@ -371,10 +371,7 @@ def test_v41_fp4_quantizer_layout_and_error_bound(pages, page, scale, seed):
     """Per page: each token's 512 e2m1 values in 256 bytes (the even channel in the low nibble), then its 32 e4m3
     scales amax / 6 (within [2^-9, 448]), one per 16 values; pages padded to a multiple of 512 bytes; each value
     within half an e2m1 step of its scaled value (plus what saturation at ±6 cuts); a NaN poisons its tile's scale."""
-    x = randn((pages, page, 1, 512), seed, scale=scale)
-    x[0, 0, 0, 16:32] = 0.0
-    if page > 1:
-        x[-1, 1, 0, 200] = float("nan")
+    x = _pages_to_quantize(pages, page, scale, seed, zero=slice(16, 32))
     q8 = quantize_latent_fp8(x, layout="v41_fp4")
     assert _paged_strides_ok(q8, "v41_fp4", pages, page)
     tok, s = _page_regions(q8, "v41_fp4")
@@ -420,10 +417,7 @@ def _layout_case(seed, layout, B, s_q, h_q, page, *, nan_token=False):
     num_pages = B * max_pages + 2
     bt = torch.randperm(num_pages, generator=g)[: B * max_pages].reshape(B, max_pages).int()
     q = randn((B, s_q, h_q, 512), g, dtype=QDT)
-    if layout in PAGED:
-        kv = randn((num_pages, page, 1, 512), g)
-    else:
-        kv = randn((num_pages, page, 1, 512), g, scale=2.0)
+    kv = randn((num_pages, page, 1, 512), g, scale=1.0 if layout in PAGED else 2.0)
     if nan_token:  # one channel of one token of the first sequence's first page
         kv[int(bt[0, 0]), 0, 0, int(torch.randint(0, 512, (1,), generator=g))] = float("nan")
     return q, quantize_latent_fp8(kv, layout=layout).to(P.device), bt.to(P.device), lens.int().to(P.device), g
