@@ -46,11 +46,11 @@ _PREFILL_REFERENCE = "gqla_triton.ops.mla.reference.mla_sparse_prefill_ref"
 
 
 def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, sparse: bool, scaled: bool,
-               layout: str | None) -> bool:
+               layout: str | None = None) -> bool:
     """Whether ``impl`` runs the Gluon kernel: ``"gluon"`` always (ValueError where it cannot), ``"auto"`` where the
     inputs allow it and this GPU's table selects ``impl: "gluon"``. ``scaled``: a per-tensor scaled float8 cache
-    (``k_descale``), which the portable kernel reads; ``layout``: the cache's quantised layout (``fp8_layout``) or
-    None."""
+    (``k_descale``), which the portable kernel reads; ``layout``: the cache's quantised layout (``fp8_layout``; None:
+    told by the row width)."""
     if impl == "triton":
         return False
     info = device_info(q)
