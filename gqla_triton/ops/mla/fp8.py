@@ -76,7 +76,6 @@ ROW_BYTES = {"v32": FP8_ROW_BYTES, "v32_no_rope": FP8_ROPE_OFF,
              **{name: lay.token + lay.scales for name, lay in PAGED.items()}}
 KV_FORMATS = tuple(ROW_BYTES)
 _BY_WIDTH = {656: "v32", 528: "v32_no_rope", 584: "model1", 288: "v41_fp4"}  # 528: V3.2 without rope, as FlashMLA
-LAYOUTS = ROW_BYTES  # the layouts quantize_latent_fp8 writes
 
 
 def is_fp8_latent(kv_cache: torch.Tensor) -> bool:
@@ -185,8 +184,8 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point() or is_fp8_latent(kv):
         got = kv.dtype if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise TypeError(f"kv: expected a floating tensor of latent + rope values, got {got}")
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {tuple(LAYOUTS)}, got {layout!r}")
+    if not isinstance(layout, str) or layout not in ROW_BYTES:
+        raise ValueError(f"layout: expected one of {KV_FORMATS}, got {layout!r}")
     if not isinstance(pow2_scales, bool):
         raise TypeError(f"pow2_scales: expected a bool, got {pow2_scales!r}")
     if layout in PAGED:
