@@ -281,9 +281,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             bf16 (fp32 exact); ``quantize_latent_fp8`` writes it; or its 528-byte rows without rope (D = 512).
             Sparse calls also read FlashMLA's paged layouts (D = ``head_dim_v`` = 512): MODEL1 FP8 pages ``[num_pages,
             page_size, 1, 584]``, V4.1 FP8 pages ``[..., 528]`` (``kv_format="v41"``) and V4.1 fp4 pages ``[...,
-            288]``. Or, with
-            ``k_descale``, a float8_e4m3fn cache ``[num_pages, page_size, 1, D]`` scaled per tensor (vLLM's
-            ``kv_cache_dtype="fp8"``): key = ``k_descale · row``.
+            288]``. Or, with ``k_descale``, a float8_e4m3fn cache ``[num_pages, page_size, 1, D]`` scaled per tensor
+            (vLLM's ``kv_cache_dtype="fp8"``): key = ``k_descale · row``.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
         cache_seqlens: ``[B]`` int32 tokens in the cache per sequence; 0 or negative = empty. Any value is safe:
