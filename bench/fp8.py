@@ -15,6 +15,11 @@ amax over 448), and ``flash_mla_fp8_scaled``, FlashMLA's dense FP8 kernel (``fla
 is_fp8_kvcache=True, use_legacy=True, descale_q=, descale_k=)``, its metadata from ``get_mla_decoding_metadata``)
 over the same bytes.
 
+Sparse workloads also time FlashMLA's layouts of d_qk = 512 over the first 512 channels of the same q and cache:
+``gqla_triton_v32_no_rope`` / ``gqla_triton_model1``, ``mla_decode`` over its 528-byte rows without rope / its
+MODEL1 (V4) pages, and ``flash_mla_v32_no_rope`` / ``flash_mla_model1``, FlashMLA's legacy sparse kernel over the
+same bytes (``kv_format="V32_NO_ROPE"`` / ``"V4"``); our rows carry ``rel_diff_vs_flash_mla`` against them.
+
 Each FP8 row carries ``rel_err_vs_bf16``: ``|o_fp8 - o_bf16| / |o_bf16|`` (Frobenius) against the same library's
 bf16 output; ``gqla_triton_fp8`` rows also carry ``rel_diff_vs_flash_mla_fp8`` (both read the same bytes, so this
 checks the layout and the dequantisation, not the quantiser).
@@ -80,6 +85,45 @@ def _flash_mla_fp8_scaled(fm, q8, kv8s, bt, lens, qd, kd, scale):
     return f
 
 
+def _flash_mla_512(fm, q, cache, bt, idx, scale, kv_format):
+    B, s_q = q.shape[:2]
+    phys = _physical(bt, idx).reshape(B, s_q, -1)
+    meta = fm.get_mla_metadata()[0]
+
+    def f():
+        return fm.flash_mla_with_kvcache(q, cache, None, None, R, meta, softmax_scale=scale, is_fp8_kvcache=True,
+                                         indices=phys, use_legacy=True, kv_format=kv_format)
+    f()
+    return f
+
+
+def _layouts_512(gq, fm, ctx, name, q, kv, bt, lens, idx, m16, tokens):
+    """The d_qk 512 rows (module docstring): ours and FlashMLA's over each layout's bytes."""
+    q5, kv5 = q[..., :R].contiguous(), kv[..., :R].contiguous()
+    scale = R ** -0.5
+    for layout, fmt in (("v32_no_rope", "V32_NO_ROPE"), ("model1", "V4")):
+        cache = gq.quantize_latent_fp8(kv5, layout=layout)
+        nb = m16.bytes - tokens * (R + DR) * 2 + tokens * cache.shape[-1]
+        runs = [(f"gqla_triton_{layout}", lambda c=cache: lambda: gq.mla_decode(q5, c, bt, lens, R, scale, causal=True,
+                                                                                 indices=idx))]
+        if fm is not None:
+            runs.append((f"flash_mla_{layout}", lambda c=cache, f=fmt: _flash_mla_512(fm, q5, c, bt, idx, scale, f)))
+        outs, rows = {}, {}
+        for impl, build in runs:
+            try:
+                fn = build()
+                outs[impl] = fn()[0].reshape(q5.shape[:3] + (R,))
+                ms = _graph(f"{name} {impl}", fn)
+            except Exception as e:  # recorded, never fatal
+                print(f"[bench.fp8] {name}: {impl} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                continue
+            rows[impl] = ctx.row("fp8", name, impl, ms, flops=m16.flops, nbytes=nb)
+        ours, theirs = f"gqla_triton_{layout}", f"flash_mla_{layout}"
+        if ours in rows and theirs in outs:
+            rows[ours]["rel_diff_vs_flash_mla"] = _rel(outs[ours], outs[theirs])
+            print(f"[fp8] {name} {ours} rel_diff_vs_flash_mla {rows[ours]['rel_diff_vs_flash_mla']:.5f}", flush=True)
+
+
 def run(names, ctx, anchors=True):
     import gqla_triton as gq
 
@@ -123,6 +167,8 @@ def run(names, ctx, anchors=True):
                 ctx.row("fp8", name, "flash_mla", _graph(f"{name} flash_mla", fn), flops=m16.flops, nbytes=m16.bytes)
             except Exception as e:
                 print(f"[bench.fp8] {name}: flash_mla failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        if topk:
+            _layouts_512(gq, fm, ctx, name, q, kv, bt, lens, idx, m16, tokens)
         if not topk:  # the cache scaled per tensor: ours and FlashMLA's dense FP8 kernel over the same bytes
             (q8, qd), (kv8s, kd) = _per_tensor(q), _per_tensor(kv)
             bs = m16.bytes - tokens * (R + DR) * 2 + tokens * (R + DR)
