@@ -284,6 +284,71 @@ def test_fused_recurrent_matches_the_recurrence(varlen, case):
         assert_close("o (chunked op)", oc, o64, olp.to(dtype), dtype=dtype)
 
 
+def _fla_recurrence(q, k, v, g, gk, gv, beta, h0, cu, scale):
+    """fla's fused recurrent kernel's arithmetic written out in float64, token by token: per value head the state
+    ``[K, V]`` is scaled by exp(g), then row-wise by exp(gk) and column-wise by exp(gv), then the delta rule with a
+    per-head or per-value beta (q, k already normalised; value head i uses q/k head i // (HV // H))."""
+    f = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
+    q, k, v, g, gk, gv, beta, h0 = map(f, (q, k, v, g, gk, gv, beta, h0))
+    B, T, Hq, Kd = q.shape
+    HVv, Vd = v.shape[2:]
+    rep = HVv // Hq
+    seqs = ([(0, a, b) for a, b in zip(cu[:-1], cu[1:], strict=True)] if cu is not None
+            else [(b, 0, T) for b in range(B)])
+    o = torch.zeros(B, T, HVv, Vd, dtype=torch.float64)
+    finals = torch.zeros(len(seqs), HVv, Kd, Vd, dtype=torch.float64)
+    for n, (b, lo, hi) in enumerate(seqs):
+        for hv in range(HVv):
+            S = h0[n, hv].clone() if h0 is not None else torch.zeros(Kd, Vd, dtype=torch.float64)
+            for t in range(lo, hi):
+                if g is not None:
+                    S = S * torch.exp(g[b, t, hv])
+                if gk is not None:
+                    S = S * torch.exp(gk[b, t, hv])[:, None]
+                if gv is not None:
+                    S = S * torch.exp(gv[b, t, hv])[None, :]
+                kt, qt = k[b, t, hv // rep], q[b, t, hv // rep]
+                bt = 1.0 if beta is None else beta[b, t, hv]
+                S = S + kt[:, None] * (bt * (v[b, t, hv] - kt @ S))[None, :]
+                o[b, t, hv] = scale * (qt @ S)
+            finals[n, hv] = S
+    return o, finals
+
+
+@pytest.mark.parametrize("gates", ["gk", "gv", "gk+gv", "g+gk+gv"])
+@pytest.mark.parametrize("beta_kind", ["head", "value", "none"])
+@pytest.mark.parametrize("layout", ["kv", "vk+varlen"])
+def test_fused_recurrent_per_channel_decays_and_beta(gates, beta_kind, layout):
+    """fla's per-key / per-value decays and per-value beta: outputs and final states against fla's arithmetic in
+    float64, through the kernel and through the reference implementation, both state layouts, packed sequences."""
+    dtype = P.dtypes[-1]
+    varlen = layout.endswith("varlen")
+    cu_list = [0, 9, 9, 30]
+    B, T = (1, cu_list[-1]) if varlen else (2, 13)
+    N = len(cu_list) - 1 if varlen else B
+    cu = torch.tensor(cu_list, dtype=torch.int64, device=P.device) if varlen else None
+    q, k, v, g, beta = _inputs(B, T, 101, dtype)
+    q = q / q.float().norm(dim=-1, keepdim=True).to(dtype)
+    k = k / k.float().norm(dim=-1, keepdim=True).to(dtype)
+    g = g if gates.startswith("g+") else None
+    gk = -rand((B, T, HV, K), 102, lo=0.0, hi=0.4) if "gk" in gates else None
+    gv = -rand((B, T, HV, V), 103, lo=0.0, hi=0.4) if "gv" in gates else None
+    beta = {"head": beta, "value": rand((B, T, HV, V), 104, lo=0.1, hi=0.9), "none": None}[beta_kind]
+    h0 = randn((N, HV, K, V), 105, scale=0.5)
+    want_o, want_h = _fla_recurrence(q, k, v, g, gk, gv, beta, h0, cu_list if varlen else None, K ** -0.5)
+    v_first = layout.startswith("vk")
+    init = h0.transpose(-1, -2).contiguous() if v_first else h0
+    for impl in ("auto", "reference"):
+        o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, gk=gk, gv=gv, beta=beta, initial_state=init,
+                                                 output_final_state=True, cu_seqlens=cu, state_v_first=v_first,
+                                                 impl=impl)
+        ht = ht.transpose(-1, -2) if v_first else ht
+        lowp = _fla_recurrence(q.float(), k.float(), v, g, gk, gv, beta, h0, cu_list if varlen else None,
+                               K ** -0.5)[0].to(dtype)
+        assert_close(f"o ({impl})", o, want_o, lowp, dtype=dtype)
+        assert_close(f"final state ({impl})", ht, want_h, None, dtype=torch.float32, eps=1e-5)
+
+
 def test_fused_recurrent_inputs_that_require_grad():
     """As fla's: the forward runs on inputs that require grad; a backward through its outputs raises. (fla's
     signature: g, gk, gv, beta in that order, so g and beta go by keyword.)"""
@@ -301,9 +366,10 @@ def test_fused_recurrent_refusals():
     """fla's options this function does not compute are refused by name, as are unknown keywords."""
     q, k, v, g, beta = _inputs(1, 4, 94)
     B, T = 1, 4
-    for kw, exc, match in ((dict(gk=torch.zeros(B, T, HV, K, device=P.device)), ValueError, "gk: per-key"),
-                           (dict(gv=torch.zeros(B, T, HV, V, device=P.device)), ValueError, "gv: per-value"),
-                           (dict(beta=torch.ones(B, T, HV, V, device=P.device)), ValueError, "beta: per-value"),
+    for kw, exc, match in ((dict(gk=torch.zeros(B, T, HV, V + 1, device=P.device)), ValueError, "^gk: expected"),
+                           (dict(gv=torch.zeros(B, T, HV, K + 1, device=P.device)), ValueError, "^gv: expected"),
+                           (dict(gk=torch.zeros(B, T, HV, K, dtype=torch.int32, device=P.device)), TypeError, "^gk"),
+                           (dict(beta=torch.ones(B, T, HV, V + 1, device=P.device)), ValueError, "^beta: expected"),
                            (dict(g=None, use_gate_in_kernel=True, A_log=torch.zeros(HV, device=P.device)),
                             ValueError, "g: required"),
                            (dict(head_first=True), ValueError, "head_first"),
@@ -326,21 +392,23 @@ def test_fused_recurrent_refusals():
 
 def test_fused_recurrent_torch_compile():
     """``torch.compile(fullgraph=True)`` of fla's recurrent function (transformers compiles its decode step) equals the
-    eager call, outputs and final states."""
+    eager call, outputs and final states, with and without a per-key decay."""
     q, k, v, g, beta = _inputs(1, 6, 96)
     cu = torch.tensor([0, 2, 6], dtype=torch.int64, device=P.device)
     h0 = randn((2, HV, K, V), 97, scale=0.5)
+    gk = -rand((1, 6, HV, K), 98, lo=0.0, hi=0.3)
 
-    def f(q, k, v, g, beta, h0):
-        o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                                                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    def f(q, k, v, g, beta, h0, gk):
+        o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, gk=gk, beta=beta, initial_state=h0,
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
         return o * 2, ht
 
     backend = "aot_eager" if P.device == "cpu" else "inductor"
-    o1, h1 = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, g, beta, h0)
-    o2, h2 = f(q, k, v, g, beta, h0)
-    torch.testing.assert_close(o1, o2)
-    torch.testing.assert_close(h1, h2)
+    for decay in (None, gk):  # fla's per-key decay: optional tensors of the custom op
+        o1, h1 = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, g, beta, h0, decay)
+        o2, h2 = f(q, k, v, g, beta, h0, decay)
+        torch.testing.assert_close(o1, o2)
+        torch.testing.assert_close(h1, h2)
 
 
 # ------------------------------------------------------------------ fla's deprecated layout name, FlashQLA's keywords

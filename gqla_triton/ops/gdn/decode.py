@@ -13,8 +13,9 @@ the step is bound by the 2 x state bytes it must move. Options, each a compile-t
 default: ragged sequences packed along one token axis (``cu_seqlens``), the state after every token stored
 (``intermediate_states``), only the state after the first ``accepted`` tokens committed (``accepted``:
 speculative verification), fla's in-kernel gate ``g = -exp(A_log)·softplus(a + dt_bias)``, in-kernel
-``beta = sigmoid(b)``, beta doubled (``allow_neg_eigval``), and V-first ``[V, K]`` state rows. Forward only
-(inference); training uses ``chunk_gated_delta_rule``.
+``beta = sigmoid(b)``, beta doubled (``allow_neg_eigval``), V-first ``[V, K]`` state rows, and fla's recurrent
+options: per-key / per-value decays (``gk``, ``gv``) and one beta per value channel. Forward only (inference);
+training uses ``chunk_gated_delta_rule``.
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ def gated_delta_rule_decode_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, ACCEPT: tl.constexpr, INTER: tl.constexpr,
-    a_log=None, dt_bias=None,
+    a_log=None, dt_bias=None, gk=None, gv=None,
     GATE: tl.constexpr = False, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
-    V_FIRST: tl.constexpr = False,
+    V_FIRST: tl.constexpr = False, BETA_V: tl.constexpr = False,
 ):
     # S: tokens per sequence (VARLEN: the packed token count T); N: sequences (VARLEN only)
     # GATE: g holds the raw gate input a, g = -exp(a_log) * softplus(a + dt_bias); BETA_SIGMOID: beta holds logits;
-    # NEG_EIGVAL: beta doubled; V_FIRST: state (and inter) rows laid out [V, K]
+    # NEG_EIGVAL: beta doubled; V_FIRST: state (and inter) rows laid out [V, K]; gk / gv: per-key / per-value
+    # decays [.., HV, K] / [.., HV, V]; BETA_V: one beta per value channel [.., HV, V]
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -110,7 +112,10 @@ def gated_delta_rule_decode_fwd_kernel(
         b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + tok * HV + i_hv).to(tl.float32)
-        b_beta = tl.load(beta + tok * HV + i_hv).to(tl.float32)
+        if BETA_V:
+            b_beta = tl.load(beta + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        else:
+            b_beta = tl.load(beta + tok * HV + i_hv).to(tl.float32)
         if GATE:
             if dt_bias is not None:
                 b_g = b_g + b_dtb
@@ -123,6 +128,10 @@ def gated_delta_rule_decode_fwd_kernel(
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_s = b_s * tl.exp(b_g)
+        if gk is not None:
+            b_s = b_s * tl.exp(tl.load(gk + (tok * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
+        if gv is not None:
+            b_s = b_s * tl.exp(tl.load(gv + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32))[None, :]
         b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
         b_s = b_s + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0) * scale
@@ -155,10 +164,10 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
                                 use_qk_l2norm_in_kernel: bool, cu_seqlens=None, accepted=None,
                                 intermediate_states=None, *, A_log=None, dt_bias=None, use_gate_in_kernel=False,
                                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                                v_first=False) -> torch.Tensor:
+                                v_first=False, gk=None, gv=None) -> torch.Tensor:
     """Launch the step on contiguous inputs (shapes as ``gated_delta_rule_decode``; state_indices ``[B]`` or ``[N]``
-    int32; ``v_first``: state rows ``[HV, V, K]``). Returns o ``[B, s, HV, V]`` in v's dtype; updates the state rows
-    (and ``intermediate_states``) in place."""
+    int32; ``v_first``: state rows ``[HV, V, K]``; beta ``[B, s, HV]`` or ``[B, s, HV, V]``). Returns o ``[B, s, HV,
+    V]`` in v's dtype; updates the state rows (and ``intermediate_states``) in place."""
     B, S, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state.shape[0]
@@ -179,7 +188,7 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
         VARLEN=varlen, ACCEPT=accepted is not None, INTER=intermediate_states is not None,
         a_log=A_log if gate else None, dt_bias=dt_bias if gate else None,
         GATE=gate, BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), NEG_EIGVAL=bool(allow_neg_eigval),
-        V_FIRST=bool(v_first),
+        V_FIRST=bool(v_first), gk=gk, gv=gv, BETA_V=beta.dim() == 4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o
@@ -201,7 +210,7 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                cu_seqlens: torch.Tensor | None, accepted: torch.Tensor | None,
                intermediate_states: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-               v_first: bool) -> torch.Tensor:
+               v_first: bool, gk: torch.Tensor | None = None, gv: torch.Tensor | None = None) -> torch.Tensor:
     # the public function cannot read CPU index tensors while tracing: checked here
     check_pool_rows("state_indices", state_indices, state.shape[0])
     _check_cu_values(cu_seqlens, q.shape[1])
@@ -209,17 +218,18 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                                        cu_seqlens, accepted, intermediate_states, A_log=A_log, dt_bias=dt_bias,
                                        use_gate_in_kernel=use_gate_in_kernel,
                                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                       allow_neg_eigval=allow_neg_eigval, v_first=v_first)
+                                       allow_neg_eigval=allow_neg_eigval, v_first=v_first, gk=gk, gv=gv)
 
 
 @_decode_op.register_fake
 def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, accepted,
       intermediate_states, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-      v_first):
+      v_first, gk=None, gv=None):
     return torch.empty_like(v)
 
 
-def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter):
+def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, gk=None,
+                      gv=None):
     """The step by ``recurrent_gated_delta_rule_ref``, one token at a time, with the kernel's conventions: rows
     outside [0, P) are skipped (o = 0, nothing written), the committed rows of ``state`` and the live rows of
     ``inter`` are updated in place. Reads the index tensors on the host."""
@@ -243,9 +253,9 @@ def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seql
         h = state[row][None]
         for t in range(lo, hi):
             sl = slice(t, t + 1)
-            ot, h = recurrent_gated_delta_rule_ref(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], g[b:b + 1, sl],
-                                                   beta[b:b + 1, sl], scale=scale, initial_state=h,
-                                                   output_final_state=True, use_qk_l2norm=l2)
+            one = [x[b:b + 1, sl] if x is not None else None for x in (q, k, v, g, beta, gk, gv)]
+            ot, h = recurrent_gated_delta_rule_ref(*one[:5], scale=scale, initial_state=h, output_final_state=True,
+                                                   use_qk_l2norm=l2, gk=one[5], gv=one[6])
             o[b, t] = ot[0, 0].to(o.dtype)
             if inter is not None:
                 inter[b, t] = h[0].to(inter.dtype)
@@ -256,7 +266,7 @@ def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seql
 
 def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, *,
                               A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                              v_first):
+                              v_first, gk=None, gv=None):
     """``_decode_reference`` with the in-kernel options applied in torch first (the gate and beta in float64 if any
     input is float64, else float32) and a V-first pool read and written through its transpose."""
     ins = (q, k, v, g, beta, A_log, dt_bias)
@@ -270,7 +280,7 @@ def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2,
     if v_first:
         state = state.transpose(-1, -2)
         inter = inter.transpose(-1, -2) if inter is not None else None
-    return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter)
+    return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, gk, gv)
 
 
 def _check_forward_only(**tensors: torch.Tensor | None) -> None:
@@ -304,6 +314,8 @@ def gated_delta_rule_decode(
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
     state_layout: str = "kv",
     impl: str = "auto",
     **fla_options,
@@ -315,7 +327,8 @@ def gated_delta_rule_decode(
         v: ``[B, s, HV, V]``, bf16/fp16/fp32 (may differ from q's); ``HV % H == 0`` (value head ``i`` uses q/k head
             ``i // (HV // H)``).
         g: ``[B, s, HV]`` log-space decay (<= 0), any float dtype; with ``use_gate_in_kernel`` the raw gate input.
-        beta: ``[B, s, HV]``, any float dtype; with ``use_beta_sigmoid_in_kernel`` logits.
+        beta: ``[B, s, HV]``, any float dtype; with ``use_beta_sigmoid_in_kernel`` logits. Or ``[B, s, HV, V]``: one
+            beta per value channel (fla's recurrent option), scaling each column of the update.
         state: ``[P, HV, K, V]`` (``state_layout="vk"``: ``[P, HV, V, K]``) fp32, bf16 or fp16 contiguous pool; rows
             ``state_indices`` are read (to fp32) and written back (rounded to the pool's dtype) in place.
         state_indices: ``[B]`` int32 pool row of each sequence (``[N]`` with ``cu_seqlens``; default ``arange``, needs
@@ -347,6 +360,9 @@ def gated_delta_rule_decode(
             no bias), and both must be ``None`` without it.
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernel takes ``sigmoid(beta)``.
         allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k k^T`` may have eigenvalues down to -1.
+        gk, gv: fla's per-key / per-value decays ``[B, s, HV, K]`` / ``[B, s, HV, V]`` (log space, any float dtype) or
+            None: with ``g`` they scale the state before each update, ``S = exp(g)·diag(exp(gk))·S·diag(exp(gv))``
+            (state rows ``[K, V]``).
         state_layout: ``"kv"`` (``[..., K, V]`` rows) or ``"vk"`` (``[..., V, K]``, the layout of vLLM / SGLang /
             FlashInfer decode); fla's ``state_v_first=True`` (and its deprecated name ``transpose_state_layout``,
             with a ``DeprecationWarning``; the two together with ``state_v_first=True`` are a ``ValueError``) is
@@ -383,7 +399,12 @@ def gated_delta_rule_decode(
     HV, V = v.shape[2], v.shape[3]
     check_tensor("v", v, shape=(B, S, HV, V))
     check_tensor("g", g, shape=(B, S, HV), dtypes=fdt, device=q.device)
-    check_tensor("beta", beta, shape=(B, S, HV), dtypes=fdt, device=q.device)
+    check_tensor("beta", beta, shape=(B, S, HV, V) if isinstance(beta, torch.Tensor) and beta.dim() == 4 else
+                 (B, S, HV), dtypes=fdt, device=q.device)
+    if gk is not None:
+        check_tensor("gk", gk, shape=(B, S, HV, K), dtypes=fdt, device=q.device)
+    if gv is not None:
+        check_tensor("gv", gv, shape=(B, S, HV, V), dtypes=fdt, device=q.device)
     check_tensor("state", state, ndim=4, dtypes=fdt, device=q.device)
     if B == 0 or S == 0 or H == 0 or K == 0 or V == 0:
         raise ValueError(f"q/v: expected non-empty B, s, heads and dims, got q {list(q.shape)}, v {list(v.shape)}")
@@ -427,13 +448,13 @@ def gated_delta_rule_decode(
             raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
     scale = check_scale("scale", scale, K**-0.5)
     _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
-                        A_log=A_log, dt_bias=dt_bias)
+                        A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     if not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)
     opts = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                v_first=v_first)
+                v_first=v_first, gk=gk, gv=gv)
     if ref:
         return _decode_reference_options(q, k, v, g, beta, state, state_indices, float(scale),
                                          bool(use_qk_l2norm_in_kernel), cu_seqlens, accepted, intermediate_states,
@@ -442,7 +463,7 @@ def gated_delta_rule_decode(
         check_kernel_device(q.device, _REFERENCE, dt)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
     cont = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias))
+    opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias), gk=cont(gk), gv=cont(gv))
     return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
                 state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel), cont(cu_seqlens),
                 cont(accepted), intermediate_states, **opts)

@@ -44,8 +44,9 @@ def fused_recurrent_gated_delta_rule(
             ``T`` tokens hold ``N`` sequences packed in order.
         g: ``[B, T, HV]`` log-space decay, or None (no decay); with ``use_gate_in_kernel`` the raw gate input
             (required then), the kernel forming ``-exp(A_log)·softplus(g + dt_bias)``.
-        gk, gv: fla's per-key / per-value decays: not supported (``ValueError`` unless None).
-        beta: ``[B, T, HV]``, or None (all ones); fla's per-value beta ``[B, T, HV, V]`` is not supported.
+        gk, gv: fla's per-key / per-value decays ``[B, T, HV, K]`` / ``[B, T, HV, V]`` (log space) or None: with g
+            they scale the state before each update, ``S = exp(g)·diag(exp(gk))·S·diag(exp(gv))``.
+        beta: ``[B, T, HV]``, or fla's per-value beta ``[B, T, HV, V]``, or None (all ones).
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) in fp32, bf16 or fp16 (float64
             too with the reference), or None (zeros); read, not written.
@@ -71,19 +72,12 @@ def fused_recurrent_gated_delta_rule(
     v_first = layout_v_first("kv", {**fla_options, "state_v_first": state_v_first})
     output_final_state = check_flag("output_final_state", output_final_state)
     use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
-    for name, t in (("gk", gk), ("gv", gv)):
-        if t is not None:
-            raise ValueError(f"{name}: per-{'key' if name == 'gk' else 'value'} decays are not supported here "
-                             "(pass the per-head decay g, or None)")
     ref = impl == "reference"
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("q", q, ndim=4, dtypes=fdt)
     check_tensor("v", v, ndim=4, dtypes=fdt, device=q.device)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if isinstance(beta, torch.Tensor) and beta.dim() == 4:
-        raise ValueError(f"beta: per-value beta [B, T, HV, V] is not supported (one beta per value head: "
-                         f"[B, T, HV]), got shape {list(beta.shape)}")
     if g is None:
         if use_gate_in_kernel:
             raise ValueError("g: required with use_gate_in_kernel=True (the raw gate input)")
@@ -104,7 +98,7 @@ def fused_recurrent_gated_delta_rule(
               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
               use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
               state_layout="vk" if v_first else "kv", impl=impl)
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, gk, gv)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
         o, final = _ForwardOnly.apply(rows, pool_dtype, kw, *args)
     else:
@@ -112,14 +106,14 @@ def fused_recurrent_gated_delta_rule(
     return o, (final if output_final_state else None)
 
 
-def _recur(rows, pool_dtype, kw, q, k, v, g, beta, initial_state, A_log, dt_bias):
+def _recur(rows, pool_dtype, kw, q, k, v, g, beta, initial_state, A_log, dt_bias, gk, gv):
     """Run the decode step over a new pool of ``rows`` holding the initial states (zeros without them): returns
     ``(o, the pool of final states)``."""
     if initial_state is None:
         pool = torch.zeros(rows, dtype=pool_dtype, device=q.device)
     else:
         pool = initial_state.detach().to(pool_dtype, memory_format=torch.contiguous_format, copy=True)
-    o = gated_delta_rule_decode(q, k, v, g, beta, pool, **kw)
+    o = gated_delta_rule_decode(q, k, v, g, beta, pool, gk=gk, gv=gv, **kw)
     return o, pool
 
 
@@ -127,8 +121,8 @@ class _ForwardOnly(torch.autograd.Function):
     """The recurrence for inputs that require grad: computed without a graph, its outputs' backward raises."""
 
     @staticmethod
-    def forward(ctx, rows, pool_dtype, kw, q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return _recur(rows, pool_dtype, kw, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    def forward(ctx, rows, pool_dtype, kw, q, k, v, g, beta, initial_state, A_log, dt_bias, gk, gv):
+        return _recur(rows, pool_dtype, kw, q, k, v, g, beta, initial_state, A_log, dt_bias, gk, gv)
 
     @staticmethod
     def backward(ctx, do, dfinal):

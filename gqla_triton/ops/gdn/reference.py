@@ -63,13 +63,18 @@ def _live_rows(d: torch.Tensor) -> torch.Tensor:
 
 
 def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                   use_qk_l2norm=False, cu_seqlens=None):
+                                   use_qk_l2norm=False, cu_seqlens=None, *, gk=None, gv=None):
     """Token-by-token recurrence: ``S = exp(g_t)·S; S += beta_t·k_t (v_t − Sᵀk_t)ᵀ; o_t = scale·Sᵀq_t``.
 
-    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)`` in the compute dtype.
+    fla's recurrent options: per-key and per-value decays ``gk [B, T, HV, K]`` / ``gv [B, T, HV, V]`` (log space)
+    scale the state's rows / columns by ``exp(gk_t)`` / ``exp(gv_t)`` with ``exp(g_t)``, and a per-value beta
+    ``[B, T, HV, V]`` scales each column of the update. Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or
+    None)`` in the compute dtype (float64 if any input is).
     """
+    f64 = any(t is not None and t.dtype == torch.float64 for t in (gk, gv))
     q, k, v, g, beta, scale, h0, bounds, cdt = _prep(q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
-                                                     cu_seqlens)
+                                                     cu_seqlens, torch.float64 if f64 else None)
+    gk, gv = (t.to(cdt) if t is not None else None for t in (gk, gv))
     B, T, HV, V = v.shape
     K = q.shape[-1]
     o_rows = [[None] * T for _ in range(B)]
@@ -78,8 +83,13 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=N
         S = h0[n] if h0 is not None else torch.zeros(HV, K, V, dtype=cdt, device=q.device)
         for t in range(lo, hi):
             S = S * torch.exp(g[b, t])[:, None, None]
+            if gk is not None:
+                S = S * torch.exp(gk[b, t])[:, :, None]
+            if gv is not None:
+                S = S * torch.exp(gv[b, t])[:, None, :]
             kt = k[b, t]  # [HV, K]
-            delta = beta[b, t][:, None] * (v[b, t] - torch.einsum("hk,hkv->hv", kt, S))
+            bt = beta[b, t] if beta.dim() == 4 else beta[b, t][:, None]  # [HV, V] or [HV, 1]
+            delta = bt * (v[b, t] - torch.einsum("hk,hkv->hv", kt, S))
             S = S + kt[:, :, None] * delta[:, None, :]
             o_rows[b][t] = scale * torch.einsum("hk,hkv->hv", q[b, t], S)
         finals.append(S)
