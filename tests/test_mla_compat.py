@@ -316,6 +316,27 @@ def test_v41_and_no_rope_layouts_through_flash_mla(case, B, s_q, pages, use_len,
     assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if qdt == torch.float32 else 1e-4)
 
 
+def test_sgl_flash_mla_positional_order():
+    """Every argument passed by position in sgl-flash-mla's order (``..., topk_length, extra_topk_length,
+    enable_batch_invariant, use_legacy, kv_format``) gives the keyword call's bits."""
+    g = gen(4)
+    qdt = torch.bfloat16 if P.big else torch.float32
+    q = randn((2, 1, 16, 512), g, dtype=qdt)
+    kv8 = gq.quantize_latent_fp8(randn((3, 16, 1, 512), g, device="cpu"), layout="v32_no_rope").to(P.device)
+    ex8 = gq.quantize_latent_fp8(randn((2, 16, 1, 512), g, device="cpu"), layout="v32_no_rope").to(P.device)
+    idx, idx2 = _rows(g, 2, 1, 24, 48), _rows(g, 2, 1, 8, 32)
+    length = torch.tensor([5, 24], dtype=torch.int32, device=P.device)
+    sink = (randn((16,), g) * 2).float().to(P.device)
+    pos = gq.flash_mla_with_kvcache(q, kv8, None, None, 512, gq.get_mla_metadata()[0], None, 0.07, False, True, idx,
+                                    sink, ex8, idx2, length, None, False, True, "V32_NO_ROPE")
+    kw = gq.flash_mla_with_kvcache(q, kv8, None, None, 512, gq.get_mla_metadata()[0], softmax_scale=0.07,
+                                   is_fp8_kvcache=True, indices=idx, attn_sink=sink, extra_k_cache=ex8,
+                                   extra_indices_in_kvcache=idx2, topk_length=length, use_legacy=True,
+                                   kv_format="V32_NO_ROPE")
+    for a, b in zip(pos, kw, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_kv_format_refusals_change_no_state():
     """``kv_format`` takes FlashMLA's names of k_cache's layout, of its width, for a quantised cache only; a refused
     call leaves the metadata unset."""
