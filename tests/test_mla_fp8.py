@@ -394,6 +394,18 @@ def test_v41_fp4_quantizer_layout_and_error_bound(pages, page, scale, seed):
     assert torch.isnan(d[~finite]).all() and (deq[0, 0, 0, 16:32] == 0).all()
 
 
+@pytest.mark.parametrize("layout", ["v32", "v32_no_rope", "model1", "v41", "v41_fp4"])
+def test_quantisers_take_empty_caches(layout):
+    """No pages, or pages of no token: every layout quantises to an empty cache of its row width and reads back
+    empty (no reshape of zero elements left to infer)."""
+    width = 576 if layout == "v32" else 512
+    for shape in ((0, 4, 1, width), (3, 0, 1, width)):
+        q8 = quantize_latent_fp8(torch.zeros(shape), layout=layout)
+        assert tuple(q8.shape) == shape[:3] + (ROW_BYTES[layout],)
+        back = dequantize_latent_fp8(q8, torch.float64, kv_format=layout)
+        assert tuple(back.shape) == shape
+
+
 def test_v32_no_rope_rows_are_the_v32_rows_without_rope():
     """The 528-byte rows are the first 528 bytes of the 656-byte rows of the same latent values (and read back as
     them); a 528-byte cache is that layout unless ``kv_format`` names V4.1."""

@@ -116,7 +116,7 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """4-bit e2m1 codes (uint8) of float32 ``x``: the nearest value, ties to the even code, saturated at ±6 (NaN: 0;
     the NaN is carried by its tile's scale)."""
     mags = torch.tensor(_E2M1, dtype=torch.float32, device=x.device)
-    a = torch.nan_to_num(x.abs(), nan=0.0, posinf=6.0).clamp_max(6.0)
+    a = torch.nan_to_num(x.abs(), nan=0.0, posinf=6.0).clamp_max(6.0).contiguous()
     mids = (mags[:-1] + mags[1:]) / 2
     lo, hi = torch.bucketize(a, mids), torch.bucketize(a, mids, right=True)  # they differ on a tie only
     code = torch.where((lo != hi) & (lo % 2 == 1), hi, lo)
@@ -263,6 +263,6 @@ def _dequantize_paged(kv_cache: torch.Tensor, layout: str, work: torch.dtype) ->
         vals = tok[..., :lay.quant].contiguous().view(torch.float8_e4m3fn).to(work)
         e = sc.to(torch.float64)
         scale = torch.where(e == 255, float("nan"), torch.exp2(e - 127)).to(work)  # exact, e = 0 too
-    deq = (vals.reshape(nb, bs, -1, lay.tile) * scale[..., None]).reshape(nb, bs, lay.quant)
+    deq = (vals.reshape(nb, bs, lay.quant // lay.tile, lay.tile) * scale[..., None]).reshape(nb, bs, lay.quant)
     rope = tok[..., lay.quant:].contiguous().view(torch.bfloat16).to(work)
     return torch.cat([deq, rope], -1)[:, :, None]
