@@ -104,8 +104,8 @@ def _layouts_512(gq, fm, ctx, name, q, kv, bt, lens, idx, m16, tokens):
     for layout, fmt in (("v32_no_rope", "V32_NO_ROPE"), ("model1", "V4")):
         cache = gq.quantize_latent_fp8(kv5, layout=layout)
         nb = m16.bytes - tokens * (R + DR) * 2 + tokens * cache.shape[-1]
-        runs = [(f"gqla_triton_{layout}", lambda c=cache: lambda: gq.mla_decode(q5, c, bt, lens, R, scale, causal=True,
-                                                                                 indices=idx))]
+        runs = [(f"gqla_triton_{layout}", lambda c=cache, f=layout: lambda: gq.mla_decode(
+            q5, c, bt, lens, R, scale, causal=True, indices=idx, kv_format=f))]
         if fm is not None:
             runs.append((f"flash_mla_{layout}", lambda c=cache, f=fmt: _flash_mla_512(fm, q5, c, bt, idx, scale, f)))
         outs, rows = {}, {}

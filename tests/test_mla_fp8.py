@@ -207,7 +207,7 @@ def test_which_fp8_caches_the_gluon_kernel_takes():
         paged = quantize_latent_fp8(torch.zeros(2, 64, 1, 512), layout=layout)
         assert f"{layout} layout" in gluon_unsupported(q[..., :512], paged, 512, layout)
     no_rope = quantize_latent_fp8(torch.zeros(2, 64, 1, 512), layout="v32_no_rope")
-    assert "v32_no_rope layout" in gluon_unsupported(q[..., :512], no_rope, 512)
+    assert "v32_no_rope layout" in gluon_unsupported(q[..., :512], no_rope, 512, "v32_no_rope")
 
 
 # ---------------------------------------------------------------------------------------------- MODEL1 pages
@@ -408,17 +408,21 @@ def test_quantisers_take_empty_caches(layout):
 
 def test_v32_no_rope_rows_are_the_v32_rows_without_rope():
     """The 528-byte rows are the first 528 bytes of the 656-byte rows of the same latent values (and read back as
-    them); a 528-byte cache is that layout unless ``kv_format`` names V4.1."""
+    them); a 528-byte cache is V4.1 pages unless ``kv_format`` names this layout."""
     x = randn((3, 5, 576), 7, scale=3.0)
     full = quantize_latent_fp8(x)
     short = quantize_latent_fp8(x[..., :512], layout="v32_no_rope")
     assert short.shape == (3, 5, ROW_BYTES["v32_no_rope"])
     assert torch.equal(short.view(torch.uint8), full.view(torch.uint8)[..., :528])
-    assert torch.equal(dequantize_latent_fp8(short, torch.float64),
+    assert torch.equal(dequantize_latent_fp8(short, torch.float64, kv_format="v32_no_rope"),
                        dequantize_latent_fp8(full, torch.float64)[..., :512])
     pages = quantize_latent_fp8(randn((2, 4, 1, 512), 8), layout="v41")
-    assert not torch.equal(dequantize_latent_fp8(pages, torch.float64).nan_to_num(),
-                           dequantize_latent_fp8(pages, torch.float64, kv_format="v41"))
+    assert torch.equal(dequantize_latent_fp8(pages, torch.float64), dequantize_latent_fp8(pages, torch.float64,
+                                                                                        kv_format="v41"))
+    assert not torch.equal(dequantize_latent_fp8(pages, torch.float64, kv_format="v32_no_rope").nan_to_num(),
+                           dequantize_latent_fp8(pages, torch.float64))
+    with pytest.raises(ValueError, match="kv_format='v32_no_rope'"):  # 528-byte rows read as V4.1 pages
+        dequantize_latent_fp8(short)
 
 
 def _layout_case(seed, layout, B, s_q, h_q, page, *, nan_token=False):
@@ -444,11 +448,11 @@ def test_v41_and_no_rope_layouts_vs_reference(layout, B, s_q, page, topk, with_l
                                               seed):
     """Sparse top-k over V4.1 FP8 / fp4 pages and V3.2 rows without rope (dense too: per-token rows, pages of a
     multiple of 16), against the float64 reference of the dequantised cache; junk indices ignored. A 528-byte cache
-    is read as V4.1 only where ``kv_format`` says so."""
+    is read as V3.2 without rope only where ``kv_format`` says so."""
     dense = dense and layout == "v32_no_rope"
     page = 16 if dense else page
     q, kv8, bt, lens, g = _layout_case(seed, layout, B, s_q, HEADS[0], page)
-    fmt = layout if named or layout == "v41" else None
+    fmt = layout if named or layout == "v32_no_rope" else None
     idx = None if dense else torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
     tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len and not dense else None
     cache = kv8.view(torch.uint8) if uint8 else kv8
@@ -471,7 +475,7 @@ def test_nan_in_a_quantised_tile_reaches_only_the_queries_that_select_it(layout)
     bad = int(bt[0, 0]) * 16  # the NaN token's physical row is page bt[0, 0], slot 0: logical position 0 of seq 0
     idx = torch.randint(1, 40, (2, 2, 16), generator=g).int().to(P.device)
     idx[0, 1, 3] = 0  # only query token 1 of sequence 0 selects position 0
-    fmt = "v41" if layout == "v41" else None
+    fmt = "v32_no_rope" if layout == "v32_no_rope" else None
     out, lse = _call(q, kv8, bt, lens, 512, indices=idx, kv_format=fmt)
     deq = dequantize_latent_fp8(kv8.cpu(), torch.float64, kv_format=fmt)
     assert torch.isnan(deq.reshape(-1, 512)[bad]).any()
@@ -498,8 +502,11 @@ def test_layout_refusals_name_the_argument():
         mla_decode(q, kv8, bt, lens, 512, kv_format="v41")
     with pytest.raises(ValueError, match="^q / head_dim_v: FlashMLA's V4.1 FP8 pages"):
         mla_decode(q, kv8, bt, lens, 448, indices=idx, kv_format="v41")
-    with pytest.raises(ValueError, match="^q / head_dim_v: FlashMLA's V3.2 FP8 \\(no rope\\) rows"):
+    with pytest.raises(ValueError, match="^q / head_dim_v: FlashMLA's V4.1 FP8 pages"):
         mla_decode(torch.zeros(2, 1, 16, 576, dtype=QDT, device=P.device), kv8, bt, lens, 512, indices=idx)
+    with pytest.raises(ValueError, match="^q / head_dim_v: FlashMLA's V3.2 FP8 \\(no rope\\) rows"):
+        mla_decode(torch.zeros(2, 1, 16, 576, dtype=QDT, device=P.device), kv8, bt, lens, 512, indices=idx,
+                   kv_format="v32_no_rope")
     with pytest.raises(ValueError, match="are read in place"):
         mla_decode(q, kv8.view(torch.uint8).transpose(0, 1), bt, lens, 512, indices=idx, kv_format="v41")
     fp4 = quantize_latent_fp8(torch.zeros(4, 16, 1, 512), layout="v41_fp4").to(P.device)

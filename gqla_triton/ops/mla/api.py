@@ -278,10 +278,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             ``head_dim_v`` channels of its row. ``page_size`` a multiple of 16 (any size for sparse calls). Or
             FlashMLA's FP8 latent cache ``[num_pages, page_size, 1, 656]`` float8_e4m3fn (or uint8; ``fp8.py``: 512
             e4m3 latent values, a float32 scale per 128, 64 bf16 rope values) with D = 576, ``head_dim_v`` 512 and q
-            bf16 (fp32 exact); ``quantize_latent_fp8`` writes it; or its 528-byte rows without rope (D = 512).
-            Sparse calls also read FlashMLA's paged layouts (D = ``head_dim_v`` = 512): MODEL1 FP8 pages ``[num_pages,
-            page_size, 1, 584]``, V4.1 FP8 pages ``[..., 528]`` (``kv_format="v41"``) and V4.1 fp4 pages ``[...,
-            288]``. Or, with ``k_descale``, a float8_e4m3fn cache ``[num_pages, page_size, 1, D]`` scaled per tensor
+            bf16 (fp32 exact); ``quantize_latent_fp8`` writes it; or its 528-byte rows without rope (D = 512;
+            ``kv_format="v32_no_rope"``). Sparse calls also read FlashMLA's paged layouts (D = ``head_dim_v`` = 512):
+            MODEL1 FP8 pages ``[num_pages, page_size, 1, 584]``, V4.1 FP8 pages ``[..., 528]`` and V4.1 fp4 pages
+            ``[..., 288]``. Or, with ``k_descale``, a float8_e4m3fn cache ``[num_pages, page_size, 1, D]`` scaled per tensor
             (vLLM's ``kv_cache_dtype="fp8"``): key = ``k_descale · row``.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Pages outside the table or the cache are ignored.
@@ -307,8 +307,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
             float8_e4m3fn q (out is then bfloat16, as FlashMLA's), and a bf16 / fp16 / fp32 q takes none. The
             portable kernel runs these calls (``impl="gluon"`` refuses them).
         kv_format: the layout of a quantised cache (``fp8.KV_FORMATS``: ``"v32"``, ``"v32_no_rope"``,
-            ``"model1"``, ``"v41"``, ``"v41_fp4"``); None: told by the row width, 528 bytes being ``"v32_no_rope"``
-            (FlashMLA's rule: V3.2 without rope and V4.1 share that width).
+            ``"model1"``, ``"v41"``, ``"v41_fp4"``); None: told by the row width, 528 bytes being ``"v41"``
+            (upstream FlashMLA's rule: V3.2 without rope shares that width and is named).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 

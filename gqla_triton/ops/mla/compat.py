@@ -26,8 +26,8 @@ family here: it only tells a 528-byte cache's layout, as below), ``kv_format`` a
 a float8_e4m3fn q and cache of 576 channels scaled per tensor by ``descale_q`` / ``descale_k`` (vLLM's
 ``kv_cache_dtype="fp8"``), out in bfloat16. The quantised layouts (``fp8.py``) are told by the row width: 656 bytes
 per token V3.2, 584 V4 (MODEL1), 288 V4.1 fp4, and 528 either V4.1 or V3.2 without rope, which ``kv_format`` ("V32",
-"V32_NO_ROPE", "V4", "V41", "V41_FP4") names; without it 528 bytes are V4.1 (sgl-flash-mla's current kernels) or,
-with ``use_legacy=True``, V3.2 without rope (its legacy kernels). ``extra_k_cache`` takes ``k_cache``'s layout where
+"V32_NO_ROPE", "V4", "V41", "V41_FP4") names; without it 528 bytes are V4.1 (upstream FlashMLA's rule, and
+sgl-flash-mla's current kernels) or, with ``use_legacy=True``, V3.2 without rope (sgl-flash-mla's legacy kernels). ``extra_k_cache`` takes ``k_cache``'s layout where
 its width is that layout's, else the layout of its width (a V4.1 fp4 extra cache beside a V4.1 one).
 
 Beyond FlashMLA: sparse calls take a bf16 / fp16 cache as well as the FP8 one, dense calls the FP8 one as well as
@@ -132,7 +132,8 @@ def _layouts(k_cache, extra_k_cache, kv_format, use_legacy: bool) -> tuple[str |
             raise ValueError(f"kv_format: {kv_format!r} is a layout of {ROW_BYTES[main]} bytes per token, got "
                              f"k_cache of last dim {k_cache.shape[-1]}")
     else:
-        main = "v41" if is_fp8_latent(k_cache) and k_cache.shape[-1] == ROW_BYTES["v41"] and not use_legacy else None
+        legacy_528 = use_legacy and is_fp8_latent(k_cache) and k_cache.shape[-1] == ROW_BYTES["v32_no_rope"]
+        main = "v32_no_rope" if legacy_528 else None  # else told by the width (528 bytes: V4.1)
     extra = None
     if extra_k_cache is not None and is_fp8_latent(extra_k_cache):
         like = main or fp8_layout(k_cache)

@@ -26,8 +26,8 @@ row]`` (float8_e4m3fn or uint8) whose elements are the first ``page_size · row`
 (strides ``(page stride, row, row, 1)``; FlashMLA pads each page to a multiple of 576 bytes (model1) or 512 bytes
 (v41, v41_fp4)). FlashMLA reads them in sparse decoding only, and so do the kernels here.
 
-V3.2 without rope and V4.1 share 528 bytes per token: a 528-byte cache is ``"v32_no_rope"`` unless the caller
-names ``"v41"`` (FlashMLA's ``kv_format``, the same rule). ``quantize_latent_fp8`` writes every layout,
+V3.2 without rope and V4.1 share 528 bytes per token: a 528-byte cache is ``"v41"`` unless the caller names
+``"v32_no_rope"`` (upstream FlashMLA's rule for its ``kv_format``). ``quantize_latent_fp8`` writes every layout,
 ``dequantize_latent_fp8`` reads it back exactly (what the kernels and the float64 reference compute from);
 ``is_fp8_latent`` tells a quantised cache by its dtype, ``fp8_layout`` its layout by its row width and the name.
 """
@@ -75,7 +75,7 @@ M1_ROW_BYTES = M1_TOKEN_BYTES + PAGED["model1"].scales  # 584: a token's share o
 ROW_BYTES = {"v32": FP8_ROW_BYTES, "v32_no_rope": FP8_ROPE_OFF,
              **{name: lay.token + lay.scales for name, lay in PAGED.items()}}
 KV_FORMATS = tuple(ROW_BYTES)
-_BY_WIDTH = {656: "v32", 528: "v32_no_rope", 584: "model1", 288: "v41_fp4"}  # 528: V3.2 without rope, as FlashMLA
+_BY_WIDTH = {656: "v32", 528: "v41", 584: "model1", 288: "v41_fp4"}  # 528: V4.1, as FlashMLA (no rope: by name)
 
 
 def is_fp8_latent(kv_cache: torch.Tensor) -> bool:
@@ -92,7 +92,7 @@ def check_kv_format(kv_format) -> str | None:
 
 def fp8_layout(kv_cache: torch.Tensor, kv_format: str | None = None) -> str | None:
     """The layout of a quantised cache: ``kv_format`` where its row width is that layout's, else (``kv_format``
-    None) the layout of that width (528 bytes: ``"v32_no_rope"``); None for another dtype or width."""
+    None) the layout of that width (528 bytes: ``"v41"``); None for another dtype or width."""
     if not is_fp8_latent(kv_cache) or kv_cache.dim() < 1:
         return None
     if kv_format is not None:
@@ -220,7 +220,7 @@ def dequantize_latent_fp8(kv_cache: torch.Tensor, dtype: torch.dtype = torch.flo
     i.e. the exact product rounded once, as the kernels form it, or in float64 for ``dtype`` float64, where it is
     exact; the rope values as stored): ``[..., 656]`` rows -> ``[..., 576]``, ``[..., 528]`` rows -> ``[..., 512]``,
     paged layouts ``[num_pages, page_size, 1, row]`` -> ``[num_pages, page_size, 1, 512]``. ``kv_format``: the
-    layout (``KV_FORMATS``; None: told by the row width, 528 bytes being ``"v32_no_rope"``)."""
+    layout (``KV_FORMATS``; None: told by the row width, 528 bytes being ``"v41"``)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
         raise TypeError(f"dtype: expected a floating torch.dtype of 16 bits or more, got {dtype!r}")
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype not in FP8_DTYPES:
@@ -234,8 +234,9 @@ def dequantize_latent_fp8(kv_cache: torch.Tensor, dtype: torch.dtype = torch.flo
     work = torch.float64 if dtype == torch.float64 else torch.float32
     if layout in PAGED:
         if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
+            hint = " (528-byte rows without rope: kv_format='v32_no_rope')" if layout == "v41" else ""
             raise ValueError(f"kv_cache: {layout} pages are [num_pages, page_size, 1, {ROW_BYTES[layout]}] (one "
-                             f"latent head), got shape {list(kv_cache.shape)}")
+                             f"latent head), got shape {list(kv_cache.shape)}{hint}")
         return _dequantize_paged(kv_cache, layout, work).to(dtype)
     b = kv_cache.contiguous().view(torch.uint8)
     lead = b.shape[:-1]
