@@ -51,7 +51,7 @@ __all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache"
 
 _LOG2E = 1.4426950408889634
 # FlashMLA's kv_format names -> fp8.py's layouts
-KV_FORMATS = {"V32": "v32", "V32_NO_ROPE": "v32_no_rope", "V4": "model1", "V41": "v41", "V41_FP4": "v41_fp4"}
+FLASH_MLA_KV_FORMATS = {"V32": "v32", "V32_NO_ROPE": "v32_no_rope", "V4": "model1", "V41": "v41", "V41_FP4": "v41_fp4"}
 
 
 @dataclasses.dataclass
@@ -122,12 +122,12 @@ def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
 def _layouts(k_cache, extra_k_cache, kv_format, use_legacy: bool) -> tuple[str | None, str | None]:
     """The ``fp8.py`` layouts of the two caches (module docstring; None: not quantised, or told by the row width)."""
     if kv_format is not None:
-        if not isinstance(kv_format, str) or kv_format not in KV_FORMATS:
-            raise ValueError(f"kv_format: expected None or one of {tuple(KV_FORMATS)}, got {kv_format!r}")
+        if not isinstance(kv_format, str) or kv_format not in FLASH_MLA_KV_FORMATS:
+            raise ValueError(f"kv_format: expected None or one of {tuple(FLASH_MLA_KV_FORMATS)}, got {kv_format!r}")
         if not is_fp8_latent(k_cache):
             raise ValueError(f"kv_format: names the layout of a quantised k_cache (uint8 / float8_e4m3fn), got "
                              f"{kv_format!r} with a {k_cache.dtype} cache")
-        main = KV_FORMATS[kv_format]
+        main = FLASH_MLA_KV_FORMATS[kv_format]
         if ROW_BYTES[main] != k_cache.shape[-1]:
             raise ValueError(f"kv_format: {kv_format!r} is a layout of {ROW_BYTES[main]} bytes per token, got "
                              f"k_cache of last dim {k_cache.shape[-1]}")
