@@ -1,6 +1,6 @@
-"""GQLA absorb path / DeepSeek MLA: ``mla_decode`` (dense + sparse, bf16 / fp16 / fp32 caches or FlashMLA's FP8
-latent layout), ``mla_sparse_prefill`` (per-token top-k rows, with max_logits), their float64 references, the FP8
-layout's quantiser, and FlashMLA's interface over them (``compat.py``)."""
+"""GQLA absorb path / DeepSeek MLA: ``mla_decode`` (dense + sparse, bf16 / fp16 / fp32 caches or FlashMLA's quantised
+latent layouts), ``mla_sparse_prefill`` (per-token top-k rows, with max_logits), their float64 references, the
+layouts' quantiser, and FlashMLA's interface over them (``compat.py``)."""
 
 from .api import SparsePrefillOutput, mla_decode, mla_sparse_prefill
 from .compat import (
