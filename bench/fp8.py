@@ -33,6 +33,7 @@ import torch
 
 from bench.common import time_graph_ms, try_import
 from bench.mla import _flash_mla_dense, _flash_mla_sparse, _physical, make_inputs
+from gqla_triton.ops.mla.fp8 import E4M3_MAX
 from gqla_triton.roofline import MLA_WORKLOADS, mla_decode_model
 
 R, DR = 512, 64
@@ -68,8 +69,8 @@ def _flash_mla_fp8(fm, q, kv8, bt, idx, scale):
 
 def _per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` in float8_e4m3fn scaled per tensor (amax / 448) and its float32 ``[1]`` descale."""
-    d = (x.float().abs().amax() / 448).clamp(min=1e-12).reshape(1)
-    return (x.float() / d).clamp(-448, 448).to(torch.float8_e4m3fn), d
+    d = (x.float().abs().amax() / E4M3_MAX).clamp(min=1e-12).reshape(1)
+    return (x.float() / d).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), d
 
 
 def _flash_mla_fp8_scaled(fm, q8, kv8s, bt, lens, qd, kd, scale):
@@ -169,7 +170,7 @@ def run(names, ctx, anchors=True):
                 print(f"[bench.fp8] {name}: flash_mla failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         if topk:
             _layouts_512(gq, fm, ctx, name, q, kv, bt, lens, idx, m16, tokens)
-        if not topk:  # the cache scaled per tensor: ours and FlashMLA's dense FP8 kernel over the same bytes
+        else:  # the cache scaled per tensor: ours and FlashMLA's dense FP8 kernel over the same bytes
             (q8, qd), (kv8s, kd) = _per_tensor(q), _per_tensor(kv)
             bs = m16.bytes - tokens * (R + DR) * 2 + tokens * (R + DR)
             runs = [("gqla_triton_fp8_scaled", lambda: lambda: gq.mla_decode(

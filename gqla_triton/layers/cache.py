@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from ..ops._common.validation import INT32_MAX, check_float_dtype, check_positive_int
-from ..ops.mla.fp8 import FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
+from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import append_rows, append_rows_torch
 
 __all__ = ["PagedCache", "LatentCache", "GroupedCache"]
@@ -60,8 +60,15 @@ _INDEX_CACHE_SIZE = 64  # slot-index tensors kept per cache (one per distinct tu
 _MISSING = object()
 
 
-_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
-_SCALED_COMPUTE = (torch.bfloat16, torch.float16, torch.float32)  # the q dtypes a cache scaled per tensor serves
+
+
+def latent_compute_dtypes(dtype: torch.dtype, scaled: bool) -> tuple[torch.dtype, ...]:
+    """The query dtypes a ``LatentCache`` of ``dtype`` serves, its default first: FlashMLA's FP8 layout bf16 or
+    float32 (its rope values are bf16), a float8 cache scaled per tensor (``scaled``) bf16, fp16 or float32, any
+    other cache its own dtype."""
+    if dtype == torch.float8_e4m3fn:
+        return (torch.bfloat16, torch.float16, torch.float32) if scaled else (torch.bfloat16, torch.float32)
+    return (dtype,)
 
 
 def _is_int(v) -> bool:
@@ -505,7 +512,7 @@ class LatentCache(PagedCache):
             raise ValueError(f"kv_rank/rope_dim: the FP8 latent layout holds {FP8_LATENT} latent + {FP8_ROPE} rope "
                              f"values per token, got {kv_rank}/{rope_dim} (k_scale: a cache scaled per tensor holds "
                              "any widths)")
-        allowed = (torch.bfloat16, torch.float32) if fp8 else _SCALED_COMPUTE if scaled else (dtype,)
+        allowed = latent_compute_dtypes(dtype, scaled)
         if compute_dtype is not None and compute_dtype not in allowed:
             raise ValueError(f"compute_dtype: expected None or one of {allowed} for a {dtype} cache, got "
                              f"{compute_dtype!r}")
@@ -547,7 +554,7 @@ class LatentCache(PagedCache):
             dst = self.kv.view(torch.uint8).view(-1, FP8_ROW_BYTES)
         elif self.k_scale is not None:
             D = self.kv_rank + self.rope_dim
-            val = (val.to(torch.float32) / self.k_scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(self.dtype)
+            val = (val.to(torch.float32) / self.k_scale).clamp(-E4M3_MAX, E4M3_MAX).to(self.dtype)
             val, dst = val.view(torch.uint8).reshape(-1, D), self.kv.view(torch.uint8).view(-1, D)
         else:
             D = self.kv_rank + self.rope_dim

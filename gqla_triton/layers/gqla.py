@@ -47,7 +47,7 @@ from ..ops._common.validation import (
     requires_grad,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
-from .cache import GroupedCache, LatentCache
+from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
 from .rope import apply_rope, cached_inv_freq
@@ -187,10 +187,9 @@ class GQLAttention(nn.Module):
         if path == "auto":
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
         if path == "absorb":
-            # an FP8 latent cache computes in the layer's dtype where it can (bf16, or fp32 exact; fp16 too scaled
-            # per tensor)
-            served = (torch.bfloat16, torch.float32) + ((torch.float16,) if k_scale is not None else ())
-            compute = w.dtype if dtype == torch.float8_e4m3fn and w.dtype in served else None
+            # an 8-bit latent cache computes in the layer's dtype where it serves it
+            compute = (w.dtype if dtype == torch.float8_e4m3fn
+                       and w.dtype in latent_compute_dtypes(dtype, k_scale is not None) else None)
             return LatentCache(max_batch, max_seqlen, self.kv_rank, self.rope_dim, page_size=page_size,
                                num_pages=num_pages, dtype=dtype, device=device, auto_reserve=auto_reserve,
                                compute_dtype=compute, k_scale=k_scale)

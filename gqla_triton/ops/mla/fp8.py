@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FP8_ROW_BYTES", "FP8_LATENT", "FP8_ROPE", "FP8_TILE", "KV_FORMATS", "M1_ROW_BYTES", "M1_TOKEN_BYTES",
+__all__ = ["E4M3_MAX", "FP8_ROW_BYTES", "FP8_LATENT", "FP8_ROPE", "FP8_TILE", "KV_FORMATS", "M1_ROW_BYTES", "M1_TOKEN_BYTES",
            "M1_NOPE", "PAGED", "ROW_BYTES", "check_kv_format", "dequantize_latent_fp8", "fp8_layout", "is_fp8_latent",
            "quantize_latent_fp8"]
 
@@ -49,7 +49,7 @@ FP8_SCALES = FP8_LATENT // FP8_TILE
 FP8_SCALE_OFF = FP8_LATENT  # byte offset of the scales
 FP8_ROPE_OFF = FP8_LATENT + 4 * FP8_SCALES  # byte offset of the rope values (528)
 FP8_ROW_BYTES = FP8_ROPE_OFF + 2 * FP8_ROPE  # 656
-_E4M3_MAX = 448.0
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by the code's three low bits (bit 3: the sign)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -153,15 +153,15 @@ def _quantize_paged(kv: torch.Tensor, layout: str) -> torch.Tensor:
     amax = torch.where(finite, vals.abs().amax(-1), torch.zeros_like(finite, dtype=torch.float32))
     out, tok, sc = _page_bytes(kv, layout)
     if lay.fp4:
-        scale = (amax / 6.0).clamp(2.0**-9, _E4M3_MAX).to(torch.float8_e4m3fn)
+        scale = (amax / 6.0).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn)
         scale = torch.where(finite, scale.float(), float("nan"))
         codes = _e2m1_codes(vals / scale.nan_to_num(1.0)[..., None]).reshape(nb, bs, lay.quant)
         tok[:] = codes[..., 0::2] | (codes[..., 1::2] << 4)
         sc[:] = scale.to(torch.float8_e4m3fn).view(torch.uint8)
         return out
-    scale = _pow2_ceil((amax / _E4M3_MAX).clamp(min=2.0**-126))
+    scale = _pow2_ceil((amax / E4M3_MAX).clamp(min=2.0**-126))
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
-    q8 = (vals / torch.where(finite, scale, 1.0)[..., None]).clamp(-_E4M3_MAX, _E4M3_MAX)
+    q8 = (vals / torch.where(finite, scale, 1.0)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     q8 = torch.where(finite[..., None], q8, vals)
     tok[..., :lay.quant] = q8.reshape(nb, bs, lay.quant).to(torch.float8_e4m3fn).view(torch.uint8)
     tok[..., lay.quant:] = x[..., lay.quant:].to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -198,12 +198,12 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     lat = kv[..., :FP8_LATENT].float().reshape(*lead, FP8_SCALES, FP8_TILE)
     amax = lat.abs().amax(-1)
     finite = torch.isfinite(lat).all(-1)
-    scale = amax / _E4M3_MAX
+    scale = amax / E4M3_MAX
     if pow2_scales:
         scale = torch.where(scale > 0, _pow2_ceil(scale), scale)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     div = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q8 = (lat / div[..., None]).clamp(-_E4M3_MAX, _E4M3_MAX)
+    q8 = (lat / div[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     q8 = torch.where(finite[..., None], q8, lat)  # a non-finite tile keeps its NaN / inf (its scale is NaN)
     out = torch.empty(*lead, ROW_BYTES[layout], dtype=torch.uint8, device=kv.device)
     out[..., :FP8_LATENT] = q8.reshape(*lead, FP8_LATENT).to(torch.float8_e4m3fn).view(torch.uint8)
