@@ -346,14 +346,14 @@ def test_head_dims_of_any_size(T, G, K, V, varlen, seg, dtype, seed):
     _check_vs_refs(ins, dtype, grads, cu=cu, over=over)
 
 
-@pytest.mark.parametrize("chunk_size", pick([16, 32], [32]))
+@pytest.mark.parametrize("chunk_size", [16, 32])
 @settings(max_examples=examples(4, 8))
 @given(lens=st.lists(st.integers(0, pick(90, 300)), min_size=1, max_size=3), varlen=st.booleans(),
        G=st.sampled_from([1, 2]), seg=st.booleans(), l2=st.booleans(), dtype=dtypes(), seed=seeds())
 def test_chunk_sizes_16_and_32(chunk_size, lens, varlen, G, seg, l2, dtype, seed):
-    """fla's chunk_size 16 / 32 (the GPU kernels take 32): the same function as 64 (one or two 16-row blocks per WY
-    inverse), forward and all six gradients against the float64 recurrence, dense or varlen (empty sequences too),
-    GVA, sequence splitting."""
+    """fla's chunk_size 16 / 32 (the GPU kernels run 16 as 32): the same function as 64 (one or two 16-row blocks per
+    WY inverse), forward and all six gradients against the float64 recurrence, dense or varlen (empty sequences
+    too), GVA, sequence splitting."""
     H, K, V = 1, pick(16, 64), pick(16, 64)
     if varlen:
         T = max(sum(lens), 1)
@@ -387,16 +387,47 @@ def test_chunk_sizes_stay_in_bounds(chunk_size):
     ac.assert_clean()
 
 
+def test_kernel_chunk(monkeypatch):
+    """The GPU kernels run 16-token chunks as 32 (every wy_bwd product would be 16 deep, the tile width Triton 3.6
+    miscompiles there on sm_90); the interpreter, the CPU and the reference run what is asked."""
+    for size in (16, 32, 64):
+        assert plan_mod.kernel_chunk(size, torch.device("cpu"), "auto") == size
+    monkeypatch.setattr(plan_mod, "is_interpreter", lambda: False)
+    assert plan_mod.kernel_chunk(16, torch.device("cuda", 0), "auto") == 32
+    assert plan_mod.kernel_chunk(16, torch.device("cuda", 0), "triton") == 32
+    assert plan_mod.kernel_chunk(16, torch.device("cuda", 0), "reference") == 16
+    for size in (32, 64):
+        assert plan_mod.kernel_chunk(size, torch.device("cuda", 0), "auto") == size
+    monkeypatch.setattr(plan_mod, "is_interpreter", lambda: True)
+    assert plan_mod.kernel_chunk(16, torch.device("cuda", 0), "auto") == 16
+
+
 @pytest.mark.gpu_only
-def test_gpu_refuses_16_token_chunks():
-    """chunk_size=16 would make every product of wy_bwd 16 deep (the tile width Triton 3.6 miscompiles there on
-    sm_90): refused by name on the GPU; the reference takes it."""
-    ins = [t.to(P.device, torch.bfloat16 if i < 5 else torch.float32)
-           for i, t in enumerate(_inputs(0, 1, 40, 1, 1, 64, 64, 1))]
-    with pytest.raises(ValueError, match="chunk_size=16 is not supported by the GPU kernels"):
-        chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], chunk_size=16)
-    o, _ = chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], chunk_size=16, impl="reference")
-    assert o.shape == (1, 40, 1, 64)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_runs_16_token_chunks_as_32(varlen):
+    """On the GPU chunk_size=16 is chunk_size=32 bit for bit (forward and all six gradients), fla's chunk_indices
+    still count 16-token chunks, and the reference runs 16 itself."""
+    T, N = 100, 2 if varlen else 1
+    ins = _inputs(0, 1, T, 1, 2, 64, 64, N)
+    cu = torch.tensor([0, 37, T], dtype=torch.int32, device=P.device) if varlen else None
+    do, dht = randn((1, T, 2, 64), 1, device=P.device), randn((N, 2, 64, 64), 2, device=P.device)
+    outs = []
+    for size in (16, 32):
+        xs = [t.to(P.device, torch.bfloat16 if i < 5 else torch.float32).requires_grad_() for i, t in enumerate(ins)]
+        extra = {}
+        if varlen:
+            extra["chunk_indices"] = torch.tensor([(n, c) for n, L in enumerate((37, T - 37))
+                                                   for c in range(-(-L // size))], device=P.device)
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                       chunk_size=size, **extra)
+        torch.autograd.backward([o, ht], [do.to(o.dtype), dht])
+        outs.append([o.detach(), ht.detach(), *(x.grad for x in xs)])
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outs, strict=True):
+        assert torch.equal(a, b), f"{name}: chunk_size 16 differs from 32"
+    xs = [t.to(P.device, torch.bfloat16 if i < 5 else torch.float32) for i, t in enumerate(ins)]
+    o16, _ = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=cu, chunk_size=16, impl="reference")
+    o32, _ = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=cu, chunk_size=32, impl="reference")
+    assert o16.shape == o32.shape == (1, T, 2, 64) and not torch.equal(o16, o32)
 
 
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
@@ -847,7 +878,7 @@ def test_torch_compile_inference(varlen, save_states):
         assert torch.equal(a, b), f"{name}: compiled differs from eager"
 
 
-@pytest.mark.parametrize("chunk_size", pick([16, 32], [32]))
+@pytest.mark.parametrize("chunk_size", [16, 32])
 def test_chunk_size_under_compile_and_over_a_pool(chunk_size):
     """chunk_size through the traced custom ops (a training step under ``torch.compile(fullgraph=True)``, aot_eager:
     forward and backward plan with it) equals eager bitwise; the pooled (inference) call with it writes the same

@@ -150,12 +150,15 @@ def _pool_call(**kw):
 def test_flags_take_bools_and_name_a_tensor_in_their_place():
     """``output_final_state`` and ``use_qk_l2norm_in_kernel`` of the three GDN functions take a bool (or 0 / 1); a
     tensor there (cu_seqlens passed ninth, as some fla forks order it) is a TypeError naming the flag, not torch's
-    ambiguous-truth error."""
+    ambiguous-truth error; a bool tenth (fla 0.6's use_beta_sigmoid_in_kernel) is a TypeError naming cu_seqlens."""
     q, k, v, g, beta = _inputs(1, 8, 61)
     cu = torch.tensor([0, 3, 8], device=P.device)
     with pytest.raises(TypeError, match=r"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape \[3\] "
                                         r"\(cu_seqlens is the tenth argument"):
         chunk_gated_delta_rule(q, k, v, g, beta, None, None, False, cu)
+    for flag in (False, True):  # fla 0.6's positional order: use_beta_sigmoid_in_kernel tenth
+        with pytest.raises(TypeError, match=r"cu_seqlens: expected a torch.Tensor or None, got a bool .*fla 0.6"):
+            chunk_gated_delta_rule(q, k, v, g, beta, None, None, False, False, flag)
     for bad in ("yes", 2, 0.5, torch.tensor(True)):
         for name in ("output_final_state", "use_qk_l2norm_in_kernel"):
             with pytest.raises(TypeError, match=f"{name}: expected a bool"):

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ...dispatch import device_info, is_interpreter
+from ...dispatch import device_info
 from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import (
@@ -291,11 +291,10 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
     return o.to(v.dtype), ht
 
 
-def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int,
-                 impl: str) -> tuple[int, torch.device]:
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, torch.device]:
     """The checks of the chunked op's tensors every entry point shares (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
-    g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims and chunk size the kernels
-    take); initial_state only joins the device check. Returns (N, the device)."""
+    g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims the kernels take); initial_state
+    only joins the device check. Returns (N, the device)."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, K = q.shape
     check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
@@ -310,11 +309,6 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int,
     for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
         if d <= 0 or d > 256:
             raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
-    if impl != "reference" and torch.device(dev).type == "cuda" and not is_interpreter():
-        # Triton 3.6 on sm_90 miscompiles wy_bwd's 16-wide products; 16-token chunks would make every one 16 deep
-        if chunk_size == 16:
-            raise ValueError("chunk_size=16 is not supported by the GPU kernels (32 and 64 are; impl='reference' "
-                             "and the CPU interpreter take 16)")
     if T < 1 or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
     N = B
@@ -390,8 +384,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``state_v_first=True`` is the same as ``"vk"``; its deprecated name ``transpose_state_layout`` is taken
             as fla takes it (a ``DeprecationWarning``; a ``ValueError`` together with ``state_v_first=True``).
         chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
-            function at every size, rounded differently; 64 is the tuned one; 16 not on the GPU). fla's
-            ``chunk_indices`` then count chunks of this size.
+            function at every size, rounded differently; 64 is the tuned one; the GPU kernels run 16 as 32,
+            ``plan.kernel_chunk``). fla's ``chunk_indices`` count chunks of this size.
         impl: ``"auto"``: this GPU's table decides (the H200's runs a forward without gradient of at least 4096
             chunk x value-head units through the Hopper Gluon kernel where it applies, the Triton kernels
             otherwise); ``"triton"``: the portable Triton kernels only; ``"gluon"``: the forward without gradient
@@ -424,9 +418,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         raise TypeError(f"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape "
                         f"{list(use_qk_l2norm_in_kernel.shape)} (cu_seqlens is the tenth argument here, as in fla: "
                         "pass it by keyword)")
+    if isinstance(cu_seqlens, bool):  # fla 0.6 puts use_beta_sigmoid_in_kernel tenth, cu_seqlens thirteenth
+        raise TypeError("cu_seqlens: expected a torch.Tensor or None, got a bool (cu_seqlens is the tenth argument "
+                        "here, as in FlashQLA; fla 0.6 puts use_beta_sigmoid_in_kernel there: pass options by "
+                        "keyword)")
     use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     output_final_state = check_flag("output_final_state", output_final_state)
-    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, impl)
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
@@ -452,6 +450,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     else:
         cu_host = plan_mod.host_bounds(cu_seqlens, T, need=impl == "reference")
     check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
+    bt = plan_mod.kernel_chunk(chunk_size, dev, impl)
     if state_indices is not None and not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, initial_state.shape[0])
     if impl == "reference":
@@ -460,9 +459,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             g = gate_ref(g.to(torch.promote_types(g.dtype, torch.float32)), A_log, dt_bias)
         if state_indices is not None:
             return _reference_pool(q, k, v, g, beta, float(scale), initial_state, state_indices,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host, v_first, chunk_size)
+                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_host, v_first, bt)
         return _reference(q, k, v, g, beta, float(scale), initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                          cu_seqlens, cu_host, v_first, chunk_size)
+                          cu_seqlens, cu_host, v_first, bt)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -478,8 +477,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if state_indices is not None:  # inference only (_check_pool_call): grad is False
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
-                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size, impl), None
+                   v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, bt, impl), None
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save_states and grad, grad, v_first,
-                    use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, chunk_size, impl)
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, bt, impl)
     return o, (ht if output_final_state else None)

@@ -28,7 +28,7 @@ CHUNK = 64  # FlashQLA's chunk on Hopper (its A is [B, T, HV, 64])
 def _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
     """Checks both entry points share; returns (N, scale, v_first, state row shape)."""
     v_first = check_flag("state_v_first", state_v_first)
-    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, CHUNK, "auto")
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]
     row = (HV, V, K) if v_first else (HV, K, V)
     if initial_state is not None:

@@ -15,14 +15,14 @@ from typing import NamedTuple
 
 import torch
 
-from ...dispatch import DeviceInfo, device_info, select_config
+from ...dispatch import DeviceInfo, device_info, is_interpreter, select_config
 from .._common.alloc import empty
 from .._common.host import cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
 from .kernels.plan import gdn_plan_kernel
 
 __all__ = ["BT", "CHUNK_SIZES", "ChunkPlan", "SegPlan", "chunk_plan", "config_key", "device_plan", "host_bounds",
-           "host_cu_seqlens", "plans_on_device", "read_cu_seqlens", "seg_len"]
+           "host_cu_seqlens", "kernel_chunk", "plans_on_device", "read_cu_seqlens", "seg_len"]
 
 BT = 64  # the default chunk size (fla's)
 CHUNK_SIZES = (16, 32, 64)  # the chunk sizes the kernels take (fla's set)
@@ -65,6 +65,16 @@ class ChunkPlan(NamedTuple):
     @property
     def varlen(self) -> bool:
         return self.cu is not None
+
+
+def kernel_chunk(chunk_size: int, device: torch.device, impl: str) -> int:
+    """The chunk the kernels run for a call asking for ``chunk_size`` on ``device`` with ``impl``: the same, except
+    that the GPU kernels run 16 as 32. The chunk size changes rounding only (the function is the same at every
+    size); at 16 every product of the backward's ``wy_bwd`` stage would be 16 deep, the tile width Triton 3.6
+    miscompiles there on sm_90. The interpreter and ``impl="reference"`` run 16."""
+    if chunk_size == 16 and impl != "reference" and torch.device(device).type == "cuda" and not is_interpreter():
+        return 32
+    return chunk_size
 
 
 def config_key(K: int, V: int) -> dict:
