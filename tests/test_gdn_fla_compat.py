@@ -13,6 +13,7 @@ import pytest
 import torch
 from harness import P, assert_close, rand, randn
 
+import gqla_triton.ops.gdn.plan as plan_mod
 from gqla_triton.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_delta_rule_decode
 from gqla_triton.ops.gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 
@@ -521,3 +522,131 @@ def test_fla_and_flash_qla_keywords_under_torch_compile():
         want = f(q, k, v, g, beta, h0)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+GRAPH_OPTIONS = [dict(use_graph=True), dict(use_graph=False), dict(graph_mode="force_graph"), dict(graph_mode="auto"),
+                 dict(graph_mode="eager", use_graph=True),
+                 dict(use_graph=True, graph_t_max=70, graph_n_max=3, graph_nt_max=5, graph_actual_tokens=70,
+                      graph_actual_sequences=2, graph_actual_nt=2, min_graph_utilization=0.5)]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunk_takes_flas_graph_options(grad, monkeypatch):
+    """fla's CUDA-graph options at any valid value change no result (outputs, final states, gradients bit for bit),
+    fla's fixed-capacity chunk_indices / chunk_offsets included; a graph call plans from cu_seqlens on its device
+    even where a host copy (cu_seqlens_cpu) is given, an eager one from the host copy."""
+    q, k, v, g, beta = _inputs(1, 70, 131)
+    cu_list = [0, 5, 5, 70]
+    cu = torch.tensor(cu_list, dtype=torch.int64, device=P.device)
+    h0 = randn((3, HV, K, V), 132, scale=0.5)
+
+    def run(**kw):
+        xs = [t.clone().requires_grad_(grad) for t in (q, k, v, g, beta, h0)]
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, **kw)
+        if not grad:
+            return [o, ht]
+        ((o * o.detach()).sum() + ht.sum()).backward()
+        return [o, ht] + [t.grad for t in xs]
+
+    base = run()
+    for opts in GRAPH_OPTIONS:
+        got = run(**opts)
+        assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True)), opts
+    # fla's static metadata: chunk_indices of graph_nt_max rows (its sentinel rows past the real chunks) and the
+    # sequences' chunk offsets
+    ci = torch.cat([_chunk_indices(cu_list), torch.full((3, 2), -1)]).to(P.device)
+    offsets = torch.tensor([0, 1, 1, 3], device=P.device)
+    got = run(use_graph=True, chunk_indices=ci, chunk_offsets=offsets, graph_nt_max=5)
+    assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+
+    device_plans = []
+    real = plan_mod.device_plan
+    monkeypatch.setattr(plan_mod, "plans_on_device", lambda c: True)
+    monkeypatch.setattr(plan_mod, "device_plan", lambda *a: device_plans.append(1) or real(*a))
+    for opts, on_device in ((dict(use_graph=True), True), (dict(graph_mode="auto"), True), ({}, False),
+                            (dict(graph_mode="eager", use_graph=True), False)):
+        device_plans.clear()
+        got = run(cu_seqlens_cpu=cu_list, **opts)
+        assert bool(device_plans) == on_device, opts
+        assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True)), opts
+
+
+def test_chunk_graph_option_checks():
+    """Each graph option's type and range (TypeError / ValueError naming it); a graph call's graph_t_max and
+    graph_n_max are its own T and sequence count (fla's rule; an eager call ignores them); chunk_offsets is
+    ``[N+1]`` integers on cu_seqlens' device, with cu_seqlens. A refused call leaves the state pool as it was."""
+    q, k, v, g, beta = _inputs(1, 70, 141)
+    cu = torch.tensor([0, 64, 70], device=P.device)
+    call = lambda **kw: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)  # noqa: E731
+    for kw, err, msg in [
+            (dict(use_graph=1), TypeError, "use_graph: expected a bool"),
+            (dict(use_graph="yes"), TypeError, "use_graph: expected a bool"),
+            (dict(graph_mode="graph"), ValueError, "graph_mode: expected None or one of"),
+            (dict(graph_mode=True), ValueError, "graph_mode: expected None or one of"),
+            (dict(graph_t_max=70.0), TypeError, "graph_t_max: expected None or an int"),
+            (dict(graph_nt_max=True), TypeError, "graph_nt_max: expected None or an int"),
+            (dict(graph_actual_nt=-1), ValueError, "graph_actual_nt: expected a count >= 0"),
+            (dict(min_graph_utilization="0.5"), TypeError, "min_graph_utilization: expected a float"),
+            (dict(min_graph_utilization=1.5), ValueError, r"min_graph_utilization: expected a fraction in \[0, 1\]"),
+            (dict(use_graph=True, graph_t_max=128), ValueError, "graph_t_max: .* expected 70"),
+            (dict(graph_mode="force_graph", graph_n_max=4), ValueError, "graph_n_max: .* expected 2"),
+            (dict(chunk_offsets=[0, 1, 2]), TypeError, "chunk_offsets: expected None or a torch.Tensor"),
+            (dict(chunk_offsets=torch.zeros(4, dtype=torch.int64, device=P.device)), ValueError,
+             r"chunk_offsets: expected shape \[3\]"),
+            (dict(chunk_offsets=torch.zeros(3, device=P.device)), TypeError, "chunk_offsets: expected dtype"),
+    ]:
+        with pytest.raises(err, match=msg):
+            call(**kw)
+    o, _ = call(graph_t_max=128, graph_n_max=4)  # eager: fla ignores the capacities too
+    assert o.shape == v.shape
+    with pytest.raises(ValueError, match="chunk_offsets: given without cu_seqlens"):
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk_offsets=torch.zeros(2, dtype=torch.int64, device=P.device))
+    pool = randn((3, HV, K, V), 142)
+    keep = pool.clone()
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="graph_t_max"), torch.no_grad():
+        call(initial_state=pool, state_indices=idx, use_graph=True, graph_t_max=1)
+    assert torch.equal(pool, keep)
+
+
+@pytest.mark.gpu_only
+def test_varlen_training_step_in_a_cuda_graph():
+    """fla's graph use: forward and backward of a varlen call (``use_graph=True``, the lengths in a device
+    cu_seqlens, padding past its last bound) captured in one CUDA graph, replayed after new lengths (empty
+    sequences, all padding, none) and new inputs are written into the same tensors: each replay's outputs, final
+    states and gradients equal the eager call's on the same inputs bit for bit; padding outputs and gradients 0."""
+    from harness import capture_graph
+
+    H_, HV_, K_, V_, T = 2, 4, 128, 128, 192
+    cu = torch.tensor([0, 48, 96, 144, 192], dtype=torch.int64, device="cuda")
+    shapes = [(1, T, H_, K_), (1, T, H_, K_), (1, T, HV_, V_), (1, T, HV_), (1, T, HV_), (4, HV_, K_, V_)]
+
+    def inputs(seed):
+        q_, k_, v_, g_, b_, h_ = (randn(s, seed + i, device="cuda") for i, s in enumerate(shapes))
+        return [torch.nn.functional.normalize(q_, dim=-1).half(), torch.nn.functional.normalize(k_, dim=-1).half(),
+                v_.half(), torch.nn.functional.logsigmoid(g_), b_.sigmoid().half(), h_.half()]
+
+    static = [t.requires_grad_() for t in inputs(0)]
+    do, dht = randn((1, T, HV_, V_), 50, device="cuda").half(), randn((4, HV_, K_, V_), 51, device="cuda")
+
+    def step(xs):
+        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                       use_graph=True)
+        grads = torch.autograd.grad([o, ht], xs, [do, dht])
+        return [o, ht, *grads]
+
+    graph, out = capture_graph(lambda: step(static))
+    for seed, bounds in enumerate(([0, 17, 73, 192, 192], [0, 31, 111, 111, 111], [0, 0, 0, 0, 0],
+                                   [0, 48, 96, 144, 192]), start=1):
+        fresh = inputs(seed * 10)
+        with torch.no_grad():
+            for s, f in zip(static, fresh, strict=True):
+                s.copy_(f)
+        cu.copy_(torch.tensor(bounds))
+        graph.replay()
+        got = [t.clone() for t in out]
+        want = step([f.requires_grad_() for f in fresh])
+        for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, strict=True):
+            assert torch.equal(a, b), f"{name}: replay with cu_seqlens {bounds} differs from the eager call"
+        end = bounds[-1]
+        assert (got[0][:, end:] == 0).all() and all((d[:, end:] == 0).all() for d in got[2:7])

@@ -29,7 +29,14 @@ from .._common.validation import (
     check_tensor,
 )
 from . import plan as plan_mod
-from .compat import check_chunk_indices, check_chunk_size, check_fla_options, check_gate, state_v_first
+from .compat import (
+    check_chunk_indices,
+    check_chunk_size,
+    check_fla_options,
+    check_gate,
+    graph_capture,
+    state_v_first,
+)
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype, sout_sm90_unsupported
 from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
@@ -396,9 +403,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             computes: ``head_first=False``, ``cp_context=None``; ``state_v_first`` / ``transpose_state_layout``
             (bools, see ``state_layout``); FlashQLA's ``auto_cp``, ``enable_fwd_cp_cache`` and ``force_intra_cp``
             (bools, either value: they schedule FlashQLA's intra-card context parallelism and change no result;
-            here the plan splits long sequences by itself, results independent of the split). Any other value of
-            these (head-first inputs, context parallelism) is a ``ValueError`` naming the option as unsupported; any
-            other keyword a ``TypeError`` naming it.
+            here the plan splits long sequences by itself, results independent of the split); fla's CUDA-graph
+            options ``use_graph``, ``graph_mode`` (``"eager"`` / ``"force_graph"`` / ``"auto"``), ``graph_t_max``,
+            ``graph_n_max``, ``graph_nt_max``, ``graph_actual_tokens`` / ``_sequences`` / ``_nt``,
+            ``min_graph_utilization`` and ``chunk_offsets`` (``compat.graph_capture``: a graph call plans from
+            cu_seqlens on its device, never from ``cu_seqlens_cpu``, so replays may change the lengths; fla's
+            fixed-capacity ``chunk_indices`` are taken; no result changes). Any other value of these (head-first
+            inputs, context parallelism) is a ``ValueError`` naming the option as unsupported; any other keyword a
+            ``TypeError`` naming it.
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None)``; differentiable in q, k, v, g,
         beta, initial_state, A_log, dt_bias (its gradient in its dtype and layout; with ``state_indices``: ``(o, None)``, not
@@ -440,6 +452,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         check_kernel_device(dev, _REFERENCE, q.dtype)
         if initial_state is not None:
             check_kernel_device(dev, _REFERENCE, initial_state.dtype)
+    capture = graph_capture(fla_options, T, N, cu_seqlens)
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
@@ -447,9 +460,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu_host:
             # the plan follows the host copy, the kernels the tensor: compared where that needs no sync
             raise ValueError(f"cu_seqlens_cpu: {cu_host} differs from cu_seqlens {cu_seqlens.tolist()}")
-    else:
+    if cu_seqlens_cpu is None or capture:  # a graph call plans from cu_seqlens itself (replays may change it)
         cu_host = plan_mod.host_bounds(cu_seqlens, T, need=impl == "reference")
-    check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
+    # a graph call's chunk_indices are fla's fixed-capacity metadata (rows past the real chunks): shape [*, 2] only
+    check_chunk_indices(chunk_indices, cu_seqlens, None if capture else cu_host, chunk_size)
     bt = plan_mod.kernel_chunk(chunk_size, dev, impl)
     if state_indices is not None and not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, initial_state.shape[0])

@@ -4,7 +4,8 @@ Options that leave the math as computed here are accepted at the value that does
 consistency checked where that costs no device read; every other value is refused by name (``ValueError``: not
 supported here), and a keyword neither function knows is a ``TypeError`` naming it. FlashQLA's scheduling switches
 (``auto_cp``, ``enable_fwd_cp_cache``, ``force_intra_cp``) change no result at either value and are taken as bools
-by the chunked op. The decode step takes fla's in-kernel gate / beta / eigenvalue options as its own keywords, and so
+by the chunked op, and so are fla's CUDA-graph options (``use_graph``, ``graph_mode``, the ``graph_*`` capacities and
+counts, ``chunk_offsets``: ``graph_capture``), whose graph calls plan from cu_seqlens on its device. The decode step takes fla's in-kernel gate / beta / eigenvalue options as its own keywords, and so
 does the chunked op; both functions take fla's V-first layout flags at either value (``state_v_first``, and its
 deprecated name ``transpose_state_layout`` as fla takes it).
 """
@@ -20,7 +21,7 @@ from .._common.validation import check_tensor
 from .plan import CHUNK_SIZES
 
 __all__ = ["check_chunk_indices", "check_chunk_size", "check_decode_cu_seqlens_cpu", "check_fla_options",
-           "check_gate", "decode_state_v_first", "state_v_first"]
+           "check_gate", "decode_state_v_first", "graph_capture", "state_v_first"]
 
 # option -> (the value accepted here, what another value asks for)
 _FLAGS = {"head_first": (False, "inputs in the head-first [B, H, T, ...] layout")}
@@ -37,12 +38,18 @@ _LAYOUT = ("state_v_first", "transpose_state_layout")
 # only, they leave the result as it is, so either value is taken; the split here is the plan's sequence splitting
 # (chosen from shapes: results do not depend on it)
 _CHUNK_SCHEDULING = ("auto_cp", "enable_fwd_cp_cache", "force_intra_cp")
+# fla's CUDA-graph options of the chunked op (its fixed-capacity metadata for capture and replay): a varlen call
+# here is capturable as it is (``graph_capture``), so they are checked and change no result
+_GRAPH_MODES = ("eager", "force_graph", "auto")
+_GRAPH_INTS = ("graph_t_max", "graph_n_max", "graph_nt_max", "graph_actual_tokens", "graph_actual_sequences",
+               "graph_actual_nt")
+_CHUNK_GRAPH = ("use_graph", "graph_mode", *_GRAPH_INTS, "min_graph_utilization", "chunk_offsets")
 # option -> what a value other than None asks for
 _CHUNK_NONE = {"cp_context": "context parallelism"}
 _DECODE_NONE = {"num_accepted_tokens": "the initial state picked per sequence by its accepted draft count (here "
                                        "`accepted` commits the state after the accepted tokens instead)"}
 
-CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_SCHEDULING, *_CHUNK_NONE)
+CHUNK_OPTIONS = (*_FLAGS, *_CHUNK_FLAGS, *_LAYOUT, *_CHUNK_SCHEDULING, *_CHUNK_GRAPH, *_CHUNK_NONE)
 DECODE_OPTIONS = (*_FLAGS, *_DECODE_FLAGS, *_LAYOUT, *_DECODE_NONE)
 RECURRENT_OPTIONS = (*_FLAGS, _LAYOUT[1])  # fused_recurrent_gated_delta_rule: state_v_first is its argument
 
@@ -60,7 +67,9 @@ def check_fla_options(op: str, options: dict) -> None:
     flags = {**_FLAGS, **(_CHUNK_FLAGS if chunk else _DECODE_FLAGS)}
     nones = _CHUNK_NONE if chunk else _DECODE_NONE
     for name, value in options.items():
-        if name in _LAYOUT or name in _CHUNK_SCHEDULING:
+        if name in _CHUNK_GRAPH:
+            _check_graph_option(name, value)
+        elif name in _LAYOUT or name in _CHUNK_SCHEDULING:
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
         elif name in flags:
@@ -72,6 +81,56 @@ def check_fla_options(op: str, options: dict) -> None:
         elif name in nones:
             if value is not None:
                 raise ValueError(f"{name}: not supported by {op} ({nones[name]}); pass None or leave it out")
+
+
+def _check_graph_option(name: str, value) -> None:
+    """The type and range of one of fla's graph options (``chunk_offsets``: its shape and device are checked by
+    ``graph_capture``, which knows the call)."""
+    if name == "use_graph":
+        if not isinstance(value, bool):
+            raise TypeError(f"use_graph: expected a bool, got {type(value).__name__}")
+    elif name == "graph_mode":
+        if value is not None and (not isinstance(value, str) or value not in _GRAPH_MODES):
+            raise ValueError(f"graph_mode: expected None or one of {_GRAPH_MODES}, got {value!r}")
+    elif name in _GRAPH_INTS:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}")
+        if value is not None and value < 0:
+            raise ValueError(f"{name}: expected a count >= 0, got {value}")
+    elif name == "min_graph_utilization":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"min_graph_utilization: expected a float, got {type(value).__name__}")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"min_graph_utilization: expected a fraction in [0, 1], got {value}")
+    elif value is not None and not isinstance(value, torch.Tensor):  # chunk_offsets
+        raise TypeError(f"chunk_offsets: expected None or a torch.Tensor, got {type(value).__name__}")
+
+
+def graph_capture(options: dict, T: int, N: int, cu_seqlens) -> bool:
+    """Whether fla's graph options (``use_graph``, ``graph_mode``; types checked by ``check_fla_options``) ask for a
+    call that CUDA graphs may capture and replay with other lengths in the same ``cu_seqlens``: then the plan is
+    built from ``cu_seqlens`` as it lies on its device, never from a host copy (``cu_seqlens_cpu`` is checked, not
+    used). Any other call with cu_seqlens on a GPU and no host copy is planned that way too; the options change no
+    result. As in fla, a graph call's ``graph_t_max`` is T and its ``graph_n_max`` is N, the count of sequences
+    (``ValueError`` otherwise); ``chunk_offsets`` (fla's per-sequence chunk offsets of its static metadata,
+    ``[N+1]`` on cu_seqlens' device) is checked and not read: the plan here comes from cu_seqlens."""
+    mode = options.get("graph_mode")
+    if mode is None:
+        mode = "force_graph" if options.get("use_graph", False) else "eager"
+    offsets = options.get("chunk_offsets")
+    if offsets is not None:
+        if cu_seqlens is None:
+            raise ValueError("chunk_offsets: given without cu_seqlens (it indexes the chunks of a varlen input)")
+        check_tensor("chunk_offsets", offsets, shape=(N + 1,), dtypes=(torch.int32, torch.int64),
+                     device=cu_seqlens.device)
+    if mode == "eager":
+        return False
+    for name, want, what in (("graph_t_max", T, "the tokens T of q"), ("graph_n_max", N, "the sequences")):
+        got = options.get(name)
+        if got is not None and got != want:
+            raise ValueError(f"{name}: a graph call's capacity is its inputs' shape: expected {want} ({what}), got "
+                             f"{got}")
+    return True
 
 
 def check_chunk_size(chunk_size) -> int:
