@@ -351,7 +351,7 @@ def test_head_dims_of_any_size(T, G, K, V, varlen, seg, dtype, seed):
 @given(lens=st.lists(st.integers(0, pick(90, 300)), min_size=1, max_size=3), varlen=st.booleans(),
        G=st.sampled_from([1, 2]), seg=st.booleans(), l2=st.booleans(), dtype=dtypes(), seed=seeds())
 def test_chunk_sizes_16_and_32(chunk_size, lens, varlen, G, seg, l2, dtype, seed):
-    """fla's chunk_size 16 / 32 (the GPU kernels run 16 as 32): the same function as 64 (one or two 16-row blocks per
+    """fla's chunk_size 16 / 32 (the GPU kernels take 16 as 32): the same function as 64 (one or two 16-row blocks per
     WY inverse), forward and all six gradients against the float64 recurrence, dense or varlen (empty sequences
     too), GVA, sequence splitting."""
     H, K, V = 1, pick(16, 64), pick(16, 64)
@@ -388,7 +388,7 @@ def test_chunk_sizes_stay_in_bounds(chunk_size):
 
 
 def test_kernel_chunk(monkeypatch):
-    """The GPU kernels run 16-token chunks as 32 (every wy_bwd product would be 16 deep, the tile width Triton 3.6
+    """The GPU kernels take 16-token chunks as 32 (every wy_bwd product would be 16 deep, the tile width Triton 3.6
     miscompiles there on sm_90); the interpreter, the CPU and the reference run what is asked."""
     for size in (16, 32, 64):
         assert plan_mod.kernel_chunk(size, torch.device("cpu"), "auto") == size

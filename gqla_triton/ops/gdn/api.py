@@ -391,7 +391,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``state_v_first=True`` is the same as ``"vk"``; its deprecated name ``transpose_state_layout`` is taken
             as fla takes it (a ``DeprecationWarning``; a ``ValueError`` together with ``state_v_first=True``).
         chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
-            function at every size, rounded differently; 64 is the tuned one; the GPU kernels run 16 as 32,
+            function at every size, rounded differently; 64 is the tuned one; the GPU kernels take 16 as 32,
             ``plan.kernel_chunk``). fla's ``chunk_indices`` count chunks of this size.
         impl: ``"auto"``: this GPU's table decides (the H200's runs a forward without gradient of at least 4096
             chunk x value-head units through the Hopper Gluon kernel where it applies, the Triton kernels

@@ -69,9 +69,9 @@ class ChunkPlan(NamedTuple):
 
 def kernel_chunk(chunk_size: int, device: torch.device, impl: str) -> int:
     """The chunk the kernels run for a call asking for ``chunk_size`` on ``device`` with ``impl``: the same, except
-    that the GPU kernels run 16 as 32. The chunk size changes rounding only (the function is the same at every
+    that the GPU kernels take 16 as 32. The chunk size changes rounding only (the function is the same at every
     size); at 16 every product of the backward's ``wy_bwd`` stage would be 16 deep, the tile width Triton 3.6
-    miscompiles there on sm_90. The interpreter and ``impl="reference"`` run 16."""
+    miscompiles there on sm_90. The interpreter and ``impl="reference"`` take 16."""
     if chunk_size == 16 and impl != "reference" and torch.device(device).type == "cuda" and not is_interpreter():
         return 32
     return chunk_size
