@@ -30,45 +30,53 @@ def check_tensor(
     """Check that ``t`` is a tensor of the given rank, dtype set, shape (``None`` = any) and device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    got = t.shape
     if shape is not None:
         ndim = len(shape)
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if ndim is not None and len(got) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(got)}")
     if dtypes is not None:
-        dtypes = tuple(dtypes)
+        if not isinstance(dtypes, tuple):
+            dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
-    if shape is not None:
-        for i, (got, want) in enumerate(zip(t.shape, shape, strict=True)):
-            if want is not None and got != want:
+    if shape is not None and got != tuple(shape):  # equal sizes (no wildcard) pass without the loop
+        for i, want in enumerate(shape):
+            if want is not None and got[i] != want:
                 want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-                raise ValueError(f"{name}: expected shape {want_s}, got {list(t.shape)} (dim {i})")
+                raise ValueError(f"{name}: expected shape {want_s}, got {list(got)} (dim {i})")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     return t
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
-    """All tensors share one dtype; returns it."""
-    items = [(k, v) for k, v in tensors.items() if v is not None]
-    dtype = items[0][1].dtype
-    for k, v in items[1:]:
-        if v.dtype != dtype:
-            raise TypeError(f"{k}: expected dtype {dtype} (same as {items[0][0]}), got {v.dtype}")
+    """All tensors (None: absent) share one dtype; returns it."""
+    first = dtype = None
+    for k, v in tensors.items():
+        if v is None:
+            continue
+        if dtype is None:
+            first, dtype = k, v.dtype
+        elif v.dtype != dtype:
+            raise TypeError(f"{k}: expected dtype {dtype} (same as {first}), got {v.dtype}")
     return dtype
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All tensors (None: absent) are tensors on one device; returns it."""
-    items = [(k, v) for k, v in tensors.items() if v is not None]
-    for k, v in items:
+    first = dev = None
+    for k, v in tensors.items():
+        if v is None:
+            continue
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"{k}: expected a torch.Tensor, got {type(v).__name__}")
-    dev = items[0][1].device
-    for k, v in items[1:]:
-        if v.device != dev:
-            raise ValueError(f"{k}: expected a tensor on {dev} (same as {items[0][0]}), got one on {v.device}")
+        if dev is None:
+            first, dev = k, v.device
+    for k, v in tensors.items():
+        if v is not None and k != first and v.device != dev:
+            raise ValueError(f"{k}: expected a tensor on {dev} (same as {first}), got one on {v.device}")
     return dev
 
 
