@@ -196,11 +196,11 @@ class _ChunkGDN(torch.autograd.Function):
 def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
            neg_eigval, A_log, dt_bias, chunk_size, impl, *, cu_host):
     """The eager forward: through ``_ChunkGDN`` where a backward may follow, else the launchers themselves (no
-    autograd node to build: its cost paces short inference chunks)."""
+    autograd node to build, no placeholder outputs: their cost paces short inference chunks); (o, ht, ...)."""
     plan = chunk_plan(q, v, cu_seqlens, cu_host, chunk_size, impl)
     if not needs_grad:
-        return _fwd(q, k, v, g, beta, scale, initial_state, plan, False, False, v_first, beta_sigmoid, neg_eigval,
-                    A_log, dt_bias)
+        return chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, v_first=v_first, beta_sigmoid=beta_sigmoid,
+                             neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))
     return _ChunkGDN.apply(q, k, v, g, beta, scale, initial_state, plan, save_states, needs_grad, v_first,
                            beta_sigmoid, neg_eigval, A_log, dt_bias)
 

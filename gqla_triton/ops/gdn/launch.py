@@ -249,11 +249,11 @@ def _sout_bv(plan: ChunkPlan, V: int, programs: int, sm90: bool) -> int:
     return bv if bv >= 32 and V % bv == 0 else 32
 
 
-def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: ChunkPlan, state_indices, v_first: bool,
-               beta_sigmoid: bool, neg_eigval: bool, sm90: bool = False):
-    """Stage ``sout`` (``gdn_state_out_kernel``, or with ``sm90`` the Gluon kernel): o ``[B, T, HV, V]`` (v's dtype)
-    and the final state (as ``chunk_gdn_state_fwd``'s, with the same pool and ``v_first`` semantics) of a forward
-    without gradient. Under sequence splitting the segment maps are formed from ``wu``'s w and u first."""
+def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: ChunkPlan, state_indices,
+               v_first: bool, beta_sigmoid: bool, neg_eigval: bool, sm90: bool = False):
+    """Stage ``sout`` (``gdn_state_out_kernel``, or with ``sm90`` the Gluon kernel): o ``[B, T, HV, V]`` (v's dtype,
+    filled here) and the final state (as ``chunk_gdn_state_fwd``'s, with the same pool and ``v_first`` semantics) of
+    a forward without gradient. Under sequence splitting the segment maps are formed from ``wu``'s w and u first."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dummy = k
@@ -261,7 +261,6 @@ def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: Chunk
     if plan.seg is not None:
         w, u, _ = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
     st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
-    o = empty(v.shape, dtype=v.dtype, device=v.device)
     BV = _sout_bv(plan, V, st.units * HV, sm90)
     h0, ht, cu, coff, idx = _starts_args(st, state_indices, dummy)
     if sm90:
@@ -274,7 +273,7 @@ def _state_out(q, k, v, beta, gc, Ainv, scale: float, initial_state, plan: Chunk
             q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, plan.NT,
             st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
             **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
-    return o, st.ht
+    return st.ht
 
 
 def _fuse_out(plan: ChunkPlan, HV: int, V: int, sm90: bool = False) -> bool:
@@ -335,6 +334,14 @@ def _zero_padding(plan: ChunkPlan, *xs: torch.Tensor) -> None:
         BW=min(256, tile(max(ws))))
 
 
+def _pad_args(plan: ChunkPlan, o: torch.Tensor) -> dict:
+    """``wy``'s arguments that zero o's padding rows (a varlen plan with ``padding``; none otherwise)."""
+    if not plan.padding:
+        return {}
+    V = o.shape[3]
+    return dict(o=o, N=plan.N, V=V, PAD=True, BW=min(256, tile(V)))
+
+
 def _gate_args(gate: tuple | None) -> dict:
     """The in-kernel gate's kernel arguments (none without it: the default specialisation)."""
     if gate is None:
@@ -364,17 +371,19 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     coff = plan.coff if plan.varlen else dummy
     gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
     Ainv = empty(B, T, HV, plan.BT, dtype=mid_dtype(k.dtype), device=q.device)
-    if plan.NTT > 0:
+    o = empty(v.shape, dtype=v.dtype, device=v.device)
+    if plan.NTT > 0:  # (with padding, wy also zeroes o's rows that no sequence owns)
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
-            EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wy"))
+            EMPTY_SLOTS=plan.empty_slots, **_pad_args(plan, o), **cfg.launch("wy"))
+    else:
+        _zero_padding(plan, o)
     if fuse and not keep_h:
         sm90 = use_sout_sm90(plan, q, k, v)
         if _fuse_out(plan, HV, V, sm90):
-            o, ht = _state_out(q, k, v, beta, gc, Ainv, scale, initial_state, plan, state_indices, v_first,
-                               beta_sigmoid, neg_eigval, sm90)
-            _zero_padding(plan, o)
+            ht = _state_out(q, k, v, beta, gc, Ainv, o, scale, initial_state, plan, state_indices, v_first,
+                            beta_sigmoid, neg_eigval, sm90)
             return o, ht, gc, Ainv
     if plan.NTT > 0:
         w, u, vbad = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
@@ -382,7 +391,6 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         w = empty(B, T, HV, K, dtype=k.dtype, device=q.device)
         u = empty(B, T, HV, V, dtype=v.dtype, device=q.device)
         vbad = dummy
-    o = empty(v.shape, dtype=v.dtype, device=v.device)
     h, vnew, ht, _ = chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan,
                                          rows=h_rows(B, T, plan.N, plan.varlen, plan.BT) if keep_h else None,
                                          state_indices=state_indices, v_first=v_first)
@@ -392,7 +400,6 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
             BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, EMPTY_SLOTS=plan.empty_slots,
             **cfg.launch("out"))
-    _zero_padding(plan, o)
     if keep_h:
         return o, ht, gc, Ainv, States(w, h, vnew)
     return o, ht, gc, Ainv

@@ -94,12 +94,25 @@ def gdn_plan_kernel(cu_in, stride, cu, coff, cidx, seg_cu, seg_coff, soff, N, T,
 
 
 @triton.jit
-def _zero_rows(x, W, rows, pad, BW: tl.constexpr):
-    """Zero the rows of ``x`` ``[T, W]`` (contiguous) where pad."""
+def _zero_rows(x, stride, W, rows, pad, BW: tl.constexpr):
+    """Zero the first W columns of the rows of ``x`` (rows ``stride`` elements apart, columns adjacent) where pad."""
     for c0 in range(0, W, BW):
         c = c0 + tl.arange(0, BW)
-        tl.store(x + rows[:, None] * W + c[None, :], tl.zeros([rows.shape[0], BW], x.dtype.element_ty),
+        tl.store(x + rows[:, None] * stride + c[None, :], tl.zeros([rows.shape[0], BW], x.dtype.element_ty),
                  mask=pad[:, None] & (c[None, :] < W))
+
+
+@triton.jit
+def zero_padding_blocks(x, cu, N, T, first, stride, W, BT: tl.constexpr, BW: tl.constexpr):
+    """Zero the padding rows (tokens outside [cu[0], cu[N]), rows ``stride`` elements apart, W columns) of ``x``
+    among the BT-row blocks ``first``, ``first + step``, ... below T, step the grid's first axis: a chunk kernel's
+    programs cover every block between them, whatever their count."""
+    lo, hi = tl.load(cu), tl.load(cu + N)
+    for blk in range(first, tl.cdiv(T, BT), tl.num_programs(0)):
+        rows = (blk * BT + tl.arange(0, BT)).to(tl.int64)
+        pad = ((rows < lo) | (rows >= hi)) & (rows < T)
+        if tl.max(pad.to(tl.int32), 0) != 0:
+            _zero_rows(x, stride, W, rows, pad, BW)
 
 
 @triton.jit(do_not_specialize=["N", "T", "w0", "w1", "w2", "w3", "w4"])
@@ -111,12 +124,12 @@ def gdn_pad_zero_kernel(cu, N, T, x0, x1, x2, x3, x4, w0, w1, w2, w3, w4, NUM: t
     pad = ((rows < tl.load(cu)) | (rows >= tl.load(cu + N))) & (rows < T)
     if tl.max(pad.to(tl.int32), 0) == 0:
         return
-    _zero_rows(x0, w0, rows, pad, BW)
+    _zero_rows(x0, w0, w0, rows, pad, BW)
     if NUM > 1:
-        _zero_rows(x1, w1, rows, pad, BW)
+        _zero_rows(x1, w1, w1, rows, pad, BW)
     if NUM > 2:
-        _zero_rows(x2, w2, rows, pad, BW)
+        _zero_rows(x2, w2, w2, rows, pad, BW)
     if NUM > 3:
-        _zero_rows(x3, w3, rows, pad, BW)
+        _zero_rows(x3, w3, w3, rows, pad, BW)
     if NUM > 4:
-        _zero_rows(x4, w4, rows, pad, BW)
+        _zero_rows(x4, w4, w4, rows, pad, BW)

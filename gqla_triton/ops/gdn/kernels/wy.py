@@ -7,6 +7,7 @@ import triton.language as tl
 
 from ..reference import G_FLOOR
 from .common import _beta_in, _chunk_rows, _empty_slot, _gate_in, _gate_par
+from .plan import zero_padding_blocks
 
 _G_FLOOR = tl.constexpr(G_FLOOR)
 
@@ -102,15 +103,19 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False, a_log=None,
                       dt_bias=None, GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-                      EMPTY_SLOTS: tl.constexpr = False):
+                      EMPTY_SLOTS: tl.constexpr = False, o=None, N=0, V: tl.constexpr = 1, PAD: tl.constexpr = False,
+                      BW: tl.constexpr = 16):
     """gc = chunk-local cumsum of g (floored at G_FLOOR; fp32) and Ainv = (I + A)^-1,
     A = tril(beta_i k_i·k_j e^(gc_i-gc_j), -1), solved in fp32 (16x16 diagonal blocks by substitution, merged by
     dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core
     operand). BT: 16, 32 or 64 (one, two or four 16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
     GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)`` (``HAS_BIAS``: with dt_bias
-    ``[HV]``)."""
+    ``[HV]``). PAD (varlen): the output o ``[1, T, HV, V]``'s rows of tokens outside [cu[0], cu[N]), which no
+    later stage writes, are zeroed here, each program its value head's in the BT-token blocks of its slot."""
     NB: tl.constexpr = BT // 16
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    if PAD:
+        zero_padding_blocks(o + i_bh * V, cu, N, T, i_t, HV * V, V, BT, BW)
     if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return

@@ -1,0 +1,103 @@
+"""What each op launches: its Triton kernels, in order, and no other device work (no casts, copies, fills or
+reductions by torch between them) on the paths whose host cost paces serving: a chunked-prefill forward is two
+launches (``wy``, ``sout``), a training step four forward and four backward, a decode step one, an MLA decode one
+(two with split-KV: the combine; sparse: the index translation first). Launches are recorded, not run (outputs are
+not looked at); torch's ops are recorded by a dispatch mode, allocations and views excepted. Inputs are
+contiguous, as a serving engine passes them."""
+
+import pytest
+import torch
+from harness import P, randn
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.jit import KernelInterface
+
+import gqla_triton as gq
+import gqla_triton.ops.gdn.plan as plan_mod
+
+# torch ops that launch nothing: allocations, views, metadata
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view",
+              "select", "slice", "as_strided", "detach", "alias", "unsqueeze", "squeeze", "expand", "t", "transpose",
+              "permute", "_reshape_alias", "unbind", "split", "lift_fresh"}
+
+
+class _Record(TorchDispatchMode):
+    """Inside: Triton launches are recorded by kernel name and not run; torch's ops that launch a kernel are
+    recorded by name."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.kernels, self.torch_ops = [], []
+        monkeypatch.setattr(KernelInterface, "__getitem__",
+                            lambda kern, grid: lambda *a, **k: self.kernels.append(kern.fn.__name__))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.torch_ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _gdn_inputs(B, T, H, HV, D, N, grad=False):
+    dt = P.dtypes[0]
+    xs = [randn((B, T, H, D), 1, dtype=dt), randn((B, T, H, D), 2, dtype=dt), randn((B, T, HV, D), 3, dtype=dt),
+          -randn((B, T, HV), 4).abs(), randn((B, T, HV), 5).sigmoid().to(dt), randn((N, HV, D, D), 6)]
+    return [x.requires_grad_(grad) for x in xs]
+
+
+def test_chunked_prefill_forward_is_two_launches(monkeypatch):
+    """A forward without gradient from initial states (a chunked-prefill chunk): ``wy`` then ``sout``, nothing
+    else; varlen over a device-built plan adds the plan kernel before them (``wy`` zeroes the output rows of tokens
+    outside every sequence, which a device plan cannot rule out)."""
+    xs = _gdn_inputs(1, 200, 2, 4, 32, 1)
+    with _Record(monkeypatch) as rec:
+        gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_state_out_kernel"] and rec.torch_ops == []
+    monkeypatch.setattr(plan_mod, "plans_on_device", lambda cu: True)
+    xs = _gdn_inputs(1, 200, 2, 4, 32, 3)
+    for bounds in ([0, 64, 64, 200], [3, 64, 70, 190]):
+        cu = torch.tensor(bounds, dtype=torch.int32, device=P.device)
+        with _Record(monkeypatch) as rec:
+            gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+        assert rec.kernels == ["gdn_plan_kernel", "gdn_wy_fwd_kernel", "gdn_state_out_kernel"], bounds
+        assert rec.torch_ops == [], bounds
+
+
+@pytest.mark.parametrize("HV", [2, 4])
+def test_training_step_is_four_and_four_launches(HV, monkeypatch):
+    """Forward with gradient: ``wy``, ``wu``, ``state``, ``output``; backward: ``dv_local``, ``state_bwd``,
+    ``grad``, ``wy_bwd``, and with GVA (HV > H) one fill of the dq / dk hand-over counters before them."""
+    xs = _gdn_inputs(1, 130, 2, HV, 32, 1, grad=True)
+    o, ht = gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)  # warm: plan caches
+    do, dht = torch.ones_like(o), torch.ones_like(ht)
+    with _Record(monkeypatch) as rec:
+        o, ht = gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_wu_fwd_kernel", "gdn_state_fwd_kernel", "gdn_output_fwd_kernel"]
+    assert rec.torch_ops == []
+    with _Record(monkeypatch) as rec:
+        torch.autograd.backward([o, ht], [do, dht])
+    assert rec.kernels == ["gdn_dv_local_kernel", "gdn_state_bwd_kernel", "gdn_grad_chunk_kernel",
+                           "gdn_wy_bwd_kernel"]
+    assert rec.torch_ops == (["zero_"] if HV > 2 else [])
+
+
+def test_decode_steps_are_one_launch(monkeypatch):
+    """A GDN decode step over a state pool is one kernel; an MLA decode is one (with split-KV the combine after it,
+    sparse the index translation before it)."""
+    dt = P.dtypes[0]
+    q, k, v = randn((4, 1, 2, 32), 1, dtype=dt), randn((4, 1, 2, 32), 2, dtype=dt), randn((4, 1, 4, 32), 3, dtype=dt)
+    g, beta = -randn((4, 1, 4), 4).abs(), randn((4, 1, 4), 5).sigmoid().to(dt)
+    pool, idx = torch.zeros(5, 4, 32, 32, device=P.device), torch.arange(4, dtype=torch.int32, device=P.device)
+    with _Record(monkeypatch) as rec:
+        gq.gated_delta_rule_decode(q, k, v, g, beta, pool, idx)
+    assert rec.kernels == ["gated_delta_rule_decode_fwd_kernel"]  # (a CPU index tensor is also checked on the host)
+
+    qm, cache = randn((2, 1, 16, 576), 6, dtype=dt), randn((8, 16, 1, 576), 7, dtype=dt)
+    table = torch.arange(8, dtype=torch.int32, device=P.device).reshape(2, 4)
+    lengths = torch.tensor([50, 64], dtype=torch.int32, device=P.device)
+    sparse = torch.randint(0, 64, (2, 1, 8), dtype=torch.int32).to(P.device)
+    for kw, want in ((dict(num_splits=1), ["mla_decode_fwd_kernel"]),
+                     (dict(num_splits=3), ["mla_decode_fwd_kernel", "combine_splits_kernel"]),
+                     (dict(indices=sparse, num_splits=1), ["sparse_rows_kernel", "mla_decode_fwd_kernel"])):
+        with _Record(monkeypatch) as rec:
+            gq.mla_decode(qm, cache, table, lengths, 512, impl="triton", **kw)
+        assert rec.kernels == want and rec.torch_ops == [], kw
