@@ -465,6 +465,17 @@ def test_transpose_state_layout_is_flas_deprecated_name(op, value):
 FLASH_QLA_SCHEDULING = ("auto_cp", "enable_fwd_cp_cache", "force_intra_cp")
 
 
+def _chunk_outputs(inputs, cu, grad: bool, **kw) -> list:
+    """o and the final state of the chunked op over copies of ``inputs`` (q, k, v, g, beta, h0) with ``kw``, and with
+    ``grad`` the six gradients of a fixed loss too."""
+    xs = [t.clone().requires_grad_(grad) for t in inputs]
+    o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, **kw)
+    if not grad:
+        return [o, ht]
+    ((o * o.detach()).sum() + ht.sum()).backward()
+    return [o, ht] + [t.grad for t in xs]
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_chunk_takes_flash_qla_scheduling_keywords(grad):
     """FlashQLA 0.1.3's auto_cp / enable_fwd_cp_cache / force_intra_cp schedule its intra-card context parallelism
@@ -476,13 +487,7 @@ def test_chunk_takes_flash_qla_scheduling_keywords(grad):
     h0 = randn((2, HV, K, V), 112, scale=0.5)
 
     def run(**kw):
-        xs = [t.clone().requires_grad_(grad) for t in (q, k, v, g, beta, h0)]
-        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
-                                       use_qk_l2norm_in_kernel=True, **kw)
-        if not grad:
-            return [o, ht]
-        ((o * o.detach()).sum() + ht.sum()).backward()
-        return [o, ht] + [t.grad for t in xs]
+        return _chunk_outputs((q, k, v, g, beta, h0), cu, grad, use_qk_l2norm_in_kernel=True, **kw)
 
     base = run()
     for name in FLASH_QLA_SCHEDULING:
@@ -541,12 +546,7 @@ def test_chunk_takes_flas_graph_options(grad, monkeypatch):
     h0 = randn((3, HV, K, V), 132, scale=0.5)
 
     def run(**kw):
-        xs = [t.clone().requires_grad_(grad) for t in (q, k, v, g, beta, h0)]
-        o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, **kw)
-        if not grad:
-            return [o, ht]
-        ((o * o.detach()).sum() + ht.sum()).backward()
-        return [o, ht] + [t.grad for t in xs]
+        return _chunk_outputs((q, k, v, g, beta, h0), cu, grad, **kw)
 
     base = run()
     for opts in GRAPH_OPTIONS:
