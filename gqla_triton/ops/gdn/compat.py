@@ -5,9 +5,10 @@ consistency checked where that costs no device read; every other value is refuse
 supported here), and a keyword neither function knows is a ``TypeError`` naming it. FlashQLA's scheduling switches
 (``auto_cp``, ``enable_fwd_cp_cache``, ``force_intra_cp``) change no result at either value and are taken as bools
 by the chunked op, and so are fla's CUDA-graph options (``use_graph``, ``graph_mode``, the ``graph_*`` capacities and
-counts, ``chunk_offsets``: ``graph_capture``), whose graph calls plan from cu_seqlens on its device. The decode step takes fla's in-kernel gate / beta / eigenvalue options as its own keywords, and so
-does the chunked op; both functions take fla's V-first layout flags at either value (``state_v_first``, and its
-deprecated name ``transpose_state_layout`` as fla takes it).
+counts, ``chunk_offsets``: ``graph_capture``), whose graph calls plan from cu_seqlens on its device. The decode step
+takes fla's in-kernel gate / beta / eigenvalue options as its own keywords, and so does the chunked op; both
+functions take fla's V-first layout flags at either value (``state_v_first``, and its deprecated name
+``transpose_state_layout`` as fla takes it).
 """
 
 from __future__ import annotations
