@@ -334,9 +334,15 @@ def _zero_padding(plan: ChunkPlan, *xs: torch.Tensor) -> None:
         BW=min(256, tile(max(ws))))
 
 
+def _pad_in_wy(plan: ChunkPlan, T: int) -> bool:
+    """Whether ``wy`` zeroes the output's padding rows (a varlen plan with ``padding`` whose chunk programs are at
+    least the BT-token blocks of T, as a device-built plan's always are), so no launch of its own does."""
+    return plan.padding and plan.NTT > 0 and cdiv(T, plan.BT) <= plan.NG
+
+
 def _pad_args(plan: ChunkPlan, o: torch.Tensor) -> dict:
-    """``wy``'s arguments that zero o's padding rows (a varlen plan with ``padding``; none otherwise)."""
-    if not plan.padding:
+    """``wy``'s arguments that zero o's padding rows (``_pad_in_wy``; none otherwise)."""
+    if not _pad_in_wy(plan, o.shape[1]):
         return {}
     V = o.shape[3]
     return dict(o=o, N=plan.N, V=V, PAD=True, BW=min(256, tile(V)))
@@ -372,12 +378,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
     Ainv = empty(B, T, HV, plan.BT, dtype=mid_dtype(k.dtype), device=q.device)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    if plan.NTT > 0:  # (with padding, wy also zeroes o's rows that no sequence owns)
+    if plan.NTT > 0:  # (wy also zeroes o's rows that no sequence owns: _pad_in_wy)
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
             EMPTY_SLOTS=plan.empty_slots, **_pad_args(plan, o), **cfg.launch("wy"))
-    else:
+    if not _pad_in_wy(plan, T):
         _zero_padding(plan, o)
     if fuse and not keep_h:
         sm90 = use_sout_sm90(plan, q, k, v)

@@ -103,16 +103,13 @@ def _zero_rows(x, stride, W, rows, pad, BW: tl.constexpr):
 
 
 @triton.jit
-def zero_padding_blocks(x, cu, N, T, first, stride, W, BT: tl.constexpr, BW: tl.constexpr):
-    """Zero the padding rows (tokens outside [cu[0], cu[N]), rows ``stride`` elements apart, W columns) of ``x``
-    among the BT-row blocks ``first``, ``first + step``, ... below T, step the grid's first axis: a chunk kernel's
-    programs cover every block between them, whatever their count."""
-    lo, hi = tl.load(cu), tl.load(cu + N)
-    for blk in range(first, tl.cdiv(T, BT), tl.num_programs(0)):
-        rows = (blk * BT + tl.arange(0, BT)).to(tl.int64)
-        pad = ((rows < lo) | (rows >= hi)) & (rows < T)
-        if tl.max(pad.to(tl.int32), 0) != 0:
-            _zero_rows(x, stride, W, rows, pad, BW)
+def zero_padding_block(x, cu, N, T, blk, stride, W, BT: tl.constexpr, BW: tl.constexpr):
+    """Zero the padding rows (tokens outside [cu[0], cu[N])) among rows ``[blk·BT, blk·BT + BT)`` below T of ``x``
+    (rows ``stride`` elements apart, W columns): a chunk kernel with a program for each block does it on the side."""
+    rows = (blk * BT + tl.arange(0, BT)).to(tl.int64)
+    pad = ((rows < tl.load(cu)) | (rows >= tl.load(cu + N))) & (rows < T)
+    if tl.max(pad.to(tl.int32), 0) != 0:
+        _zero_rows(x, stride, W, rows, pad, BW)
 
 
 @triton.jit(do_not_specialize=["N", "T", "w0", "w1", "w2", "w3", "w4"])

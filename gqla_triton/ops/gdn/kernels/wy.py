@@ -7,7 +7,7 @@ import triton.language as tl
 
 from ..reference import G_FLOOR
 from .common import _beta_in, _chunk_rows, _empty_slot, _gate_in, _gate_par
-from .plan import zero_padding_blocks
+from .plan import zero_padding_block
 
 _G_FLOOR = tl.constexpr(G_FLOOR)
 
@@ -110,12 +110,12 @@ def gdn_wy_fwd_kernel(k, g, beta, gc, Ainv, cu, cidx, T, H, HV, K: tl.constexpr,
     dots at precision PREC) and stored in Ainv's dtype (bf16 for bf16 inputs: it is only ever a tensor-core
     operand). BT: 16, 32 or 64 (one, two or four 16-row blocks; the blocks past BT are compiled out). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it.
     GATE: g is the raw gate input, the decay ``-exp(a_log)·softplus(g + dt_bias)`` (``HAS_BIAS``: with dt_bias
-    ``[HV]``). PAD (varlen): the output o ``[1, T, HV, V]``'s rows of tokens outside [cu[0], cu[N]), which no
-    later stage writes, are zeroed here, each program its value head's in the BT-token blocks of its slot."""
+    ``[HV]``). PAD (varlen, a program per BT-token block): the output o ``[1, T, HV, V]``'s rows of tokens outside
+    [cu[0], cu[N]), which no later stage writes, are zeroed here, each program its value head's in block ``i_t``."""
     NB: tl.constexpr = BT // 16
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     if PAD:
-        zero_padding_blocks(o + i_bh * V, cu, N, T, i_t, HV * V, V, BT, BW)
+        zero_padding_block(o + i_bh * V, cu, N, T, i_t, HV * V, V, BT, BW)
     if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
             return
