@@ -209,7 +209,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device, stream_key(cu_seqlens.device))
         NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
     N = len(seq_cu) - 1
-    longest = max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
+    longest = NT if cu_seqlens is None else max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
     padding = cu_seqlens is not None and (seq_cu[0] > 0 or seq_cu[-1] < T)
