@@ -369,6 +369,41 @@ def test_chunk_sizes_16_and_32(chunk_size, lens, varlen, G, seg, l2, dtype, seed
     _check_vs_refs(ins, dtype, grads, cu=cu, l2=l2, over=over, chunk_size=chunk_size)
 
 
+@settings(max_examples=examples(3, 8))
+@given(lens=st.lists(st.integers(0, pick(100, 300)), min_size=1, max_size=3), varlen=st.booleans(),
+       G=st.sampled_from([1, 2]), seg=st.booleans(), gate=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_first_decay_of_a_sequence_from_no_state_has_zero_gradient(lens, varlen, G, seg, gate, dtype, seed):
+    """Without an initial state a sequence's first decay scales a zero state, so its gradient is 0 exactly (FlashQLA's
+    tests hold it to that), through fla's in-kernel gate too, dense or varlen, with sequence splitting; with an
+    initial state it is not (the float64 recurrence's is compared in the other properties)."""
+    if sum(lens) == 0:
+        return
+    H, K, V = 1, pick(16, 128), pick(16, 128)
+    B, T, N, cu = _lens_layout(lens, varlen)
+    ins = _inputs(seed, B, T, H, H * G, K, V, N)
+    xs = [t.to(P.device, dtype if i < 3 else torch.float32) for i, t in enumerate(ins[:5])]
+    kw = {}
+    if gate:
+        # decays -exp(A_log)·softplus(g + dt_bias) of 0.3-0.8, as g's own range gives without the gate
+        kw = dict(use_gate_in_kernel=True, A_log=randn((H * G,), seed + 1, scale=0.1),
+                  dt_bias=randn((H * G,), seed + 2, scale=0.1))
+    xs[3].requires_grad_()
+    over = dict(seg_units=1 << 20, seg_below=1 << 20, seg_min=1) if seg else None
+    with _override(over):
+        o, _ = chunk_gated_delta_rule(*xs[:5], cu_seqlens=cu.to(P.device) if cu is not None else None,
+                                      use_qk_l2norm_in_kernel=True, **kw)
+        (o.float() * randn(o.shape, seed + 3)).sum().backward()
+    dg = xs[3].grad
+    if cu is None:
+        firsts = [(b, 0) for b in range(B)]
+    else:  # (an empty sequence has no first token)
+        c = cu.tolist()
+        firsts = [(0, c[n]) for n in range(N) if c[n + 1] > c[n]]
+    for b, t in firsts:
+        assert (dg[b, t] == 0).all(), f"row {b}, token {t}: dg at a sequence's first token {dg[b, t].tolist()}"
+    assert torch.isfinite(dg).all() and dg.abs().sum() > 0
+
+
 @pytest.mark.skipif(P.big, reason="checks every address the interpreter dereferences")
 @pytest.mark.parametrize("chunk_size", [16, 32])
 def test_chunk_sizes_stay_in_bounds(chunk_size):

@@ -513,7 +513,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
         BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
         GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, SLOTS=slots,
-        EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wy_bwd"))
+        EMPTY_SLOTS=plan.empty_slots, NO_H0=initial_state is None, **cfg.launch("wy_bwd"))
     _zero_padding(plan, dq, dk, dv, *((dg,) if gate is None else ()), *(() if opt_beta else (dbeta,)))
     if not opt_beta and gate is None:
         return dq, dk, dv, dg, dbeta, dh0

@@ -68,13 +68,16 @@ def _wy_bwd_dk(A, M, MT, b, eg, k, dw, dkp, dk, part, x, i_h, i_hv, valid, n, H,
 def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg, cnt, part, cu, cidx, T, H,
                       HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, GSUM: tl.constexpr, TRANS_OUT: tl.constexpr, LATE_WAIT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False, EMPTY_SLOTS: tl.constexpr = False):
+                      IS_VARLEN: tl.constexpr, SLOTS: tl.constexpr = False, EMPTY_SLOTS: tl.constexpr = False,
+                      NO_H0: tl.constexpr = False):
     """Through w = Ainv·(beta·e^gc·k), u = Ainv·(beta·v) and Ainv = (I + A)^-1 (du = dv_new): dk = dkp + these
     terms ([rows, H, K], k's dtype; with GSUM / SLOTS summed over the value heads like grad_chunk's dq), dv, dbeta and
     dg = reverse within-chunk cumsum of dgc. TRANS_OUT: the Mᵀ·k term of dk as (kᵀ·M)ᵀ, a transposed dot result
     added to dk, instead of Mᵀ built from its own dots (dTT, dAT); one [BT, BT] accumulator and four dots fewer.
     LATE_WAIT: see the comment at the dk loop. beta is beta as taken and dbeta, dg are the gradients of beta as
-    taken and of the decay: fla's beta and gate options are chained on outside this kernel (``options.py``)."""
+    taken and of the decay: fla's beta and gate options are chained on outside this kernel (``options.py``). NO_H0
+    (no initial state): a sequence's first decay scales a zero state, so its gradient is 0 exactly, not the residue
+    of the chunk's cancelling terms."""
     i_t, i_bh, tile = _gva_program(H, HV, GSUM)
     if EMPTY_SLOTS:  # a device-built plan: the programs past the last chunk have none
         if _empty_slot(cidx, i_t):
@@ -167,5 +170,7 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
     dgg += dgk
     dgg += dgl
     rev = tl.cumsum(dgg, 0, reverse=True)  # a suffix sum, not total - prefix sum (which cancels at the chunk end)
+    if NO_H0:
+        rev = tl.where(t == 0, 0.0, rev)
     tl.store(dg + x * HV + i_hv, rev.to(dg.dtype.element_ty), mask=valid)
     tl.store(dbeta + x * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=valid)
