@@ -13,6 +13,7 @@ from triton.runtime.jit import KernelInterface
 
 import gqla_triton as gq
 import gqla_triton.ops.gdn.plan as plan_mod
+from gqla_triton.dispatch import config_override
 
 # torch ops that launch nothing: allocations, views, metadata
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view",
@@ -44,31 +45,41 @@ def _gdn_inputs(B, T, H, HV, D, N, grad=False):
     return [x.requires_grad_(grad) for x in xs]
 
 
+# the fused forward's fields of the H200 table (default.json keeps the separate kernels: ``sout_chunks`` 0)
+FUSED = {"sout_chunks": 32, "sout_waves": 8}
+
+
 def test_chunked_prefill_forward_is_two_launches(monkeypatch):
-    """A forward without gradient from initial states (a chunked-prefill chunk): ``wy`` then ``sout``, nothing
-    else; varlen over a device-built plan adds the plan kernel before them (``wy`` zeroes the output rows of tokens
-    outside every sequence, which a device plan cannot rule out)."""
-    xs = _gdn_inputs(1, 200, 2, 4, 32, 1)
-    with _Record(monkeypatch) as rec:
-        gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
-    assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_state_out_kernel"] and rec.torch_ops == []
-    xs = _gdn_inputs(1, 200, 2, 4, 32, 3)
-    # planned from host values: wy zeroes the padding rows where its chunk programs are at least T's 64-token blocks
-    # (5 chunks, 4 blocks), a launch of its own does where they are fewer (3 chunks; 1 chunk)
-    for bounds, pad_launch in (([5, 70, 75, 200], False), ([0, 64, 64, 190], True), ([0, 1, 1, 1], True)):
-        cu = torch.tensor(bounds, dtype=torch.int32)
+    """A forward without gradient from initial states (a chunked-prefill chunk), with the table's fused forward on:
+    ``wy`` then ``sout``, nothing else (off: ``wy``, ``wu``, ``state``, ``output``); varlen over a device-built plan
+    adds the plan kernel before them (``wy`` zeroes the output rows of tokens outside every sequence, which a device
+    plan cannot rule out)."""
+    with config_override({"gdn_chunk": FUSED}):
+        xs = _gdn_inputs(1, 200, 2, 4, 32, 1)
         with _Record(monkeypatch) as rec:
-            gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
-                                      cu_seqlens_cpu=bounds)
-        assert rec.kernels == ["gdn_wy_fwd_kernel", *(["gdn_pad_zero_kernel"] if pad_launch else []),
-                               "gdn_state_out_kernel"], bounds
-    monkeypatch.setattr(plan_mod, "plans_on_device", lambda cu: True)
-    for bounds in ([0, 64, 64, 200], [3, 64, 70, 190]):
-        cu = torch.tensor(bounds, dtype=torch.int32, device=P.device)
-        with _Record(monkeypatch) as rec:
-            gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
-        assert rec.kernels == ["gdn_plan_kernel", "gdn_wy_fwd_kernel", "gdn_state_out_kernel"], bounds
-        assert rec.torch_ops == [], bounds
+            gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+        assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_state_out_kernel"] and rec.torch_ops == []
+        with config_override({"gdn_chunk": {"sout_chunks": 0}}), _Record(monkeypatch) as rec:
+            gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+        assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_wu_fwd_kernel", "gdn_state_fwd_kernel",
+                               "gdn_output_fwd_kernel"] and rec.torch_ops == []
+        xs = _gdn_inputs(1, 200, 2, 4, 32, 3)
+        # planned from host values: wy zeroes the padding rows where its chunk programs are at least T's 64-token
+        # blocks (5 chunks, 4 blocks), a launch of its own does where they are fewer (3 chunks; 1 chunk)
+        for bounds, pad_launch in (([5, 70, 75, 200], False), ([0, 64, 64, 190], True), ([0, 1, 1, 1], True)):
+            cu = torch.tensor(bounds, dtype=torch.int32)
+            with _Record(monkeypatch) as rec:
+                gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                          cu_seqlens_cpu=bounds)
+            assert rec.kernels == ["gdn_wy_fwd_kernel", *(["gdn_pad_zero_kernel"] if pad_launch else []),
+                                   "gdn_state_out_kernel"], bounds
+        monkeypatch.setattr(plan_mod, "plans_on_device", lambda cu: True)
+        for bounds in ([0, 64, 64, 200], [3, 64, 70, 190]):
+            cu = torch.tensor(bounds, dtype=torch.int32, device=P.device)
+            with _Record(monkeypatch) as rec:
+                gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+            assert rec.kernels == ["gdn_plan_kernel", "gdn_wy_fwd_kernel", "gdn_state_out_kernel"], bounds
+            assert rec.torch_ops == [], bounds
 
 
 @pytest.mark.parametrize("HV", [2, 4])
