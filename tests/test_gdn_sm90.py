@@ -232,7 +232,9 @@ def test_impl_triton_never_launches_gluon(monkeypatch):
 
     monkeypatch.setattr(launch_mod, "gdn_state_out_sm90_kernel", Probe())
     ins = _inputs(3, 1, 64 * 130, 1, 32, 128, 1)
-    with torch.no_grad(), config_override({"gdn_chunk": {"sout_impl": "gluon", "sout_gluon_units": 0}}):
+    # (the fused forward on whatever this GPU's table says: default.json keeps the separate kernels)
+    fused = {"sout_impl": "gluon", "sout_gluon_units": 0, "sout_chunks": 32}
+    with torch.no_grad(), config_override({"gdn_chunk": fused}):
         chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="triton")
         assert not launched
         chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="auto")

@@ -67,7 +67,7 @@ def test_chunked_prefill_forward_is_two_launches(monkeypatch):
         # planned from host values: wy zeroes the padding rows where its chunk programs are at least T's 64-token
         # blocks (5 chunks, 4 blocks), a launch of its own does where they are fewer (3 chunks; 1 chunk)
         for bounds, pad_launch in (([5, 70, 75, 200], False), ([0, 64, 64, 190], True), ([0, 1, 1, 1], True)):
-            cu = torch.tensor(bounds, dtype=torch.int32)
+            cu = torch.tensor(bounds, dtype=torch.int32, device=P.device)
             with _Record(monkeypatch) as rec:
                 gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
                                           cu_seqlens_cpu=bounds)
