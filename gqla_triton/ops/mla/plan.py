@@ -29,6 +29,11 @@ class MLAPlan:
     num_splits: int
 
 
+# the Gluon kernel's tiles where this GPU's table has no Gluon entry (its 64-row tiles, 64-key two-stage ring; the
+# H200 table's fields without TMA)
+GLUON_GEOMETRY = dict(impl="gluon", block_h=64, block_n=64, num_stages=2)
+
+
 def config_key(q: torch.Tensor, head_dim_v: int, sparse: bool, impl: str) -> dict:
     """Match key of the ``mla_decode`` table; ``impl``: "triton" or "gluon"."""
     return {"D": q.shape[-1], "DV": head_dim_v, "sparse": sparse, "s_q": q.shape[1], "impl": impl,
@@ -42,6 +47,8 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     B, s_q, h_q, _ = q.shape
     sparse = topk is not None
     cfg = select_config("mla_decode", config_key(q, head_dim_v, sparse, impl), device=q.device)
+    if impl == "gluon" and cfg.impl != "gluon":  # a table with no Gluon entry (an explicit impl="gluon"): its geometry
+        cfg = cfg.replace(**GLUON_GEOMETRY)
     HPT = min(h_q, cfg.block_h)
     QPT = 1 if sparse else max(1, min(s_q, cfg.block_h // HPT))
     BLOCK_H = max(16, next_pow2(HPT * QPT))
