@@ -341,9 +341,7 @@ def _pad_in_wy(plan: ChunkPlan, T: int) -> bool:
 
 
 def _pad_args(plan: ChunkPlan, o: torch.Tensor) -> dict:
-    """``wy``'s arguments that zero o's padding rows (``_pad_in_wy``; none otherwise)."""
-    if not _pad_in_wy(plan, o.shape[1]):
-        return {}
+    """``wy``'s arguments that zero o's padding rows (where ``_pad_in_wy``)."""
     V = o.shape[3]
     return dict(o=o, N=plan.N, V=V, PAD=True, BW=min(256, tile(V)))
 
@@ -378,12 +376,13 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     gc = empty(B, T, HV, dtype=torch.float32, device=q.device)
     Ainv = empty(B, T, HV, plan.BT, dtype=mid_dtype(k.dtype), device=q.device)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    if plan.NTT > 0:  # (wy also zeroes o's rows that no sequence owns: _pad_in_wy)
+    pad_wy = _pad_in_wy(plan, T)  # wy also zeroes o's rows that no sequence owns
+    if plan.NTT > 0:
         gdn_wy_fwd_kernel[(plan.NG, B * HV)](
             k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
             IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
-            EMPTY_SLOTS=plan.empty_slots, **_pad_args(plan, o), **cfg.launch("wy"))
-    if not _pad_in_wy(plan, T):
+            EMPTY_SLOTS=plan.empty_slots, **(_pad_args(plan, o) if pad_wy else {}), **cfg.launch("wy"))
+    if not pad_wy:
         _zero_padding(plan, o)
     if fuse and not keep_h:
         sm90 = use_sout_sm90(plan, q, k, v)
