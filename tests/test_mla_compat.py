@@ -89,6 +89,42 @@ def test_dense_is_mla_decode_with_flashmla_lse(B, s_q, h_q, dims, causal, dtype,
     assert torch.equal(out2, out)
 
 
+@settings(max_examples=examples(3, 8), deadline=None)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 4), h_k=st.sampled_from([2, 3, 8]), group=st.sampled_from([1, 3, 16]),
+       causal=st.booleans(), dtype=dtypes(), seed=seeds())
+def test_dense_cache_with_several_heads(B, s_q, h_k, group, causal, dtype, seed):
+    """FlashMLA's dense decode over a cache of h_k heads (its own tests take h_k 1, 2, 3, 8): query head i attends
+    to cache head i // (h_q / h_k); each head against a float64 reference of its own, a sequence with no key
+    included; a head count h_k does not divide, or several heads with indices, is refused."""
+    r, dr = DIMS[0]
+    g = gen(seed)
+    page = 16
+    h_q = h_k * group
+    lens = torch.randint(0, 60, (B,), generator=g)
+    lens[-1] = 0
+    bt = torch.randperm(B * 4 + 1, generator=g)[: B * 4].reshape(B, 4).int().to(P.device)
+    q = randn((B, s_q, h_q, r + dr), g, dtype=dtype)
+    kv = randn((B * 4 + 1, page, h_k, r + dr), g, dtype=dtype)
+    lens = lens.int().to(P.device)
+    meta, _ = gq.get_mla_metadata()
+    out, lse = gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, causal=causal)
+    assert out.shape == (B, s_q, h_q, r) and lse.shape == (B, h_q, s_q) and meta.config.h_k == h_k
+    for i in range(h_q):
+        args = (q[:, :, i:i + 1], kv[:, :, i // group:i // group + 1], bt, lens)
+        ro, rl = mla_decode_ref(*args, head_dim_v=r, causal=causal)
+        lo, _ = mla_decode_ref(*args, head_dim_v=r, causal=causal, p_dtype=dtype)
+        assert_close(f"out head {i}", out[:, :, i:i + 1], ro, lo, dtype=dtype)
+        rl = torch.where(rl == float("-inf"), float("inf"), rl)
+        assert_close(f"lse head {i}", lse[:, i:i + 1], rl, rl, dtype=torch.float32,
+                     eps=1e-5 if dtype == torch.float32 else 1e-4)
+    assert (out[-1] == 0).all() and (lse[-1] == float("inf")).all()
+    if h_q > 1:
+        fresh, _ = gq.get_mla_metadata()
+        with pytest.raises(ValueError, match="^q: h_q=.* must be a multiple of k_cache's h_k"):
+            gq.flash_mla_with_kvcache(q[:, :, 1:], kv, bt, lens, r, fresh, causal=causal)
+        assert not fresh.have_initialized
+
+
 @settings(max_examples=examples(4, 12))
 @given(B=st.integers(1, 2), s_q=st.integers(1, 2), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
        topk=st.sampled_from([16, 40]), use_len=st.booleans(), use_sink=st.booleans(), use_extra=st.booleans(),
@@ -169,8 +205,8 @@ def test_refusals_change_no_state():
             gq.flash_mla_with_kvcache(q, kv, bt, lens, r, gq.FlashMLASchedMeta(have_initialized=True, config=junk))
     with pytest.raises(TypeError, match="tile_scheduler_metadata"):
         gq.flash_mla_with_kvcache(q, kv, bt, lens, r, None)
-    with pytest.raises(ValueError, match="one latent head"):
-        gq.flash_mla_with_kvcache(q, kv.expand(4, 16, 2, r + dr), bt, lens, r, meta)
+    with pytest.raises(ValueError, match="sparse calls: one latent head"):
+        gq.flash_mla_with_kvcache(q, kv.expand(4, 16, 2, r + dr), bt, lens, r, meta, indices=idx)
     gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta)
     config = meta.config
     for kw in (dict(causal=True), dict(indices=idx)):

@@ -145,19 +145,28 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
                name: str, num_splits: int = 0, q_descale=None, k_descale=None, kv_format=None):
     """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``; the
     descales: the dense FP8 path's; ``kv_format``: its ``fp8.py`` layout."""
-    if k_cache.dim() != 4 or k_cache.shape[2] != 1:
-        raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, head_dim] (one latent head), got "
-                         f"{list(k_cache.shape)}")
+    h_k = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    if h_k == 0 or (h_k > 1 and indices is not None):
+        raise ValueError(f"{name}: expected [num_blocks, page_block_size, h_k, head_dim] (sparse calls: one latent "
+                         f"head, h_k 1), got {list(k_cache.shape)}{' with indices' if indices is not None else ''}")
     if not k_cache.shape[0] or not k_cache.shape[1]:
         raise ValueError(f"{name}: expected at least one block of at least one token, got {list(k_cache.shape)}")
     if indices is None:
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens: required without indices (dense attention)")
-        try:
-            return mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                              num_splits=num_splits, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
+        if q.shape[2] % h_k:
+            raise ValueError(f"q: h_q={q.shape[2]} must be a multiple of k_cache's h_k={h_k} (query head i attends "
+                             f"to cache head i // (h_q / h_k))")
+        g = q.shape[2] // h_k
+        try:  # one mla_decode per cache head over its group of query heads (views: no copies)
+            parts = [mla_decode(q[:, :, j * g:(j + 1) * g], k_cache[:, :, j:j + 1], block_table, cache_seqlens,
+                                head_dim_v, softmax_scale, causal, num_splits=num_splits, q_descale=q_descale,
+                                k_descale=k_descale, kv_format=kv_format) for j in range(h_k)]
         except (TypeError, ValueError) as e:  # FlashMLA's names of the descales
             raise type(e)(str(e).replace("q_descale", "descale_q").replace("k_descale", "descale_k")) from None
+        if h_k == 1:
+            return parts[0]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 1)
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
     return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits,
                       kv_format=kv_format)
@@ -172,7 +181,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
     Args:
         q: ``[B, s_q, h_q, 576]`` (512 latent + 64 rope; other ``mla_decode`` widths too).
-        k_cache: ``[num_blocks, page_block_size, 1, 576]`` in q's dtype, or FlashMLA's FP8 layout
+        k_cache: ``[num_blocks, page_block_size, h_k, 576]`` in q's dtype (dense calls: query head i attends to cache
+            head ``i // (h_q / h_k)``; sparse calls take h_k 1), or FlashMLA's FP8 layout
             ``[num_blocks, page_block_size, 1, 656]`` (``is_fp8_kvcache=True``), or (q of 512 channels) its V3.2
             rows without rope ``[..., 528]``, or (sparse, q of 512 channels) its V4 (MODEL1), V4.1 and V4.1 fp4
             pages ``[..., 584 | 528 | 288]``, or (dense, with ``descale_k``) a
