@@ -161,13 +161,14 @@ def check_num_splits(num_splits: object) -> int:
     return int(num_splits)
 
 
-def check_kernel_device(device: torch.device, reference: str, dtype: torch.dtype | None = None) -> None:
+def check_kernel_device(device: torch.device, reference: str, *dtypes: torch.dtype | None) -> None:
     """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1``: never a silent fallback. The
-    interpreter computes bfloat16 wrongly (triton#11584), so ``dtype`` bfloat16 is refused there."""
-    if device.type == "cuda" and not is_interpreter():
+    interpreter computes bfloat16 wrongly (triton#11584), so bfloat16 among ``dtypes`` is refused there."""
+    interpreter = is_interpreter()
+    if device.type == "cuda" and not interpreter:
         return
-    if is_interpreter():
-        if dtype == torch.bfloat16:
+    if interpreter:
+        if torch.bfloat16 in dtypes:
             raise TypeError("bfloat16 inputs: Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 "
                             "wrongly (triton#11584); use float16 or float32 there, bfloat16 on a GPU, or "
                             f"{reference} (impl='reference')")

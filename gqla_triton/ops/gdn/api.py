@@ -449,9 +449,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if not isinstance(save_states, bool):
         raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
     if impl != "reference":
-        check_kernel_device(dev, _REFERENCE, q.dtype)
-        if initial_state is not None:
-            check_kernel_device(dev, _REFERENCE, initial_state.dtype)
+        check_kernel_device(dev, _REFERENCE, q.dtype, initial_state.dtype if initial_state is not None else None)
     capture = graph_capture(fla_options, T, N, cu_seqlens)
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
