@@ -130,18 +130,17 @@ def test_nonfinite_values_reach_only_the_queries_that_see_them():
     kv[30:, 0] = float("nan")  # rows 30..39: selected only past a topk length below
     idx[4, 0, 10:] = 35
     length[4] = 10
+    # each poisoned row is selected by its one query: (row, that query, what other queries select instead)
     kv[3, 0, 5] = float("nan")  # row 3: query 0 only
-    idx[0, 0, 0] = 3
-    idx[1:, 0][idx[1:, 0] == 3] = 4
     kv[7, 0, r + dr - 1] = float("inf")  # row 7 (a key channel): query 1 only
-    idx[1, 0, 1] = 7
-    idx[[0, 2, 3, 4], 0][idx[[0, 2, 3, 4], 0] == 7] = 8
     q[1, :, r + dr - 1] = torch.where(torch.arange(h_q, device=P.device) % 2 == 0, 1.0, -1.0).to(dtype)
     kv[9, 0, 0] = float("-inf")  # row 9 (value channel 0, also a key channel): query 2 only
-    idx[2, 0, 2] = 9
-    for j in (0, 1, 3, 4):
-        row = idx[j, 0]
-        row[row == 9] = 10
+    for row, owner, other in ((3, 0, 4), (7, 1, 8), (9, 2, 10)):
+        idx[:, 0][idx[:, 0] == row] = other
+        idx[owner, 0, owner] = row
+    poisoned = {3, 7, 9, *range(30, 40)}
+    for j in range(s_q):  # the rows each query sees (within its topk length)
+        assert set(idx[j, 0, :int(length[j])].tolist()) & poisoned == ({(3, 7, 9)[j]} if j < 3 else set())
     got = _run(q, kv, idx, r, None, length)
     _, ref_m, ref_l = _check(got, q, kv, idx, r, None, length, dtype)
     assert torch.isnan(got.out[0]).all() and torch.isnan(ref_l[0]).all()
