@@ -42,6 +42,7 @@ class DecodePathConfig(KernelConfig):
 
     OP: ClassVar[str] = "decode_path"
     MATCH: ClassVar[dict] = {"s_q": int}
+    MEASURED: ClassVar[bool] = True
 
     absorb_efficiency: float = 1.0
     grouped_efficiency: float = 1.0

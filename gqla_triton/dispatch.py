@@ -41,6 +41,7 @@ __all__ = [
     "user_config_dir",
     "schema",
     "OPS",
+    "SHARED_TABLES",
 ]
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
@@ -90,6 +91,12 @@ _GPU_NAMES = (
     ("l40s", "l40s"),
 )
 GPU_KEYS = tuple(sorted({k for _, k in _GPU_NAMES}))
+
+# GPUs whose SM is another GPU's, and which run that GPU's shipped kernel configs where they have no table of their
+# own: the H100 / H800 are sm_90a with the H200's SM count (SXM) and 227 KB of shared memory per block, so the
+# H200's tiles, stage counts and Gluon kernels compile and fit alike (the choices are tuned on the H200). Entries of
+# one GPU's own measurements (a schema with ``MEASURED``: ``decode_path``) are not shared.
+SHARED_TABLES = {"h100": "h200"}
 
 
 def gpu_key(name: str) -> str:
@@ -209,15 +216,20 @@ def table_swap(key: str, raw: Mapping) -> Iterator[None]:
 @functools.cache
 def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
     """The table of GPU ``key``: one swapped in by ``table_swap``, a tuned one in the user config directory
-    (``gqla_triton.tune``), else the shipped ``configs/<key>.json``, else ``configs/default.json``. The interpreter
-    reads only the shipped table."""
+    (``gqla_triton.tune``), else the shipped ``configs/<key>.json``, else the shipped table of the GPU whose SM it
+    shares (``SHARED_TABLES``, without its measured ops), else ``configs/default.json``. The interpreter reads only
+    the shipped table."""
     if key in _SWAPPED:
         return _SWAPPED[key]
-    paths = ([] if key == "interpreter" else [user_config_dir() / f"{key}.json"]) + [_CONFIG_DIR / f"{key}.json",
-                                                                              _CONFIG_DIR / "default.json"]
+    shared = SHARED_TABLES.get(key)
+    paths = [*([] if key == "interpreter" else [user_config_dir() / f"{key}.json"]), _CONFIG_DIR / f"{key}.json",
+             *([_CONFIG_DIR / f"{shared}.json"] if shared else []), _CONFIG_DIR / "default.json"]
     path = next(p for p in paths if p.exists())
     with open(path) as f:
-        return parse_table(json.load(f), where=str(path))
+        table = parse_table(json.load(f), where=str(path))
+    if shared and path == _CONFIG_DIR / f"{shared}.json":
+        table = {op: rows for op, rows in table.items() if not schema(op).MEASURED}
+    return table
 
 
 @functools.lru_cache(maxsize=4)

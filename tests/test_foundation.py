@@ -150,6 +150,31 @@ def test_gpu_key():
     assert dispatch.gpu_key("Some Future GPU") == "default"
 
 
+def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, monkeypatch):
+    """A GPU of the H200's SM with no table of its own (H100, H800) gets the H200's kernel configs for every shape
+    key, but not the H200's own measurements (``decode_path``); a GPU of another SM (H20) gets ``default.json``;
+    a tuned table of the H100's own comes first."""
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    dispatch._load_table.cache_clear()
+    dispatch._table_entry.cache_clear()
+    try:
+        h100, h200, default = (dispatch._load_table(k) for k in ("h100", "h200", "default"))
+        assert dispatch.gpu_key("NVIDIA H800") == "h100"
+        assert "decode_path" in h200 and "decode_path" not in h100
+        assert {op: rows for op, rows in h200.items() if op != "decode_path"} == h100
+        assert h100["gdn_chunk"] != default["gdn_chunk"]
+        assert dispatch._load_table("h20") == default
+        for key in ({}, {"K": 256}):
+            assert dispatch.table_config("h100", "gdn_chunk", key) == dispatch.table_config("h200", "gdn_chunk", key)
+        assert dispatch.table_config("h100", "decode_path", {"s_q": 1}) is None
+        (tmp_path / "h100.json").write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": 1024}}]}))
+        dispatch._load_table.cache_clear()
+        assert set(dispatch._load_table("h100")) == {"combine"}
+    finally:
+        dispatch._load_table.cache_clear()
+        dispatch._table_entry.cache_clear()
+
+
 def test_import_does_no_device_work():
     code = (
         "import torch, gqla_triton\n"

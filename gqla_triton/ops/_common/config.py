@@ -53,6 +53,8 @@ class KernelConfig:
 
     OP: ClassVar[str] = ""
     MATCH: ClassVar[Mapping[str, Any]] = {}
+    # entries that hold one GPU's own measurements rather than kernel choices: never shared with another GPU
+    MEASURED: ClassVar[bool] = False
 
     def check(self) -> None:
         """Range checks beyond the field types (``one_of`` / ``within``); raise ``ValueError`` naming the field."""
