@@ -106,19 +106,49 @@ def _ops():
     def quant(**o):
         return gq.quantize_latent_fp8(torch.randn(3, 576, generator=g), **o)
 
+    def quant_paged(**o):  # the paged layouts' 512 values per token
+        return gq.quantize_latent_fp8(torch.randn(2, 4, 1, 512, generator=g), **{"layout": "model1", **o})
+
+    def dequant(**o):
+        return gq.dequantize_latent_fp8(kv8, **o)
+
+    s_q, s_kv = 3, 20
+    qp, kvp = torch.randn(s_q, hq, r + dr, generator=g), torch.randn(s_kv, 1, r + dr, generator=g)
+    idx_p = torch.randint(-1, s_kv, (s_q, 1, 8), generator=g, dtype=torch.int32)
+
+    def prefill(**o):
+        return gq.mla_sparse_prefill(qp, kvp, o.pop("indices", idx_p), o.pop("head_dim_v", r), **o)
+
+    def fmla_prefill(**o):  # FlashMLA's sparse prefill over the same rows
+        return gq.flash_mla_sparse_fwd(qp, kvp, o.pop("indices", idx_p), o.pop("sm_scale", 0.1), **{"d_v": r, **o})
+
+    def sched(**o):
+        return gq.get_mla_decoding_metadata(**{"seqlens_k": lens, "num_q_tokens_per_head_k": hq, "h_k": 1, **o})
+
     return {
         "mla_decode fp8": (mla8, ["head_dim_v", "softmax_scale", "causal", "num_splits", "impl", "indices",
                                   "topk_length"]),
         "quantize_latent_fp8": (quant, ["pow2_scales"]),
+        "quantize_latent_fp8 paged": (quant_paged, ["layout"]),
+        "dequantize_latent_fp8": (dequant, ["dtype", "kv_format"]),
+        "mla_sparse_prefill": (prefill, ["head_dim_v", "softmax_scale", "topk_length", "num_splits", "impl",
+                                         "indices"]),
+        "flash_mla_sparse_fwd": (fmla_prefill, ["sm_scale", "d_v", "attn_sink", "topk_length", "use_legacy",
+                                                "return_log2_lse", "indices"]),
+        "get_mla_decoding_metadata": (sched, ["seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q",
+                                              "is_fp8_kvcache", "topk"]),
         "mla_decode": (mla, ["head_dim_v", "softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length",
                              "return_lse"]),
         "gqa_decode": (gqa, ["softmax_scale", "causal", "num_splits", "impl", "indices", "topk_length"]),
         "flash_mla_with_kvcache": (fmla, ["head_dim_v", "tile_scheduler_metadata", "num_splits", "softmax_scale",
                                           "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache",
-                                          "extra_indices_in_kvcache", "topk_length", "extra_topk_length"]),
+                                          "extra_indices_in_kvcache", "topk_length", "extra_topk_length",
+                                          "enable_batch_invariant", "use_legacy", "kv_format", "descale_q",
+                                          "descale_k"]),
         "flash_mla_with_kvcache sparse": (fmla_sparse, ["indices", "attn_sink", "extra_k_cache",
                                                         "extra_indices_in_kvcache", "topk_length", "extra_topk_length",
-                                                        "causal", "softmax_scale", "is_fp8_kvcache"]),
+                                                        "causal", "softmax_scale", "is_fp8_kvcache",
+                                                        "enable_batch_invariant", "use_legacy", "kv_format"]),
         "chunk_gated_delta_rule": (chunk, ["scale", "initial_state", "output_final_state", "cu_seqlens", "chunk_size",
                                            "use_qk_l2norm_in_kernel", "impl", "save_states", "allow_neg_eigval",
                                            "use_beta_sigmoid_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias",
@@ -142,7 +172,9 @@ def _ops():
     }
 
 
-@pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "gqa_decode",
+@pytest.mark.parametrize("op", ["mla_decode", "mla_decode fp8", "quantize_latent_fp8", "quantize_latent_fp8 paged",
+                                "dequantize_latent_fp8", "mla_sparse_prefill", "flash_mla_sparse_fwd",
+                                "get_mla_decoding_metadata", "gqa_decode",
                                 "flash_mla_with_kvcache", "flash_mla_with_kvcache sparse", "chunk_gated_delta_rule",
                                 "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd",
                                 "recurrent_gated_delta_rule", "gated_delta_rule_decode",

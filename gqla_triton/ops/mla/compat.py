@@ -318,7 +318,10 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     check_tensor("q", q, ndim=3)
     _check_sink(attn_sink, q.shape[1], q.device)
     sm_scale = check_scale("sm_scale", sm_scale, q.shape[-1] ** -0.5, factor=_LOG2E)
-    out, max_logits, lse = mla_sparse_prefill(q, kv, indices, d_v, sm_scale, topk_length)
+    try:
+        out, max_logits, lse = mla_sparse_prefill(q, kv, indices, d_v, sm_scale, topk_length)
+    except (TypeError, ValueError) as e:  # FlashMLA's name of the value width
+        raise type(e)(str(e).replace("head_dim_v", "d_v")) from None
     if attn_sink is not None:
         out = _sink(out, lse, attn_sink)
     if return_log2_lse is False:
