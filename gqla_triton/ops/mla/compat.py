@@ -37,6 +37,7 @@ bf16 / fp16; ``is_fp8_kvcache`` must say which the cache is; the sparse prefill 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -111,6 +112,19 @@ def _check_meta(meta, config: FlashMLASchedMeta.Config) -> None:
                          "use one get_mla_metadata() per configuration")
 
 
+@contextlib.contextmanager
+def _flashmla_names(**ours: str):
+    """A ``TypeError`` / ``ValueError`` raised inside names FlashMLA's arguments (``ours``: our name -> FlashMLA's),
+    not the names of the op this module calls."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        for name, theirs in ours.items():
+            msg = msg.replace(name, theirs)
+        raise type(e)(msg) from None
+
+
 def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
     """Block table and lengths under which a logical position is the physical cache row: page p maps to page p,
     every sequence holds the whole cache. The table is one row expanded over the batch (batch stride 0), which the
@@ -158,12 +172,11 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
             raise ValueError(f"q: h_q={q.shape[2]} must be a multiple of k_cache's h_k={h_k} (query head i attends "
                              f"to cache head i // (h_q / h_k))")
         g = q.shape[2] // h_k
-        try:  # one mla_decode per cache head over its group of query heads (views: no copies)
+        with _flashmla_names(q_descale="descale_q", k_descale="descale_k"):
+            # one mla_decode per cache head over its group of query heads (views: no copies)
             parts = [mla_decode(q[:, :, j * g:(j + 1) * g], k_cache[:, :, j:j + 1], block_table, cache_seqlens,
                                 head_dim_v, softmax_scale, causal, num_splits=num_splits, q_descale=q_descale,
                                 k_descale=k_descale, kv_format=kv_format) for j in range(h_k)]
-        except (TypeError, ValueError) as e:  # FlashMLA's names of the descales
-            raise type(e)(str(e).replace("q_descale", "descale_q").replace("k_descale", "descale_k")) from None
         if h_k == 1:
             return parts[0]
         return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 1)
@@ -318,10 +331,8 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     check_tensor("q", q, ndim=3)
     _check_sink(attn_sink, q.shape[1], q.device)
     sm_scale = check_scale("sm_scale", sm_scale, q.shape[-1] ** -0.5, factor=_LOG2E)
-    try:
+    with _flashmla_names(head_dim_v="d_v"):
         out, max_logits, lse = mla_sparse_prefill(q, kv, indices, d_v, sm_scale, topk_length)
-    except (TypeError, ValueError) as e:  # FlashMLA's name of the value width
-        raise type(e)(str(e).replace("head_dim_v", "d_v")) from None
     if attn_sink is not None:
         out = _sink(out, lse, attn_sink)
     if return_log2_lse is False:
