@@ -135,7 +135,8 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
     FP8 1 (``fp8.py``, 656-byte rows): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale
     (``kvs``, the same memory as float32) and the bf16 rope values (``kvr``, as bf16). FP8 2 (MODEL1 pages): ``off``
     is a token's byte offset in its page's first region, ``sc_off`` that of its UE8M0 scales; channels 0..447 are
-    e4m3 · 2^(e - 127), 448..511 the bf16 rope values, all in ``k_lat`` (DV = D = 512, no separate rope part).
+    e4m3 · 2^(e - 127), 448..511 the bf16 rope values (read as bytes), all in ``k_lat`` (DV = D = 512, no separate
+    rope part).
     FP8 3 (a cache scaled per tensor): every channel one e4m3 byte, unscaled (the descales multiply the scores and
     the output). FP8 4 (V4.1 pages): 512 e4m3 values at ``off``, 16 UE8M0 scales (one per 32) at ``sc_off``. FP8 5
     (V4.1 fp4 pages): 512 e2m1 values in 256 bytes at ``off`` (the even channel in the low nibble), 32 e4m3 scales
@@ -143,16 +144,20 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
     m2 = ok[:, None] & mv[None, :]
     mr2 = ok[:, None] & mr[None, :]
     if FP8 == MODEL1:
+        # two byte tiles per key tile: channel c < 448's e4m3 byte or rope channel c's low byte, and the rope
+        # channels' high bytes (a [BLOCK_N, DV] bf16 tile for 64 rope values would double the pipelined stage, past
+        # an sm_90's shared memory at the H200 table's 64-key tiles and two stages)
         nope = offs_v < _M1_NOPE
-        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=ok[:, None] & nope[None, :], other=0))
-        # [BLOCK_N, 8] scale bytes (the 8th is padding: its channels take the rope values below)
+        rb = _M1_NOPE + 2 * (offs_v - _M1_NOPE)  # rope channel c's first byte
+        lo = tl.load(kv + off[:, None] + tl.where(nope, offs_v, rb)[None, :], mask=m2, other=0)
+        hi = tl.load(kv + off[:, None] + (rb + 1)[None, :], mask=ok[:, None] & ~nope[None, :], other=0)
+        # [BLOCK_N, 8] scale bytes (the 8th is padding: its channels take the rope values)
         e = tl.load(kv + sc_off[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=127).to(tl.int32)
-        xt = tl.reshape(x, [x.shape[0], 8, 64])
-        deq = tl.reshape(xt * _ue8m0(e)[:, :, None], [x.shape[0], DV])
-        rope = tl.load(kvr + (off // 2 + _M1_NOPE // 2)[:, None] + (offs_v - _M1_NOPE)[None, :],
-                       mask=ok[:, None] & ~nope[None, :], other=0.0).to(tl.float32)
+        xt = tl.reshape(_e4m3(lo), [lo.shape[0], 8, 64])
+        deq = tl.reshape(xt * _ue8m0(e)[:, :, None], [lo.shape[0], DV])
+        rope = ((hi.to(tl.int16) << 8) | lo.to(tl.int16)).to(tl.bfloat16, bitcast=True).to(tl.float32)
         k_lat = tl.where(nope[None, :], deq, rope).to(KDT)
-        k_rope = tl.zeros([x.shape[0], offs_r.shape[0]], KDT)
+        k_rope = tl.zeros([lo.shape[0], offs_r.shape[0]], KDT)
     elif FP8 == V32:
         x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0))
         # [BLOCK_N, DV / 128] scales, broadcast over their tiles (a [BLOCK_N, DV] gather would be pipelined whole)
@@ -404,7 +409,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                                                         zip(kv_cache.shape, kv_cache.stride(), strict=True)])
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     kvs = kv.view(torch.float32) if layout in ("v32", "v32_no_rope") else kv
-    kvr = kv.view(torch.bfloat16) if layout in ("v32", "model1") else kv
+    kvr = kv.view(torch.bfloat16) if layout == "v32" else kv
     # paged layouts: a token's values are PAGED.token bytes apart in its page's first region (the view's rows are
     # the page's bytes in order, scales last)
     paged_fp8 = PAGED.get(layout)
