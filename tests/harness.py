@@ -200,21 +200,29 @@ def capture_graph(fn):
     return graph, out
 
 
-def compile_sm90_in_child(call: str, *, tma: bool = False) -> int:
-    """Run ``call`` (an expression, with its imports before it, that returns a kernel compiled for sm_90) in a child
-    process without TRITON_INTERPRET (under it Triton's own reductions are interpreter functions no compiler can
-    take); assert the kernel is warp-specialised (register reallocation) with wgmma products and cp.async copies,
-    TMA tile copies exactly when ``tma``, and return its shared memory in bytes."""
+SM90_SHARED = 232448  # an sm_90 block's shared memory (227 KB): a launch that asks for more fails
+
+
+def compile_in_child(call: str, report: str) -> list[str]:
+    """Run ``call`` (statements that leave a kernel compiled for sm_90 in ``k``) in a child process without
+    TRITON_INTERPRET (under it Triton's own reductions are interpreter functions no compiler can take) and return
+    the words it prints for ``report`` (an expression over ``k``)."""
     import os
     import subprocess
     import sys
 
-    code = (f"{call}; ptx = k.asm['ptx']; "
-            "print(k.metadata.shared, 'setmaxnreg' in ptx, 'wgmma.mma_async' in ptx, 'cp.async' in ptx, "
-            "'cp.async.bulk.tensor' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run([sys.executable, "-c", f"{call}; print(*({report},))"], capture_output=True, text=True,
+                         env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    shared, *flags = res.stdout.split()[-5:]
-    assert flags == ["True", "True", "True", str(tma)], res.stdout
+    return res.stdout.splitlines()[-1].split()
+
+
+def compile_sm90_in_child(call: str, *, tma: bool = False) -> int:
+    """``compile_in_child`` for a Gluon kernel: assert it is warp-specialised (register reallocation) with wgmma
+    products and cp.async copies, TMA tile copies exactly when ``tma``, and return its shared memory in bytes."""
+    shared, *flags = compile_in_child(call, "k.metadata.shared, 'setmaxnreg' in k.asm['ptx'], "
+                                            "'wgmma.mma_async' in k.asm['ptx'], 'cp.async' in k.asm['ptx'], "
+                                            "'cp.async.bulk.tensor' in k.asm['ptx']")
+    assert flags == ["True", "True", "True", str(tma)], flags
     return int(shared)

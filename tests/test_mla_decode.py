@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 from harness import (
+    SM90_SHARED,
     P,
     assert_close,
     capture_graph,
+    compile_in_child,
     compile_sm90_in_child,
     dtypes,
     examples,
@@ -485,6 +487,54 @@ def test_gluon_variants_vs_reference(config_override, variant, B, s_q, h_q, page
         out, lse = mla_decode(q, kv, bt, lens, head_dim_v=r, causal=causal, indices=idx, num_splits=num_splits,
                               impl="gluon")
     _check(out, lse, q, kv, bt, lens, r, causal, dtype, indices=idx)
+
+
+@pytest.mark.parametrize("D, head_dim_v, dtype, sparse, cut", [(576, 512, "bf16", False, False),
+                                                          (704, 512, "fp16", False, True),
+                                                          (1152, 1024, "bf16", True, True),
+                                                          (2112, 2048, "bf16", False, True),
+                                                          (1152, 1024, "fp32", False, False)])
+def test_wide_heads_fit_sm90_shared_memory(D, head_dim_v, dtype, sparse, cut):
+    """From the H200 table's portable configs (which the H100 shares), the plan cuts stages, key tiles and row
+    tiles until ``shared_bytes`` fits an sm_90 block (the table's own tiles at 512 + 64 channels), and
+    ``shared_bytes`` bounds what Triton allocates for the tiles it keeps (compiled for sm_90, no GPU needed)."""
+    from gqla_triton.dispatch import table_config
+    from gqla_triton.ops.mla.plan import _fit_shared, shared_bytes
+
+    key = {"D": D, "DV": head_dim_v, "sparse": sparse, "s_q": 1, "impl": "triton", "fp32": dtype == "fp32"}
+    table = table_config("h200", "mla_decode", key)
+    elt = 4 if dtype == "fp32" else 2
+    cfg = _fit_shared(table, 128, head_dim_v, D, elt, SM90_SHARED)
+    assert (cfg != table) == cut
+    need = shared_bytes(cfg.block_h, cfg.block_n, cfg.num_stages, head_dim_v, D, elt)
+    assert need <= SM90_SHARED
+    fields = dict(dtype=dtype, head_dim_v=head_dim_v, D=D, sparse=sparse, block_h=cfg.block_h, block_n=cfg.block_n,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, p_scratch=cfg.p_scratch,
+                  rows_ahead=cfg.rows_ahead)
+    shared = compile_in_child(f"from gqla_triton.ops.mla.triton import compile_sm90; k = compile_sm90(**{fields!r})",
+                              "k.metadata.shared")
+    assert int(shared[0]) <= need
+
+
+def test_heads_too_wide_for_shared_memory_are_refused(monkeypatch):
+    """Where even one stage of 16 x 16 tiles exceeds the GPU's shared memory, ``mla_decode`` refuses q by name
+    before any launch (on an sm_90's 227 KB: 65536 channels)."""
+    import dataclasses
+
+    import gqla_triton.ops.mla.plan as plan_mod
+    from gqla_triton.ops.mla.plan import _fit_shared
+
+    cfg = plan_mod.MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    assert _fit_shared(cfg, 16, 512, 576, 2, 100_000).num_stages == 1
+    with pytest.raises(ValueError, match="q: 65536 channels .*shared memory"):
+        _fit_shared(cfg, 16, 65472, 65536, 2, SM90_SHARED)
+    real = plan_mod.device_info
+    monkeypatch.setattr(plan_mod, "device_info", lambda d: dataclasses.replace(real(d), smem_per_block=SM90_SHARED))
+    q = torch.zeros(1, 1, 2, 8192, device=P.device)
+    kv = torch.zeros(1, 16, 1, 8192, device=P.device)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="q: 8192 channels"):
+        mla_decode(q, kv, bt, torch.ones(1, dtype=torch.int32, device=P.device), 8192 - 64)
 
 
 def test_gluon_config_has_one_key_ring():

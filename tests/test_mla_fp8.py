@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from harness import P, assert_close, assert_matches, examples, gen, pick, randn, seeds
+from harness import SM90_SHARED, P, assert_close, assert_matches, compile_in_child, examples, gen, pick, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_adversarial_decode import run_op
@@ -538,58 +538,16 @@ def test_v41_under_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
-# the portable kernel's sparse launch on the H200 table's config, compiled for sm_90 by Triton's own backend (no GPU)
-_PORTABLE_SM90 = """
-import inspect, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from gqla_triton.ops.mla.fp8 import PAGED
-from gqla_triton.ops.mla.triton import FP8_KINDS, mla_decode_fwd_kernel as fn
-layout = sys.argv[1]
-lay = PAGED.get(layout)
-q8 = layout == "e4m3"  # dense, a float8 q over a cache scaled per tensor
-rope = q8 or layout == "v32"  # 64 rope channels beside the 512 latent ones
-names = list(inspect.signature(fn.fn).parameters)
-const = dict(DV=512, DR=64 if rope else 0, BDV=512, BDR=64 if rope else 16, PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=64,
-             SPARSE=not q8, HAS_TOPK_LEN=not q8, SPLIT=True, DOT_PREC="tf32", PAGED_TILES=q8, P_SCRATCH=True,
-             ASM_SYNC=True, ROWS_AHEAD=True, TAIL=False, FP8=FP8_KINDS[layout], RAW=False, HAS_MAX=False,
-             DESCALE=2 if q8 else 0, PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0,
-             Q_E4M3=q8)
-ptr = dict(q="*u8" if q8 else "*bf16", kv="*u8", kvs="*fp32" if layout in ("v32", "v32_no_rope") else "*u8",
-           kvr="*bf16" if layout == "v32" else "*u8",
-           block_table="*i32", seqlens="*i32", indices="*i32", topk_length="*i32", out="*bf16", lse="*fp32",
-           o_part="*fp32", lse_part="*fp32", pbuf="*fp16" if q8 else "*bf16", abuf="*fp32", mx="*fp32", qd="*fp32",
-           kd="*fp32")
-sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-# pointers and the specialised integers (strides, page sizes) taken 16-aligned, as the launches here see them: the
-# loads then vectorise and pipeline through shared memory as they do on the GPU
-aligned = [n for n in names if n in ptr or (sig[n] == "i32" and n not in fn.do_not_specialize)]
-src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
-print("shared", k.metadata.shared, "compiled", len(k.asm["cubin"]) > 0, "mma" in k.asm["ptx"])
-"""
-SM90_SHARED = 232448  # an sm_90 block's shared memory (227 KB): a launch that asks for more fails
-
-
 @pytest.mark.parametrize("layout", ["v32", "model1", "v41", "v41_fp4", "v32_no_rope", "e4m3"])
 def test_portable_kernel_compiles_the_layouts_for_sm90(layout):
     """The sparse loaders of every quantised layout (V3.2 rows with and without rope, MODEL1, V4.1 FP8 / fp4
     pages), and the dense float8 q over a cache scaled per tensor (its bytes converted in the kernel), pass Triton's
     sm_90 compiler (to a cubin, with tensor-core products) at the H200 table's configs, which the H100 shares,
     within an sm_90's shared memory, with no GPU (a child process without the interpreter)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _PORTABLE_SM90, layout], capture_output=True, text=True, env=env,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    words = res.stdout.split()
-    assert words[-3:] == ["compiled", "True", "True"], res.stdout
-    assert int(words[-4]) <= SM90_SHARED, f"{layout}: {words[-4]} bytes of shared memory"
+    out = compile_in_child(f"from gqla_triton.ops.mla.triton import compile_sm90; k = compile_sm90(layout={layout!r})",
+                           "k.metadata.shared, len(k.asm['cubin']) > 0, 'mma' in k.asm['ptx']")
+    assert out[1:] == ["True", "True"], out
+    assert int(out[0]) <= SM90_SHARED, f"{layout}: {out[0]} bytes of shared memory"
 
 
 def test_fp8_under_torch_compile_fullgraph():

@@ -444,3 +444,44 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         Q_E4M3=q_e4m3,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def compile_sm90(*, layout: str | None = None, dtype: str = "bf16", head_dim_v: int = 512, D: int = 576,
+                 sparse: bool = True, block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+                 p_scratch: bool = True, rows_ahead: bool = True):
+    """Compile the portable kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel:
+    ``.asm``, ``.metadata``), split, at the given tiles, over a ``dtype`` cache or FlashMLA's quantised ``layout``
+    (``fp8.KV_FORMATS``, or ``"e4m3"``: a dense float8 q over a cache scaled per tensor). Pointers and the
+    specialised integers are taken 16-aligned, as the launches see them: the loads vectorise and pipeline through
+    shared memory as they do on the GPU."""
+    import inspect
+
+    from triton import compile as tcompile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = mla_decode_fwd_kernel
+    lay = PAGED.get(layout)
+    q8 = layout == "e4m3"
+    if layout is not None:
+        D = 576 if layout in ("v32", "e4m3") else 512
+        head_dim_v, dtype = 512, "bf16"
+    DR = D - head_dim_v
+    names = list(inspect.signature(fn.fn).parameters)
+    const = dict(DV=head_dim_v, DR=DR, BDV=max(16, next_pow2(head_dim_v)), BDR=max(16, next_pow2(max(DR, 1))),
+                 PAGE_SIZE=64, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse and not q8,
+                 HAS_TOPK_LEN=sparse and not q8, SPLIT=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
+                 PAGED_TILES=not sparse or q8, P_SCRATCH=p_scratch, ASM_SYNC=True, ROWS_AHEAD=rows_ahead, TAIL=False,
+                 FP8=FP8_KINDS[layout], RAW=False, HAS_MAX=False, DESCALE=2 if q8 else 0,
+                 PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0, Q_E4M3=q8)
+    cache = "u8" if layout is not None else dtype  # the views the launcher passes (mla_decode_triton)
+    ptr = dict(q="*u8" if q8 else f"*{dtype}", kv=f"*{cache}",
+               kvs="*fp32" if layout in ("v32", "v32_no_rope") else f"*{cache}",
+               kvr="*bf16" if layout == "v32" else f"*{cache}", block_table="*i32", seqlens="*i32", indices="*i32",
+               topk_length="*i32", out=f"*{dtype}", lse="*fp32", o_part="*fp32", lse_part="*fp32",
+               pbuf="*fp16" if q8 else f"*{dtype}", abuf="*fp32", mx="*fp32", qd="*fp32", kd="*fp32")
+    sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    aligned = [n for n in names if n in ptr or (sig[n] == "i32" and n not in fn.do_not_specialize)]
+    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
