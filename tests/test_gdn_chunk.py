@@ -1091,3 +1091,58 @@ def test_cu_seqlens_cpu_is_checked():
     if cu.device.type == "cpu":  # a host copy that disagrees with a CPU cu_seqlens (unchecked: NaN outputs)
         with pytest.raises(ValueError, match=r"cu_seqlens_cpu: \[0, 7, 8\] differs from cu_seqlens"):
             chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens=cu, cu_seqlens_cpu=[0, 7, 8])
+
+
+
+def _hopper_info():
+    from gqla_triton.dispatch import DeviceInfo
+
+    return DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
+
+
+def test_fp32_runs_stages_that_fit_shared_memory():
+    """The tables' stages and tiles are chosen for 2-byte inputs: fp32 inputs run the state passes and the gradient
+    kernel in one stage (gradient V tiles of at most 32); bf16 / fp16 keep the table's config."""
+    cfg = ChunkConfig(state_num_stages=3, state_bwd_num_stages=3, grad_bv=64, grad_num_stages=3)
+    for dt in (torch.bfloat16, torch.float16):
+        assert plan_mod.fit_shared(cfg, dt) == cfg
+    f = plan_mod.fit_shared(cfg, torch.float32)
+    assert (f.state_num_stages, f.state_bwd_num_stages, f.grad_bv, f.grad_num_stages) == (1, 1, 32, 1)
+    assert f.replace(state_num_stages=3, state_bwd_num_stages=3, grad_bv=64, grad_num_stages=3) == cfg
+
+
+def test_fp32_k256_backward_is_refused_where_it_cannot_fit(monkeypatch):
+    """fp32 inputs with a 256-wide K tile in chunks of 64: the backward's gradient kernel takes more shared memory
+    than an sm_90 block holds, so a call that may run it is refused by name before any launch (chunks of 32 / 16,
+    bf16 / fp16 and the forward alone run)."""
+    hopper = _hopper_info()
+    why = plan_mod.backward_unsupported(hopper, 64, 256, torch.float32)
+    assert "chunk_size=32" in why
+    for args in ((hopper, 32, 256, torch.float32), (hopper, 64, 128, torch.float32), (hopper, 64, 256, torch.bfloat16),
+                 (hopper, 64, 200, torch.float16)):
+        assert plan_mod.backward_unsupported(*args) is None
+    assert plan_mod.backward_unsupported(hopper, 64, 129, torch.float32) is not None  # a 256-wide tile
+    monkeypatch.setattr(api_mod, "device_info", lambda t: hopper)
+    monkeypatch.setattr(api_mod, "_eager", lambda *a, **k: pytest.fail("launched"))
+    q = torch.randn(1, 70, 1, 256, device=P.device, requires_grad=True)
+    v = torch.randn(1, 70, 1, 32, device=P.device)
+    g = -torch.rand(1, 70, 1, device=P.device)
+    with pytest.raises(ValueError, match="q / k: float32 inputs with K 256 in chunks of 64.*chunk_size=32"):
+        chunk_gated_delta_rule(q, q, v, g, g.neg())
+
+
+@pytest.mark.parametrize("only", ["fp32", "K256 V256 fp16"])
+def test_launches_fit_sm90_shared_memory(only):
+    """Every launch of the chunked forward and backward (and the forward alone) at K, V up to 256, compiled for
+    sm_90 under the H200 table, which the H100 shares (``tools.audit_shared``, no GPU), fits an sm_90 block."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "tools.audit_shared", "--gpu", "h200", "--case", "gdn", "--only", only],
+                         capture_output=True, text=True, env=env, timeout=1200)
+    lines = res.stdout.strip().splitlines()
+    failed = "\n".join(line for line in lines if not line.startswith("ok"))
+    assert res.returncode == 0, failed[-3000:] + res.stderr[-2000:]
+    assert lines[-1].endswith(": 0 do not fit or compile") and int(lines[-1].split()[0]) > 10, lines[-1]

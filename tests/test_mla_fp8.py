@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from harness import SM90_SHARED, P, assert_close, assert_matches, compile_in_child, examples, gen, pick, randn, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +19,7 @@ from test_gqla_layer import make_layer
 from gqla_triton.layers.cache import GroupedCache, LatentCache
 from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
 from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES, M1_ROW_BYTES, M1_TOKEN_BYTES, PAGED, ROW_BYTES, _e2m1_codes
+from gqla_triton.ops.mla.triton import _e4m3
 from gqla_triton.testing import gqla_reference
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -536,6 +539,27 @@ def test_v41_under_torch_compile_fullgraph():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for a, b in zip(f(q, kv8, bt, lens, idx), compiled(q, kv8, bt, lens, idx), strict=True):
         assert torch.equal(a, b)
+
+
+@triton.jit
+def _decode_e4m3(u_ptr, hw_ptr, bits_ptr):
+    offs = tl.arange(0, 256)
+    u = tl.load(u_ptr + offs)
+    tl.store(hw_ptr + offs, _e4m3(u, True))
+    tl.store(bits_ptr + offs, _e4m3(u, False))
+
+
+def test_e4m3_from_bits_equals_the_conversion():
+    """The portable kernel's e4m3 decode from the bits (GPUs before sm_89, which have no e4m3 conversion) gives
+    torch's float32 value of every byte, as the conversion path does: signed zeros, subnormals, ±448, NaN."""
+    u = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(P.device)
+    hw, bits = (torch.empty(256, device=P.device) for _ in range(2))
+    _decode_e4m3[(1,)](u, hw, bits)
+    want = u.cpu().view(torch.float8_e4m3fn).float()
+    for got in (hw.cpu(), bits.cpu()):
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit())
 
 
 @pytest.mark.parametrize("layout", ["v32", "model1", "v41", "v41_fp4", "v32_no_rope", "e4m3"])

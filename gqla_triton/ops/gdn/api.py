@@ -38,7 +38,7 @@ from .compat import (
     state_v_first,
 )
 from .launch import States, chunk_gdn_bwd, chunk_gdn_fwd, h_rows, mid_dtype, sout_sm90_unsupported
-from .plan import BT, ChunkPlan, chunk_plan, host_cu_seqlens
+from .plan import BT, ChunkPlan, backward_unsupported, chunk_plan, host_cu_seqlens
 from .reference import L2NORM_EPS, chunk_gated_delta_rule_ref, gate_ref
 
 __all__ = ["chunk_gated_delta_rule"]
@@ -486,6 +486,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     if impl == "gluon":
         _check_gluon(q, k, v, chunk_size, grad)
+    if grad and impl != "reference":
+        why = backward_unsupported(device_info(q), bt, q.shape[3], q.dtype)
+        if why is not None:
+            raise ValueError(f"q / k: {why}")
     if state_indices is not None:  # inference only (_check_pool_call): grad is False
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ...dispatch import device_info
 from .._common.host import cdiv
 from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor
 from . import plan as plan_mod
@@ -114,6 +115,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
                  device=q.device)
     if dht is not None:
         check_tensor("dht", dht, shape=(N, *row), dtypes=(torch.float32,), device=q.device)
+    why = plan_mod.backward_unsupported(device_info(q), CHUNK, K, q.dtype)
+    if why is not None:
+        raise ValueError(f"q / k: {why}")
     cu_host = plan_mod.host_bounds(cu_seqlens, T)
     q, k, v, g, beta, A, do = (t.detach().contiguous() for t in (q, k, v, g, beta, A, do))
     h0 = initial_state.detach().contiguous() if initial_state is not None else None

@@ -83,6 +83,33 @@ def config_key(K: int, V: int) -> dict:
     return {"K": next_pow2(K), "V": next_pow2(V)}
 
 
+# the backward's gradient kernel (``grad``) at fp32, a 256-wide K tile and 64-token chunks: bytes of shared memory
+# it takes as Triton 3.6-3.9 compile it for sm_90 (its [chunk, K] tiles; 32-token chunks take 131072)
+GRAD_FP32_K256_BYTES = 327680
+
+
+def fit_shared(cfg: ChunkConfig, dtype: torch.dtype) -> ChunkConfig:
+    """``cfg`` for inputs of ``dtype``: the tables' tiles and stages are chosen for 2-byte inputs; with fp32 inputs
+    the sequential state passes run one pipeline stage and the gradient kernel V tiles of at most 32 in one stage,
+    which keeps every stage within a Hopper block's shared memory up to K = V = 256 (``tools.audit_shared``; at
+    K = V = 128 the H200 table's own stages would take the state passes' backward to 328712 bytes and the gradient
+    kernel to 475136)."""
+    if dtype != torch.float32:
+        return cfg
+    return cfg.replace(state_num_stages=1, state_bwd_num_stages=1, grad_bv=min(cfg.grad_bv, 32), grad_num_stages=1)
+
+
+def backward_unsupported(info: DeviceInfo, BT: int, K: int, dtype: torch.dtype) -> str | None:
+    """Why the backward cannot run on device ``info`` in chunks of ``BT`` for key dim ``K`` in ``dtype`` (None
+    when it can): the gradient kernel holds whole K rows of its chunk's tiles."""
+    if (not info.interpreter and dtype == torch.float32 and next_pow2(K) == 256 and BT == 64
+            and info.smem_per_block < GRAD_FP32_K256_BYTES):
+        return (f"float32 inputs with K {K} in chunks of 64: the backward's gradient kernel needs "
+                f"{GRAD_FP32_K256_BYTES} bytes of shared memory, this GPU has {info.smem_per_block}; use "
+                "chunk_size=32 (or 16), bf16 / fp16 inputs, or impl='reference'")
+    return None
+
+
 def _check_cu(name: str, cu: list[int], T: int) -> list[int]:
     """Host values of cu_seqlens: non-decreasing within [0, T] (tokens outside [cu[0], cu[N]) are padding)."""
     if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
@@ -195,7 +222,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gpu = device_info(q)
-    cfg = select_config("gdn_chunk", config_key(K, V), info=gpu)
+    cfg = fit_shared(select_config("gdn_chunk", config_key(K, V), info=gpu), q.dtype)
     if impl in ("triton", "gluon"):
         cfg = _impl_config(cfg, impl)
     if cu_seqlens is not None and cu_host is None and plans_on_device(cu_seqlens):

@@ -104,10 +104,19 @@ _M1_NOPE = tl.constexpr(M1_NOPE)  # MODEL1: a token's e4m3 values, before its 64
 
 
 @triton.jit
-def _e4m3(u):
-    """float32 values of e4m3 bytes ``u`` (uint8). The NaN bytes (``S.1111.111``) are mapped to NaN explicitly: the
-    interpreter's e4m3 conversion reads them as 480."""
-    x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def _e4m3(u, HW: tl.constexpr):
+    """float32 values of e4m3 bytes ``u`` (uint8). ``HW``: by the GPU's e4m3 conversion (sm_89 and later, the
+    interpreter); otherwise from the bits (sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 subnormal:
+    m · 2^-9). The NaN bytes (``S.1111.111``) are mapped to NaN explicitly: the interpreter's conversion reads them
+    as 480."""
+    if HW:
+        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = u.to(tl.int32)
+        e = (b >> 3) & 0xF
+        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
+        sub = (b & 7).to(tl.float32) * 0.001953125
+        x = tl.where(e == 0, tl.where((b & 0x80) != 0, -sub, sub), normal)
     return tl.where((u & 0x7F) == 0x7F, float("nan"), x)
 
 
@@ -130,7 +139,7 @@ def _e2m1(c):
 
 @triton.jit
 def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constexpr, DV: tl.constexpr,
-          FP8: tl.constexpr):
+          FP8: tl.constexpr, E4M3_HW: tl.constexpr):
     """``(k_lat [BLOCK_N, BDV], k_rope [BLOCK_N, BDR])`` in ``KDT`` of the cache rows at element offsets ``off``.
     FP8 1 (``fp8.py``, 656-byte rows): ``off`` counts bytes; the e4m3 bytes times their tile's float32 scale
     (``kvs``, the same memory as float32) and the bf16 rope values (``kvr``, as bf16). FP8 2 (MODEL1 pages): ``off``
@@ -153,13 +162,13 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
         hi = tl.load(kv + off[:, None] + (rb + 1)[None, :], mask=ok[:, None] & ~nope[None, :], other=0)
         # [BLOCK_N, 8] scale bytes (the 8th is padding: its channels take the rope values)
         e = tl.load(kv + sc_off[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=127).to(tl.int32)
-        xt = tl.reshape(_e4m3(lo), [lo.shape[0], 8, 64])
+        xt = tl.reshape(_e4m3(lo, E4M3_HW), [lo.shape[0], 8, 64])
         deq = tl.reshape(xt * _ue8m0(e)[:, :, None], [lo.shape[0], DV])
         rope = ((hi.to(tl.int16) << 8) | lo.to(tl.int16)).to(tl.bfloat16, bitcast=True).to(tl.float32)
         k_lat = tl.where(nope[None, :], deq, rope).to(KDT)
         k_rope = tl.zeros([lo.shape[0], offs_r.shape[0]], KDT)
     elif FP8 == V32:
-        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0))
+        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0), E4M3_HW)
         # [BLOCK_N, DV / 128] scales, broadcast over their tiles (a [BLOCK_N, DV] gather would be pipelined whole)
         sc = tl.load(kvs + (off // 4 + DV // 4)[:, None] + tl.arange(0, DV // 128)[None, :], mask=ok[:, None],
                      other=0.0)
@@ -167,7 +176,7 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
         k_lat = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV]).to(KDT)
         k_rope = tl.load(kvr + (off // 2 + (DV + 16) // 2)[:, None] + offs_r[None, :], mask=mr2, other=0.0).to(KDT)
     elif FP8 == V41:
-        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0))
+        x = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0), E4M3_HW)
         e = tl.load(kv + sc_off[:, None] + tl.arange(0, 16)[None, :], mask=ok[:, None], other=127).to(tl.int32)
         xt = tl.reshape(x, [x.shape[0], 16, 32])
         k_lat = tl.reshape(xt * _ue8m0(e)[:, :, None], [x.shape[0], DV]).to(KDT)
@@ -175,13 +184,13 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
     elif FP8 == FP4:
         byte = tl.load(kv + off[:, None] + (offs_v // 2)[None, :], mask=m2, other=0).to(tl.int32)
         x = _e2m1(tl.where((offs_v % 2 == 0)[None, :], byte & 0xF, byte >> 4))
-        sc = _e4m3(tl.load(kv + sc_off[:, None] + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0))
+        sc = _e4m3(tl.load(kv + sc_off[:, None] + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0), E4M3_HW)
         xt = tl.reshape(x, [x.shape[0], 32, 16])
         k_lat = tl.reshape(xt * sc[:, :, None], [x.shape[0], DV]).to(KDT)
         k_rope = tl.zeros([x.shape[0], offs_r.shape[0]], KDT)
     elif FP8 == E4M3:
-        k_lat = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0)).to(KDT)
-        k_rope = _e4m3(tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0)).to(KDT)
+        k_lat = _e4m3(tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0), E4M3_HW).to(KDT)
+        k_rope = _e4m3(tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0), E4M3_HW).to(KDT)
     else:
         k_lat = tl.load(kv + off[:, None] + offs_v[None, :], mask=m2, other=0.0)
         k_rope = tl.load(kv + off[:, None] + DV + offs_r[None, :], mask=mr2, other=0.0)
@@ -213,6 +222,7 @@ def mla_decode_fwd_kernel(
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
     ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr, HAS_MAX: tl.constexpr,
     DESCALE: tl.constexpr, PAGE_TOKEN: tl.constexpr, PAGE_SCALES: tl.constexpr, Q_E4M3: tl.constexpr,
+    E4M3_HW: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -245,8 +255,8 @@ def mla_decode_fwd_kernel(
     q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=rvalid[:, None] & mv[None, :], other=0)
     q_rope = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=rvalid[:, None] & mr[None, :], other=0)
     if Q_E4M3:  # a float8 q (its bytes): exact in fp16, in which the products then run
-        q_lat = _e4m3(q_lat).to(tl.float16)
-        q_rope = _e4m3(q_rope).to(tl.float16)
+        q_lat = _e4m3(q_lat, E4M3_HW).to(tl.float16)
+        q_rope = _e4m3(q_rope, E4M3_HW).to(tl.float16)
 
     bt_row = block_table + b64 * s_btb
     if SPARSE:
@@ -318,7 +328,7 @@ def mla_decode_fwd_kernel(
             row, ok = logical_to_physical(bt_row, pos, offs_n < hi, max_pages, num_pages, PAGE_SIZE)
             kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
             sc_off = kv_off
-        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, sc_off, ok, offs_v, mv, offs_r, mr, q_lat.dtype, DV, FP8)
+        k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, sc_off, ok, offs_v, mv, offs_r, mr, q_lat.dtype, DV, FP8, E4M3_HW)
         if P_SCRATCH:
             # P and alpha cross a global scratch tile (an L2 round trip): the store / load ends S's forward slice,
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
@@ -354,7 +364,7 @@ def mla_decode_fwd_kernel(
             row, ok = logical_to_physical(bt_row, t + offs_t, offs_t == 0, max_pages, num_pages, PAGE_SIZE)
             kv_off = (row // PAGE_SIZE) * s_kvp + (row % PAGE_SIZE) * s_kvt
             k_lat, k_rope = _keys(kv, kvs, kvr, kv_off, kv_off, ok, offs_v, mv, offs_r, mr, q_lat.dtype, DV,
-                                  FP8)
+                                  FP8, E4M3_HW)
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = _descale(tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC), sdesc, DESCALE)
             sees = t <= last
@@ -393,6 +403,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     cfg, S = p.cfg, p.num_splits
+    info = device_info(q)
     DV = head_dim_v
     DR = D - DV
     BDV = max(16, next_pow2(DV))
@@ -436,12 +447,12 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         PAGE_SIZE=page_size, BLOCK_H=p.BLOCK_H, BLOCK_N=cfg.block_n, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
-        ASM_SYNC=not device_info(q).interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
+        ASM_SYNC=not info.interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
         TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
         RAW=raw_scores(qk_scale),
         HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
         PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
-        Q_E4M3=q_e4m3,
+        Q_E4M3=q_e4m3, E4M3_HW=info.interpreter or info.capability >= (8, 9),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -473,7 +484,8 @@ def compile_sm90(*, layout: str | None = None, dtype: str = "bf16", head_dim_v: 
                  HAS_TOPK_LEN=sparse and not q8, SPLIT=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
                  PAGED_TILES=not sparse or q8, P_SCRATCH=p_scratch, ASM_SYNC=True, ROWS_AHEAD=rows_ahead, TAIL=False,
                  FP8=FP8_KINDS[layout], RAW=False, HAS_MAX=False, DESCALE=2 if q8 else 0,
-                 PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0, Q_E4M3=q8)
+                 PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0, Q_E4M3=q8,
+                 E4M3_HW=True)
     cache = "u8" if layout is not None else dtype  # the views the launcher passes (mla_decode_triton)
     ptr = dict(q="*u8" if q8 else f"*{dtype}", kv=f"*{cache}",
                kvs="*fp32" if layout in ("v32", "v32_no_rope") else f"*{cache}",
