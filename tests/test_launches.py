@@ -121,3 +121,29 @@ def test_decode_steps_are_one_launch(monkeypatch):
         with _Record(monkeypatch) as rec:
             gq.mla_decode(qm, cache, table, lengths, 512, impl="triton", **kw)
         assert rec.kernels == want and rec.torch_ops == [], kw
+
+
+def test_grids_stay_within_cuda_limits(monkeypatch):
+    """Every launch's grid fits CUDA's limits (2^31 - 1 programs along the first axis, 65535 along the others) at
+    more (sequence x value head) units than 65535: the decode step over 2100 sequences of 32 value heads, and the
+    chunked forward and backward over 2100 varlen sequences, whose state passes take every unit on the first axis;
+    a dense batch that would put more than 65535 programs on another axis is refused by name before any launch."""
+    grids = []
+    monkeypatch.setattr(KernelInterface, "__getitem__",
+                        lambda kern, grid: lambda *a, **k: grids.append((kern.fn.__name__, grid)))
+    N, HV, D = 2100, 32, 16
+    dt = P.dtypes[-1]
+    q, k = randn((N, 1, 1, D), 1, dtype=dt), randn((N, 1, 1, D), 2, dtype=dt)
+    v, g, beta = randn((N, 1, HV, D), 3, dtype=dt), -randn((N, 1, HV), 4).abs(), randn((N, 1, HV), 5).sigmoid()
+    gq.gated_delta_rule_decode(q, k, v, g, beta.to(dt), torch.zeros(N, HV, D, D, device=P.device))
+    cu = torch.arange(N + 1, dtype=torch.int32, device=P.device)
+    xs = [x.reshape(1, N, *x.shape[2:]).detach().requires_grad_() for x in (q, k, v, g, beta.to(dt))]
+    o, ht = gq.chunk_gated_delta_rule(*xs, cu_seqlens=cu, cu_seqlens_cpu=cu.tolist(), output_final_state=True)
+    torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+    names = {name for name, _ in grids}
+    assert {"gated_delta_rule_decode_fwd_kernel", "gdn_state_fwd_kernel", "gdn_state_bwd_kernel"} <= names
+    for name, grid in grids:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        assert grid[0] < 2**31 and max(grid[1:]) <= 65535, (name, grid)
+    with pytest.raises(ValueError, match="q / v: batch 2100 x 32 value heads.*cu_seqlens"):
+        gq.chunk_gated_delta_rule(q, k, v, g, beta.to(dt))

@@ -39,7 +39,7 @@ from .._common.validation import (
     check_tensor,
 )
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
-from .kernels.common import _softplus
+from .kernels.common import _softplus, v_block_unit
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
@@ -63,8 +63,7 @@ def gated_delta_rule_decode_fwd_kernel(
     # GATE: g holds the raw gate input a, g = -exp(a_log) * softplus(a + dt_bias); BETA_SIGMOID: beta holds logits;
     # NEG_EIGVAL: beta doubled; V_FIRST: state (and inter) rows laid out [V, K]; gk / gv: per-key / per-value
     # decays [.., HV, K] / [.., HV, V]; BETA_V: one beta per value channel [.., HV, V]
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_v, i_bh = v_block_unit(V, BV)  # a one-axis grid, V blocks fastest (no 65535 limit on N x HV)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -177,7 +176,7 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q.device)
     BK = next_pow2(K)
     BV = min(cfg.bv, next_pow2(V))
-    grid = (cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV) * N * HV,)
     gate = bool(use_gate_in_kernel)
     gated_delta_rule_decode_fwd_kernel[grid](
         q, k, v, g, beta, o, state, state_indices,

@@ -34,7 +34,7 @@ from .kernels.state_out_sm90 import gdn_state_out_sm90_kernel
 from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
-from .plan import ChunkPlan
+from .plan import MAX_GRID_Y, ChunkPlan
 
 OPTIONS_BLOCK = 2048  # elements per program of the options' elementwise passes (options.py)
 PAD_ROWS = 16  # rows per program of the padding rows' zeroing (kernels/plan.py)
@@ -206,7 +206,7 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
     st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
     BV = _state_bv(cfg.state_bv, V, st.units * HV, plan.gpu)
-    gdn_state_fwd_kernel[(cdiv(V, BV), st.units * HV)](
+    gdn_state_fwd_kernel[(cdiv(V, BV) * st.units * HV,)](
         k, w, u, gc, h, vnew, *_starts_args(st, state_indices, dummy), T, plan.NT,
         st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
         **_starts_flags(st), **cfg.launch("state"))
@@ -235,10 +235,11 @@ def sout_sm90_unsupported(info: DeviceInfo, BT: int, q, k, v) -> str | None:
 def use_sout_sm90(plan: ChunkPlan, q, k, v) -> bool:
     """Whether a fused forward (``sout``) runs the Gluon kernel: the table's ``sout_impl: "gluon"``, sequences not
     split (split, the separate state and output kernels beat it: the segment maps need w and u first), at least
-    ``sout_gluon_units`` (chunk x value head) units, and inputs it takes (``sout_sm90_unsupported``)."""
+    ``sout_gluon_units`` (chunk x value head) units, at most 65535 (sequence x value head) programs (its grid's
+    second axis), and inputs it takes (``sout_sm90_unsupported``)."""
     cfg = plan.cfg
     return (cfg.sout_impl == "gluon" and plan.seg is None and plan.NTT * v.shape[2] >= cfg.sout_gluon_units
-            and sout_sm90_unsupported(plan.gpu, plan.BT, q, k, v) is None)
+            and plan.N * v.shape[2] <= MAX_GRID_Y and sout_sm90_unsupported(plan.gpu, plan.BT, q, k, v) is None)
 
 
 def _sout_bv(plan: ChunkPlan, V: int, programs: int, sm90: bool) -> int:
@@ -269,7 +270,7 @@ def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: Ch
             STAGES=plan.cfg.sout_num_stages, **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
             num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
     else:
-        gdn_state_out_kernel[(cdiv(V, BV), st.units * HV)](
+        gdn_state_out_kernel[(cdiv(V, BV) * st.units * HV,)](
             q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, plan.NT,
             st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
             **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
@@ -469,12 +470,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, plan.gpu)
     NVB = cdiv(V, BV)
     if split is None:
-        gdn_state_bwd_kernel[(NVB, N * HV)](
+        gdn_state_bwd_kernel[(NVB * N * HV,)](
             q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
             IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
-        grid = (NVB, split.nseg * HV)
+        grid = (NVB * split.nseg * HV,)
         r = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
         gdn_state_bwd_kernel[grid](
             q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,

@@ -110,6 +110,20 @@ def backward_unsupported(info: DeviceInfo, BT: int, K: int, dtype: torch.dtype) 
     return None
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
+
+
+def _check_grid(B: int, HV: int, NG: int, BT: int) -> None:
+    """The per-chunk kernels' grids take (batch x value head) programs and chunk groups on their second and third
+    axes: a ``ValueError`` past CUDA's 65535 (the state passes and the decode step take any count)."""
+    if B * HV > MAX_GRID_Y:
+        raise ValueError(f"q / v: batch {B} x {HV} value heads = {B * HV} programs, more than one launch takes "
+                         f"along a grid axis ({MAX_GRID_Y}); pass the sequences as one varlen batch (cu_seqlens)")
+    if NG > MAX_GRID_Y:
+        raise ValueError(f"q: {NG} chunks of {BT} tokens per sequence (or in all, varlen), more than one launch "
+                         f"takes along a grid axis ({MAX_GRID_Y}); split the call")
+
+
 def _check_cu(name: str, cu: list[int], T: int) -> list[int]:
     """Host values of cu_seqlens: non-decreasing within [0, T] (tokens outside [cu[0], cu[N]) are padding)."""
     if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
@@ -235,6 +249,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))
         NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device, stream_key(cu_seqlens.device))
         NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
+    _check_grid(B, HV, NG, BT)
     N = len(seq_cu) - 1
     longest = NT if cu_seqlens is None else max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
@@ -261,6 +276,7 @@ def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: 
     longest sequence taken at its bound."""
     N = cu_seqlens.numel() - 1
     NTT = (T + N * (BT - 1)) // BT
+    _check_grid(1, HV, NTT, BT)
     longest = cdiv(T, BT)
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     NSEG = NTT // L + N if L else 0

@@ -94,13 +94,22 @@ def _state_ptr(base, row, ck, cv, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.
 
 
 @triton.jit
+def v_block_unit(V: tl.constexpr, BV: tl.constexpr):
+    """(V block, unit) of a program of the one-axis grid ``(cdiv(V, BV) * units,)``, V blocks fastest."""
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    return pid % NVB, pid // NVB
+
+
+@triton.jit
 def _state_begin(h0, idx, cu, coff, T, NT, P, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, POOL: tl.constexpr,
                  V_FIRST: tl.constexpr):
-    """A sequential state program (V block ``program_id(0)``, sequence x value head ``program_id(1)``): (i_nh, i_hv,
-    i_h, bos, length, first state row, ck [BK], cv [BV], its slice mask, and its start state S [BK, BV] fp32: read
-    from h0 (``_h_row``; the reverse pass: the final state's gradient) with USE_H0, zeros without)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """A sequential state program (of a one-axis grid of V blocks x sequences x value heads, V blocks fastest: no
+    second-axis limit of 65535 on the units): (i_nh, i_hv, i_h, bos, length, first state row, ck [BK], cv [BV], its
+    slice mask, and its start state S [BK, BV] fp32: read from h0 (``_h_row``; the reverse pass: the final state's
+    gradient) with USE_H0, zeros without)."""
+    i_v, i_nh = v_block_unit(V, BV)
     i_hv, i_h, bos, Tn, boh = _state_heads(i_nh, cu, coff, T, NT, H, HV, IS_VARLEN)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
