@@ -412,3 +412,34 @@ def test_plain_gqa_bitwise_repeatable(s_q, splits):
         again = _run(*args, num_splits=splits)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
     _check("plain", first, args, torch.bfloat16, causal=True)
+
+
+def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
+    """On a GPU of 99 KB a block (sm_89), fp32 rows of 256 channels take fewer rows per tile, then fewer pipeline
+    stages, until ``plan.shared_bytes`` fits; 2-byte rows on an sm_90 keep the table's tiles; dims nothing fits are
+    refused by name (``tools.audit_shared --gpu l40s`` compiles such plans: every launch fits)."""
+    import dataclasses
+
+    import gqla_triton.ops.gqa.plan as plan_mod
+    from gqla_triton.dispatch import config_override
+
+    real = plan_mod.device_info
+    # default.json's tiles (the interpreter's table runs 16 x 16 tiles in one stage)
+    with config_override({"gqa_decode": {"block_n": 64, "max_m": 64, "num_stages": 3, "smem": 90000}}):
+        for smem in (101376, 232448):
+            monkeypatch.setattr(plan_mod, "device_info",
+                                lambda d, s=smem: dataclasses.replace(real(d), smem_per_block=s))
+            for dt in (torch.float32, torch.float16):
+                for s_q, topk in ((4, None), (2, 64)):
+                    q = torch.zeros(1, s_q, 128, 256 + 64, dtype=dt, device=P.device)
+                    p = plan_mod.plan(q, 8, 16, 4, 256, 64, 256, topk, 0)
+                    need = plan_mod.shared_bytes(p.BLOCK_M, p.BLOCK_N, p.cfg.num_stages, 256, 64, 256,
+                                                 q.element_size())
+                    assert need <= smem
+                    if smem == 232448 and dt == torch.float16:  # the table's tiles as they were
+                        assert p.BLOCK_M == (64 if topk is None else 16) and p.cfg.num_stages == 3
+                    if smem == 101376 and dt == torch.float32 and topk is None:
+                        assert p.BLOCK_M < 64
+        monkeypatch.setattr(plan_mod, "device_info", lambda d: dataclasses.replace(real(d), smem_per_block=20000))
+        with pytest.raises(ValueError, match="q / v_cache: head dims d_h 256, d_r 64, d_v 256 .* shared memory"):
+            plan_mod.plan(torch.zeros(1, 1, 16, 320, device=P.device), 1, 16, 4, 256, 64, 256, None, 0)

@@ -83,11 +83,6 @@ def config_key(K: int, V: int) -> dict:
     return {"K": next_pow2(K), "V": next_pow2(V)}
 
 
-# the backward's gradient kernel (``grad``) at fp32, a 256-wide K tile and 64-token chunks: bytes of shared memory
-# it takes as Triton 3.6-3.9 compile it for sm_90 (its [chunk, K] tiles; 32-token chunks take 131072)
-GRAD_FP32_K256_BYTES = 327680
-
-
 def fit_shared(cfg: ChunkConfig, dtype: torch.dtype) -> ChunkConfig:
     """``cfg`` for inputs of ``dtype``: the tables' tiles and stages are chosen for 2-byte inputs; with fp32 inputs
     the sequential state passes run one pipeline stage and the gradient kernel V tiles of at most 32 in one stage,
@@ -99,15 +94,24 @@ def fit_shared(cfg: ChunkConfig, dtype: torch.dtype) -> ChunkConfig:
     return cfg.replace(state_num_stages=1, state_bwd_num_stages=1, grad_bv=min(cfg.grad_bv, 32), grad_num_stages=1)
 
 
+def grad_fp32_bytes(BT: int, K: int) -> int:
+    """Shared memory (bytes) of the backward's gradient kernel on fp32 inputs in chunks of ``BT`` for key dim ``K``,
+    as five ``[BT, K]`` fp32 tiles (K padded): what Triton 3.6-3.9 allocate for sm_90 at 64-token chunks and a
+    256-wide K tile (327680). An estimate elsewhere (131072 at 32-token chunks and K 256; at 64 and K 128, 188416 on
+    sm_90 with V 256, 131072 on sm_89): ``tools.audit_shared`` compiles each GPU's table against it."""
+    return 5 * BT * next_pow2(K) * 4
+
+
 def backward_unsupported(info: DeviceInfo, BT: int, K: int, dtype: torch.dtype) -> str | None:
     """Why the backward cannot run on device ``info`` in chunks of ``BT`` for key dim ``K`` in ``dtype`` (None
-    when it can): the gradient kernel holds whole K rows of its chunk's tiles."""
-    if (not info.interpreter and dtype == torch.float32 and next_pow2(K) == 256 and BT == 64
-            and info.smem_per_block < GRAD_FP32_K256_BYTES):
-        return (f"float32 inputs with K {K} in chunks of 64: the backward's gradient kernel needs "
-                f"{GRAD_FP32_K256_BYTES} bytes of shared memory, this GPU has {info.smem_per_block}; use "
-                "chunk_size=32 (or 16), bf16 / fp16 inputs, or impl='reference'")
-    return None
+    when it can): on fp32 inputs the gradient kernel holds whole K rows of its chunk's tiles
+    (``grad_fp32_bytes``)."""
+    if info.interpreter or dtype != torch.float32 or grad_fp32_bytes(BT, K) <= info.smem_per_block:
+        return None
+    fits = [c for c in (32, 16) if c < BT and grad_fp32_bytes(c, K) <= info.smem_per_block]
+    return (f"float32 inputs with K {K} in chunks of {BT}: the backward's gradient kernel needs "
+            f"{grad_fp32_bytes(BT, K)} bytes of shared memory, this GPU has {info.smem_per_block}; use "
+            f"{f'chunk_size={fits[0]}, ' if fits else ''}bf16 / fp16 inputs, or impl='reference'")
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes

@@ -15,7 +15,7 @@ from ...dispatch import device_info, select_config
 from .._common import cdiv, key_capacity, next_pow2, plan_splits
 from .config import GQADecodeConfig
 
-__all__ = ["GQAPlan", "plan"]
+__all__ = ["GQAPlan", "plan", "shared_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,14 @@ class GQAPlan:
     num_mt: int  # row tiles per group
     nbq: int  # batch entries (dense) or batch entries x query tokens (sparse)
     num_splits: int
+
+
+def shared_bytes(block_m: int, block_n: int, stages: int, bdh: int, bdr: int, bdv: int, elt: int) -> int:
+    """An upper bound of the kernel's shared memory (bytes) at padded head dims ``bdh`` / ``bdr`` (rope, at least 16)
+    / ``bdv``: the larger of its key loop's buffers (the pipelined K, rope and V tiles, the query tile) and its
+    epilogue's (the fp32 accumulator's layout change beside the query tile)."""
+    q_tile = block_m * (bdh + bdr) * elt
+    return max(stages * block_n * (bdh + bdv + bdr) * elt + q_tile, block_m * bdv * 4 + q_tile)
 
 
 def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r: int, d_v: int, topk: int | None,
@@ -50,6 +58,21 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     # keep the pipelined K/V tiles within the shared-memory limit (d_R excluded: zero-rope == plain GQA)
     while block_n > 16 and cfg.num_stages * block_n * (bdh + bdv + 64) * elt + block_m * (bdh + 64) * elt > cfg.smem:
         block_n //= 2
+    # ... and every buffer within the GPU's block (fp32 rows of 256 channels past 99 KB): fewer rows per tile, then
+    # fewer pipeline stages
+    smem = device_info(q.device).smem_per_block
+
+    def need(bm):
+        return shared_bytes(bm, block_n, cfg.num_stages, bdh, max(bdr, 16), bdv, elt)
+
+    while need(block_m) > smem and (block_m > 16 or cfg.num_stages > 1):
+        if block_m > 16:
+            block_m //= 2
+        else:
+            cfg = cfg.replace(num_stages=cfg.num_stages - 1)
+    if need(block_m) > smem:
+        raise ValueError(f"q / v_cache: head dims d_h {d_h}, d_r {d_r}, d_v {d_v} in {q.dtype} need {need(block_m)} "
+                         f"bytes of shared memory at the smallest tiles, more than this GPU's {smem}")
     warps = cfg.num_warps
     if block_m * bdv > cfg.acc_elems_4w:  # fp32 accumulator too large for 4 warps
         warps = max(warps, 8)
