@@ -89,8 +89,11 @@ def fit_shared(cfg: ChunkConfig, dtype: torch.dtype) -> ChunkConfig:
     which keeps every stage within a Hopper block's shared memory up to K = V = 256 (``tools.audit_shared``; at
     K = V = 128 the H200 table's own stages would take the state passes' backward to 328712 bytes and the gradient
     kernel to 475136)."""
-    if dtype != torch.float32:
-        return cfg
+    return _fp32_config(cfg) if dtype == torch.float32 else cfg
+
+
+@functools.lru_cache(maxsize=64)
+def _fp32_config(cfg: ChunkConfig) -> ChunkConfig:
     return cfg.replace(state_num_stages=1, state_bwd_num_stages=1, grad_bv=min(cfg.grad_bv, 32), grad_num_stages=1)
 
 

@@ -60,7 +60,7 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
         block_n //= 2
     # ... and every buffer within the GPU's block (fp32 rows of 256 channels past 99 KB): fewer rows per tile, then
     # fewer pipeline stages
-    smem = device_info(q.device).smem_per_block
+    smem = device_info(q).smem_per_block
 
     def need(bm):
         return shared_bytes(bm, block_n, cfg.num_stages, bdh, max(bdr, 16), bdv, elt)
@@ -83,5 +83,5 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
                          "the 65535 sequences one launch takes")
     if num_splits == 0:
         num_splits = plan_splits(nbq * g * num_mt, key_capacity(max_pages, page_size, topk),
-                                 device_info(q.device).sm_count, block_n=block_n, waves=cfg.waves)
+                                 device_info(q).sm_count, block_n=block_n, waves=cfg.waves)
     return GQAPlan(cfg, G, block_m, block_n, bdh, max(bdr, 16), bdv, warps, num_mt, nbq, num_splits)

@@ -9,6 +9,7 @@ cut where wide heads would take it past the GPU's shared memory (``shared_bytes`
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -52,6 +53,7 @@ def shared_bytes(block_h: int, block_n: int, stages: int, head_dim_v: int, D: in
     return max(loop, block_h * bdv * 4 + block_h * width * elt)
 
 
+@functools.lru_cache(maxsize=256)
 def _fit_shared(cfg: MLADecodeConfig, rows: int, head_dim_v: int, D: int, elt: int, smem: int) -> MLADecodeConfig:
     """The portable kernel's config with its pipeline stages, then its key tile, then its row tile cut until
     ``shared_bytes`` fits ``smem`` (wide heads: a table's tiles are chosen for 512 + 64 channels); a ``ValueError``
@@ -81,7 +83,7 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     if cfg.impl != "gluon":
         rows = h_q if sparse else h_q * s_q
         cfg = _fit_shared(cfg, rows, head_dim_v, q.shape[-1], 4 if q.dtype == torch.float32 else 2,
-                          device_info(q.device).smem_per_block)
+                          device_info(q).smem_per_block)
     HPT = min(h_q, cfg.block_h)
     QPT = 1 if sparse else max(1, min(s_q, cfg.block_h // HPT))
     BLOCK_H = max(16, next_pow2(HPT * QPT))
@@ -89,7 +91,7 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     q_tiles = cdiv(s_q, QPT)
     if num_splits == 0:
         num_splits = plan_splits(B * h_tiles * q_tiles, key_capacity(max_pages, page_size, topk),
-                                 device_info(q.device).sm_count, block_n=cfg.block_n, split_cost=cfg.split_cost)
+                                 device_info(q).sm_count, block_n=cfg.block_n, split_cost=cfg.split_cost)
     # the portable kernel's grid is (B · splits, row tiles): CUDA allows 65535 along its second dimension
     if impl == "triton" and h_tiles * q_tiles > 65535:
         raise ValueError(f"q: {s_q} query tokens x {h_q} heads make {h_tiles * q_tiles} row tiles of at most "
