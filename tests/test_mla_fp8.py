@@ -19,7 +19,7 @@ from test_gqla_layer import make_layer
 from gqla_triton.layers.cache import GroupedCache, LatentCache
 from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
 from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES, M1_ROW_BYTES, M1_TOKEN_BYTES, PAGED, ROW_BYTES, _e2m1_codes
-from gqla_triton.ops.mla.triton import _e4m3
+from gqla_triton.ops.mla.triton import _e2m1, _e4m3
 from gqla_triton.testing import gqla_reference
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -560,6 +560,22 @@ def test_e4m3_from_bits_equals_the_conversion():
         assert torch.equal(got.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit())
+
+
+@triton.jit
+def _decode_e2m1(out_ptr):
+    offs = tl.arange(0, 16)
+    tl.store(out_ptr + offs, _e2m1(offs))
+
+
+def test_e2m1_decode_of_every_code():
+    """All 16 e2m1 codes decode to their values, code 8 to -0.0 (a sign bit, not ``0 - x``)."""
+    got = torch.empty(16, device=P.device)
+    _decode_e2m1[(1,)](got)
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    want = torch.cat([mags, -mags])
+    got = got.cpu()
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
 @pytest.mark.parametrize("layout", ["v32", "model1", "v41", "v41_fp4", "v32_no_rope", "e4m3"])

@@ -115,8 +115,8 @@ def _e4m3(u, HW: tl.constexpr):
         b = u.to(tl.int32)
         e = (b >> 3) & 0xF
         normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
-        sub = (b & 7).to(tl.float32) * 0.001953125
-        x = tl.where(e == 0, tl.where((b & 0x80) != 0, -sub, sub), normal)
+        sub = ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | ((b & 0x80) << 24)
+        x = tl.where(e == 0, sub.to(tl.float32, bitcast=True), normal)
     return tl.where((u & 0x7F) == 0x7F, float("nan"), x)
 
 
@@ -130,11 +130,11 @@ def _ue8m0(e):
 @triton.jit
 def _e2m1(c):
     """float32 values of e2m1 codes ``c`` (int32, 0..15): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 by the three low
-    bits, bit 3 the sign."""
+    bits, bit 3 the sign (set as the float's top bit: code 8 is -0.0)."""
     m = c & 7
     e = m >> 1
     mag = tl.where(e == 0, (m & 1).to(tl.float32) * 0.5, ((2 + (m & 1)) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5)
-    return tl.where((c & 8) != 0, -mag, mag)
+    return (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
