@@ -248,7 +248,7 @@ def _gdn_chunk_target(tiny: bool) -> Target:
             space[f"{stage}_bk"] = bk
         # a tile width and the warps that hold it move together (either alone can be a worse local step)
         space[f"{tile}+{stage}_num_warps"] = tuple(itertools.product(bv or bk, warps))
-        space[f"{stage}_num_stages"] = (1, 2, 3)
+        space[f"{stage}_num_stages"] = (1,) if stage == "wy_bwd" else (1, 2, 3)  # ChunkConfig.check says why
     for flag in ("out_early", "dvl_early", "grad_early", "grad_late", "grad_trans", "wy_bwd_late", "wy_bwd_trans"):
         space[flag] = (False, True)
     stages = {"wy": ("gdn_wy_fwd_kernel",), "wu": ("gdn_wu_fwd_kernel",),
