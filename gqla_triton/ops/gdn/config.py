@@ -100,9 +100,9 @@ class ChunkConfig(KernelConfig):
         # along V in its dv loop (V <= 16): out-of-range shared-memory addresses, run-to-run different results; the
         # launcher runs such head dims as masked 32-wide tiles
         self.one_of(("wy_bwd_bk", "wy_bwd_bv"), WY_BWD_TILES)
-        # wy_bwd's K and V loops each feed several dots; software-pipelined (2 or 3 stages) on sm_90 under Triton 3.6
-        # they gave run-to-run different dg and dbeta (B4 T2048 H8 K=V=64 fp16: dg 1.4e-2 to 2.2e-2 from float64
-        # against 1.7e-3 in one stage; dq, dk, dv unaffected), so the stage runs unpipelined
+        # wy_bwd's loops each feed several dots; software-pipelined (3 stages) on sm_90 under Triton 3.6 its first K
+        # loop's k kᵀ (KK, which only dg and dbeta use) differed from call to call (B4 T2048 H8 K=V=64 fp16: dg
+        # 1.4e-2 to 2.2e-2 from float64 against 1.7e-3 in one stage; dq, dk, dv unaffected), so it runs unpipelined
         self.within("wy_bwd_num_stages", 1, 1)
         self.one_of([n for n in names if n.endswith("_num_warps")], WARPS)
         self.within([n for n in names if n.endswith("_num_stages")], 1, 6)

@@ -103,7 +103,9 @@ def gdn_wy_bwd_kernel(k, v, beta, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbeta, dg
         if not TRANS_OUT:
             dTT += tl.dot(ks, tl.trans(dww.to(dt)))
         # k kᵀ with kᵀ from its own (transposed) load: one loaded tile as both operands of a pipelined wgmma gives
-        # run-to-run different KK (dbeta, dg) on the H200 with Triton 3.6
+        # run-to-run different KK (dbeta, dg) on the H200 with Triton 3.6; pipelined at all, KK still differed
+        # between calls with hundreds of programs in flight (dk, dv, which do not use it, did not), so the kernel
+        # runs in one stage (ChunkConfig.check)
         kT = tl.load(k + x[None, :] * (H * K) + i_h * K + ck[:, None], mask=mk.T, other=0.0)
         KK += tl.dot(kk, kT)
     for v0 in range(0, V, BV):
