@@ -115,8 +115,8 @@ def _e4m3(u, HW: tl.constexpr):
         b = u.to(tl.int32)
         e = (b >> 3) & 0xF
         normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
-        sub = ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | ((b & 0x80) << 24)
-        x = tl.where(e == 0, sub.to(tl.float32, bitcast=True), normal)
+        sub_bits = ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | ((b & 0x80) << 24)
+        x = tl.where(e == 0, sub_bits.to(tl.float32, bitcast=True), normal)
     return tl.where((u & 0x7F) == 0x7F, float("nan"), x)
 
 
