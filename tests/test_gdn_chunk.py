@@ -315,7 +315,7 @@ def test_many_programs_backward_repeatable_and_accurate(K, G, dtype, seed):
     test inputs (non-negative unit q, k; v in [0, 1); g = logsigmoid(U[0, 1))): a race inside a software-pipelined
     loop shows only under such load. wy_bwd pipelined on sm_90 under Triton 3.6 gave dg and dbeta that changed
     from call to call, ten times their error against float64 (``ChunkConfig.check``). Bitwise repeatable, and
-    every output and gradient against the float64 recurrence (K = V = 64 and 128 take different table tiles)."""
+    every output and gradient against the float64 recurrence (K = V = 128: twice the loop trips of 64)."""
     B, T, H = pick((2, 70, 1), (4, 1024, 8 // G))
     V = K
     g_ = gen(seed)
