@@ -36,6 +36,7 @@ def test_fla_suite_calls_ours(tmp_path):
             return 7
     """)
     _write(tests / "ref_helper.py", "VALUE = 3\n")
+    _write(tests / "__init__.py", "")  # fla's test folders are packages
     _write(tests / "test_up.py", """
         import torch
         import ref_helper

@@ -86,8 +86,9 @@ def pytest_report_header(config):
 def run_pytest(project: str, test_file: Path, args: list[str]) -> int:
     root = str(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory(prefix=f"upstream-{project}-") as tmp:
-        for p in test_file.parent.glob("*.py"):  # the test file and its helper modules (not the other tests)
-            if p == test_file or not p.name.startswith("test_"):
+        # the test file and its helper modules (not the other tests; no __init__.py: the folder is no package)
+        for p in test_file.parent.glob("*.py"):
+            if p == test_file or not (p.name.startswith("test_") or p.name == "__init__.py"):
                 shutil.copy(p, Path(tmp) / ("conftest_upstream.py" if p.name == "conftest.py" else p.name))
         (Path(tmp) / "conftest.py").write_text(_CONFTEST.format(root=root, project=project))
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")  # not the upstream's options (or ours)
