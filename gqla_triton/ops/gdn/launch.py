@@ -41,9 +41,6 @@ PAD_ROWS = 16  # rows per program of the padding rows' zeroing (kernels/plan.py)
 
 __all__ = ["States", "chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_state_fwd", "h_rows", "mid_dtype"]
 
-# wy_bwd_num_stages: 2 and 3 stages are bitwise deterministic on the H200 (Triton 3.6) with k kᵀ taking kᵀ from its
-# own load and the transposed dk term (wy_bwd_trans); check determinism (tools/determinism_gdn.py) before changing them.
-
 
 class States(NamedTuple):
     """What the forward's state pass leaves for the backward (``save_states``): w ``[B, T, HV, K]``, h
