@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
-from ..ops._common.host import cdiv, next_pow2
+from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2
 from ..ops._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
 from ..ops.gdn.kernels.common import _softplus
 from .norm import gated_rms_norm
@@ -177,8 +177,8 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     C = 2 * KD + VD
     check_tensor("mixed", mixed, ndim=3, dtypes=fdt)
     B, T, D = mixed.shape
-    if not (1 <= B <= 65535 and T >= 1):
-        raise ValueError(f"mixed: expected 1 <= B <= 65535 and T >= 1, got {list(mixed.shape)}")
+    if not (1 <= B <= MAX_GRID_Y and T >= 1):
+        raise ValueError(f"mixed: expected 1 <= B <= {MAX_GRID_Y} and T >= 1, got {list(mixed.shape)}")
     if D != C + VD + 2 * HV:
         raise ValueError(f"mixed: expected [B, T, {C + VD + 2 * HV}] (q, k, v, z, b, a: 2·{KD} + 2·{VD} + 2·{HV}), "
                          f"got {list(mixed.shape)}")

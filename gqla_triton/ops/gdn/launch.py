@@ -18,7 +18,7 @@ import torch
 
 from ...dispatch import DeviceInfo
 from .._common.alloc import empty
-from .._common.host import cdiv, next_pow2
+from .._common.host import MAX_GRID_Y, cdiv, next_pow2
 from .config import WY_BWD_TILES
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
@@ -34,7 +34,7 @@ from .kernels.state_out_sm90 import gdn_state_out_sm90_kernel
 from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
-from .plan import MAX_GRID_Y, ChunkPlan
+from .plan import ChunkPlan
 
 OPTIONS_BLOCK = 2048  # elements per program of the options' elementwise passes (options.py)
 PAD_ROWS = 16  # rows per program of the padding rows' zeroing (kernels/plan.py)

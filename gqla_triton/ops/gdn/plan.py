@@ -17,7 +17,7 @@ import torch
 
 from ...dispatch import DeviceInfo, device_info, is_interpreter, select_config
 from .._common.alloc import empty
-from .._common.host import cdiv, device_ints, next_pow2, stream_key
+from .._common.host import MAX_GRID_Y, cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
 from .kernels.plan import gdn_plan_kernel
 
@@ -115,9 +115,6 @@ def backward_unsupported(info: DeviceInfo, BT: int, K: int, dtype: torch.dtype) 
     return (f"float32 inputs with K {K} in chunks of {BT}: the backward's gradient kernel needs "
             f"{grad_fp32_bytes(BT, K)} bytes of shared memory, this GPU has {info.smem_per_block}; use "
             f"{f'chunk_size={fits[0]}, ' if fits else ''}bf16 / fp16 inputs, or impl='reference'")
-
-
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 
 
 def _check_grid(B: int, HV: int, NG: int, BT: int) -> None:

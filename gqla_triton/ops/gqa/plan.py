@@ -13,6 +13,7 @@ import torch
 
 from ...dispatch import device_info, select_config
 from .._common import cdiv, key_capacity, next_pow2, plan_splits
+from .._common.host import MAX_GRID_Y
 from .config import GQADecodeConfig
 
 __all__ = ["GQAPlan", "plan", "shared_bytes"]
@@ -78,9 +79,9 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
         warps = max(warps, 8)
     num_mt = cdiv(rows, block_m)
     nbq = B * s_q if sparse else B
-    if nbq > 65535:  # the grid's third dimension (CUDA allows 65535)
+    if nbq > MAX_GRID_Y:  # the grid's third dimension
         raise ValueError(f"q: batch {B}{f' x {s_q} query tokens (sparse)' if sparse else ''} = {nbq} exceeds "
-                         "the 65535 sequences one launch takes")
+                         f"the {MAX_GRID_Y} sequences one launch takes")
     if num_splits == 0:
         num_splits = plan_splits(nbq * g * num_mt, key_capacity(max_pages, page_size, topk),
                                  device_info(q).sm_count, block_n=block_n, waves=cfg.waves)

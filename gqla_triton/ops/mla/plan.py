@@ -15,6 +15,7 @@ import torch
 
 from ...dispatch import device_info, select_config
 from .._common import cdiv, key_capacity, next_pow2, plan_splits
+from .._common.host import MAX_GRID_Y
 from .config import MLADecodeConfig
 
 __all__ = ["MLAPlan", "config_key", "plan", "shared_bytes"]
@@ -92,8 +93,8 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     if num_splits == 0:
         num_splits = plan_splits(B * h_tiles * q_tiles, key_capacity(max_pages, page_size, topk),
                                  device_info(q).sm_count, block_n=cfg.block_n, split_cost=cfg.split_cost)
-    # the portable kernel's grid is (B · splits, row tiles): CUDA allows 65535 along its second dimension
-    if impl == "triton" and h_tiles * q_tiles > 65535:
+    # the portable kernel's grid is (B · splits, row tiles): the row tiles lie along its second dimension
+    if impl == "triton" and h_tiles * q_tiles > MAX_GRID_Y:
         raise ValueError(f"q: {s_q} query tokens x {h_q} heads make {h_tiles * q_tiles} row tiles of at most "
-                         f"{HPT * QPT} rows, more than one launch takes (65535)")
+                         f"{HPT * QPT} rows, more than one launch takes ({MAX_GRID_Y})")
     return MLAPlan(cfg, HPT, QPT, BLOCK_H, h_tiles, q_tiles, num_splits)
