@@ -106,6 +106,36 @@ def test_generate_greedy_matches_on_both_paths(impl):
         assert torch.equal(tokens, want), (name, tokens.tolist(), want.tolist())
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_beam_search_follows_the_hf_cache_reorders(impl):
+    """Beam search reorders the HF cache's rows every step (``reorder_cache``: a selection with repeats); the
+    adapters' GQLA caches follow, so the beams and their scores are the original model's."""
+    model = tiny_llama(11, g=2, layers=2)
+    ids = ids_for(12, 1, 6)
+    kw = dict(max_new_tokens=pick(6, 10), num_beams=3, num_return_sequences=3, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(ids), output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl=impl, max_seqlen=32, page_size=16)
+        got = conv.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences.tolist(), want.sequences.tolist())
+    torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_cropped_hf_cache_is_refused():
+    """Assisted / speculative generation crops the HF cache; the GQLA caches cannot drop tokens, so the next call
+    is a ValueError instead of attention over the dropped tokens."""
+    model = tiny_llama(13, g=2, layers=1)
+    ids = ids_for(14, 1, 10)
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference", max_seqlen=32, page_size=16)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        conv(ids[:, :8], past_key_values=cache, use_cache=True)
+        cache.crop(-2)
+        with pytest.raises(ValueError, match="cropped or replaced"):
+            conv(ids[:, 8:9], past_key_values=cache, use_cache=True)
+
+
 def test_truncated_conversion_calibration_helps():
     """Below full rank the error grows as the rank falls; calibrating on token ids lowers it on those ids."""
     model = tiny_llama(7, g=2, layers=1)

@@ -38,7 +38,9 @@ class GQLAHFAttention(nn.Module):
     Without a HF cache any 4-D ``attention_mask`` is honoured (padding included). With one, a call whose HF cache
     is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls decode against it. Cached
     calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
-    ``ValueError``.
+    ``ValueError``. The HF cache holds, per token, the GQLA slot of its row: row reorders of the HF cache (beam
+    search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped
+    by assisted or speculative generation) is a ``ValueError``.
     """
 
     def __init__(self, attn: GQLAttention, layer_idx: int, *, decode_path: str = "absorb", max_seqlen: int = 4096,
@@ -73,16 +75,45 @@ class GQLAHFAttention(nn.Module):
         if not causal:
             raise ValueError("attention_mask: the GQLA caches need a purely causal mask (no padding); pass prompts "
                              "of equal length or call without a cache (use_cache=False)")
-        if past == 0:
-            self.gqla_cache = self.attn.make_cache(B, self.max_seqlen, path=self.decode_path,
+        if past == 0:  # B slots for the sequences and B spare ones, through which a beam reorder is followed
+            self.gqla_cache = self.attn.make_cache(2 * B, self.max_seqlen, path=self.decode_path,
                                                    page_size=self.page_size, dtype=hidden_states.dtype, device=dev)
-        elif self.gqla_cache is None or self.gqla_cache.max_batch != B:
+        elif self.gqla_cache is None or self.gqla_cache.max_batch != 2 * B:
             raise ValueError(f"cache: the HF cache holds {past} tokens but layer {self.layer_idx} has no GQLA cache "
                              f"for batch {B} (start from an empty HF cache)")
+        else:
+            held = self.gqla_cache.seqlens(range(B))
+            if any(n != past for n in held):
+                raise ValueError(f"cache: the HF cache holds {past} tokens per sequence but layer {self.layer_idx}'s "
+                                 f"GQLA cache holds {held}: the HF cache was cropped or replaced (assisted or "
+                                 "speculative generation), which the GQLA cache cannot follow; start from an empty "
+                                 "HF cache")
+        # each token's entry in the HF cache names the GQLA slot that holds its row (two exact channels); HF reorders
+        # whole rows (beam search), so the last cached entry of row b names the slot whose history row b now has
+        row = torch.arange(B, device=dev)
+        mark = torch.stack([row // 256 + 1, row % 256], -1).to(hidden_states.dtype)[:, None, None, :]
+        keys, _ = hf_cache.update(mark.expand(B, 1, T, 2), mark.expand(B, 1, T, 2), self.layer_idx)
+        if past:
+            last = keys[:, 0, past - 1].long()
+            src = ((last[:, 0] - 1) * 256 + last[:, 1]).tolist()
+            if src != list(range(B)):
+                self._reorder(src)
         out = self.attn(hidden_states, pos, self.gqla_cache)
-        mark = hidden_states.new_zeros(B, 1, T, 1)
-        hf_cache.update(mark, mark, self.layer_idx)
         return out, None
+
+    def _reorder(self, src: list[int]) -> None:
+        """Make slot b of the GQLA cache hold what slot ``src[b]`` holds (a beam reorder: a permutation or a selection
+        with repeats), through the spare slots ``B .. 2B-1``: forks share full pages and copy partly filled ones."""
+        c, B = self.gqla_cache, len(src)
+        if any(not 0 <= s < B for s in src):
+            raise ValueError(f"cache: the HF cache's rows name GQLA slots {src}, outside [0, {B}): it was not made "
+                             "by this layer's calls")
+        for b, s in enumerate(src):
+            c.fork(s, B + b)
+        c.free(range(B))
+        for b in range(B):
+            c.fork(B + b, b)
+        c.free(range(B, 2 * B))
 
     @staticmethod
     def _is_causal_mask(mask: torch.Tensor, past: int, B: int, T: int) -> bool:
