@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_gated_deltanet_layer import IMPLS, _as, _layer
 
-from gqla_triton.layers.gated_deltanet import GatedDeltaNetCache
+from gqla_triton.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
 
@@ -334,7 +334,10 @@ def test_rejected_calls_change_nothing():
         bad += [(ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[1, 0])),
                 (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 2, 5], **I32), slots=[1, 0])),  # > T
                 (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 2], **I32), slots=[2, 0])),
-                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 5], **I32), slots=[2, 0]))]
+                (ValueError, "cu_seqlens", dict(x=x1, cu=torch.tensor([0, 3, 5], **I32), slots=[2, 0])),
+                # a CPU slot tensor is read on the host (no sync): a row named twice or past the pool
+                (ValueError, "slots", dict(x=x, slots=torch.tensor([0, 0], **I32))),
+                (ValueError, "slots", dict(x=x, slots=torch.tensor([2, 3], **I32)))]
     snap = _snapshot(cache)
     with torch.no_grad():
         for exc, match, kw in bad:
@@ -367,6 +370,20 @@ def test_rejected_calls_change_nothing():
     with pytest.raises(RuntimeError, match="inference only"):  # a decode step under autograd
         m(x, cache, slots=[2, 0])
     _assert_unchanged(cache, (*snap[:4], None))
+
+
+def test_prefill_past_the_chunked_ops_head_dims_changes_nothing():
+    """head_v_dim 272: decode steps take it, the chunked op (a prefill) does not; the refusal comes before the fresh
+    slot's rows are cleared."""
+    m = GatedDeltaNet(32, 1, 1, 16, 272, impl="triton", dtype=torch.float32, device=P.device)
+    cache = m.init_cache(2)
+    with torch.no_grad():
+        cache.recurrent_state.normal_()
+        cache.conv_state.normal_()
+    snap = _snapshot(cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="head_k_dim / head_v_dim"):
+        m(randn((1, 4, 32), gen(2)), cache, slots=[1])
+    _assert_unchanged(cache, snap)
 
 
 # ------------------------------------------------------------------------------------------ capturable decode step

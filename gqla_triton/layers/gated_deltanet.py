@@ -31,6 +31,7 @@ from ..ops._common.validation import (
     INT32_MAX,
     check_float_dtype,
     check_optional_int,
+    check_pool_rows,
     check_positive_int,
     check_positive_real,
     check_tensor,
@@ -257,6 +258,7 @@ class GatedDeltaNetCache:
             slots = self.slots
         if isinstance(slots, torch.Tensor):
             check_tensor("slots", slots, shape=(n,), dtypes=(torch.int32,), device=self.device)
+            check_pool_rows("slots", slots, self.num_seqs)  # a CPU tensor is read (no sync); a GPU one is not
             return _Batch(None, slots, None, None, None)
         return self._host_batch(self._host_ids(slots, n, tensors=True))
 
@@ -807,6 +809,10 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(self, x, cache, batch, cu_seqlens, cu_host, fresh):
         B, T, _ = x.shape
+        if self.impl != "reference" and max(self.head_k_dim, self.head_v_dim) > 256:  # before any row changes
+            raise ValueError(f"head_k_dim / head_v_dim: a prefill runs the chunked op, which takes head dims up to "
+                             f"256; this layer has {self.head_k_dim} / {self.head_v_dim} (decode steps take head_v_dim "
+                             "up to 1024; impl='reference' takes any)")
         rows = batch.write
         with torch.no_grad():
             if any(fresh):
