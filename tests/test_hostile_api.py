@@ -3,7 +3,7 @@ TypeError / ValueError naming the argument, or runs as its documented definition
 
 import pytest
 import torch
-from harness import P
+from harness import P, rand, randn
 
 import gqla_triton as gq
 from gqla_triton.layers.cache import GroupedCache, LatentCache
@@ -33,3 +33,67 @@ def test_grouped_cache_from_latent_refuses_a_non_layer():
     for layer in (None, object()):
         with pytest.raises(TypeError, match="^layer: expected the GQLAttention"):
             GroupedCache.from_latent(lat, layer)
+
+
+def _gdn_inputs(T=20, H=1, HV=2, K=16, V=16, seed=0):
+    q, k, v = (randn(s, seed + i) for i, s in enumerate(((1, T, H, K), (1, T, H, K), (1, T, HV, V))))
+    g = -rand((1, T, HV), seed + 3, hi=0.5)
+    beta = rand((1, T, HV), seed + 4)
+    return q, torch.nn.functional.normalize(k, dim=-1), v, g, beta
+
+
+def test_chunk_double_backward_is_refused():
+    """The backward kernels have no backward: differentiating the gradients again (a gradient penalty) raises
+    instead of dropping the second-order terms."""
+    q, k, v, g, beta = _gdn_inputs()
+    q.requires_grad_()
+    o, _ = gq.chunk_gated_delta_rule(q, k, v, g, beta)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.square().sum().backward()
+
+
+def test_flash_qla_bwd_takes_do_in_the_outputs_dtype():
+    """FlashQLA's backward entry point with ``do`` in another float dtype than the inputs: the gradients of the same
+    values passed in the inputs' dtype (as autograd hands an output its gradient)."""
+    from gqla_triton.ops.gdn.flash_qla import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+
+    q, k, v, g, beta = _gdn_inputs(T=40)
+    gc, A, o, *_ = chunk_gated_delta_rule_fwd(q, k, v, g, beta)
+    do = randn(o.shape, 7).to(torch.float16)
+    want = chunk_gated_delta_rule_bwd(q, k, v, gc, beta, A, do.to(v.dtype))
+    got = chunk_gated_delta_rule_bwd(q, k, v, gc, beta, A, do)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_state_written_in_place_must_not_alias_what_is_read():
+    """A state pool (chunked op, decode step) or the decode step's intermediate states that share memory with an
+    input are refused by name, the pool unchanged; a pool beside the inputs in one buffer (disjoint) runs."""
+    q, k, v, g, beta = _gdn_inputs(T=4, HV=1)
+    K, V = q.shape[-1], v.shape[-1]
+    buf = randn((2 * K * V + q.numel(),), 9)
+    pool = buf[:2 * K * V].view(2, 1, K, V)
+    idx = torch.tensor([1], dtype=torch.int32, device=P.device)
+    before = pool.clone()
+    with torch.no_grad():
+        for name, aliased in (("q", buf[K * V:K * V + q.numel()].view(q.shape)),):
+            with pytest.raises(ValueError, match=f"initial_state: shares memory with {name}"):
+                gq.chunk_gated_delta_rule(aliased, k, v, g, beta, initial_state=pool, state_indices=idx)
+            with pytest.raises(ValueError, match=f"state: shares memory with {name}"):
+                gq.gated_delta_rule_decode(aliased, k, v, g, beta, pool, idx)
+        assert torch.equal(pool, before)
+        inter = torch.zeros(1, 4, 1, K, V, device=P.device)
+        with pytest.raises(ValueError, match="intermediate_states: shares memory with state"):
+            gq.gated_delta_rule_decode(q, k, v, g, beta, inter.view(4, 1, K, V), idx, intermediate_states=inter)
+        beside = buf[2 * K * V:].view(q.shape).copy_(q)
+        o, _ = gq.chunk_gated_delta_rule(beside, k, v, g, beta, initial_state=pool, state_indices=idx)
+        assert torch.isfinite(o).all()
+
+
+def test_chunk_indices_on_another_device_is_refused():
+    q, k, v, g, beta = _gdn_inputs()
+    cu = torch.tensor([0, 10, 20], device=P.device)
+    with pytest.raises(ValueError, match="chunk_indices: expected a tensor on"):
+        gq.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu,
+                                  chunk_indices=torch.tensor([[0, 0], [1, 0]], device="meta"))

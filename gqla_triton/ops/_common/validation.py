@@ -180,6 +180,32 @@ def check_kernel_device(device: torch.device, reference: str, *dtypes: torch.dty
     )
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the elements of ``t`` within its storage; None when empty."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    size = t.element_size()
+    return t.untyped_storage().data_ptr(), t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+
+
+def check_disjoint(name: str, t: torch.Tensor | None, **others: torch.Tensor | None) -> None:
+    """``t``, which the call writes in place, shares no bytes with ``others`` (None: absent), which it reads: a
+    ``ValueError`` naming both otherwise (the kernels would read values they have already overwritten). Judged by
+    the byte ranges the tensors span in one storage, so interleaved views of one buffer are refused too. Not
+    judged while torch.compile traces (fake tensors have no storage)."""
+    if t is None or torch.compiler.is_compiling() or t.device.type == "meta":
+        return
+    a = _byte_span(t)
+    if a is None:
+        return
+    for other, o in others.items():
+        b = _byte_span(o) if o is not None else None
+        if b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]:
+            raise ValueError(f"{name}: shares memory with {other} ({name} is written in place while {other} is "
+                             "read); pass separate tensors")
+
+
 def check_pool_rows(name: str, rows: torch.Tensor, pool_rows: int) -> None:
     """A CPU tensor of state-pool rows: every row it names (>= 0; a negative entry skips its sequence) lies in
     ``[0, pool_rows)`` and is named once, since two sequences updating one row in place would race. Rows on a device

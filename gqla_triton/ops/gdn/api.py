@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...dispatch import device_info
 from .._common.boundary import route
@@ -20,6 +21,7 @@ from .._common.impl import check_impl
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_disjoint,
     check_flag,
     check_kernel_device,
     check_pool_rows,
@@ -189,6 +191,7 @@ class _ChunkGDN(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward kernels have no backward: a double backward is an error, not a zero
     def backward(ctx, do, dht, *_unused):
         return _backward_with(_bwd, ctx.plan, ctx, do, dht)
 
@@ -269,6 +272,8 @@ def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, pool, *params)):
         raise ValueError("state_indices: the call over a state pool is inference only, but an input requires grad; "
                          "run it under torch.no_grad() / torch.inference_mode() or detach the inputs")
+    check_disjoint("initial_state", pool, q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices,
+                   **dict(zip(("A_log", "dt_bias"), params, strict=False)))
 
 
 def _beta_ref(beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> torch.Tensor:

@@ -158,6 +158,9 @@ def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None, ch
         raise TypeError(f"chunk_indices: expected int32 or int64, got {chunk_indices.dtype}")
     if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
         raise ValueError(f"chunk_indices: expected [NT, 2], got shape {list(chunk_indices.shape)}")
+    if chunk_indices.device not in (cu_seqlens.device, torch.device("cpu")):
+        raise ValueError(f"chunk_indices: expected a tensor on cu_seqlens' device {cu_seqlens.device} or the CPU, "
+                         f"got one on {chunk_indices.device}")
     if cu_host is None:
         return
     want = [(n, c) for n, (a, b) in enumerate(zip(cu_host[:-1], cu_host[1:], strict=True))

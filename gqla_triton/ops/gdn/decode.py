@@ -32,6 +32,7 @@ from .._common.impl import check_impl
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_disjoint,
     check_flag,
     check_kernel_device,
     check_pool_rows,
@@ -446,6 +447,10 @@ def gated_delta_rule_decode(
         if not intermediate_states.is_contiguous():
             raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
     scale = check_scale("scale", scale, K**-0.5)
+    reads = dict(q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices, cu_seqlens=cu_seqlens, accepted=accepted,
+                 A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
+    check_disjoint("state", state, **reads)
+    check_disjoint("intermediate_states", intermediate_states, state=state, **reads)
     _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
                         A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     if not torch.compiler.is_compiling():

@@ -94,7 +94,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
                                state_v_first=False, auto_cp=True, cp_cache=None):
     """FlashQLA's backward: the forward's inputs with g and A as ``chunk_gated_delta_rule_fwd`` returned them (g
-    the chunk-local cumulative decay, fp32), do ``[B, T, HV, V]`` the output's gradient, dht the final state's
+    the chunk-local cumulative decay, fp32), do ``[B, T, HV, V]`` the output's gradient (fp32, bf16 or fp16, taken in
+    v's dtype, the output's, as autograd takes it), dht the final state's
     (``[N, HV, K, V]``, ``[N, HV, V, K]`` with ``state_v_first``) or None. The chunk states are recomputed.
 
     Returns ``(dq, dk, dv, db, dg, dh0)``: dq, dk ``[B, T, H, K]`` (summed over each q/k head's value heads), dv,
@@ -119,6 +120,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
     if why is not None:
         raise ValueError(f"q / k: {why}")
     cu_host = plan_mod.host_bounds(cu_seqlens, T)
+    do = do.to(v.dtype)  # the output's dtype, as autograd hands an output its gradient
     q, k, v, g, beta, A, do = (t.detach().contiguous() for t in (q, k, v, g, beta, A, do))
     h0 = initial_state.detach().contiguous() if initial_state is not None else None
     dht = dht.detach().contiguous() if dht is not None else None
