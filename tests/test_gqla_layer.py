@@ -2,6 +2,7 @@
 latent -> grouped cache conversion; prefill gradients; paged cache bookkeeping; bad inputs."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -325,3 +326,18 @@ def test_bad_inputs():
         layer.shard(0, 3)
     with pytest.raises(ValueError, match="tp_rank"):
         layer.shard(2, 2)
+
+
+def test_reference_attention_propagates_nonfinite_scores():
+    """The layers' torch attention (``impl="reference"``): a query with no key gives 0, a +inf score gives NaN as
+    the softmax sends it (the kernels' and ``gqa_decode_reference``'s), not a hidden 0."""
+    from gqla_triton.testing.attention import attend
+
+    q = torch.ones(2, 1, 4, dtype=torch.float64)
+    k = torch.ones(3, 1, 4, dtype=torch.float64)
+    v = torch.ones(3, 1, 2, dtype=torch.float64)
+    w = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert torch.equal(attend(q, k, v, 0.5, w), torch.tensor([[[1.0, 1.0]], [[0.0, 0.0]]], dtype=torch.float64))
+    k[1] = math.inf
+    out = attend(q, k, v, 0.5, w)
+    assert torch.isnan(out[0]).all() and torch.equal(out[1], torch.zeros_like(out[1]))

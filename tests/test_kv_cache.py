@@ -463,3 +463,23 @@ def test_gather_without_a_rope_key():
         assert got[-1].shape == (19, 0)
         for a, b in zip(got[:-1], rows, strict=True):
             assert torch.equal(a, b[0])
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+def test_append_of_the_caches_own_rows(kind):
+    """New tokens that are views of the cache's own storage (a slot's tokens appended to another slot) append as
+    copies of those values would."""
+    got, want = make_cache(kind), make_cache(kind)
+    first, _ = new_tokens(kind, 1, 3, gen(1))
+    if kind == "latent":
+        views = lambda c: (c.kv[int(c.block_table[0, 0]), None, :3, 0, :R],  # noqa: E731
+                           c.kv[int(c.block_table[0, 0]), None, :3, 0, R:])
+    else:
+        views = lambda c: tuple(t[int(c.block_table[0, 0]), None, :3] for t in (c.k, c.v, c.k_rope))  # noqa: E731
+    for c in (got, want):
+        c.append([0], *first)
+    got.append([1], *views(got))
+    want.append([1], *(t.clone() for t in views(want)))
+    assert got.seqlens() == want.seqlens() == [3, 3, 0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(got.gather(1), want.gather(1), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got.gather(1), got.gather(0), strict=True))

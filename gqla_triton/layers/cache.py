@@ -452,6 +452,9 @@ class PagedCache(abc.ABC):
         """Append ``T`` tokens to each validated slot: ``values`` pairs a flat storage view ``[rows, ...]``
         with the new rows ``[B * T, ...]`` (already in the storage dtype)."""
         B = len(ids)
+        if not torch.compiler.is_compiling():  # new rows read from the cache's own storage: copied out first
+            values = [(dst, src.clone() if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
+                       else src) for dst, src in values]
         device_only = self._device_only()
         need, mirror = None, False
         if not device_only:

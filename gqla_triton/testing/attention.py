@@ -27,10 +27,11 @@ def key_weights(L: int, T: int, indices=None, n=None, device=None) -> torch.Tens
 
 def attend(q, k, v, scale, weights):
     """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]``, key multiplicities ``weights [T, L]`` (0 = masked);
-    a query with no key gives 0."""
+    a query with no key gives 0; non-finite scores propagate as the softmax sends them (NaN)."""
     L = k.shape[0]
     s = torch.einsum("thd,lhd->htl", q, k.expand(L, q.shape[1], k.shape[-1])) * scale
-    p = torch.softmax(s + weights.to(s.dtype).log()[None], -1).nan_to_num(0.0)
+    p = torch.softmax(s + weights.to(s.dtype).log()[None], -1)
+    p = torch.where((weights > 0).any(-1)[None, :, None], p, 0.0)
     return torch.einsum("htl,lhd->thd", p, v.expand(L, q.shape[1], v.shape[-1]))
 
 
