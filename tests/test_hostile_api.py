@@ -97,3 +97,13 @@ def test_chunk_indices_on_another_device_is_refused():
     with pytest.raises(ValueError, match="chunk_indices: expected a tensor on"):
         gq.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu,
                                   chunk_indices=torch.tensor([[0, 0], [1, 0]], device="meta"))
+
+
+def test_rms_norm_checks_its_input():
+    from gqla_triton.layers import RMSNorm
+
+    norm = RMSNorm(4)
+    for bad, exc in ((torch.randn(4, 1), ValueError), (torch.randn(2, 5), ValueError), (torch.tensor(1.0), ValueError),
+                     (torch.ones(1, 4, dtype=torch.int64), TypeError), ([1.0] * 4, TypeError)):
+        with pytest.raises(exc, match="^x: "):
+            norm(bad)

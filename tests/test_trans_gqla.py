@@ -1,5 +1,7 @@
 """TransGQLA (GQA with RoPE -> GQLA conversion) and tensor-parallel sharding of GQLAttention along groups."""
 
+import math
+
 import pytest
 import torch
 from harness import P, assert_close, dtypes, gen, pick, rand, randn, rel_err, seeds
@@ -227,6 +229,21 @@ def test_trans_gqla_bad_inputs():
         trans_gqla(src, **kw, rope_dim=4, rope_attention_scaling=0.0)
     with pytest.raises(ValueError, match="calib"):
         trans_gqla(src, **kw, calib=torch.ones(5, 31))
+    calib = torch.ones(5, 32, dtype=torch.float64)
+    for bad, exc in ((calib.int(), TypeError), (calib.to(torch.complex128), TypeError),
+                     (calib.index_fill(0, torch.tensor([2]), math.nan), ValueError), (calib * 1e200, ValueError)):
+        with pytest.raises(exc, match="calib"):
+            trans_gqla(src, **kw, calib=bad)
+    for bad, exc in ((torch.ones(4, dtype=torch.complex64), TypeError),
+                     (torch.tensor([1.0, 1.0, 1.0, math.inf]), ValueError)):
+        with pytest.raises(exc, match="rope_inv_freq"):
+            trans_gqla(src, **kw, rope_dim=4, rope_inv_freq=bad)
+    with pytest.raises(TypeError, match="dtype"):
+        trans_gqla(src, **kw, dtype=torch.int32)
+    with pytest.raises(TypeError, match="balance_kv"):
+        trans_gqla(src, **kw, balance_kv="no")
+    with pytest.raises(TypeError, match="dtype"):
+        GQLAttention(32, 4, 2, 8, 4, 8, dtype=torch.int32)
 
 
 # ---- DeepSeek-layout checkpoints: the paper's GQLA layout and MLA -> GQLA ----------------------------------------
@@ -327,6 +344,22 @@ def test_loaders_bad_inputs():
         load_gqla(sd, **{**kw, "num_groups": 3})
     with pytest.raises(TypeError, match="state_dict"):
         load_gqla([sd], **kw)
+    key = "o_proj.weight"
+    for bad, exc, what in ((sd[key].int(), TypeError, "real floating"), (sd[key].bool(), TypeError, "real floating"),
+                           (sd[key].to(torch.complex128), TypeError, "real floating"),
+                           (sd[key].index_fill(0, torch.tensor([1]), math.nan), ValueError, "non-finite"),
+                           (sd[key] * math.inf, ValueError, "non-finite")):
+        with pytest.raises(exc, match=f"'{key}'.*{what}"):
+            load_gqla({**sd, key: bad}, **kw)
+    for bad in (None, [1.0], torch.tensor(1.0)):
+        with pytest.raises(ValueError, match="kv_a_proj_with_mqa"):
+            load_gqla({**sd, "kv_a_proj_with_mqa.weight": bad}, **kw)
+    with pytest.raises(TypeError, match="prefix"):
+        load_gqla(sd, **kw, prefix=3)
+    with pytest.raises(TypeError, match="rope_interleaved"):
+        load_gqla(sd, **kw, rope_interleaved="no")
+    with pytest.raises(ValueError, match="num_groups"):
+        load_gqla(sd, **{**kw, "num_groups": True})
     with pytest.raises(ValueError, match="head_dim"):
         mla_to_gqla(deepseek_checkpoint(0, hidden=32, h=4, n=4, dn=8, dR=4, dv=8, r=16), num_heads=4,
                     num_groups=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_rank=16, head_dim=0)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.gqla import GQLAttention
-from ..ops._common.validation import check_positive_int
+from ..ops._common.validation import check_flag, check_positive_int
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
@@ -48,6 +48,10 @@ def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"state_dict: {key!r} expected shape {list(shape)}, got {got}")
+    if not t.is_floating_point():
+        raise TypeError(f"state_dict: {key!r} expected a real floating tensor, got {t.dtype}")
+    if not torch.isfinite(t.detach()).all():
+        raise ValueError(f"state_dict: {key!r} has non-finite values")
     return t.detach().to(**_F64)
 
 
@@ -55,6 +59,9 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     """The checkpoint's weights in float64, rope rows in rotate-half order; q as [h, d_nope + d_R, in]."""
     if not isinstance(sd, dict):
         raise TypeError(f"state_dict: expected a dict of tensors, got {type(sd).__name__}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+    rope_interleaved = check_flag("rope_interleaved", rope_interleaved)
     for name, v in (("num_heads", h), ("head_dim", d_nope), ("v_head_dim", d_v), ("kv_rank", r)):
         check_positive_int(name, v)
     if not isinstance(d_R, int) or d_R < 0 or d_R % 2:
@@ -62,6 +69,9 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     key = prefix + "kv_a_proj_with_mqa.weight"
     if key not in sd:
         raise ValueError(f"state_dict: missing {key!r}")
+    if not isinstance(sd[key], torch.Tensor) or sd[key].dim() != 2:
+        got = list(sd[key].shape) if isinstance(sd[key], torch.Tensor) else type(sd[key]).__name__
+        raise ValueError(f"state_dict: {key!r} expected a 2-D weight [kv_rank + rope_dim, hidden], got {got}")
     hidden = sd[key].shape[-1]
     perm = interleaved_to_half(d_R) if rope_interleaved else torch.arange(d_R)
     out = {}
@@ -111,7 +121,8 @@ def load_gqla(state_dict: dict, *, num_heads: int, num_groups: int, head_dim: in
     ``head_dim`` = d_nope, ``rope_dim`` = d_R, ``softmax_scale`` default ``(d_nope + d_R)^-0.5``; ``rope_inv_freq
     [d_R/2]`` replaces ``rope_theta``'s frequencies (e.g. YaRN's). Exact: only the rope rows are reordered.
     """
-    if not isinstance(num_groups, int) or num_groups <= 0 or not isinstance(num_heads, int) or num_heads % num_groups:
+    if (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0
+            or not isinstance(num_heads, int) or num_heads % num_groups):
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {num_heads!r}, got {num_groups!r}")
     d_v = head_dim if v_head_dim is None else v_head_dim
     w = _read(state_dict, prefix, h=num_heads, n=num_groups, d_nope=head_dim, d_R=rope_dim, d_v=d_v, r=kv_rank,
@@ -148,7 +159,7 @@ def mla_to_gqla(state_dict: dict, *, num_heads: int, num_groups: int, qk_nope_he
     the source's ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5``. The PCA runs in float64.
     """
     h, g = num_heads, num_groups
-    if not isinstance(g, int) or g <= 0 or not isinstance(h, int) or h % g:
+    if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or not isinstance(h, int) or h % g:
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {h!r}, got {g!r}")
     dn, dR, dv, r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_rank
     w = _read(state_dict, prefix, h=h, n=h, d_nope=dn, d_R=dR, d_v=dv, r=r, q_rank=q_rank,

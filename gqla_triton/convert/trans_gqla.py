@@ -41,7 +41,13 @@ import torch
 
 from ..layers.gqla import GQLAttention
 from ..layers.rope import apply_rope, rope_inv_freq
-from ..ops._common.validation import check_positive_int, check_positive_real, check_scale
+from ..ops._common.validation import (
+    check_flag,
+    check_float_dtype,
+    check_positive_int,
+    check_positive_real,
+    check_scale,
+)
 
 __all__ = ["trans_gqla", "gqa_attention_reference"]
 
@@ -82,6 +88,10 @@ def _source_inv_freq(d: int, rope_theta: float, inv_freq) -> torch.Tensor:
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (d // 2,):
         got = list(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else inv_freq
         raise ValueError(f"rope_inv_freq: expected a tensor of shape [{d // 2}] (head_dim / 2), got {got!r}")
+    if not inv_freq.is_floating_point():
+        raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {inv_freq.dtype}")
+    if not torch.isfinite(inv_freq.detach()).all():
+        raise ValueError("rope_inv_freq: expected finite values")
     return inv_freq.detach().to(**_F64)
 
 
@@ -122,6 +132,8 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     rope_theta = check_positive_real("rope_theta", rope_theta)
     rope_attention_scaling = check_positive_real("rope_attention_scaling", rope_attention_scaling)
     scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
+    balance_kv = check_flag("balance_kv", balance_kv)
+    check_float_dtype(dtype)
     if h % g:
         raise ValueError(f"num_heads: {h} is not a multiple of num_groups {g}")
     if d % 2:
@@ -140,8 +152,14 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     if calib is not None:
         if not isinstance(calib, torch.Tensor) or calib.dim() == 0 or calib.shape[-1] != hidden or calib.numel() == 0:
             raise ValueError(f"calib: expected a non-empty tensor [..., {hidden}]")
+        if not calib.is_floating_point():
+            raise TypeError(f"calib: expected a real floating tensor, got {calib.dtype}")
+        if not torch.isfinite(calib.detach()).all():
+            raise ValueError("calib: has non-finite values (the factorization of their covariance has no answer)")
         X = calib.detach().to(**_F64).reshape(-1, hidden)
         C = X.T @ X / X.shape[0]
+        if not torch.isfinite(C).all():
+            raise ValueError("calib: its covariance overflows float64 (values too large)")
     inv = _source_inv_freq(d, rope_theta, rope_inv_freq)
     dtype = dtype or wq.dtype
     device = device if device is not None else wq.device

@@ -41,6 +41,7 @@ from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     INT32_MAX,
     check_flag,
+    check_float_dtype,
     check_positive_int,
     check_positive_real,
     check_softmax_scale,
@@ -108,10 +109,13 @@ class GQLAttention(nn.Module):
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
         check_impl(impl, op="GQLAttention", gluon=True)
+        check_float_dtype(dtype)
         if rope_inv_freq is not None:
             if not isinstance(rope_inv_freq, torch.Tensor) or rope_inv_freq.shape != (rope_dim // 2,):
                 got = list(rope_inv_freq.shape) if isinstance(rope_inv_freq, torch.Tensor) else rope_inv_freq
                 raise ValueError(f"rope_inv_freq: expected a tensor of shape [{rope_dim // 2}], got {got!r}")
+            if not rope_inv_freq.is_floating_point():
+                raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {rope_inv_freq.dtype}")
             rope_inv_freq = rope_inv_freq.detach().to("cpu", torch.float64)
             if not torch.isfinite(rope_inv_freq).all():
                 raise ValueError("rope_inv_freq: expected finite values")

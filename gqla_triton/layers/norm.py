@@ -31,6 +31,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` of a floating dtype -> the same shape and dtype."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x: expected a floating dtype, got {x.dtype}")
+        dim = self.weight.shape[0]
+        if x.dim() == 0 or x.shape[-1] != dim:
+            raise ValueError(f"x: expected a last dimension of {dim}, got shape {list(x.shape)}")
         xf = x.to(_compute_dtype(x.dtype))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(xf.dtype)).to(x.dtype)
