@@ -341,3 +341,9 @@ def test_reference_attention_propagates_nonfinite_scores():
     k[1] = math.inf
     out = attend(q, k, v, 0.5, w)
     assert torch.isnan(out[0]).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_uint64_positions_are_refused():
+    layer = GQLAttention(32, 4, 2, 8, 4, 8, impl="reference")
+    with pytest.raises(TypeError, match="positions: .*uint64"):
+        layer(torch.randn(1, 2, 32), torch.tensor([0, 1], dtype=torch.uint64))

@@ -483,3 +483,20 @@ def test_append_of_the_caches_own_rows(kind):
     assert got.seqlens() == want.seqlens() == [3, 3, 0, 0]
     assert all(torch.equal(a, b) for a, b in zip(got.gather(1), want.gather(1), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got.gather(1), got.gather(0), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+@pytest.mark.parametrize("length", [-5, 17])
+def test_outside_length_past_the_reservation_is_refused(kind, length):
+    """A length written into ``cache_seqlens`` from outside the cache that leaves the slot's reservation (one page
+    here) makes the next eager call a ValueError naming cache_seqlens, with the pages and tables unchanged."""
+    c = make_cache(kind)
+    parts, _ = new_tokens(kind, 1, 3, gen(2))
+    c.append([0], *parts)
+    c.cache_seqlens[0] = length
+    snap = (list(c._free), list(c._refs), [list(p) for p in c._pages], c.block_table.clone())
+    for call in (lambda: c.append([0], *parts), lambda: c.fork(0, 1), lambda: c.reserve([0], 4)):
+        with pytest.raises(ValueError, match="cache_seqlens: slot 0 holds"):
+            call()
+        assert snap[:3] == (list(c._free), list(c._refs), [list(p) for p in c._pages])
+        assert torch.equal(snap[3], c.block_table)

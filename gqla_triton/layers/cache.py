@@ -24,7 +24,8 @@ reservation and ``overflow[s]`` is set; ``check()`` turns the flags into an erro
 
 Eager ``append`` / ``reserve`` take the lengths from a host mirror. After an append inside a capture or a
 compiled function (or with ``auto_reserve=False``), or a write to ``cache_seqlens`` from outside the cache's
-methods (seen through its version counter), they read the device lengths instead: one host sync per call.
+methods (seen through its version counter; such a write must keep each length within its slot's reservation, else
+the next eager call is a ``ValueError``), they read the device lengths instead: one host sync per call.
 ``reserve``, ``free`` and ``fork`` move page lists to the device: a ``RuntimeError`` inside a capture / compile.
 
 **Slot ids** are host values (an int, a sequence of ints, a CPU tensor; a CUDA tensor would need a host sync:
@@ -244,10 +245,16 @@ class PagedCache(abc.ABC):
 
     def _host_lens(self) -> list[int]:
         """Every slot's length: the host mirror, or one read of the device after device-only appends or a
-        write to ``cache_seqlens`` from outside the cache's methods (seen through its version counter)."""
+        write to ``cache_seqlens`` from outside the cache's methods (seen through its version counter), which must
+        keep each length within ``[0, reserved]`` (else a ``ValueError``)."""
         if self._mirror_valid():
             return self._lens
         lens = self.cache_seqlens.tolist()
+        for s, n in enumerate(lens):  # only an outside write can leave a slot's reservation (appends stop at it)
+            if not 0 <= n <= self._cap[s]:
+                raise ValueError(f"cache_seqlens: slot {s} holds {n} tokens, outside [0, {self._cap[s]}] (its "
+                                 "reserved pages): a length written from outside the cache must stay within its "
+                                 "slot's reservation")
         if self._lens_known:  # an outside write, no device-only append: the mirror can follow the device again
             self._lens = lens
             self._mark_lens()

@@ -254,6 +254,8 @@ class GQLAttention(nn.Module):
             raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
         if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
             raise TypeError(f"positions: expected an integer tensor, got {positions.dtype}")
+        if positions.dtype == torch.uint64:  # values past 2**63 have no int64 form (the kernels read int64)
+            raise TypeError("positions: expected a signed integer tensor or one of at most 32 bits, got torch.uint64")
         if positions.dim() == 1 and positions.shape[0] == T:
             positions = positions[None].expand(B, T)
         if list(positions.shape) != [B, T]:
