@@ -107,3 +107,53 @@ def test_rms_norm_checks_its_input():
                      (torch.ones(1, 4, dtype=torch.int64), TypeError), ([1.0] * 4, TypeError)):
         with pytest.raises(exc, match="^x: "):
             norm(bad)
+
+
+@pytest.mark.parametrize("tiny", [1e-300, 5e-324, -1e-39])
+def test_scales_that_float32_flushes_are_refused(tiny):
+    """A nonzero scale that float32 (the kernels' scalar) would make 0 or subnormal is refused by name: at 0 an
+    infinite score would give 0 · inf = NaN where the float64 math gives ±inf. Exactly 0 runs."""
+    q, k, v, g, beta = _gdn_inputs(T=8)
+    with pytest.raises(ValueError, match="^scale: expected 0 or a magnitude"):
+        gq.chunk_gated_delta_rule(q, k, v, g, beta, scale=tiny)
+    gq.chunk_gated_delta_rule(q, k, v, g, beta, scale=0.0)
+    kv = randn((2, 16, 1, 48), 3)
+    qm = randn((1, 1, 16, 48), 4)
+    bt = torch.arange(2, dtype=torch.int32, device=P.device).view(1, 2)
+    lens = torch.tensor([20], dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="^softmax_scale: expected 0 or a magnitude"):
+        gq.mla_decode(qm, kv, bt, lens, 32, softmax_scale=tiny)
+    gq.mla_decode(qm, kv, bt, lens, 32, softmax_scale=0.0)
+
+
+def test_forward_only_decode_outputs_keep_their_guard():
+    """Where an input requires grad (a descale, or q through FlashMLA's extra cache, whose result is merged outside
+    the op) the outputs' backward raises instead of the graph being cut silently."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 16, 80, generator=g).to(P.device)
+    kv8 = torch.randn(2, 16, 1, 80, generator=g).to(P.device, torch.float8_e4m3fn)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([30], dtype=torch.int32, device=P.device)
+    kd = torch.tensor([0.5], device=P.device, requires_grad=True)
+    out, _ = gq.mla_decode(q, kv8, bt, lens, 64, k_descale=kd, impl="triton")
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.float().sum().backward()
+    qg = q.clone().requires_grad_()
+    kv = torch.randn(2, 16, 1, 80, generator=g).to(P.device)
+    idx = torch.tensor([[[0, 3, 17]]], dtype=torch.int32, device=P.device)
+    out, lse = gq.flash_mla_with_kvcache(qg, kv, None, None, 64, gq.get_mla_metadata()[0], indices=idx,
+                                         extra_k_cache=kv[:1], extra_indices_in_kvcache=idx % 16)
+    for t in (out, lse):
+        with pytest.raises(RuntimeError, match="forward-only"):
+            t.float().sum().backward(retain_graph=True)
+
+
+def test_flash_mla_sparse_cache_past_the_addressable_rows_is_refused():
+    q = torch.randn(1, 1, 16, 80, device=P.device)
+    idx = torch.tensor([[[0, 5, -1]]], dtype=torch.int32, device=P.device)
+    for blocks, page in ((2**16, 2**16), (3, 2**29)):
+        kv = torch.randn(1, 1, 1, 80, device=P.device).expand(blocks, page, 1, 80)  # a view: no memory
+        with pytest.raises(ValueError, match="^k_cache: .* token rows"):
+            gq.flash_mla_with_kvcache(q, kv, None, None, 64, gq.get_mla_metadata()[0], indices=idx)
+    with pytest.raises(ValueError, match="^q: expected a head dim"):
+        gq.flash_mla_sparse_fwd(q[0, :, :, :0], kv[:1, :4, :, :0].reshape(4, 1, 0), idx[0], None)

@@ -15,6 +15,7 @@ INDEX_DTYPES = (torch.int32,)
 MAX_KEYS = 2**30  # most key positions one sequence may address (block-table capacity, topk): int32-safe tiles
 MAX_NUM_SPLITS = 1024  # largest explicit split-KV count
 _F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
 _LOG2E = 1.4426950408889634
 
 
@@ -88,7 +89,7 @@ def check_multiple(name: str, value: int, multiple: int, *, upper: int | None = 
 
 def check_scale(name: str, value: object, default: float, *, factor: float = 1.0) -> float:
     """A scale argument as a float: ``default`` for None, else a real number (not a bool) whose product with
-    ``factor`` is finite in float32 (the kernels take ``value · factor`` as a float32)."""
+    ``factor`` is 0 or a normal float32 number (the kernels take ``value · factor`` as a float32)."""
     if value is None:
         return float(default)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -100,6 +101,9 @@ def check_scale(name: str, value: object, default: float, *, factor: float = 1.0
     if not math.isfinite(scale) or abs(scale) * factor > _F32_MAX:
         raise ValueError(f"{name}: expected a finite real number of magnitude <= {_F32_MAX / factor:.3g} "
                          f"(float32 range) or None, got {value!r}")
+    if scale != 0 and abs(scale) * factor < _F32_TINY:  # float32 would make it 0 or subnormal (0 · inf = NaN)
+        raise ValueError(f"{name}: expected 0 or a magnitude >= {_F32_TINY / factor:.3g} (float32's smallest normal "
+                         f"number), got {value!r}")
     return scale
 
 
@@ -290,6 +294,29 @@ def _shared_row(t: torch.Tensor) -> bool:
 def requires_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records a call on these inputs (grad mode on and one of them requires grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _Guard(torch.autograd.Function):
+    """Outputs computed without a graph, given a node whose backward raises (``guard_outputs``)."""
+
+    @staticmethod
+    def forward(ctx, name, n, *tensors):
+        ctx.name = name
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.name} is forward-only: no gradient flows through it to its inputs; call it under "
+                           "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
+
+
+def guard_outputs(name: str, outputs: tuple[torch.Tensor, ...], *inputs: torch.Tensor | None) -> tuple:
+    """``outputs`` of a forward-only computation as they are, or, where autograd records a call on ``inputs``
+    (``requires_grad``), through a node whose backward raises a ``RuntimeError`` naming ``name``: the graph is not
+    cut silently where the outputs were assembled outside a ``forward_only`` op."""
+    if not requires_grad(*inputs):
+        return outputs
+    return _Guard.apply(name, len(outputs), *outputs, *(t for t in inputs if t is not None and t.requires_grad))
 
 
 def forward_only(custom_op, name: str) -> None:

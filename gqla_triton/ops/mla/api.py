@@ -326,7 +326,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
                                                 kv_format)
     head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
     # inputs that require grad go through the custom op, whose backward raises (forward_only)
-    fn = _mla_decode_op if requires_grad(q, kv_cache) else route(_mla_decode_op, mla_decode_fwd)
+    fn = _mla_decode_op if requires_grad(q, kv_cache, q_descale, k_descale) else route(_mla_decode_op, mla_decode_fwd)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
               impl, q_descale, k_descale, kv_format)
 

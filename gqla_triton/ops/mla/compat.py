@@ -43,7 +43,7 @@ import dataclasses
 import torch
 
 from .._common import combine_splits
-from .._common.validation import check_flag, check_scale, check_tensor
+from .._common.validation import MAX_KEYS, check_flag, check_scale, check_tensor, guard_outputs
 from .api import mla_decode, mla_sparse_prefill
 from .fp8 import ROW_BYTES, fp8_layout, is_fp8_latent
 
@@ -180,6 +180,9 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         if h_k == 1:
             return parts[0]
         return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 1)
+    if k_cache.shape[0] * k_cache.shape[1] > MAX_KEYS:  # the sparse rows address the whole cache as one sequence
+        raise ValueError(f"{name}: {k_cache.shape[0]} x {k_cache.shape[1]} token rows, more than the {MAX_KEYS} that "
+                         "sparse indices may address")
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
     return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits,
                       kv_format=kv_format)
@@ -279,7 +282,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
         combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
                        merged, merged_lse)
-        out, lse = merged, merged_lse
+        out, lse = guard_outputs("flash_mla_with_kvcache", (merged, merged_lse), q, k_cache, extra_k_cache)
     if attn_sink is not None:
         out = _sink(out, lse.transpose(1, 2), attn_sink)
     # once the state is checked and the call made, as FlashMLA's own record is set by its first call
@@ -329,6 +332,8 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     if return_log2_lse is not None:
         return_log2_lse = check_flag("return_log2_lse", return_log2_lse)
     check_tensor("q", q, ndim=3)
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a head dim d_qk >= 1, got shape {list(q.shape)}")
     _check_sink(attn_sink, q.shape[1], q.device)
     sm_scale = check_scale("sm_scale", sm_scale, q.shape[-1] ** -0.5, factor=_LOG2E)
     with _flashmla_names(head_dim_v="d_v"):
