@@ -185,7 +185,7 @@ def test_fp8_refusals_name_the_argument():
         mla_decode(q.float(), kv8, bt, lens, 512, impl="gluon")
     # the reference impl takes the layout too
     o, _ = mla_decode(q, kv8, bt, lens, 512, impl="reference")
-    r, _ = mla_decode_ref(q, dequantize_latent_fp8(kv8.cpu(), torch.float64), bt, lens, 512)
+    r, _ = mla_decode_ref(q, dequantize_latent_fp8(kv8.cpu()).double(), bt, lens, 512)  # the kernels' float32 values
     torch.testing.assert_close(o.double().cpu(), r.to(o.dtype).double(), rtol=0, atol=0)
 
 
@@ -461,7 +461,7 @@ def test_v41_and_no_rope_layouts_vs_reference(layout, B, s_q, page, topk, with_l
     tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len and not dense else None
     cache = kv8.view(torch.uint8) if uint8 else kv8
     out, lse = _call(q, cache, bt, lens, 512, indices=idx, topk_length=tl_, num_splits=num_splits, kv_format=fmt)
-    deq = dequantize_latent_fp8(kv8.cpu(), torch.float64, kv_format=layout)
+    deq = dequantize_latent_fp8(kv8.cpu(), kv_format=layout).double()  # value · scale rounded to float32, as read
     ro, rl = mla_decode_ref(q, deq, bt, lens, 512, indices=idx, topk_length=tl_)
     lo, ll = mla_decode_ref(q, deq.to(QDT), bt, lens, 512, indices=idx, topk_length=tl_, p_dtype=QDT)
     assert_close("out", out, ro, lo, dtype=QDT)
@@ -847,3 +847,35 @@ def test_scaled_fp8_under_torch_compile_fullgraph():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for a, b in zip(f(q, kv8, bt, lens, qd, kd), compiled(q, kv8, bt, lens, qd, kd), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_reference_reads_the_fp8_cache_as_the_kernels_do():
+    """A tile scale whose product with an e4m3 value passes float32's range (bytes no quantiser writes) is inf in
+    the kernels' float32 product; the reference dequantises the same way, so both give NaN for the queries that
+    see that key, and the same finite values elsewhere."""
+    g = torch.Generator().manual_seed(5)
+    kv8 = quantize_latent_fp8(torch.randn(2, 16, 1, 576, generator=g)).to(P.device)
+    raw = kv8.view(torch.uint8)
+    raw[0, 3, 0, 512:516] = torch.tensor([1e36], dtype=torch.float32).view(torch.uint8).to(P.device)
+    q = torch.randn(2, 1, 16, 576, generator=g).to(P.device, QDT)
+    bt = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=P.device)
+    out, lse = mla_decode(q, kv8, bt, lens, 512)
+    ro, rl = mla_decode_ref(q, kv8, bt, lens, 512)
+    assert torch.isnan(lse[0]).all() and torch.isnan(rl[0]).all()  # sequence 0 sees token 3 of page 0
+    assert torch.isfinite(lse[1]).all() and torch.isfinite(out[1]).all() and torch.isfinite(ro[1]).all()
+
+
+def test_large_descale_does_not_overflow_before_the_scale():
+    """``k_descale`` 3e37 with a scale of 1/sqrt(80): the scores (about 1e38 in log2 units) and the output fit
+    float32, and so do the kernel's, which take the descale and the scale as one factor on the dot."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 16, 80, generator=g).to(P.device)
+    kv = torch.randn(2, 16, 1, 80, generator=g).to(P.device, torch.float8_e4m3fn)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([30], dtype=torch.int32, device=P.device)
+    kd = torch.tensor([3e37], device=P.device)
+    out, lse = mla_decode(q, kv, bt, lens, 64, k_descale=kd, impl="triton")
+    ro, rl = mla_decode_ref(q, kv, bt, lens, 64, k_descale=kd)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(lse.double().cpu(), rl, rtol=1e-5, atol=0)

@@ -68,7 +68,8 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
     """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU.
 
     ``kv_cache`` may be in a quantised layout (``fp8.py``; ``kv_format`` names it, None: told by the row width): the
-    reference runs on its exact dequantised values. With
+    reference runs on its dequantised values (each value · scale rounded once to float32, as the kernels form it;
+    ``dequantize_latent_fp8``). With
     ``k_descale`` (``[1]`` or ``[B]``) it is a float8_e4m3fn cache scaled per tensor: the scores are
     ``softmax_scale · q_descale · k_descale · (q·row)`` over the exact e4m3 values (``q_descale`` 1 where None) and
     out is ``k_descale · Σ p·row[:head_dim_v]``. ``p_dtype`` (tests only): round the probabilities and the output to
@@ -82,7 +83,8 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
         k_desc = k_descale.detach().double().cpu().expand(B)
         s_desc = k_desc * (q_descale.detach().double().cpu().expand(B) if q_descale is not None else 1.0)
     elif is_fp8_latent(kv_cache):
-        kv_cache = dequantize_latent_fp8(kv_cache.detach().cpu(), torch.float64, kv_format=kv_format)
+        # value · scale rounded once to float32, as the kernels form it (a product past float32's range is inf there)
+        kv_cache = dequantize_latent_fp8(kv_cache.detach().cpu(), torch.float32, kv_format=kv_format)
     kv_cache = kv_cache.detach().double().cpu()
     block_table = block_table.detach().long().cpu()
     seqlens = cache_seqlens.detach().long().cpu().clamp(min=0)

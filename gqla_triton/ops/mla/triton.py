@@ -74,7 +74,8 @@ def _tile_block(bt_row, start, max_pages, PAGE_SIZE: tl.constexpr):
 def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, sdesc, ok, rvalid, m_i, l_i,
                       DOT_PREC: tl.constexpr, SPARSE: tl.constexpr, RAW: tl.constexpr, DESCALE: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
-    them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant)."""
+    them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant). ``qk_scale``:
+    the factor ``scale_scores`` applies (1 where the descale carries the scale)."""
     s = (_descale(tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC), sdesc, DESCALE)
          + _descale(tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC), sdesc, DESCALE))
     s = scale_scores(s, qk_scale, RAW)
@@ -241,11 +242,15 @@ def mla_decode_fwd_kernel(
 
     seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
     sdesc = 1.0
+    s_scale = qk_scale  # the factor scale_scores applies
     if DESCALE > 0:  # a cache scaled per tensor: the scores take q_descale · k_descale, the output k_descale
         kdesc = tl.load(kd + b64 * s_kd)
         sdesc = kdesc
         if DESCALE == 2:
             sdesc = sdesc * tl.load(qd + b64 * s_qd)
+        if not RAW:  # one factor on the dot: a large descale times a small scale does not overflow on the way
+            sdesc = sdesc * qk_scale
+            s_scale = 1.0
 
     offs_r = tl.arange(0, BDR)
     mr = offs_r < DR
@@ -334,7 +339,7 @@ def mla_decode_fwd_kernel(
             # so Triton splits S's keys over the warpgroups (no duplicated QKᵀ), while P·V stays in the iteration
             # of its tile. The tiles alternate between two buffers, so one barrier per tile orders both the read
             # after this tile's writes and the next write to the same buffer (two tiles later) after every read.
-            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, sdesc, ok, rvalid, m_i,
+            m_new, alpha, p, l_i = _unchained_scores(q_lat, k_lat, q_rope, k_rope, s_scale, sdesc, ok, rvalid, m_i,
                                                      l_i, DOT_PREC, SPARSE, RAW, DESCALE)
             nb = ((start - lo) // BLOCK_N) % 2
             tl.store(p_tile + nb * (BLOCK_H * BLOCK_N), p.to(pbuf.dtype.element_ty))
@@ -351,7 +356,7 @@ def mla_decode_fwd_kernel(
                 keep = ok[None, :] & rvalid[:, None]
             else:  # every row sees every key of a dense tile (the loop bounds)
                 keep = ok[None, :]
-            s = tl.where(keep, scale_scores(s, qk_scale, RAW), float("-inf"))
+            s = tl.where(keep, scale_scores(s, s_scale, RAW), float("-inf"))
             m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
@@ -368,7 +373,7 @@ def mla_decode_fwd_kernel(
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
             s = _descale(tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC), sdesc, DESCALE)
             sees = t <= last
-            s = tl.where(ok[None, :] & sees[:, None], scale_scores(s, qk_scale, RAW), float("-inf"))
+            s = tl.where(ok[None, :] & sees[:, None], scale_scores(s, s_scale, RAW), float("-inf"))
             m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
             # rows that do not see the key keep their accumulator (alpha is 1 there): no 0 · v enters them
             acc = acc * alpha[:, None] + tl.where(sees[:, None], tl.dot(p.to(k_lat.dtype), k_lat,
