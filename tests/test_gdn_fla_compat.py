@@ -650,3 +650,14 @@ def test_varlen_training_step_in_a_cuda_graph():
             assert torch.equal(a, b), f"{name}: replay with cu_seqlens {bounds} differs from the eager call"
         end = bounds[-1]
         assert (got[0][:, end:] == 0).all() and all((d[:, end:] == 0).all() for d in got[2:7])
+
+
+def test_import_names_of_fla_and_flash_qla():
+    """fla's short names and FlashQLA's top-level ``chunk_gated_delta_rule`` beside its fwd / bwd: the same
+    functions, so an import substitution needs no renaming."""
+    import gqla_triton.ops.gdn as gdn
+    from gqla_triton.ops.gdn import flash_qla
+
+    assert gdn.chunk_gdn is gdn.chunk_gated_delta_rule
+    assert gdn.fused_recurrent_gdn is gdn.fused_recurrent_gated_delta_rule
+    assert flash_qla.chunk_gated_delta_rule is gdn.chunk_gated_delta_rule

@@ -165,6 +165,11 @@ def test_recurrent_decode_form(use_h0, Hk, Hv):
         with pytest.raises(TypeError, match="head_batch"):
             gq.recurrent_gated_delta_rule(*xs, head_batch=bad)
     assert torch.equal(gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, head_batch=4)[0], o_all)
+    # int64 lengths (FlashQLA takes either), past T and negative: clamped to [0, T] as the int32 ones are
+    wide = torch.tensor([1, 2**40, -2**40], dtype=torch.int64, device=P.device)
+    got = gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, seqlens=wide)
+    want = gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, seqlens=wide.clamp(0, T).int())
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     with pytest.raises(ValueError, match="seqlens"):
         gq.recurrent_gated_delta_rule(*xs, seqlens=seqlens[:2])
     with pytest.raises(ValueError, match="initial_state"):

@@ -9,12 +9,18 @@ from .flash_qla import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd, r
 from .recurrent import fused_recurrent_gated_delta_rule
 from .reference import chunk_gated_delta_rule_ref, l2norm_ref, recurrent_gated_delta_rule_ref
 
+# fla's short names of the same functions (``fla.ops.gated_delta_rule``)
+chunk_gdn = chunk_gated_delta_rule
+fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+
 __all__ = [
     "chunk_gated_delta_rule",
+    "chunk_gdn",
     "chunk_gated_delta_rule_bwd",
     "chunk_gated_delta_rule_fwd",
     "chunk_gated_delta_rule_ref",
     "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gdn",
     "gated_delta_rule_decode",
     "l2norm_ref",
     "recurrent_gated_delta_rule",

@@ -16,12 +16,22 @@ from ...dispatch import device_info
 from .._common.host import cdiv
 from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor
 from . import plan as plan_mod
-from .api import _REFERENCE, _STATE_DTYPES, _bwd, _bwd_op, _fwd, _fwd_op, check_inputs
+from .api import (
+    _REFERENCE,
+    _STATE_DTYPES,
+    _bwd,
+    _bwd_op,
+    _fwd,
+    _fwd_op,
+    check_inputs,
+    chunk_gated_delta_rule,  # FlashQLA's top-level name, beside its fwd / bwd
+)
 from .decode import gated_delta_rule_decode
 from .launch import mid_dtype
 from .plan import chunk_plan
 
-__all__ = ["chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd", "recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd",
+           "recurrent_gated_delta_rule"]
 
 CHUNK = 64  # FlashQLA's chunk on Hopper (its A is [B, T, HV, 64])
 
@@ -139,7 +149,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                use_qk_l2norm_in_kernel=False, seqlens=None, head_first=False, head_batch=None):
     """FlashQLA's decode form: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``, a batch of B
     sequences of up to T new tokens each, through the token recurrence (``gated_delta_rule_decode``'s kernel).
-    initial_state ``[B, HV, K, V]`` (read, not written; None: zeros); seqlens ``[B]`` int32 on q's device: row b
+    initial_state ``[B, HV, K, V]`` (read, not written; None: zeros); seqlens ``[B]`` int32 / int64 on q's device: row b
     holds ``seqlens[b]`` tokens (clamped to [0, T]; None: all T), the rest are padding with o = 0.
 
     Returns ``(o [B, T, HV, V] in q's dtype, final_state [B, HV, K, V] fp32 after each row's tokens, or None without
@@ -163,7 +173,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     else:
         state = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
     if seqlens is not None:
-        check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device)
+        check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32, torch.int64), device=q.device)
+        seqlens = seqlens.clamp(0, T).to(torch.int32)  # the kernel's clamp, before an int64 value could wrap
     rows = torch.arange(B, dtype=torch.int32, device=q.device)
     o = gated_delta_rule_decode(q, k, v, g, beta, state, rows, scale=scale,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, accepted=seqlens)
