@@ -184,20 +184,22 @@ def check_kernel_device(device: torch.device, reference: str, *dtypes: torch.dty
     )
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage address, first byte, end byte) of the elements of ``t`` within its storage; None when empty."""
-    if t.numel() == 0:
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The address range ``[first byte, end byte)`` the elements of ``t`` span (None when empty)."""
+    n = t.numel()
+    if n == 0:
         return None
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    size = t.element_size()
-    return t.untyped_storage().data_ptr(), t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+    ptr, size = t.data_ptr(), t.element_size()
+    if t.is_contiguous():
+        return ptr, ptr + n * size
+    return ptr, ptr + (sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True)) + 1) * size
 
 
 def check_disjoint(name: str, t: torch.Tensor | None, **others: torch.Tensor | None) -> None:
     """``t``, which the call writes in place, shares no bytes with ``others`` (None: absent), which it reads: a
     ``ValueError`` naming both otherwise (the kernels would read values they have already overwritten). Judged by
-    the byte ranges the tensors span in one storage, so interleaved views of one buffer are refused too. Not
-    judged while torch.compile traces (fake tensors have no storage)."""
+    the address ranges the tensors span, so interleaved views of one buffer are refused too. Not judged while
+    torch.compile traces (fake tensors have no storage)."""
     if t is None or torch.compiler.is_compiling() or t.device.type == "meta":
         return
     a = _byte_span(t)
@@ -205,7 +207,7 @@ def check_disjoint(name: str, t: torch.Tensor | None, **others: torch.Tensor | N
         return
     for other, o in others.items():
         b = _byte_span(o) if o is not None else None
-        if b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]:
+        if b is not None and a[0] < b[1] and b[0] < a[1]:
             raise ValueError(f"{name}: shares memory with {other} ({name} is written in place while {other} is "
                              "read); pass separate tensors")
 
@@ -296,6 +298,11 @@ def requires_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _no_gradient(name: str) -> RuntimeError:
+    return RuntimeError(f"{name} is forward-only: no gradient flows through it to its inputs; call it under "
+                        "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
+
+
 class _Guard(torch.autograd.Function):
     """Outputs computed without a graph, given a node whose backward raises (``guard_outputs``)."""
 
@@ -306,8 +313,7 @@ class _Guard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(f"{ctx.name} is forward-only: no gradient flows through it to its inputs; call it under "
-                           "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
+        raise _no_gradient(ctx.name)
 
 
 def guard_outputs(name: str, outputs: tuple[torch.Tensor, ...], *inputs: torch.Tensor | None) -> tuple:
@@ -325,7 +331,6 @@ def forward_only(custom_op, name: str) -> None:
     the graph being cut silently. Callers route such calls through the custom op (``requires_grad``)."""
 
     def backward(ctx, *grads):
-        raise RuntimeError(f"{name} is forward-only: no gradient flows through it to q or the caches; call it under "
-                           "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
+        raise _no_gradient(name)
 
     custom_op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
