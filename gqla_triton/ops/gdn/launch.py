@@ -24,7 +24,7 @@ from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
 from .kernels.options import gdn_beta_in_kernel, gdn_options_bwd_kernel, gdn_options_sum_kernel
 from .kernels.output import gdn_output_fwd_kernel
-from .kernels.plan import gdn_pad_zero_kernel
+from .kernels.plan import gdn_pad_zero_kernel, gdn_rows_zero_kernel
 from .kernels.seg import gdn_state_prefix_kernel, gdn_state_seg_kernel
 from .kernels.state import gdn_state_fwd_kernel
 from .kernels.state_bwd import gdn_state_bwd_kernel
@@ -38,6 +38,7 @@ from .plan import ChunkPlan
 
 OPTIONS_BLOCK = 2048  # elements per program of the options' elementwise passes (options.py)
 PAD_ROWS = 16  # rows per program of the padding rows' zeroing (kernels/plan.py)
+H_ZERO_ROWS, H_ZERO_COLS = 4, 1024  # the [rows, columns] block per program of h's spare rows' zeroing
 
 __all__ = ["States", "chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_state_fwd", "h_rows", "mid_dtype"]
 
@@ -404,6 +405,10 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
             BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, EMPTY_SLOTS=plan.empty_slots,
             **cfg.launch("out"))
     if keep_h:
+        if plan.varlen:  # h has a bound's rows (h_rows): the ones past the chunks hold zeros, not leftover memory
+            rows, W = h.shape[0], h[0].numel()
+            gdn_rows_zero_kernel[(cdiv(W, H_ZERO_COLS), cdiv(rows, H_ZERO_ROWS))](
+                h, plan.coff[plan.N:], W, rows, BR=H_ZERO_ROWS, BW=H_ZERO_COLS, num_warps=4)
         return o, ht, gc, Ainv, States(w, h, vnew)
     return o, ht, gc, Ainv
 

@@ -130,3 +130,16 @@ def gdn_pad_zero_kernel(cu, N, T, x0, x1, x2, x3, x4, w0, w1, w2, w3, w4, NUM: t
         _zero_rows(x3, w3, w3, rows, pad, BW)
     if NUM > 4:
         _zero_rows(x4, w4, w4, rows, pad, BW)
+
+
+@triton.jit(do_not_specialize=["W", "ROWS"])
+def gdn_rows_zero_kernel(x, first, W, ROWS, BR: tl.constexpr, BW: tl.constexpr):
+    """Zero rows ``[*first, ROWS)`` of the contiguous ``[ROWS, W]`` tensor x (a bound's rows past the real ones):
+    program (j, i) the BW columns j of rows ``[i·BR, i·BR + BR)``."""
+    rows = tl.program_id(1).to(tl.int64) * BR + tl.arange(0, BR)
+    pad = (rows >= tl.load(first)) & (rows < ROWS)
+    if tl.max(pad.to(tl.int32), 0) == 0:
+        return
+    c = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
+    tl.store(x + rows[:, None] * W + c[None, :], tl.zeros([BR, BW], x.dtype.element_ty),
+             mask=pad[:, None] & (c[None, :] < W))
