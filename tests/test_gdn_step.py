@@ -163,6 +163,10 @@ def test_decode_prep_bad_inputs_change_nothing():
         with pytest.raises(exc, match=match):
             gdn_decode_prep(**base, **{**dims, **kw})
         assert torch.equal(pool, before[0]) and torch.equal(lens, before[1]), match
+    # it updates the pool in place, so it has no autograd formula: inputs that require grad are refused
+    with pytest.raises(RuntimeError, match="gdn_decode_prep is forward-only .*mixed requires grad"):
+        gdn_decode_prep(**{**base, "mixed": mixed.detach().requires_grad_()}, **dims)
+    assert torch.equal(pool, before[0]) and torch.equal(lens, before[1])
 
 
 @settings(max_examples=examples(8, 24))
@@ -213,3 +217,12 @@ def test_gated_norm_bad_inputs():
         args = {"o": o, "z": o, "weight": w, "eps": 1e-6, "rows": None, **kw}
         with pytest.raises(exc, match=match):
             gdn_gated_norm(args["o"], args["z"], args["weight"], args["eps"], args["rows"])
+
+
+def test_gated_norm_keeps_the_forward_only_guard():
+    """Inputs that require grad: the output keeps a node whose backward raises (the graph is not cut silently)."""
+    g = gen(9)
+    o = randn((2, 1, 2, 8), g).requires_grad_()
+    y = gdn_gated_norm(o, randn((2, 1, 2, 8), g), torch.ones(8, device=P.device), 1e-6)
+    with pytest.raises(RuntimeError, match="gdn_gated_norm is forward-only"):
+        y.sum().backward()

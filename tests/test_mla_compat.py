@@ -419,3 +419,23 @@ def test_cuda_graph_replay_equals_eager():
             graph.replay()
             ref, ref_lse = gq.flash_mla_with_kvcache(q, kv, table, lengths, r, meta, **kw)
             assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_two_cache_sparse_decode_compiles_fullgraph():
+    """FlashMLA's call over a cache and an extra cache under ``torch.compile(fullgraph=True)``: the merge of the two
+    caches' results is an op of its own, so the call is one graph and gives the eager result."""
+    g_ = torch.Generator().manual_seed(0)
+    r, D = 32, 48
+    q = torch.randn(2, 1, 2, D, generator=g_).to(P.device)
+    kv, kv2 = torch.randn(6, 16, 1, D, generator=g_).to(P.device), torch.randn(3, 16, 1, D, generator=g_).to(P.device)
+    idx = torch.randint(-1, 96, (2, 1, 5), generator=g_).int().to(P.device)
+    idx2 = torch.randint(-1, 48, (2, 1, 4), generator=g_).int().to(P.device)
+
+    def f(q, kv, idx, kv2, idx2):
+        return gq.flash_mla_with_kvcache(q, kv, None, None, r, gq.get_mla_metadata()[0], indices=idx,
+                                         extra_k_cache=kv2, extra_indices_in_kvcache=idx2)
+
+    with torch.no_grad():
+        want = f(q, kv, idx, kv2, idx2)
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kv, idx, kv2, idx2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

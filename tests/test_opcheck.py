@@ -47,3 +47,12 @@ def test_chunk_pool_and_decode_step():
     cu5 = torch.tensor([0, 2, 5], dtype=torch.int32, device=P.device)  # two sequences of new tokens, packed
     _check(OPS.gated_delta_rule_decode, (q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5], pool, idx,
                                          K ** -0.5, True, cu5, None, None, None, None, False, False, False, False))
+
+
+def test_two_cache_merge():
+    import gqla_triton.ops.mla.compat  # noqa: F401
+
+    g_ = torch.Generator().manual_seed(1)
+    out, out2 = (torch.randn(2, 1, 4, 32, generator=g_).to(P.device) for _ in range(2))
+    lse, lse2 = (torch.randn(2, 4, 1, generator=g_).to(P.device) for _ in range(2))
+    _check(OPS.flash_mla_merge_caches, (out, lse, out2, lse2))

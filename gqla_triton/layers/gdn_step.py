@@ -25,7 +25,15 @@ import triton.language as tl
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
 from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2
-from ..ops._common.validation import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..ops._common.validation import (
+    FLOAT_DTYPES,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+    forward_only,
+    refuse_grad,
+    requires_grad,
+)
 from ..ops.gdn.kernels.common import _softplus
 from .norm import gated_rms_norm
 
@@ -237,6 +245,7 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
         raise TypeError(f"update: expected a bool, got {type(update).__name__}")
     for dt in (mixed.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype):
         check_kernel_device(mixed.device, _PREP_REF, dt)
+    refuse_grad("gdn_decode_prep", mixed=mixed, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
     step = route(_prep_op, _prep_launch)
     return step(mixed, conv_weight, conv_state, seqlens, slots.contiguous(), A_log.contiguous(),
                 dt_bias.contiguous(), num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim, update)
@@ -339,6 +348,9 @@ def _(o, z, weight, eps, rows):
     return z.new_empty(B, T, HV * V)
 
 
+forward_only(_norm_op, "gdn_gated_norm")
+
+
 def _check_norm(o, z, weight, eps, rows, ref):
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("o", o, ndim=4, dtypes=fdt)
@@ -360,11 +372,12 @@ def gdn_gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
     ``o``, ``z``: ``[B, T, HV, V]`` bf16 / fp16 / fp32, any strides (z typically a view into the fused projection
     output); ``weight [V]``; ``rows [B]`` int32 or None: sequences with ``rows[b] < 0`` output exactly 0 (their
-    o and z are not read). Returns ``[B, T, HV·V]`` contiguous in z's dtype. Forward only (no autograd)."""
+    o and z are not read). Returns ``[B, T, HV·V]`` contiguous in z's dtype. Forward only: with inputs that require
+    grad, a backward through the output raises."""
     _check_norm(o, z, weight, eps, rows, ref=False)
     for dt in (o.dtype, z.dtype, weight.dtype):
         check_kernel_device(o.device, _NORM_REF, dt)
-    step = route(_norm_op, _norm_launch)
+    step = _norm_op if requires_grad(o, z, weight) else route(_norm_op, _norm_launch)
     return step(o, z, weight.contiguous(), float(eps), rows.contiguous() if rows is not None else None)
 
 

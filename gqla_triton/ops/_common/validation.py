@@ -298,31 +298,15 @@ def requires_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _no_gradient(name: str) -> RuntimeError:
-    return RuntimeError(f"{name} is forward-only: no gradient flows through it to its inputs; call it under "
-                        "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
-
-
-class _Guard(torch.autograd.Function):
-    """Outputs computed without a graph, given a node whose backward raises (``guard_outputs``)."""
-
-    @staticmethod
-    def forward(ctx, name, n, *tensors):
-        ctx.name = name
-        return tuple(t.view_as(t) for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise _no_gradient(ctx.name)
-
-
-def guard_outputs(name: str, outputs: tuple[torch.Tensor, ...], *inputs: torch.Tensor | None) -> tuple:
-    """``outputs`` of a forward-only computation as they are, or, where autograd records a call on ``inputs``
-    (``requires_grad``), through a node whose backward raises a ``RuntimeError`` naming ``name``: the graph is not
-    cut silently where the outputs were assembled outside a ``forward_only`` op."""
-    if not requires_grad(*inputs):
-        return outputs
-    return _Guard.apply(name, len(outputs), *outputs, *(t for t in inputs if t is not None and t.requires_grad))
+def refuse_grad(op: str, hint: str = "", **tensors: torch.Tensor | None) -> None:
+    """For an op that updates a state in place (so it has no autograd formula): a ``RuntimeError`` naming the first of
+    ``tensors`` that requires grad under autograd, with ``hint`` after the advice."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"{op} is forward-only (inference): {name} requires grad under autograd. Run it under "
+                               f"torch.no_grad() / torch.inference_mode(){hint}.")
 
 
 def forward_only(custom_op, name: str) -> None:
@@ -331,6 +315,7 @@ def forward_only(custom_op, name: str) -> None:
     the graph being cut silently. Callers route such calls through the custom op (``requires_grad``)."""
 
     def backward(ctx, *grads):
-        raise _no_gradient(name)
+        raise RuntimeError(f"{name} is forward-only: no gradient flows through it to its inputs; call it under "
+                           "torch.no_grad() / torch.inference_mode(), or pass detached inputs")
 
     custom_op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)

@@ -38,6 +38,7 @@ from .._common.validation import (
     check_pool_rows,
     check_scale,
     check_tensor,
+    refuse_grad,
 )
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
 from .kernels.common import _softplus, v_block_unit
@@ -283,17 +284,6 @@ def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2,
     return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, gk, gv)
 
 
-def _check_forward_only(**tensors: torch.Tensor | None) -> None:
-    if not torch.is_grad_enabled():
-        return
-    for name, t in tensors.items():
-        if t is not None and t.requires_grad:
-            raise RuntimeError(
-                f"gated_delta_rule_decode is forward-only (inference): {name} requires grad under autograd. Run it "
-                "under torch.no_grad() / torch.inference_mode(), or use chunk_gated_delta_rule (differentiable in "
-                "q, k, v, g, beta and initial_state) to train through the recurrence.")
-
-
 def gated_delta_rule_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -451,8 +441,9 @@ def gated_delta_rule_decode(
                  A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     check_disjoint("state", state, **reads)
     check_disjoint("intermediate_states", intermediate_states, state=state, **reads)
-    _check_forward_only(q=q, k=k, v=v, g=g, beta=beta, state=state, intermediate_states=intermediate_states,
-                        A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
+    refuse_grad("gated_delta_rule_decode", ", or use chunk_gated_delta_rule (differentiable in q, k, v, g, beta and "
+                "initial_state) to train through the recurrence", q=q, k=k, v=v, g=g, beta=beta, state=state,
+                intermediate_states=intermediate_states, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     if not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)

@@ -43,7 +43,7 @@ import dataclasses
 import torch
 
 from .._common import combine_splits
-from .._common.validation import MAX_KEYS, check_flag, check_scale, check_tensor, guard_outputs
+from .._common.validation import MAX_KEYS, check_flag, check_scale, check_tensor, forward_only, requires_grad
 from .api import mla_decode, mla_sparse_prefill
 from .fp8 import ROW_BYTES, fp8_layout, is_fp8_latent
 
@@ -279,10 +279,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                                     kv_format=extra_layout)
         except (TypeError, ValueError) as e:  # mla_decode names its own arguments: say which cache they are
             raise type(e)(f"extra_k_cache / extra_indices_in_kvcache / extra_topk_length: {e}") from None
-        merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-        combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
-                       merged, merged_lse)
-        out, lse = guard_outputs("flash_mla_with_kvcache", (merged, merged_lse), q, k_cache, extra_k_cache)
+        if requires_grad(q, k_cache, extra_k_cache) or torch.compiler.is_compiling():
+            out, lse = _merge_op(out, lse, out2, lse2)  # forward-only: a backward through it raises
+        else:
+            out, lse = _merge(out, lse, out2, lse2)
     if attn_sink is not None:
         out = _sink(out, lse.transpose(1, 2), attn_sink)
     # once the state is checked and the call made, as FlashMLA's own record is set by its first call
@@ -290,6 +290,28 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         tile_scheduler_metadata.config = config
         tile_scheduler_metadata.have_initialized = True
     return out, torch.where(lse == float("-inf"), float("inf"), lse)
+
+
+def _merge(out, lse, out2, lse2):
+    """The attention over two key sets from each one's ``(out [B, s_q, h_q, D], lse [B, h_q, s_q])``."""
+    merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+    combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
+                   merged, merged_lse)
+    return merged, merged_lse
+
+
+@torch.library.custom_op("gqla_triton::flash_mla_merge_caches", mutates_args=())
+def _merge_op(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor,
+              lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _merge(out, lse, out2, lse2)
+
+
+@_merge_op.register_fake
+def _(out, lse, out2, lse2):
+    return torch.empty_like(out), torch.empty_like(lse)
+
+
+forward_only(_merge_op, "flash_mla_with_kvcache")
 
 
 def _check_sink(attn_sink, h_q: int, device: torch.device) -> None:
