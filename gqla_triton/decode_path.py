@@ -101,8 +101,10 @@ def choose_decode_path(
         gpu = device_info.key
     elif isinstance(device_info, str):
         gpu = device_info
-    else:
+    elif device_info is None:
         gpu = _current_gpu()
+    else:
+        raise TypeError(f"device_info: expected a DeviceInfo, a GPU name or None, got {type(device_info).__name__}")
     forced = override if override is not None else (os.environ.get("GQLA_TRITON_DECODE_PATH") or None)
     if forced is not None and forced not in PATHS:
         raise ValueError(f"override (or GQLA_TRITON_DECODE_PATH): expected None or one of {PATHS}, got {forced!r}")
@@ -145,8 +147,11 @@ def _check_layer_shape(s: object) -> None:
     missing = [k for k in _SHAPE_KEYS if k not in s]
     if missing:
         raise ValueError(f"layer_shape: missing {missing}; it needs {_SHAPE_KEYS} (and optionally v_head_dim)")
+    unknown = sorted(set(s) - set(_SHAPE_KEYS) - {"v_head_dim"}, key=str)
+    if unknown:
+        raise ValueError(f"layer_shape: unknown keys {unknown}; it takes {_SHAPE_KEYS} and optionally v_head_dim")
     for k in _SHAPE_KEYS + (("v_head_dim",) if "v_head_dim" in s else ()):
-        if k == "rope_dim" and s[k] == 0 and not isinstance(s[k], bool):
+        if k == "rope_dim" and type(s[k]) is int and s[k] == 0:
             continue
         check_positive_int(f"layer_shape[{k!r}]", s[k])
     if s["num_heads"] % s["num_groups"]:

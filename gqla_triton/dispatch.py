@@ -178,7 +178,10 @@ def parse_table(raw: Mapping, *, where: str) -> dict[str, list[tuple[dict, Any]]
             at = f" ({where}, {op} entry {i})"
             if not isinstance(entry, Mapping) or set(entry) - {"match", "config"} or "config" not in entry:
                 raise ValueError(f"{op} config{at}: an entry is {{'match': {{...}}, 'config': {{...}}}}, got {entry!r}")
-            match = dict(entry.get("match", {}))
+            match = entry.get("match", {})
+            if not isinstance(match, Mapping):
+                raise ValueError(f"{op} config{at}: 'match' must be a JSON object of shape features, got {match!r}")
+            match = dict(match)
             check_match_key(cls, match, where=at)
             rows.append((match, cls.from_fields(entry["config"], where=at)))
         table[op] = rows
@@ -225,8 +228,12 @@ def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
     paths = [*([] if key == "interpreter" else [user_config_dir() / f"{key}.json"]), _CONFIG_DIR / f"{key}.json",
              *([_CONFIG_DIR / f"{shared}.json"] if shared else []), _CONFIG_DIR / "default.json"]
     path = next(p for p in paths if p.exists())
-    with open(path) as f:
-        table = parse_table(json.load(f), where=str(path))
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, or not JSON (JSONDecodeError is a ValueError)
+        raise ValueError(f"{path}: not a readable JSON config table ({type(e).__name__}: {e})") from None
+    table = parse_table(raw, where=str(path))
     if shared and path == _CONFIG_DIR / f"{shared}.json":
         table = {op: rows for op, rows in table.items() if not schema(op).MEASURED}
     return table
@@ -234,12 +241,17 @@ def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
 
 @functools.lru_cache(maxsize=4)
 def _env_override(raw: str) -> dict:
-    text = raw
-    if not raw.lstrip().startswith("{"):
-        with open(raw) as f:
-            text = f.read()
-    value = json.loads(text)
-    return _check_override(value, "GQLA_TRITON_CONFIG")
+    text, where = raw, "GQLA_TRITON_CONFIG"
+    try:
+        if not raw.lstrip().startswith("{"):  # a path to a JSON file
+            where = f"GQLA_TRITON_CONFIG file {raw!r}"
+            with open(raw) as f:
+                text = f.read()
+        value = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: expected a JSON object {{op: {{field: value}}}} or the path of a file holding "
+                         f"one ({type(e).__name__}: {e})") from None
+    return _check_override(value, where)
 
 
 def _check_override(value: Any, where: str) -> dict:

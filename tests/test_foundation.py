@@ -114,6 +114,10 @@ def test_first_matching_entry_wins():
     ({"decode_path": [{"match": {}, "config": {"absorb_efficiency": 1.5}}]}, "'absorb_efficiency' must lie"),
     ({"gdn_chunks": [{"match": {}, "config": {}}]}, "unknown op 'gdn_chunks'"),
     ({"combine": [{"match": {}, "conifg": {}}]}, "an entry is"),
+    ({"mla_decode": [{"match": {}, "config": {"split_cost": float("nan")}}]}, "'split_cost' must lie"),
+    ({"gdn_decode": [{"match": {}, "config": {"num_stages": 0}}]}, "'num_stages' must lie"),
+    ({"combine": [{"match": 5, "config": {}}]}, "'match' must be a JSON object"),
+    ({"combine": [{"match": [["D", 64]], "config": {}}]}, "'match' must be a JSON object"),
 ])
 def test_a_misspelled_or_mistyped_table_entry_is_a_value_error_naming_it(raw, message):
     with pytest.raises(ValueError, match=message):
@@ -135,6 +139,13 @@ def test_env_override_is_checked_like_a_table(monkeypatch):
             pass
     with pytest.raises(ValueError, match="unknown match key 'DD'"):
         dispatch.select_config("combine", {"DD": 64})
+    for raw in ('{"combine": {"num_warps": 2', "[1, 2]", "/no/such/config.json"):  # not JSON, not a file
+        monkeypatch.setenv("GQLA_TRITON_CONFIG", raw)
+        dispatch._env_override.cache_clear()
+        with pytest.raises(ValueError, match="^GQLA_TRITON_CONFIG"):
+            dispatch.select_config("combine", {"D": 64})
+    monkeypatch.delenv("GQLA_TRITON_CONFIG")
+    dispatch._env_override.cache_clear()
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
@@ -345,6 +356,9 @@ def test_choose_decode_path_prices_each_path_by_the_nearest_measured_point(monke
     (dict(layer_shape=dict(decode_path.REF_SHAPE, num_groups=3)), ValueError, "must divide"),
     (dict(layer_shape=dict(decode_path.REF_SHAPE, kv_rank=0)), ValueError, "kv_rank"),
     (dict(layer_shape=dict(decode_path.REF_SHAPE, head_dim="128")), ValueError, "head_dim"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, v_head_dims=512)), ValueError, "unknown keys"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, rope_dim=0.0)), ValueError, "rope_dim"),
+    (dict(device_info=5), TypeError, "device_info"),
 ])
 def test_choose_decode_path_refuses_bad_arguments(kw, err, msg):
     """Every argument is checked (a batch of 0 or a negative length has no decode step to price)."""
@@ -353,3 +367,15 @@ def test_choose_decode_path_refuses_bad_arguments(kw, err, msg):
     with pytest.raises(err, match=msg):
         decode_path.choose_decode_path(args.pop("layer_shape"), args.pop("s_q"), args.pop("device_info"), **args)
     assert decode_path.choose_decode_path(dict(decode_path.REF_SHAPE, rope_dim=0), 1, "h200").path in decode_path.PATHS
+
+
+def test_an_unreadable_user_table_is_a_value_error_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "h100.json").write_text('{"combine": [')
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    dispatch._load_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="h100.json: not a readable JSON config table"):
+            dispatch._load_table("h100")
+    finally:
+        monkeypatch.delenv("GQLA_TRITON_CONFIG_DIR")
+        dispatch._load_table.cache_clear()

@@ -69,7 +69,7 @@ class KernelConfig:
         """Each field of ``names`` lies in ``[lo, hi]`` (``(lo, hi]`` with ``open_lo``; no upper bound for None)."""
         for name in (names,) if isinstance(names, str) else names:
             v = getattr(self, name)
-            if (v <= lo if open_lo else v < lo) or (hi is not None and v > hi):
+            if v != v or (v <= lo if open_lo else v < lo) or (hi is not None and v > hi):  # NaN fails every bound
                 span = f"{'(' if open_lo else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
                 raise ValueError(f"{self.OP} config: {name!r} must lie in {span}, got {v}")
 

@@ -129,3 +129,4 @@ class DecodeConfig(KernelConfig):
     def check(self) -> None:
         self.one_of("bv", _POW2)
         self.one_of("num_warps", WARPS)
+        self.within("num_stages", 1, 6)
