@@ -288,3 +288,27 @@ def test_state_dict_with_separate_input_projections():
     bad = dict(split, **{"b_proj.weight": split["b_proj.weight"][:1]})
     with pytest.raises(ValueError, match="b_proj.weight: expected shape"):
         dst.load_state_dict(bad)
+
+
+def test_hf_loads_change_nothing_when_refused_and_take_their_own_rows():
+    """``load_hf_state_dict`` converts every weight before copying any (a meta or sparse one is refused with the
+    parameters as they were); ``load_hf_states`` copies its sources first, so the cache's own rows load into
+    permuted slots as a copy of them would."""
+    m = GatedDeltaNet(32, 1, 2, 16, 16, impl="triton", dtype=torch.float32, device=P.device)
+    sd = m.hf_state_dict()
+    t = GatedDeltaNet(32, 1, 2, 16, 16, impl="triton", dtype=torch.float32, device=P.device)
+    before = {k: v.clone() for k, v in t.state_dict().items()}
+    for key, bad in (("out_proj.weight", sd["out_proj.weight"].to("meta")),
+                     ("norm.weight", sd["norm.weight"].to_sparse())):
+        with pytest.raises(ValueError, match="state_dict: a weight cannot be read"):
+            t.load_hf_state_dict({**sd, key: bad})
+        assert all(torch.equal(v, before[k]) for k, v in t.state_dict().items()), key
+    got, want = m.init_cache(3), m.init_cache(3)
+    with torch.no_grad():
+        for c in (got, want):
+            c.recurrent_state.copy_(torch.arange(c.recurrent_state.numel(), dtype=torch.float32).view_as(
+                c.recurrent_state))
+        conv = randn((3, m.conv_dim, 4), gen(1))
+        got.load_hf_states(conv, got.recurrent_state, slots=[2, 0, 1])
+        want.load_hf_states(conv, want.recurrent_state.clone(), slots=[2, 0, 1])
+    assert torch.equal(got.recurrent_state, want.recurrent_state) and torch.equal(got.conv_state, want.conv_state)

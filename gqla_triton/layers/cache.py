@@ -20,7 +20,9 @@ Pages come from ``reserve(seq_ids, num_tokens)``, a host call made before such s
 capturing nor compiling) ``append`` reserves what it needs itself (``auto_reserve=True``, the default), so
 plain eager loops need no ``reserve``. Inside a capture or a compiled function nothing is reserved: a token
 past the reserved pages (or past ``max_seqlen``) goes to the scratch page, the slot's length stops at its
-reservation and ``overflow[s]`` is set; ``check()`` turns the flags into an error.
+reservation and ``overflow[s]`` is set; ``check()`` turns the flags into an error. Every output of a step that
+overflowed a slot is undefined for that slot (its queries are placed against the length where it stopped), not only
+those of the tokens that found no page.
 
 Eager ``append`` / ``reserve`` take the lengths from a host mirror. After an append inside a capture or a
 compiled function (or with ``auto_reserve=False``), or a write to ``cache_seqlens`` from outside the cache's

@@ -369,9 +369,15 @@ class GatedDeltaNetCache:
         ids = self._host_ids(slots, n)
         self._check_idle("load_hf_states")
         w = self._host_batch(ids).write
+        try:  # copies in the rows' form first (the sources may be views of the rows themselves): no row changes if not
+            conv = conv_state.detach()[..., conv_state.shape[2] - W1:].to(self._conv.dtype, copy=True).contiguous()
+            rec = recurrent_state.detach().to(self.recurrent_state.dtype, copy=True).contiguous()
+        except (RuntimeError, NotImplementedError) as e:
+            raise ValueError(f"conv_state / recurrent_state: cannot be read as dense tensors ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
         with torch.no_grad():
-            self._conv.index_copy_(0, w, conv_state[..., conv_state.shape[2] - W1:].to(self._conv.dtype))
-            self.recurrent_state.index_copy_(0, w, recurrent_state.to(self.recurrent_state.dtype))
+            self._conv.index_copy_(0, w, conv)
+            self.recurrent_state.index_copy_(0, w, rec)
             self._lens.index_fill_(0, w, int(seqlen))
         for s in ids:
             self._held[s] = True
@@ -575,9 +581,16 @@ class GatedDeltaNet(nn.Module):
         pairs = ((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
                  (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
                  (self.o_proj.weight, t["out_proj.weight"]))
+        # every source converted to its parameter's form first (a tensor that cannot be, a sparse or meta one, fails
+        # here), then copied: a refused state dict changes no parameter
+        try:
+            ready = [src.detach().reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
+        except (RuntimeError, NotImplementedError) as e:
+            raise ValueError(f"state_dict: a weight cannot be read as a dense tensor on the layer's device "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
         with torch.no_grad():
-            for p, src in pairs:
-                p.copy_(src.reshape(p.shape))
+            for (p, _), src in zip(pairs, ready, strict=True):
+                p.copy_(src)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the layout of a transformers Qwen3-Next linear-attention layer (the inverse of
