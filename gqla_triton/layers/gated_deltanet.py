@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -536,8 +537,12 @@ class GatedDeltaNet(nn.Module):
         hidden, H, HV, K, V, W, eps, act = sizes
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act: the conv activation must be SiLU ('silu'), got {act!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of tensors, got {type(state_dict).__name__}")
         w = _hf_tensor(state_dict, prefix, "in_proj_qkvz.weight")
-        m = cls(hidden, H, HV, K, V, conv_size=W, norm_eps=float(eps), layer_idx=layer_idx, impl=impl,
+        m = cls(hidden, H, HV, K, V, conv_size=W, norm_eps=eps, layer_idx=layer_idx, impl=impl,
                 device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype,
                 save_states=save_states)
         m.load_hf_state_dict(state_dict, prefix=prefix)
