@@ -291,16 +291,15 @@ def test_state_dict_with_separate_input_projections():
 
 
 def test_hf_loads_change_nothing_when_refused_and_take_their_own_rows():
-    """``load_hf_state_dict`` converts every weight before copying any (a meta or sparse one is refused with the
-    parameters as they were); ``load_hf_states`` copies its sources first, so the cache's own rows load into
-    permuted slots as a copy of them would."""
+    """``load_hf_state_dict`` refuses a meta or sparse weight before any parameter changes; ``load_hf_states``
+    copies its sources first, so the cache's own rows load into permuted slots as a copy of them would."""
     m = GatedDeltaNet(32, 1, 2, 16, 16, impl="triton", dtype=torch.float32, device=P.device)
     sd = m.hf_state_dict()
     t = GatedDeltaNet(32, 1, 2, 16, 16, impl="triton", dtype=torch.float32, device=P.device)
     before = {k: v.clone() for k, v in t.state_dict().items()}
     for key, bad in (("out_proj.weight", sd["out_proj.weight"].to("meta")),
                      ("norm.weight", sd["norm.weight"].to_sparse())):
-        with pytest.raises(ValueError, match="state_dict: a weight cannot be read"):
+        with pytest.raises(ValueError, match=f"state_dict: {key} must be a dense tensor"):
             t.load_hf_state_dict({**sd, key: bad})
         assert all(torch.equal(v, before[k]) for k, v in t.state_dict().items()), key
     got, want = m.init_cache(3), m.init_cache(3)
@@ -309,6 +308,10 @@ def test_hf_loads_change_nothing_when_refused_and_take_their_own_rows():
             c.recurrent_state.copy_(torch.arange(c.recurrent_state.numel(), dtype=torch.float32).view_as(
                 c.recurrent_state))
         conv = randn((3, m.conv_dim, 4), gen(1))
+        snap = got.recurrent_state.clone(), got.conv_state.clone()
+        with pytest.raises(ValueError, match="recurrent_state: expected a dense"):
+            got.load_hf_states(conv, got.recurrent_state.to_sparse(), slots=[2, 0, 1])
+        assert torch.equal(got.recurrent_state, snap[0]) and torch.equal(got.conv_state, snap[1])
         got.load_hf_states(conv, got.recurrent_state, slots=[2, 0, 1])
         want.load_hf_states(conv, want.recurrent_state.clone(), slots=[2, 0, 1])
     assert torch.equal(got.recurrent_state, want.recurrent_state) and torch.equal(got.conv_state, want.conv_state)

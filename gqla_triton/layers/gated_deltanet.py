@@ -143,6 +143,9 @@ def _hf_tensor(state_dict, prefix: str, key: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError(f"state_dict: {name} must be a floating-point tensor, got "
                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.layout != torch.strided or t.device.type == "meta":
+        raise ValueError(f"state_dict: {name} must be a dense tensor holding values, got a {t.layout} tensor on "
+                         f"{t.device}")
     return t.detach()
 
 
@@ -355,6 +358,8 @@ class GatedDeltaNetCache:
                 raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name}: on {t.device}, the cache on {self.device}")
+            if t.layout != torch.strided:
+                raise ValueError(f"{name}: expected a dense (strided) tensor, got a {t.layout} one")
         C, W1 = self._conv.shape[1:]
         if conv_state.dim() != 3 or conv_state.shape[1] != C or conv_state.shape[2] < W1:
             raise ValueError(f"conv_state: expected [n, {C}, >= {W1}] (transformers' [batch, conv_dim, conv_size]), "
@@ -370,12 +375,9 @@ class GatedDeltaNetCache:
         ids = self._host_ids(slots, n)
         self._check_idle("load_hf_states")
         w = self._host_batch(ids).write
-        try:  # copies in the rows' form first (the sources may be views of the rows themselves): no row changes if not
-            conv = conv_state.detach()[..., conv_state.shape[2] - W1:].to(self._conv.dtype, copy=True).contiguous()
-            rec = recurrent_state.detach().to(self.recurrent_state.dtype, copy=True).contiguous()
-        except (RuntimeError, NotImplementedError) as e:
-            raise ValueError(f"conv_state / recurrent_state: cannot be read as dense tensors ({type(e).__name__}: "
-                             f"{str(e)[:200]})") from None
+        # copies in the rows' form first: the sources may be views of the rows themselves
+        conv = conv_state.detach()[..., conv_state.shape[2] - W1:].to(self._conv.dtype, copy=True)
+        rec = recurrent_state.detach().to(self.recurrent_state.dtype, copy=True)
         with torch.no_grad():
             self._conv.index_copy_(0, w, conv)
             self.recurrent_state.index_copy_(0, w, rec)
@@ -586,13 +588,8 @@ class GatedDeltaNet(nn.Module):
         pairs = ((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
                  (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
                  (self.o_proj.weight, t["out_proj.weight"]))
-        # every source converted to its parameter's form first (a tensor that cannot be, a sparse or meta one, fails
-        # here), then copied: a refused state dict changes no parameter
-        try:
-            ready = [src.detach().reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
-        except (RuntimeError, NotImplementedError) as e:
-            raise ValueError(f"state_dict: a weight cannot be read as a dense tensor on the layer's device "
-                             f"({type(e).__name__}: {str(e)[:200]})") from None
+        # every source in its parameter's form before the first copy: a call that fails changes no parameter
+        ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
         with torch.no_grad():
             for (p, _), src in zip(pairs, ready, strict=True):
                 p.copy_(src)
