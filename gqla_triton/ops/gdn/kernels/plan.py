@@ -140,6 +140,5 @@ def gdn_rows_zero_kernel(x, first, W, ROWS, BR: tl.constexpr, BW: tl.constexpr):
     pad = (rows >= tl.load(first)) & (rows < ROWS)
     if tl.max(pad.to(tl.int32), 0) == 0:
         return
-    c = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
-    tl.store(x + rows[:, None] * W + c[None, :], tl.zeros([BR, BW], x.dtype.element_ty),
-             mask=pad[:, None] & (c[None, :] < W))
+    c0 = tl.program_id(0).to(tl.int64) * BW
+    _zero_rows(x + c0, W, tl.minimum(W - c0, BW), rows, pad, BW)
