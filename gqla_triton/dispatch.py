@@ -11,7 +11,8 @@ Config tables live in ``gqla_triton/configs/<gpu>.json``::
 The first entry whose ``match`` items all equal the caller's key wins (an empty match is the default); fields an
 entry leaves out take the schema's defaults. Unknown GPUs use ``default.json`` (conservative configs sized for
 about 100 KB of shared memory per program). A table written by ``python -m gqla_triton.tune`` into the user
-config directory (``user_config_dir()``) takes precedence for its GPU. Every entry of a table is checked against
+config directory (``user_config_dir()``) takes precedence for its GPU: its rows of an op are matched before the
+shipped rows of that op, which still serve the ops and shapes it leaves out. Every entry of a table is checked against
 its op's schema when the table is first read: an unknown op, match key or field, or a value of the wrong type, is
 a ``ValueError`` naming it. ``GQLA_TRITON_CONFIG`` (a JSON object or the path of a JSON file,
 ``{"<op>": {"<field>": value}}``) and ``config_override`` (in-process, for tools and tests) override fields of the
@@ -218,25 +219,34 @@ def table_swap(key: str, raw: Mapping) -> Iterator[None]:
 
 @functools.cache
 def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
-    """The table of GPU ``key``: one swapped in by ``table_swap``, a tuned one in the user config directory
-    (``gqla_triton.tune``), else the shipped ``configs/<key>.json``, else the shipped table of the GPU whose SM it
-    shares (``SHARED_TABLES``, without its measured ops), else ``configs/default.json``. The interpreter reads only
-    the shipped table."""
+    """The table of GPU ``key``: one swapped in by ``table_swap``, else the shipped ``configs/<key>.json``, else the
+    shipped table of the GPU whose SM it shares (``SHARED_TABLES``, without its measured ops), else
+    ``configs/default.json``; a table in the user config directory (``gqla_triton.tune``, or written by hand) goes
+    before it: its rows of an op are matched first, then the shipped rows of that op, so a table that names some
+    ops or some shapes leaves the rest as shipped. The interpreter reads only the shipped table."""
     if key in _SWAPPED:
         return _SWAPPED[key]
     shared = SHARED_TABLES.get(key)
-    paths = [*([] if key == "interpreter" else [user_config_dir() / f"{key}.json"]), _CONFIG_DIR / f"{key}.json",
-             *([_CONFIG_DIR / f"{shared}.json"] if shared else []), _CONFIG_DIR / "default.json"]
+    paths = [_CONFIG_DIR / f"{key}.json", *([_CONFIG_DIR / f"{shared}.json"] if shared else []),
+             _CONFIG_DIR / "default.json"]
     path = next(p for p in paths if p.exists())
+    table = _read_table(path)
+    if shared and path == _CONFIG_DIR / f"{shared}.json":
+        table = {op: rows for op, rows in table.items() if not schema(op).MEASURED}
+    user = user_config_dir() / f"{key}.json"
+    if key != "interpreter" and user.exists():
+        tuned = _read_table(user)
+        table = {op: [*tuned.get(op, ()), *table.get(op, ())] for op in {**table, **tuned}}
+    return table
+
+
+def _read_table(path: Path) -> dict[str, list[tuple[dict, Any]]]:
     try:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:  # unreadable, or not JSON (JSONDecodeError is a ValueError)
         raise ValueError(f"{path}: not a readable JSON config table ({type(e).__name__}: {e})") from None
-    table = parse_table(raw, where=str(path))
-    if shared and path == _CONFIG_DIR / f"{shared}.json":
-        table = {op: rows for op, rows in table.items() if not schema(op).MEASURED}
-    return table
+    return parse_table(raw, where=str(path))
 
 
 @functools.lru_cache(maxsize=4)

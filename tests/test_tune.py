@@ -97,6 +97,14 @@ def test_user_table_takes_precedence(tmp_path, monkeypatch):
     try:
         assert dispatch.table_config("h200", "combine", {"D": 64}).elems == 64
         assert dispatch.table_config("interpreter", "combine", {"D": 64}).elems != 64
+        # a partial table: the ops and shapes it leaves out keep the shipped rows, not default.json's
+        (tmp_path / "h200.json").write_text(json.dumps({"combine": [{"match": {"D": 32}, "config": {"elems": 16}}]}))
+        dispatch._load_table.cache_clear()
+        dispatch._table_entry.cache_clear()
+        shipped = dispatch._read_table(dispatch._CONFIG_DIR / "h200.json")
+        assert dispatch.table_config("h200", "combine", {"D": 32}).elems == 16
+        assert dispatch.table_config("h200", "combine", {"D": 64}) == dispatch._match(shipped, "combine", {"D": 64})
+        assert dispatch._load_table("h200")["gdn_chunk"] == shipped["gdn_chunk"]
     finally:
         dispatch._load_table.cache_clear()
         dispatch._table_entry.cache_clear()
