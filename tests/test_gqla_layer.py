@@ -289,6 +289,17 @@ def test_bad_inputs():
         GQLAttention(64, 8, 4, 16, 16, 32, impl="cuda")
     with pytest.raises(ValueError, match="page_size"):
         LatentCache(2, 32, 32, 16, page_size=8)
+    # dims the grouped kernels do not take are refused where the path is chosen, not at the first decode step
+    with pytest.raises(ValueError, match="path 'grouped' with impl='auto': rope_dim must be a positive multiple"):
+        GQLAttention(64, 8, 4, 16, 8, 32, path="grouped")
+    with pytest.raises(ValueError, match="v_head_dim: expected a positive multiple of 16"):
+        GQLAttention(64, 8, 4, 16, 16, 32, v_head_dim=24, path="grouped", impl="triton")
+    odd = GQLAttention(64, 8, 4, 16, 8, 32, dtype=torch.float32, device=P.device)
+    with pytest.raises(ValueError, match="rope_dim"):
+        odd.make_cache(2, 32, path="grouped", page_size=16)
+    assert odd.make_cache(2, 32, path="absorb", page_size=16).rope_dim == 8
+    GQLAttention(64, 8, 4, 16, 8, 32, path="grouped", impl="reference").make_cache(2, 32, page_size=16)
+    assert GQLAttention(64, 8, 4, 16, 0, 32, path="grouped").rope_dim == 0  # no rope key: nothing to refuse
     layer = make_layer(0, g=2, dtype=torch.float32, path="absorb")
     hs = layer.hidden_size
     x = torch.zeros(2, 3, hs, device=P.device)

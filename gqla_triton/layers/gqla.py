@@ -58,6 +58,20 @@ __all__ = ["GQLAttention"]
 _PATHS = ("auto", "absorb", "grouped")
 
 
+def _check_grouped_dims(impl: str, d_h: int, d_v: int, d_r: int) -> None:
+    """The grouped path's decode kernels (``gqa_decode``) take its head dims, else it runs only with
+    ``impl="reference"``: refused where the path is chosen, not at the first decode step."""
+    if impl == "reference":
+        return
+    from ..ops.gqa.api import check_head_dims
+
+    try:
+        check_head_dims(d_h, d_v, d_r, names=("head_dim", "v_head_dim", "rope_dim"), rope=d_r > 0)
+    except ValueError as e:
+        raise ValueError(f"path 'grouped' with impl={impl!r}: {e} (the grouped decode kernels' dims; the absorb "
+                         "path or impl='reference' takes these)") from None
+
+
 class GQLAttention(nn.Module):
     """Group-Query Latent Attention layer (see the module docstring for the weights and both decode paths).
 
@@ -110,6 +124,8 @@ class GQLAttention(nn.Module):
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
         check_impl(impl, op="GQLAttention", gluon=True)
         check_float_dtype(dtype)
+        if path == "grouped":
+            _check_grouped_dims(impl, head_dim, head_dim if v_head_dim is None else v_head_dim, rope_dim)
         if rope_inv_freq is not None:
             if not isinstance(rope_inv_freq, torch.Tensor) or rope_inv_freq.shape != (rope_dim // 2,):
                 got = list(rope_inv_freq.shape) if isinstance(rope_inv_freq, torch.Tensor) else rope_inv_freq
@@ -200,6 +216,7 @@ class GQLAttention(nn.Module):
         if k_scale is not None:
             raise ValueError("k_scale: scales the absorb path's float8 latent cache (path='absorb'); the grouped "
                              "cache has no 8-bit layout")
+        _check_grouped_dims(self.impl, self.head_dim, self.v_head_dim, self.rope_dim)
         return GroupedCache(max_batch, max_seqlen, self.num_groups, self.head_dim, self.rope_dim, self.v_head_dim,
                             page_size=page_size, num_pages=num_pages, dtype=dtype, device=device,
                             auto_reserve=auto_reserve)

@@ -86,6 +86,16 @@ def _(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_sca
 forward_only(_gqa_decode_op, "gqa_decode")
 
 
+def check_head_dims(d_h: int, d_v: int, d_r: int, *, names=("d_h", "d_v", "d_R"), rope: bool = True) -> None:
+    """The head dims the kernels take: d_h and d_v positive multiples of 16 up to 256, the shared rope key's d_R a
+    positive multiple of 16 up to 128 (``rope``: the call has one; else d_r is not looked at)."""
+    for name, d in ((names[0], d_h), (names[1], d_v)):
+        if d <= 0 or d % 16 != 0 or d > 256:
+            raise ValueError(f"{name}: expected a positive multiple of 16 <= 256, got {d}")
+    if rope and (d_r <= 0 or d_r % 16 != 0 or d_r > 128):
+        raise ValueError(f"{names[2]} must be a positive multiple of 16 <= 128, got {d_r}")
+
+
 def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
               topk_length, num_splits, impl) -> tuple[float, str, bool, int]:
     """Every check of ``gqa_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
@@ -105,11 +115,8 @@ def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, sof
         check_kernel_device(q.device, _REFERENCE, q.dtype)
     d_v = v_cache.shape[-1]
     d_r = 0 if k_rope_cache is None else k_rope_cache.shape[-1]
-    for name, d in (("d_h (k_cache.shape[-1])", d_h), ("d_v (v_cache.shape[-1])", d_v)):
-        if d <= 0 or d % 16 != 0 or d > 256:
-            raise ValueError(f"{name}: expected a positive multiple of 16 <= 256, got {d}")
-    if k_rope_cache is not None and (d_r <= 0 or d_r % 16 != 0 or d_r > 128):
-        raise ValueError(f"k_rope_cache: rope dim d_R must be a positive multiple of 16 <= 128, got {d_r}")
+    check_head_dims(d_h, d_v, d_r, names=("d_h (k_cache.shape[-1])", "d_v (v_cache.shape[-1])",
+                                          "k_rope_cache: rope dim d_R"), rope=k_rope_cache is not None)
     if g == 0:
         raise ValueError("k_cache: number of groups g (dim 2) must be >= 1")
     if q.shape[-1] != d_h + d_r:
