@@ -3,6 +3,7 @@ latent -> grouped cache conversion; prefill gradients; paged cache bookkeeping; 
 
 import copy
 import math
+import types
 
 import pytest
 import torch
@@ -298,6 +299,13 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="rope_dim"):
         odd.make_cache(2, 32, path="grouped", page_size=16)
     assert odd.make_cache(2, 32, path="absorb", page_size=16).rope_dim == 8
+    monkey = pytest.MonkeyPatch()
+    with monkey.context() as m:  # "auto" where dispatch would pick the grouped path: the absorb path's cache
+        m.setattr(odd, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped"))
+        assert isinstance(odd.make_cache(2, 32, page_size=16), LatentCache)
+        even = GQLAttention(64, 8, 4, 16, 16, 32, dtype=torch.float32, device=P.device)
+        m.setattr(even, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped"))
+        assert isinstance(even.make_cache(2, 32, page_size=16), GroupedCache)
     GQLAttention(64, 8, 4, 16, 8, 32, path="grouped", impl="reference").make_cache(2, 32, page_size=16)
     assert GQLAttention(64, 8, 4, 16, 0, 32, path="grouped").rope_dim == 0  # no rope key: nothing to refuse
     layer = make_layer(0, g=2, dtype=torch.float32, path="absorb")

@@ -72,6 +72,14 @@ def _check_grouped_dims(impl: str, d_h: int, d_v: int, d_r: int) -> None:
                          "path or impl='reference' takes these)") from None
 
 
+def _grouped_dims_ok(impl: str, d_h: int, d_v: int, d_r: int) -> bool:
+    try:
+        _check_grouped_dims(impl, d_h, d_v, d_r)
+    except ValueError:
+        return False
+    return True
+
+
 class GQLAttention(nn.Module):
     """Group-Query Latent Attention layer (see the module docstring for the weights and both decode paths).
 
@@ -193,7 +201,8 @@ class GQLAttention(nn.Module):
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
                    num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True,
                    k_scale=None):
-        """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch.
+        """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch (and
+        takes the absorb path where the grouped kernels do not take the head dims, see ``gqa_decode``).
         ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only); with ``k_scale`` the float8 cache
         scaled per tensor (``LatentCache``). ``auto_reserve``: see ``PagedCache``."""
         path = path or self.path
@@ -206,6 +215,8 @@ class GQLAttention(nn.Module):
         dtype = dtype or w.dtype
         if path == "auto":
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
+            if path == "grouped" and not _grouped_dims_ok(self.impl, self.head_dim, self.v_head_dim, self.rope_dim):
+                path = "absorb"  # the one path whose kernels take these dims
         if path == "absorb":
             # an 8-bit latent cache computes in the layer's dtype where it serves it
             compute = (w.dtype if dtype == torch.float8_e4m3fn
