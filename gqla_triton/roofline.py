@@ -11,6 +11,7 @@ entries are the ceilings measured on our H200 (device-to-device copy, 8192^3 bf1
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -85,6 +86,17 @@ class OpModel:
 
 
 # ---------------------------------------------------------------------------------------------- GDN
+def _sizes(zero_ok: tuple = (), optional: tuple = (), **sizes) -> None:
+    """Every size an int >= 1 (>= 0 for those in ``zero_ok``; None allowed for those in ``optional``). The models
+    count in Python ints, so no int32 bound applies."""
+    for name, v in sizes.items():
+        if v is None and name in optional:
+            continue
+        lo = 0 if name in zero_ok else 1
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {type(v).__name__} {v!r}")
+
+
 def _gdn_chunk_flops(T: int, HV: int, K: int, V: int, C: int) -> float:
     # per chunk and value head: K Kᵀ, Q Kᵀ (2·C²·K each), WY solve (≈ C³/3·2), w = A·K, u = A·V,
     # (Q Kᵀ) v_new (2·C²·K, 2·C²·V, 2·C²·V), Q S, K S, Kᵀ v_new (2·C·K·V each).
@@ -94,6 +106,7 @@ def _gdn_chunk_flops(T: int, HV: int, K: int, V: int, C: int) -> float:
 
 def gdn_chunk_fwd_model(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 128, C: int = 64, elt: int = 2):
     """Forward of the chunked gated delta rule: read q, k, v, g, beta; write o (states stay on chip)."""
+    _sizes(B=B, T=T, H=H, HV=HV, K=K, V=V, C=C, elt=elt)
     tokens = B * T
     flops = _gdn_chunk_flops(tokens, HV, K, V, C)
     nbytes = tokens * (2 * H * K * elt + HV * V * elt * 2 + 2 * HV * 4)
@@ -102,6 +115,7 @@ def gdn_chunk_fwd_model(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 
 
 def gdn_chunk_bwd_model(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 128, C: int = 64, elt: int = 2):
     """Backward: about twice the forward's FLOPs plus the recomputed forward; reads inputs + dO, writes grads."""
+    _sizes(B=B, T=T, H=H, HV=HV, K=K, V=V, C=C, elt=elt)
     tokens = B * T
     flops = 3 * _gdn_chunk_flops(tokens, HV, K, V, C)
     nbytes = tokens * (2 * (2 * H * K * elt + HV * V * elt + 2 * HV * 4) + HV * V * elt)
@@ -110,6 +124,7 @@ def gdn_chunk_bwd_model(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 
 
 def gdn_decode_model(B: int, HV: int, H: int, K: int = 128, V: int = 128, s: int = 1, elt: int = 2):
     """Recurrent step: the fp32 state is read and written once per call, whatever s is."""
+    _sizes(B=B, HV=HV, H=H, K=K, V=V, s=s, elt=elt)
     flops = B * s * HV * 2 * K * V * 3
     nbytes = B * HV * K * V * 4 * 2 + B * s * (2 * H * K + 2 * HV * V) * elt
     return OpModel(f"gdn_decode B{B} HV{HV} s{s}", flops, nbytes, B * s)
@@ -121,6 +136,8 @@ def mla_decode_model(
     topk: int | None = None, elt: int = 2,
 ):
     """Absorb path: MQA over the latent cache (key = latent + rope, value = latent)."""
+    _sizes(("rope_dim",), ("topk",), batch=batch, seqlen=seqlen, s_q=s_q, num_heads=num_heads, kv_rank=kv_rank,
+           rope_dim=rope_dim, topk=topk, elt=elt)
     S = seqlen if topk is None else min(topk, seqlen)
     flops = 2 * batch * s_q * num_heads * S * (kv_rank + rope_dim + kv_rank)
     cache = batch * S * (kv_rank + rope_dim) * elt
@@ -135,6 +152,8 @@ def mla_sparse_prefill_model(s_q: int, s_kv: int, topk: int, num_heads: int = 12
                              rope_dim: int = 64, elt: int = 2):
     """Sparse prefill (``mla_sparse_prefill``): every query token attends to its own ``topk`` rows of one latent
     tensor. Bytes: q, the latent rows once (a prompt's selections overlap; they stay in L2), the indices, out."""
+    _sizes(("rope_dim",), s_q=s_q, s_kv=s_kv, topk=topk, num_heads=num_heads, kv_rank=kv_rank, rope_dim=rope_dim,
+           elt=elt)
     D = kv_rank + rope_dim
     S = min(topk, s_kv)
     flops = 2 * s_q * num_heads * S * (D + kv_rank)
@@ -147,6 +166,8 @@ def gqa_decode_model(
     v_head_dim: int | None = None, rope_dim: int = 64, topk: int | None = None, elt: int = 2,
 ):
     """Grouped path: GQA over per-group K/V plus one shared rope key per token."""
+    _sizes(("rope_dim",), ("topk", "v_head_dim"), batch=batch, seqlen=seqlen, s_q=s_q, num_heads=num_heads,
+           num_groups=num_groups, head_dim=head_dim, v_head_dim=v_head_dim, rope_dim=rope_dim, topk=topk, elt=elt)
     dv = head_dim if v_head_dim is None else v_head_dim
     S = seqlen if topk is None else min(topk, seqlen)
     flops = 2 * batch * s_q * num_heads * S * (head_dim + rope_dim + dv)
@@ -164,6 +185,7 @@ def paper_tokens_per_s(gpu: str, path: str, s_q: int = 1, L: int = 8192) -> floa
     Attention only, one sequence, cache traffic only (the paper's accounting): s_q / max(FLOPs/peak, bytes/BW).
     """
     spec = gpu_spec(gpu)
+    _sizes(s_q=s_q, L=L)
     if path == "absorb":
         m = mla_decode_model(1, L, s_q)
     elif path == "grouped":

@@ -36,6 +36,26 @@ def test_roofline_models_count_what_design_says():
     assert q1.bytes == pytest.approx(cache, rel=0.01)
     assert q1.time(roofline.gpu_spec("h200-measured")) * 1e3 == pytest.approx(0.518, rel=0.02)
     assert m1.bound(roofline.gpu_spec("h200")) == "compute" and q1.bound(roofline.gpu_spec("h200")) == "memory"
+    assert roofline.gqa_decode_model(128, 4096, rope_dim=0, topk=64).bytes > 0  # 0 and None where they mean one
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: roofline.mla_decode_model(0, 4096), "batch"),
+    (lambda: roofline.mla_decode_model(1, 4096.0), "seqlen"),
+    (lambda: roofline.mla_decode_model(1, 4096, topk=0), "topk"),
+    (lambda: roofline.gqa_decode_model(1, 4096, num_groups=True), "num_groups"),
+    (lambda: roofline.gqa_decode_model(1, 4096, rope_dim=-64), "rope_dim"),
+    (lambda: roofline.gdn_chunk_fwd_model(1, -2048, 16, 32), "T"),
+    (lambda: roofline.gdn_chunk_bwd_model(1, 2048, 16, "32"), "HV"),
+    (lambda: roofline.gdn_decode_model(1, 32, 16, s=0), "s"),
+    (lambda: roofline.mla_sparse_prefill_model(4, 4096, None), "topk"),
+    (lambda: roofline.paper_tokens_per_s("h200", "absorb", L=0), "L"),
+])
+def test_roofline_models_refuse_sizes_that_are_not_counts(call, name):
+    """A model's size is a count: negative, zero, float, bool or string sizes are refused by name, not turned
+    into negative FLOPs or a division by zero."""
+    with pytest.raises(ValueError, match=f"^{name}: expected an int"):
+        call()
 
 
 def test_roofline_cli_prints_aligned_tables_with_units_and_the_path_choice():
