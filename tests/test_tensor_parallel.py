@@ -178,6 +178,11 @@ def _worker(rank: int, world: int, backend: str, store: str, payload: str, out_d
                                             device=dev)
         except ValueError as e:
             errors.append(str(e))
+        for bad in ("gpu", "meta", 3.5, f"cuda:{torch.cuda.device_count()}"):  # refused by name, nothing loaded
+            try:
+                TPGQLAttention.from_state_dict(data["gqla_sd"], data["gqla_cfg"], group=group, device=bad)
+            except ValueError as e:
+                errors.append(str(e))
         res["errors"] = errors
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -257,6 +262,10 @@ def _check(world: int, backend: str, seed: int) -> None:
         errs = all_out["errors"]
         assert any("does not divide num_heads" in e for e in errs), errs
         assert any("TPGQLAttention: inference only" in e for e in errs), errs
+        for want in ("device: expected a torch.device, a device string or a CUDA index, got 'gpu'",
+                     "device: expected a torch.device, a device string or a CUDA index, got 3.5",
+                     "device: a shard's weights need storage; 'meta' has none", "CUDA devices visible"):
+            assert any(want in e for e in errs), (want, errs)
         if world >= 4:
             want = "3 ranks, which does not divide num_groups" if rank < 3 else "not a member of the process group"
             assert any(want in e for e in errs), errs

@@ -28,13 +28,23 @@ def resolve_group(group) -> tuple[object, int, int]:
     return group, rank, dist.get_world_size(group)
 
 
-def check_backend_device(group, device: torch.device) -> None:
-    """NCCL reduces CUDA tensors only."""
+def resolve_device(group, device) -> torch.device:
+    """``device`` (None: the CPU) as a ``torch.device`` the shard's weights can live on and ``group``'s backend
+    reduces (NCCL: CUDA tensors only)."""
     import torch.distributed as dist
 
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}") from None
+    if dev.type == "meta":
+        raise ValueError("device: a shard's weights need storage; 'meta' has none")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} CUDA devices visible)")
     backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and device.type != "cuda":
-        raise ValueError(f"device: the process group uses NCCL, which reduces CUDA tensors only; got {device}")
+    if "nccl" in backend and dev.type != "cuda":
+        raise ValueError(f"device: the process group uses NCCL, which reduces CUDA tensors only; got {dev}")
+    return dev
 
 
 def check_divides(tp_size: int, n: int, what: str) -> None:

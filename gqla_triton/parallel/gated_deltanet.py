@@ -19,12 +19,12 @@ from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
-    check_backend_device,
     check_config,
     check_divides,
     check_rank,
     config_of,
     load_into,
+    resolve_device,
     resolve_group,
     shard_state_dict,
 )
@@ -112,8 +112,7 @@ class TPGatedDeltaNet(TensorParallel):
         dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)
         full, local = _meta_layers(cfg, size, dtype)
         shards = _shard(state_dict, full, local, rank)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        check_backend_device(group, dev)
+        dev = resolve_device(group, device)
         return cls(load_into(local, shards, dev), group, rank, size, _config_of(full))
 
     def init_cache(self, num_seqs: int, device=None) -> GatedDeltaNetCache:
