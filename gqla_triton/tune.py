@@ -39,6 +39,7 @@ import concurrent.futures
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -390,8 +391,12 @@ class _State:
         self.path, self.gpu = path, gpu
         self.data = {"gpu": gpu, "measured": {}}
         if path.exists():
-            old = json.loads(path.read_text())
-            if old.get("gpu") == gpu:
+            try:
+                old = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: an unreadable partial search ({type(e).__name__}: {e}); remove it to "
+                                 "start over") from None
+            if isinstance(old, dict) and old.get("gpu") == gpu:
                 self.data = old
         if self.data.pop("complete", False):
             self.data.pop("done", None)
@@ -534,6 +539,18 @@ GAIN = 0.005  # a candidate replaces the best one when it is this much faster (t
 STAGE_GAIN = 0.01  # ... or when its moved stage's kernels are this much faster (``Target.stages``)
 
 
+def _check_writable(name: str, path: Path) -> None:
+    """Before a search of minutes: ``path`` is a file that can be written (its folder made if need be)."""
+    if path.is_dir():
+        raise ValueError(f"{name}: {path} is a directory; expected the path of the table's JSON file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name}: cannot make the folder {path.parent} ({type(e).__name__}: {e})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{name}: {path} cannot be written (no write permission)")
+
+
 def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str | Path | None = None,
          space: Mapping[str, Mapping[str, tuple]] | None = None, progress: bool = True,
          target_list: list[Target] | None = None, jobs: int = 0, start: str = "table") -> dict:
@@ -551,9 +568,12 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     if (not isinstance(budget_minutes, (int, float)) or isinstance(budget_minutes, bool)
             or not math.isfinite(budget_minutes) or budget_minutes <= 0):
         raise ValueError(f"budget_minutes: expected a positive, finite number of minutes, got {budget_minutes!r}")
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out: expected a path (str or os.PathLike), got {type(out).__name__}")
     info = dispatch.device_info()
     gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"
+    _check_writable("out", path)
     state = _State(path.with_name(path.name + ".partial.json"), gpu)
     if state.data.setdefault("start", start) != start:  # the finished targets were another search's
         state.data.update(start=start, done={}, runs=1)

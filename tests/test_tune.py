@@ -2,6 +2,7 @@
 a complete table written that dispatch accepts, and a resumed run measures nothing twice."""
 
 import json
+import os
 
 import pytest
 
@@ -135,6 +136,24 @@ def test_search_from_the_default_table_reports_the_shipped_entry(tmp_path, monke
 def test_bad_options_are_refused(kw, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         tune.tune(["combine"], out=tmp_path / "t.json", progress=False, **kw)
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_search(tmp_path, monkeypatch):
+    """``out`` is checked before any measurement: a folder, a non-path, a file in a read-only folder; an
+    unreadable partial search beside it is named, not parsed into a traceback."""
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: pytest.fail("measured before out was checked"))
+    with pytest.raises(ValueError, match="is a directory"):
+        tune.tune(["combine"], out=tmp_path, progress=False)
+    with pytest.raises(TypeError, match="out: expected a path"):
+        tune.tune(["combine"], out=3, progress=False)
+    (tmp_path / "t.json.partial.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable partial search"):
+        tune.tune(["combine"], out=tmp_path / "t.json", progress=False)
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="cannot be written"):
+            tune.tune(["combine"], out=ro / "t.json", progress=False)
 
 
 def test_worker_processes_compile_ahead_and_change_no_result(tmp_path, monkeypatch):
