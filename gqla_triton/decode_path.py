@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import ClassVar, NamedTuple
@@ -151,7 +152,7 @@ def _check_layer_shape(s: object) -> None:
     if unknown:
         raise ValueError(f"layer_shape: unknown keys {unknown}; it takes {_SHAPE_KEYS} and optionally v_head_dim")
     for k in _SHAPE_KEYS + (("v_head_dim",) if "v_head_dim" in s else ()):
-        if k == "rope_dim" and type(s[k]) is int and s[k] == 0:
+        if k == "rope_dim" and isinstance(s[k], numbers.Integral) and not isinstance(s[k], bool) and s[k] == 0:
             continue
         check_positive_int(f"layer_shape[{k!r}]", s[k])
     if s["num_heads"] % s["num_groups"]:
@@ -174,6 +175,11 @@ def step_inputs(batch: int, seqlen: int, s_q: int, *, seed: int = 0, device="cud
     caches with one shared rope key (grouped path) over the same shuffled block table."""
     import torch
 
+    from .ops._common.validation import check_positive_int
+
+    batch, seqlen, s_q = (check_positive_int(n, v) for n, v in (("batch", batch), ("seqlen", seqlen), ("s_q", s_q)))
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     H, G, DH, DR, R = (REF_SHAPE[k] for k in ("num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank"))
     g = torch.Generator(device=device)
     g.manual_seed(seed)
@@ -250,6 +256,9 @@ def measure_points(time_ms, names=None) -> dict[int, list[list[float]]]:
     ``POINTS`` (or the ``names`` among them), each timed by ``time_ms(fn)`` (a CUDA-graph timer)."""
     import torch
 
+    if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple))
+                              or any(n not in POINTS for n in names)):
+        raise ValueError(f"names: expected a list of the points {sorted(POINTS)}, got {names!r}")
     out: dict[int, list[list[float]]] = {}
     for name in names or POINTS:
         B, S, s_q = POINTS[name]

@@ -184,7 +184,7 @@ def test_gpu_key():
 def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, monkeypatch):
     """A GPU of the H200's SM with no table of its own (H100, H800) gets the H200's kernel configs for every shape
     key, but not the H200's own measurements (``decode_path``); a GPU of another SM (H20) gets ``default.json``;
-    a tuned table of the H100's own comes first."""
+    a tuned table of the H100's own comes first (its rows before the shipped ones)."""
     monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
     dispatch._load_table.cache_clear()
     dispatch._table_entry.cache_clear()
@@ -200,7 +200,10 @@ def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, mo
         assert dispatch.table_config("h100", "decode_path", {"s_q": 1}) is None
         (tmp_path / "h100.json").write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": 1024}}]}))
         dispatch._load_table.cache_clear()
-        assert set(dispatch._load_table("h100")) == {"combine"}
+        tuned = dispatch._load_table("h100")
+        assert tuned["combine"][0][1].elems == 1024 and tuned["combine"][1:] == h100["combine"]
+        assert {op: rows for op, rows in tuned.items() if op != "combine"} == {
+            op: rows for op, rows in h100.items() if op != "combine"}  # the ops it leaves out: the H200's configs
     finally:
         dispatch._load_table.cache_clear()
         dispatch._table_entry.cache_clear()
@@ -399,3 +402,18 @@ def test_an_unreadable_user_table_is_a_value_error_naming_it(tmp_path, monkeypat
     finally:
         monkeypatch.delenv("GQLA_TRITON_CONFIG_DIR")
         dispatch._load_table.cache_clear()
+
+
+def test_decode_path_measurement_helpers_refuse_bad_arguments():
+    """``measure_points`` names its unknown points before timing anything; ``step_inputs`` checks its sizes
+    before allocating."""
+    never = lambda fn: pytest.fail("timed before the names were checked")  # noqa: E731
+    for names in (["X"], "M1", ["M1", 3]):
+        with pytest.raises(ValueError, match="names: expected a list of the points"):
+            decode_path.measure_points(never, names)
+    for kw, name in (({"batch": -1}, "batch"), ({"seqlen": 0}, "seqlen"), ({"s_q": 1.0}, "s_q")):
+        args = {"batch": 1, "seqlen": 64, "s_q": 1, **kw}
+        with pytest.raises(ValueError, match=f"^{name}: expected a positive int"):
+            decode_path.step_inputs(**args, device="cpu")
+    with pytest.raises(TypeError, match="seed"):
+        decode_path.step_inputs(1, 64, 1, seed=True, device="cpu")

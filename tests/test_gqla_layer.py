@@ -5,6 +5,7 @@ import copy
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 from harness import P, assert_close, dtypes, gen, pick, randn, rel_err, seeds
@@ -254,6 +255,15 @@ def test_absorbed_weights_cached_and_invalidated():
         layer.kv_b_proj.weight = torch.nn.Parameter(layer.kv_b_proj.weight * 0.5)
         a4, _ = layer.absorbed_weights()
         assert torch.allclose(a4, a1)
+        # ``weight.data = ...`` keeps the version counter, and the allocator may hand the new tensor the old one's
+        # address: each swap is still seen (the entry keeps the weight it was made from alive)
+        w = layer.kv_b_proj.weight
+        for i in range(8):
+            w.data = torch.full_like(w, float(i))
+            assert torch.all(layer.absorbed_weights()[0] == i)
+            w.data = torch.full_like(w, -1.0)  # two swaps between calls: the second may take the first's address
+            w.data = torch.full_like(w, float(i) + 0.5)
+            assert torch.all(layer.absorbed_weights()[0] == i + 0.5)
     # under autograd: recomputed and differentiable
     w_uk, _ = layer.absorbed_weights()
     assert w_uk.requires_grad
@@ -286,6 +296,14 @@ def test_bad_inputs():
         LatentCache(2, True, 32, 16)
     with pytest.raises(ValueError, match="path"):
         GQLAttention(64, 8, 4, 16, 16, 32, path="mla")
+    with pytest.raises(ValueError, match="rope_inv_freq: expected a tensor with values"):
+        GQLAttention(64, 8, 4, 16, 16, 32, rope_inv_freq=torch.ones(8, device="meta"))
+    np_layer = GQLAttention(np.int64(64), np.int32(8), np.int64(4), np.int64(16), np.int64(16), np.int64(32),
+                            device="meta")  # numpy ints are ints, as everywhere else
+    assert type(np_layer.rope_dim) is int and np_layer.shard(np.int64(1), np.int64(2)).num_groups == 2
+    for rank, size in ((False, True), (0, 2.0), (0, True)):
+        with pytest.raises(ValueError, match="tp_"):
+            np_layer.shard(rank, size)
     with pytest.raises(ValueError, match="impl"):
         GQLAttention(64, 8, 4, 16, 16, 32, impl="cuda")
     with pytest.raises(ValueError, match="page_size"):
@@ -321,6 +339,8 @@ def test_bad_inputs():
         layer(x, torch.arange(4))
     with pytest.raises(TypeError, match="positions"):
         layer(x, torch.zeros(3))
+    with pytest.raises(ValueError, match="positions: expected a tensor on the CPU or on"):
+        layer(x, torch.zeros(2, 3, dtype=torch.long, device="meta"))
     with pytest.raises(ValueError, match="cache"):
         layer(x, None, layer.make_cache(2, 32, path="grouped", page_size=16))
     with pytest.raises(TypeError, match="cache"):

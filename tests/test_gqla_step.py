@@ -3,6 +3,7 @@ against float64 references, with hostile strides (views of larger projection out
 the int32 limits, d_R = 0 and every heads-per-group count (fewer than 16: padded tiles; more than 64: split);
 their torch.library registration (opcheck, a fullgraph compile); bad inputs."""
 
+import numpy as np
 import pytest
 import torch
 from harness import P, assert_close, dtypes, gen, pick, randn, seeds
@@ -10,7 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gqla_triton.layers import gqla_step as gs
-from gqla_triton.layers.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from gqla_triton.layers.rope import apply_rope, cached_inv_freq, rope_cos_sin, rope_inv_freq
 from gqla_triton.ops._common.alloc import poisoned
 
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
@@ -306,3 +307,133 @@ def test_bad_inputs():
     if not P.big:  # the interpreter computes bf16 wrongly: refused
         with pytest.raises(TypeError, match="bfloat16"):
             gs.grouped_q(s["q"].bfloat16(), cs, head_dim=s["dh"], out_dtype=dt)
+
+
+def test_norm_rope_reads_strided_weights_and_frequencies():
+    """``kv_weight``, ``qa_weight`` and ``inv_freq`` as every-other-element views (NaN between): the results of
+    contiguous copies."""
+    s = _small(2, dtype=torch.float32)
+    inv = s["inv"] * torch.linspace(1, 2, s["inv"].numel(), dtype=torch.float64, device=P.device)
+    kv_w = randn((s["r"],), gen(3), dtype=torch.float32) + 1
+    qa_w = randn((s["qa"].shape[-1],), gen(4), dtype=torch.float32) + 1
+
+    def gapped(t):
+        base = torch.full((2 * t.numel(),), float("nan"), dtype=t.dtype, device=t.device)
+        base[::2] = t
+        return base[::2]
+
+    kw = dict(add_t=False, kv_rank=s["r"], out_dtype=torch.float32)
+    want = gs.norm_rope(s["qa"], qa_w, s["kv"], kv_w, s["pos"], inv, **kw)
+    got = gs.norm_rope(s["qa"], gapped(qa_w), s["kv"], gapped(kv_w), s["pos"], gapped(inv), **kw)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_norm_rope_refuses_bad_weights_and_positions():
+    s = _small()
+    dt, kw = s["dtype"], dict(kv_rank=s["r"], out_dtype=s["dtype"])
+    before = [t.clone() for t in (s["kv"], s["pos"], s["inv"])]
+    for bad in (torch.ones(s["r"], dtype=torch.int32, device=P.device),
+                torch.ones(s["r"], dtype=torch.bool, device=P.device)):
+        with pytest.raises(TypeError, match="kv_weight"):
+            gs.norm_rope(None, None, s["kv"], bad, s["pos"], s["inv"], add_t=False, **kw)
+    with pytest.raises(TypeError, match="kv_weight"):
+        gs.norm_rope(None, None, s["kv"], [1.0] * s["r"], s["pos"], s["inv"], add_t=False, **kw)
+    with pytest.raises(TypeError, match="qa_weight"):
+        gs.norm_rope(s["qa"], s["qa_w"].double(), s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)
+    with pytest.raises(ValueError, match="qa_weight"):
+        gs.norm_rope(None, s["qa_w"], s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)
+    with pytest.raises(TypeError, match="positions"):  # 2**63 has no int64 form
+        gs.norm_rope(None, None, s["kv"], None, torch.full((2, 2), 2**63, dtype=torch.uint64, device=P.device),
+                     s["inv"], add_t=False, **kw)
+    with pytest.raises(TypeError, match="add_t"):
+        gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t="yes", **kw)
+    with pytest.raises(ValueError, match="kv_rank"):
+        gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=float(s["r"]), out_dtype=dt)
+    for a, b in zip((s["kv"], s["pos"], s["inv"]), before, strict=True):
+        assert torch.equal(a, b)
+    _, row, _ = gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=np.int64(s["r"]),
+                             out_dtype=dt)
+    assert torch.equal(row, gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)[1])
+
+
+def test_head_dims_are_checked_by_name():
+    """No heads, a float ``head_dim``: refused by name; a numpy integer ``head_dim`` works as the int."""
+    s = _small()
+    cs = rope_cos_sin(s["pos"], s["inv"])
+    dt, dh = s["dtype"], s["dh"]
+    for name, x in (("q", s["q"][:, :, :0]),):
+        with pytest.raises(ValueError, match=name):
+            gs.absorb_q(x, s["w_uk"], cs, head_dim=dh, out_dtype=dt)
+        with pytest.raises(ValueError, match=name):
+            gs.grouped_q(x, cs, head_dim=dh, out_dtype=dt)
+    with pytest.raises(ValueError, match="o: expected at least one head"):
+        gs.absorb_o(s["q"][:, :, :0, : s["r"]], s["w_uv"])
+    for hd in (float(dh), "16", None):
+        with pytest.raises(ValueError, match="head_dim"):
+            gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=hd, out_dtype=dt)
+        with pytest.raises(ValueError, match="head_dim"):
+            gs.grouped_q(s["q"], cs, head_dim=hd, out_dtype=dt)
+    assert torch.equal(gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=np.int64(dh), out_dtype=dt),
+                       gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=dh, out_dtype=dt))
+    assert torch.equal(gs.grouped_q(s["q"], cs, head_dim=np.int64(dh), out_dtype=dt),
+                       gs.grouped_q(s["q"], cs, head_dim=dh, out_dtype=dt))
+
+
+# ---- rope helpers -----------------------------------------------------------------------------------------------
+def _rope_bad_calls():
+    x = torch.randn(3, 3, 2, 8)
+    pos = torch.arange(9).view(3, 3)
+    meta = torch.device("meta")
+    return [
+        ("int x", TypeError, "x", lambda: apply_rope(x.to(torch.int32), pos)),
+        ("list x", TypeError, "x", lambda: apply_rope(x.tolist(), pos)),
+        ("2-d x", ValueError, "x", lambda: apply_rope(x[:, :, 0, 0], pos)),
+        ("odd width", ValueError, "x", lambda: apply_rope(x[..., :7], pos)),
+        ("[T] positions with B == T", ValueError, "positions", lambda: apply_rope(x, pos[0])),
+        ("positions of another shape", ValueError, "positions", lambda: apply_rope(x, pos[:2])),
+        ("list positions", TypeError, "positions", lambda: apply_rope(x, pos.tolist())),
+        ("float positions", TypeError, "positions", lambda: apply_rope(x, pos.float())),
+        ("uint64 positions", TypeError, "positions", lambda: apply_rope(x, pos.to(torch.uint64))),
+        ("meta positions", ValueError, "positions", lambda: apply_rope(x, pos.to(meta))),
+        ("theta 0", ValueError, "theta", lambda: apply_rope(x, pos, 0)),
+        ("theta nan", ValueError, "theta", lambda: apply_rope(x, pos, float("nan"))),
+        ("theta tensor", ValueError, "theta", lambda: apply_rope(x, pos, torch.tensor(1e4))),
+        ("int inv_freq", TypeError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(4, dtype=torch.long))),
+        ("inv_freq of another width", ValueError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(3))),
+        ("meta inv_freq", ValueError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(4, device=meta))),
+        ("odd d", ValueError, "d", lambda: rope_inv_freq(7)),
+        ("negative d", ValueError, "d", lambda: rope_inv_freq(-2)),
+        ("float d", ValueError, "d", lambda: rope_inv_freq(8.0)),
+        ("theta -1", ValueError, "theta", lambda: rope_inv_freq(8, -1.0)),
+        ("bad device", ValueError, "device", lambda: rope_inv_freq(8, device="nowhere")),
+        ("cached theta 0", ValueError, "theta", lambda: cached_inv_freq(8, 0, "cpu")),
+        ("cached bool d", ValueError, "d", lambda: cached_inv_freq(True, 1e4, "cpu")),
+        ("cached no device", ValueError, "device", lambda: cached_inv_freq(8, 1e4, None)),
+        ("cos_sin float positions", TypeError, "positions", lambda: rope_cos_sin(pos.float(), rope_inv_freq(8))),
+        ("cos_sin [T] positions", ValueError, "positions", lambda: rope_cos_sin(pos[0], rope_inv_freq(8))),
+        ("cos_sin 2-d inv_freq", ValueError, "inv_freq", lambda: rope_cos_sin(pos, torch.ones(2, 2))),
+        ("cos_sin int inv_freq", TypeError, "inv_freq", lambda: rope_cos_sin(pos, torch.ones(4, dtype=torch.long))),
+        ("cos_sin meta positions", ValueError, "inv_freq", lambda: rope_cos_sin(pos.to(meta), rope_inv_freq(8))),
+    ]
+
+
+@pytest.mark.parametrize("case", _rope_bad_calls(), ids=lambda c: c[0])
+def test_rope_helpers_refuse_bad_arguments_by_name(case):
+    _, exc, match, bad = case
+    with pytest.raises(exc, match=match):
+        bad()
+
+
+def test_apply_rope_takes_the_documented_shapes():
+    """``positions [B, T]`` (any integer dtype but uint64) rotate ``x [B, T, ..., d]`` as ``rope_cos_sin``'s
+    factors do; d = 0 passes ``x`` through; a numpy integer ``d`` works as the int."""
+    x = torch.randn(3, 2, 4, 8, dtype=torch.float64)
+    pos = torch.tensor([[0, 1], [5, 9], [100, -3]], dtype=torch.int32)
+    cs = rope_cos_sin(pos, rope_inv_freq(8)).double()
+    cos, sin = cs[:, :, None, 0], cs[:, :, None, 1]
+    want = torch.cat([x[..., :4] * cos - x[..., 4:] * sin, x[..., 4:] * cos + x[..., :4] * sin], -1)
+    assert (apply_rope(x, pos) - want).abs().max() < 1e-6
+    assert torch.equal(apply_rope(x, pos.long()), apply_rope(x, pos, inv_freq=rope_inv_freq(np.int64(8))))
+    empty = torch.randn(3, 2, 0)
+    assert apply_rope(empty, pos) is empty

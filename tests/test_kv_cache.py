@@ -500,3 +500,96 @@ def test_outside_length_past_the_reservation_is_refused(kind, length):
             call()
         assert snap[:3] == (list(c._free), list(c._refs), [list(p) for p in c._pages])
         assert torch.equal(snap[3], c.block_table)
+
+
+def test_append_of_rows_of_another_storage_of_the_cache():
+    """A grouped append whose v is a view of the cache's k storage (another storage than v's) appends the values
+    the view held before the call, not the k rows the same call writes first."""
+    got, want = make_cache("grouped"), make_cache("grouped")
+    assert DV == DH
+    first, _ = new_tokens("grouped", 1, 5, gen(3))
+    new, _ = new_tokens("grouped", 1, 5, gen(4))
+    for c in (got, want):
+        c.append([0], *first)
+        c.reserve([1], 5)
+    page = int(got.block_table[1, 0])  # slot 1's page, written by the append below, holds old rows now
+    got.k[page, :5] = randn((5, G, DH), gen(5))
+    want.k[page, :5] = got.k[page, :5]
+    got.append([1], new[0], got.k[page, None, :5], new[2])
+    want.append([1], new[0], want.k[page, None, :5].clone(), new[2])
+    assert all(torch.equal(a, b) for a, b in zip(got.gather(1), want.gather(1), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+def test_length_moved_back_into_forked_pages_copies_them_before_writing(kind):
+    """After ``fork`` the slots share their full pages; a length moved back from outside into a shared page (within
+    the reservation) makes the next append copy that page first: the sibling's tokens stay, and the slot reads
+    what a slot that never shared would."""
+    c, alone = make_cache(kind, num_pages=8), make_cache(kind, num_pages=8)
+    parts, _ = new_tokens(kind, 1, 20, gen(6))
+    more, _ = new_tokens(kind, 1, 3, gen(7))
+    c.append([0], *parts)
+    c.fork(0, 1)
+    alone.append([1], *parts)
+    before = gathered(c, 0)
+    free = c.num_free_pages
+    for x in (c, alone):
+        x.cache_seqlens[1] = 10
+        x.append([1], *more)
+    assert torch.equal(gathered(c, 0), before)
+    assert torch.equal(gathered(c, 1), gathered(alone, 1))
+    assert c.seqlens([0, 1]) == [20, 13] and c.num_free_pages == free - 1
+    assert c._refs[int(c.block_table[0, 0])] == 1 and not c._shared
+    c.free([0, 1])
+    assert c.num_free_pages == 8  # every page back, none lost or freed twice
+
+
+def test_an_append_that_cannot_copy_a_shared_page_changes_nothing():
+    c = make_cache("latent", num_pages=3)
+    parts, _ = new_tokens("latent", 1, 20, gen(8))
+    more, _ = new_tokens("latent", 1, 3, gen(9))
+    c.append([0], *parts)
+    c.fork(0, 1)  # page 0 shared, page 1 copied: no page left
+    c.cache_seqlens[1] = 10
+    assert c.seqlens([1]) == [10]  # the host mirror follows the outside write
+    before = snapshot(c)
+    with pytest.raises(ValueError, match="shared with a forked slot"):
+        c.append([1], *more)
+    assert_unchanged(before, c)
+
+
+def test_a_cache_made_in_inference_mode_refuses_updates_outside_it():
+    """Inference tensors are updated in place only inside inference mode: a host call or an append outside it is
+    refused before any change (torch would raise half-way, after pages were taken); inside it works."""
+    with torch.inference_mode():
+        c = make_cache("latent")
+    parts, _ = new_tokens("latent", 1, 3, gen(10))
+    before = snapshot(c)
+    for call in (lambda: c.reserve([0], 20), lambda: c.append([0], *parts), lambda: c.free([0]),
+                 lambda: c.fork(0, 1)):
+        with pytest.raises(RuntimeError, match="made under torch.inference_mode"):
+            call()
+    assert_unchanged(before, c)
+    with torch.inference_mode():
+        c.append([0], *parts)
+        c.fork(0, 1)
+    assert c.seqlens([0, 1]) == [3, 3]
+
+
+def test_constructor_and_query_refusals_name_the_argument():
+    with pytest.raises(ValueError, match="device: expected a torch.device"):
+        LatentCache(1, 32, R, DR, page_size=PS, device="gpu")
+    with pytest.raises(ValueError, match="device: a cache needs storage"):
+        GroupedCache(1, 32, G, DH, DR, DV, page_size=PS, device="meta")
+    for bad in (1e39, 3.5e38, 1e-45):
+        with pytest.raises(ValueError, match="k_scale"):
+            LatentCache(1, 32, R, DR, page_size=PS, dtype=torch.float8_e4m3fn, k_scale=bad, device=P.device)
+    c = make_cache("grouped")
+    with pytest.raises(ValueError, match="slot 1099511627776 outside"):
+        c.seqlens([2**40])
+    parts, _ = new_tokens("grouped", 1, 3, gen(11))
+    c.append([0], *parts)
+    for length in (1000, -5):  # an outside length is checked by gather as by every eager call
+        c.cache_seqlens[0] = length
+        with pytest.raises(ValueError, match="cache_seqlens: slot 0 holds"):
+            c.gather(0)

@@ -36,6 +36,7 @@ that measures it: ``examples/convert_llama.py`` (its docstring holds the table).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -145,7 +146,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
                                  ("o_proj", wo, (hidden, h * dv), "hidden, num_heads·v_head_dim")):
         if tuple(w.shape) != shape:
             raise ValueError(f"{name}: expected weight shape {list(shape)} ({what}), got {list(w.shape)}")
-    if (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2
+    if (isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or rope_dim < 0 or rope_dim % 2
             or rope_dim > g * d):
         raise ValueError(f"rope_dim: expected an even int in [0, {g * d}] (num_groups * head_dim), got {rope_dim!r}")
     C = None

@@ -53,9 +53,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_float_dtype, check_positive_int
+from ..ops._common.validation import INT32_MAX, check_float_dtype, check_positive_int, check_scale
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
-from .paged_append import append_rows, append_rows_torch
+from .paged_append import cache_rows
 
 __all__ = ["PagedCache", "LatentCache", "GroupedCache"]
 
@@ -74,9 +74,14 @@ def latent_compute_dtypes(dtype: torch.dtype, scaled: bool) -> tuple[torch.dtype
     return (dtype,)
 
 
+def _is_integral(v) -> bool:
+    """An int (not a bool) of any size."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _is_int(v) -> bool:
     """An int (not a bool) within int32, the kernels' size type."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and abs(v) <= INT32_MAX
+    return _is_integral(v) and abs(v) <= INT32_MAX
 
 
 class PagedCache(abc.ABC):
@@ -109,7 +114,13 @@ class PagedCache(abc.ABC):
             raise TypeError(f"auto_reserve: expected a bool, got {type(auto_reserve).__name__}")
         self.auto_reserve = auto_reserve
         self.scratch_page = self.num_pages
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        try:
+            dev = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got "
+                             f"{device!r}") from None
+        if dev.type == "meta":
+            raise ValueError("device: a cache needs storage; 'meta' has none")
         self.cache_seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
         self.device = self.cache_seqlens.device  # index resolved ("cuda" -> "cuda:0")
         self.block_table = torch.full((self.max_batch, self.max_pages), self.scratch_page, dtype=torch.int32,
@@ -117,6 +128,7 @@ class PagedCache(abc.ABC):
         self.overflow = torch.zeros(self.max_batch, dtype=torch.bool, device=self.device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._refs: list[int] = [0] * self.num_pages
+        self._shared: set[int] = set()  # pages with more than one user (fork), copied before an append writes them
         self._pages: list[list[int]] = [[] for _ in range(self.max_batch)]
         self._cap: list[int] = [0] * self.max_batch  # tokens each slot's pages hold: min(pages·page_size, max_seqlen)
         self._holds: list[bool] = [False] * self.max_batch
@@ -160,7 +172,7 @@ class PagedCache(abc.ABC):
             if seq_ids.dim() > 1:
                 raise ValueError(f"{name}: expected a 0-d or 1-d tensor, got shape {list(seq_ids.shape)}")
             ids = tuple(seq_ids.reshape(-1).tolist())
-        elif _is_int(seq_ids):
+        elif _is_integral(seq_ids):
             ids = (int(seq_ids),)
         elif isinstance(seq_ids, (range, Sequence)) and not isinstance(seq_ids, (str, bytes)):
             ids = tuple(seq_ids)
@@ -168,7 +180,7 @@ class PagedCache(abc.ABC):
             raise TypeError(f"{name}: expected None, an int, a sequence of ints or a CPU integer tensor, got "
                             f"{type(seq_ids).__name__}")
         for s in ids:
-            if not _is_int(s):
+            if not _is_integral(s):
                 raise TypeError(f"{name}: expected int slot ids, got {type(s).__name__} {s!r}")
         ids = tuple(int(s) for s in ids)
         for s in ids:
@@ -181,7 +193,7 @@ class PagedCache(abc.ABC):
         return ids
 
     def _slot(self, seq_id, name: str = "seq_id") -> int:
-        if not _is_int(seq_id):
+        if not _is_integral(seq_id):
             raise TypeError(f"{name}: expected an int slot id, got {type(seq_id).__name__} {seq_id!r}")
         if not 0 <= seq_id < self.max_batch:
             raise ValueError(f"{name}: slot {seq_id} outside [0, {self.max_batch})")
@@ -368,7 +380,9 @@ class PagedCache(abc.ABC):
         for s in ids:
             for p in reversed(self._pages[s]):
                 self._refs[p] -= 1
-                if self._refs[p] == 0:
+                if self._refs[p] == 1:
+                    self._shared.discard(p)
+                elif self._refs[p] == 0:
                     self._free.append(p)
             self._pages[s] = []
             self._cap[s] = 0
@@ -385,7 +399,10 @@ class PagedCache(abc.ABC):
     def fork(self, src: int, dst: int) -> None:
         """Make empty slot ``dst`` a copy of slot ``src``: the full pages of ``src`` are shared, its partly
         filled last page is copied into a fresh page. The two then decode independently. Raises
-        ``ValueError`` (nothing changed) when ``dst`` holds pages or no page is free for the copy."""
+        ``ValueError`` (nothing changed) when ``dst`` holds pages or no page is free for the copy. A length moved
+        back from outside into the shared pages (within the reservation) is followed by the next eager append, which
+        copies each shared page it writes first; an append inside a captured or compiled step keeps no host
+        bookkeeping and cannot: move lengths back there only past the shared pages."""
         self._host_call("fork")
         src, dst = self._slot(src, "src"), self._slot(dst, "dst")
         if src == dst:
@@ -400,6 +417,7 @@ class PagedCache(abc.ABC):
         shared = self._pages[src][:full]
         for p in shared:
             self._refs[p] += 1
+            self._shared.add(p)
         pages = list(shared)
         if part:
             p = self._free.pop()
@@ -422,6 +440,14 @@ class PagedCache(abc.ABC):
         if self._device_only():
             raise RuntimeError(f"{name}: a host call (it moves page lists to the device); make it outside CUDA-graph "
                                "capture and torch.compile")
+        self._check_mode(name)
+
+    def _check_mode(self, name: str) -> None:
+        """A cache made under ``torch.inference_mode()`` holds inference tensors, which torch updates in place only
+        inside inference mode: refused before any change, not half-way through one."""
+        if self.cache_seqlens.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name}: this cache was made under torch.inference_mode(), so its tensors can be "
+                               "updated only inside inference mode; call it there (or make the cache outside it)")
 
     def _sync_table(self, slots: list[int]) -> None:
         """Write the block-table rows of ``slots`` from the host page lists (one host-to-device copy)."""
@@ -456,32 +482,61 @@ class PagedCache(abc.ABC):
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {list(t.shape)}")
         return t.shape[0]
 
+    def _shared_targets(self, ids: tuple[int, ...], T: int, need: list[int] | None) -> list[tuple[int, int]]:
+        """``(slot, page index)`` of the shared pages (``fork``) an append of ``T`` tokens would write: only after a
+        length moved back from outside (within the reservation) does an append reach one. ValueError (nothing
+        changed) when the free pages cannot hold a copy of each beside ``need``."""
+        lens, ps = self._host_lens(), self.page_size
+        out = [(s, j) for s in ids for j in range(lens[s] // ps, min(len(self._pages[s]), -(-(lens[s] + T) // ps)))
+               if self._pages[s][j] in self._shared]
+        if out and len(out) + sum(need or ()) > len(self._free):
+            raise ValueError(f"append: out of pages (the {len(out)} pages shared with a forked slot that this append "
+                             f"would write need copies, {len(self._free) - sum(need or ())} free)")
+        return out
+
+    def _unshare(self, targets: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each target page is copied into a free page that its slot then holds alone."""
+        for s, j in targets:
+            old, new = self._pages[s][j], self._free.pop()
+            for t in self._storages():
+                t[new].copy_(t[old])
+            self._refs[old] -= 1
+            if self._refs[old] == 1:
+                self._shared.discard(old)
+            self._refs[new] = 1
+            self._pages[s][j] = new
+        self._sync_table(sorted({s for s, _ in targets}))
+
     def _write(self, ids: tuple[int, ...], T: int, values: Sequence[tuple[torch.Tensor, torch.Tensor]],
                idx=_MISSING) -> None:
         """Append ``T`` tokens to each validated slot: ``values`` pairs a flat storage view ``[rows, ...]``
         with the new rows ``[B * T, ...]`` (already in the storage dtype)."""
         B = len(ids)
-        if not torch.compiler.is_compiling():  # new rows read from the cache's own storage: copied out first
-            values = [(dst, src.clone() if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
-                       else src) for dst, src in values]
+        if not torch.compiler.is_compiling():  # new rows read from any of the cache's storages: copied out first
+            own = {t.untyped_storage().data_ptr() for t in self._storages()}
+            values = [(dst, src.clone() if src.untyped_storage().data_ptr() in own else src) for dst, src in values]
         device_only = self._device_only()
-        need, mirror = None, False
+        need, mirror, unshare = None, False, ()
         if not device_only:
+            self._check_mode("append")
             if self.auto_reserve:
                 lens, cap = self._host_lens(), self._cap
                 if not all(lens[s] + T <= cap[s] for s in ids):
-                    need = self._plan(ids, [T] * B)  # the only check that can fail: before any change
+                    need = self._plan(ids, [T] * B)  # with the copies below, the only checks that can fail
+            if self._shared:
+                unshare = self._shared_targets(ids, T, need)
             mirror = self._mirror_valid()
         if idx is _MISSING:
             idx = self._index_of(ids)
         self._remember(ids, idx)
         if need is not None:
             self._take(ids, need)
+        if unshare:
+            self._unshare(unshare)
         if device_only:
             self._lens_known = False
-        plan = append_rows_torch if torch.compiler.is_compiling() else append_rows
-        rows = plan(self.block_table, self.cache_seqlens, self.overflow, idx, B, T, max_seqlen=self.max_seqlen,
-                    num_pages=self.num_pages, page_size=self.page_size)
+        rows = cache_rows(self.block_table, self.cache_seqlens, self.overflow, idx, B, T, max_seqlen=self.max_seqlen,
+                          num_pages=self.num_pages, page_size=self.page_size)
         for dst, src in values:
             dst.index_copy_(0, rows, src)
         holds = self._holds
@@ -520,6 +575,8 @@ class LatentCache(PagedCache):
                        or not isinstance(k_scale, numbers.Real) or not 0 < float(k_scale) < math.inf):
             raise ValueError(f"k_scale: the scale of a float8_e4m3fn cache (dtype=torch.float8_e4m3fn), a positive "
                              f"finite number; got {k_scale!r} for dtype {dtype}")
+        if scaled:  # the kernels' k_descale is a float32: a normal float32 number
+            check_scale("k_scale", k_scale, 1.0)
         if fp8 and (kv_rank, rope_dim) != (FP8_LATENT, FP8_ROPE):
             raise ValueError(f"kv_rank/rope_dim: the FP8 latent layout holds {FP8_LATENT} latent + {FP8_ROPE} rope "
                              f"values per token, got {kv_rank}/{rope_dim} (k_scale: a cache scaled per tensor holds "
@@ -577,7 +634,7 @@ class LatentCache(PagedCache):
         """Contiguous ``(c_kv [L, kv_rank], k_rope [L, rope_dim])`` of one slot in ``compute_dtype`` (an FP8 cache
         dequantised; read through the device tables; one host sync)."""
         s = self._slot(seq_id)
-        L = int(self.cache_seqlens[s])
+        L = self._host_lens()[s]
         pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
         flat = self._dequantized(self.kv[pages, :, 0].reshape(-1, self.kv.shape[-1])[:L]).to(self.compute_dtype)
         return flat[:, : self.kv_rank], flat[:, self.kv_rank:]
@@ -655,7 +712,7 @@ class GroupedCache(PagedCache):
         """Contiguous ``(k [L, g, d_h], v [L, g, d_v], k_rope [L, d_R])`` of one slot (read through the device
         tables; one host sync)."""
         s = self._slot(seq_id)
-        L = int(self.cache_seqlens[s])
+        L = self._host_lens()[s]
         pages = self.block_table[s, : math.ceil(L / self.page_size)].long()
         rows = pages.numel() * self.page_size  # explicit: a rope_dim of 0 leaves reshape(-1, 0) undetermined
         k = self.k[pages].reshape(rows, self.num_groups, self.head_dim)[:L]
@@ -686,6 +743,7 @@ class GroupedCache(PagedCache):
                   auto_reserve=lc.auto_reserve)
         out._free = list(lc._free)
         out._refs = list(lc._refs)
+        out._shared = set(lc._shared)
         out._pages = [list(p) for p in lc._pages]
         out._cap = list(lc._cap)
         out._holds = list(lc._holds)

@@ -32,6 +32,8 @@ be captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)`` a
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,15 +118,18 @@ class GQLAttention(nn.Module):
         for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
                         ("head_dim", head_dim), ("kv_rank", kv_rank)):
             check_positive_int(name, v)
+        hidden_size, num_heads, num_groups, head_dim, kv_rank = (int(v) for v in (hidden_size, num_heads, num_groups,
+                                                                                  head_dim, kv_rank))
         if num_heads % num_groups:
             raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
-        if (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 <= rope_dim <= INT32_MAX
+        if (isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or not 0 <= rope_dim <= INT32_MAX
                 or rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int >= 0, got {rope_dim!r}")
+        rope_dim = int(rope_dim)
         if q_rank is not None:
-            check_positive_int("q_rank", q_rank)
+            q_rank = check_positive_int("q_rank", q_rank)
         if v_head_dim is not None:
-            check_positive_int("v_head_dim", v_head_dim)
+            v_head_dim = check_positive_int("v_head_dim", v_head_dim)
         rope_theta = check_positive_real("rope_theta", rope_theta)
         norm_eps = check_positive_real("norm_eps", norm_eps)
         kv_norm = check_flag("kv_norm", kv_norm)
@@ -140,6 +145,8 @@ class GQLAttention(nn.Module):
                 raise ValueError(f"rope_inv_freq: expected a tensor of shape [{rope_dim // 2}], got {got!r}")
             if not rope_inv_freq.is_floating_point():
                 raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {rope_inv_freq.dtype}")
+            if rope_inv_freq.device.type == "meta":
+                raise ValueError("rope_inv_freq: expected a tensor with values, got one on meta")
             rope_inv_freq = rope_inv_freq.detach().to("cpu", torch.float64)
             if not torch.isfinite(rope_inv_freq).all():
                 raise ValueError("rope_inv_freq: expected finite values")
@@ -243,7 +250,8 @@ class GQLAttention(nn.Module):
 
     def absorbed_weights(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorb-path weights ``W_UK [g, d_h, r]``, ``W_UV [g, d_v, r]`` contiguous in ``dtype``, computed once
-        and reused until ``kv_b_proj.weight`` changes (tracked by its version counter and storage pointer).
+        and reused until ``kv_b_proj.weight`` changes (tracked by its version counter and storage pointer; also
+        across ``weight.data = ...``).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
         they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly)."""
         w = self.kv_b_proj.weight
@@ -255,7 +263,9 @@ class GQLAttention(nn.Module):
         if hit is None or hit[0] != key:
             with torch.no_grad():
                 uk, uv = self.w_uk_uv(dtype)
-                hit = (key, uk.contiguous(), uv.contiguous())
+                # the entry holds the weight it was made from: while it lives, no other storage (``weight.data =
+                # ...``, which keeps the version counter) can take its address, so the key names one storage
+                hit = (key, uk.contiguous(), uv.contiguous(), w.detach())
             self._absorbed[dtype] = hit
         return hit[1], hit[2]
 
@@ -288,6 +298,8 @@ class GQLAttention(nn.Module):
             positions = positions[None].expand(B, T)
         if list(positions.shape) != [B, T]:
             raise ValueError(f"positions: expected shape [{B}, {T}] or [{T}], got {list(positions.shape)}")
+        if positions.device.type == "meta":
+            raise ValueError(f"positions: expected a tensor on the CPU or on {device}, got one on meta (no values)")
         return positions.to(device)
 
     # ---- forward --------------------------------------------------------------------------------------
@@ -492,10 +504,12 @@ class GQLAttention(nn.Module):
         q (or q_b) and kv_b rows are column-parallel, o_proj columns row-parallel; kv_a_proj, q_a_proj and the
         norms are replicated. Summing the shards' outputs gives the full layer's output.
         """
-        if not isinstance(tp_size, int) or tp_size <= 0 or self.num_groups % tp_size:
+        if (isinstance(tp_size, bool) or not isinstance(tp_size, numbers.Integral) or tp_size <= 0
+                or self.num_groups % tp_size):
             raise ValueError(f"tp_size: expected a positive divisor of num_groups {self.num_groups}, got {tp_size!r}")
-        if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, numbers.Integral) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank!r}")
+        tp_rank, tp_size = int(tp_rank), int(tp_size)
         g, h = self.num_groups // tp_size, self.num_heads // tp_size
         w = self.kv_b_proj.weight
         out = GQLAttention(self.hidden_size, h, g, self.head_dim, self.rope_dim, self.kv_rank, self.q_rank,

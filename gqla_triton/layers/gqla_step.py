@@ -36,7 +36,8 @@ from ..dispatch import device_info
 from ..ops._common import FLOAT_DTYPES, cdiv, check_kernel_device, next_pow2
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
-from ..ops._common.validation import forward_only, requires_grad
+from ..ops._common.validation import check_flag, check_positive_int, check_tensor, forward_only, requires_grad
+from .rope import check_positions
 
 __all__ = ["absorb_o", "absorb_q", "grouped_q", "norm_rope"]
 
@@ -46,7 +47,7 @@ _REFERENCE = "GQLAttention(impl='reference')"
 # ---- kernels --------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
 def gqla_norm_rope_kernel(qa, qa_w, qa_out, kv, kv_w, kv_out, cs_out, pos, inv_freq, qa_eps, kv_eps, T,
-                          s_qa_b, s_qa_t, s_qa_d, s_kv_b, s_kv_t, s_kv_d, s_pb, s_pt,
+                          s_qa_b, s_qa_t, s_qa_d, s_kv_b, s_kv_t, s_kv_d, s_pb, s_pt, s_qaw, s_kvw, s_inv,
                           QR: tl.constexpr, BLOCK_QR: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_NORM: tl.constexpr,
                           ADD_T: tl.constexpr):
@@ -61,7 +62,7 @@ def gqla_norm_rope_kernel(qa, qa_w, qa_out, kv, kv_w, kv_out, cs_out, pos, inv_f
         em = e < QR
         xq = tl.load(qa + b * s_qa_b + t * s_qa_t + e * s_qa_d, mask=em, other=0.0).to(tl.float32)
         yq = xq * tl.rsqrt(tl.sum(xq * xq, axis=0) / QR + qa_eps)
-        wq = tl.load(qa_w + e, mask=em, other=0.0).to(tl.float32)
+        wq = tl.load(qa_w + e * s_qaw, mask=em, other=0.0).to(tl.float32)
         tl.store(qa_out + row * QR + e, (yq * wq).to(qa_out.dtype.element_ty), mask=em)
     else:
         src = kv + b * s_kv_b + t * s_kv_t
@@ -71,7 +72,7 @@ def gqla_norm_rope_kernel(qa, qa_w, qa_out, kv, kv_w, kv_out, cs_out, pos, inv_f
         x = tl.load(src + d * s_kv_d, mask=dm, other=0.0).to(tl.float32)
         if KV_NORM:
             x = x * tl.rsqrt(tl.sum(x * x, axis=0) / R + kv_eps)
-            x = x * tl.load(kv_w + d, mask=dm, other=0.0).to(tl.float32)
+            x = x * tl.load(kv_w + d * s_kvw, mask=dm, other=0.0).to(tl.float32)
         tl.store(dst + d, x.to(kv_out.dtype.element_ty), mask=dm)
         if HALF > 0:
             i = tl.arange(0, BLOCK_HALF)
@@ -79,7 +80,7 @@ def gqla_norm_rope_kernel(qa, qa_w, qa_out, kv, kv_w, kv_out, cs_out, pos, inv_f
             p = tl.load(pos + b * s_pb + t * s_pt).to(tl.int64)  # int64: pos + t never wraps
             if ADD_T:
                 p += t
-            ang = p.to(tl.float64) * tl.load(inv_freq + i, mask=im, other=0.0)
+            ang = p.to(tl.float64) * tl.load(inv_freq + i * s_inv, mask=im, other=0.0)
             cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
             tl.store(cs_out + row * (2 * HALF) + i, cos, mask=im)
             tl.store(cs_out + row * (2 * HALF) + HALF + i, sin, mask=im)
@@ -276,6 +277,18 @@ def _check(name: str, t, ndim: int) -> None:
         raise TypeError(f"{name}: expected a bfloat16 / float16 / float32 tensor, got {t.dtype}")
 
 
+def _check_heads(name: str, t: torch.Tensor) -> None:
+    if t.shape[2] == 0:
+        raise ValueError(f"{name}: expected at least one head (dim 2), got shape {list(t.shape)}")
+
+
+def _check_weight(name: str, w, n: int, dev: torch.device) -> None:
+    """An RMSNorm weight: a floating ``[n]`` tensor on ``dev`` (any stride)."""
+    if w is None:
+        raise ValueError(f"{name}: expected a tensor of shape [{n}], got None")
+    check_tensor(name, w, shape=(n,), dtypes=FLOAT_DTYPES, device=dev)
+
+
 def _check_same_device(dev: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != dev:
@@ -313,7 +326,8 @@ def _norm_rope_fwd(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: 
             qa if has_q else kv, qa_weight if has_q else kv, qa_out if has_q else row, kv,
             kv_weight if kv_weight is not None else kv, row, cos_sin if half else row, positions,
             inv_freq if half else row, float(qa_eps), float(kv_eps), T, *(qa.stride() if has_q else (0, 0, 0)),
-            *kv.stride(), *positions.stride(),
+            *kv.stride(), *positions.stride(), qa_weight.stride(0) if has_q else 0,
+            kv_weight.stride(0) if kv_weight is not None else 0, inv_freq.stride(0) if half else 0,
             QR=QR, BLOCK_QR=next_pow2(QR), R=kv_rank, BLOCK_R=next_pow2(kv_rank), HALF=half,
             BLOCK_HALF=max(1, next_pow2(half)), KV_NORM=kv_weight is not None, ADD_T=bool(add_t),
             num_warps=4 if max(QR, kv_rank) >= 1024 else 2)
@@ -351,38 +365,40 @@ def norm_rope(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: torch
     (``kv_weight`` None: no norm), the latent cache row. ``qa [B, T, q_rank]`` (or None) ->
     ``RMSNorm(qa) · qa_weight`` in ``qa``'s dtype (an empty tensor for None). RMSNorm in float32
     (``x · rsqrt(mean(x²) + eps) · w``, ``qa_eps`` / ``kv_eps``). ``cos_sin [B, T, 2, d_R / 2]`` float32: each
-    token's rope factors for ``absorb_q`` / ``grouped_q``, from ``positions [B, T]`` (int, any strides; ``add_t``:
-    ``+ t``) and ``inv_freq [d_R / 2]`` float64 as in the module docstring.
+    token's rope factors for ``absorb_q`` / ``grouped_q``, from ``positions [B, T]`` (int, not uint64, any
+    strides; ``add_t``: ``+ t``) and ``inv_freq [d_R / 2]`` float64 as in the module docstring. ``kv_weight
+    [kv_rank]`` / ``qa_weight [q_rank]``: bfloat16 / float16 / float32, any stride (read as float32).
     """
     _check("kv", kv, 3)
     B, T, D = kv.shape
-    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 0 < kv_rank <= D or (D - kv_rank) % 2:
+    kv_rank = check_positive_int("kv_rank", kv_rank)
+    if kv_rank > D or (D - kv_rank) % 2:
         raise ValueError(f"kv_rank: expected an int in [1, {D}] leaving an even rope width, got {kv_rank!r}")
     half = (D - kv_rank) // 2
     _check_out_dtype(out_dtype)
-    if kv_weight is not None and (not isinstance(kv_weight, torch.Tensor) or tuple(kv_weight.shape) != (kv_rank,)):
-        raise ValueError(f"kv_weight: expected a tensor of shape [{kv_rank}]")
+    add_t = check_flag("add_t", add_t)
+    if kv_weight is not None:
+        _check_weight("kv_weight", kv_weight, kv_rank, kv.device)
     if qa is not None:
         _check("qa", qa, 3)
         if list(qa.shape[:2]) != [B, T] or qa.shape[-1] == 0:
             raise ValueError(f"qa: expected shape [{B}, {T}, q_rank], got {list(qa.shape)}")
-        if not isinstance(qa_weight, torch.Tensor) or tuple(qa_weight.shape) != (qa.shape[-1],):
-            raise ValueError(f"qa_weight: expected a tensor of shape [{qa.shape[-1]}]")
-    if not isinstance(positions, torch.Tensor) or list(positions.shape) != [B, T]:
-        got = list(positions.shape) if isinstance(positions, torch.Tensor) else positions
-        raise ValueError(f"positions: expected shape [{B}, {T}], got {got}")
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-        raise TypeError(f"positions: expected an integer tensor, got {positions.dtype}")
+        _check_weight("qa_weight", qa_weight, qa.shape[-1], kv.device)
+    elif qa_weight is not None:
+        raise ValueError("qa_weight: given without qa (it scales the normed qa)")
+    check_positions(positions, (B, T))
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or list(inv_freq.shape) != [half]:
         got = (inv_freq.dtype, list(inv_freq.shape)) if isinstance(inv_freq, torch.Tensor) else inv_freq
         raise ValueError(f"inv_freq: expected a float64 tensor of shape [{half}], got {got}")
-    _check_same_device(kv.device, qa=qa, qa_weight=qa_weight, kv_weight=kv_weight, positions=positions,
-                       inv_freq=inv_freq)
+    _check_same_device(kv.device, qa=qa, positions=positions, inv_freq=inv_freq)
     check_kernel_device(kv.device, _REFERENCE, kv.dtype)
     if qa is not None:
         check_kernel_device(kv.device, _REFERENCE, qa.dtype)
     check_kernel_device(kv.device, _REFERENCE, out_dtype)
-    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, bool(add_t), kv_rank, float(qa_eps), float(kv_eps),
+    for w in (qa_weight, kv_weight):
+        if w is not None:
+            check_kernel_device(kv.device, _REFERENCE, w.dtype)
+    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, float(qa_eps), float(kv_eps),
             out_dtype)
     fn = _norm_rope_op if requires_grad(qa, qa_weight, kv, kv_weight) else route(_norm_rope_op, _norm_rope_fwd)
     return fn(*args)
@@ -433,9 +449,11 @@ def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, *, head
     """
     _check("q", q, 4)
     _check("w_uk", w_uk, 3)
+    _check_heads("q", q)
     B, T, h, E = q.shape
     g, dh, r = w_uk.shape
-    if isinstance(head_dim, bool) or dh != head_dim or not 0 < head_dim <= E or (E - head_dim) % 2:
+    head_dim = check_positive_int("head_dim", head_dim)
+    if dh != head_dim or head_dim > E or (E - head_dim) % 2:
         raise ValueError(f"head_dim: expected w_uk.shape[1] ({dh}), at most q.shape[-1] ({E}) and leaving an even "
                          f"rope width, got {head_dim!r}")
     if g == 0 or h % g:
@@ -488,6 +506,7 @@ def absorb_o(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     ``o[i] @ w_uv[i // (h/g)]ᵀ`` (``o`` read in ``w_uv``'s dtype, fp32 accumulation)."""
     _check("o", o, 4)
     _check("w_uv", w_uv, 3)
+    _check_heads("o", o)
     h, r = o.shape[2], o.shape[3]
     g = w_uv.shape[0]
     if w_uv.shape[2] != r or r == 0 or w_uv.shape[1] == 0:
@@ -535,8 +554,10 @@ def grouped_q(q: torch.Tensor, cos_sin: torch.Tensor, *, head_dim: int, out_dtyp
     ``cos_sin [B, T, 2, d_R / 2]`` float32 (``norm_rope``'s) -> ``[B, T, h, head_dim + d_R]`` contiguous in
     ``out_dtype``, ``[q_nope | rotated q_rope]``."""
     _check("q", q, 4)
+    _check_heads("q", q)
     B, T, h, E = q.shape
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 0 < head_dim <= E or (E - head_dim) % 2:
+    head_dim = check_positive_int("head_dim", head_dim)
+    if head_dim > E or (E - head_dim) % 2:
         raise ValueError(f"head_dim: expected an int in [1, {E}] leaving an even rope width, got {head_dim!r}")
     _check_out_dtype(out_dtype)
     _check_cos_sin(cos_sin, B, T, (E - head_dim) // 2, q.device)
