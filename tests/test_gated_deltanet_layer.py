@@ -22,8 +22,10 @@ FEW = settings(max_examples=examples(3, 25))  # every example runs the chunked o
 def _layer(H, G, D, dtype, seed, impl="triton"):
     torch.manual_seed(seed)
     hidden = pick(32, 256)
-    m = GatedDeltaNet(hidden, H, H * G, D, D, conv_size=4, impl=impl, device=P.device, dtype=torch.float64)
-    return m.to(dtype)
+    m = GatedDeltaNet(hidden, H, H * G, D, D, conv_size=4, impl="reference", device=P.device, dtype=torch.float64)
+    m = m.to(dtype)
+    m.impl = impl  # a float64 layer of a kernel impl only serves as a base for ``_as``
+    return m
 
 
 def _as(m, impl, dtype):
@@ -315,3 +317,40 @@ def test_hf_loads_change_nothing_when_refused_and_take_their_own_rows():
         got.load_hf_states(conv, got.recurrent_state, slots=[2, 0, 1])
         want.load_hf_states(conv, want.recurrent_state.clone(), slots=[2, 0, 1])
     assert torch.equal(got.recurrent_state, want.recurrent_state) and torch.equal(got.conv_state, want.conv_state)
+
+
+def test_kernel_impls_refuse_float64_at_construction():
+    """The Triton kernels take bfloat16 / float16 / float32: a kernel impl in float64 is a TypeError naming dtype, from
+    the constructor and from ``from_hf`` (an explicit dtype, or the weights' when dtype is None)."""
+    import types
+
+    dims = dict(hidden_size=32, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    for impl in ("auto", "triton"):
+        with pytest.raises(TypeError, match=f"dtype: impl='{impl}' runs the Triton kernels.*got float64"):
+            GatedDeltaNet(**dims, impl=impl, device=P.device, dtype=torch.float64)
+    ref = GatedDeltaNet(**dims, impl="reference", device=P.device, dtype=torch.float64)
+    sd = ref.hf_state_dict()
+    cfg = types.SimpleNamespace(hidden_size=32, linear_num_key_heads=1, linear_num_value_heads=2,
+                                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                rms_norm_eps=1e-6, hidden_act="silu")
+    with pytest.raises(TypeError, match=r"dtype \(None: that of in_proj_qkvz.weight\): impl='auto'"):
+        GatedDeltaNet.from_hf(cfg, sd)
+    with pytest.raises(TypeError, match="dtype: impl='triton'"):
+        GatedDeltaNet.from_hf(cfg, sd, impl="triton", dtype=torch.float64)
+    assert GatedDeltaNet.from_hf(cfg, sd, impl="reference").in_proj.weight.dtype == torch.float64
+    assert GatedDeltaNet.from_hf(cfg, sd, dtype=torch.float32).in_proj.weight.dtype == torch.float32
+
+
+def test_bad_device_is_refused_by_name():
+    """A device torch cannot name, or a CUDA device that does not exist here: a ValueError naming device, from the
+    layer, the cache and init_cache."""
+    dims = dict(hidden_size=32, num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    m = GatedDeltaNet(**dims, device=P.device, dtype=torch.float32)
+    missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    for bad in ("foo", "cuda:x", True, 1.5, object(), missing):
+        with pytest.raises(ValueError, match="device"):
+            GatedDeltaNet(**dims, device=bad, dtype=torch.float32)
+        with pytest.raises(ValueError, match="device"):
+            GatedDeltaNetCache(2, m.conv_dim, 4, 2, 16, 16, device=bad)
+        with pytest.raises(ValueError, match="device"):
+            m.init_cache(2, device=bad)

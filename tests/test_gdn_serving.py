@@ -371,6 +371,107 @@ def test_rejected_calls_change_nothing():
     _assert_unchanged(cache, (*snap[:4], None))
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_inputs_sharing_memory_with_the_cache_change_nothing(verify):
+    """A device slot tensor that is a view of the cache's own lengths (or of its conv rows), hidden states that are a
+    view of its recurrent states: a ValueError naming the argument before any row changes, on the fused decode
+    step, the packed one and a prefill."""
+    m = _as(_layer(1, 1, 16, torch.float64, 2), "triton", torch.float32)
+    g = gen(2)
+    cache = m.init_cache(3)
+    hid = m.hidden_size
+    with torch.no_grad():
+        m(randn((3, 2, hid), g), cache, slots=[0, 1, 2])
+        if not verify:
+            cache.reset([2])  # slot 2 is free: a call on it is a prefill, which clears its rows first
+        cache._lens[:3] = torch.tensor([1, 0, 2], **I32)  # live slot numbers, so the aliased slots decode
+    snap = _snapshot(cache)
+    rec = cache.recurrent_state.view(-1)
+    cases = [
+        ("shares memory with slots", randn((2, 1, hid), g), None, cache.seqlens[:2]),
+        ("shares memory with slots", randn((2, 1, hid), g), None, cache._lens[2:]),  # with the scratch row
+        ("shares memory with slots", randn((1, 3, hid), g), torch.tensor([0, 1, 3], **I32), cache.seqlens[:2]),
+        ("shares memory with slots", randn((2, 1, hid), g), None,
+         cache.conv_state.flatten()[:2].view(torch.int32)),
+        ("shares memory with hidden_states", rec[:2 * hid].view(2, 1, hid), None, [1, 0]),
+        ("shares memory with hidden_states", rec[:2 * hid].view(2, 1, hid), None, torch.tensor([1, 0], **I32)),
+    ]
+    if not verify:
+        cases.append(("shares memory with hidden_states", rec[-4 * hid:].view(1, 4, hid), None, [2]))  # a prefill
+    with torch.no_grad():
+        for match, x, cu, slots in cases:
+            with pytest.raises(ValueError, match=match):
+                m(x, cache, cu, slots=slots, verify=verify)
+            _assert_unchanged(cache, snap, match)
+
+
+def test_decode_step_with_hidden_states_requiring_grad_is_refused_by_name():
+    """Parameters frozen, grad mode on, ``hidden_states`` requiring grad: the decode step (forward-only) is a
+    RuntimeError naming hidden_states before any row changes; a parameter requiring grad is named alike."""
+    m = _as(_layer(1, 1, 16, torch.float64, 6), "triton", torch.float32)
+    g = gen(6)
+    cache = m.init_cache(2)
+    with torch.no_grad():
+        m(randn((2, 2, m.hidden_size), g), cache, slots=[0, 1])
+    snap = _snapshot(cache)
+    m.requires_grad_(False)
+    x = randn((2, 1, m.hidden_size), g).requires_grad_()
+    for slots in ([0, 1], torch.tensor([1, 0], **I32)):
+        with pytest.raises(RuntimeError, match="inference only .*hidden_states requires grad"):
+            m(x, cache, slots=slots)
+        _assert_unchanged(cache, snap)
+    m.A_log.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference only .*A_log requires grad"):
+        m(x.detach(), cache, slots=[0, 1])
+    _assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize("impl", ["triton", "auto"])
+def test_kernel_impl_moved_to_float64_is_refused_before_any_row_changes(impl):
+    """A kernel-impl layer moved to float64 after construction: every call (a prefill into a fresh slot, decode steps,
+    no cache) is a TypeError naming the layer's dtype and impl, and no cache row changes."""
+    m = GatedDeltaNet(32, 1, 2, 16, 16, impl=impl, device=P.device, dtype=torch.float32).to(torch.float64)
+    cache = m.init_cache(2)
+    with torch.no_grad():
+        cache.recurrent_state.normal_()
+        cache.conv_state.normal_()
+    snap = _snapshot(cache)
+    x = randn((1, 20, 32), gen(7), dtype=torch.float64)
+    match = f"the layer's dtype.*impl='{impl}'.*float64"
+    with torch.no_grad():
+        for args, kw in (((x, cache), dict(slots=[1])), ((x, None), {}), ((x[:, :1], cache),
+                                                                       dict(slots=torch.tensor([0], **I32)))):
+            with pytest.raises(TypeError, match=match):
+                m(*args, **kw)
+            _assert_unchanged(cache, snap)
+
+
+@pytest.mark.gpu_only
+def test_decode_step_past_65535_sequences():
+    """A dense decode step of 65536 sequences (device slots, most of them padding): the live ones equal the same step
+    over just them, every other row is untouched."""
+    m = GatedDeltaNet(32, 1, 1, 16, 16, impl="triton", device=P.device, dtype=torch.float32)
+    g = gen(8)
+    cache = m.init_cache(4)
+    with torch.no_grad():
+        m(randn((4, 3, 32), g), cache, slots=[0, 1, 2, 3])
+    twin = copy.deepcopy(cache)
+    B = 65536
+    slots = torch.full((B,), -1, **I32)
+    live = [0, 40000, B - 1]
+    slots[live] = torch.tensor([2, 0, 3], **I32)
+    x = randn((B, 2, 32), g)
+    with torch.no_grad():
+        out = m(x, cache, slots=slots)
+        ref = m(x[live], twin, slots=[2, 0, 3])
+    torch.testing.assert_close(out[live], ref)
+    dead = torch.ones(B, dtype=torch.bool, device=P.device)
+    dead[live] = False
+    assert torch.equal(out[dead], torch.zeros_like(out[dead]))
+    for name in ("conv_state", "recurrent_state", "seqlens"):
+        torch.testing.assert_close(getattr(cache, name), getattr(twin, name))
+
+
 def test_prefill_past_the_chunked_ops_head_dims_changes_nothing():
     """head_v_dim 272: decode steps take it, the chunked op (a prefill) does not; the refusal comes before the fresh
     slot's rows are cleared."""

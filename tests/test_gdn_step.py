@@ -226,3 +226,67 @@ def test_gated_norm_keeps_the_forward_only_guard():
     y = gdn_gated_norm(o, randn((2, 1, 2, 8), g), torch.ones(8, device=P.device), 1e-6)
     with pytest.raises(RuntimeError, match="gdn_gated_norm is forward-only"):
         y.sum().backward()
+
+
+def test_decode_prep_refuses_state_sharing_memory_with_its_inputs():
+    """conv_state and seqlens, written in place, may share no memory with what the call reads (mixed, slots,
+    conv_weight, A_log, dt_bias) or with each other: a ValueError naming both, nothing written."""
+    g = gen(5)
+    H, HV, K, V, W, B, T, P_rows = 1, 1, 16, 16, 4, 2, 2, 2
+    C, D = 2 * H * K + HV * V, 2 * H * K + 2 * HV * V + 2 * HV
+    dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    dt = P.dtypes[0]
+    buf = randn((P_rows * C * (W - 1) + B * T * D,), g, dtype=dt)
+    lens_buf = torch.tensor([1, 0, 7], **I32)
+    fresh = dict(mixed=randn((B, T, D), g, dtype=dt), conv_weight=randn((C, 1, W), g, dtype=dt),
+                 conv_state=buf[:P_rows * C * (W - 1)].view(P_rows, C, W - 1), seqlens=lens_buf[1:],
+                 slots=torch.tensor([1, 0], **I32), A_log=randn((HV,), g, dtype=dt),
+                 dt_bias=randn((HV,), g, dtype=dt))
+    pool = fresh["conv_state"]
+    cases = [
+        ("conv_state: shares memory with mixed", dict(mixed=buf[:B * T * D].view(B, T, D))),
+        ("seqlens: shares memory with slots", dict(slots=lens_buf[1:])),  # the slots' values are [0, 7]: live
+        ("seqlens: shares memory with slots", dict(slots=lens_buf[:2])),  # partly
+        ("conv_state: shares memory with A_log", dict(A_log=pool[1, 0, :HV])),
+        ("conv_state: shares memory with dt_bias", dict(dt_bias=pool[0, 3, :HV])),
+        ("conv_state: shares memory with conv_weight", dict(conv_weight=buf[:C * W].view(C, 1, W))),
+        ("conv_state: shares memory with seqlens", dict(seqlens=pool.flatten().view(torch.int32)[:P_rows])),
+    ]
+    for match, kw in cases:
+        args = {**fresh, **kw}
+        before = buf.clone(), lens_buf.clone()
+        with torch.no_grad(), pytest.raises(ValueError, match=match):
+            gdn_decode_prep(**args, **dims)
+        assert torch.equal(buf, before[0]) and torch.equal(lens_buf, before[1]), match
+
+
+def test_decode_prep_launches_any_batch_of_the_decode_op(monkeypatch):
+    """Past 65535 sequences (CUDA's limit on a grid's second and third axes): the sequences lie along grid axis 0
+    (2**31 - 1), the channel blocks along axis 1. The launch is recorded, not run (65536 sequences take minutes
+    under the interpreter); ``test_decode_step_past_65535_sequences`` runs it on a GPU."""
+    from gqla_triton.layers import gdn_step
+    from gqla_triton.ops._common.host import MAX_GRID_Y
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(gdn_step, "gdn_decode_prep_kernel", Recorder())
+    H, HV, K, V, W, B = 1, 1, 8, 8, 2, MAX_GRID_Y + 1
+    C, D = 2 * H * K + HV * V, 2 * H * K + 2 * HV * V + 2 * HV
+    mixed = torch.zeros(B, 1, D, device=P.device)
+    slots = torch.full((B,), -1, **I32)
+    with torch.no_grad():
+        out = gdn_decode_prep(mixed, torch.zeros(C, 1, W, device=P.device), torch.zeros(1, C, W - 1, device=P.device),
+                              torch.zeros(1, **I32), slots, torch.zeros(HV, device=P.device),
+                              torch.zeros(HV, device=P.device), num_heads=H, head_k_dim=K, num_v_heads=HV,
+                              head_v_dim=V)
+    assert out[0].shape == (B, 1, H, K) and out[5].shape == (B,)
+    assert len(launches) == 1 and launches[0][0] == B and all(n <= MAX_GRID_Y for n in launches[0][1:])
+    for b in (1, B, 2**31 - 1):
+        for c in (3, 4096, 512 * (MAX_GRID_Y - 1)):
+            grid, BC = gdn_step._prep_grid(b, c)
+            assert grid == (b, -(-c // BC) + 1) and grid[1] <= MAX_GRID_Y

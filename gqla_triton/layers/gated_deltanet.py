@@ -29,8 +29,11 @@ from torch import nn
 
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
+    FLOAT_DTYPES,
     INT32_MAX,
+    check_disjoint,
     check_float_dtype,
+    check_kernel_device,
     check_optional_int,
     check_positive_int,
     check_positive_real,
@@ -45,6 +48,31 @@ from .norm import gated_rms_norm
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
 _CU_DTYPES = (torch.int32, torch.int64)
+_REF = "gqla_triton.layers.GatedDeltaNet"
+
+
+def _check_device(device) -> torch.device | None:
+    """``device`` (None: torch's default) as a ``torch.device``: a ``ValueError`` for anything torch cannot place
+    tensors on by that name (a malformed string, a CUDA device that does not exist here)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device) if not isinstance(device, bool) else None
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None:
+        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"device: {dev} does not exist ({count} CUDA devices visible)")
+    return dev
+
+
+def _check_kernel_dtype(impl: str, dtype: torch.dtype, name: str) -> None:
+    """The Triton kernels take bfloat16 / float16 / float32 only; float64 is for impl='reference'."""
+    if impl != "reference" and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: impl={impl!r} runs the Triton kernels, which take bfloat16, float16 or float32; got "
+                        f"{str(dtype).replace('torch.', '')} (impl='reference' takes any float dtype)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +212,7 @@ class GatedDeltaNetCache:
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= INT32_MAX:
                 raise ValueError(f"{name}: expected an int in [{lo}, {INT32_MAX}], got {val!r}")
         check_float_dtype(dtype, optional=False)
+        device = _check_device(device)
         # one scratch row past the slots receives the writes of skipped (padding) sequences
         self._conv = torch.zeros(num_seqs + 1, conv_dim, conv_size - 1, device=device, dtype=dtype)
         self.conv_state = self._conv[:num_seqs]
@@ -267,6 +296,12 @@ class GatedDeltaNetCache:
                     raise ValueError(f"slots: a slot is named by more than one sequence in {slots.tolist()}")
             return _Batch(None, slots, None, None, None)
         return self._host_batch(self._host_ids(slots, n, tensors=True))
+
+    def _check_reads(self, **reads: torch.Tensor | None) -> None:
+        """The tensors a call reads (None: absent) share no memory with the rows it writes (``ValueError``)."""
+        for name, t in (("cache.conv_state", self._conv), ("cache.recurrent_state", self.recurrent_state),
+                        ("cache.seqlens", self._lens)):
+            check_disjoint(name, t, **reads)
 
     def holds(self, slots=None) -> list[bool]:
         """Host flags: whether each of ``slots`` (host ids; default all) holds a sequence's state."""
@@ -404,7 +439,8 @@ class GatedDeltaNet(nn.Module):
         hidden_size: model width. num_heads (H): q/k heads. num_v_heads (HV): value heads, ``HV % H == 0``.
         head_k_dim (K), head_v_dim (V): per-head dims. conv_size: short-conv width (>= 2).
         norm_eps: gated RMSNorm epsilon. layer_idx: position in the model (informational).
-        impl: ``"auto"`` / ``"triton"`` (the Triton kernels) or ``"reference"`` (pure torch, any device and dtype).
+        impl: ``"auto"`` / ``"triton"`` (the Triton kernels: bfloat16, float16 or float32) or ``"reference"`` (pure
+            torch, any device and dtype, float64 included).
         save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
@@ -438,6 +474,8 @@ class GatedDeltaNet(nn.Module):
         layer_idx = check_optional_int("layer_idx", layer_idx, lo=0)
         check_float_dtype(dtype)
         check_impl(impl, op="GatedDeltaNet", gluon=False)
+        _check_kernel_dtype(impl, dtype if dtype is not None else torch.get_default_dtype(), "dtype")
+        device = _check_device(device)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
@@ -491,10 +529,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def init_cache(self, num_seqs: int, device=None) -> GatedDeltaNetCache:
-        """An empty cache for ``num_seqs`` sequence slots on the layer's device and dtype."""
+        """An empty cache for ``num_seqs`` sequence slots on ``device`` (default the layer's), in the layer's
+        dtype."""
         w = self.in_proj.weight
         return GatedDeltaNetCache(num_seqs, self.conv_dim, self.conv_size, self.num_v_heads, self.head_k_dim,
-                                  self.head_v_dim, device=device or w.device, dtype=w.dtype)
+                                  self.head_v_dim, device=device if device is not None else w.device, dtype=w.dtype)
 
     # ------------------------------------------------------------------------------------ transformers interop
     @classmethod
@@ -544,6 +583,9 @@ class GatedDeltaNet(nn.Module):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of tensors, got {type(state_dict).__name__}")
         w = _hf_tensor(state_dict, prefix, "in_proj_qkvz.weight")
+        if dtype is None:
+            check_impl(impl, op="GatedDeltaNet", gluon=False)
+            _check_kernel_dtype(impl, w.dtype, f"dtype (None: that of {prefix}in_proj_qkvz.weight)")
         m = cls(hidden, H, HV, K, V, conv_size=W, norm_eps=eps, layer_idx=layer_idx, impl=impl,
                 device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype,
                 save_states=save_states)
@@ -766,8 +808,9 @@ class GatedDeltaNet(nn.Module):
         (``ValueError``). Skipped (padding) sequences output 0.
         ``verify=True`` (decode only): the tokens are drafts; outputs of all of them are returned, the cache is left
         as it was until ``cache.commit(accepted)`` advances each sequence by its accepted tokens. A decode step is
-        inference only (a ``RuntimeError`` under autograd with parameters requiring grad). Invalid arguments raise
-        ``TypeError`` / ``ValueError`` before anything in the cache changes.
+        inference only (a ``RuntimeError`` under autograd with ``hidden_states`` or a parameter requiring grad).
+        The tensors passed share no memory with the cache's. Invalid arguments raise ``TypeError`` /
+        ``ValueError`` before anything in the cache changes.
         """
         x = hidden_states
         w = self.in_proj.weight
@@ -779,6 +822,9 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"hidden_states: expected the layer's dtype {w.dtype}, got {x.dtype}")
         if x.device != w.device:
             raise ValueError(f"hidden_states: expected a tensor on the layer's device {w.device}, got {x.device}")
+        if self.impl != "reference":  # before any cache row changes: every path of the kernel impls runs kernels
+            _check_kernel_dtype(self.impl, w.dtype, "GatedDeltaNet (the layer's dtype)")
+            check_kernel_device(w.device, _REF, w.dtype)
         B, T, _ = x.shape
         if B == 0 or T == 0:
             raise ValueError(f"hidden_states: expected B >= 1 and T >= 1, got {list(x.shape)}")
@@ -800,6 +846,9 @@ class GatedDeltaNet(nn.Module):
         else:
             self._check_cache(cache)
         batch = cache._batch(slots, N) if cache is not None else None
+        if cache is not None:
+            cache._check_reads(hidden_states=x, cu_seqlens=cu_seqlens,
+                               slots=batch.slots if batch.ids is None else None)
         decode = batch is not None and batch.ids is None
         fresh = []
         if batch is not None and not decode:
@@ -818,9 +867,13 @@ class GatedDeltaNet(nn.Module):
                               cu_host)
             return self._project_out(o, z)
         if decode:
-            if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-                raise RuntimeError("GatedDeltaNet: decode steps are inference only (gated_delta_rule_decode is "
-                                   "forward-only); run them under torch.no_grad() / torch.inference_mode()")
+            if torch.is_grad_enabled():
+                named = (("hidden_states", x), *self.named_parameters())
+                grad = next((name for name, t in named if t.requires_grad), None)
+                if grad is not None:
+                    raise RuntimeError(f"GatedDeltaNet: decode steps are inference only (gated_delta_rule_decode is "
+                                       f"forward-only): {grad} requires grad; run them under torch.no_grad() / "
+                                       "torch.inference_mode()")
             return self._decode(x, cache, batch, cu_seqlens, verify)
         return self._prefill(x, cache, batch, cu_seqlens, cu_host, fresh)
 

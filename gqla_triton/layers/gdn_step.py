@@ -27,6 +27,8 @@ from ..ops._common.boundary import route
 from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2
 from ..ops._common.validation import (
     FLOAT_DTYPES,
+    INT32_MAX,
+    check_disjoint,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -52,11 +54,11 @@ def gdn_decode_prep_kernel(
     KD: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, W: tl.constexpr,
     BC: tl.constexpr, BW: tl.constexpr, BH: tl.constexpr, UPDATE: tl.constexpr,
 ):
-    # one program per (BC-wide channel block, sequence), and one more per sequence (the last along axis 0) for its
+    # one program per (sequence, BC-wide channel block), and one more per sequence (the last along axis 1) for its
     # gates, its pool row and its length, in parallel with the conv. Stream of a channel: [its window (W-1
     # entries), token 0, ..., token T-1].
-    i_c = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
     C = 2 * KD + VD
     W1 = W - 1
 
@@ -64,7 +66,7 @@ def gdn_decode_prep_kernel(
     live = (slot >= 0) & (slot < num_slots)
     row = tl.where(live, slot, 0)  # a skipped sequence reads no window (zeros) and writes none
 
-    if i_c == tl.num_programs(0) - 1:
+    if i_c == tl.num_programs(1) - 1:
         tl.store(rows + i_b, tl.where(live, slot, -1).to(tl.int32))
         if UPDATE:
             n = tl.load(lens + row, mask=live, other=0)
@@ -132,6 +134,13 @@ def _prep_shapes(mixed, H, K, HV, V):
     return (B, T, H, K), (B, T, HV, V), (B, T, HV)
 
 
+def _prep_grid(B: int, C: int) -> tuple[tuple[int, int], int]:
+    """The prep kernel's ``(grid, BC)`` for ``B`` sequences of ``C`` conv channels: the sequences along axis 0
+    (CUDA takes up to 2**31 - 1 there), the BC-wide channel blocks and the gates' program along axis 1."""
+    BC = min(512, max(16, next_pow2(C)))
+    return (B, cdiv(C, BC) + 1), BC
+
+
 def _prep_launch(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots: int, num_heads: int,
                  head_k_dim: int, num_v_heads: int, head_v_dim: int, update: bool):
     qk_shape, v_shape, g_shape = _prep_shapes(mixed, num_heads, head_k_dim, num_v_heads, head_v_dim)
@@ -146,8 +155,8 @@ def _prep_launch(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
     KD, VD = num_heads * head_k_dim, num_v_heads * head_v_dim
     C = 2 * KD + VD
     W = conv_weight.shape[-1]
-    BC = min(512, max(16, next_pow2(C)))
-    gdn_decode_prep_kernel[(cdiv(C, BC) + 1, B)](
+    grid, BC = _prep_grid(B, C)
+    gdn_decode_prep_kernel[grid](
         mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
         q, k, v, g, beta, rows,
         T, num_slots, mixed.stride(0), mixed.stride(1), mixed.stride(2),
@@ -185,8 +194,12 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     C = 2 * KD + VD
     check_tensor("mixed", mixed, ndim=3, dtypes=fdt)
     B, T, D = mixed.shape
-    if not (1 <= B <= MAX_GRID_Y and T >= 1):
-        raise ValueError(f"mixed: expected 1 <= B <= {MAX_GRID_Y} and T >= 1, got {list(mixed.shape)}")
+    if not (1 <= B <= INT32_MAX and T >= 1):
+        raise ValueError(f"mixed: expected 1 <= B <= {INT32_MAX} and T >= 1, got {list(mixed.shape)}")
+    blocks = _prep_grid(B, C)[0][1]
+    if not ref and blocks > MAX_GRID_Y:
+        raise ValueError(f"num_heads, head_k_dim, num_v_heads, head_v_dim: {C} conv channels (2·H·K + HV·V) take "
+                         f"{blocks} programs per sequence, more than a grid axis holds ({MAX_GRID_Y})")
     if D != C + VD + 2 * HV:
         raise ValueError(f"mixed: expected [B, T, {C + VD + 2 * HV}] (q, k, v, z, b, a: 2·{KD} + 2·{VD} + 2·{HV}), "
                          f"got {list(mixed.shape)}")
@@ -205,6 +218,9 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     for name, t in (("conv_weight", conv_weight), ("conv_state", conv_state), ("seqlens", seqlens)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor")
+    reads = dict(mixed=mixed, slots=slots, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
+    check_disjoint("conv_state", conv_state, seqlens=seqlens, **reads)
+    check_disjoint("seqlens", seqlens, **reads)
     if num_slots is None:
         num_slots = P
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 <= num_slots <= P:
@@ -219,8 +235,8 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
     """The decode op's inputs for ``T`` new tokens of each of ``B`` sequences, in one kernel.
 
     Args:
-        mixed: ``[B, T, 2·H·K + 2·HV·V + 2·HV]`` bf16 / fp16 / fp32, any strides: the fused input projection,
-            columns ``[q (H·K) | k (H·K) | v (HV·V) | z (HV·V) | b (HV) | a (HV)]``.
+        mixed: ``[B, T, 2·H·K + 2·HV·V + 2·HV]`` (B <= 2**31 - 1) bf16 / fp16 / fp32, any strides: the fused input
+            projection, columns ``[q (H·K) | k (H·K) | v (HV·V) | z (HV·V) | b (HV) | a (HV)]``.
         conv_weight: ``[C, 1, W]`` contiguous (``C = 2·H·K + HV·V``; W >= 2), any of those dtypes.
         conv_state: ``[P, C, W-1]`` contiguous, mixed's dtype: the pool of conv windows (the last ``W-1`` pre-conv
             inputs of each slot, oldest first).
@@ -234,6 +250,8 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
         num_slots: rows of the pool that are slots (default ``P``; at most ``P``).
         update: advance each live sequence's window by its ``T`` tokens and its length by ``T`` (in place);
             False (a verify step) leaves both as they are.
+
+    ``conv_state`` and ``seqlens`` share no memory with each other or with the other arguments (``ValueError``).
 
     Returns ``(q, k, v, g, beta, rows)``: q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` contiguous in mixed's dtype
     (``silu(conv)``, the conv rounded to mixed's dtype first, as the torch path); g, beta ``[B, T, HV]`` fp32;
