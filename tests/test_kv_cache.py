@@ -579,7 +579,7 @@ def test_a_cache_made_in_inference_mode_refuses_updates_outside_it():
 def test_constructor_and_query_refusals_name_the_argument():
     with pytest.raises(ValueError, match="device: expected a torch.device"):
         LatentCache(1, 32, R, DR, page_size=PS, device="gpu")
-    with pytest.raises(ValueError, match="device: a cache needs storage"):
+    with pytest.raises(ValueError, match="device: expected a device with storage, got meta"):
         GroupedCache(1, 32, G, DH, DR, DV, page_size=PS, device="meta")
     for bad in (1e39, 3.5e38, 1e-45):
         with pytest.raises(ValueError, match="k_scale"):

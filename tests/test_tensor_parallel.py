@@ -175,7 +175,7 @@ def _worker(rank: int, world: int, backend: str, store: str, payload: str, out_d
                 errors.append(str(e))
         try:
             TPGatedDeltaNet.from_state_dict(data["gdn_sd"], {**data["gdn_cfg"], "num_heads": 3, "num_v_heads": 6},
-                                            device=dev)
+                                            device=dev, dtype=dtype)
         except ValueError as e:
             errors.append(str(e))
         for bad in ("gpu", "meta", 3.5, f"cuda:{torch.cuda.device_count()}"):  # refused by name, nothing loaded
@@ -264,7 +264,7 @@ def _check(world: int, backend: str, seed: int) -> None:
         assert any("TPGQLAttention: inference only" in e for e in errs), errs
         for want in ("device: expected a torch.device, a device string or a CUDA index, got 'gpu'",
                      "device: expected a torch.device, a device string or a CUDA index, got 3.5",
-                     "device: a shard's weights need storage; 'meta' has none", "CUDA devices visible"):
+                     "device: expected a device with storage, got meta", "CUDA devices visible"):
             assert any(want in e for e in errs), (want, errs)
         if world >= 4:
             want = "3 ranks, which does not divide num_groups" if rank < 3 else "not a member of the process group"

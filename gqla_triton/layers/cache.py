@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_float_dtype, check_positive_int, check_scale
+from ..ops._common.validation import INT32_MAX, check_device, check_float_dtype, check_positive_int, check_scale
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import cache_rows
 
@@ -114,13 +114,7 @@ class PagedCache(abc.ABC):
             raise TypeError(f"auto_reserve: expected a bool, got {type(auto_reserve).__name__}")
         self.auto_reserve = auto_reserve
         self.scratch_page = self.num_pages
-        try:
-            dev = torch.device(device) if device is not None else torch.device("cpu")
-        except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got "
-                             f"{device!r}") from None
-        if dev.type == "meta":
-            raise ValueError("device: a cache needs storage; 'meta' has none")
+        dev = check_device(device, storage=True) or torch.device("cpu")
         self.cache_seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
         self.device = self.cache_seqlens.device  # index resolved ("cuda" -> "cuda:0")
         self.block_table = torch.full((self.max_batch, self.max_pages), self.scratch_page, dtype=torch.int32,

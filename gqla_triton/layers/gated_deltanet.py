@@ -31,6 +31,7 @@ from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
+    check_device,
     check_disjoint,
     check_float_dtype,
     check_kernel_device,
@@ -49,23 +50,6 @@ __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
 _CU_DTYPES = (torch.int32, torch.int64)
 _REF = "gqla_triton.layers.GatedDeltaNet"
-
-
-def _check_device(device) -> torch.device | None:
-    """``device`` (None: torch's default) as a ``torch.device``: a ``ValueError`` for anything torch cannot place
-    tensors on by that name (a malformed string, a CUDA device that does not exist here)."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device) if not isinstance(device, bool) else None
-    except (RuntimeError, TypeError, ValueError):
-        dev = None
-    if dev is None:
-        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}")
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(f"device: {dev} does not exist ({count} CUDA devices visible)")
-    return dev
 
 
 def _check_kernel_dtype(impl: str, dtype: torch.dtype, name: str) -> None:
@@ -212,7 +196,7 @@ class GatedDeltaNetCache:
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= INT32_MAX:
                 raise ValueError(f"{name}: expected an int in [{lo}, {INT32_MAX}], got {val!r}")
         check_float_dtype(dtype, optional=False)
-        device = _check_device(device)
+        device = check_device(device, storage=True)
         # one scratch row past the slots receives the writes of skipped (padding) sequences
         self._conv = torch.zeros(num_seqs + 1, conv_dim, conv_size - 1, device=device, dtype=dtype)
         self.conv_state = self._conv[:num_seqs]
@@ -475,7 +459,7 @@ class GatedDeltaNet(nn.Module):
         check_float_dtype(dtype)
         check_impl(impl, op="GatedDeltaNet", gluon=False)
         _check_kernel_dtype(impl, dtype if dtype is not None else torch.get_default_dtype(), "dtype")
-        device = _check_device(device)
+        device = check_device(device)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size

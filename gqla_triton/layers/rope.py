@@ -6,7 +6,7 @@ import numbers
 
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_positive_real, check_same_device, check_tensor
+from ..ops._common.validation import INT32_MAX, check_device, check_positive_real, check_same_device, check_tensor
 
 __all__ = ["apply_rope", "cached_inv_freq", "rope_cos_sin", "rope_inv_freq"]
 
@@ -18,15 +18,6 @@ def _check_rope_dim(name: str, d: object) -> int:
     if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d <= INT32_MAX or d % 2:
         raise ValueError(f"{name}: expected an even int >= 0, got {type(d).__name__} {d!r}")
     return int(d)
-
-
-def _check_device(device: object) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}") from None
 
 
 def check_positions(positions: object, shape: tuple[int | None, ...]) -> torch.Tensor:
@@ -55,7 +46,7 @@ def rope_inv_freq(d: int, theta: float = 10000.0, *, device=None) -> torch.Tenso
     positive and finite)."""
     d = _check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
-    device = _check_device(device)
+    device = check_device(device)
     return theta ** (-torch.arange(0, d // 2, dtype=torch.float64, device=device) * 2.0 / d)
 
 
@@ -72,7 +63,7 @@ def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
     torch.compile traces and CUDA-graph captures, which make it fresh). Do not write to it."""
     d = _check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
-    device = _check_device(device)
+    device = check_device(device)
     if device is None:
         raise ValueError("device: expected a torch.device, a device string or a CUDA index, got None")
     key = (d, theta, device)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from ..ops._common.validation import check_device
+
 
 def resolve_group(group) -> tuple[object, int, int]:
     """``(group, rank, size)`` of ``group`` (None: the default group) in an initialised ``torch.distributed``."""
@@ -33,14 +35,7 @@ def resolve_device(group, device) -> torch.device:
     reduces (NCCL: CUDA tensors only)."""
     import torch.distributed as dist
 
-    try:
-        dev = torch.device("cpu" if device is None else device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}") from None
-    if dev.type == "meta":
-        raise ValueError("device: a shard's weights need storage; 'meta' has none")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} CUDA devices visible)")
+    dev = check_device(device, storage=True) or torch.device("cpu")
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and dev.type != "cuda":
         raise ValueError(f"device: the process group uses NCCL, which reduces CUDA tensors only; got {dev}")

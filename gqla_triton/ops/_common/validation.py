@@ -131,6 +131,26 @@ def check_optional_int(name: str, value: object, *, lo: int = 1, hi: int = INT32
     return int(value)
 
 
+def check_device(device: object, *, storage: bool = False, name: str = "device") -> torch.device | None:
+    """None, or ``device`` as a ``torch.device``: a device, a device string or a CUDA index (bools refused), a CUDA
+    device that exists here; with ``storage`` not ``meta`` (which holds no values)."""
+    if device is None:
+        return None
+    try:
+        dev = None if isinstance(device, bool) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None:
+        raise ValueError(f"{name}: expected a torch.device, a device string or a CUDA index, got {device!r}")
+    if storage and dev.type == "meta":
+        raise ValueError(f"{name}: expected a device with storage, got meta (it holds no values)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"{name}: {dev} does not exist ({count} CUDA devices visible)")
+    return dev
+
+
 def check_positive_real(name: str, value: object) -> float:
     """A positive, finite real number (bools, strings and tensors refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
