@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from collections.abc import Mapping
 from typing import ClassVar, NamedTuple
@@ -140,7 +139,7 @@ _SHAPE_KEYS = ("num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank")
 def _check_layer_shape(s: object) -> None:
     """``layer_shape``: a mapping of positive ints (``rope_dim`` may be 0) with ``num_groups`` dividing
     ``num_heads``."""
-    from .ops._common.validation import check_positive_int
+    from .ops._common.validation import check_positive_int, is_int
 
     if not isinstance(s, Mapping):
         raise TypeError(f"layer_shape: expected a mapping with {_SHAPE_KEYS} (and optionally v_head_dim), "
@@ -152,7 +151,7 @@ def _check_layer_shape(s: object) -> None:
     if unknown:
         raise ValueError(f"layer_shape: unknown keys {unknown}; it takes {_SHAPE_KEYS} and optionally v_head_dim")
     for k in _SHAPE_KEYS + (("v_head_dim",) if "v_head_dim" in s else ()):
-        if k == "rope_dim" and isinstance(s[k], numbers.Integral) and not isinstance(s[k], bool) and s[k] == 0:
+        if k == "rope_dim" and is_int(s[k]) and s[k] == 0:
             continue
         check_positive_int(f"layer_shape[{k!r}]", s[k])
     if s["num_heads"] % s["num_groups"]:
@@ -175,10 +174,10 @@ def step_inputs(batch: int, seqlen: int, s_q: int, *, seed: int = 0, device="cud
     caches with one shared rope key (grouped path) over the same shuffled block table."""
     import torch
 
-    from .ops._common.validation import check_positive_int
+    from .ops._common.validation import check_positive_int, is_int
 
     batch, seqlen, s_q = (check_positive_int(n, v) for n, v in (("batch", batch), ("seqlen", seqlen), ("s_q", s_q)))
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    if not is_int(seed):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     H, G, DH, DR, R = (REF_SHAPE[k] for k in ("num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank"))
     g = torch.Generator(device=device)

@@ -11,9 +11,10 @@ entries are the ceilings measured on our H200 (device-to-device copy, 8192^3 bf1
 from __future__ import annotations
 
 import argparse
-import numbers
 import os
 from dataclasses import dataclass
+
+from .ops._common.validation import is_int
 
 __all__ = [
     "GPUSpec",
@@ -93,7 +94,7 @@ def _sizes(zero_ok: tuple = (), optional: tuple = (), **sizes) -> None:
         if v is None and name in optional:
             continue
         lo = 0 if name in zero_ok else 1
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        if not is_int(v) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {type(v).__name__} {v!r}")
 
 

@@ -25,21 +25,14 @@ loaders permute those rows (``[0, 2, 4, ..., 1, 3, 5, ...]``), which leaves ever
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ..layers.gqla import GQLAttention
-from ..ops._common.validation import check_flag, check_positive_int
+from ..ops._common.validation import check_flag, check_positive_int, is_int
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
 _F64 = dict(dtype=torch.float64, device="cpu")
-
-
-def _is_int(v) -> bool:
-    """An int (numpy's too), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def interleaved_to_half(d: int) -> torch.Tensor:
@@ -71,7 +64,7 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     rope_interleaved = check_flag("rope_interleaved", rope_interleaved)
     for name, v in (("num_heads", h), ("head_dim", d_nope), ("v_head_dim", d_v), ("kv_rank", r)):
         check_positive_int(name, v)
-    if not _is_int(d_R) or d_R < 0 or d_R % 2:
+    if not is_int(d_R) or d_R < 0 or d_R % 2:
         raise ValueError(f"rope_dim: expected an even int >= 0, got {d_R!r}")
     key = prefix + "kv_a_proj_with_mqa.weight"
     if key not in sd:
@@ -128,7 +121,7 @@ def load_gqla(state_dict: dict, *, num_heads: int, num_groups: int, head_dim: in
     ``head_dim`` = d_nope, ``rope_dim`` = d_R, ``softmax_scale`` default ``(d_nope + d_R)^-0.5``; ``rope_inv_freq
     [d_R/2]`` replaces ``rope_theta``'s frequencies (e.g. YaRN's). Exact: only the rope rows are reordered.
     """
-    if not _is_int(num_groups) or num_groups <= 0 or not _is_int(num_heads) or num_heads % num_groups:
+    if not is_int(num_groups) or num_groups <= 0 or not is_int(num_heads) or num_heads % num_groups:
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {num_heads!r}, got {num_groups!r}")
     d_v = head_dim if v_head_dim is None else v_head_dim
     w = _read(state_dict, prefix, h=num_heads, n=num_groups, d_nope=head_dim, d_R=rope_dim, d_v=d_v, r=kv_rank,
@@ -165,7 +158,7 @@ def mla_to_gqla(state_dict: dict, *, num_heads: int, num_groups: int, qk_nope_he
     the source's ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5``. The PCA runs in float64.
     """
     h, g = num_heads, num_groups
-    if not _is_int(g) or g <= 0 or not _is_int(h) or h % g:
+    if not is_int(g) or g <= 0 or not is_int(h) or h % g:
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {h!r}, got {g!r}")
     dn, dR, dv, r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_rank
     w = _read(state_dict, prefix, h=h, n=h, d_nope=dn, d_R=dR, d_v=dv, r=r, q_rank=q_rank,

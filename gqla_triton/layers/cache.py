@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_device, check_float_dtype, check_positive_int, check_scale
+from ..ops._common.validation import INT32_MAX, check_device, check_float_dtype, check_positive_int, check_scale, is_int
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import cache_rows
 
@@ -74,14 +74,9 @@ def latent_compute_dtypes(dtype: torch.dtype, scaled: bool) -> tuple[torch.dtype
     return (dtype,)
 
 
-def _is_integral(v) -> bool:
-    """An int (not a bool) of any size."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _is_int(v) -> bool:
     """An int (not a bool) within int32, the kernels' size type."""
-    return _is_integral(v) and abs(v) <= INT32_MAX
+    return is_int(v) and abs(v) <= INT32_MAX
 
 
 class PagedCache(abc.ABC):
@@ -166,7 +161,7 @@ class PagedCache(abc.ABC):
             if seq_ids.dim() > 1:
                 raise ValueError(f"{name}: expected a 0-d or 1-d tensor, got shape {list(seq_ids.shape)}")
             ids = tuple(seq_ids.reshape(-1).tolist())
-        elif _is_integral(seq_ids):
+        elif is_int(seq_ids):
             ids = (int(seq_ids),)
         elif isinstance(seq_ids, (range, Sequence)) and not isinstance(seq_ids, (str, bytes)):
             ids = tuple(seq_ids)
@@ -174,7 +169,7 @@ class PagedCache(abc.ABC):
             raise TypeError(f"{name}: expected None, an int, a sequence of ints or a CPU integer tensor, got "
                             f"{type(seq_ids).__name__}")
         for s in ids:
-            if not _is_integral(s):
+            if not is_int(s):
                 raise TypeError(f"{name}: expected int slot ids, got {type(s).__name__} {s!r}")
         ids = tuple(int(s) for s in ids)
         for s in ids:
@@ -187,7 +182,7 @@ class PagedCache(abc.ABC):
         return ids
 
     def _slot(self, seq_id, name: str = "seq_id") -> int:
-        if not _is_integral(seq_id):
+        if not is_int(seq_id):
             raise TypeError(f"{name}: expected an int slot id, got {type(seq_id).__name__} {seq_id!r}")
         if not 0 <= seq_id < self.max_batch:
             raise ValueError(f"{name}: slot {seq_id} outside [0, {self.max_batch})")

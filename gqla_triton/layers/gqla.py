@@ -32,8 +32,6 @@ be captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)`` a
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,13 +45,15 @@ from ..ops._common.validation import (
     check_positive_int,
     check_positive_real,
     check_softmax_scale,
+    check_tensor,
+    is_int,
     requires_grad,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
-from .rope import apply_rope, cached_inv_freq
+from .rope import apply_rope, cached_inv_freq, check_positions
 
 __all__ = ["GQLAttention"]
 
@@ -122,8 +122,7 @@ class GQLAttention(nn.Module):
                                                                                   head_dim, kv_rank))
         if num_heads % num_groups:
             raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
-        if (isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or not 0 <= rope_dim <= INT32_MAX
-                or rope_dim % 2):
+        if not is_int(rope_dim) or not 0 <= rope_dim <= INT32_MAX or rope_dim % 2:
             raise ValueError(f"rope_dim: expected an even int >= 0, got {rope_dim!r}")
         rope_dim = int(rope_dim)
         if q_rank is not None:
@@ -288,12 +287,8 @@ class GQLAttention(nn.Module):
         return kv[..., : self.head_dim], kv[..., self.head_dim:]
 
     def _check_positions(self, positions, B: int, T: int, device) -> torch.Tensor:
-        if not isinstance(positions, torch.Tensor):
-            raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
-        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-            raise TypeError(f"positions: expected an integer tensor, got {positions.dtype}")
-        if positions.dtype == torch.uint64:  # values past 2**63 have no int64 form (the kernels read int64)
-            raise TypeError("positions: expected a signed integer tensor or one of at most 32 bits, got torch.uint64")
+        check_tensor("positions", positions)
+        check_positions(positions, (None,) * positions.dim())  # an integer tensor, not uint64; the shapes below
         if positions.dim() == 1 and positions.shape[0] == T:
             positions = positions[None].expand(B, T)
         if list(positions.shape) != [B, T]:
@@ -504,10 +499,9 @@ class GQLAttention(nn.Module):
         q (or q_b) and kv_b rows are column-parallel, o_proj columns row-parallel; kv_a_proj, q_a_proj and the
         norms are replicated. Summing the shards' outputs gives the full layer's output.
         """
-        if (isinstance(tp_size, bool) or not isinstance(tp_size, numbers.Integral) or tp_size <= 0
-                or self.num_groups % tp_size):
+        if not is_int(tp_size) or tp_size <= 0 or self.num_groups % tp_size:
             raise ValueError(f"tp_size: expected a positive divisor of num_groups {self.num_groups}, got {tp_size!r}")
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, numbers.Integral) or not 0 <= tp_rank < tp_size:
+        if not is_int(tp_rank) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank!r}")
         tp_rank, tp_size = int(tp_rank), int(tp_size)
         g, h = self.num_groups // tp_size, self.num_heads // tp_size

@@ -115,6 +115,11 @@ def check_softmax_scale(softmax_scale: object, default: float) -> float:
 INT32_MAX = 2**31 - 1
 
 
+def is_int(value: object) -> bool:
+    """An integer of any size (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value: object, *, hi: int = INT32_MAX) -> int:
     """A count or size: an int in ``[1, hi]`` (bools and non-integers are refused; sizes are int32 on the GPU)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= hi:
