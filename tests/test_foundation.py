@@ -417,3 +417,38 @@ def test_decode_path_measurement_helpers_refuse_bad_arguments():
             decode_path.step_inputs(**args, device="cpu")
     with pytest.raises(TypeError, match="seed"):
         decode_path.step_inputs(1, 64, 1, seed=True, device="cpu")
+
+
+def test_the_interpreter_shortcut_changes_no_result():
+    """The ci profile's interpreter skips repatching Triton's builtins on each helper call (``tests/interp.py``):
+    a GDN forward + backward and an MLA decode, whose kernels call helpers from several modules, give the same
+    bits with the interpreter's own patching, and the shortcut did skip work."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU interpreter's patching: the ci profile only")
+    import interp
+    import torch
+
+    import gqla_triton as gq
+
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 80, 1, 16, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(1, 80, 2, 16, generator=g)
+    gate = torch.nn.functional.logsigmoid(torch.randn(1, 80, 2, generator=g)) / 8
+    beta = torch.sigmoid(torch.randn(1, 80, 2, generator=g))
+    mq = torch.randn(2, 1, 4, 48, generator=g)
+    kv = torch.randn(4, 16, 1, 48, generator=g)
+    table = torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    lens = torch.tensor([20, 32], dtype=torch.int32)
+
+    def run():
+        xs = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
+        o, ht = gq.chunk_gated_delta_rule(*xs, output_final_state=True)
+        torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+        return [o, ht, *(x.grad for x in xs), *gq.mla_decode(mq, kv, table, lens, head_dim_v=32, num_splits=2)]
+
+    before = interp.skipped
+    fast = run()
+    assert interp.skipped > before
+    with interp.original_patching():
+        slow = run()
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
