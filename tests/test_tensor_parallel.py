@@ -123,6 +123,10 @@ def _groups(world: int, tp: int):
 def _worker(rank: int, world: int, backend: str, store: str, payload: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the ci profile's shortcut, as in the test process (conftest.py)
+        from interp import reuse_patches
+
+        reuse_patches()
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
