@@ -149,7 +149,7 @@ def check_device(device: object, *, storage: bool = False, name: str = "device")
         raise ValueError(f"{name}: expected a torch.device, a device string or a CUDA index, got {device!r}")
     if storage and dev.type == "meta":
         raise ValueError(f"{name}: expected a device with storage, got meta (it holds no values)")
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not torch.compiler.is_compiling():  # traced: a tensor's device, which exists
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (dev.index or 0) >= count:
             raise ValueError(f"{name}: {dev} does not exist ({count} CUDA devices visible)")
