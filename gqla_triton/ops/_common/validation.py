@@ -138,7 +138,8 @@ def check_optional_int(name: str, value: object, *, lo: int = 1, hi: int = INT32
 
 def check_device(device: object, *, storage: bool = False, name: str = "device") -> torch.device | None:
     """None, or ``device`` as a ``torch.device``: a device, a device string or a CUDA index (bools refused), a CUDA
-    device that exists here; with ``storage`` not ``meta`` (which holds no values)."""
+    device that exists here (not counted while ``torch.compile`` traces, where the device is a traced tensor's and
+    the count would break the graph); with ``storage`` not ``meta`` (which holds no values)."""
     if device is None:
         return None
     try:
