@@ -187,6 +187,20 @@ def assert_close_token_sum(name: str, out: torch.Tensor, ref64: torch.Tensor, lo
                         f"{(lowp - ref64).norm().item():.3e}, |ref| {ref64.norm().item():.3e})")
 
 
+def record_launches(monkeypatch, module, kernel: str) -> list:
+    """Replace ``module.kernel`` with a launcher that records each grid it is given and runs nothing; returns the
+    list of grids."""
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(module, kernel, Recorder())
+    return grids
+
+
 def capture_graph(fn):
     """Warm ``fn`` up on a side stream, capture one call in a CUDA graph; returns ``(graph, fn's outputs)``."""
     s = torch.cuda.Stream()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import P, compile_sm90_in_child, gen, rand, randn, rel_err, seeds
+from harness import P, compile_sm90_in_child, gen, rand, randn, record_launches, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,14 +223,7 @@ def test_impl_triton_never_launches_gluon(monkeypatch):
     """``impl="triton"`` runs only the portable kernels even where the table picks the Gluon one; ``"auto"`` and
     ``"gluon"`` launch it."""
     _hopper()
-    launched = []
-
-    class Probe:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return lambda *a, **k: None
-
-    monkeypatch.setattr(launch_mod, "gdn_state_out_sm90_kernel", Probe())
+    launched = record_launches(monkeypatch, launch_mod, "gdn_state_out_sm90_kernel")
     ins = _inputs(3, 1, 64 * 130, 1, 32, 128, 1)
     # (the fused forward on whatever this GPU's table says: default.json keeps the separate kernels)
     fused = {"sout_impl": "gluon", "sout_gluon_units": 0, "sout_chunks": 32}

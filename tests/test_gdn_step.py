@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, pick, randn, seeds
+from harness import P, assert_close, dtypes, examples, gen, pick, randn, record_launches, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -267,14 +267,7 @@ def test_decode_prep_launches_any_batch_of_the_decode_op(monkeypatch):
     from gqla_triton.layers import gdn_step
     from gqla_triton.ops._common.host import MAX_GRID_Y
 
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(gdn_step, "gdn_decode_prep_kernel", Recorder())
+    launches = record_launches(monkeypatch, gdn_step, "gdn_decode_prep_kernel")
     H, HV, K, V, W, B = 1, 1, 8, 8, 2, MAX_GRID_Y + 1
     C, D = 2 * H * K + HV * V, 2 * H * K + 2 * HV * V + 2 * HV
     mixed = torch.zeros(B, 1, D, device=P.device)
