@@ -49,9 +49,11 @@ def test_fla_suite_calls_ours(tmp_path):
             assert fused_recurrent_gated_delta_rule is ours.fused_recurrent_gated_delta_rule
             assert ref_helper.VALUE == 3 and upstream_fixture == 7
 
-        def test_runs():
-            x = torch.nn.functional.normalize(torch.randn(1, 5, 1, 16), dim=-1)
-            o, ht = chunk_gated_delta_rule(x, x, x, -torch.rand(1, 5, 1), torch.rand(1, 5, 1), output_final_state=True)
+        def test_runs():  # on the GPU where there is one: CPU tensors run only under the interpreter (CI)
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            x = torch.nn.functional.normalize(torch.randn(1, 5, 1, 16, device=dev), dim=-1)
+            g, beta = -torch.rand(1, 5, 1, device=dev), torch.rand(1, 5, 1, device=dev)
+            o, ht = chunk_gated_delta_rule(x, x, x, g, beta, output_final_state=True)
             assert o.shape == (1, 5, 1, 16) and ht.shape == (1, 1, 16, 16)
     """)
     _write(tests / "test_other.py", "def test_never_collected():\n    raise AssertionError\n")

@@ -77,18 +77,18 @@ def gqa_decode_reference(
     _, readable = page_rows(block_table.cpu().long(), num_pages, page_size, L)  # [B, L]
     counts = counts * readable[:, None, None, :]
     counts = counts.repeat_interleave(G, dim=2)  # [B, s_q, h_q, L]
-    kh = k.repeat_interleave(G, dim=2)  # [B, L, h_q, d]
-    vh = v.repeat_interleave(G, dim=2)
 
     def rnd(t):
         return t.to(compute_dtype).double()
 
-    s = torch.einsum("bjhd,blhd->bjhl", rnd(q), rnd(kh)) * softmax_scale
+    # head h reads group h // G: the scores per group, never a per-head copy of the cache
+    s = torch.einsum("bjgcd,blgd->bjgcl", rnd(q).reshape(B, s_q, g, G, -1), rnd(k)).reshape(B, s_q, h_q, L)
+    s = s * softmax_scale
     seen = counts > 0
     # a key a query does not see takes no part in its arithmetic (a NaN or inf score there included)
     s = torch.where(seen, s + torch.where(seen, counts, 1.0).log(), -math.inf)
     lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]: +inf for a +inf score, NaN for a NaN one
     empty = lse == -math.inf
     p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
-    out = torch.where(empty[..., None], 0.0, seen_pv(rnd(p), rnd(vh), seen[:, :, ::G]))
+    out = torch.where(empty[..., None], 0.0, seen_pv(rnd(p), rnd(v), seen[:, :, ::G]))
     return out, lse.permute(0, 2, 1).contiguous()

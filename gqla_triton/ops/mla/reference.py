@@ -41,13 +41,16 @@ def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tenso
     """``out[b, j, h] = Σ_n p[b, j, h, n] · v[b, n, h]`` over the keys ``n`` that row sees only, in IEEE arithmetic
     (a key a row does not see never multiplies into it, so a NaN or inf value there cannot reach it).
 
-    ``p``: ``[B, Q, H, N]``; ``v``: ``[B, N, D]`` (shared by the heads) or ``[B, N, H, D]``; ``seen``: bool
-    ``[B, Q, H, N]`` (or broadcastable to it, e.g. ``[B, Q, 1, N]`` when the heads share their keys)."""
+    ``p``: ``[B, Q, H, N]``; ``v``: ``[B, N, D]`` (shared by the heads), ``[B, N, H, D]`` (one per head) or
+    ``[B, N, S, D]`` (one per key set, shared by its ``H // S`` heads); ``seen``: bool ``[B, Q, S, N]`` with S
+    dividing H, the heads ``[s·H/S, (s+1)·H/S)`` seeing the keys of set ``s`` (``[B, Q, 1, N]``: all heads the
+    same)."""
     B, Q, H, N = p.shape
     D = v.shape[-1]
     seen = seen.expand(B, Q, seen.shape[2], N)
     out = torch.zeros(B, Q, H, D, dtype=p.dtype)
     hs = H // seen.shape[2]  # heads per distinct key set
+    per_set = v.dim() == 4 and v.shape[2] == seen.shape[2]
     for b in range(B):
         for j in range(Q):
             for g in range(seen.shape[2]):
@@ -58,6 +61,8 @@ def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tenso
                 pv = p[b, j, h][:, sel]  # [hs, n]
                 if v.dim() == 3:
                     out[b, j, h] = pv @ v[b, sel]
+                elif per_set:
+                    out[b, j, h] = pv @ v[b, sel, g]
                 else:
                     out[b, j, h] = torch.einsum("hn,nhd->hd", pv, v[b, sel][:, h])
     return out
