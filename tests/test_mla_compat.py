@@ -4,7 +4,7 @@ reference written from FlashMLA's definitions, and every refusal before any stat
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, pick, randn, seeds
+from harness import P, assert_close, dtypes, examples, gen, pick, randn, rel_err, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,9 +156,8 @@ def test_sparse_physical_rows_vs_flashmla_definition(B, s_q, h_q, dims, topk, us
                                          topk_length=length, attn_sink=sink, **kw)
     ro, rl = _flashmla_ref(q, scopes, scale, r, sink)
     lo, _ = _flashmla_ref(q, scopes, scale, r, sink, p_dtype=dtype)
-    # the extra cache is merged from two rounded outputs: one more rounding of out than a single pass
-    factor = 3.0 if use_extra else 2.0
-    assert_close("out", out, ro, lo, dtype=dtype, factor=factor)
+    # the two key sets are merged and the sink applied before out is rounded, once, as in a single pass
+    assert_close("out", out, ro, lo, dtype=dtype)
     assert_close("lse", lse, rl, rl, dtype=torch.float32, eps=1e-5 if dtype == torch.float32 else 1e-4)
     assert meta.config.topk == topk and meta.config.extra_topk == (24 if use_extra else None)
 
@@ -271,6 +270,31 @@ def test_fp8_sparse_vs_dequantised_cache(B, s_q, topk, seed):
     assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-4)
 
 
+@settings(max_examples=examples(2, 4), deadline=None)
+@given(use_extra=st.booleans(), seed=seeds())
+def test_extra_cache_and_sink_round_out_once(use_extra, seed):
+    """A second key set and a sink are applied to the unrounded output, which is rounded once at the end: out is as
+    close to float64 as the exact result rounded once after P's rounding (0.84-0.92 of its error in float16;
+    rounding each cache's out and again after the sink measured 1.08-1.43, and FlashMLA's own tests, which hold
+    the cosine distance to 5e-6, fail it in bfloat16)."""
+    g = gen(seed)
+    dtype = P.dtypes[-1]  # the lowest precision the profile runs: float16 on the CPU, bfloat16 on a GPU
+    r, dr = DIMS[0]
+    D, B, s_q, h_q = r + dr, 2, 2, HEADS[-1]
+    kv, kv2 = _cache(g, 6, 16, D, dtype), _cache(g, 4, 32, D, dtype)
+    idx, idx2 = _rows(g, B, s_q, 64, 6 * 16), _rows(g, B, s_q, 48, 4 * 32)
+    q = randn((B, s_q, h_q, D), g, dtype=dtype)
+    sink = randn((h_q,), g).float().to(P.device)
+    kw = dict(extra_k_cache=kv2, extra_indices_in_kvcache=idx2) if use_extra else {}
+    scopes = [(kv, idx, None)] + ([(kv2, idx2, None)] if use_extra else [])
+    meta, _ = gq.get_mla_metadata()
+    out, _ = gq.flash_mla_with_kvcache(q, kv, None, None, r, meta, indices=idx, attn_sink=sink, **kw)
+    ro, _ = _flashmla_ref(q, scopes, D**-0.5, r, sink)
+    lo, _ = _flashmla_ref(q, scopes, D**-0.5, r, sink, p_dtype=dtype)
+    once = lo.to(dtype)  # P rounded as the kernel rounds it, then out rounded once
+    assert rel_err(out, ro) <= rel_err(once, ro), (rel_err(out, ro), rel_err(once, ro))
+
+
 @settings(max_examples=examples(3, 6), deadline=None)
 @given(B=st.integers(1, 2), s_q=st.integers(1, 2), pages=st.sampled_from([(2, 61), (64, 2), (61, 16)]),
        use_len=st.booleans(), seed=seeds())
@@ -298,7 +322,7 @@ def test_model1_fp8_sparse_with_extra_cache(B, s_q, pages, use_len, seed):
     ro, rl = _flashmla_ref(q, scopes, D**-0.5, D, sink)
     lo_scopes = [(d.to(qdt), i, n) for d, (_, i, n) in zip(deq, scopes, strict=True)]
     lo, ll = _flashmla_ref(q, lo_scopes, D**-0.5, D, sink, p_dtype=qdt)
-    assert_close("out", out, ro, lo, dtype=qdt, factor=3.0)  # two caches merged: one more rounding of out
+    assert_close("out", out, ro, lo, dtype=qdt)  # two caches merged, then the sink, then one rounding
     assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if qdt == torch.float32 else 1e-4)
 
 
@@ -348,7 +372,7 @@ def test_v41_and_no_rope_layouts_through_flash_mla(case, B, s_q, pages, use_len,
     ro, rl = _flashmla_ref(q, scopes, D**-0.5, D, sink)
     lo_scopes = [(d.to(qdt), i, n) for d, i, n in scopes]
     lo, ll = _flashmla_ref(q, lo_scopes, D**-0.5, D, sink, p_dtype=qdt)
-    assert_close("out", out, ro, lo, dtype=qdt, factor=3.0)
+    assert_close("out", out, ro, lo, dtype=qdt)  # the extra cache merged before the one rounding of out
     assert_close("lse", lse, rl, ll, dtype=torch.float32, eps=1e-5 if qdt == torch.float32 else 1e-4)
 
 

@@ -23,7 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gqla_triton.ops._common import sparse_rows
-from gqla_triton.ops.mla import dequantize_latent_fp8, mla_decode, mla_decode_ref, quantize_latent_fp8
+from gqla_triton.ops.mla import (
+    dequantize_latent_fp8,
+    mla_decode,
+    mla_decode_ref,
+    mla_sparse_prefill,
+    quantize_latent_fp8,
+)
 
 # every buffer the launchers allocate starts NaN-filled: an element a kernel does not write fails the comparison
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -442,6 +448,35 @@ def test_reference_impl_equals_triton(B, s_q, sparse, num_splits, dtype, seed):
     o_op, l_op = torch.ops.gqla_triton.mla_decode(q, kv, bt, lens, r, (r + dr) ** -0.5, True, idx, None, num_splits,
                                                   "triton")
     assert torch.equal(o_op, o_tri) and torch.equal(l_op, l_tri)
+
+
+
+@settings(max_examples=examples(3, 6))
+@given(B=st.integers(1, 3), s_q=st.integers(1, 3), sparse=st.booleans(), num_splits=st.sampled_from([0, 1, 3]),
+       impl=st.sampled_from(["auto", "triton"]), dtype=dtypes(), seed=seeds())
+def test_float32_out_is_the_output_before_its_rounding(B, s_q, sparse, num_splits, impl, dtype, seed):
+    """``out_dtype=torch.float32`` returns out as the kernel holds it before rounding to q's dtype (the default
+    output is exactly its rounding) with the same lse, for mla_decode (any split count, the Gluon kernel on Hopper)
+    and mla_sparse_prefill; anything but None, q's dtype or float32 is refused by name."""
+    r, dr = DIMS[0]
+    q, kv, bt, lens, g = _case(seed, B, s_q, HEADS[-1], r, dr, PAGES[-1], dtype)
+    idx = _adversarial_indices(g, B, s_q, pick(24, 256), lens).to(P.device) if sparse else None
+    kw = dict(head_dim_v=r, indices=idx, num_splits=num_splits, impl=impl)
+    o, lse = mla_decode(q, kv, bt, lens, **kw)
+    o32, lse32 = mla_decode(q, kv, bt, lens, **kw, out_dtype=torch.float32)
+    assert o32.dtype == torch.float32 and torch.equal(o32.to(dtype), o) and torch.equal(lse32, lse)
+    assert torch.equal(mla_decode(q, kv, bt, lens, **kw, out_dtype=dtype)[0], o)
+    rows = kv.reshape(-1, 1, r + dr)
+    pidx = torch.randint(-1, rows.shape[0] + 1, (B * s_q, 1, 24), generator=g).int().to(P.device)
+    p = mla_sparse_prefill(q.reshape(B * s_q, -1, r + dr), rows, pidx, r, impl="triton")
+    p32 = mla_sparse_prefill(q.reshape(B * s_q, -1, r + dr), rows, pidx, r, impl="triton", out_dtype=torch.float32)
+    assert p32.out.dtype == torch.float32 and torch.equal(p32.out.to(dtype), p.out) and torch.equal(p32.lse, p.lse)
+    other = torch.bfloat16 if dtype != torch.bfloat16 else torch.float16
+    for bad, err in ((other, ValueError), (torch.float64, ValueError), ("float32", TypeError), (32, TypeError)):
+        with pytest.raises(err, match="^out_dtype: "):
+            mla_decode(q, kv, bt, lens, **kw, out_dtype=bad)
+        with pytest.raises(err, match="^out_dtype: "):
+            mla_sparse_prefill(q.reshape(B * s_q, -1, r + dr), rows, pidx, r, out_dtype=bad)
 
 
 # ---------------------------------------------------------------- GPU only

@@ -69,16 +69,16 @@ def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: i
 def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
                    topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
-                   k_descale: torch.Tensor | None = None, kv_format: str | None = None
+                   k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
-    Returns ``(out [B, s_q, h_q, head_dim_v] in out_dtype(q), lse [B, h_q, s_q] fp32)``."""
+    Returns ``(out [B, s_q, h_q, head_dim_v] in _default_out_dtype(q), or float32 with out_fp32, lse [B, h_q, s_q] fp32)``."""
+    o_dtype = torch.float32 if out_fp32 else _default_out_dtype(q)
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                                 topk_length, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
-        return o.to(device=q.device, dtype=out_dtype(q)), lse.to(device=q.device, dtype=torch.float32)
+        return o.to(device=q.device, dtype=o_dtype), lse.to(device=q.device, dtype=torch.float32)
     scaled = k_descale is not None
-    out_bf16 = q.dtype == torch.float8_e4m3fn  # the kernel takes it in fp16 (exact); out is bf16 (FlashMLA's)
     layout = "e4m3" if scaled else fp8_layout(kv_cache, kv_format)
     if layout in ROW_BYTES:
         _check_fp8_offset(kv_cache, layout)
@@ -93,7 +93,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     S = p.num_splits
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = empty(B, s_q, h_q, head_dim_v, dtype=torch.bfloat16 if out_bf16 else q.dtype, device=q.device)
+    out = empty(B, s_q, h_q, head_dim_v, dtype=o_dtype, device=q.device)  # the kernels round into its dtype
     lse = empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
     if S > 1:
         o_part = empty(B, S, s_q, h_q, head_dim_v, dtype=torch.float32, device=q.device)
@@ -114,26 +114,38 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     return out, lse
 
 
-def out_dtype(q: torch.Tensor) -> torch.dtype:
+def _default_out_dtype(q: torch.Tensor) -> torch.dtype:
     """``mla_decode``'s output dtype: q's, bfloat16 for a float8 q (FlashMLA's)."""
     return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+
+
+def _wants_fp32(requested, default: torch.dtype) -> bool:
+    """The ``out_dtype`` option: None or ``default`` (the output rounded to it), or torch.float32 (not rounded)."""
+    if requested is None:
+        return False
+    if not isinstance(requested, torch.dtype):
+        raise TypeError(f"out_dtype: expected None or a torch.dtype, got {type(requested).__name__}")
+    if requested not in (default, torch.float32):
+        raise ValueError(f"out_dtype: expected None, {default} (the default) or torch.float32, got {requested}")
+    return requested == torch.float32 and default != torch.float32
 
 
 @torch.library.custom_op("gqla_triton::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
                    topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
-                   k_descale: torch.Tensor | None = None, kv_format: str | None = None
+                   k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, num_splits, impl, q_descale, k_descale, kv_format)
+                          topk_length, num_splits, impl, q_descale, k_descale, kv_format, out_fp32)
 
 
 @_mla_decode_op.register_fake
 def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
-      impl, q_descale=None, k_descale=None, kv_format=None):
+      impl, q_descale=None, k_descale=None, kv_format=None, out_fp32=False):
     B, s_q, h_q, _ = q.shape
-    return q.new_empty(B, s_q, h_q, head_dim_v, dtype=out_dtype(q)), q.new_empty(B, h_q, s_q, dtype=torch.float32)
+    o_dtype = torch.float32 if out_fp32 else _default_out_dtype(q)
+    return q.new_empty(B, s_q, h_q, head_dim_v, dtype=o_dtype), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
 
 forward_only(_mla_decode_op, "mla_decode")
@@ -269,7 +281,7 @@ def _check_fp8_offset(kv_cache: torch.Tensor, layout: str) -> None:
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
                indices=None, topk_length=None, num_splits=0, *, impl="auto", q_descale=None, k_descale=None,
-               kv_format=None):
+               kv_format=None, out_dtype=None):
     """MLA decode over a paged latent cache (absorb path), dense or sparse top-k. Forward only.
 
     Args:
@@ -309,11 +321,13 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
         kv_format: the layout of a quantised cache (``fp8.KV_FORMATS``: ``"v32"``, ``"v32_no_rope"``,
             ``"model1"``, ``"v41"``, ``"v41_fp4"``); None: told by the row width, 528 bytes being ``"v41"``
             (upstream FlashMLA's rule: V3.2 without rope shares that width and is named).
+        out_dtype: None (q's dtype, bfloat16 for a float8 q) or torch.float32: out as the kernel accumulates it,
+            not rounded, for callers that go on to merge key sets or rescale rows (rounding once at their end).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
     Returns:
-        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q) and ``lse [B, h_q, s_q]`` fp32
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q; ``out_dtype``) and ``lse [B, h_q, s_q]`` fp32
         (natural log). A query that sees no key (or only ``-inf`` scores) gives ``out = 0`` and ``lse = -inf``.
         NaN / inf follow IEEE arithmetic over the keys a query sees and reach no other query: a NaN in q or in a
         key it sees makes its out and lse NaN; a ``+inf`` score gives ``lse = +inf``, out NaN (``reference.py``
@@ -324,11 +338,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                                                 causal, indices, topk_length, num_splits, impl, q_descale, k_descale,
                                                 kv_format)
+    out_fp32 = _wants_fp32(out_dtype, _default_out_dtype(q))
     head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
     # inputs that require grad go through the custom op, whose backward raises (forward_only)
     fn = _mla_decode_op if requires_grad(q, kv_cache, q_descale, k_descale) else route(_mla_decode_op, mla_decode_fwd)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
-              impl, q_descale, k_descale, kv_format)
+              impl, q_descale, k_descale, kv_format, out_fp32)
 
 
 class SparsePrefillOutput(NamedTuple):
@@ -341,8 +356,9 @@ class SparsePrefillOutput(NamedTuple):
 
 def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, head_dim_v: int,
                            softmax_scale: float, topk_length: torch.Tensor | None, num_splits: int,
-                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eager body of ``mla_sparse_prefill`` on validated inputs: ``(out, max_logits, lse)``.
+                           impl: str, out_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager body of ``mla_sparse_prefill`` on validated inputs: ``(out, max_logits, lse)``, out in q's dtype
+    (float32 with ``out_fp32``).
 
     Each query token is one entry of ``mla_decode``'s sparse batch (``s_q = 1``) over ``kv`` as a cache of one-token
     pages: its indices are then the physical rows themselves, translated by ``sparse_rows`` (entries outside
@@ -350,12 +366,13 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
     largest score per row; the splits' maxima are reduced here (NaN propagating) when the plan splits."""
     s_q, h_q, _ = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
+    o_dtype = torch.float32 if out_fp32 else q.dtype
     if impl == "reference":
         o, mx, lse = mla_sparse_prefill_ref(q, kv, indices, head_dim_v, softmax_scale, topk_length)
         f32 = dict(device=q.device, dtype=torch.float32)
-        return o.to(device=q.device, dtype=q.dtype), mx.to(**f32), lse.to(**f32)
+        return o.to(device=q.device, dtype=o_dtype), mx.to(**f32), lse.to(**f32)
     if s_q == 0 or s_kv == 0:  # no launch: no query, or no key for any query
-        out = torch.zeros(s_q, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+        out = torch.zeros(s_q, h_q, head_dim_v, dtype=o_dtype, device=q.device)
         none = torch.full((s_q, h_q), float("-inf"), dtype=torch.float32, device=q.device)
         return out, none, none.clone()
     indices, topk_length = contiguous_indices(indices, topk_length)
@@ -370,7 +387,7 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
     rows = sparse_rows(indices, table, lengths, topk_length, page_size=MAX_KEYS, num_pages=1, causal=False)
     p = plan(q4, 1, s_kv, head_dim_v, topk, num_splits, "triton")
     S = p.num_splits
-    out = empty(s_q, 1, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+    out = empty(s_q, 1, h_q, head_dim_v, dtype=o_dtype, device=q.device)
     lse = empty(s_q, h_q, 1, dtype=torch.float32, device=q.device)
     mx = empty(s_q, S, 1, h_q, dtype=torch.float32, device=q.device)
     if S > 1:
@@ -388,14 +405,15 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
 @torch.library.custom_op("gqla_triton::mla_sparse_prefill", mutates_args=())
 def _mla_sparse_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, head_dim_v: int,
                            softmax_scale: float, topk_length: torch.Tensor | None, num_splits: int,
-                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return mla_sparse_prefill_fwd(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl)
+                           impl: str, out_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mla_sparse_prefill_fwd(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl, out_fp32)
 
 
 @_mla_sparse_prefill_op.register_fake
-def _(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl):
+def _(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl, out_fp32=False):
     s_q, h_q, _ = q.shape
-    return (q.new_empty(s_q, h_q, head_dim_v), q.new_empty(s_q, h_q, dtype=torch.float32),
+    return (q.new_empty(s_q, h_q, head_dim_v, dtype=torch.float32 if out_fp32 else q.dtype),
+            q.new_empty(s_q, h_q, dtype=torch.float32),
             q.new_empty(s_q, h_q, dtype=torch.float32))
 
 
@@ -437,7 +455,7 @@ def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, nu
 
 
 def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_length=None, num_splits=0, *,
-                       impl="auto") -> SparsePrefillOutput:
+                       impl="auto", out_dtype=None) -> SparsePrefillOutput:
     """Sparse MLA prefill (DeepSeek sparse attention): every query token attends to its own top-k rows of a
     latent key/value tensor. Forward only; no host sync (CUDA-graph safe).
 
@@ -455,14 +473,16 @@ def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_
             once the query tokens fill the GPU).
         impl: ``"auto"`` / ``"triton"`` (the portable kernel of ``mla_decode``, which writes max_logits) or
             ``"reference"`` (``mla_sparse_prefill_ref``, any device, float64 too).
+        out_dtype: None (q's dtype) or torch.float32 (out not rounded; as ``mla_decode``'s option).
 
     Returns:
-        ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q]
+        ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype (``out_dtype``), max_logits [s_q, h_q] fp32, lse [s_q, h_q]
         fp32)``: the largest scaled score ``softmax_scale · q·k`` and the natural-log log-sum-exp over the keys a
         query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and inf follow
         IEEE arithmetic over the keys a query sees (a NaN score makes its out, max_logits and lse NaN).
     """
     scale, impl, num_splits, head_dim_v = _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length,
                                                             num_splits, impl)
+    out_fp32 = _wants_fp32(out_dtype, q.dtype)
     fn = _mla_sparse_prefill_op if requires_grad(q, kv) else route(_mla_sparse_prefill_op, mla_sparse_prefill_fwd)
-    return SparsePrefillOutput(*fn(q, kv, indices, head_dim_v, scale, topk_length, num_splits, impl))
+    return SparsePrefillOutput(*fn(q, kv, indices, head_dim_v, scale, topk_length, num_splits, impl, out_fp32))

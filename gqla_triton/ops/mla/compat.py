@@ -156,9 +156,9 @@ def _layouts(k_cache, extra_k_cache, kv_format, use_legacy: bool) -> tuple[str |
 
 
 def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-               name: str, num_splits: int = 0, q_descale=None, k_descale=None, kv_format=None):
+               name: str, num_splits: int = 0, q_descale=None, k_descale=None, kv_format=None, out_dtype=None):
     """``mla_decode`` of one cache (``name``: its argument name), dense or with physical-row ``indices``; the
-    descales: the dense FP8 path's; ``kv_format``: its ``fp8.py`` layout."""
+    descales: the dense FP8 path's; ``kv_format``: its ``fp8.py`` layout; ``out_dtype``: ``mla_decode``'s."""
     h_k = k_cache.shape[2] if k_cache.dim() == 4 else 0
     if h_k == 0 or (h_k > 1 and indices is not None):
         raise ValueError(f"{name}: expected [num_blocks, page_block_size, h_k, head_dim] (sparse calls: one latent "
@@ -176,7 +176,7 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
             # one mla_decode per cache head over its group of query heads (views: no copies)
             parts = [mla_decode(q[:, :, j * g:(j + 1) * g], k_cache[:, :, j:j + 1], block_table, cache_seqlens,
                                 head_dim_v, softmax_scale, causal, num_splits=num_splits, q_descale=q_descale,
-                                k_descale=k_descale, kv_format=kv_format) for j in range(h_k)]
+                                k_descale=k_descale, kv_format=kv_format, out_dtype=out_dtype) for j in range(h_k)]
         if h_k == 1:
             return parts[0]
         return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 1)
@@ -185,7 +185,7 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
                          "sparse indices may address")
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
     return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits,
-                      kv_format=kv_format)
+                      kv_format=kv_format, out_dtype=out_dtype)
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
@@ -270,13 +270,15 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     _check_meta(tile_scheduler_metadata, config)
 
     splits = 1 if invariant else 0
+    # with a second key set or a sink, out stays in float32 until both are applied and is rounded once at the end
+    wide = torch.float32 if extra or attn_sink is not None else None
     out, lse = _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                          topk_length, "k_cache", splits, descale_q, descale_k, layout)
+                          topk_length, "k_cache", splits, descale_q, descale_k, layout, out_dtype=wide)
     if extra:
         try:
             out2, lse2 = _one_cache(q, extra_k_cache, None, None, head_dim_v, softmax_scale, False,
                                     extra_indices_in_kvcache, extra_topk_length, "extra_k_cache", splits,
-                                    kv_format=extra_layout)
+                                    kv_format=extra_layout, out_dtype=wide)
         except (TypeError, ValueError) as e:  # mla_decode names its own arguments: say which cache they are
             raise type(e)(f"extra_k_cache / extra_indices_in_kvcache / extra_topk_length: {e}") from None
         if requires_grad(q, k_cache, extra_k_cache) or torch.compiler.is_compiling():
@@ -285,6 +287,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             out, lse = _merge(out, lse, out2, lse2)
     if attn_sink is not None:
         out = _sink(out, lse.transpose(1, 2), attn_sink)
+    if wide is not None:
+        out = out.to(torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
     # once the state is checked and the call made, as FlashMLA's own record is set by its first call
     if not tile_scheduler_metadata.have_initialized:
         tile_scheduler_metadata.config = config
@@ -293,9 +297,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
 
 def _merge(out, lse, out2, lse2):
-    """The attention over two key sets from each one's ``(out [B, s_q, h_q, D], lse [B, h_q, s_q])``."""
+    """The attention over two key sets from each one's ``(out [B, s_q, h_q, D] float32, lse [B, h_q, s_q])``, out in
+    float32."""
     merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-    combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
+    combine_splits(torch.stack((out, out2), 1), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
                    merged, merged_lse)
     return merged, merged_lse
 
@@ -322,10 +327,11 @@ def _check_sink(attn_sink, h_q: int, device: torch.device) -> None:
 
 
 def _sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
-    """``out [..., h_q, d_v] · 1 / (1 + exp(sink - lse))`` for lse ``[..., h_q]`` (-inf: no key); a query with no
-    key keeps out 0 (with a -inf sink too, where the factor would be NaN)."""
+    """``out [..., h_q, d_v] · 1 / (1 + exp(sink - lse))`` in float32 (``out`` float32, not yet rounded) for lse
+    ``[..., h_q]`` (-inf: no key); a query with no key keeps out 0 (with a -inf sink too, where the factor would be
+    NaN)."""
     keep = torch.sigmoid(lse - attn_sink).masked_fill(lse == float("-inf"), 0.0)
-    return (out.float() * keep[..., None]).to(out.dtype)
+    return out * keep[..., None]
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False,
@@ -359,9 +365,10 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     _check_sink(attn_sink, q.shape[1], q.device)
     sm_scale = check_scale("sm_scale", sm_scale, q.shape[-1] ** -0.5, factor=_LOG2E)
     with _flashmla_names(head_dim_v="d_v"):
-        out, max_logits, lse = mla_sparse_prefill(q, kv, indices, d_v, sm_scale, topk_length)
-    if attn_sink is not None:
-        out = _sink(out, lse, attn_sink)
+        out, max_logits, lse = mla_sparse_prefill(q, kv, indices, d_v, sm_scale, topk_length,
+                                                  out_dtype=None if attn_sink is None else torch.float32)
+    if attn_sink is not None:  # rounded once, after the sink
+        out = _sink(out, lse, attn_sink).to(q.dtype)
     if return_log2_lse is False:
         return out, None, None
     lse = torch.where(lse == float("-inf"), float("inf"), lse)
