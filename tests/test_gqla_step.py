@@ -357,6 +357,21 @@ def test_norm_rope_refuses_bad_weights_and_positions():
     assert torch.equal(row, gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)[1])
 
 
+def test_norm_rope_positions_plus_t_never_wrap():
+    """``add_t``: ``positions + t`` as a number (float64), at the int64 limits too (``2**63 - 1 + t`` would wrap to
+    a negative int64), and exactly the integer sum where float64 holds it."""
+    s = _small(2, dtype=torch.float32)
+    B, T = s["pos"].shape
+    kw = dict(kv_rank=s["r"], out_dtype=torch.float32)
+    t = torch.arange(T, device=P.device, dtype=torch.float64)
+    for start in (2**63 - 1, -(2**63), 2**40 + 3):
+        pos = torch.full((B, 1), start, dtype=torch.int64, device=P.device).expand(B, T)
+        _, _, cs = gs.norm_rope(None, None, s["kv"], None, pos, s["inv"], add_t=True, **kw)
+        check_cos_sin(cs, (pos.double() + t).cpu(), s["inv"])
+    _, _, cs_sum = gs.norm_rope(None, None, s["kv"], None, pos + t.long(), s["inv"], add_t=False, **kw)
+    assert torch.equal(cs, cs_sum)
+
+
 def test_head_dims_are_checked_by_name():
     """No heads, a float ``head_dim``: refused by name; a numpy integer ``head_dim`` works as the int."""
     s = _small()

@@ -7,7 +7,7 @@
 - ``grouped_q``: the grouped path's query ``[q_nope[i] | rope(q_rope[i])]`` for ``gqa_decode``.
 
 Rope (rotate-half / NeoX, as ``rope.apply_rope``): the angle of pair ``(i, i + d_R/2)`` is
-``pos · inv_freq[i]`` in float64 (positions read as int64, so ``pos + t`` never wraps), its cos / sin taken in
+``pos · inv_freq[i]`` in float64 (``pos + t`` summed in float64 too, so it never wraps), its cos / sin taken in
 float64 and rounded to float32 (``cos_sin [B, T, 2, d_R/2]``, made once per token by ``norm_rope``, the same
 numbers as ``rope.rope_cos_sin``), the rotation done in float32. Positions are ``positions[b, t]`` (``add_t``
 False) or ``positions[b, t] + t`` (``add_t`` True: ``positions`` is then a stride-0 view of the cached lengths,
@@ -77,10 +77,10 @@ def gqla_norm_rope_kernel(qa, qa_w, qa_out, kv, kv_w, kv_out, cs_out, pos, inv_f
         if HALF > 0:
             i = tl.arange(0, BLOCK_HALF)
             im = i < HALF
-            p = tl.load(pos + b * s_pb + t * s_pt).to(tl.int64)  # int64: pos + t never wraps
+            p = tl.load(pos + b * s_pb + t * s_pt).to(tl.float64)  # exact below 2**53, as torch's .double()
             if ADD_T:
-                p += t
-            ang = p.to(tl.float64) * tl.load(inv_freq + i * s_inv, mask=im, other=0.0)
+                p += t  # in float64: an int64 sum would wrap past 2**63 - 1
+            ang = p * tl.load(inv_freq + i * s_inv, mask=im, other=0.0)
             cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
             tl.store(cs_out + row * (2 * HALF) + i, cos, mask=im)
             tl.store(cs_out + row * (2 * HALF) + HALF + i, sin, mask=im)
