@@ -477,6 +477,8 @@ def test_float32_out_is_the_output_before_its_rounding(B, s_q, sparse, num_split
             mla_decode(q, kv, bt, lens, **kw, out_dtype=bad)
         with pytest.raises(err, match="^out_dtype: "):
             mla_sparse_prefill(q.reshape(B * s_q, -1, r + dr), rows, pidx, r, out_dtype=bad)
+    with pytest.raises(ValueError, match="^out_dtype: expected None or torch.float64"):  # float32 would round it
+        mla_decode(q.double(), kv.double(), bt, lens, head_dim_v=r, impl="reference", out_dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- GPU only

@@ -120,14 +120,18 @@ def _default_out_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def _wants_fp32(requested, default: torch.dtype) -> bool:
-    """The ``out_dtype`` option: None or ``default`` (the output rounded to it), or torch.float32 (not rounded)."""
+    """The ``out_dtype`` option: None or ``default`` (the output rounded to it), or torch.float32 where ``default``
+    is a 16-bit type (the kernels' fp32 accumulator, not rounded)."""
     if requested is None:
         return False
     if not isinstance(requested, torch.dtype):
         raise TypeError(f"out_dtype: expected None or a torch.dtype, got {type(requested).__name__}")
-    if requested not in (default, torch.float32):
-        raise ValueError(f"out_dtype: expected None, {default} (the default) or torch.float32, got {requested}")
-    return requested == torch.float32 and default != torch.float32
+    wide = default in (torch.bfloat16, torch.float16)
+    if requested != default and not (wide and requested == torch.float32):
+        raise ValueError(f"out_dtype: expected None or {default}{' or torch.float32' if wide else ''} (the "
+                         f"output dtype of these inputs{', or the accumulator unrounded' if wide else ''}), got "
+                         f"{requested}")
+    return requested != default
 
 
 @torch.library.custom_op("gqla_triton::mla_decode", mutates_args=())
@@ -321,8 +325,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
         kv_format: the layout of a quantised cache (``fp8.KV_FORMATS``: ``"v32"``, ``"v32_no_rope"``,
             ``"model1"``, ``"v41"``, ``"v41_fp4"``); None: told by the row width, 528 bytes being ``"v41"``
             (upstream FlashMLA's rule: V3.2 without rope shares that width and is named).
-        out_dtype: None (q's dtype, bfloat16 for a float8 q) or torch.float32: out as the kernel accumulates it,
-            not rounded, for callers that go on to merge key sets or rescale rows (rounding once at their end).
+        out_dtype: None (q's dtype, bfloat16 for a float8 q) or, where that is a 16-bit type, torch.float32: out
+            as the kernel accumulates it, not rounded, for callers that go on to merge key sets or rescale rows
+            (rounding once at their end).
 
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
@@ -473,7 +478,7 @@ def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_
             once the query tokens fill the GPU).
         impl: ``"auto"`` / ``"triton"`` (the portable kernel of ``mla_decode``, which writes max_logits) or
             ``"reference"`` (``mla_sparse_prefill_ref``, any device, float64 too).
-        out_dtype: None (q's dtype) or torch.float32 (out not rounded; as ``mla_decode``'s option).
+        out_dtype: None (q's dtype) or, for a 16-bit q, torch.float32 (out not rounded; as ``mla_decode``'s).
 
     Returns:
         ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype (``out_dtype``), max_logits [s_q, h_q] fp32, lse [s_q, h_q]
