@@ -56,3 +56,22 @@ def test_two_cache_merge():
     out, out2 = (torch.randn(2, 1, 4, 32, generator=g_).to(P.device) for _ in range(2))
     lse, lse2 = (torch.randn(2, 4, 1, generator=g_).to(P.device) for _ in range(2))
     _check(OPS.flash_mla_merge_caches, (out, lse, out2, lse2))
+
+
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_mla_decode_and_sparse_prefill(out_fp32):
+    """Both MLA ops, dense and sparse, with out in q's dtype or float32 (``out_dtype``)."""
+    import gqla_triton.ops.mla.api  # noqa: F401
+
+    g_ = torch.Generator().manual_seed(2)
+    dt = P.dtypes[-1]
+    q = torch.randn(2, 2, 16, 48, generator=g_).to(P.device, dt)
+    kv = torch.randn(5, 16, 1, 48, generator=g_).to(P.device, dt)
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([29, 0], dtype=torch.int32, device=P.device)
+    idx = torch.tensor([[[0, 5, -1], [28, 3, 3]], [[1, 2, 3], [-5, 0, 7]]], dtype=torch.int32, device=P.device)
+    for indices, splits in ((None, 0), (idx, 2)):
+        _check(OPS.mla_decode, (q, kv, table, lens, 32, 0.2, True, indices, None, splits, "triton", None, None, None,
+                                out_fp32))
+    rows = kv.reshape(-1, 1, 48)
+    _check(OPS.mla_sparse_prefill, (q[:, 0], rows, idx[:, :1], 32, 0.2, None, 0, "triton", out_fp32))
