@@ -61,6 +61,24 @@ def _skip_gpu_only(request):
         pytest.skip("needs CUDA: runs in the gpu profile")
 
 
+def pytest_collection_modifyitems(config, items):
+    # GQLA_TEST_SHARD=i/n (0 <= i < n): part i of the collected tests, every n-th in node-id order, so n runs, each
+    # under its own time limit, cover the suite once (e.g. a GPU suite longer than one device call)
+    spec = os.environ.get("GQLA_TEST_SHARD")
+    if not spec:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"GQLA_TEST_SHARD: expected i/n with 0 <= i < n, got {spec!r}")
+    rank = {node: k for k, node in enumerate(sorted(item.nodeid for item in items))}
+    keep = [item for item in items if rank[item.nodeid] % n == i]
+    config.hook.pytest_deselected(items=[item for item in items if rank[item.nodeid] % n != i])
+    items[:] = keep
+
+
 def pytest_runtest_logreport(report):
     # GQLA_FAIL_LOG=path: append each test's outcome and time, and each failure's traceback, as they
     # happen (the log survives a run killed by a time limit)

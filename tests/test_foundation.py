@@ -452,3 +452,33 @@ def test_the_interpreter_shortcut_changes_no_result():
     with interp.original_patching():
         slow = run()
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+
+
+
+def test_test_shards_cover_the_suite_once(monkeypatch):
+    """``GQLA_TEST_SHARD=i/n`` (tests/conftest.py) splits the collected tests into n disjoint parts of sizes within
+    one of each other, whatever the collection order, whose union is the whole; a malformed value is a usage
+    error."""
+    import types
+
+    import conftest
+
+    names = [f"tests/test_{k % 7}.py::test_{k}[{k % 3}]" for k in range(50)]
+
+    def part(spec, order):
+        monkeypatch.setenv("GQLA_TEST_SHARD", spec)
+        items = [types.SimpleNamespace(nodeid=names[k]) for k in order]
+        dropped = []
+        hook = types.SimpleNamespace(pytest_deselected=lambda items: dropped.extend(items))
+        config = types.SimpleNamespace(hook=hook)
+        conftest.pytest_collection_modifyitems(config, items)
+        assert len(items) + len(dropped) == len(order)
+        return [it.nodeid for it in items]
+
+    forward, backward = list(range(50)), list(range(49, -1, -1))
+    parts = [part(f"{i}/3", forward) for i in range(3)]
+    assert sorted(sum(parts, [])) == sorted(names) and all(len(p) in (16, 17) for p in parts)
+    assert [set(part(f"{i}/3", backward)) for i in range(3)] == [set(p) for p in parts]  # the same on every worker
+    for bad in ("3/3", "1", "a/b", "-1/2", "0/0"):
+        with pytest.raises(pytest.UsageError, match="GQLA_TEST_SHARD"):
+            part(bad, forward)
