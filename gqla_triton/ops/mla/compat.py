@@ -297,10 +297,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
 
 def _merge(out, lse, out2, lse2):
-    """The attention over two key sets from each one's ``(out [B, s_q, h_q, D] float32, lse [B, h_q, s_q])``, out in
-    float32."""
+    """The attention over two key sets from each one's ``(out [B, s_q, h_q, D], lse [B, h_q, s_q])``, out in out's
+    dtype (float32 here: the one rounding comes after the merge)."""
     merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-    combine_splits(torch.stack((out, out2), 1), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
+    combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
                    merged, merged_lse)
     return merged, merged_lse
 
