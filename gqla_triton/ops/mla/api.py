@@ -72,7 +72,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                    k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
-    Returns ``(out [B, s_q, h_q, head_dim_v] in _default_out_dtype(q), or float32 with out_fp32, lse [B, h_q, s_q] fp32)``."""
+    Returns ``(out [B, s_q, h_q, head_dim_v] in _default_out_dtype(q) (float32 with out_fp32), lse [B, h_q, s_q]
+    fp32)``."""
     o_dtype = torch.float32 if out_fp32 else _default_out_dtype(q)
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
@@ -332,9 +333,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     bf16/fp16 run on tensor cores (the tuned path); fp32 is exact (IEEE dot, small tiles) and slow on GPUs.
 
     Returns:
-        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q; ``out_dtype``) and ``lse [B, h_q, s_q]`` fp32
-        (natural log). A query that sees no key (or only ``-inf`` scores) gives ``out = 0`` and ``lse = -inf``.
-        NaN / inf follow IEEE arithmetic over the keys a query sees and reach no other query: a NaN in q or in a
+        ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q; ``out_dtype``) and
+        ``lse [B, h_q, s_q]`` fp32 (natural log). A query that sees no key (or only ``-inf`` scores) gives
+        ``out = 0`` and ``lse = -inf``. NaN / inf follow IEEE arithmetic over the keys a query sees and reach no other query: a NaN in q or in a
         key it sees makes its out and lse NaN; a ``+inf`` score gives ``lse = +inf``, out NaN (``reference.py``
         defines it all).
 
@@ -481,9 +482,9 @@ def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_
         out_dtype: None (q's dtype) or, for a 16-bit q, torch.float32 (out not rounded; as ``mla_decode``'s).
 
     Returns:
-        ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype (``out_dtype``), max_logits [s_q, h_q] fp32, lse [s_q, h_q]
-        fp32)``: the largest scaled score ``softmax_scale · q·k`` and the natural-log log-sum-exp over the keys a
-        query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and inf follow
+        ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype (``out_dtype``), max_logits [s_q, h_q] fp32,
+        lse [s_q, h_q] fp32)``: the largest scaled score ``softmax_scale · q·k`` and the natural-log log-sum-exp over
+        the keys a query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and inf follow
         IEEE arithmetic over the keys a query sees (a NaN score makes its out, max_logits and lse NaN).
     """
     scale, impl, num_splits, head_dim_v = _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length,
