@@ -335,9 +335,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     Returns:
         ``out [B, s_q, h_q, head_dim_v]`` in q's dtype (bfloat16 for a float8 q; ``out_dtype``) and
         ``lse [B, h_q, s_q]`` fp32 (natural log). A query that sees no key (or only ``-inf`` scores) gives
-        ``out = 0`` and ``lse = -inf``. NaN / inf follow IEEE arithmetic over the keys a query sees and reach no other query: a NaN in q or in a
-        key it sees makes its out and lse NaN; a ``+inf`` score gives ``lse = +inf``, out NaN (``reference.py``
-        defines it all).
+        ``out = 0`` and ``lse = -inf``. NaN / inf follow IEEE arithmetic over the keys a query sees and reach no
+        other query: a NaN in q or in a key it sees makes its out and lse NaN; a ``+inf`` score gives
+        ``lse = +inf``, out NaN (``reference.py`` defines it all).
 
     Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
@@ -484,8 +484,8 @@ def mla_sparse_prefill(q, kv, indices, head_dim_v=512, softmax_scale=None, topk_
     Returns:
         ``SparsePrefillOutput(out [s_q, h_q, head_dim_v] in q's dtype (``out_dtype``), max_logits [s_q, h_q] fp32,
         lse [s_q, h_q] fp32)``: the largest scaled score ``softmax_scale · q·k`` and the natural-log log-sum-exp over
-        the keys a query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and inf follow
-        IEEE arithmetic over the keys a query sees (a NaN score makes its out, max_logits and lse NaN).
+        the keys a query sees. A query that sees no key gets ``out = 0`` and ``max_logits = lse = -inf``; NaN and
+        inf follow IEEE arithmetic over the keys a query sees (a NaN score makes its out, max_logits and lse NaN).
     """
     scale, impl, num_splits, head_dim_v = _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length,
                                                             num_splits, impl)
