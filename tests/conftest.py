@@ -63,7 +63,7 @@ def _skip_gpu_only(request):
 
 def pytest_collection_modifyitems(config, items):
     # GQLA_TEST_SHARD=i/n (0 <= i < n): part i of the collected tests, every n-th in node-id order, so n runs, each
-    # under its own time limit, cover the suite once (e.g. a GPU suite longer than one device call)
+    # under its own time limit, cover the suite once (e.g. a GPU suite longer than one command may run)
     spec = os.environ.get("GQLA_TEST_SHARD")
     if not spec:
         return
