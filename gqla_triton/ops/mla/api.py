@@ -72,9 +72,9 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                    k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
-    Returns ``(out [B, s_q, h_q, head_dim_v] in _default_out_dtype(q) (float32 with out_fp32), lse [B, h_q, s_q]
+    Returns ``(out [B, s_q, h_q, head_dim_v] in default_out_dtype(q) (float32 with out_fp32), lse [B, h_q, s_q]
     fp32)``."""
-    o_dtype = torch.float32 if out_fp32 else _default_out_dtype(q)
+    o_dtype = torch.float32 if out_fp32 else default_out_dtype(q)
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                                 topk_length, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
@@ -115,7 +115,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     return out, lse
 
 
-def _default_out_dtype(q: torch.Tensor) -> torch.dtype:
+def default_out_dtype(q: torch.Tensor) -> torch.dtype:
     """``mla_decode``'s output dtype: q's, bfloat16 for a float8 q (FlashMLA's)."""
     return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
 
@@ -149,7 +149,7 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 def _(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
       impl, q_descale=None, k_descale=None, kv_format=None, out_fp32=False):
     B, s_q, h_q, _ = q.shape
-    o_dtype = torch.float32 if out_fp32 else _default_out_dtype(q)
+    o_dtype = torch.float32 if out_fp32 else default_out_dtype(q)
     return q.new_empty(B, s_q, h_q, head_dim_v, dtype=o_dtype), q.new_empty(B, h_q, s_q, dtype=torch.float32)
 
 
@@ -344,7 +344,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
     scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                                                 causal, indices, topk_length, num_splits, impl, q_descale, k_descale,
                                                 kv_format)
-    out_fp32 = _wants_fp32(out_dtype, _default_out_dtype(q))
+    out_fp32 = _wants_fp32(out_dtype, default_out_dtype(q))
     head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
     # inputs that require grad go through the custom op, whose backward raises (forward_only)
     fn = _mla_decode_op if requires_grad(q, kv_cache, q_descale, k_descale) else route(_mla_decode_op, mla_decode_fwd)

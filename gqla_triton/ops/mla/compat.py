@@ -44,7 +44,7 @@ import torch
 
 from .._common import combine_splits
 from .._common.validation import MAX_KEYS, check_flag, check_scale, check_tensor, forward_only, requires_grad
-from .api import mla_decode, mla_sparse_prefill
+from .api import default_out_dtype, mla_decode, mla_sparse_prefill
 from .fp8 import ROW_BYTES, fp8_layout, is_fp8_latent
 
 __all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_decoding_metadata",
@@ -288,7 +288,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if attn_sink is not None:
         out = _sink(out, lse.transpose(1, 2), attn_sink)
     if wide is not None:
-        out = out.to(torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+        out = out.to(default_out_dtype(q))
     # once the state is checked and the call made, as FlashMLA's own record is set by its first call
     if not tile_scheduler_metadata.have_initialized:
         tile_scheduler_metadata.config = config
