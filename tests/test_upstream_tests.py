@@ -23,10 +23,14 @@ def _run(tmp_path, project, test_file, *extra):
 
 def test_fla_suite_calls_ours(tmp_path):
     upstream = "def {0}(*a, **k):\n    raise AssertionError('the upstream function ran')\n"
-    _write(tmp_path / "pkg/fla/__init__.py", "")
+    _write(tmp_path / "pkg/fla/__init__.py", "from . import layers  # noqa: F401  (as fla imports its layers)\n")
     _write(tmp_path / "pkg/fla/ops/__init__.py", "")
     _write(tmp_path / "pkg/fla/ops/gated_delta_rule/__init__.py",
            upstream.format("chunk_gated_delta_rule") + upstream.format("fused_recurrent_gated_delta_rule"))
+    # fla's layer binds the names when fla is imported, before any rebinding: the tool rebinds them there too
+    _write(tmp_path / "pkg/fla/layers/__init__.py", "from . import gated_deltanet  # noqa: F401\n")
+    _write(tmp_path / "pkg/fla/layers/gated_deltanet.py",
+           "from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule\n")
     tests = tmp_path / "up/tests"
     _write(tests / "conftest.py", """
         import pytest
@@ -43,10 +47,13 @@ def test_fla_suite_calls_ours(tmp_path):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
         import gqla_triton.ops.gdn as ours
+        from fla.layers import gated_deltanet as layer
 
         def test_bound(upstream_fixture):
             assert chunk_gated_delta_rule is ours.chunk_gated_delta_rule
             assert fused_recurrent_gated_delta_rule is ours.fused_recurrent_gated_delta_rule
+            assert layer.chunk_gated_delta_rule is ours.chunk_gated_delta_rule
+            assert layer.fused_recurrent_gated_delta_rule is ours.fused_recurrent_gated_delta_rule
             assert ref_helper.VALUE == 3 and upstream_fixture == 7
 
         def test_runs():  # on the GPU where there is one: CPU tensors run only under the interpreter (CI)

@@ -8,7 +8,8 @@ The upstream package must be importable (its tests take their references and hel
 are rebound to ours before the test module is imported, so every call the tests make to them runs here:
 
 - ``fla``: ``fla.ops.gated_delta_rule``'s ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` (also
-  in the ``chunk`` / ``fused_recurrent`` submodules), from ``gqla_triton.ops.gdn``.
+  in the ``chunk`` / ``fused_recurrent`` submodules, and the names ``fla.layers.gated_deltanet`` imported from it
+  when the full fla package is there: its layer and model tests then run ours), from ``gqla_triton.ops.gdn``.
 - ``flashqla``: ``flash_qla``'s ``chunk_gated_delta_rule`` / ``_fwd`` / ``_bwd``, from ``gqla_triton.ops.gdn`` and
   its ``flash_qla`` module.
 - ``flashmla``: ``flash_mla``'s ``flash_mla_with_kvcache``, ``get_mla_metadata`` and ``flash_mla_sparse_fwd``, from
@@ -36,7 +37,7 @@ BINDINGS = {
     "fla": [
         (m, a, "gqla_triton.ops.gdn", a)
         for m in ("fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk",
-                  "fla.ops.gated_delta_rule.fused_recurrent")
+                  "fla.ops.gated_delta_rule.fused_recurrent", "fla.layers.gated_deltanet")
         for a in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
     ],
     "flashqla": [
