@@ -175,3 +175,59 @@ def test_convert_llama_bad_inputs():
         convert_llama(model, kv_rank=8, rope_dim=8)
     with pytest.raises(ValueError, match="path"):
         set_decode_path(model, "mla")
+
+
+def _small(cls, cfg_cls, **kw):
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    return cls(cfg_cls(**{**base, **kw})).eval().to(P.device)
+
+
+@pytest.mark.parametrize("variant", ["cohere", "olmo_clip", "smollm3_nope", "qk_norm_flag"])
+def test_attention_variants_that_change_the_function_are_refused(variant):
+    """Llama-shaped models whose attention is not Llama's (interleaved RoPE pairs, clamped q / k / v, layers
+    without RoPE) would convert into another function: refused, and the model left as it was."""
+    T = transformers
+    model = {"cohere": lambda: _small(T.CohereForCausalLM, T.CohereConfig),
+             "olmo_clip": lambda: _small(T.OlmoForCausalLM, T.OlmoConfig, clip_qkv=0.05),
+             "smollm3_nope": lambda: _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=4),
+             "qk_norm_flag": lambda: _small(T.CohereForCausalLM, T.CohereConfig, use_qk_norm=True)}[variant]()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="model: .*(rotary|rotates|clip_qkv|no_rope|normalizes)"):
+        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_llama_family_models_with_llama_attention_still_convert_exactly():
+    T = transformers
+    for model in (_small(T.LlamaForCausalLM, T.LlamaConfig), _small(T.OlmoForCausalLM, T.OlmoConfig),
+                  _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=2, no_rope_layers=[1, 1])):
+        ids = torch.randint(0, 64, (1, 12), generator=gen(3)).to(P.device)
+        with torch.no_grad():
+            ref = model(ids).logits.double()
+            convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+            out = model(ids).logits.double()
+        assert (out - ref).abs().max() <= 1e-4 * ref.abs().max(), type(model).__name__
+
+
+def test_calib_input_ids_and_page_size_are_checked_before_any_change():
+    model = tiny_llama(9, g=2, layers=1)
+    before = copy.deepcopy(model.state_dict())
+    bad = [(torch.tensor([[1, 2, 999]]), ValueError, "vocabulary|\\[0, 96\\)"),
+           (torch.tensor([[-1, 2]]), ValueError, "\\[0, 96\\)"),
+           (torch.tensor([[1.0, 2.0]]), ValueError, "int64"),
+           (torch.tensor([1, 2, 3]), ValueError, "\\[B, T\\]"),
+           (torch.zeros(1, 0, dtype=torch.long), ValueError, "non-empty"),
+           ([[1, 2]], TypeError, "torch.Tensor")]
+    for ids, err, msg in bad:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.to(P.device)
+        with pytest.raises(err, match=f"calib_input_ids: .*({msg})"):
+            convert_llama(model, kv_rank=8, rope_dim=8, calib_input_ids=ids)
+    for page_size in (17, 0, "64", True):
+        with pytest.raises(ValueError, match="page_size"):
+            convert_llama(model, kv_rank=8, rope_dim=8, page_size=page_size)
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -11,12 +11,14 @@ placeholders), so HF's masks and positions stay right. ``transformers`` is an op
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..layers.gqla import GQLAttention
-from ..ops._common.validation import check_positive_int
+from ..ops._common.validation import check_page_size, check_positive_int
 from .trans_gqla import trans_gqla
 
 __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
@@ -52,7 +54,7 @@ class GQLAHFAttention(nn.Module):
             raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
         check_positive_int("max_seqlen", max_seqlen)
         self.attn, self.layer_idx, self.decode_path = attn, layer_idx, decode_path
-        self.max_seqlen, self.page_size = max_seqlen, page_size
+        self.max_seqlen, self.page_size = max_seqlen, check_page_size(page_size)
         self.is_causal = True
         self.gqla_cache = None
 
@@ -162,6 +164,59 @@ def _check_supported(model) -> None:
         raise ValueError("model: sliding-window attention layers are not supported")
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "attention_dropout", 0.0):
         raise ValueError("model: attention biases / dropout are not supported (bias-free, dropout-free only)")
+    # attention variants of Llama-shaped models that change the function TransGQLA factorizes
+    for name, what in (("clip_qkv", "clamps q / k / v (clip_qkv)"),
+                       ("attn_logit_softcapping", "soft-caps the attention logits (attn_logit_softcapping)"),
+                       ("use_qk_norm", "normalizes q / k (use_qk_norm)")):
+        if getattr(cfg, name, None) not in (None, False):
+            raise ValueError(f"model: its attention {what}; not supported")
+    if any(not flag for flag in getattr(cfg, "no_rope_layers", None) or ()):
+        raise ValueError("model: some layers use no rotary embedding (no_rope_layers); TransGQLA rotates every layer")
+
+
+def _check_rope(rotary, sa, inv: torch.Tensor, scaling: float) -> None:
+    """The attention's RoPE must be Llama's rotate-half form: ``x·cos + rotate_half(x)·sin`` with ``cos`` / ``sin``
+    of the angles ``position·inv_freq`` repeated over both halves (times ``attention_scaling``), what
+    ``trans_gqla`` rotates with. Checked on the model's own ``rotary_emb`` and the ``apply_rotary_pos_emb`` of the
+    attention's module, so a variant (interleaved pairs, no rotation) is refused rather than converted wrongly."""
+    if not getattr(sa, "use_rope", True):
+        raise ValueError("model: a layer's attention uses no rotary embedding (use_rope=False); not supported")
+    apply = getattr(sys.modules.get(type(sa).__module__), "apply_rotary_pos_emb", None)
+    d = 2 * inv.numel()
+    dev = rotary.inv_freq.device
+    pos = torch.tensor([[0, 1, 3, 1000]], device=dev)
+    x = torch.randn(1, 1, 4, d, generator=torch.Generator().manual_seed(0)).to(dev)
+    try:
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, 4, d, device=dev), pos)
+            got = apply(x, x, cos, sin)[0].double().cpu()
+    except Exception as e:  # noqa: BLE001  (any failure means: not the rotate-half form this conversion assumes)
+        raise ValueError(f"model: its attention ({type(sa).__name__}) has no Llama-style rotary embedding "
+                         f"(rotary_emb(x, position_ids) and apply_rotary_pos_emb(q, k, cos, sin)): {e}") from None
+    ang = pos[0, :, None].double().cpu() * inv[None, :]
+    cos64, sin64 = (torch.cat([f(ang), f(ang)], -1) * scaling for f in (torch.cos, torch.sin))
+    xd = x.double().cpu()
+    want = xd * cos64 + torch.cat([-xd[..., d // 2:], xd[..., :d // 2]], -1) * sin64
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=0, atol=1e-3 * max(1.0, scaling)):
+        raise ValueError(f"model: its attention ({type(sa).__name__}) rotates q / k otherwise than Llama's "
+                         "rotate-half RoPE (e.g. interleaved pairs); not supported")
+
+
+def _check_calib(ids, cfg, base) -> None:
+    """``calib_input_ids``: a non-empty ``[B, T]`` integer tensor of token ids within the vocabulary, on the
+    embedding's device."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"calib_input_ids: expected a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dim() != 2 or ids.numel() == 0 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"calib_input_ids: expected a non-empty [B, T] int64 / int32 tensor, got {ids.dtype} of "
+                         f"shape {list(ids.shape)}")
+    emb = getattr(base, "embed_tokens", None)
+    dev = emb.weight.device if emb is not None else ids.device
+    if ids.device != dev:
+        raise ValueError(f"calib_input_ids: expected a tensor on the model's device {dev}, got {ids.device}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(f"calib_input_ids: token ids must lie in [0, {cfg.vocab_size}), got values in [{lo}, {hi}]")
 
 
 def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.Tensor | None = None,
@@ -186,6 +241,10 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     inv = rotary.inv_freq.detach().to("cpu", torch.float64)
     if inv.shape != (d // 2,):
         raise ValueError(f"model: partial rotary embeddings ({2 * inv.numel()} of {d} dims) are not supported")
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    page_size = check_page_size(page_size)
+    if calib_input_ids is not None:
+        _check_calib(calib_input_ids, cfg, base)
     acts = None
     if calib_input_ids is not None:
         acts = [[] for _ in layers]
@@ -204,12 +263,13 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
             raise ValueError(f"model: layer {i}'s attention is already converted")
         if any(hasattr(sa, n) for n in ("q_norm", "k_norm")):
             raise ValueError(f"model: layer {i} normalizes q / k per head (q_norm / k_norm); not supported")
+        _check_rope(rotary, sa, inv, scaling)
     new = []
     for i, layer in enumerate(layers):
         sa = layer.self_attn
         w = sa.q_proj.weight
         gq = trans_gqla(sa, num_heads=h, num_groups=g, head_dim=d, kv_rank=kv_rank, rope_dim=rope_dim,
-                        rope_inv_freq=inv, rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+                        rope_inv_freq=inv, rope_attention_scaling=scaling,
                         softmax_scale=getattr(sa, "scaling", d ** -0.5),
                         calib=None if acts is None else torch.cat([a.reshape(-1, a.shape[-1]) for a in acts[i]]),
                         balance_kv=balance_kv, path="auto", impl=impl, device=w.device, dtype=w.dtype)

@@ -53,7 +53,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_device, check_float_dtype, check_positive_int, check_scale, is_int
+from ..ops._common.validation import (
+    INT32_MAX,
+    check_device,
+    check_float_dtype,
+    check_page_size,
+    check_positive_int,
+    check_scale,
+    is_int,
+)
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import cache_rows
 
@@ -97,9 +105,7 @@ class PagedCache(abc.ABC):
                  device=None, auto_reserve: bool = True):
         self.max_batch = check_positive_int("max_batch", max_batch)
         self.max_seqlen = check_positive_int("max_seqlen", max_seqlen)
-        if not _is_int(page_size) or page_size <= 0 or page_size % 16 != 0:
-            raise ValueError(f"page_size: expected a positive multiple of 16, got {page_size!r}")
-        self.page_size = int(page_size)
+        self.page_size = check_page_size(page_size)
         self.max_pages = math.ceil(self.max_seqlen / self.page_size)
         self.num_pages = (self.max_batch * self.max_pages if num_pages is None
                           else check_positive_int("num_pages", num_pages))

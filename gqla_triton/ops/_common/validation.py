@@ -127,6 +127,13 @@ def check_positive_int(name: str, value: object, *, hi: int = INT32_MAX) -> int:
     return int(value)
 
 
+def check_page_size(page_size: object, name: str = "page_size") -> int:
+    """Tokens per page of a paged cache: a positive multiple of 16 within int32 (bools refused)."""
+    if not is_int(page_size) or not 0 < page_size <= INT32_MAX or page_size % 16 != 0:
+        raise ValueError(f"{name}: expected a positive multiple of 16, got {page_size!r}")
+    return int(page_size)
+
+
 def check_optional_int(name: str, value: object, *, lo: int = 1, hi: int = INT32_MAX) -> int | None:
     """None, or an int in ``[lo, hi]`` (bools refused)."""
     if value is None:
