@@ -349,3 +349,31 @@ def test_gdn_shard_holds_each_in_proj_blocks_heads():
             assert torch.equal(mine["conv1d.weight"].flatten(1), conv), (tp, r)
             assert torch.equal(mine["A_log"], sd["A_log"][r * hv:(r + 1) * hv])
             assert torch.equal(mine["o_proj.weight"], sd["o_proj.weight"][:, r * hv * V:(r + 1) * hv * V])
+
+
+def test_converted_layers_rope_frequencies_travel_with_the_shards(tmp_path):
+    """A layer with its own rotary frequencies (``rope_inv_freq``: trans_gqla / convert_llama / load_gqla) shards
+    like any other: the state-dict shards are ``GQLAttention.shard``'s, and a one-rank group's shard computes the
+    full layer's output."""
+    import torch.distributed as dist
+
+    base = _gqla_layer(1)
+    inv = 1.0 / (37.0 ** (torch.arange(GQLA["rope_dim"] // 2, dtype=torch.float64) / GQLA["rope_dim"]))
+    layer = GQLAttention(**GQLA, impl="reference", dtype=torch.float64, rope_inv_freq=inv)
+    layer.load_state_dict(base.state_dict(), strict=False)
+    cfg = {k: getattr(layer, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim",
+                                          "kv_rank", "q_rank", "rope_inv_freq")}
+    for r in range(2):
+        mine, want = shard_gqla_state_dict(layer.state_dict(), cfg, r, 2), layer.shard(r, 2).state_dict()
+        assert sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="unexpected \\['rope_inv_freq_bits'\\]"):  # the frequencies belong in config
+        shard_gqla_state_dict(layer.state_dict(), {k: v for k, v in cfg.items() if k != "rope_inv_freq"}, 0, 2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tp = TPGQLAttention.from_layer(layer)
+        assert torch.equal(tp.local.rope_inv_freq, inv) and torch.equal(tp.config["rope_inv_freq"], inv)
+        x = randn((1, 5, GQLA["hidden_size"]), gen(2), dtype=torch.float64, device="cpu")
+        with torch.no_grad():
+            assert_close("tp_out", tp(x), layer(x), layer(x))
+    finally:
+        dist.destroy_process_group()

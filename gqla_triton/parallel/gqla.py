@@ -37,7 +37,7 @@ from ._common import (
 __all__ = ["TPGQLAttention", "shard_gqla_state_dict"]
 
 _CONFIG = ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank", "q_rank", "v_head_dim",
-           "rope_theta", "softmax_scale", "path", "impl", "kv_norm", "norm_eps")
+           "rope_theta", "softmax_scale", "path", "impl", "kv_norm", "norm_eps", "rope_inv_freq")
 
 
 def _config_of(layer: GQLAttention) -> dict:
@@ -48,14 +48,16 @@ def _check_config(config) -> dict:
     return check_config(config, _CONFIG, "GQLAttention")
 
 
-def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GQLAttention, GQLAttention]:
-    """The full layer and a shard on the meta device (shapes and validation only)."""
+def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
+    """The full layer and a shard on the meta device (shapes and validation only), and the full layer's arguments
+    (``rope_inv_freq`` as given: a meta layer holds no values)."""
     full = GQLAttention(**config, device="meta", dtype=dtype)
     check_divides(tp_size, full.num_groups, "num_groups")
-    cfg = _config_of(full)  # the shard keeps the full layer's softmax scale (its default depends on d_h + d_R only)
+    # the shard keeps the full layer's softmax scale (its default depends on d_h + d_R only) and rope frequencies
+    cfg = {**_config_of(full), "rope_inv_freq": config.get("rope_inv_freq")}
     local = GQLAttention(**{**cfg, "num_heads": full.num_heads // tp_size, "num_groups": full.num_groups // tp_size},
                          device="meta", dtype=dtype)
-    return full, local
+    return full, local, cfg
 
 
 def shard_gqla_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapping, tp_rank: int,
@@ -64,7 +66,7 @@ def shard_gqla_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mappin
     ``state_dict`` (the full layer's, e.g. loaded with ``mmap=True``). ``config``: the full layer's constructor
     arguments. No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
-    full, local = _meta_layers(_check_config(config), tp_size)
+    full, local, _ = _meta_layers(_check_config(config), tp_size)
     return shard_state_dict(state_dict, full, local, tp_rank)
 
 
@@ -98,10 +100,10 @@ class TPGQLAttention(TensorParallel):
         group, rank, size = resolve_group(group)
         src = state_dict.get("kv_b_proj.weight") if isinstance(state_dict, Mapping) else None
         dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)
-        full, local = _meta_layers(cfg, size, dtype)
+        full, local, cfg = _meta_layers(cfg, size, dtype)
         shards = shard_state_dict(state_dict, full, local, rank)
         dev = resolve_device(group, device)
-        return cls(load_into(local, shards, dev), group, rank, size, _config_of(full))
+        return cls(load_into(local, shards, dev), group, rank, size, cfg)
 
     def make_cache(self, max_batch: int, max_seqlen: int, **kwargs):
         """The rank's cache (``GQLAttention.make_cache`` of the shard): a ``GroupedCache`` of ``g/tp`` groups or a
