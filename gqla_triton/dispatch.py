@@ -249,8 +249,22 @@ def _read_table(path: Path) -> dict[str, list[tuple[dict, Any]]]:
     return parse_table(raw, where=str(path))
 
 
+def _env_version(raw: str | None) -> tuple | None:
+    """What identifies the content of ``GQLA_TRITON_CONFIG`` = ``raw`` beside the value itself: a file's
+    modification time and size (a stat per lookup, so an edited file is read again), None for a JSON object in the
+    variable (no cost) or a path that cannot be read (its error names it)."""
+    if not raw or raw.lstrip().startswith("{"):
+        return None
+    try:
+        st = os.stat(raw)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 @functools.lru_cache(maxsize=4)
-def _env_override(raw: str) -> dict:
+def _env_override(raw: str, version: tuple | None = None) -> dict:
+    """The checked overrides of ``GQLA_TRITON_CONFIG`` = ``raw`` (``version``: ``_env_version``'s, a cache key)."""
     text, where = raw, "GQLA_TRITON_CONFIG"
     try:
         if not raw.lstrip().startswith("{"):  # a path to a JSON file
@@ -311,7 +325,8 @@ def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fal
     """First matching entry for ``op`` in ``configs/<gpu>.json`` (then ``default.json`` if ``fallback``), with the
     overrides applied; None when no entry matches and nothing is overridden."""
     frozen = tuple(sorted((key or {}).items()))
-    cfg = _table_entry(gpu, op, frozen, fallback, os.environ.get("GQLA_TRITON_CONFIG"))
+    env = os.environ.get("GQLA_TRITON_CONFIG")
+    cfg = _table_entry(gpu, op, frozen, fallback, env, _env_version(env))
     for layer in _OVERRIDES:
         if op in layer:
             cfg = _overridden(op, cfg, layer[op])
@@ -319,9 +334,10 @@ def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fal
 
 
 @functools.lru_cache(maxsize=4096)
-def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | None):
+def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | None, version: tuple | None):
     """``table_config`` without the in-process overrides, cached: the tables are read once and a launcher's lookup
-    costs a dictionary hit (the key, the tables and ``GQLA_TRITON_CONFIG`` determine the answer)."""
+    costs a dictionary hit (the key, the tables and ``GQLA_TRITON_CONFIG``, with its file's ``version``, determine
+    the answer)."""
     from .ops._common.config import check_match_key
 
     cls = schema(op)
@@ -330,8 +346,9 @@ def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | No
     cfg = _match(_load_table(gpu), op, key)
     if cfg is None and fallback:
         cfg = _match(_load_table("default"), op, key)
-    if env and op in _env_override(env):
-        cfg = cls.from_fields(_env_override(env)[op], base=cfg, where=" (GQLA_TRITON_CONFIG)")
+    overrides = _env_override(env, version) if env else {}
+    if op in overrides:
+        cfg = cls.from_fields(overrides[op], base=cfg, where=" (GQLA_TRITON_CONFIG)")
     return cfg
 
 

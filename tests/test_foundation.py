@@ -224,6 +224,21 @@ def test_import_does_no_device_work():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_env_override_file_is_read_again_when_it_changes(monkeypatch, tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text('{"combine": {"num_warps": 2}}')
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", str(path))
+    assert dispatch.select_config("combine", {"D": 64}).num_warps == 2
+    path.write_text('{"combine": {"num_warps": 8}}  ')  # another size: seen even within one mtime tick
+    assert dispatch.select_config("combine", {"D": 64}).num_warps == 8
+    path.write_text('{"combine": {"num_warp": 8}}   ')
+    with pytest.raises(ValueError, match="GQLA_TRITON_CONFIG file .*num_warp"):
+        dispatch.select_config("combine", {"D": 64})
+    path.unlink()
+    with pytest.raises(ValueError, match="^GQLA_TRITON_CONFIG file"):
+        dispatch.select_config("combine", {"D": 64})
+
+
 def test_choose_decode_path_scales_by_measured_kernel_efficiency(monkeypatch):
     shape = dict(num_heads=128, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512)
     hw = decode_path.choose_decode_path(shape, 1, "h100", batch=128, seqlen=4096, kernel_efficiency=False)

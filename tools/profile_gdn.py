@@ -174,14 +174,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("tools.profile_gdn needs a CUDA GPU")
     if a.host:
-        from gqla_triton.dispatch import _env_override
+        from gqla_triton.dispatch import _env_override, _env_version
 
         variants = {"table": {}, **parse_configs(a.config)}
         base = os.environ.get("GQLA_TRITON_CONFIG")
         for name, (vn, fields) in itertools.product(a.workload.split(","), variants.items()):
             # a variant enters as GQLA_TRITON_CONFIG, the lookup path a deployment takes, so the host time measured
             # is that path's
-            over = {op: dict(f) for op, f in _env_override(base).items()} if base else {}
+            over = {op: dict(f) for op, f in _env_override(base, _env_version(base)).items()} if base else {}
             over["gdn_chunk"] = {**over.get("gdn_chunk", {}), **fields}
             os.environ["GQLA_TRITON_CONFIG"] = json.dumps(over)
             try:
