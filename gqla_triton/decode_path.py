@@ -18,6 +18,7 @@ from typing import ClassVar, NamedTuple
 
 from .dispatch import GPU_KEYS, DeviceInfo, device_info, is_interpreter, table_config
 from .ops._common.config import KernelConfig
+from .ops._common.validation import is_finite_real
 
 __all__ = ["choose_decode_path", "DecodePathChoice", "DecodePathConfig", "PATHS", "POINTS", "REF_SHAPE",
            "step_inputs", "absorb_step", "grouped_step", "measure_points"]
@@ -52,7 +53,7 @@ class DecodePathConfig(KernelConfig):
     def check(self) -> None:
         self.within(("absorb_efficiency", "grouped_efficiency"), 0, 1, open_lo=True)
         for p in self.points:
-            if len(p) != 4 or min(p[:2]) < 1 or min(p[2:]) <= 0 or not all(math.isfinite(v) for v in p):
+            if len(p) != 4 or min(p[:2]) < 1 or min(p[2:]) <= 0 or not all(map(is_finite_real, p)):
                 raise ValueError(f"decode_path config: 'points' holds rows [batch, seqlen, absorb_ms, grouped_ms] "
                                  f"(batch, seqlen >= 1; finite times > 0), got {list(p)}")
 

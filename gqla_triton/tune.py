@@ -41,7 +41,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ import torch
 
 from . import dispatch, roofline
 from .dispatch import user_config_dir
+from .ops._common.validation import is_finite_real
 
 __all__ = ["Target", "targets", "tune", "user_config_dir", "main"]
 
@@ -381,6 +382,38 @@ def targets(ops: list[str] | None = None, *, tiny: bool | None = None) -> list[T
 
 
 # ----------------------------------------------------------------------------------------------- search
+def _check_partial(path: Path, old: dict) -> None:
+    """The fields of a partial search file that a resumed run reads, of the types it reads them as."""
+    kinds = {"measured": dict, "done": dict, "spent_s": (int, float), "runs": int, "start": str, "complete": bool}
+    for name, kind in kinds.items():
+        if name in old and (not isinstance(old[name], kind) or isinstance(old[name], bool) is not (kind is bool)):
+            raise ValueError(f"{path}: an unreadable partial search ('{name}' is a {type(old[name]).__name__}); "
+                             "remove it to start over")
+    if not all(isinstance(v, dict) for v in (*old.get("measured", {}).values(), *old.get("done", {}).values())):
+        raise ValueError(f"{path}: an unreadable partial search (its records are not JSON objects); remove it to "
+                         "start over")
+
+
+def _check_space(space, tlist: list[Target]) -> None:
+    """``space``: None, or {op: {field: candidate values}} with every field one of the op's schema."""
+    if space is None:
+        return
+    if not isinstance(space, Mapping):
+        raise TypeError(f"space: expected a mapping {{op: {{field: values}}}}, got {type(space).__name__}")
+    for op, fields in space.items():
+        if op not in dispatch.OPS:
+            raise ValueError(f"space: unknown op {op!r}; the ops are {sorted(dispatch.OPS)}")
+        if not isinstance(fields, Mapping):
+            raise TypeError(f"space: {op!r} expected a mapping {{field: values}}, got {type(fields).__name__}")
+        names = set(dispatch.schema(op).field_names())
+        for name, values in fields.items():
+            if name not in names:
+                raise ValueError(f"space: {op!r} has no field {name!r}; its fields are {sorted(names)}")
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+                raise ValueError(f"space: {op}.{name} expected a non-empty sequence of candidate values, got "
+                                 f"{values!r}")
+
+
 class _State:
     """Measurements by (target, config), the targets finished (their report rows) and the search time spent, kept
     in a JSON file so that an interrupted run resumes where it stopped, within what is left of its time limit. A run
@@ -397,6 +430,7 @@ class _State:
                 raise ValueError(f"{path}: an unreadable partial search ({type(e).__name__}: {e}); remove it to "
                                  "start over") from None
             if isinstance(old, dict) and old.get("gpu") == gpu:
+                _check_partial(path, old)
                 self.data = old
         if self.data.pop("complete", False):
             self.data.pop("done", None)
@@ -565,11 +599,15 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
         raise ValueError(f"start: expected one of {START}, got {start!r}")
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
         raise ValueError(f"jobs: expected an int >= 0, got {jobs!r}")
-    if (not isinstance(budget_minutes, (int, float)) or isinstance(budget_minutes, bool)
-            or not math.isfinite(budget_minutes) or budget_minutes <= 0):
+    if not is_finite_real(budget_minutes) or budget_minutes <= 0:
         raise ValueError(f"budget_minutes: expected a positive, finite number of minutes, got {budget_minutes!r}")
     if out is not None and not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out: expected a path (str or os.PathLike), got {type(out).__name__}")
+    if ops is not None and (isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence)
+                            or not all(isinstance(o, str) for o in ops)):
+        raise TypeError(f"ops: expected None or a list of op names, got {ops!r}")
+    tlist = target_list if target_list is not None else targets(ops)
+    _check_space(space, tlist)
     info = dispatch.device_info()
     gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"
@@ -583,7 +621,6 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     if start != "table" and info.key == "default":
         raise ValueError(f"start='default': {info.name} has no table of its own to compare with")
     raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows] for op, rows in base.items()}
-    tlist = target_list if target_list is not None else targets(ops)
     t_start = time.monotonic()
     end = t_start + max(0.0, budget_minutes * 60 - state.spent0)  # a resumed run gets what its time limit has left
     wave_s = 0.0

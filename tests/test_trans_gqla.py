@@ -384,3 +384,24 @@ def test_rope_inv_freq_buffer_survives_casts_and_state_dict():
     for bad in (torch.ones(3), torch.tensor([1.0, float("nan"), 1.0, 1.0]), [1.0] * 4):
         with pytest.raises(ValueError, match="rope_inv_freq"):
             GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=bad)
+
+
+def test_weights_beyond_the_target_dtype_are_refused():
+    """Balancing scales the key rows of ``kv_b_proj`` by the key / value norm ratio: with values ~1e-6 of the keys
+    the rows leave float16's range. A ValueError names it; the float32 result of the same source is right."""
+    g0 = gen(5)
+    h, g, d, hid = 4, 2, 8, 32
+    src = {"q_proj": randn((h * d, hid), g0, dtype=torch.float64, device="cpu"),
+           "k_proj": randn((g * d, hid), g0, dtype=torch.float64, device="cpu"),
+           "v_proj": randn((g * d, hid), g0, dtype=torch.float64, device="cpu", scale=1e-6),
+           "o_proj": randn((hid, h * d), g0, dtype=torch.float64, device="cpu")}
+    half = {k: v.half() for k, v in src.items()}
+    kw = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=32, rope_dim=0, impl="reference")
+    with pytest.raises(ValueError, match="dtype: the converted kv_b_proj weights .*float16's range.*balance_kv"):
+        trans_gqla(half, **kw)
+    layer = trans_gqla(half, **kw, dtype=torch.float32)
+    x = randn((1, 5, hid), g0, dtype=torch.float32, device="cpu")
+    ref = gqa_attention_reference(half, x, num_heads=h, num_groups=g, head_dim=d)
+    assert rel_err(layer(x), ref) < 1e-5
+    with pytest.raises(ValueError, match="rope_theta"):
+        trans_gqla(src, **kw, rope_theta=10**400)  # an int no float holds: a ValueError, not an OverflowError

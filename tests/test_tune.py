@@ -376,3 +376,24 @@ def test_the_cli_names_a_bad_option_without_a_traceback(capsys):
     with pytest.raises(SystemExit) as e:
         tune.main(["--budget-minutes", "nan", "--ops", "combine"])
     assert e.value.code == 2 and "budget_minutes: expected a positive" in capsys.readouterr().err
+
+
+def test_bad_options_and_partial_files_are_refused_before_any_search(tmp_path):
+    out = tmp_path / "t.json"
+    bad = [(dict(ops="combine"), TypeError, "ops: expected None or a list"),
+           (dict(ops=5), TypeError, "ops: expected None or a list"),
+           (dict(ops=["combine"], space=[1]), TypeError, "space: expected a mapping"),
+           (dict(ops=["combine"], space={"combine": {"bogus": (1, 2)}}), ValueError, "space: 'combine' has no field"),
+           (dict(ops=["combine"], space={"nope": {}}), ValueError, "space: unknown op 'nope'"),
+           (dict(ops=["combine"], space={"combine": {"num_warps": ()}}), ValueError, "non-empty sequence"),
+           (dict(ops=["combine"], budget_minutes=10**400), ValueError, "budget_minutes")]
+    for kw, err, msg in bad:
+        with pytest.raises(err, match=msg):
+            tune.tune(**{"budget_minutes": 0.1, **kw}, out=out, progress=False)
+    partial = tmp_path / "t.json.partial.json"
+    for text in ('{"gpu": "interpreter", "measured": []}', '{"gpu": "interpreter", "spent_s": "abc"}',
+                 '{"gpu": "interpreter", "done": []}', '{"gpu": "interpreter", "done": {"x": 1}}'):
+        partial.write_text(text)
+        with pytest.raises(ValueError, match="an unreadable partial search"):
+            tune.tune(["combine"], budget_minutes=0.1, out=out, progress=False)
+    assert not out.exists()

@@ -195,15 +195,21 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     up = U_r.view(g, d + dv, kv_rank).clone()
     up[:, :d] /= alpha
 
+    s2 = rope_attention_scaling ** 2
+    weights = {"q_proj": s2 * torch.cat([wq3, rope_q], 1).reshape(h * (d + rope_dim), hidden),
+               "kv_a_proj": torch.cat([down, rope_k], 0), "kv_b_proj": up.reshape(g * (d + dv), kv_rank), "o_proj": wo}
+    limit = torch.finfo(dtype).max
+    for name, w in weights.items():  # checked before the layer is made: a refused call allocates nothing
+        big = w.abs().max().item() if w.numel() else 0.0
+        if not big <= limit:
+            raise ValueError(f"dtype: the converted {name} weights reach {big:.3g}, beyond {dtype}'s range; convert "
+                             f"to a wider dtype{' or with balance_kv=False' if balance_kv else ''}")
     layer = GQLAttention(hidden, h, g, d, rope_dim, kv_rank, None, dv, rope_theta, scale, path, impl,
                          device=device, dtype=dtype, kv_norm=False,
                          rope_inv_freq=inv[km] if n else None)
-    s2 = rope_attention_scaling ** 2
     with torch.no_grad():
-        layer.q_proj.weight.copy_(s2 * torch.cat([wq3, rope_q], 1).reshape(h * (d + rope_dim), hidden))
-        layer.kv_a_proj.weight.copy_(torch.cat([down, rope_k], 0))
-        layer.kv_b_proj.weight.copy_(up.reshape(g * (d + dv), kv_rank))
-        layer.o_proj.weight.copy_(wo)
+        for name, w in weights.items():
+            getattr(layer, name).weight.copy_(w)
     return layer
 
 

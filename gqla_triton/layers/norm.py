@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common.validation import check_float_dtype, check_positive_int
+from ..ops._common.validation import check_float_dtype, check_positive_int, is_finite_real
 
 __all__ = ["RMSNorm", "gated_rms_norm"]
 
@@ -24,7 +21,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
         check_positive_int("dim", dim)
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        if not is_finite_real(eps) or eps < 0:
             raise ValueError(f"eps: expected a finite real number >= 0, got {type(eps).__name__} {eps!r}")
         check_float_dtype(dtype)
         self.eps = float(eps)

@@ -164,9 +164,19 @@ def check_device(device: object, *, storage: bool = False, name: str = "device")
     return dev
 
 
+def is_finite_real(value: object) -> bool:
+    """A real number (not a bool) with a finite float value: an int too large for a float is not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_positive_real(name: str, value: object) -> float:
     """A positive, finite real number (bools, strings and tensors refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not is_finite_real(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive, finite real number, got {type(value).__name__} {value!r}")
     return float(value)
 
