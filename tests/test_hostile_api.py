@@ -157,3 +157,94 @@ def test_flash_mla_sparse_cache_past_the_addressable_rows_is_refused():
             gq.flash_mla_with_kvcache(q, kv, None, None, 64, gq.get_mla_metadata()[0], indices=idx)
     with pytest.raises(ValueError, match="^q: expected a head dim"):
         gq.flash_mla_sparse_fwd(q[0, :, :, :0], kv[:1, :4, :, :0].reshape(4, 1, 0), idx[0], None)
+
+
+def _gqla(path, impl, dtype=torch.float32):
+    torch.manual_seed(0)
+    return gq.GQLAttention(32, 4, 2, head_dim=16, rope_dim=16, kv_rank=32, path=path, impl=impl, dtype=dtype,
+                           device=P.device)
+
+
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+@pytest.mark.parametrize("path", ["absorb", "grouped"])
+def test_gqla_decode_under_autograd_never_gives_a_silently_wrong_gradient(path, impl):
+    """A decode step reads the new tokens' rows back from the cache (stored detached): its backward raises, on the
+    reference path as through the kernels' ops; the forward equals the one under no_grad."""
+    a = _gqla(path, impl)
+    x0, x1 = randn((1, 5, 32), 1), randn((1, 2, 32), 2)
+    outs = []
+    for grad in (False, True):
+        c = a.make_cache(1, 64, page_size=16, path=path)
+        with torch.no_grad():
+            a(x0, cache=c)
+        with torch.set_grad_enabled(grad):
+            outs.append(a(x1.clone().requires_grad_(grad), cache=c))
+    assert torch.equal(outs[0], outs[1].detach())
+    with pytest.raises(RuntimeError, match="forward-only"):
+        outs[1].square().sum().backward()
+
+
+@pytest.mark.parametrize("path", ["absorb", "grouped"])
+def test_gqla_reference_decode_keeps_keys_it_does_not_see_out(path):
+    """A NaN token that a query does not attend (causal MTP, sparse indices) reaches no output, on the reference
+    path as in the kernels."""
+    for impl in ("reference", "triton"):
+        a = _gqla(path, impl)
+        c = a.make_cache(1, 64, page_size=16, path=path)
+        with torch.no_grad():
+            a(randn((1, 4, 32), 3), cache=c)
+            x = randn((1, 2, 32), 4)
+            x[0, 1] = float("nan")
+            y = a(x, cache=c)  # query 0 cannot see token 1
+            y2 = a(randn((1, 1, 32), 5), cache=c, indices=torch.zeros(1, 1, 1, dtype=torch.int32, device=P.device))
+        assert torch.isfinite(y[0, 0]).all() and torch.isnan(y[0, 1]).all(), impl
+        assert torch.isfinite(y2).all(), impl
+
+
+def test_gqla_sparse_indices_sharing_the_caches_memory_are_refused():
+    a = _gqla("absorb", "triton")
+    c = a.make_cache(2, 64, page_size=16)
+    with torch.no_grad():
+        a(randn((2, 5, 32), 6), cache=c)
+        before = [t.clone() for t in (c.cache_seqlens, c.kv, c.block_table)]
+        for kw in (dict(indices=c.cache_seqlens.view(2, 1, 1)),
+                   dict(indices=torch.zeros(2, 1, 1, dtype=torch.int32, device=P.device),
+                        topk_length=c.cache_seqlens[:2])):
+            with pytest.raises(ValueError, match="cache.cache_seqlens: shares memory with (indices|topk_length)"):
+                a(randn((2, 1, 32), 7), cache=c, **kw)
+    assert all(torch.equal(t, u) for t, u in zip(before, (c.cache_seqlens, c.kv, c.block_table), strict=True))
+
+
+def test_gdn_cache_made_in_inference_mode_is_refused_outside_it_before_any_change():
+    m = gq.GatedDeltaNet(32, 2, 4, 16, 16, impl="reference", dtype=torch.float32, device=P.device)
+    with torch.inference_mode():
+        cache = m.init_cache(1)
+        m(randn((1, 4, 32), 8), cache)
+    keep = [t.clone() for t in (cache.conv_state, cache.recurrent_state, cache.seqlens)]
+    for T in (1, 20):  # a decode step, a chunked continuation
+        with torch.no_grad(), pytest.raises(RuntimeError, match="made under torch.inference_mode"):
+            m(randn((1, T, 32), 9), cache)
+    with pytest.raises(RuntimeError, match="reset: this cache was made under torch.inference_mode"):
+        cache.reset()
+    after = (cache.conv_state, cache.recurrent_state, cache.seqlens)
+    assert all(torch.equal(t, u) for t, u in zip(keep, after, strict=True))
+
+
+def test_gdn_reference_decodes_any_head_dims():
+    for K, V in ((300, 16), (16, 1100)):
+        m = gq.GatedDeltaNet(8, 1, 2, K, V, impl="reference", dtype=torch.float32, device=P.device)
+        c, full = m.init_cache(1), m.init_cache(1)
+        x = randn((1, 6, 8), 10)
+        with torch.no_grad():
+            m(x[:, :5], c)
+            step = m(x[:, 5:], c)  # a decode step: the torch recurrence, no kernel limit
+            want = m(x, full)[:, 5:]
+        assert (step - want).abs().max() <= 1e-4 * want.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("device", ["xyz", -1, 1.5, f"cuda:{2**20}"])
+def test_layer_constructors_check_device(device):
+    for make in (lambda: gq.GQLAttention(32, 4, 2, 16, 16, 32, device=device),
+                 lambda: gq.RMSNorm(8, device=device)):
+        with pytest.raises(ValueError, match="^device: "):
+            make()

@@ -56,6 +56,7 @@ import torch
 from ..ops._common.validation import (
     INT32_MAX,
     check_device,
+    check_disjoint,
     check_float_dtype,
     check_page_size,
     check_positive_int,
@@ -436,6 +437,16 @@ class PagedCache(abc.ABC):
             raise RuntimeError(f"{name}: a host call (it moves page lists to the device); make it outside CUDA-graph "
                                "capture and torch.compile")
         self._check_mode(name)
+
+    def _check_reads(self, **reads: torch.Tensor | None) -> None:
+        """The tensors a call reads after it appends (None: absent) share no memory with any tensor of the cache
+        (``ValueError``): e.g. sparse ``indices`` that are a view of ``cache_seqlens`` would be read after the
+        append has moved them."""
+        if all(t is None for t in reads.values()):
+            return
+        for name, t in vars(self).items():
+            if isinstance(t, torch.Tensor):
+                check_disjoint(f"cache.{name}", t, **reads)
 
     def _check_mode(self, name: str) -> None:
         """A cache made under ``torch.inference_mode()`` holds inference tensors, which torch updates in place only

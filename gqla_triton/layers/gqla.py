@@ -40,6 +40,7 @@ from ..ops._common.boundary import route
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     INT32_MAX,
+    check_device,
     check_flag,
     check_float_dtype,
     check_positive_int,
@@ -82,6 +83,22 @@ def _grouped_dims_ok(impl: str, d_h: int, d_v: int, d_r: int) -> bool:
     return True
 
 
+class _ForwardOnlyDecode(torch.autograd.Function):
+    """A reference decode step's attention output under autograd. The cache holds the new tokens' rows detached and
+    the step reads them back from it, so the gradient through them would be wrong: a backward raises, as through the
+    kernels' decode ops (``forward_only``)."""
+
+    @staticmethod
+    def forward(ctx, o):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("GQLAttention: a decode step against a cache is forward-only (the new tokens' rows are "
+                           "read back from the cache): call it under torch.no_grad() / torch.inference_mode(), or "
+                           "run the whole sequence without a cache to train")
+
+
 class GQLAttention(nn.Module):
     """Group-Query Latent Attention layer (see the module docstring for the weights and both decode paths).
 
@@ -115,6 +132,7 @@ class GQLAttention(nn.Module):
                  impl: str = "auto", device=None, dtype=None, *, kv_norm: bool = True, norm_eps: float = 1e-6,
                  rope_inv_freq: torch.Tensor | None = None):
         super().__init__()
+        device = check_device(device)
         for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_groups", num_groups),
                         ("head_dim", head_dim), ("kv_rank", kv_rank)):
             check_positive_int(name, v)
@@ -352,6 +370,8 @@ class GQLAttention(nn.Module):
                 raise TypeError(f"indices: expected int32, got {indices.dtype}")
         elif topk_length is not None:
             raise ValueError("topk_length: given without indices")
+        if decode:
+            cache._check_reads(indices=indices, topk_length=topk_length)
         idx = cache._index_of(ids) if decode and seq_ids is not None else None
         add_t = False  # pos[b, t] + t: the default decode positions, read in the kernels from the cached lengths
         if positions is not None:
@@ -374,10 +394,11 @@ class GQLAttention(nn.Module):
             elif cache is not None:
                 cache._append(ids, k_nope, v, k_rope)
             o = self._prefill(q_nope, q_rope, k_nope, k_rope, v)
-        elif isinstance(cache, LatentCache):
-            o = self._decode_absorb(q_nope, q_rope, c, k_rope, cache, ids, idx, indices, topk_length)
         else:
-            o = self._decode_grouped(q_nope, q_rope, c, k_rope, cache, ids, idx, indices, topk_length)
+            decode_ref = self._decode_absorb if isinstance(cache, LatentCache) else self._decode_grouped
+            o = decode_ref(q_nope, q_rope, c, k_rope, cache, ids, idx, indices, topk_length)
+            if torch.is_grad_enabled() and o.requires_grad:  # as the kernels' decode ops: no silent wrong gradient
+                o = _ForwardOnlyDecode.apply(o)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
 
     def _check_cache(self, cache) -> None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common.validation import check_float_dtype, check_positive_int, is_finite_real
+from ..ops._common.validation import check_device, check_float_dtype, check_positive_int, is_finite_real
 
 __all__ = ["RMSNorm", "gated_rms_norm"]
 
@@ -24,6 +24,7 @@ class RMSNorm(nn.Module):
         if not is_finite_real(eps) or eps < 0:
             raise ValueError(f"eps: expected a finite real number >= 0, got {type(eps).__name__} {eps!r}")
         check_float_dtype(dtype)
+        device = check_device(device)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 

@@ -27,12 +27,21 @@ def key_weights(L: int, T: int, indices=None, n=None, device=None) -> torch.Tens
 
 def attend(q, k, v, scale, weights):
     """``q [T, H, D]``, ``k [L, H|1, D]``, ``v [L, H|1, Dv]``, key multiplicities ``weights [T, L]`` (0 = masked);
-    a query with no key gives 0; non-finite scores propagate as the softmax sends them (NaN)."""
-    L = k.shape[0]
-    s = torch.einsum("thd,lhd->htl", q, k.expand(L, q.shape[1], k.shape[-1])) * scale
-    p = torch.softmax(s + weights.to(s.dtype).log()[None], -1)
-    p = torch.where((weights > 0).any(-1)[None, :, None], p, 0.0)
-    return torch.einsum("htl,lhd->thd", p, v.expand(L, q.shape[1], v.shape[-1]))
+    a query with no key gives 0; non-finite scores and values of the keys a query sees propagate as the softmax and
+    the product send them (NaN, inf); those of keys it does not see never reach it."""
+    L, H = k.shape[0], q.shape[1]
+    seen = weights > 0
+    s = torch.einsum("thd,lhd->htl", q, k.expand(L, H, k.shape[-1])) * scale
+    s = torch.where(seen[None], s + weights.to(s.dtype).clamp_min(1).log()[None], float("-inf"))
+    p = torch.where(seen.any(-1)[None, :, None], torch.softmax(s, -1), 0.0)
+    v = v.expand(L, H, v.shape[-1])
+    bad = ~torch.isfinite(v).all(-1).all(-1)  # keys with a non-finite value: summed where seen only
+    out = torch.einsum("htl,lhd->thd", p, torch.where(bad[:, None, None], 0.0, v))
+    if bad.any():
+        pb, vb = p[..., bad], v[bad]  # [H, T, n], [n, H, Dv]
+        term = torch.where(seen[:, bad].T[:, None, :, None], pb.permute(2, 0, 1)[..., None] * vb[:, :, None], 0.0)
+        out = out + term.sum(0).transpose(0, 1)
+    return out
 
 
 def latent_cache_attention(q, cache, ids, r: int, scale: float, indices=None,
