@@ -315,6 +315,10 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
         shard_gqla_state_dict({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"][1:]}, cfg, 0, 2)
     with pytest.raises(ValueError, match="config: unknown GQLAttention arguments"):
         shard_gqla_state_dict(sd, {**cfg, "groups": 4}, 0, 2)
+    with pytest.raises(TypeError, match="state_dict: 'kv_b_proj.weight' is torch.int64"):
+        shard_gqla_state_dict({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"].long()}, cfg, 0, 2)
+    with pytest.raises(ValueError, match="state_dict: 'o_proj.weight' is on the meta device"):
+        shard_gqla_state_dict({**sd, "o_proj.weight": sd["o_proj.weight"].to("meta")}, cfg, 0, 2)
     gdn = _gdn_layer(0)
     with pytest.raises(ValueError, match="does not divide num_heads"):
         shard_gated_deltanet_state_dict(gdn.state_dict(), GDN, 0, 3)

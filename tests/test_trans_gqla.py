@@ -405,3 +405,18 @@ def test_weights_beyond_the_target_dtype_are_refused():
     assert rel_err(layer(x), ref) < 1e-5
     with pytest.raises(ValueError, match="rope_theta"):
         trans_gqla(src, **kw, rope_theta=10**400)  # an int no float holds: a ValueError, not an OverflowError
+
+
+def test_meta_weights_bad_devices_and_ranks_are_refused_by_name():
+    g0 = gen(6)
+    h, g, d, hid = 4, 2, 16, 32
+    src = {n: randn(s, g0, dtype=torch.float32, device="cpu") for n, s in
+           (("q_proj", (h * d, hid)), ("k_proj", (g * d, hid)), ("v_proj", (g * d, hid)), ("o_proj", (hid, h * d)))}
+    kw = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=32, impl="reference")
+    with pytest.raises(ValueError, match="source: q_proj is on the meta device"):
+        trans_gqla({n: w.to("meta") for n, w in src.items()}, **kw)
+    for device in ("junk", 1.5, "cuda:1048576"):
+        with pytest.raises(ValueError, match="^device: "):
+            trans_gqla(src, **kw, device=device)
+    with pytest.raises(ValueError, match="^q_rank: "):
+        load_gqla({}, num_heads=4, num_groups=2, head_dim=16, rope_dim=16, kv_rank=32, q_rank=0)

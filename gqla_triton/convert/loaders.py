@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.gqla import GQLAttention
-from ..ops._common.validation import check_flag, check_positive_int, is_int
+from ..ops._common.validation import check_flag, check_optional_int, check_positive_int, is_int
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
@@ -50,6 +50,8 @@ def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
         raise ValueError(f"state_dict: {key!r} expected shape {list(shape)}, got {got}")
     if not t.is_floating_point():
         raise TypeError(f"state_dict: {key!r} expected a real floating tensor, got {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"state_dict: {key!r} is on the meta device (it holds no values)")
     if not torch.isfinite(t.detach()).all():
         raise ValueError(f"state_dict: {key!r} has non-finite values")
     return t.detach().to(**_F64)
@@ -123,6 +125,7 @@ def load_gqla(state_dict: dict, *, num_heads: int, num_groups: int, head_dim: in
     """
     if not is_int(num_groups) or num_groups <= 0 or not is_int(num_heads) or num_heads % num_groups:
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {num_heads!r}, got {num_groups!r}")
+    check_optional_int("q_rank", q_rank)
     d_v = head_dim if v_head_dim is None else v_head_dim
     w = _read(state_dict, prefix, h=num_heads, n=num_groups, d_nope=head_dim, d_R=rope_dim, d_v=d_v, r=kv_rank,
               q_rank=q_rank, rope_interleaved=rope_interleaved)

@@ -43,6 +43,7 @@ import torch
 from ..layers.gqla import GQLAttention
 from ..layers.rope import apply_rope, rope_inv_freq
 from ..ops._common.validation import (
+    check_device,
     check_flag,
     check_float_dtype,
     check_positive_int,
@@ -78,6 +79,8 @@ def _checked(names, weights):
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
             got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
             raise ValueError(f"source: {n} must be a 2-D floating weight tensor, got {got}")
+        if w.device.type == "meta":
+            raise ValueError(f"source: {n} is on the meta device (it holds no values to factorize)")
         if not torch.isfinite(w.detach()).all():
             raise ValueError(f"source: {n} has non-finite values")
     return weights
@@ -163,7 +166,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
             raise ValueError("calib: its covariance overflows float64 (values too large)")
     inv = _source_inv_freq(d, rope_theta, rope_inv_freq)
     dtype = dtype or wq.dtype
-    device = device if device is not None else wq.device
+    device = check_device(device, storage=True) or wq.device
     wq3, wk3, wv3 = (w.detach().to(**_F64).view(n, -1, hidden) for w, n in ((wq, h), (wk, g), (wv, g)))
     wo = wo.detach().to(**_F64)
     half, n = d // 2, rope_dim // 2
