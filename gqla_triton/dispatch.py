@@ -26,7 +26,7 @@ import functools
 import importlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -361,8 +361,14 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     interpreter only ``interpreter.json`` is read, so exactly one config is ever seen. ``info``: the device's
     ``device_info`` where the caller has it (then ``device`` is not read).
     """
+    if not isinstance(op, str) or op not in _SCHEMAS:
+        raise ValueError(f"select_config: unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
     if key is not None and not isinstance(key, Mapping):
         raise TypeError(f"select_config: key expected a mapping of shape features or None, got {type(key).__name__}")
+    if key is not None and not all(isinstance(v, Hashable) for v in key.values()):
+        from .ops._common.config import check_match_key
+
+        check_match_key(schema(op), key, where=" (select_config key)")  # names the value of the wrong type
     if info is None:
         info = device_info(device)
     cfg = table_config(info.key, op, key, fallback=not info.interpreter)

@@ -111,6 +111,10 @@ def test_select_config_returns_the_typed_schema(config_override):
     assert dispatch.select_config("combine", {"D": 64}) == before  # restored on exit
     with pytest.raises(ValueError, match="unknown config op 'no_such_op'"):
         dispatch.select_config("no_such_op")
+    with pytest.raises(ValueError, match="unknown config op \\['x'\\]"):
+        dispatch.select_config(["x"])
+    with pytest.raises(ValueError, match="match key 'G' expects int, got \\[1\\]"):
+        dispatch.select_config("gqa_decode", {"G": [1]})
 
 
 def test_first_matching_entry_wins():

@@ -312,21 +312,21 @@ class PagedCache(abc.ABC):
 
     # ---- page bookkeeping --------------------------------------------------------------------------
     def _counts(self, ids: tuple[int, ...], num_tokens) -> list[int]:
-        if _is_int(num_tokens):
+        if is_int(num_tokens):
             counts = [int(num_tokens)] * len(ids)
         elif isinstance(num_tokens, (Sequence, range)) and not isinstance(num_tokens, (str, bytes)):
             counts = list(num_tokens)
             if len(counts) != len(ids):
                 raise ValueError(f"num_tokens: expected {len(ids)} counts (one per slot), got {len(counts)}")
             for n in counts:
-                if not _is_int(n):
+                if not is_int(n):
                     raise TypeError(f"num_tokens: expected ints, got {type(n).__name__} {n!r}")
             counts = [int(n) for n in counts]
         else:
             raise TypeError(f"num_tokens: expected an int or a sequence of ints, got {type(num_tokens).__name__}")
         for n in counts:
-            if n < 0:
-                raise ValueError(f"num_tokens: expected counts >= 0, got {n}")
+            if not 0 <= n <= INT32_MAX:
+                raise ValueError(f"num_tokens: expected counts in [0, {INT32_MAX}], got {n}")
         return counts
 
     def _plan(self, ids: tuple[int, ...], counts: list[int]) -> list[int]:

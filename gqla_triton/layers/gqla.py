@@ -259,6 +259,7 @@ class GQLAttention(nn.Module):
     # ---- weights --------------------------------------------------------------------------------------
     def w_uk_uv(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [g, d_h, r]`` and ``W_UV [g, d_v, r]`` (views of ``kv_b_proj.weight``, differentiable)."""
+        check_float_dtype(dtype)
         w = self.kv_b_proj.weight
         if dtype is not None:
             w = w.to(dtype)
@@ -271,6 +272,7 @@ class GQLAttention(nn.Module):
         across ``weight.data = ...``).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
         they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly)."""
+        check_float_dtype(dtype)
         w = self.kv_b_proj.weight
         dtype = dtype or w.dtype
         if (torch.is_grad_enabled() and w.requires_grad) or torch.compiler.is_compiling():
