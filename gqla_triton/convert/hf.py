@@ -223,8 +223,11 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
                   decode_path: str = "absorb", impl: str = "auto", max_seqlen: int = 4096, page_size: int = 64,
                   balance_kv: bool = True):
     """Replace every attention of a HF Llama-family model (``LlamaForCausalLM`` / ``LlamaModel`` and models with
-    the same layout: bias-free q/k/v/o, RoPE with fixed frequencies, full attention, any ``num_key_value_heads``)
-    by a ``GQLAHFAttention`` in place; returns ``model``.
+    the same layout: bias-free q/k/v/o, Llama's rotate-half RoPE with fixed frequencies on every layer, full
+    attention, any ``num_key_value_heads``) by a ``GQLAHFAttention`` in place; returns ``model``. Attention variants
+    that would convert into another function are a ``ValueError`` before anything changes: interleaved RoPE pairs
+    (Cohere), layers without RoPE (SmolLM3), clamped q / k / v (``clip_qkv``), soft-capped logits, q / k norms,
+    sliding windows, biases, length-dependent RoPE.
 
     ``kv_rank`` / ``rope_dim``: see ``trans_gqla`` (``rope_dim = num_key_value_heads·head_dim`` and ``kv_rank >=
     2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
