@@ -460,3 +460,39 @@ def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
         monkeypatch.setattr(plan_mod, "device_info", lambda d: dataclasses.replace(real(d), smem_per_block=20000))
         with pytest.raises(ValueError, match="q / v_cache: head dims d_h 256, d_r 64, d_v 256 .* shared memory"):
             plan_mod.plan(torch.zeros(1, 1, 16, 320, device=P.device), 1, 16, 4, 256, 64, 256, None, 0)
+
+
+def _wide_view(shape, strides, values):
+    """A view of ``shape`` / ``strides`` (elements) into an uninitialised buffer spanning past 2**31 elements, holding
+    ``values`` (only the touched pages are ever written)."""
+    span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+    view = torch.empty(span, dtype=values.dtype, device=values.device).as_strided(shape, strides)
+    view.copy_(values)
+    return view
+
+
+@pytest.mark.parametrize("variant", ["dense", "paged", "sparse"])
+def test_cache_offsets_past_int32_do_not_wrap(config_override, variant):
+    """Cache strides below 2**31 whose products with a group or slot index pass it (a group-major buffer viewed
+    [pages, page, g, d], a token stride of 2**28): every offset is formed in int64, so the result is that of the
+    same values in a compact cache (no wrapped, out-of-bounds address)."""
+    ps, d, g, dt = 16, 16, 3, torch.float16
+    gg = gen(11)
+    q = randn((1, 1, 2 * g, d), gg, dtype=dt)
+    k, v = randn((1, ps, g, d), gg, dtype=dt), randn((1, ps, g, d), gg, dtype=dt)
+    if variant == "sparse":
+        k_wide = _wide_view((1, ps, g, d), (ps * 2**28, 2**28, d, 1), k)
+    else:
+        sg = 2**30 + 2**20  # stride(2): 2·sg > 2**31
+        k_wide = _wide_view((1, ps, g, d), (ps * d, d, sg, 1), k)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=P.device)
+    sl = torch.full((1,), ps, dtype=torch.int32, device=P.device)
+    kw = dict(causal=False)
+    if variant == "sparse":
+        kw["indices"] = torch.arange(8, 16, dtype=torch.int32, device=P.device).view(1, 1, 8)
+    with config_override({"gqa_decode": {"paged": variant == "paged"}}):
+        got, lse = gqa_decode(q, k_wide, v, bt, sl, **kw)
+    want, want_lse = gqa_decode_reference(q, k.contiguous(), v, bt, sl, **kw)
+    ref_lowp, _ = gqa_decode_reference(q, k.contiguous(), v, bt, sl, **kw, compute_dtype=torch.float32)
+    assert_close("out", got, want, ref_lowp, dtype=dt)
+    assert torch.allclose(lse.double(), want_lse.double(), rtol=1e-3, atol=1e-3)

@@ -463,3 +463,14 @@ def test_two_cache_sparse_decode_compiles_fullgraph():
         want = f(q, kv, idx, kv2, idx2)
         got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kv, idx, kv2, idx2)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_errors_name_flashmlas_arguments():
+    q = torch.randn(1, 1, 2, 48, device=P.device)
+    k_cache = torch.randn(2, 16, 1, 48, device=P.device)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=P.device)
+    sl = torch.tensor([20], dtype=torch.int32, device=P.device)
+    for kc, err in ((k_cache.half(), TypeError), (k_cache[..., :40], ValueError),
+                    (torch.randn(4, 8, 1, 48, device=P.device), ValueError)):
+        with pytest.raises(err, match="^k_cache: "):
+            gq.flash_mla_with_kvcache(q, kc, bt, sl, 32, gq.get_mla_metadata()[0])

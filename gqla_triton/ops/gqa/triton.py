@@ -44,6 +44,7 @@ def _tail_tile(k_cache, v_cache, kr_cache, bt_row, t0, t_hi, grp, max_pages, num
     row, ok = logical_to_physical(bt_row, pos, pos < t_hi, max_pages, num_pages, PAGE_SIZE)
     page = row // PAGE_SIZE
     slot = row % PAGE_SIZE
+    grp = grp.to(tl.int64)  # every cache offset in int64: no product of an index and a stride wraps
     k = tl.load(k_cache + (page * s_kp + slot * s_kt + grp * s_kg)[:, None] + offs_dh[None, :],
                 mask=ok[:, None] & m_dh[None, :], other=0.0)
     v = tl.load(v_cache + (page * s_vp + slot * s_vt + grp * s_vg)[:, None] + offs_dv[None, :],
@@ -140,6 +141,8 @@ def gqa_decode_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
     arange_n = tl.arange(0, BLOCK_N)
+    k_grp = grp.to(tl.int64) * s_kg  # the group's offsets in int64 (cache offsets past 2**31 do not wrap)
+    v_grp = grp.to(tl.int64) * s_vg
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + arange_n
         pos = offs_n
@@ -152,7 +155,7 @@ def gqa_decode_fwd_kernel(
             ok = prow >= 0
             prow = tl.where(ok, prow, 0)
             page = (prow // PAGE_SIZE).to(tl.int64)
-            slot = prow % PAGE_SIZE
+            slot = (prow % PAGE_SIZE).to(tl.int64)
             k_off = page * s_kp + slot * s_kt
             v_off = page * s_vp + slot * s_vt
             r_off = page * s_rp + slot * s_rt
@@ -163,7 +166,7 @@ def gqa_decode_fwd_kernel(
             pg_ok = (blk >= 0) & (blk < num_pages) & (pg < max_pages)
             ok = (offs_n < end) & ((arange_n * 0 + pg_ok.to(tl.int32)) != 0)  # vector mask (interpreter: no 0-d bool)
             base = tl.where(pg_ok, blk, 0).to(tl.int64)
-            slot = (n0 % PAGE_SIZE) + arange_n
+            slot = ((n0 % PAGE_SIZE) + arange_n).to(tl.int64)
             k_off = base * s_kp + slot * s_kt
             v_off = base * s_vp + slot * s_vt
             r_off = base * s_rp + slot * s_rt
@@ -174,7 +177,7 @@ def gqa_decode_fwd_kernel(
             k_off = page * s_kp + slot * s_kt
             v_off = page * s_vp + slot * s_vt
             r_off = page * s_rp + slot * s_rt
-        k = tl.load(k_cache + (k_off + grp * s_kg)[:, None] + offs_dh[None, :],
+        k = tl.load(k_cache + (k_off + k_grp)[:, None] + offs_dh[None, :],
                     mask=ok[:, None] & m_dh[None, :], other=0.0)
         if DR > 0:
             kr = tl.load(kr_cache + r_off[:, None] + offs_dr[None, :], mask=ok[:, None] & m_dr[None, :], other=0.0)
@@ -185,7 +188,7 @@ def gqa_decode_fwd_kernel(
         # every row sees every key of a tile (dense: the loop bounds; sparse: one index row per program)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
-        v = tl.load(v_cache + (v_off + grp * s_vg)[:, None] + offs_dv[None, :],
+        v = tl.load(v_cache + (v_off + v_grp)[:, None] + offs_dv[None, :],
                     mask=ok[:, None] & m_dv[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new

@@ -172,7 +172,7 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
             raise ValueError(f"q: h_q={q.shape[2]} must be a multiple of k_cache's h_k={h_k} (query head i attends "
                              f"to cache head i // (h_q / h_k))")
         g = q.shape[2] // h_k
-        with _flashmla_names(q_descale="descale_q", k_descale="descale_k"):
+        with _flashmla_names(q_descale="descale_q", k_descale="descale_k", kv_cache=name):
             # one mla_decode per cache head over its group of query heads (views: no copies)
             parts = [mla_decode(q[:, :, j * g:(j + 1) * g], k_cache[:, :, j:j + 1], block_table, cache_seqlens,
                                 head_dim_v, softmax_scale, causal, num_splits=num_splits, q_descale=q_descale,
@@ -184,8 +184,9 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"{name}: {k_cache.shape[0]} x {k_cache.shape[1]} token rows, more than the {MAX_KEYS} that "
                          "sparse indices may address")
     table, lengths = _identity_table(q.shape[0], k_cache.shape[0], k_cache.shape[1], q.device)
-    return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length, num_splits,
-                      kv_format=kv_format, out_dtype=out_dtype)
+    with _flashmla_names(kv_cache=name):
+        return mla_decode(q, k_cache, table, lengths, head_dim_v, softmax_scale, False, indices, topk_length,
+                          num_splits, kv_format=kv_format, out_dtype=out_dtype)
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
