@@ -124,6 +124,18 @@ def test_kernel_vs_recurrence(B, T, H, G, K, V, l2, dtype, seed):
     _check_vs_refs(ins, dtype, grads, l2=l2)
 
 
+@settings(max_examples=examples(2, 6))
+@given(T=st.integers(1, pick(130, 300)), V=st.sampled_from([300, 512, 1024]), K=st.sampled_from(pick([16], [64, 128])),
+       dtype=dtypes(), seed=seeds())
+def test_wide_value_heads(T, V, K, dtype, seed):
+    """V up to 1024 (fla's default GatedDeltaNet has head_dim 256 with expand_v 2: V = 512): every stage tiles V,
+    forward and backward against the float64 recurrence; GVA and an initial state included."""
+    ins = _inputs(seed, 1, T, 1, 2, K, V, 1)
+    grads = (randn((1, T, 2, V), seed + 1, dtype=torch.float64, device="cpu"),
+             randn((1, 2, K, V), seed + 2, dtype=torch.float64, device="cpu"))
+    _check_vs_refs(ins, dtype, grads)
+
+
 @given(T=st.integers(65, pick(200, 1500)), K=st.sampled_from(pick([32], [64, 128])), decay=st.sampled_from([0.0, 0.1]),
        dtype=dtypes(), seed=seeds())
 @settings(max_examples=examples(2, 6))

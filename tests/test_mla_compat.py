@@ -413,7 +413,7 @@ def test_kv_format_refusals_change_no_state():
             gq.flash_mla_with_kvcache(q, cache, None, None, 512, meta, indices=idx, kv_format=bad)
         assert not meta.have_initialized and meta.config is None
     fp4 = gq.quantize_latent_fp8(randn((2, 16, 1, 512), g, device="cpu"), layout="v41_fp4").to(P.device)
-    with pytest.raises(ValueError, match="^extra_k_cache / .*kv_cache: a torch.float8_e4m3fn cache holds"):
+    with pytest.raises(ValueError, match="^extra_k_cache / .*extra_k_cache: a torch.float8_e4m3fn cache holds"):
         gq.flash_mla_with_kvcache(q, v41, None, None, 512, meta, indices=idx, kv_format="V41",
                                   extra_k_cache=fp4[..., :200], extra_indices_in_kvcache=idx)
     assert not meta.have_initialized

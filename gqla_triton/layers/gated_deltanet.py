@@ -872,10 +872,10 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(self, x, cache, batch, cu_seqlens, cu_host, fresh):
         B, T, _ = x.shape
-        if self.impl != "reference" and max(self.head_k_dim, self.head_v_dim) > 256:  # before any row changes
-            raise ValueError(f"head_k_dim / head_v_dim: a prefill runs the chunked op, which takes head dims up to "
-                             f"256; this layer has {self.head_k_dim} / {self.head_v_dim} (decode steps take head_v_dim "
-                             "up to 1024; impl='reference' takes any)")
+        if self.impl != "reference" and (self.head_k_dim > 256 or self.head_v_dim > 1024):  # before any row changes
+            raise ValueError(f"head_k_dim / head_v_dim: a prefill runs the chunked op, which takes head_k_dim up to "
+                             f"256 and head_v_dim up to 1024; this layer has {self.head_k_dim} / {self.head_v_dim} "
+                             "(impl='reference' takes any)")
         rows = batch.write
         with torch.no_grad():
             if any(fresh):

@@ -153,6 +153,10 @@ def check_device(device: object, *, storage: bool = False, name: str = "device")
         dev = None if isinstance(device, bool) else torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         dev = None
+    if dev is not None and (isinstance(device, int) or (isinstance(device, str) and ":" in device)):
+        index = device if isinstance(device, int) else device.rpartition(":")[2]
+        if str(index) != str(dev.index):  # torch keeps an index in 8 bits: "cuda:256" would be cuda:0
+            dev = None
     if dev is None:
         raise ValueError(f"{name}: expected a torch.device, a device string or a CUDA index, got {device!r}")
     if storage and dev.type == "meta":

@@ -318,9 +318,9 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, torc
     dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if H == 0 or HV == 0 or HV % H != 0:
         raise ValueError(f"v: value heads HV={HV} must be a positive multiple of the q/k heads H={H}")
-    for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
-        if d <= 0 or d > 256:
-            raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= 256, got {d}")
+    for name, d, hi in (("K (q/k head dim)", K, 256), ("V (v head dim)", V, 1024)):
+        if d <= 0 or d > hi:
+            raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= {hi}, got {d}")
     if T < 1 or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
     N = B
@@ -343,7 +343,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
-            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K, V <= 256.
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K <= 256, V <= 1024.
         g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
             float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
