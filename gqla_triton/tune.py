@@ -389,13 +389,15 @@ def _check_partial(path: Path, old: dict) -> None:
         if name in old and (not isinstance(old[name], kind) or isinstance(old[name], bool) is not (kind is bool)):
             raise ValueError(f"{path}: an unreadable partial search ('{name}' is a {type(old[name]).__name__}); "
                              "remove it to start over")
-    if not all(isinstance(v, dict) for v in (*old.get("measured", {}).values(), *old.get("done", {}).values())):
+    if not (all(isinstance(v, (dict, list)) for v in old.get("measured", {}).values())
+            and all(isinstance(v, dict) for v in old.get("done", {}).values())):
         raise ValueError(f"{path}: an unreadable partial search (its records are not JSON objects); remove it to "
                          "start over")
 
 
-def _check_space(space, tlist: list[Target]) -> None:
-    """``space``: None, or {op: {field: candidate values}} with every field one of the op's schema."""
+def _check_space(space) -> None:
+    """``space``: None, or {op: {entry: candidate values}}: an entry is a field of the op's schema, or fields joined
+    by ``+`` whose values are tuples (a joint move, ``_move``)."""
     if space is None:
         return
     if not isinstance(space, Mapping):
@@ -407,8 +409,10 @@ def _check_space(space, tlist: list[Target]) -> None:
             raise TypeError(f"space: {op!r} expected a mapping {{field: values}}, got {type(fields).__name__}")
         names = set(dispatch.schema(op).field_names())
         for name, values in fields.items():
-            if name not in names:
-                raise ValueError(f"space: {op!r} has no field {name!r}; its fields are {sorted(names)}")
+            unknown = [f for f in str(name).split("+") if f not in names]
+            if not isinstance(name, str) or unknown:
+                raise ValueError(f"space: {op!r} has no field {(unknown[0] if unknown else name)!r}; its fields are "
+                                 f"{sorted(names)}")
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
                 raise ValueError(f"space: {op}.{name} expected a non-empty sequence of candidate values, got "
                                  f"{values!r}")
@@ -607,7 +611,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
                             or not all(isinstance(o, str) for o in ops)):
         raise TypeError(f"ops: expected None or a list of op names, got {ops!r}")
     tlist = target_list if target_list is not None else targets(ops)
-    _check_space(space, tlist)
+    _check_space(space)
     info = dispatch.device_info()
     gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"

@@ -850,8 +850,8 @@ def test_bad_inputs():
         f(torch.zeros(1, 8, 2, 264, device=d), torch.zeros(1, 8, 2, 264, device=d), v, g, g)
     with pytest.raises(ValueError, match="K"):
         f(torch.zeros(1, 8, 2, 0, device=d), torch.zeros(1, 8, 2, 0, device=d), v, g, g)
-    with pytest.raises(ValueError, match="V"):
-        f(q, q, torch.zeros(1, 8, 4, 272, device=d), g, g)
+    with pytest.raises(ValueError, match="V \\(v head dim\\): expected 1 <= V <= 1024, got 1040"):
+        f(q, q, torch.zeros(1, 8, 4, 1040, device=d), g, g)
     with pytest.raises(ValueError, match="cu_seqlens"):
         f(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), g.expand(2, -1, -1),
           g.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8], device=d))

@@ -475,9 +475,9 @@ def test_decode_step_past_65535_sequences():
 
 
 def test_prefill_past_the_chunked_ops_head_dims_changes_nothing():
-    """head_v_dim 272: decode steps take it, the chunked op (a prefill) does not; the refusal comes before the fresh
-    slot's rows are cleared."""
-    m = GatedDeltaNet(32, 1, 1, 16, 272, impl="triton", dtype=torch.float32, device=P.device)
+    """head_k_dim 272: the chunked op (a prefill) takes K up to 256; the refusal comes before the fresh slot's rows
+    are cleared."""
+    m = GatedDeltaNet(32, 1, 1, 272, 16, impl="triton", dtype=torch.float32, device=P.device)
     cache = m.init_cache(2)
     with torch.no_grad():
         cache.recurrent_state.normal_()

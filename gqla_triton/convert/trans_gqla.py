@@ -204,8 +204,9 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     limit = torch.finfo(dtype).max
     for name, w in weights.items():  # checked before the layer is made: a refused call allocates nothing
         big = w.abs().max().item() if w.numel() else 0.0
-        if not big <= limit:
-            raise ValueError(f"dtype: the converted {name} weights reach {big:.3g}, beyond {dtype}'s range; convert "
+        if not big <= limit:  # named by the argument that scaled them (q by rope_attention_scaling²), else dtype
+            arg = "rope_attention_scaling" if name == "q_proj" and s2 != 1.0 else "dtype"
+            raise ValueError(f"{arg}: the converted {name} weights reach {big:.3g}, beyond {dtype}'s range; convert "
                              f"to a wider dtype{' or with balance_kv=False' if balance_kv else ''}")
     layer = GQLAttention(hidden, h, g, d, rope_dim, kv_rank, None, dv, rope_theta, scale, path, impl,
                          device=device, dtype=dtype, kv_norm=False,

@@ -294,7 +294,7 @@ class GatedDeltaNetCache:
     def _check_mode(self, what: str) -> None:
         """A cache made under ``torch.inference_mode()`` holds inference tensors, which torch updates in place only
         inside inference mode: refused before any change, not half-way through one."""
-        if self._lens.is_inference() and not torch.is_inference_mode_enabled():
+        if not torch.compiler.is_compiling() and self._lens.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"{what}: this cache was made under torch.inference_mode(), so its tensors can be "
                                "updated only inside inference mode; call it there (or make the cache outside it)")
 
