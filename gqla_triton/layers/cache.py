@@ -58,6 +58,7 @@ from ..ops._common.validation import (
     check_device,
     check_disjoint,
     check_float_dtype,
+    check_inference_mode,
     check_page_size,
     check_positive_int,
     check_scale,
@@ -439,21 +440,18 @@ class PagedCache(abc.ABC):
         self._check_mode(name)
 
     def _check_reads(self, **reads: torch.Tensor | None) -> None:
-        """The tensors a call reads after it appends (None: absent) share no memory with any tensor of the cache
+        """The tensors a call reads after it appends (None: absent) share no memory with what the append writes
         (``ValueError``): e.g. sparse ``indices`` that are a view of ``cache_seqlens`` would be read after the
         append has moved them."""
         if torch.compiler.is_compiling() or all(t is None for t in reads.values()):
             return  # traced: fake tensors have no storage (as check_disjoint)
-        for name, t in vars(self).items():
-            if isinstance(t, torch.Tensor):
-                check_disjoint(f"cache.{name}", t, **reads)
+        for name in ("cache_seqlens", "block_table", "overflow"):
+            check_disjoint(f"cache.{name}", getattr(self, name), **reads)
+        for t in self._storages():
+            check_disjoint("cache storage", t, **reads)
 
     def _check_mode(self, name: str) -> None:
-        """A cache made under ``torch.inference_mode()`` holds inference tensors, which torch updates in place only
-        inside inference mode: refused before any change, not half-way through one."""
-        if self.cache_seqlens.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"{name}: this cache was made under torch.inference_mode(), so its tensors can be "
-                               "updated only inside inference mode; call it there (or make the cache outside it)")
+        check_inference_mode(name, self.cache_seqlens)
 
     def _sync_table(self, slots: list[int]) -> None:
         """Write the block-table rows of ``slots`` from the host page lists (one host-to-device copy)."""

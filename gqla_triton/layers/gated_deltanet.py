@@ -34,6 +34,7 @@ from ..ops._common.validation import (
     check_device,
     check_disjoint,
     check_float_dtype,
+    check_inference_mode,
     check_kernel_device,
     check_optional_int,
     check_positive_int,
@@ -291,15 +292,8 @@ class GatedDeltaNetCache:
         """Host flags: whether each of ``slots`` (host ids; default all) holds a sequence's state."""
         return [self._held[s] for s in self._host_ids(slots, None)]
 
-    def _check_mode(self, what: str) -> None:
-        """A cache made under ``torch.inference_mode()`` holds inference tensors, which torch updates in place only
-        inside inference mode: refused before any change, not half-way through one."""
-        if not torch.compiler.is_compiling() and self._lens.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"{what}: this cache was made under torch.inference_mode(), so its tensors can be "
-                               "updated only inside inference mode; call it there (or make the cache outside it)")
-
     def _check_idle(self, what: str) -> None:
-        self._check_mode(what)
+        check_inference_mode(what, self._lens)
         if self._draft is not None:
             raise ValueError(f"{what}: a verify step is pending; call commit(accepted) first (zeros keep every "
                              "sequence as it was before the verify step)")
@@ -339,7 +333,7 @@ class GatedDeltaNetCache:
         become those of a decode step over only the accepted tokens. Device ops only: capturable in a CUDA graph,
         with the verify step or in a graph of its own (the verify step's buffers stay referenced until the next
         commit, so a graph of each stays valid)."""
-        self._check_mode("commit")
+        check_inference_mode("commit", self._lens)
         d = self._draft
         if d is None:
             raise ValueError("commit: no verify step is pending (run the layer with verify=True first)")

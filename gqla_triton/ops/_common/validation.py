@@ -259,6 +259,15 @@ def check_disjoint(name: str, t: torch.Tensor | None, **others: torch.Tensor | N
                              "read); pass separate tensors")
 
 
+def check_inference_mode(name: str, t: torch.Tensor) -> None:
+    """A cache whose tensors (``t`` one of them) were made under ``torch.inference_mode()`` is updated in place only
+    inside inference mode, where torch allows it: ``RuntimeError`` before any change, not half-way through one. Not
+    judged while torch.compile traces."""
+    if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name}: this cache was made under torch.inference_mode(), so its tensors can be updated "
+                           "only inside inference mode; call it there (or make the cache outside it)")
+
+
 def check_pool_rows(name: str, rows: torch.Tensor, pool_rows: int) -> None:
     """A CPU tensor of state-pool rows: every row it names (>= 0; a negative entry skips its sequence) lies in
     ``[0, pool_rows)`` and is named once, since two sequences updating one row in place would race. Rows on a device
