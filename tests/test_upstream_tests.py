@@ -15,13 +15,15 @@ def _write(path: Path, text: str) -> None:
     path.write_text(textwrap.dedent(text))
 
 
-def _run(tmp_path, project, test_file, *extra):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "pkg")])}
+def _run(tmp_path, project, test_file, *extra, pkg=None, cwd=ROOT):
+    """The tool on ``test_file``, the fake upstream package's folder ``pkg`` (default: its absolute path) on
+    PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), pkg or str(tmp_path / "pkg")])}
     return subprocess.run([sys.executable, "-m", "tools.upstream_tests", project, str(test_file), "--", *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_fla_suite_calls_ours(tmp_path):
+def _fake_fla(tmp_path):
     upstream = "def {0}(*a, **k):\n    raise AssertionError('the upstream function ran')\n"
     _write(tmp_path / "pkg/fla/__init__.py", "from . import layers  # noqa: F401  (as fla imports its layers)\n")
     _write(tmp_path / "pkg/fla/ops/__init__.py", "")
@@ -31,6 +33,10 @@ def test_fla_suite_calls_ours(tmp_path):
     _write(tmp_path / "pkg/fla/layers/__init__.py", "from . import gated_deltanet  # noqa: F401\n")
     _write(tmp_path / "pkg/fla/layers/gated_deltanet.py",
            "from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule\n")
+
+
+def test_fla_suite_calls_ours(tmp_path):
+    _fake_fla(tmp_path)
     tests = tmp_path / "up/tests"
     _write(tests / "conftest.py", """
         import pytest
@@ -70,6 +76,22 @@ def test_fla_suite_calls_ours(tmp_path):
     assert "rebound to gqla_triton: fla.ops.gated_delta_rule.chunk_gated_delta_rule" in r.stdout
     _write(tests / "test_fails.py", "def test_fails():\n    assert False\n")
     assert _run(tmp_path, "fla", tests / "test_fails.py", "-q").returncode == 1  # the tests' status is the tool's
+
+
+def test_relative_pythonpath(tmp_path):
+    """The upstream package found through a PYTHONPATH entry relative to the caller's folder: the tests run in a
+    temporary folder, where the entry must still name the package's folder."""
+    _fake_fla(tmp_path)
+    _write(tmp_path / "up/test_rel.py", """
+        import fla.ops.gated_delta_rule as up
+        import gqla_triton.ops.gdn as ours
+
+        def test_bound():
+            assert up.chunk_gated_delta_rule is ours.chunk_gated_delta_rule
+    """)
+    r = _run(tmp_path, "fla", tmp_path / "up/test_rel.py", "-q", pkg="pkg", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 passed" in r.stdout
 
 
 def test_flashmla_script_calls_ours(tmp_path):

@@ -93,9 +93,11 @@ def run_pytest(project: str, test_file: Path, args: list[str]) -> int:
                 shutil.copy(p, Path(tmp) / ("conftest_upstream.py" if p.name == "conftest.py" else p.name))
         (Path(tmp) / "conftest.py").write_text(_CONFTEST.format(root=root, project=project))
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")  # not the upstream's options (or ours)
-        # the test file's own folder last: helper packages beside it (not copied) stay importable
-        path = [root, os.environ.get("PYTHONPATH", ""), str(test_file.parent)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+        # the test file's own folder last: helper packages beside it (not copied) stay importable; the caller's
+        # entries made absolute, since pytest runs in the temporary folder (an empty entry is the caller's folder)
+        inherited = [os.path.abspath(p or ".") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)] \
+            if os.environ.get("PYTHONPATH") else []
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *inherited, str(test_file.parent)])}
         return subprocess.call([sys.executable, "-m", "pytest", test_file.name, "-p", "no:cacheprovider", *args],
                                cwd=tmp, env=env)
 
