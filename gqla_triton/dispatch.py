@@ -289,6 +289,15 @@ def _check_override(value: Any, where: str) -> dict:
 
 
 _OVERRIDES: list[dict[str, tuple]] = []  # per block: op -> its fields, frozen (sorted (name, value) pairs)
+_EPOCH = [0]  # bumped as a config_override block opens and closes
+
+
+def config_state() -> tuple:
+    """What ``select_config``'s answer depends on beside its arguments and the tables: ``GQLA_TRITON_CONFIG`` (with
+    its file's version) and the ``config_override`` blocks in force (an epoch bumped as each opens and closes).
+    Equal states give equal configs for equal arguments, so a caller may keep what it built from one."""
+    env = os.environ.get("GQLA_TRITON_CONFIG")
+    return env, _env_version(env), _EPOCH[0]
 
 
 def _frozen(value: Any) -> Any:
@@ -301,10 +310,12 @@ def config_override(fields: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
     ``GQLA_TRITON_CONFIG``). Checked against the schemas on entry. For tools and tests; not thread-safe."""
     checked = _check_override(fields, "config_override")
     _OVERRIDES.append({op: tuple(sorted((k, _frozen(v)) for k, v in f.items())) for op, f in checked.items()})
+    _EPOCH[0] += 1
     try:
         yield
     finally:
         _OVERRIDES.pop()
+        _EPOCH[0] += 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -363,9 +374,9 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     """
     if not isinstance(op, str) or op not in _SCHEMAS:
         raise ValueError(f"select_config: unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
-    if key is not None and not isinstance(key, Mapping):
+    if key is not None and type(key) is not dict and not isinstance(key, Mapping):  # (a dict: no ABC check)
         raise TypeError(f"select_config: key expected a mapping of shape features or None, got {type(key).__name__}")
-    if key is not None and not all(isinstance(v, Hashable) for v in key.values()):
+    if key is not None and not all(type(v) is int or isinstance(v, Hashable) for v in key.values()):
         from .ops._common.config import check_match_key
 
         check_match_key(schema(op), key, where=" (select_config key)")  # names the value of the wrong type

@@ -887,6 +887,49 @@ def test_bad_inputs():
             os.environ["TRITON_INTERPRET"] = old
 
 
+def test_checked_calls_are_remembered_by_metadata(monkeypatch):
+    """A call whose arguments' metadata was checked before skips the checks (``api._call_key``): every argument the
+    checks read is in the key, so a call that differs in any of them is checked again and refused, and the plan kept
+    with a key follows the config (``config_override`` blocks, ``GQLA_TRITON_CONFIG``)."""
+    d = P.device
+    q = randn((1, 8, 2, 16), gen(0), device=d)
+    v = randn((1, 8, 4, 16), gen(1), device=d)
+    g = -rand((1, 8, 4), gen(2), device=d)
+    b = rand((1, 8, 4), gen(3), device=d)
+    f = chunk_gated_delta_rule
+    plans = []
+    eager = api_mod._eager
+    monkeypatch.setattr(api_mod, "_eager", lambda *a, **k: plans.append(k["plan"]) or eager(*a, **k))
+    o1, _ = f(q, q, v, g, b)
+    o2, _ = f(q, q, v, g, b)
+    assert plans[0] is plans[1] and torch.equal(o1, o2)
+    for kw, err in ((dict(bogus=1), TypeError), (dict(head_first=True), ValueError), (dict(scale=math.nan), ValueError),
+                    (dict(output_final_state=2), TypeError), (dict(save_states=1), TypeError),
+                    (dict(impl="gpu"), ValueError), (dict(chunk_size=48), ValueError),
+                    (dict(state_layout="kk"), ValueError), (dict(A_log=g[0, 0]), ValueError)):
+        with pytest.raises(err):
+            f(q, q, v, g, b, **kw)
+    for args, err in (((q, q, v, g.long(), b), TypeError), ((q, q.double(), v, g, b), TypeError),
+                      ((q, q[:, :, :1], v, g, b), ValueError), ((q, q, v[..., :3, :], g, b), ValueError)):
+        with pytest.raises(err):
+            f(*args)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # other strides: checked again, same result
+    assert torch.equal(f(qt, q, v, g, b)[0], o1)
+    with pytest.raises(ValueError, match="initial_state"):
+        f(q, q, v, g, b, initial_state=torch.zeros(2, 4, 16, 16, device=d))
+    with config_override({"gdn_chunk": {"sout_chunks": 7}}):
+        f(q, q, v, g, b)
+        assert plans[-1].cfg.sout_chunks == 7
+    f(q, q, v, g, b)
+    assert plans[-1].cfg.sout_chunks != 7
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", '{"gdn_chunk": {"sout_chunks": 5}}')
+    f(q, q, v, g, b)
+    assert plans[-1].cfg.sout_chunks == 5
+    monkeypatch.delenv("GQLA_TRITON_CONFIG")
+    f(q, q, v, g, b)
+    assert plans[-1].cfg.sout_chunks not in (5, 7)
+
+
 def test_bfloat16_under_the_interpreter():
     """bfloat16 inputs raise a TypeError under the interpreter (it computes bf16 wrongly, triton#11584), before any
     kernel runs; the reference implementation takes them anywhere."""

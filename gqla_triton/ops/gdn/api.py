@@ -11,11 +11,12 @@ mutates the pool, or its launcher directly when eager.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...dispatch import device_info
+from ...dispatch import config_state, device_info, is_interpreter
 from .._common.boundary import route
 from .._common.impl import check_impl
 from .._common.validation import (
@@ -197,10 +198,12 @@ class _ChunkGDN(torch.autograd.Function):
 
 
 def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
-           neg_eigval, A_log, dt_bias, chunk_size, impl, *, cu_host):
+           neg_eigval, A_log, dt_bias, chunk_size, impl, *, cu_host, plan=None):
     """The eager forward: through ``_ChunkGDN`` where a backward may follow, else the launchers themselves (no
-    autograd node to build, no placeholder outputs: their cost paces short inference chunks); (o, ht, ...)."""
-    plan = chunk_plan(q, v, cu_seqlens, cu_host, chunk_size, impl)
+    autograd node to build, no placeholder outputs: their cost paces short inference chunks); (o, ht, ...).
+    ``plan``: this call's ``chunk_plan`` where the caller has it."""
+    if plan is None:
+        plan = chunk_plan(q, v, cu_seqlens, cu_host, chunk_size, impl)
     if not needs_grad:
         return chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, plan, v_first=v_first, beta_sigmoid=beta_sigmoid,
                              neg_eigval=neg_eigval, gate=_gate(A_log, dt_bias))
@@ -334,6 +337,107 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, torc
     return N, dev
 
 
+class _Call(NamedTuple):
+    """What validating a call of ``chunk_gated_delta_rule`` derives from its arguments (``_check_call``)."""
+
+    chunk_size: int
+    v_first: bool
+    l2: bool  # use_qk_l2norm_in_kernel
+    output_final_state: bool
+    scale: float
+    cu_host: list[int] | None
+    bt: int  # the kernels' chunk (``plan.kernel_chunk``)
+
+
+def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                cu_seqlens_cpu, chunk_indices, state_indices, save_states, use_gate_in_kernel, A_log, dt_bias,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_layout, chunk_size, impl, fla_options) -> _Call:
+    """Every check of ``chunk_gated_delta_rule``'s arguments (a ``TypeError`` / ``ValueError`` naming the first
+    that fails); reads no device memory."""
+    check_impl(impl, op="chunk_gated_delta_rule", gluon=True)
+    check_fla_options("chunk_gated_delta_rule", fla_options)
+    chunk_size = check_chunk_size(chunk_size)
+    v_first = state_v_first(state_layout, fla_options)
+    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
+                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                       ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if isinstance(use_qk_l2norm_in_kernel, torch.Tensor):  # fla releases that put cu_seqlens ninth, positionally
+        raise TypeError(f"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape "
+                        f"{list(use_qk_l2norm_in_kernel.shape)} (cu_seqlens is the tenth argument here, as in fla: "
+                        "pass it by keyword)")
+    if isinstance(cu_seqlens, bool):  # fla 0.6 puts use_beta_sigmoid_in_kernel tenth, cu_seqlens thirteenth
+        raise TypeError("cu_seqlens: expected a torch.Tensor or None, got a bool (cu_seqlens is the tenth argument "
+                        "here, as in FlashQLA; fla 0.6 puts use_beta_sigmoid_in_kernel there: pass options by "
+                        "keyword)")
+    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    output_final_state = check_flag("output_final_state", output_final_state)
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
+    row = (HV, V, K) if v_first else (HV, K, V)
+    if state_indices is not None:
+        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))
+    elif initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
+    scale = check_scale("scale", scale, K ** -0.5)
+    if not isinstance(save_states, bool):
+        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
+    if impl != "reference":
+        check_kernel_device(dev, _REFERENCE, q.dtype, initial_state.dtype if initial_state is not None else None)
+    capture = graph_capture(fla_options, T, N, cu_seqlens)
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
+        cu_host = host_cu_seqlens(cu_seqlens_cpu, N + 1, T)
+        if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu_host:
+            # the plan follows the host copy, the kernels the tensor: compared where that needs no sync
+            raise ValueError(f"cu_seqlens_cpu: {cu_host} differs from cu_seqlens {cu_seqlens.tolist()}")
+    if cu_seqlens_cpu is None or capture:  # a graph call plans from cu_seqlens itself (replays may change it)
+        cu_host = plan_mod.host_bounds(cu_seqlens, T, need=impl == "reference")
+    # a graph call's chunk_indices are fla's fixed-capacity metadata (rows past the real chunks): shape [*, 2] only
+    check_chunk_indices(chunk_indices, cu_seqlens, None if capture else cu_host, chunk_size)
+    bt = plan_mod.kernel_chunk(chunk_size, dev, impl)
+    if state_indices is not None and not torch.compiler.is_compiling():
+        check_pool_rows("state_indices", state_indices, initial_state.shape[0])
+    return _Call(chunk_size, v_first, use_qk_l2norm_in_kernel, output_final_state, scale, cu_host, bt)
+
+
+# Checked calls by their arguments' metadata (``_call_key``): a call whose key was checked before skips the checks,
+# which cost as much host time as the launches of a short chunk's forward. Each entry also keeps the call's
+# ``chunk_plan`` per ``config_state`` (such calls have no cu_seqlens: their plan follows from the key and the config)
+_CHECKED: dict[tuple, tuple[_Call, dict]] = {}
+_CHECKED_MAX = 512
+_KEY_FLAGS = ("use_qk_l2norm_in_kernel", "output_final_state", "save_states", "use_gate_in_kernel",
+              "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+
+
+def _call_key(tensors: tuple, flags: tuple, scale, state_layout, chunk_size, impl, extra) -> tuple | None:
+    """The memo key of a call: everything ``_check_call`` reads, where that is the tensors' metadata and plain
+    values. None (check every time) for calls whose checks read values (cu_seqlens and its host copy,
+    chunk_indices, state_indices: ``extra``; the caller leaves out calls with fla's options), for ``impl`` "gluon" /
+    "reference", tensor subclasses and tensors that are not strided, flags that are not bools, a scale that is not
+    None or a float, and while torch.compile traces. ``tensors``: q, k, v, g, beta, initial_state, A_log, dt_bias
+    (None where absent)."""
+    if any(x is not None for x in extra) or impl not in ("auto", "triton") or type(chunk_size) is not int:
+        return None
+    if type(state_layout) is not str or not (scale is None or type(scale) is float):
+        return None
+    if any(type(f) is not bool for f in flags) or torch.compiler.is_compiling():
+        return None
+    metas = []
+    for t in tensors:
+        if t is None:
+            metas.append(None)
+        elif type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested:
+            return None
+        else:
+            metas.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+    return (*metas, flags, scale, state_layout, chunk_size, impl, torch.is_grad_enabled(), is_interpreter())
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_indices=None,
                            state_indices=None, save_states=True, use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -422,54 +526,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         differentiable).
         Math: ``S_t = e^(g_t)·S_{t−1}; S_t += beta_t·k_t (v_t − S_tᵀk_t)ᵀ; o_t = scale·S_tᵀq_t``.
     """
-    check_impl(impl, op="chunk_gated_delta_rule", gluon=True)
-    check_fla_options("chunk_gated_delta_rule", fla_options)
-    chunk_size = check_chunk_size(chunk_size)
-    v_first = state_v_first(state_layout, fla_options)
-    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
-                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-                       ("allow_neg_eigval", allow_neg_eigval)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    if isinstance(use_qk_l2norm_in_kernel, torch.Tensor):  # fla releases that put cu_seqlens ninth, positionally
-        raise TypeError(f"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape "
-                        f"{list(use_qk_l2norm_in_kernel.shape)} (cu_seqlens is the tenth argument here, as in fla: "
-                        "pass it by keyword)")
-    if isinstance(cu_seqlens, bool):  # fla 0.6 puts use_beta_sigmoid_in_kernel tenth, cu_seqlens thirteenth
-        raise TypeError("cu_seqlens: expected a torch.Tensor or None, got a bool (cu_seqlens is the tenth argument "
-                        "here, as in FlashQLA; fla 0.6 puts use_beta_sigmoid_in_kernel there: pass options by "
-                        "keyword)")
-    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
-    output_final_state = check_flag("output_final_state", output_final_state)
-    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
-    row = (HV, V, K) if v_first else (HV, K, V)
-    if state_indices is not None:
-        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))
-    elif initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
-    scale = check_scale("scale", scale, K ** -0.5)
-    if not isinstance(save_states, bool):
-        raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
-    if impl != "reference":
-        check_kernel_device(dev, _REFERENCE, q.dtype, initial_state.dtype if initial_state is not None else None)
-    capture = graph_capture(fla_options, T, N, cu_seqlens)
-    if cu_seqlens_cpu is not None:
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
-        cu_host = host_cu_seqlens(cu_seqlens_cpu, N + 1, T)
-        if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu_host:
-            # the plan follows the host copy, the kernels the tensor: compared where that needs no sync
-            raise ValueError(f"cu_seqlens_cpu: {cu_host} differs from cu_seqlens {cu_seqlens.tolist()}")
-    if cu_seqlens_cpu is None or capture:  # a graph call plans from cu_seqlens itself (replays may change it)
-        cu_host = plan_mod.host_bounds(cu_seqlens, T, need=impl == "reference")
-    # a graph call's chunk_indices are fla's fixed-capacity metadata (rows past the real chunks): shape [*, 2] only
-    check_chunk_indices(chunk_indices, cu_seqlens, None if capture else cu_host, chunk_size)
-    bt = plan_mod.kernel_chunk(chunk_size, dev, impl)
-    if state_indices is not None and not torch.compiler.is_compiling():
-        check_pool_rows("state_indices", state_indices, initial_state.shape[0])
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    flags = (use_qk_l2norm_in_kernel, output_final_state, save_states, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval)
+    key = None if fla_options else _call_key(tensors, flags, scale, state_layout, chunk_size, impl,
+                                             (cu_seqlens, cu_seqlens_cpu, chunk_indices, state_indices))
+    hit = _CHECKED.get(key) if key is not None else None
+    if hit is None:
+        call = _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens, cu_seqlens_cpu, chunk_indices, state_indices, save_states, use_gate_in_kernel,
+                           A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_layout, chunk_size, impl,
+                           fla_options)
+        if key is not None:
+            if len(_CHECKED) >= _CHECKED_MAX:
+                _CHECKED.clear()
+            hit = _CHECKED[key] = (call, {})
+    else:
+        call = hit[0]
+    # a float scale is its own checked value (the key holds it: 0.0 and -0.0 share one); another, its conversion
+    scale = scale if type(scale) is float else call.scale
+    chunk_size, v_first, use_qk_l2norm_in_kernel, output_final_state, _, cu_host, bt = call
     if impl == "reference":
         beta = _beta_ref(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
         if use_gate_in_kernel:
@@ -499,7 +575,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         run = route(_pool_op, functools.partial(_pool, cu_host=cu_host))
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
                    v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, bt, impl), None
-    fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host))
+    plan = None
+    if hit is not None:  # (not while torch.compile traces: _call_key gives no key there)
+        plans, state = hit[1], config_state()
+        plan = plans.get(state)
+        if plan is None:
+            plan = chunk_plan(q, v, None, None, bt, impl)
+            if plan.seg is None:  # (a split plan's segment tensors arrived on the current stream: not kept)
+                plans.clear()
+                plans[state] = plan
+    fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host, plan=plan))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save_states and grad, grad, v_first,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, bt, impl)
     return o, (ht if output_final_state else None)
