@@ -147,11 +147,11 @@ def _depthwise_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         y = y + x[:, j:j + L].to(cdt) * wc[j]
     return y.to(x.dtype)
 
-def _hf_tensor(state_dict, prefix: str, key: str) -> torch.Tensor:
-    """``state_dict[prefix + key]``, checked to be a floating-point tensor."""
+def _hf_tensor(state_dict, prefix: str, key: str, layer: str = "a Qwen3-Next linear-attention layer") -> torch.Tensor:
+    """``state_dict[prefix + key]``, checked to be a floating-point tensor (``layer`` names whose weight it is)."""
     name = prefix + key
     if name not in state_dict:
-        raise ValueError(f"state_dict: missing {name!r} (a Qwen3-Next linear-attention layer's weight)")
+        raise ValueError(f"state_dict: missing {name!r} ({layer}'s weight)")
     t = state_dict[name]
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError(f"state_dict: {name} must be a floating-point tensor, got "
@@ -484,8 +484,22 @@ class GatedDeltaNet(nn.Module):
     _SPLIT_PROJ = ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Also takes the six input projections as separate ``<name>.weight`` entries (q, k, v, z, b, a: fla-style
-        names; z is the output gate), joined into ``in_proj.weight`` in that order when the fused key is absent."""
+        """Also takes the six input projections as separate ``<name>.weight`` entries (q, k, v, z, b, a; z is the
+        output gate), joined into ``in_proj.weight`` in that order when the fused key is absent, and fla's layout
+        (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three short convs ``q_conv1d`` /
+        ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as ``norm_weight`` (each
+        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it."""
+        for ours, fla in (("z_proj.weight", "g_proj.weight"), ("norm_weight", "o_norm.weight")):
+            if f"{prefix}{ours}" not in state_dict and f"{prefix}{fla}" in state_dict:
+                state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{fla}")
+        convs = [f"{prefix}{n}_conv1d.weight" for n in "qkv"]
+        if f"{prefix}conv1d.weight" not in state_dict and all(n in state_dict for n in convs):
+            parts = [state_dict.pop(n) for n in convs]
+            for n, t, c in zip(convs, parts, (self.key_dim, self.key_dim, self.value_dim), strict=True):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (c, 1, self.conv_size):
+                    raise ValueError(f"{n}: expected shape [{c}, 1, {self.conv_size}], got "
+                                     f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            state_dict[f"{prefix}conv1d.weight"] = torch.cat(parts, 0)
         names = [f"{prefix}{n}.weight" for n in self._SPLIT_PROJ]
         if f"{prefix}in_proj.weight" not in state_dict and all(n in state_dict for n in names):
             parts = [state_dict.pop(n) for n in names]
@@ -637,6 +651,100 @@ class GatedDeltaNet(nn.Module):
                     "conv1d.weight": self.conv1d.weight.clone(), "A_log": self.A_log.detach().clone(),
                     "dt_bias": self.dt_bias.detach().clone(), "norm.weight": self.norm_weight.detach().clone(),
                     "out_proj.weight": self.o_proj.weight.detach().clone()}
+
+    # -------------------------------------------------------------------------------------------- fla interop
+    _FLA_OPTIONS = (("use_gate", False, "no output gate (o_norm a plain RMSNorm)"),
+                    ("use_short_conv", False, "no short convolutions"),
+                    ("conv_bias", True, "short convolutions with a bias"),
+                    ("allow_neg_eigval", True, "beta doubled (negative eigenvalues)"))
+
+    @classmethod
+    def from_fla(cls, layer, *, layer_idx: int | None = None, impl: str = "auto", device=None, dtype=None,
+                 save_states: bool = True) -> GatedDeltaNet:
+        """A layer computing what fla's ``fla.layers.GatedDeltaNet`` ``layer`` computes, with its weights
+        (``load_fla_state_dict``): sizes ``hidden_size``, ``num_heads``, ``num_v_heads``, ``head_k_dim``,
+        ``head_v_dim``, ``conv_size`` and the gated norm's ``eps`` are read from it. fla's options this layer has
+        no counterpart for are refused by name (``ValueError``): ``use_gate=False``, ``use_short_conv=False``,
+        ``conv_bias=True``, ``allow_neg_eigval=True``, a norm or conv activation other than SiLU. ``device`` /
+        ``dtype`` default to those of ``q_proj.weight``. fla is not imported. fla's ``attention_mask`` (padded
+        tokens dropped) has no counterpart here: pack sequences of different lengths with ``cu_seqlens``."""
+        if not isinstance(layer, nn.Module) or not all(
+                hasattr(layer, a) for a in ("q_proj", "o_norm", "head_k_dim", "head_v_dim", "use_gate")):
+            raise TypeError(f"layer: expected an fla GatedDeltaNet layer (q_proj, o_norm, use_gate, ...), got "
+                            f"{type(layer).__name__}")
+        for name, bad, what in cls._FLA_OPTIONS:
+            if getattr(layer, name, not bad) == bad:
+                raise ValueError(f"layer: fla's {name}={bad} ({what}) has no counterpart here")
+        acts = [("o_norm", getattr(layer.o_norm, "activation", "swish"))]
+        acts += [(f"{n}_conv1d", getattr(getattr(layer, f"{n}_conv1d"), "activation", "silu")) for n in "qkv"]
+        for name, act in acts:
+            if act not in ("silu", "swish"):
+                raise ValueError(f"layer: {name}'s activation must be SiLU ('silu' / 'swish'), got {act!r}")
+        if getattr(layer.o_norm, "weight", None) is None:
+            raise ValueError("layer: o_norm has no weight (elementwise_affine=False); this layer's norm has one")
+        w = layer.q_proj.weight
+        if dtype is None:
+            check_impl(impl, op="GatedDeltaNet", gluon=False)
+            _check_kernel_dtype(impl, w.dtype, "dtype (None: that of q_proj.weight)")
+        m = cls(layer.hidden_size, layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                conv_size=layer.conv_size, norm_eps=layer.o_norm.eps,
+                layer_idx=layer.layer_idx if layer_idx is None else layer_idx, impl=impl,
+                device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype,
+                save_states=save_states)
+        m.load_fla_state_dict(layer.state_dict())
+        return m
+
+    def _fla_shapes(self) -> dict[str, tuple[int, ...]]:
+        kd, vd, HV, hid, W = self.key_dim, self.value_dim, self.num_v_heads, self.hidden_size, self.conv_size
+        return {"q_proj.weight": (kd, hid), "k_proj.weight": (kd, hid), "v_proj.weight": (vd, hid),
+                "g_proj.weight": (vd, hid), "b_proj.weight": (HV, hid), "a_proj.weight": (HV, hid),
+                "q_conv1d.weight": (kd, 1, W), "k_conv1d.weight": (kd, 1, W), "v_conv1d.weight": (vd, 1, W),
+                "A_log": (HV,), "dt_bias": (HV,), "o_norm.weight": (self.head_v_dim,), "o_proj.weight": (hid, vd)}
+
+    def load_fla_state_dict(self, state_dict, *, prefix: str = "") -> None:
+        """Copy the weights of an fla ``GatedDeltaNet`` layer of this layer's sizes (keys after ``prefix``:
+        ``q_proj`` / ``k_proj`` ``[H·K, hidden]``, ``v_proj`` / ``g_proj`` (the output gate) ``[HV·V, hidden]``,
+        ``b_proj`` / ``a_proj`` ``[HV, hidden]``, ``q_conv1d`` / ``k_conv1d`` ``[H·K, 1, conv_size]``, ``v_conv1d``
+        ``[HV·V, 1, conv_size]`` (``.weight`` each), ``A_log`` / ``dt_bias`` ``[HV]``, ``o_norm.weight [V]``,
+        ``o_proj.weight [hidden, HV·V]``). Any float dtype (cast to the layer's). Other keys under ``prefix`` (a conv
+        bias, say) raise ``ValueError``; everything is checked before a parameter changes."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+        if not hasattr(state_dict, "keys"):
+            raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+        want = self._fla_shapes()
+        extra = sorted(key for key in state_dict.keys()
+                       if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in want)
+        if extra:
+            raise ValueError(f"state_dict: unexpected keys {extra} (an fla GatedDeltaNet layer without conv biases "
+                             f"has {[prefix + key for key in want]})")
+        t = {}
+        for key, shape in want.items():
+            t[key] = _hf_tensor(state_dict, prefix, key, "an fla GatedDeltaNet layer")
+            if tuple(t[key].shape) != shape:
+                raise ValueError(f"state_dict: {prefix + key} has shape {list(t[key].shape)}, the layer's sizes "
+                                 f"give {list(shape)}")
+        w = self.in_proj.weight
+        fused = torch.cat([t[f"{n}_proj.weight"].to(device=w.device, dtype=w.dtype) for n in "qkvgba"], 0)
+        conv = torch.cat([t[f"{n}_conv1d.weight"] for n in "qkv"], 0)
+        pairs = ((w, fused), (self.conv1d.weight, conv), (self.A_log, t["A_log"]), (self.dt_bias, t["dt_bias"]),
+                 (self.norm_weight, t["o_norm.weight"]), (self.o_proj.weight, t["o_proj.weight"]))
+        ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
+        with torch.no_grad():
+            for (p, _), src in zip(pairs, ready, strict=True):
+                p.copy_(src)
+
+    def fla_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights in the layout of an fla ``GatedDeltaNet`` layer (the inverse of ``load_fla_state_dict``;
+        new tensors, detached)."""
+        with torch.no_grad():
+            q, k, v, z, b, a = (t.clone() for t in self.split_in_proj(self.in_proj.weight, 0))
+            cq, ck, cv = (t.clone() for t in self.conv1d.weight.split([self.key_dim, self.key_dim, self.value_dim]))
+            return {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "g_proj.weight": z,
+                    "b_proj.weight": b, "a_proj.weight": a, "q_conv1d.weight": cq, "k_conv1d.weight": ck,
+                    "v_conv1d.weight": cv, "A_log": self.A_log.detach().clone(),
+                    "dt_bias": self.dt_bias.detach().clone(), "o_norm.weight": self.norm_weight.detach().clone(),
+                    "o_proj.weight": self.o_proj.weight.detach().clone()}
 
     # --------------------------------------------------------------------------------------- pieces
     def _conv(self, x, init, cu_seqlens):

@@ -1,0 +1,165 @@
+"""GatedDeltaNet from fla's layer (``from_fla``, ``load_fla_state_dict``, ``fla_state_dict``, ``load_state_dict`` of fla
+keys) against a module with fla's parameter names whose forward follows ``fla/layers/gated_deltanet.py`` in plain
+torch (fla needs a GPU and is not installed here): projections, three short convolutions with SiLU, q / k
+L2-normalised (eps 1e-6), ``g = -exp(A_log)·softplus(a + dt_bias)``, ``beta = sigmoid(b)``, the delta rule, the gated
+RMSNorm (norm, weight, then ``x·sigmoid(x)`` of the gate), ``o_proj``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import P, assert_close, dtypes, examples, gen, pick, randn, seeds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gqla_triton.layers import GatedDeltaNet
+
+
+class _Act(nn.Module):
+    def __init__(self, activation: str, eps: float | None = None, dim: int | None = None):
+        super().__init__()
+        self.activation, self.eps = activation, eps
+        if dim is not None:
+            self.weight = nn.Parameter(torch.empty(dim))
+
+
+class FlaLayer(nn.Module):
+    """fla's ``GatedDeltaNet`` parameters and attributes, forward in float64 torch over packed sequences."""
+
+    def __init__(self, hidden, H, HV, K, V, W=4, eps=1e-5, **opts):
+        super().__init__()
+        self.hidden_size, self.num_heads, self.num_v_heads = hidden, H, HV
+        self.head_k_dim, self.head_v_dim, self.conv_size, self.layer_idx = K, V, W, 3
+        self.use_gate, self.use_short_conv, self.conv_bias, self.allow_neg_eigval = True, True, False, False
+        self.__dict__.update(opts)
+        kd, vd = H * K, HV * V
+        for n, rows in (("q", kd), ("k", kd), ("v", vd), ("a", HV), ("b", HV), ("g", vd)):
+            setattr(self, f"{n}_proj", nn.Linear(hidden, rows, bias=False))
+        for n, c in (("q", kd), ("k", kd), ("v", vd)):
+            conv = nn.Conv1d(c, c, W, groups=c, bias=self.conv_bias)
+            conv.activation = "silu"
+            setattr(self, f"{n}_conv1d", conv)
+        self.A_log = nn.Parameter(torch.empty(HV))
+        self.dt_bias = nn.Parameter(torch.empty(HV))
+        self.o_norm = _Act("swish", eps, V)
+        self.o_proj = nn.Linear(vd, hidden, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, 0.3)
+            self.A_log.uniform_(-1, 1)
+
+    def forward(self, x, cu):
+        """x ``[1, T, hidden]`` float64, cu the sequences' bounds (list): ``[1, T, hidden]``."""
+        H, HV, K, V, W = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.conv_size
+        outs = []
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            h = x[0, a:b]
+            T = b - a
+            if T == 0:
+                continue
+
+            def conv(name, y):
+                w = getattr(self, f"{name}_conv1d").weight[:, 0]  # [C, W]
+                y = F.pad(y.t(), (W - 1, 0))
+                return F.silu(torch.stack([(y[:, t:t + W] * w).sum(-1) for t in range(T)], 0))
+
+            q = conv("q", self.q_proj(h)).reshape(T, H, K)
+            k = conv("k", self.k_proj(h)).reshape(T, H, K)
+            v = conv("v", self.v_proj(h)).reshape(T, HV, V)
+            q, k = (u * torch.rsqrt((u * u).sum(-1, keepdim=True) + 1e-6) for u in (q, k))
+            g = -self.A_log.exp() * F.softplus(self.a_proj(h) + self.dt_bias)
+            beta = torch.sigmoid(self.b_proj(h))
+            r = HV // H
+            S = torch.zeros(HV, K, V, dtype=x.dtype)
+            o = torch.empty(T, HV, V, dtype=x.dtype)
+            for t in range(T):
+                for j in range(HV):
+                    kt, qt = k[t, j // r], q[t, j // r]
+                    S[j] = S[j] * g[t, j].exp()
+                    S[j] = S[j] + beta[t, j] * torch.outer(kt, v[t, j] - S[j].t() @ kt)
+                    o[t, j] = K ** -0.5 * (S[j].t() @ qt)
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight
+            z = self.g_proj(h).reshape(T, HV, V)
+            outs.append(self.o_proj((o * F.silu(z)).reshape(T, HV * V)))
+        return torch.cat(outs, 0)[None] if outs else x[:, :0]
+
+
+FEW = settings(max_examples=examples(3, 12), deadline=None)
+
+
+@FEW
+@given(lens=st.lists(st.integers(0, pick(9, 40)), min_size=1, max_size=3), H=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+def test_from_fla_computes_the_fla_layer(lens, H, G, dtype, seed):
+    """``from_fla`` of an fla layer: the float64 reference layer equals it; the kernels in ``dtype`` are as close
+    to it as the same layer in torch at ``dtype``."""
+    torch.manual_seed(seed)
+    K, V = pick(16, 64), pick(16, 128)
+    fla = FlaLayer(pick(32, 256), H, H * G, K, V).double()
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = max(cu[-1], 1)
+    x = randn((1, T, fla.hidden_size), gen(seed), dtype=torch.float64, device="cpu")
+    ref = fla(x, cu).to(P.device)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=P.device)
+    m64 = GatedDeltaNet.from_fla(fla, impl="reference", device=P.device)
+    assert m64.in_proj.weight.dtype == torch.float64 and m64.layer_idx == 3 and m64.norm_eps == 1e-5
+    x = x.to(P.device)
+    out64 = m64(x, cu_seqlens=cu_t)
+    assert torch.allclose(out64[:, :cu[-1]], ref[:, :cu[-1]], rtol=1e-9, atol=1e-10)
+    low = GatedDeltaNet.from_fla(fla, impl="reference", device=P.device, dtype=dtype)(x.to(dtype), cu_seqlens=cu_t)
+    out = GatedDeltaNet.from_fla(fla, impl="triton", device=P.device, dtype=dtype)(x.to(dtype), cu_seqlens=cu_t)
+    assert_close("out", out[:, :cu[-1]], out64[:, :cu[-1]], low[:, :cu[-1]], dtype=dtype)
+
+
+def test_fla_state_dicts():
+    """``load_state_dict`` takes fla's keys as they are (strict), ``fla_state_dict`` gives them back, and
+    ``load_fla_state_dict`` refuses a wrong shape, a missing or an extra key (a conv bias) before any parameter
+    changes."""
+    fla = FlaLayer(32, 2, 4, 16, 8).double()
+    sd = fla.state_dict()
+    m = GatedDeltaNet(32, 2, 4, 16, 8, impl="reference", dtype=torch.float64)
+    m.load_state_dict(sd)
+    back = m.fla_state_dict()
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    m2 = GatedDeltaNet.from_fla(fla, impl="reference")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    bad = {**sd, "v_conv1d.weight": sd["v_conv1d.weight"][:, :, :3]}
+    with pytest.raises(ValueError, match="v_conv1d"):
+        m.load_fla_state_dict(bad)
+    with pytest.raises(ValueError, match="v_conv1d"):
+        m.load_state_dict(bad)
+    with pytest.raises(ValueError, match="missing 'o_norm.weight'"):
+        m.load_fla_state_dict({k: v for k, v in sd.items() if k != "o_norm.weight"})
+    with pytest.raises(ValueError, match="q_conv1d.bias"):
+        m.load_fla_state_dict({**sd, "q_conv1d.bias": torch.zeros(32)})
+    with pytest.raises(TypeError, match="prefix"):
+        m.load_fla_state_dict(sd, prefix=1)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    pre = {f"layers.0.attn.{k}": v for k, v in sd.items()}
+    m.load_fla_state_dict(pre, prefix="layers.0.attn.")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("opt, match", [(dict(use_gate=False), "use_gate"), (dict(use_short_conv=False),
+                                        "use_short_conv"), (dict(conv_bias=True), "conv_bias"),
+                                        (dict(allow_neg_eigval=True), "allow_neg_eigval")])
+def test_from_fla_refuses_what_has_no_counterpart(opt, match):
+    with pytest.raises(ValueError, match=match):
+        GatedDeltaNet.from_fla(FlaLayer(32, 1, 1, 16, 16, **opt), impl="reference")
+
+
+def test_from_fla_refuses_other_activations_and_modules():
+    fla = FlaLayer(32, 1, 1, 16, 16)
+    fla.o_norm.activation = "sigmoid"
+    with pytest.raises(ValueError, match="o_norm's activation"):
+        GatedDeltaNet.from_fla(fla, impl="reference")
+    fla = FlaLayer(32, 1, 1, 16, 16)
+    fla.k_conv1d.activation = None
+    with pytest.raises(ValueError, match="k_conv1d's activation"):
+        GatedDeltaNet.from_fla(fla, impl="reference")
+    with pytest.raises(TypeError, match="fla GatedDeltaNet"):
+        GatedDeltaNet.from_fla(nn.Linear(2, 2))
