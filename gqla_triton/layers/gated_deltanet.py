@@ -162,6 +162,33 @@ def _hf_tensor(state_dict, prefix: str, key: str, layer: str = "a Qwen3-Next lin
     return t.detach()
 
 
+def _layer_weights(state_dict, prefix: str, want: dict[str, tuple[int, ...]], layer: str) -> dict[str, torch.Tensor]:
+    """The tensors ``want`` names (key after ``prefix`` -> shape) of ``layer``'s weights in ``state_dict``, each
+    checked (``_hf_tensor``, then its shape); a key under ``prefix`` that ``want`` does not name is a ``ValueError``."""
+    if not hasattr(state_dict, "keys"):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    extra = sorted(key for key in state_dict.keys()
+                   if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in want)
+    if extra:
+        raise ValueError(f"state_dict: unexpected keys {extra} ({layer} has {[prefix + key for key in want]})")
+    t = {}
+    for key, shape in want.items():
+        t[key] = _hf_tensor(state_dict, prefix, key, layer)
+        if tuple(t[key].shape) != shape:
+            raise ValueError(f"state_dict: {prefix + key} has shape {list(t[key].shape)}, the layer's sizes give "
+                             f"{list(shape)}")
+    return t
+
+
+def _copy_all(pairs) -> None:
+    """Copy each ``(parameter, source)`` pair's source into its parameter; every source is put in its parameter's
+    form before the first copy, so a call that fails changes no parameter."""
+    ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
+    with torch.no_grad():
+        for (p, _), src in zip(pairs, ready, strict=True):
+            p.copy_(src)
+
+
 class GatedDeltaNetCache:
     """State of one ``GatedDeltaNet`` layer for ``num_seqs`` sequence slots (one row per slot).
 
@@ -607,35 +634,18 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
         H, HV, K, V, hid = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.hidden_size
         r = HV // H
-        want = {"in_proj_qkvz.weight": (2 * H * K + 2 * HV * V, hid), "in_proj_ba.weight": (2 * HV, hid),
-                "conv1d.weight": (self.conv_dim, 1, self.conv_size), "A_log": (HV,), "dt_bias": (HV,),
-                "norm.weight": (V,), "out_proj.weight": (hid, HV * V)}
-        if not hasattr(state_dict, "keys"):
-            raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
-        extra = sorted(key for key in state_dict.keys()
-                       if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in want)
-        if extra:
-            raise ValueError(f"state_dict: unexpected keys {extra} (a Qwen3-Next linear-attention layer has "
-                             f"{[prefix + key for key in want]})")
-        t = {}
-        for key, shape in want.items():
-            t[key] = _hf_tensor(state_dict, prefix, key)
-            if tuple(t[key].shape) != shape:
-                raise ValueError(f"state_dict: {prefix + key} has shape {list(t[key].shape)}, the layer's sizes "
-                                 f"give {list(shape)}")
+        t = _layer_weights(state_dict, prefix, {
+            "in_proj_qkvz.weight": (2 * H * K + 2 * HV * V, hid), "in_proj_ba.weight": (2 * HV, hid),
+            "conv1d.weight": (self.conv_dim, 1, self.conv_size), "A_log": (HV,), "dt_bias": (HV,),
+            "norm.weight": (V,), "out_proj.weight": (hid, HV * V)}, "a Qwen3-Next linear-attention layer")
         qkvz = t["in_proj_qkvz.weight"].reshape(H, 2 * K + 2 * r * V, hid)
         q, k, v, z = qkvz.split([K, K, r * V, r * V], 1)
         b, a = t["in_proj_ba.weight"].reshape(H, 2 * r, hid).split([r, r], 1)
         w = self.in_proj.weight
         fused = torch.cat([p.reshape(-1, hid).to(device=w.device, dtype=w.dtype) for p in (q, k, v, z, b, a)], 0)
-        pairs = ((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
-                 (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
-                 (self.o_proj.weight, t["out_proj.weight"]))
-        # every source in its parameter's form before the first copy: a call that fails changes no parameter
-        ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
-        with torch.no_grad():
-            for (p, _), src in zip(pairs, ready, strict=True):
-                p.copy_(src)
+        _copy_all(((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
+                   (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
+                   (self.o_proj.weight, t["out_proj.weight"])))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the layout of a transformers Qwen3-Next linear-attention layer (the inverse of
@@ -710,29 +720,12 @@ class GatedDeltaNet(nn.Module):
         bias, say) raise ``ValueError``; everything is checked before a parameter changes."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
-        if not hasattr(state_dict, "keys"):
-            raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
-        want = self._fla_shapes()
-        extra = sorted(key for key in state_dict.keys()
-                       if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in want)
-        if extra:
-            raise ValueError(f"state_dict: unexpected keys {extra} (an fla GatedDeltaNet layer without conv biases "
-                             f"has {[prefix + key for key in want]})")
-        t = {}
-        for key, shape in want.items():
-            t[key] = _hf_tensor(state_dict, prefix, key, "an fla GatedDeltaNet layer")
-            if tuple(t[key].shape) != shape:
-                raise ValueError(f"state_dict: {prefix + key} has shape {list(t[key].shape)}, the layer's sizes "
-                                 f"give {list(shape)}")
+        t = _layer_weights(state_dict, prefix, self._fla_shapes(), "an fla GatedDeltaNet layer (without conv biases)")
         w = self.in_proj.weight
         fused = torch.cat([t[f"{n}_proj.weight"].to(device=w.device, dtype=w.dtype) for n in "qkvgba"], 0)
         conv = torch.cat([t[f"{n}_conv1d.weight"] for n in "qkv"], 0)
-        pairs = ((w, fused), (self.conv1d.weight, conv), (self.A_log, t["A_log"]), (self.dt_bias, t["dt_bias"]),
-                 (self.norm_weight, t["o_norm.weight"]), (self.o_proj.weight, t["o_proj.weight"]))
-        ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
-        with torch.no_grad():
-            for (p, _), src in zip(pairs, ready, strict=True):
-                p.copy_(src)
+        _copy_all(((w, fused), (self.conv1d.weight, conv), (self.A_log, t["A_log"]), (self.dt_bias, t["dt_bias"]),
+                   (self.norm_weight, t["o_norm.weight"]), (self.o_proj.weight, t["o_proj.weight"])))
 
     def fla_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the layout of an fla ``GatedDeltaNet`` layer (the inverse of ``load_fla_state_dict``;
