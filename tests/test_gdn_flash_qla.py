@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gqla_triton as gq
+import gqla_triton.ops.gdn.plan as plan_mod
 from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
 
 pytestmark = pytest.mark.usefixtures("poison_buffers")
@@ -85,12 +86,29 @@ def test_fwd_bwd_equal_the_autograd_op(lens, varlen, G, v_first, pad, dtype, see
     for b, lo, hi in bounds:
         inside[b, lo:hi] = True
     torch.testing.assert_close(gc.cpu()[inside].double(), want[inside], rtol=1e-5, atol=1e-5)
+    assert (gc.cpu()[~inside] == 0).all() and (A.cpu()[~inside] == 0).all()  # padding: written, as o's rows
     h64 = _chunk_states64([t.double() for t in ins], bounds)
     hk = h.transpose(-1, -2) if v_first else h
     hk = hk.reshape(-1, HV, K, V)
     assert h.shape[:2] == ((1, h64.shape[0]) if varlen else (B, -(-T // C)))
     # h is stored in the input dtype: its rounding (and the products' at that precision) against float64
     assert_close("h", hk[:h64.shape[0]].double().cpu(), h64, dtype=dtype, eps=4 * EPS[dtype])
+
+
+def test_padding_rows_are_zero():
+    """g and A (like o) are 0 at tokens outside [cu[0], cu[N]), before the first sequence and after the last, also
+    where a GPU cu_seqlens is clamped to the tokens (the buffers start NaN-filled here)."""
+    H, HV, K, V, T = 1, 2, 16, 16, 100
+    ins, _ = gdn_problem(0, [T], False, H, HV, K, V)
+    xs = _device(ins, torch.float32)
+    for cu in ([5, 70, 97], [0, 0, 0], [30, 30, 200]):
+        if max(cu) > T and not plan_mod.plans_on_device(xs[0]):
+            continue  # a CPU cu_seqlens past T is refused
+        gc, A, o, *_ = gq.chunk_gated_delta_rule_fwd(*xs[:5], cu_seqlens=torch.tensor(cu, device=P.device))
+        lo, hi = min(cu[0], T), min(max(cu), T)
+        for name, t in (("g", gc), ("A", A), ("o", o)):
+            assert torch.isfinite(t).all(), name
+            assert (t[:, :lo] == 0).all() and (t[:, hi:] == 0).all(), name
 
 
 def test_refusals_and_flags():

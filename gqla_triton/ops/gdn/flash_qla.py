@@ -58,7 +58,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     applies those around this call).
 
     Returns ``(g, A, o, h, final_state, cp_cache)``: g ``[B, T, HV]`` fp32, the decay's cumulative sum within each
-    64-token chunk; A ``[B, T, HV, 64]`` (bf16 for bf16 inputs, else fp32), each chunk's ``(I + A)^-1`` with the
+    64-token chunk (0 at tokens outside ``[cu[0], cu[N])``, as o and A); A ``[B, T, HV, 64]`` (bf16 for bf16 inputs, else fp32), each chunk's ``(I + A)^-1`` with the
     decays in it, for ``chunk_gated_delta_rule_bwd`` only (not FlashQLA's ungated matrix: the two libraries'
     A do not mix); o ``[B, T, HV, V]`` in v's dtype; h the state at each chunk's start in k's dtype with
     ``output_h`` (``[B, ceil(T/64), HV, K, V]``, or ``[1, chunks, HV, K, V]`` over the sequences' own chunks with
@@ -89,6 +89,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
             plan = chunk_plan(q, v, cu_seqlens, cu_host, CHUNK, "auto")
             o, ht, gc, A, _, h, _ = _fwd(q, k, v, g, beta, scale, h0, plan, output_h, output_h, v_first, False,
                                          False)
+    if cu_seqlens is not None:  # tokens outside [cu[0], cu[N]) belong to no chunk: their g and A rows are 0, as o's
+        cu = cu_seqlens.to(torch.int64).clamp(0, T)  # (the kernels' bounds: clamped, running maximum)
+        t = torch.arange(T, device=gc.device)
+        pad = ((t < cu[0]) | (t >= cu.max()))[None, :, None]
+        gc.masked_fill_(pad, 0.0)
+        A.masked_fill_(pad[..., None], 0.0)
     if output_h:
         if cu_host is None:
             h = h[:B * cdiv(T, CHUNK)].view(B, cdiv(T, CHUNK), HV, K, V)
