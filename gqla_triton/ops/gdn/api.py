@@ -410,8 +410,6 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
 # ``chunk_plan`` per ``config_state`` (such calls have no cu_seqlens: their plan follows from the key and the config)
 _CHECKED: dict[tuple, tuple[_Call, dict]] = {}
 _CHECKED_MAX = 512
-_KEY_FLAGS = ("use_qk_l2norm_in_kernel", "output_final_state", "save_states", "use_gate_in_kernel",
-              "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
 
 
 def _call_key(tensors: tuple, flags: tuple, scale, state_layout, chunk_size, impl, extra) -> tuple | None:

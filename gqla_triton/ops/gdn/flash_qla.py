@@ -58,9 +58,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     applies those around this call).
 
     Returns ``(g, A, o, h, final_state, cp_cache)``: g ``[B, T, HV]`` fp32, the decay's cumulative sum within each
-    64-token chunk (0 at tokens outside ``[cu[0], cu[N])``, as o and A); A ``[B, T, HV, 64]`` (bf16 for bf16 inputs, else fp32), each chunk's ``(I + A)^-1`` with the
+    64-token chunk; A ``[B, T, HV, 64]`` (bf16 for bf16 inputs, else fp32), each chunk's ``(I + A)^-1`` with the
     decays in it, for ``chunk_gated_delta_rule_bwd`` only (not FlashQLA's ungated matrix: the two libraries'
-    A do not mix); o ``[B, T, HV, V]`` in v's dtype; h the state at each chunk's start in k's dtype with
+    A do not mix); g, A and o are 0 at tokens outside ``[cu[0], cu[N])``; o ``[B, T, HV, V]`` in v's dtype; h the state at each chunk's start in k's dtype with
     ``output_h`` (``[B, ceil(T/64), HV, K, V]``, or ``[1, chunks, HV, K, V]`` over the sequences' own chunks with
     cu_seqlens, which then reads cu_seqlens on the host and is refused under torch.compile; ``[.., V, K]`` rows with
     ``state_v_first``), else None; final_state ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]``) or None without
