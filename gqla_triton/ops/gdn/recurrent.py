@@ -126,5 +126,6 @@ class _ForwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        raise RuntimeError("fused_recurrent_gated_delta_rule is forward-only (as fla's): no gradient is defined; "
-                           "chunk_gated_delta_rule computes the same function with gradients")
+        # NotImplementedError (a RuntimeError), the type fla's backward raises
+        raise NotImplementedError("fused_recurrent_gated_delta_rule is forward-only (as fla's): no gradient is "
+                                  "defined; chunk_gated_delta_rule computes the same function with gradients")
