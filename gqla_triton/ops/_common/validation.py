@@ -193,6 +193,13 @@ def check_float_dtype(dtype: object, *, optional: bool = True, name: str = "dtyp
         raise TypeError(f"{name}: expected {'None or ' if optional else ''}a floating torch.dtype, got {dtype!r}")
 
 
+def check_bools(**flags: object) -> None:
+    """Each of ``flags`` is a ``bool`` (no integer stands in): a ``TypeError`` naming the first that is not."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def check_flag(name: str, value: object) -> bool:
     """A boolean option: ``bool`` (or an integer 0 / 1); anything else is a ``TypeError``."""
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):

@@ -22,6 +22,7 @@ from .._common.impl import check_impl
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bools,
     check_disjoint,
     check_flag,
     check_kernel_device,
@@ -358,11 +359,8 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     check_fla_options("chunk_gated_delta_rule", fla_options)
     chunk_size = check_chunk_size(chunk_size)
     v_first = state_v_first(state_layout, fla_options)
-    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
-                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-                       ("allow_neg_eigval", allow_neg_eigval)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    check_bools(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval)
     if isinstance(use_qk_l2norm_in_kernel, torch.Tensor):  # fla releases that put cu_seqlens ninth, positionally
         raise TypeError(f"use_qk_l2norm_in_kernel: expected a bool, got a tensor of shape "
                         f"{list(use_qk_l2norm_in_kernel.shape)} (cu_seqlens is the tenth argument here, as in fla: "

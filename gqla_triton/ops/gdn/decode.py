@@ -32,6 +32,7 @@ from .._common.impl import check_impl
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bools,
     check_disjoint,
     check_flag,
     check_kernel_device,
@@ -374,11 +375,8 @@ def gated_delta_rule_decode(
     check_impl(impl, op="gated_delta_rule_decode", gluon=False)
     check_fla_options("gated_delta_rule_decode", fla_options)
     v_first = decode_state_v_first(state_layout, fla_options)
-    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
-                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-                       ("allow_neg_eigval", allow_neg_eigval)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    check_bools(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval)
     use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     ref = impl == "reference"
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
