@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common.boundary import route
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     INT32_MAX,
@@ -48,7 +47,6 @@ from ..ops._common.validation import (
     check_softmax_scale,
     check_tensor,
     is_int,
-    requires_grad,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
@@ -457,28 +455,27 @@ class GQLAttention(nn.Module):
         if absorb:
             w_uk, w_uv = self.w_uk_uv()
             q = absorb_q(q, w_uk, cos_sin, head_dim=dh, out_dtype=cache.compute_dtype)
-            scale, impl, causal, splits = mla._validate(q, cache.kv, bt, sl, r, self.softmax_scale, True, indices,
-                                                        topk_length, 0, self.impl, None, cache.k_descale)
+            key, scale, impl, causal, splits, _ = mla._checked(q, cache.kv, bt, sl, r, self.softmax_scale, True,
+                                                               indices, topk_length, 0, self.impl, None,
+                                                               cache.k_descale)
             if impl == "gluon":
                 mla._use_gluon(impl, q, cache.kv, r, indices is not None, cache.k_descale is not None)
+            fn = mla._runner(key, q, cache.kv, bt, r, indices, splits, impl, None, cache.k_descale, None)
             cache._append(ids, c, k_rope, idx)
             if idx is not None:
                 bt, sl = cache._rows(idx, B)
-            fn = (mla._mla_decode_op if requires_grad(q, cache.kv)
-                  else route(mla._mla_decode_op, mla.mla_decode_fwd))
             out, _ = fn(q, cache.kv, bt, sl, r, scale, causal, indices, topk_length, splits, impl, None,
                         cache.k_descale)
             return absorb_o(out, w_uv)
         k_nope, v = self._expand(c)
         q = grouped_q(q, cos_sin, head_dim=dh, out_dtype=cache.dtype)
         kr = cache.k_rope if dR > 0 else None
-        scale, impl, causal, splits = gqa._validate(q, cache.k, cache.v, bt, sl, kr, self.softmax_scale, True, indices,
-                                                    topk_length, 0, self.impl)
+        key, scale, impl, causal, splits = gqa._checked(q, cache.k, cache.v, bt, sl, kr, self.softmax_scale, True,
+                                                        indices, topk_length, 0, self.impl)
+        fn = gqa._runner(key, q, cache.k, cache.v, bt, kr, indices, splits, impl)
         cache._append(ids, k_nope, v, k_rope, idx)
         if idx is not None:
             bt, sl = cache._rows(idx, B)
-        fn = (gqa._gqa_decode_op if requires_grad(q, cache.k, cache.v, kr)
-              else route(gqa._gqa_decode_op, gqa.gqa_decode_fwd))
         out, _ = fn(q, cache.k, cache.v, bt, sl, kr, scale, causal, indices, topk_length, splits, impl)
         return out
 

@@ -16,9 +16,10 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...dispatch import config_state, device_info, is_interpreter
+from ...dispatch import device_info
 from .._common.boundary import route
 from .._common.impl import check_impl
+from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -403,35 +404,19 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     return _Call(chunk_size, v_first, use_qk_l2norm_in_kernel, output_final_state, scale, cu_host, bt)
 
 
-# Checked calls by their arguments' metadata (``_call_key``): a call whose key was checked before skips the checks,
-# which cost as much host time as the launches of a short chunk's forward. Each entry also keeps the call's
-# ``chunk_plan`` per ``config_state`` (such calls have no cu_seqlens: their plan follows from the key and the config)
-_CHECKED: dict[tuple, tuple[_Call, dict]] = {}
-_CHECKED_MAX = 512
+# chunk_gated_delta_rule's checked calls (``_common.memo``), each with its ``chunk_plan`` (such calls have no
+# cu_seqlens: their plan follows from the key and the config)
+_CHECKED = CheckedCalls()
 
 
 def _call_key(tensors: tuple, flags: tuple, scale, state_layout, chunk_size, impl, extra) -> tuple | None:
-    """The memo key of a call: everything ``_check_call`` reads, where that is the tensors' metadata and plain
-    values. None (check every time) for calls whose checks read values (cu_seqlens and its host copy,
-    chunk_indices, state_indices: ``extra``; the caller leaves out calls with fla's options), for ``impl`` "gluon" /
-    "reference", tensor subclasses and tensors that are not strided, flags that are not bools, a scale that is not
-    None or a float, and while torch.compile traces. ``tensors``: q, k, v, g, beta, initial_state, A_log, dt_bias
+    """The memo key of a call (``memo.call_key``), or None (checked every time) for calls whose checks read values
+    (cu_seqlens and its host copy, chunk_indices, state_indices: ``extra``; the caller leaves out calls with fla's
+    options) and for ``impl`` "gluon" / "reference". ``tensors``: q, k, v, g, beta, initial_state, A_log, dt_bias
     (None where absent)."""
-    if any(x is not None for x in extra) or impl not in ("auto", "triton") or type(chunk_size) is not int:
+    if any(x is not None for x in extra) or impl not in ("auto", "triton"):
         return None
-    if type(state_layout) is not str or not (scale is None or type(scale) is float):
-        return None
-    if any(type(f) is not bool for f in flags) or torch.compiler.is_compiling():
-        return None
-    metas = []
-    for t in tensors:
-        if t is None:
-            metas.append(None)
-        elif type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested:
-            return None
-        else:
-            metas.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
-    return (*metas, flags, scale, state_layout, chunk_size, impl, torch.is_grad_enabled(), is_interpreter())
+    return call_key(tensors, (*flags, scale, state_layout, chunk_size, impl))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -527,18 +512,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
              allow_neg_eigval)
     key = None if fla_options else _call_key(tensors, flags, scale, state_layout, chunk_size, impl,
                                              (cu_seqlens, cu_seqlens_cpu, chunk_indices, state_indices))
-    hit = _CHECKED.get(key) if key is not None else None
-    if hit is None:
+    call = _CHECKED.get(key)
+    if call is None:
         call = _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                            cu_seqlens, cu_seqlens_cpu, chunk_indices, state_indices, save_states, use_gate_in_kernel,
                            A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_layout, chunk_size, impl,
                            fla_options)
-        if key is not None:
-            if len(_CHECKED) >= _CHECKED_MAX:
-                _CHECKED.clear()
-            hit = _CHECKED[key] = (call, {})
-    else:
-        call = hit[0]
+        _CHECKED.put(key, call)
     # a float scale is its own checked value (the key holds it: 0.0 and -0.0 share one); another, its conversion
     scale = scale if type(scale) is float else call.scale
     chunk_size, v_first, use_qk_l2norm_in_kernel, output_final_state, _, cu_host, bt = call
@@ -572,14 +552,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         return run(q, k, v, g, beta, float(scale), initial_state, state_indices.contiguous(), cu_seqlens,
                    v_first, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, bt, impl), None
     plan = None
-    if hit is not None:  # (not while torch.compile traces: _call_key gives no key there)
-        plans, state = hit[1], config_state()
-        plan = plans.get(state)
-        if plan is None:
-            plan = chunk_plan(q, v, None, None, bt, impl)
-            if plan.seg is None:  # (a split plan's segment tensors arrived on the current stream: not kept)
-                plans.clear()
-                plans[state] = plan
+    if key is not None:  # (no key while torch.compile traces; a split plan's segment tensors are not kept: they
+        # arrived on the current stream)
+        plan = _CHECKED.plan(key, lambda: chunk_plan(q, v, None, None, bt, impl), keep=lambda p: p.seg is None)
     fwd = route(_fwd_op, functools.partial(_eager, cu_host=cu_host, plan=plan))
     o, ht, *_ = fwd(q, k, v, g, beta, float(scale), h0, cu_seqlens, save_states and grad, grad, v_first,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, bt, impl)

@@ -3,6 +3,8 @@ launcher that allocates the outputs, runs the kernel and merges the splits."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._common import (
@@ -19,8 +21,9 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
+from .._common.memo import CheckedCalls, call_key
 from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
-from .plan import plan
+from .plan import GQAPlan, plan
 from .reference import gqa_decode_reference
 from .triton import gqa_decode_triton
 
@@ -33,9 +36,10 @@ _REFERENCE = "gqla_triton.ops.gqa.reference.gqa_decode_reference"
 def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
                    indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int,
-                   impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   impl: str, prepared: GQAPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``gqa_decode`` on validated inputs (``impl`` "auto", "triton" or "reference", ``softmax_scale``
-    a float). Returns ``(out [B, s_q, h_q, d_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
+    a float; ``prepared``: ``_prepare``'s plan for these inputs, None: formed here). Returns ``(out [B, s_q, h_q,
+    d_v] q.dtype, lse [B, h_q, s_q] fp32)``."""
     if impl == "reference":
         o, lse = gqa_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale,
                                       causal, indices, topk_length)
@@ -43,12 +47,10 @@ def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
                                                                           topk_length)
     B, s_q, h_q, _ = q.shape
-    num_pages, page_size, g, d_h = k_cache.shape
+    num_pages, page_size = k_cache.shape[:2]
     d_v = v_cache.shape[-1]
-    d_r = 0 if k_rope_cache is None else k_rope_cache.shape[-1]
     sparse = indices is not None
-    p = plan(q, g, page_size, block_table.shape[1], d_h, d_r, d_v, indices.shape[-1] if sparse else None,
-             num_splits)
+    p = prepared or _prepare(q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits)
     S = p.num_splits
     out = empty(B, s_q, h_q, d_v, device=q.device, dtype=q.dtype)
     lse = empty(B, h_q, s_q, device=q.device, dtype=torch.float32)
@@ -64,6 +66,15 @@ def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if S > 1:
         combine_splits(o_part, lse_part, out, lse)
     return out, lse
+
+
+def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+             k_rope_cache: torch.Tensor | None, indices: torch.Tensor | None, num_splits: int) -> GQAPlan:
+    """The kernel's plan, from the inputs' metadata and this GPU's table."""
+    _, page_size, g, d_h = k_cache.shape
+    d_r = 0 if k_rope_cache is None else k_rope_cache.shape[-1]
+    return plan(q, g, page_size, block_table.shape[1], d_h, d_r, v_cache.shape[-1],
+                None if indices is None else indices.shape[-1], num_splits)
 
 
 @torch.library.custom_op("gqla_triton::gqa_decode", mutates_args=())
@@ -171,10 +182,42 @@ def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=Non
 
     Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
-    scale, impl, causal, num_splits = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache,
-                                                softmax_scale, causal, indices, topk_length, num_splits, impl)
-    # inputs that require grad go through the custom op, whose backward raises (forward_only)
-    fn = (_gqa_decode_op if requires_grad(q, k_cache, v_cache, k_rope_cache)
-          else route(_gqa_decode_op, gqa_decode_fwd))
+    key, scale, impl, causal, num_splits = _checked(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache,
+                                                    softmax_scale, causal, indices, topk_length, num_splits, impl)
+    fn = _runner(key, q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits, impl)
     return fn(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, scale, causal, indices, topk_length,
               num_splits, impl)
+
+
+# gqa_decode's checked calls (``_common.memo``)
+_CHECKED = CheckedCalls()
+
+
+def _checked(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
+             topk_length, num_splits, impl) -> tuple:
+    """``_validate`` remembered by the call's metadata (``_common.memo``): (the call's key or None, softmax_scale,
+    impl, causal, num_splits) as the kernel takes them."""
+    key = call_key((q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indices, topk_length),
+                   (softmax_scale, causal, num_splits, impl))
+    checked = _CHECKED.get(key)
+    if checked is None:
+        checked = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
+                            indices, topk_length, num_splits, impl)
+        _CHECKED.put(key, checked)
+    scale, impl, causal, num_splits = checked
+    if type(softmax_scale) is float:  # its own checked value (0.0 and -0.0 share a key)
+        scale = softmax_scale
+    return key, scale, impl, causal, num_splits
+
+
+def _runner(key, q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits, impl):
+    """What runs a checked call (``_checked``'s values): the custom op where autograd records it (its backward
+    raises: ``forward_only``) or torch.compile traces, else the eager body with the plan kept under ``key`` (any
+    block table of the call's shape)."""
+    if requires_grad(q, k_cache, v_cache, k_rope_cache):
+        return _gqa_decode_op
+    prepared = None
+    if key is not None and impl != "reference":  # (no key while torch.compile traces)
+        prepared = _CHECKED.plan(key, lambda: _prepare(q, k_cache, v_cache, block_table, k_rope_cache, indices,
+                                                       num_splits))
+    return route(_gqa_decode_op, functools.partial(gqa_decode_fwd, prepared=prepared))

@@ -3,6 +3,7 @@ eager launcher that picks a kernel, allocates the outputs and merges the splits.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from .._common import (
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.impl import check_impl
+from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
     MAX_KEYS,
     check_flag,
@@ -34,7 +36,7 @@ from .._common.validation import (
 )
 from .fp8 import FP8_DTYPES, PAGED, ROW_BYTES, check_kv_format, fp8_layout, is_fp8_latent
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
-from .plan import config_key, plan
+from .plan import MLAPlan, config_key, plan
 from .reference import mla_decode_ref, mla_sparse_prefill_ref
 from .triton import mla_decode_triton
 
@@ -66,31 +68,43 @@ def _use_gluon(impl: str, q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: i
                                          device=q.device).impl == "gluon"
 
 
+def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, head_dim_v: int,
+             indices: torch.Tensor | None, num_splits: int, impl: str, k_descale: torch.Tensor | None,
+             kv_format: str | None) -> tuple[str | None, bool, MLAPlan]:
+    """What a kernel call takes from the inputs' metadata and this GPU's table: (the cache's layout, whether the
+    Gluon kernel runs, the plan)."""
+    scaled = k_descale is not None
+    layout = "e4m3" if scaled else fp8_layout(kv_cache, kv_format)
+    if layout in ROW_BYTES:
+        _check_fp8_offset(kv_cache, layout)
+    sparse = indices is not None
+    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse, scaled, layout)
+    p = plan(q, kv_cache.shape[1], block_table.shape[1], head_dim_v, indices.shape[-1] if sparse else None,
+             num_splits, "gluon" if gluon else "triton")
+    return layout, gluon, p
+
+
 def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, softmax_scale: float, causal: bool, indices: torch.Tensor | None,
                    topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
-                   k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False,
+                   prepared: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager body of ``mla_decode`` on validated inputs (``impl`` one of ``IMPLS``, ``softmax_scale`` a float).
-    Returns ``(out [B, s_q, h_q, head_dim_v] in default_out_dtype(q) (float32 with out_fp32), lse [B, h_q, s_q]
-    fp32)``."""
+    ``prepared``: ``_prepare``'s value for these inputs (None: formed here). Returns ``(out [B, s_q, h_q,
+    head_dim_v] in default_out_dtype(q) (float32 with out_fp32), lse [B, h_q, s_q] fp32)``."""
     o_dtype = torch.float32 if out_fp32 else default_out_dtype(q)
     if impl == "reference":
         o, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                                 topk_length, q_descale=q_descale, k_descale=k_descale, kv_format=kv_format)
         return o.to(device=q.device, dtype=o_dtype), lse.to(device=q.device, dtype=torch.float32)
-    scaled = k_descale is not None
-    layout = "e4m3" if scaled else fp8_layout(kv_cache, kv_format)
-    if layout in ROW_BYTES:
-        _check_fp8_offset(kv_cache, layout)
+    if prepared is None:
+        prepared = _prepare(q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, k_descale, kv_format)
+    layout, gluon, p = prepared
     block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
                                                                           topk_length)
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
-    gluon = _use_gluon(impl, q, kv_cache, head_dim_v, sparse, scaled, layout)
-    p = plan(q, page_size, block_table.shape[1], head_dim_v, indices.shape[-1] if sparse else None, num_splits,
-             "gluon" if gluon else "triton")
     S = p.num_splits
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -341,15 +355,48 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_
 
     Inputs that require grad are accepted, but a backward through the outputs raises (no gradient is defined).
     """
-    scale, impl, causal, num_splits = _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
-                                                causal, indices, topk_length, num_splits, impl, q_descale, k_descale,
-                                                kv_format)
-    out_fp32 = _wants_fp32(out_dtype, default_out_dtype(q))
+    key, scale, impl, causal, num_splits, out_fp32 = _checked(
+        q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length, num_splits,
+        impl, q_descale, k_descale, kv_format, out_dtype)
     head_dim_v = int(head_dim_v)  # an integral number (checked): the custom op takes an int
-    # inputs that require grad go through the custom op, whose backward raises (forward_only)
-    fn = _mla_decode_op if requires_grad(q, kv_cache, q_descale, k_descale) else route(_mla_decode_op, mla_decode_fwd)
+    fn = _runner(key, q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, q_descale, k_descale, kv_format)
     return fn(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, indices, topk_length, num_splits,
               impl, q_descale, k_descale, kv_format, out_fp32)
+
+
+# mla_decode's checked calls (``_common.memo``)
+_CHECKED = CheckedCalls()
+
+
+def _checked(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
+             num_splits, impl, q_descale=None, k_descale=None, kv_format=None, out_dtype=None) -> tuple:
+    """``_validate`` and ``out_dtype``'s check, remembered by the call's metadata (``_common.memo``): (the call's
+    key or None, softmax_scale, impl, causal, num_splits, out_fp32) as the kernels take them."""
+    key = call_key((q, kv_cache, block_table, cache_seqlens, indices, topk_length, q_descale, k_descale),
+                   (head_dim_v, softmax_scale, causal, num_splits, impl, kv_format, out_dtype))
+    checked = _CHECKED.get(key)
+    if checked is None:
+        checked = (*_validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                              topk_length, num_splits, impl, q_descale, k_descale, kv_format),
+                   _wants_fp32(out_dtype, default_out_dtype(q)))
+        _CHECKED.put(key, checked)
+    scale, impl, causal, num_splits, out_fp32 = checked
+    if type(softmax_scale) is float:  # its own checked value (0.0 and -0.0 share a key)
+        scale = softmax_scale
+    return key, scale, impl, causal, num_splits, out_fp32
+
+
+def _runner(key, q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, q_descale, k_descale, kv_format):
+    """What runs a checked call (``_checked``'s values): the custom op where autograd records it (its backward
+    raises: ``forward_only``) or torch.compile traces, else the eager body with the plan kept under ``key`` (any
+    block table of the call's shape)."""
+    if requires_grad(q, kv_cache, q_descale, k_descale):
+        return _mla_decode_op
+    prepared = None
+    if key is not None and impl != "reference":  # (no key while torch.compile traces)
+        prepared = _CHECKED.plan(key, lambda: _prepare(q, kv_cache, block_table, head_dim_v, indices, num_splits, impl,
+                                                       k_descale, kv_format))
+    return route(_mla_decode_op, functools.partial(mla_decode_fwd, prepared=prepared))
 
 
 class SparsePrefillOutput(NamedTuple):

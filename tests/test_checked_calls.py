@@ -1,0 +1,139 @@
+"""Checked calls remembered by their arguments' metadata (``ops/_common/memo.py``): a call whose key passed the checks
+before skips them and reuses its plan, so every argument a check reads must be in the key, and the plan must follow
+the config in force."""
+
+import math
+
+import pytest
+import torch
+from harness import P, gen, randn
+
+from gqla_triton.dispatch import config_override
+from gqla_triton.ops._common.memo import CheckedCalls, call_key
+from gqla_triton.ops.gqa import api as gqa_api
+from gqla_triton.ops.mla import api as mla_api
+
+
+def test_call_key_holds_what_checks_read():
+    """Keys differ wherever a check could answer differently: option types (True against 1), strides, storage
+    offsets, address alignment, requires_grad, grad mode; no key for tensor subclasses or unhashable options."""
+    x = torch.zeros(4, 8)
+    base = call_key((x, None), (True, 0.5, "auto"))
+    assert base == call_key((torch.zeros(4, 8), None), (True, 0.5, "auto"))
+    for tensors, options in (((x, None), (1, 0.5, "auto")), ((x.t().contiguous().t(), None), (True, 0.5, "auto")),
+                             ((torch.zeros(33)[1:].view(4, 8), None), (True, 0.5, "auto")),
+                             ((x.requires_grad_(False).clone().requires_grad_(), None), (True, 0.5, "auto")),
+                             ((x, x), (True, 0.5, "auto")), ((x, None), (True, 0.25, "auto"))):
+        assert call_key(tensors, options) != base
+    with torch.no_grad():
+        assert call_key((x, None), (True, 0.5, "auto")) != base
+    assert call_key((torch.nn.Parameter(x), None), (True,)) is None
+    assert call_key((x,), ([1],)) is None
+    assert call_key((x,), (torch.tensor(1.0),)) is None
+
+
+def test_checked_calls_map():
+    """``plan`` builds once per config state; ``keep`` refusals are built again each call; a full map starts over."""
+    m = CheckedCalls(limit=2)
+    k1, k2, k3 = ("a",), ("b",), ("c",)
+    assert m.get(k1) is None and m.get(None) is None
+    m.put(k1, 1)
+    m.put(None, 5)
+    assert m.get(k1) == 1
+    builds = []
+    assert m.plan(k1, lambda: builds.append(0) or len(builds)) == 1
+    assert m.plan(k1, lambda: builds.append(0) or len(builds)) == 1
+    with config_override({"gqa_decode": {"waves": 3}}):
+        assert m.plan(k1, lambda: builds.append(0) or len(builds)) == 2
+    assert m.plan(k1, lambda: builds.append(0) or len(builds)) == 3
+    assert m.plan(k2, lambda: 7) == 7  # unknown key: built, not kept
+    assert m.plan(k1, lambda: 9, keep=lambda v: False) == 3
+    m.put(k2, 2)
+    m.put(k3, 3)
+    assert m.get(k1) is None and m.get(k3) == 3
+
+
+def _mla_inputs(B=2, h=16, r=32, dr=16, page=16, pages=4):
+    g = gen(0)
+    q = randn((B, 1, h, r + dr), g, device=P.device)
+    kv = randn((B * pages, page, 1, r + dr), g, device=P.device)
+    bt = torch.arange(B * pages, dtype=torch.int32, device=P.device).view(B, pages)
+    lens = torch.tensor([page * pages - 3, 5][:B], dtype=torch.int32, device=P.device)
+    return q, kv, bt, lens
+
+
+def _plans(monkeypatch, mod, fwd_name):
+    """Record the ``prepared`` plan each eager call of ``mod`` receives."""
+    seen = []
+    fwd = getattr(mod, fwd_name)
+    monkeypatch.setattr(mod, fwd_name, lambda *a, **k: seen.append(k.get("prepared")) or fwd(*a, **k))
+    return seen
+
+
+def test_mla_decode_remembers_checked_calls(monkeypatch):
+    """``mla_decode``: a call of the same metadata reuses the checks and the plan; a call that differs in any checked
+    argument is checked again and refused; the kept plan follows ``config_override`` and ``GQLA_TRITON_CONFIG``."""
+    q, kv, bt, lens = _mla_inputs()
+    f = mla_api.mla_decode
+    seen = _plans(monkeypatch, mla_api, "mla_decode_fwd")
+    o1, l1 = f(q, kv, bt, lens, 32)
+    o2, l2 = f(q, kv, bt, lens, 32)
+    assert seen[0] is not None and seen[0] is seen[1] and torch.equal(o1, o2) and torch.equal(l1, l2)
+    bad = [((q, kv, bt.long(), lens, 32), {}), ((q, kv, bt, lens[:1], 32), {}),
+           ((q, kv, bt, lens, 49), {}), ((q, kv, bt, lens, True), {}),
+           ((q, kv, bt, lens, 32), dict(softmax_scale=math.nan)),
+           ((q, kv, bt, lens, 32), dict(causal=2)), ((q, kv, bt, lens, 32), dict(num_splits=True)),
+           ((q, kv, bt, lens, 32), dict(impl="gpu")),
+           ((q, kv, bt, lens, 32), dict(out_dtype=torch.float64)),
+           ((q, kv, bt, lens, 32), dict(kv_format="v32")),
+           ((q, kv, bt, lens, 32), dict(topk_length=lens)),
+           ((q, kv[..., :40], bt, lens, 32), {}), ((q.double(), kv, bt, lens, 32), {}),
+           ((q[..., :40], kv, bt, lens, 32), {})]
+    for args, kw in bad:
+        with pytest.raises((ValueError, TypeError)):
+            f(*args, **kw)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # other strides: checked again, the same result
+    assert torch.equal(f(qt, kv, bt, lens, 32)[0], o1)
+    assert torch.equal(f(q, kv, bt, lens, 32, softmax_scale=(q.shape[-1]) ** -0.5)[0], o1)
+    with config_override({"mla_decode": {"split_cost": 9.5}}):
+        f(q, kv, bt, lens, 32)
+        assert seen[-1][2].cfg.split_cost == 9.5
+    f(q, kv, bt, lens, 32)
+    assert seen[-1][2].cfg.split_cost != 9.5
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", '{"mla_decode": {"split_cost": 7.5}}')
+    f(q, kv, bt, lens, 32)
+    assert seen[-1][2].cfg.split_cost == 7.5
+    monkeypatch.delenv("GQLA_TRITON_CONFIG")
+    assert torch.equal(f(q, kv, bt, lens, 32)[0], o1) and seen[-1][2].cfg.split_cost not in (7.5, 9.5)
+
+
+def test_gqa_decode_remembers_checked_calls(monkeypatch):
+    """``gqa_decode``: as ``test_mla_decode_remembers_checked_calls``."""
+    g = gen(1)
+    B, h, grp, dh, dr, page, pages = 2, 8, 2, 16, 16, 16, 3
+    q = randn((B, 1, h, dh + dr), g, device=P.device)
+    k = randn((B * pages, page, grp, dh), g, device=P.device)
+    v = randn((B * pages, page, grp, dh), g, device=P.device)
+    kr = randn((B * pages, page, dr), g, device=P.device)
+    bt = torch.arange(B * pages, dtype=torch.int32, device=P.device).view(B, pages)
+    lens = torch.tensor([40, 7], dtype=torch.int32, device=P.device)
+    f = gqa_api.gqa_decode
+    seen = _plans(monkeypatch, gqa_api, "gqa_decode_fwd")
+    o1, _ = f(q, k, v, bt, lens, kr)
+    o2, _ = f(q, k, v, bt, lens, kr)
+    assert seen[0] is not None and seen[0] is seen[1] and torch.equal(o1, o2)
+    bad = [((q, k, v, bt, lens, None), {}), ((q, k, v[..., :8], bt, lens, kr), {}),
+           ((q, k, v, bt, lens.long()[:1], kr), {}), ((q, k.double(), v, bt, lens, kr), {}),
+           ((q, k, v, bt, lens, kr), dict(causal="yes")),
+           ((q, k, v, bt, lens, kr), dict(num_splits=-1)),
+           ((q, k, v, bt, lens, kr), dict(impl="gluon")),
+           ((q, k, v, bt, lens, kr), dict(softmax_scale=math.inf)),
+           ((q, k, v, bt, lens, kr), dict(topk_length=lens))]
+    for args, kw in bad:
+        with pytest.raises((ValueError, TypeError)):
+            f(*args, **kw)
+    with config_override({"gqa_decode": {"waves": 7}}):
+        f(q, k, v, bt, lens, kr)
+        assert seen[-1].cfg.waves == 7
+    f(q, k, v, bt, lens, kr)
+    assert seen[-1].cfg.waves != 7 and torch.equal(f(q, k, v, bt, lens, kr)[0], o1)
