@@ -137,3 +137,45 @@ def test_gqa_decode_remembers_checked_calls(monkeypatch):
         assert seen[-1].cfg.waves == 7
     f(q, k, v, bt, lens, kr)
     assert seen[-1].cfg.waves != 7 and torch.equal(f(q, k, v, bt, lens, kr)[0], o1)
+
+
+def test_gdn_decode_step_remembers_checked_calls():
+    """``gated_delta_rule_decode``: a call of the same metadata skips the metadata checks, but what the checks read
+    beside metadata is judged every call (a state that overlaps an input, host index values); a call that differs in
+    any checked argument is checked again and refused; a refused call leaves the state as it was."""
+    from gqla_triton.ops.gdn import gated_delta_rule_decode as f
+
+    g = gen(2)
+    B, H, HV, K, V = 2, 1, 2, 16, 16
+    q = randn((B, 1, H, K), g, device=P.device)
+    k = randn((B, 1, H, K), g, device=P.device)
+    v = randn((B, 1, HV, V), g, device=P.device)
+    gg = -randn((B, 1, HV), g, device=P.device).abs()
+    beta = randn((B, 1, HV), g, device=P.device).sigmoid()
+    state = randn((B + 1, HV, K, V), g, device=P.device)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=P.device)
+    s0 = state.clone()
+    o1 = f(q, k, v, gg, beta, state, idx)
+    state.copy_(s0)
+    assert torch.equal(f(q, k, v, gg, beta, state, idx), o1)
+    for args, kw in (((q, k, v, gg, beta, state, idx.long()), {}), ((q, k, v, gg, beta, state, idx[:1]), {}),
+                     ((q, k.double(), v, gg, beta, state, idx), {}), ((q, k, v, gg[..., :1], beta, state, idx), {}),
+                     ((q, k, v, gg, beta, state, idx), dict(use_qk_l2norm_in_kernel=3)),
+                     ((q, k, v, gg, beta, state, idx), dict(scale=math.nan)),
+                     ((q, k, v, gg, beta, state, idx), dict(state_layout="kk")),
+                     ((q, k, v, gg, beta, state, idx), dict(impl="gluon")),
+                     ((q, k, v, gg, beta, state.transpose(2, 3), idx), {})):
+        state.copy_(s0)
+        with pytest.raises((ValueError, TypeError)):
+            f(*args, **kw)
+        assert torch.equal(state, s0)
+    # the same metadata as the call above, but a state that is a view of q's memory: refused every call
+    buf = torch.zeros(q.numel() + state.numel(), device=P.device)
+    alias = buf[: state.numel()].view(state.shape)
+    qa = buf[: q.numel()].view(q.shape)
+    with pytest.raises(ValueError, match="shares memory"):
+        f(qa, k, v, gg, beta, alias, idx)
+    if P.device == "cpu":  # host index values are read every call
+        for bad in ((3, 0), (1, 1)):
+            with pytest.raises(ValueError, match="state_indices"):
+                f(q, k, v, gg, beta, state, torch.tensor(bad, dtype=torch.int32))

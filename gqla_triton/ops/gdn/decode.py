@@ -29,6 +29,7 @@ from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
+from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -285,6 +286,87 @@ def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2,
     return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, gk, gv)
 
 
+# gated_delta_rule_decode's checked calls (``_common.memo``)
+_CHECKED = CheckedCalls()
+
+
+def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
+                accepted, intermediate_states, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                allow_neg_eigval, gk, gv, state_layout, impl, fla_options) -> tuple[bool, bool, float, int]:
+    """The checks of ``gated_delta_rule_decode`` that read the arguments' metadata and plain values (and the values
+    of ``cu_seqlens_cpu``): (v_first, use_qk_l2norm_in_kernel, scale, sequences N)."""
+    check_impl(impl, op="gated_delta_rule_decode", gluon=False)
+    check_fla_options("gated_delta_rule_decode", fla_options)
+    v_first = decode_state_v_first(state_layout, fla_options)
+    check_bools(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval)
+    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    ref = impl == "reference"
+    fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
+    check_tensor("q", q, ndim=4, dtypes=fdt)
+    B, S, H, K = q.shape
+    check_tensor("k", k, shape=(B, S, H, K), dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=4, dtypes=fdt, device=q.device)
+    HV, V = v.shape[2], v.shape[3]
+    check_tensor("v", v, shape=(B, S, HV, V))
+    check_tensor("g", g, shape=(B, S, HV), dtypes=fdt, device=q.device)
+    check_tensor("beta", beta, shape=(B, S, HV, V) if isinstance(beta, torch.Tensor) and beta.dim() == 4 else
+                 (B, S, HV), dtypes=fdt, device=q.device)
+    if gk is not None:
+        check_tensor("gk", gk, shape=(B, S, HV, K), dtypes=fdt, device=q.device)
+    if gv is not None:
+        check_tensor("gv", gv, shape=(B, S, HV, V), dtypes=fdt, device=q.device)
+    check_tensor("state", state, ndim=4, dtypes=fdt, device=q.device)
+    if B == 0 or S == 0 or H == 0 or K == 0 or V == 0:
+        raise ValueError(f"q/v: expected non-empty B, s, heads and dims, got q {list(q.shape)}, v {list(v.shape)}")
+    if HV % H != 0:
+        raise ValueError(f"v: value heads HV={HV} must be a multiple of q/k heads H={H}")
+    row_shape = (HV, V, K) if v_first else (HV, K, V)
+    if tuple(state.shape[1:]) != row_shape:
+        raise ValueError(f"state: expected shape [P, {', '.join(map(str, row_shape))}] (state_layout="
+                         f"{'vk' if v_first else 'kv'!r}), got {list(state.shape)}")
+    if not state.is_contiguous():
+        raise ValueError("state: expected a contiguous tensor (it is updated in place)")
+    if not ref and (K > 256 or V > 1024):
+        raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported by the kernel, got K={K}, V={V} "
+                         "(impl='reference' takes any)")
+    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
+    N = B
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=q.device)
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q of shape {list(q.shape)}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+        N = cu_seqlens.numel() - 1
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
+        check_decode_cu_seqlens_cpu(cu_seqlens_cpu, N + 1, S)
+    if state_indices is None:
+        if state.shape[0] < N:
+            raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than the {N} sequences "
+                             "(pass state_indices)")
+    else:
+        check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
+    if accepted is not None:
+        check_tensor("accepted", accepted, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
+    if intermediate_states is not None:
+        want = ((B, S) if cu_seqlens is None else (S,)) + row_shape
+        idt = (torch.float32,) + ((torch.float64,) if ref else ())
+        check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=idt, device=q.device)
+        if not intermediate_states.is_contiguous():
+            raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
+    scale = check_scale("scale", scale, K**-0.5)
+    refuse_grad("gated_delta_rule_decode", ", or use chunk_gated_delta_rule (differentiable in q, k, v, g, beta and "
+                "initial_state) to train through the recurrence", q=q, k=k, v=v, g=g, beta=beta, state=state,
+                intermediate_states=intermediate_states, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
+    if not ref:
+        for dt in (q.dtype, v.dtype, state.dtype):
+            check_kernel_device(q.device, _REFERENCE, dt)
+    return v_first, use_qk_l2norm_in_kernel, scale, N
+
+
 def gated_delta_rule_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -372,77 +454,28 @@ def gated_delta_rule_decode(
 
     Forward only: a ``RuntimeError`` if an input requires grad while autograd is enabled.
     """
-    check_impl(impl, op="gated_delta_rule_decode", gluon=False)
-    check_fla_options("gated_delta_rule_decode", fla_options)
-    v_first = decode_state_v_first(state_layout, fla_options)
-    check_bools(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                allow_neg_eigval=allow_neg_eigval)
-    use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    key = None
+    if not fla_options and cu_seqlens_cpu is None:  # (the host copy's values are checked every time)
+        key = call_key((q, k, v, g, beta, state, state_indices, cu_seqlens, accepted, intermediate_states, A_log,
+                        dt_bias, gk, gv), (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                           use_beta_sigmoid_in_kernel, allow_neg_eigval, state_layout, impl))
+    checked = _CHECKED.get(key)
+    if checked is None:
+        checked = _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens,
+                              cu_seqlens_cpu, accepted, intermediate_states, use_gate_in_kernel, A_log, dt_bias,
+                              use_beta_sigmoid_in_kernel, allow_neg_eigval, gk, gv, state_layout, impl, fla_options)
+        _CHECKED.put(key, checked)
+    v_first, use_qk_l2norm_in_kernel, checked_scale, N = checked
+    scale = scale if type(scale) is float else checked_scale  # a float is its own checked value
     ref = impl == "reference"
-    fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
-    check_tensor("q", q, ndim=4, dtypes=fdt)
-    B, S, H, K = q.shape
-    check_tensor("k", k, shape=(B, S, H, K), dtypes=(q.dtype,), device=q.device)
-    check_tensor("v", v, ndim=4, dtypes=fdt, device=q.device)
-    HV, V = v.shape[2], v.shape[3]
-    check_tensor("v", v, shape=(B, S, HV, V))
-    check_tensor("g", g, shape=(B, S, HV), dtypes=fdt, device=q.device)
-    check_tensor("beta", beta, shape=(B, S, HV, V) if isinstance(beta, torch.Tensor) and beta.dim() == 4 else
-                 (B, S, HV), dtypes=fdt, device=q.device)
-    if gk is not None:
-        check_tensor("gk", gk, shape=(B, S, HV, K), dtypes=fdt, device=q.device)
-    if gv is not None:
-        check_tensor("gv", gv, shape=(B, S, HV, V), dtypes=fdt, device=q.device)
-    check_tensor("state", state, ndim=4, dtypes=fdt, device=q.device)
-    if B == 0 or S == 0 or H == 0 or K == 0 or V == 0:
-        raise ValueError(f"q/v: expected non-empty B, s, heads and dims, got q {list(q.shape)}, v {list(v.shape)}")
-    if HV % H != 0:
-        raise ValueError(f"v: value heads HV={HV} must be a multiple of q/k heads H={H}")
-    row_shape = (HV, V, K) if v_first else (HV, K, V)
-    if tuple(state.shape[1:]) != row_shape:
-        raise ValueError(f"state: expected shape [P, {', '.join(map(str, row_shape))}] (state_layout="
-                         f"{'vk' if v_first else 'kv'!r}), got {list(state.shape)}")
-    if not state.is_contiguous():
-        raise ValueError("state: expected a contiguous tensor (it is updated in place)")
-    if not ref and (K > 256 or V > 1024):
-        raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported by the kernel, got K={K}, V={V} "
-                         "(impl='reference' takes any)")
-    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
-    N = B
-    if cu_seqlens is not None:
-        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=q.device)
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q of shape {list(q.shape)}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
-        N = cu_seqlens.numel() - 1
-    if cu_seqlens_cpu is not None:
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
-        check_decode_cu_seqlens_cpu(cu_seqlens_cpu, N + 1, S)
+    S = q.shape[1]
     if state_indices is None:
-        if state.shape[0] < N:
-            raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than the {N} sequences "
-                             "(pass state_indices)")
         state_indices = torch.arange(N, dtype=torch.int32, device=q.device)
-    else:
-        check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
-    if accepted is not None:
-        check_tensor("accepted", accepted, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
-    if intermediate_states is not None:
-        want = ((B, S) if cu_seqlens is None else (S,)) + row_shape
-        idt = (torch.float32,) + ((torch.float64,) if ref else ())
-        check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=idt, device=q.device)
-        if not intermediate_states.is_contiguous():
-            raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
-    scale = check_scale("scale", scale, K**-0.5)
+    # what the checks read beside metadata, every call: addresses, and the values of host index tensors
     reads = dict(q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices, cu_seqlens=cu_seqlens, accepted=accepted,
                  A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     check_disjoint("state", state, **reads)
     check_disjoint("intermediate_states", intermediate_states, state=state, **reads)
-    refuse_grad("gated_delta_rule_decode", ", or use chunk_gated_delta_rule (differentiable in q, k, v, g, beta and "
-                "initial_state) to train through the recurrence", q=q, k=k, v=v, g=g, beta=beta, state=state,
-                intermediate_states=intermediate_states, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     if not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)
@@ -453,8 +486,6 @@ def gated_delta_rule_decode(
         return _decode_reference_options(q, k, v, g, beta, state, state_indices, float(scale),
                                          bool(use_qk_l2norm_in_kernel), cu_seqlens, accepted, intermediate_states,
                                          **opts)
-    for dt in (q.dtype, v.dtype, state.dtype):
-        check_kernel_device(q.device, _REFERENCE, dt)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
     cont = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias), gk=cont(gk), gv=cont(gv))
