@@ -64,6 +64,10 @@ class CheckedCalls:
             self._entries.clear()
         self._entries[key] = [checked, None, None]
 
+    def clear(self) -> None:
+        """Forget every kept call (each next call is checked and planned again)."""
+        self._entries.clear()
+
     def plan(self, key: tuple | None, build, keep=None):
         """``build()``'s value for the call of ``key``, built once per config state: a config change (a
         ``config_override`` block, ``GQLA_TRITON_CONFIG``) builds it again. Unkeyed calls build every time, and so
