@@ -25,11 +25,18 @@ import io
 import pstats
 import time
 
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _noop(a, b, c, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15, n16, n17, n18, n19,
+          X: tl.constexpr, Y: tl.constexpr):
+    pass
+
 
 def _cases():
     import torch
-    import triton
-    import triton.language as tl
 
     import gqla_triton as gq
 
@@ -67,11 +74,6 @@ def _cases():
         state = torch.zeros(B, HV, K, V, device=dev)
         idx = torch.arange(B, device=dev, dtype=torch.int32)
         return lambda: gq.gated_delta_rule_decode(q, k, v, g, beta, state, idx, use_qk_l2norm_in_kernel=True)
-
-    @triton.jit
-    def _noop(a, b, c, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15, n16, n17, n18, n19,
-              X: tl.constexpr, Y: tl.constexpr):
-        pass
 
     x = torch.empty(16, device=dev)
     return {

@@ -213,8 +213,9 @@ def combine_splits(
         raise ValueError("combine_splits: the last dimension of o_partial and out must be contiguous")
     if B * Q * H == 0:
         return
-    cfg = select_config("combine", {"D": D}, device=out.device)
-    BLOCK_H, BLOCK_D, BLOCK_S = combine_geometry(B, S, Q, H, D, device_info(out.device).sm_count, cfg)
+    info = device_info(out)  # (a tensor: the cached lookup of its device)
+    cfg = select_config("combine", {"D": D}, info=info)
+    BLOCK_H, BLOCK_D, BLOCK_S = combine_geometry(B, S, Q, H, D, info.sm_count, cfg)
     NH = cdiv(H, BLOCK_H)
     grid = (B * Q * NH, max(1, cdiv(D, BLOCK_D)))  # D tiles: a few (CUDA's 65535 along this axis)
     combine_splits_kernel[grid](

@@ -177,7 +177,7 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else B
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q.device)
+    cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q)
     BK = next_pow2(K)
     BV = min(cfg.bv, next_pow2(V))
     grid = (cdiv(V, BV) * N * HV,)

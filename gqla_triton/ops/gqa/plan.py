@@ -51,7 +51,7 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     sparse = topk is not None
     rows = G if sparse else G * s_q
     key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
-    cfg = select_config("gqa_decode", key, device=q.device)
+    cfg = select_config("gqa_decode", key, device=q)
     block_m = min(cfg.max_m, max(16, next_pow2(rows)))
     block_n = cfg.block_n
     bdh, bdr, bdv = (next_pow2(d) for d in (d_h, d_r, d_v))

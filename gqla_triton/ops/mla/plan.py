@@ -78,7 +78,7 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     block table; ``topk``: the index row length (sparse) or None (dense); ``num_splits`` 0: planned here."""
     B, s_q, h_q, _ = q.shape
     sparse = topk is not None
-    cfg = select_config("mla_decode", config_key(q, head_dim_v, sparse, impl), device=q.device)
+    cfg = select_config("mla_decode", config_key(q, head_dim_v, sparse, impl), device=q)
     if impl == "gluon" and cfg.impl != "gluon":  # a table with no Gluon entry (an explicit impl="gluon"): its geometry
         cfg = cfg.replace(**GLUON_GEOMETRY)
     if cfg.impl != "gluon":
