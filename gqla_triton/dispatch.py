@@ -39,6 +39,7 @@ __all__ = [
     "select_config",
     "config_override",
     "table_swap",
+    "reload_tables",
     "user_config_dir",
     "schema",
     "OPS",
@@ -204,8 +205,7 @@ def table_swap(key: str, raw: Mapping) -> Iterator[None]:
     parsed = parse_table(raw, where="table_swap")
     old = _SWAPPED.get(key)
     _SWAPPED[key] = parsed
-    _load_table.cache_clear()
-    _table_entry.cache_clear()
+    reload_tables()
     try:
         yield
     finally:
@@ -213,8 +213,15 @@ def table_swap(key: str, raw: Mapping) -> Iterator[None]:
             _SWAPPED.pop(key, None)
         else:
             _SWAPPED[key] = old
-        _load_table.cache_clear()
-        _table_entry.cache_clear()
+        reload_tables()
+
+
+def reload_tables() -> None:
+    """Read the tables again at the next lookup (a table written since, another ``GQLA_TRITON_CONFIG_DIR``); the
+    ``config_state`` changes, so what callers kept from the old tables is built again."""
+    _load_table.cache_clear()
+    _table_entry.cache_clear()
+    _EPOCH[0] += 1
 
 
 @functools.cache
@@ -289,13 +296,14 @@ def _check_override(value: Any, where: str) -> dict:
 
 
 _OVERRIDES: list[dict[str, tuple]] = []  # per block: op -> its fields, frozen (sorted (name, value) pairs)
-_EPOCH = [0]  # bumped as a config_override block opens and closes
+_EPOCH = [0]  # bumped as a config_override or table_swap block opens and closes, and by reload_tables
 
 
 def config_state() -> tuple:
-    """What ``select_config``'s answer depends on beside its arguments and the tables: ``GQLA_TRITON_CONFIG`` (with
-    its file's version) and the ``config_override`` blocks in force (an epoch bumped as each opens and closes).
-    Equal states give equal configs for equal arguments, so a caller may keep what it built from one."""
+    """What ``select_config``'s answer depends on beside its arguments: ``GQLA_TRITON_CONFIG`` (with its file's
+    version) and an epoch bumped as each ``config_override`` or ``table_swap`` block opens and closes and by
+    ``reload_tables``. Equal states give equal configs for equal arguments, so a caller may keep what it built from
+    one."""
     env = os.environ.get("GQLA_TRITON_CONFIG")
     return env, _env_version(env), _EPOCH[0]
 

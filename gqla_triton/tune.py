@@ -668,6 +668,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     dispatch.parse_table(raw, where=str(path))  # the table written is one dispatch accepts
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(raw, indent=1) + "\n")
+    dispatch.reload_tables()  # this process launches through the written table from here on
     state.save(complete=True)
     return {"table": raw, "report": report, "path": path, "compile_wave_s": wave_s, "spent_s": state.data["spent_s"],
             "runs": state.data["runs"]}

@@ -179,3 +179,47 @@ def test_gdn_decode_step_remembers_checked_calls():
         for bad in ((3, 0), (1, 1)):
             with pytest.raises(ValueError, match="state_indices"):
                 f(q, k, v, gg, beta, state, torch.tensor(bad, dtype=torch.int32))
+
+
+def test_kept_plans_follow_table_swaps_and_reloads(monkeypatch):
+    """A plan kept with a call is built again inside and after a ``dispatch.table_swap`` block and after
+    ``dispatch.reload_tables`` (the tuner times the decode paths under a swapped table)."""
+    from gqla_triton import dispatch
+
+    q, kv, bt, lens = _mla_inputs()
+    seen = _plans(monkeypatch, mla_api, "mla_decode_fwd")
+    mla_api.mla_decode(q, kv, bt, lens, 32)
+    key = dispatch.device_info(q).key
+    shipped = seen[-1][2].cfg.split_cost
+    with dispatch.table_swap(key, {"mla_decode": [{"match": {}, "config": {"split_cost": 8.5}}]}):
+        mla_api.mla_decode(q, kv, bt, lens, 32)
+        assert seen[-1][2].cfg.split_cost == 8.5
+    mla_api.mla_decode(q, kv, bt, lens, 32)
+    assert seen[-1][2].cfg.split_cost == shipped
+    state = dispatch.config_state()
+    dispatch.reload_tables()
+    assert dispatch.config_state() != state
+
+
+def test_lazy_negation_views_are_refused():
+    """A view with a lazy negation bit (``torch._neg_view``) has the metadata of a plain tensor, but the kernels read
+    its memory without the sign: each op refuses it, also right after a call of the same metadata."""
+    from gqla_triton.ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
+
+    q, kv, bt, lens = _mla_inputs()
+    mla_api.mla_decode(q, kv, bt, lens, 32)
+    neg = torch._neg_view(q.neg())
+    with pytest.raises(ValueError, match="negation"):
+        mla_api.mla_decode(neg, kv, bt, lens, 32)
+    g = gen(3)
+    x = randn((1, 8, 1, 16), g, device=P.device)
+    v = randn((1, 8, 2, 16), g, device=P.device)
+    gg = -randn((1, 8, 2), g, device=P.device).abs()
+    beta = randn((1, 8, 2), g, device=P.device).sigmoid()
+    chunk_gated_delta_rule(x, x, v, gg, beta)
+    with pytest.raises(ValueError, match="negation"):
+        chunk_gated_delta_rule(x, x, torch._neg_view(v.neg()), gg, beta)
+    state = torch.zeros(1, 2, 16, 16, device=P.device)
+    gated_delta_rule_decode(x[:, :1], x[:, :1], v[:, :1], gg[:, :1], beta[:, :1], state)
+    with pytest.raises(ValueError, match="negation"):
+        gated_delta_rule_decode(torch._neg_view(x[:, :1].neg()), x[:, :1], v[:, :1], gg[:, :1], beta[:, :1], state)

@@ -190,8 +190,7 @@ def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, mo
     key, but not the H200's own measurements (``decode_path``); a GPU of another SM (H20) gets ``default.json``;
     a tuned table of the H100's own comes first (its rows before the shipped ones)."""
     monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
-    dispatch._load_table.cache_clear()
-    dispatch._table_entry.cache_clear()
+    dispatch.reload_tables()
     try:
         h100, h200, default = (dispatch._load_table(k) for k in ("h100", "h200", "default"))
         assert dispatch.gpu_key("NVIDIA H800") == "h100"
@@ -203,14 +202,13 @@ def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, mo
             assert dispatch.table_config("h100", "gdn_chunk", key) == dispatch.table_config("h200", "gdn_chunk", key)
         assert dispatch.table_config("h100", "decode_path", {"s_q": 1}) is None
         (tmp_path / "h100.json").write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": 1024}}]}))
-        dispatch._load_table.cache_clear()
+        dispatch.reload_tables()
         tuned = dispatch._load_table("h100")
         assert tuned["combine"][0][1].elems == 1024 and tuned["combine"][1:] == h100["combine"]
         assert {op: rows for op, rows in tuned.items() if op != "combine"} == {
             op: rows for op, rows in h100.items() if op != "combine"}  # the ops it leaves out: the H200's configs
     finally:
-        dispatch._load_table.cache_clear()
-        dispatch._table_entry.cache_clear()
+        dispatch.reload_tables()
 
 
 def test_import_does_no_device_work():
@@ -414,13 +412,13 @@ def test_choose_decode_path_refuses_bad_arguments(kw, err, msg):
 def test_an_unreadable_user_table_is_a_value_error_naming_it(tmp_path, monkeypatch):
     (tmp_path / "h100.json").write_text('{"combine": [')
     monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
-    dispatch._load_table.cache_clear()
+    dispatch.reload_tables()
     try:
         with pytest.raises(ValueError, match="h100.json: not a readable JSON config table"):
             dispatch._load_table("h100")
     finally:
         monkeypatch.delenv("GQLA_TRITON_CONFIG_DIR")
-        dispatch._load_table.cache_clear()
+        dispatch.reload_tables()
 
 
 def test_decode_path_measurement_helpers_refuse_bad_arguments():

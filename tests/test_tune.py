@@ -93,22 +93,19 @@ def test_user_table_takes_precedence(tmp_path, monkeypatch):
     interpreter, whose pinned table is fixed)."""
     monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
     (tmp_path / "h200.json").write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": 64}}]}))
-    dispatch._load_table.cache_clear()
-    dispatch._table_entry.cache_clear()
+    dispatch.reload_tables()
     try:
         assert dispatch.table_config("h200", "combine", {"D": 64}).elems == 64
         assert dispatch.table_config("interpreter", "combine", {"D": 64}).elems != 64
         # a partial table: the ops and shapes it leaves out keep the shipped rows, not default.json's
         (tmp_path / "h200.json").write_text(json.dumps({"combine": [{"match": {"D": 32}, "config": {"elems": 16}}]}))
-        dispatch._load_table.cache_clear()
-        dispatch._table_entry.cache_clear()
+        dispatch.reload_tables()
         shipped = dispatch._read_table(dispatch._CONFIG_DIR / "h200.json")
         assert dispatch.table_config("h200", "combine", {"D": 32}).elems == 16
         assert dispatch.table_config("h200", "combine", {"D": 64}) == dispatch._match(shipped, "combine", {"D": 64})
         assert dispatch._load_table("h200")["gdn_chunk"] == shipped["gdn_chunk"]
     finally:
-        dispatch._load_table.cache_clear()
-        dispatch._table_entry.cache_clear()
+        dispatch.reload_tables()
 
 
 def test_search_from_the_default_table_reports_the_shipped_entry(tmp_path, monkeypatch):

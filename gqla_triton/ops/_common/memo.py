@@ -8,8 +8,9 @@ prefill chunk the checks and the planning cost as much host time as the kernel l
 ``call_key`` holds each tensor's shape, strides, storage offset, dtype, device, ``requires_grad`` and the alignment
 of its address (``data_ptr() mod 16``: kernels choose vector widths and copy engines by it), each option with its
 type (``True`` and ``1`` are different keys: a check may accept one and refuse the other), grad mode and whether the
-Triton interpreter runs. Calls it cannot key that way (tensor subclasses, non-strided tensors, options of other
-types, torch.compile tracing) get no key and are checked every time; a check that fails stores nothing.
+Triton interpreter runs. Calls it cannot key that way (tensor subclasses, non-strided tensors, tensors without
+storage or with a lazy negation / conjugation bit, options of other types, torch.compile tracing) get no key and
+are checked every time; a check that fails stores nothing.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ def call_key(tensors: tuple, options: tuple) -> tuple | None:
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested:
+        elif (type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested or t.is_neg()
+              or t.is_conj()):
             return None
         else:
-            key.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad,
-                        t.data_ptr() % 16))
+            try:
+                align = t.data_ptr() % 16
+            except RuntimeError:  # no storage (a functorch wrapper)
+                return None
+            key.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad, align))
     for v in options:
         if type(v) not in _PLAIN:
             return None
@@ -62,7 +67,7 @@ class CheckedCalls:
             return
         if len(self._entries) >= self._limit:
             self._entries.clear()
-        self._entries[key] = [checked, None, None]
+        self._entries[key] = [checked, None]
 
     def clear(self) -> None:
         """Forget every kept call (each next call is checked and planned again)."""
@@ -75,10 +80,10 @@ class CheckedCalls:
         e = self._entries.get(key) if key is not None else None
         if e is None:
             return build()
-        state = config_state()
-        if e[1] == state:
-            return e[2]
+        state, kept = config_state(), e[1]  # (one slot: a (state, value) pair is read and replaced whole)
+        if kept is not None and kept[0] == state:
+            return kept[1]
         value = build()
         if keep is None or keep(value):
-            e[1:] = state, value
+            e[1] = (state, value)
         return value
