@@ -248,3 +248,37 @@ def test_layer_constructors_check_device(device):
                  lambda: gq.RMSNorm(8, device=device)):
         with pytest.raises(ValueError, match="^device: "):
             make()
+
+
+@pytest.mark.parametrize("layout", ["sparse", "nested"])
+def test_non_dense_tensors_are_refused_by_name(layout):
+    """A sparse or nested tensor in any tensor argument is a TypeError naming the argument (the kernels address
+    dense, strided memory), not a failure inside a launcher."""
+    from gqla_triton import chunk_gated_delta_rule, gated_delta_rule_decode, gqa_decode, mla_decode
+
+    def odd(t):
+        if layout == "sparse":
+            return t.to_sparse()
+        return torch.nested.nested_tensor(list(t.unbind(0)))
+
+    d = P.device
+    x, v = torch.randn(1, 8, 1, 16, device=d), torch.randn(1, 8, 2, 16, device=d)
+    g, b = -torch.rand(1, 8, 2, device=d), torch.rand(1, 8, 2, device=d)
+    q, kv = torch.randn(2, 1, 16, 48, device=d), torch.randn(8, 16, 1, 48, device=d)
+    bt = torch.arange(8, dtype=torch.int32, device=d).view(2, 4)
+    sl = torch.tensor([60, 5], dtype=torch.int32, device=d)
+    k, kr = torch.randn(8, 16, 2, 16, device=d), torch.randn(8, 16, 16, device=d)
+    qg = torch.randn(2, 1, 8, 32, device=d)
+    calls = [(chunk_gated_delta_rule, [x, x, v, g, b], ["q", "k", "v", "g", "beta"]),
+             (gated_delta_rule_decode, [x[:, :1], x[:, :1], v[:, :1], g[:, :1], b[:, :1],
+                                        torch.zeros(1, 2, 16, 16, device=d)], ["q", "k", "v", "g", "beta", "state"]),
+             (mla_decode, [q, kv, bt, sl, 32], ["q", "kv_cache", "block_table", "cache_seqlens"]),
+             (gqa_decode, [qg, k, k, bt, sl, kr], ["q", "k_cache", "v_cache", "block_table", "cache_seqlens",
+                                                   "k_rope_cache"])]
+    for fn, args, names in calls:
+        fn(*args)  # the dense call runs
+        for i, name in enumerate(names):
+            bad = list(args)
+            bad[i] = odd(args[i])
+            with pytest.raises(TypeError, match=f"^{name}: expected a dense"):
+                fn(*bad)

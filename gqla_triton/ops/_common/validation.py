@@ -28,10 +28,12 @@ def check_tensor(
     shape: Sequence[int | None] | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Check that ``t`` is a tensor of the given rank, dtype set, shape (``None`` = any) and device, without a lazy
-    negation or conjugation bit (the kernels read its memory as it is)."""
+    """Check that ``t`` is a dense (strided, not nested) tensor of the given rank, dtype set, shape (``None`` = any)
+    and device, without a lazy negation or conjugation bit (the kernels read its memory as it is)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} one")
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{name}: a view with a lazy negation / conjugation bit (torch._neg_view, .conj()): the kernels "
                          f"read its memory as it is; pass {name}.resolve_neg() / .resolve_conj()")
