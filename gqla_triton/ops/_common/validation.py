@@ -34,7 +34,7 @@ def check_tensor(
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided or t.is_nested:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} one")
-    if t.is_neg() or t.is_conj():
+    if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):  # (torch.compile cannot trace these)
         raise ValueError(f"{name}: a view with a lazy negation / conjugation bit (torch._neg_view, .conj()): the kernels "
                          f"read its memory as it is; pass {name}.resolve_neg() / .resolve_conj()")
     got = t.shape
