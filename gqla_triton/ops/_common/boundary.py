@@ -8,13 +8,25 @@ validation, so they cannot disagree.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["route"]
+__all__ = ["route", "runner"]
 
 
 def route(custom_op: Callable, eager: Callable) -> Callable:
     """``custom_op`` while torch.compile traces, ``eager`` otherwise."""
     return custom_op if torch.compiler.is_compiling() else eager
+
+
+def runner(custom_op: Callable, eager: Callable, *, grad: bool, memo, key: tuple | None, build: Callable) -> Callable:
+    """What runs a checked call: ``custom_op`` where autograd records it (``grad``; the op's backward raises or
+    differentiates) or torch.compile traces, else ``eager`` with ``prepared=`` the plan ``memo`` (a
+    ``memo.CheckedCalls``) keeps under ``key`` (``build()`` on a miss; None where ``key`` is None: ``eager`` plans
+    itself)."""
+    if grad:
+        return custom_op
+    prepared = memo.plan(key, build) if key is not None else None  # (no key while torch.compile traces)
+    return route(custom_op, functools.partial(eager, prepared=prepared))

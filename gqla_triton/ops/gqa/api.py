@@ -3,8 +3,6 @@ launcher that allocates the outputs, runs the kernel and merges the splits."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .._common import (
@@ -19,7 +17,7 @@ from .._common import (
     sparse_rows,
 )
 from .._common.alloc import empty
-from .._common.boundary import route
+from .._common.boundary import runner
 from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
 from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
@@ -211,13 +209,8 @@ def _checked(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, soft
 
 
 def _runner(key, q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits, impl):
-    """What runs a checked call (``_checked``'s values): the custom op where autograd records it (its backward
-    raises: ``forward_only``) or torch.compile traces, else the eager body with the plan kept under ``key`` (any
+    """What runs a checked call (``_checked``'s values; ``boundary.runner``): the plan is kept under ``key`` (any
     block table of the call's shape)."""
-    if requires_grad(q, k_cache, v_cache, k_rope_cache):
-        return _gqa_decode_op
-    prepared = None
-    if key is not None and impl != "reference":  # (no key while torch.compile traces)
-        prepared = _CHECKED.plan(key, lambda: _prepare(q, k_cache, v_cache, block_table, k_rope_cache, indices,
-                                                       num_splits))
-    return route(_gqa_decode_op, functools.partial(gqa_decode_fwd, prepared=prepared))
+    return runner(_gqa_decode_op, gqa_decode_fwd, grad=requires_grad(q, k_cache, v_cache, k_rope_cache), memo=_CHECKED,
+                  key=key if impl != "reference" else None,
+                  build=lambda: _prepare(q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits))

@@ -3,7 +3,6 @@ eager launcher that picks a kernel, allocates the outputs and merges the splits.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ from .._common import (
     sparse_rows,
 )
 from .._common.alloc import empty
-from .._common.boundary import route
+from .._common.boundary import route, runner
 from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
@@ -387,16 +386,12 @@ def _checked(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
 
 
 def _runner(key, q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, q_descale, k_descale, kv_format):
-    """What runs a checked call (``_checked``'s values): the custom op where autograd records it (its backward
-    raises: ``forward_only``) or torch.compile traces, else the eager body with the plan kept under ``key`` (any
+    """What runs a checked call (``_checked``'s values; ``boundary.runner``): the plan is kept under ``key`` (any
     block table of the call's shape)."""
-    if requires_grad(q, kv_cache, q_descale, k_descale):
-        return _mla_decode_op
-    prepared = None
-    if key is not None and impl != "reference":  # (no key while torch.compile traces)
-        prepared = _CHECKED.plan(key, lambda: _prepare(q, kv_cache, block_table, head_dim_v, indices, num_splits, impl,
-                                                       k_descale, kv_format))
-    return route(_mla_decode_op, functools.partial(mla_decode_fwd, prepared=prepared))
+    return runner(_mla_decode_op, mla_decode_fwd, grad=requires_grad(q, kv_cache, q_descale, k_descale), memo=_CHECKED,
+                  key=key if impl != "reference" else None,
+                  build=lambda: _prepare(q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, k_descale,
+                                         kv_format))
 
 
 class SparsePrefillOutput(NamedTuple):
