@@ -75,8 +75,8 @@ class CheckedCalls:
 
     def plan(self, key: tuple | None, build, keep=None):
         """``build()``'s value for the call of ``key``, built once per config state: a config change (a
-        ``config_override`` block, ``GQLA_TRITON_CONFIG``) builds it again. Unkeyed calls build every time, and so
-        do calls whose value ``keep(value)`` refuses."""
+        ``config_override`` or ``table_swap`` block, ``GQLA_TRITON_CONFIG``, ``reload_tables``) builds it again.
+        Unkeyed calls build every time, and so do calls whose value ``keep(value)`` refuses."""
         e = self._entries.get(key) if key is not None else None
         if e is None:
             return build()
