@@ -43,13 +43,13 @@ from ..ops._common.validation import (
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
+from ..ops.gdn.decode import sequence_count
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from .gdn_step import gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
 
-_CU_DTYPES = (torch.int32, torch.int64)
 _REF = "gqla_triton.layers.GatedDeltaNet"
 
 
@@ -918,14 +918,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"hidden_states: expected B >= 1 and T >= 1, got {list(x.shape)}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify: expected a bool, got {type(verify).__name__}")
-        N = B
-        if cu_seqlens is not None:
-            check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=x.device)
-            if B != 1:
-                raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}")
-            if cu_seqlens.numel() < 2:
-                raise ValueError(f"cu_seqlens: expected a 1-D tensor [N+1], got shape {list(cu_seqlens.shape)}")
-            N = cu_seqlens.numel() - 1
+        N = sequence_count(cu_seqlens, B, x.device)
         if cache is None:
             if slots is not None:
                 raise ValueError("slots: given without a cache")

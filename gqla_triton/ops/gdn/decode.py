@@ -286,6 +286,19 @@ def _decode_reference_options(q, k, v, g, beta, state, state_indices, scale, l2,
     return _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, gk, gv)
 
 
+def sequence_count(cu_seqlens: torch.Tensor | None, B: int, device: torch.device) -> int:
+    """The sequences N of a step over ``B`` batch rows: B, or with ``cu_seqlens`` (checked: ``[N+1]`` int32 / int64 on
+    ``device``, N >= 1, B == 1) its N."""
+    if cu_seqlens is None:
+        return B
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=device)
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need B == 1, got B={B}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+    return cu_seqlens.numel() - 1
+
+
 # gated_delta_rule_decode's checked calls (``_common.memo``)
 _CHECKED = CheckedCalls()
 
@@ -331,14 +344,7 @@ def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
         raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported by the kernel, got K={K}, V={V} "
                          "(impl='reference' takes any)")
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
-    N = B
-    if cu_seqlens is not None:
-        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=_CU_DTYPES, device=q.device)
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q of shape {list(q.shape)}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
-        N = cu_seqlens.numel() - 1
+    N = sequence_count(cu_seqlens, B, q.device)
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
