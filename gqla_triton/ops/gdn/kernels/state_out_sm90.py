@@ -101,8 +101,8 @@ def _nan_from_first_bad(x, ok, r):
 @gluon.jit
 def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The producer: each chunk's k, q, v block and Ainv rows into ring stage ``c % STAGES``."""
-    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
-     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
+     sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
     TPV: gl.constexpr = BV // 8  # threads along a v row (16-byte copies)
@@ -111,9 +111,16 @@ def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VA
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
     rv = gl.arange(0, BT, layout=gl.SliceLayout(1, cpv))
     cv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, cpv))
+    rg = gl.arange(0, BT, layout=gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0]))
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
+        tg = c * BT + rg
+        okg = tg < Tn
+        bx = gl.load(beta + (bos + tg) * HV + i_hv, mask=okg, other=0.0)  # before the wait, which hides its latency
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+        # the chunk's gates, and its last gate in every row
+        async_load(g_smem.index(s * 3), gc + (bos + tg) * HV + i_hv, mask=okg)
+        async_load(g_smem.index(s * 3 + 2), gc + ((bos + gl.minimum(c * BT + BT, Tn) - 1) * HV + i_hv) + rg * 0)
         t = c * BT + r
         ok = (t < Tn)[:, None]
         x = bos + t
@@ -125,7 +132,9 @@ def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VA
         tv = c * BT + rv
         async_load(v_smem.index(s), v + ((bos + tv) * (HV * V) + i_hv * V)[:, None] + cv[None, :],
                    mask=(tv < Tn)[:, None])
+        g_smem.index(s * 3 + 1).store(bx.to(gl.float32))
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        mbarrier.arrive(ready.index(s), count=1)  # after beta's store (the arrival releases it)
 
 
 @gluon.jit
@@ -133,8 +142,8 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
            STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr,
            BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
     """The chain: the state recurrence, v_new and the final state (``gdn_state_out_kernel``'s arithmetic)."""
-    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
-     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
+     sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
     rows: gl.constexpr = gl.SliceLayout(1, o_l)
@@ -151,21 +160,10 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         S0 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
         off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST)
         S1 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
-    n = gl.cdiv(Tn, BT)
-    # this chunk's gates and beta, loaded one chunk ahead
-    valid = r < Tn
-    gg = gl.load(gc + (bos + r) * HV + i_hv, mask=valid, other=0.0)
-    bb = gl.load(beta + (bos + r) * HV + i_hv, mask=valid, other=0.0).to(gl.float32)
-    glast = gl.load(gc + (bos + gl.minimum(BT, Tn) - 1) * HV + i_hv, mask=n > 0, other=0.0)
-    for c in range(n):
+    for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         b2 = c % 2
-        t1 = (c + 1) * BT + r
-        v1 = t1 < Tn
-        gg1 = gl.load(gc + (bos + t1) * HV + i_hv, mask=v1, other=0.0)
-        bb1 = gl.load(beta + (bos + t1) * HV + i_hv, mask=v1, other=0.0).to(gl.float32)
-        gl1 = gl.load(gc + (bos + gl.minimum((c + 2) * BT, Tn) - 1) * HV + i_hv, mask=c + 1 < n, other=0.0)
-        b = _beta_in(bb, valid, BETA_SIGMOID, NEG_EIGVAL)
+        valid = c * BT + r < Tn
 
         # publish the state at the chunk's start (the output warpgroup reads it for q S)
         mbarrier.wait(ofree.index(b2), ((c // 2) & 1) ^ 1)
@@ -178,13 +176,16 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         ks = warpgroup_mma(k_smem.index(s * NK), sd_smem.index(b2 * NK), zero, use_acc=False, is_async=True)
         ks = warpgroup_mma(k_smem.index(s * NK + 1), sd_smem.index(b2 * NK + 1), ks, is_async=True)
         # while k S runs: v, its finiteness and the gate factors (none of them depends on the state)
+        gg = g_smem.index(s * 3).load(rows)
+        b = _beta_in(g_smem.index(s * 3 + 1).load(rows), valid, BETA_SIGMOID, NEG_EIGVAL)
+        glast = g_smem.index(s * 3 + 2).load(rows)  # the chunk's last gate in every row
         vv = v_smem.index(s).load(o_l).to(gl.float32)
         eg = gl.exp(gg)
         okv = gl.abs(vv) < float("inf")
         live = gg == gg
         keep = okv & live[:, None]
         rdec = gl.exp(gl.where(valid, glast - gg, 0.0))
-        el = gl.exp(glast)
+        el = gl.exp(glast)[:, None]
         ks = warpgroup_mma_wait(num_outstanding=0, deps=(ks,))
         xs = b[:, None] * (vv - eg[:, None] * ks)
         xs_smem.store(gl.where(keep, xs, 0.0).to(dt))
@@ -206,17 +207,13 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         vn_smem.index(b2).store(vo)
         fb_smem.index(b2).store(fb)
         vd = vn * rdec[:, None]
-        vd_smem.store(vd.to(dt))
+        xs_smem.store(vd.to(dt))  # Ainv·xs is complete: xs's buffer is free
         fence_async_shared()
         mbarrier.arrive(vn_ready.index(b2), count=1)
-        S0 = warpgroup_mma(k_smem.index(s * NK).permute((1, 0)), vd_smem, S0 * el, is_async=True)
-        S1 = warpgroup_mma(k_smem.index(s * NK + 1).permute((1, 0)), vd_smem, S1 * el, is_async=True)
+        S0 = warpgroup_mma(k_smem.index(s * NK).permute((1, 0)), xs_smem, S0 * el, is_async=True)
+        S1 = warpgroup_mma(k_smem.index(s * NK + 1).permute((1, 0)), xs_smem, S1 * el, is_async=True)
         S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(S0, S1))
         mbarrier.arrive(empty.index(s), count=1)
-        gg = gg1
-        bb = bb1
-        glast = gl1
-        valid = v1
     if STORE_HT:
         off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST)
         gl.store(ht + off, S0.to(ht.dtype.element_ty), mask=m)
@@ -227,27 +224,24 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
 @gluon.jit
 def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The scores warpgroup: each chunk's ``P = q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j]`` (v's dtype) into ``p_smem``."""
-    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
-     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
+     sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, s_l))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, s_l))
     zs = gl.zeros([BT, BT], gl.float32, layout=s_l)
-    # the chunk's gates, loaded one chunk ahead (a global load's latency would otherwise stall every chunk)
-    gi = gl.load(gc + (bos + ri) * HV + i_hv, mask=ri < Tn, other=0.0)
-    gj = gl.load(gc + (bos + rj) * HV + i_hv, mask=rj < Tn, other=0.0)
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         b2 = c % 2
         t0 = c * BT
-        gi1 = gl.load(gc + (bos + t0 + BT + ri) * HV + i_hv, mask=t0 + BT + ri < Tn, other=0.0)
-        gj1 = gl.load(gc + (bos + t0 + BT + rj) * HV + i_hv, mask=t0 + BT + rj < Tn, other=0.0)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         fence_async_shared()  # the stage arrived through cp.async (generic proxy); wgmma reads the async proxy
         qk = warpgroup_mma(q_smem.index(s * NK), k_smem.index(s * NK).permute((1, 0)), zs, use_acc=False,
                            is_async=True)
         qk = warpgroup_mma(q_smem.index(s * NK + 1), k_smem.index(s * NK + 1).permute((1, 0)), qk, is_async=True)
+        gi = g_smem.index(s * 3).load(gl.SliceLayout(1, s_l))
+        gj = g_smem.index(s * 3).load(gl.SliceLayout(0, s_l))
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         mbarrier.arrive(empty.index(s), count=1)
         m = (ri[:, None] >= rj[None, :]) & (t0 + ri < Tn)[:, None] & (t0 + rj < Tn)[None, :]
@@ -256,31 +250,33 @@ def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
         p_smem.index(b2).store(pm)
         fence_async_shared()  # P was written by the generic proxy; the output warpgroup's wgmma reads it
         mbarrier.arrive(p_ready.index(b2), count=1)
-        gi = gi1
-        gj = gj1
 
 
 @gluon.jit
 def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The output warpgroup: ``o = scale·(e^gc·q S + P·v_new)`` per chunk, NaN where the chain says."""
-    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
-     xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
+     sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
     r = gl.arange(0, BT, layout=gl.SliceLayout(1, o_l))
     cv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, o_l))
     zero = gl.zeros([BT, BV], gl.float32, layout=o_l)
-    go = gl.load(gc + (bos + r) * HV + i_hv, mask=r < Tn, other=0.0)  # the chunk's gates, loaded one chunk ahead
+    op = o + i_hv * V + cv[None, :]
+    ob = gl.zeros([BT, BV], o.dtype.element_ty, layout=o_l)  # the previous chunk's o, rows tb
+    tb = Tn + r
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         b2 = c % 2
         t0 = c * BT
-        go1 = gl.load(gc + (bos + t0 + BT + r) * HV + i_hv, mask=t0 + BT + r < Tn, other=0.0)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         fence_async_shared()
+        # the previous chunk's o is stored after the fence: the fence waits for every store in flight
+        gl.store(op + ((bos + tb) * (HV * V))[:, None], ob, mask=(tb < Tn)[:, None])
         mbarrier.wait(sd_ready.index(b2), (c // 2) & 1)
         qs = warpgroup_mma(q_smem.index(s * NK), sd_smem.index(b2 * NK), zero, use_acc=False, is_async=True)
         qs = warpgroup_mma(q_smem.index(s * NK + 1), sd_smem.index(b2 * NK + 1), qs, is_async=True)
+        go = g_smem.index(s * 3).load(gl.SliceLayout(1, o_l))
         qs = warpgroup_mma_wait(num_outstanding=0, deps=(qs,))
         mbarrier.arrive(empty.index(s), count=1)
         oi = qs * gl.exp(go)[:, None]
@@ -291,11 +287,9 @@ def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
         fb = fb_smem.index(b2).load(gl.SliceLayout(0, o_l))
         mbarrier.arrive(p_free.index(b2), count=1)
         mbarrier.arrive(ofree.index(b2), count=1)
-        out = gl.where(r[:, None] >= fb[None, :], float("nan"), (oi + pv) * scale)
-        t = t0 + r
-        gl.store(o + ((bos + t) * (HV * V) + i_hv * V)[:, None] + cv[None, :], out.to(o.dtype.element_ty),
-                 mask=(t < Tn)[:, None])
-        go = go1
+        ob = gl.where(r[:, None] >= fb[None, :], float("nan"), (oi + pv) * scale).to(o.dtype.element_ty)
+        tb = t0 + r
+    gl.store(op + ((bos + tb) * (HV * V))[:, None], ob, mask=(tb < Tn)[:, None])
 
 
 @gluon.jit(do_not_specialize=["T", "P", "H", "HV"])
@@ -316,11 +310,13 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
     v_smem = gl.allocate_shared_memory(dv, [STAGES, BT, BV], swv)
     sd_smem = gl.allocate_shared_memory(dt, [2 * NK, SLAB, BV], swv)  # the chunk's start state, two buffers
     vn_smem = gl.allocate_shared_memory(dv, [2, BT, BV], swv)  # v_new, two buffers
+    # xs, then (once Ainv·xs is done) the decayed v_new of the state update
     xs_smem = gl.allocate_shared_memory(dt, [BT, BV], swv)
-    vd_smem = gl.allocate_shared_memory(dt, [BT, BV], swv)
     # per buffer, the row from which each column of o is NaN (BT: none)
     fb_smem = gl.allocate_shared_memory(gl.int32, [2, BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_smem = gl.allocate_shared_memory(dv, [2, BT, BT], sw)  # the chunk's P, two buffers
+    # per stage, the chunk's gates, beta (fp32) and last gate (in every row)
+    g_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 3, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sd_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -329,7 +325,8 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # one cp.async arrival per producer thread
+        # one cp.async arrival per producer thread and one arrival after the producer's stores
+        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=3)  # the chain, scores and output warpgroups
     for i in gl.static_range(2):
         mbarrier.init(sd_ready.index(i), count=1)
@@ -337,8 +334,8 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
         mbarrier.init(ofree.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
-    rt = (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, sd_smem,
-          xs_smem, vd_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free)
+    rt = (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
+          sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free)
     gl.warp_specialize([
         (_output, (rt, V, BV, STAGES, IS_VARLEN)),
         (_chain, (rt, V, BV, STAGES, USE_H0, STORE_HT, IS_VARLEN, POOL, V_FIRST, BETA_SIGMOID, NEG_EIGVAL)),
