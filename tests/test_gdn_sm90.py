@@ -158,6 +158,12 @@ def test_gluon_gate():
     assert not use(64 * 64, 64, gpu=a100)
     assert not use(64 * 64, 64, dtype=torch.float16)
     assert not use(64 * 64, 64, sout_impl="triton")
+    # offsets within a chunk are int32: 64 rows of H·K (or HV·V) elements stay below 2^31
+    for H in (2**18 - 1, 2**18):
+        k = torch.empty(1, 1, H, 128, dtype=torch.bfloat16).expand(1, 64, H, 128)
+        v = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(1, 64, 1, 128)
+        why = launch_mod.sout_sm90_unsupported(h200, 64, k, k, v)
+        assert (why is None) == (H < 2**18) and (why is None or "2^31" in why)
     assert not use(64 * 64, 2, sout_gluon_units=0, seg_units=64, seg_below=16, seg_min=4)  # split sequences
 
 

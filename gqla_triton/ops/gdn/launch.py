@@ -225,6 +225,8 @@ def sout_sm90_unsupported(info: DeviceInfo, BT: int, q, k, v) -> str | None:
         return f"V {v.shape[3]} (a multiple of 32 only)"
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
         return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (bf16 only)"
+    if max(k.shape[2] * k.shape[3], v.shape[2] * v.shape[3], v.shape[2] * BT) * BT >= 2**31:
+        return "H·K, HV·V or HV·64 times 64 rows at least 2^31 (its offsets within a chunk are int32)"
     if any(t.data_ptr() % 16 for t in (q, k, v)):
         return "q, k or v not 16-byte aligned (cp.async copies 16 bytes)"
     return None

@@ -3,8 +3,9 @@
 One program per (sequence, value head, V block of ``BV``), the chunk size 64 and K = 128 (two 64-column slabs),
 four partitions of four warps each:
 
-* the producer copies each chunk's k, q (two slabs each), its v block and Ainv rows into a ring of ``STAGES``
-  shared-memory stages with ``cp.async`` (rows past the sequence end zero-filled);
+* the producer copies each chunk's k, q (two slabs each), its v block, Ainv rows, gates and beta into a ring of
+  ``STAGES`` shared-memory stages with ``cp.async`` (rows past the sequence end zero-filled; beta through its
+  registers, as fp32);
 * the chain carries the fp32 state ``S = [S0; S1]`` (K rows 0-63 and 64-127, ``[64, BV]`` each) in registers and
   runs the dependent products of each chunk: ``k·S``, then ``v_new = Ainv·(beta·(v − e^gc·k S))``, then
   ``S ← e^gl·S + kᵀ(e^(gl−gc)·v_new)``; it publishes the chunk's start state and v_new (bf16, two buffers each)
@@ -13,9 +14,15 @@ four partitions of four warps each:
 * the output partition (the default one) adds ``o = scale·(e^gc·q S + P·v_new)`` and stores it.
 
 Only the chain's three products per chunk are sequential; the scores and the output of a chunk overlap the chain's
-next one. The arithmetic and its roundings are ``gdn_state_out_kernel``'s (the difference in fp32, rounded once;
-the same non-finite placement), so the portable kernel, which serves other GPUs, shapes and the interpreter, is
-its reference as well as the float64 recurrence.
+next one. No consumer loads from global memory inside its loop: the proxy fence before each product that reads
+shared memory written by threads (``fence_async_shared``, a ``MEMBAR`` in SASS) waits for every load and store the
+thread has in flight, so a gate loaded ahead from global memory would be waited for at the next fence. The output
+partition stores each chunk's o after the next chunk's fence for the same reason, and the chain fences once per
+chunk for both the stage it waited for and the state it stores.
+
+The arithmetic and its roundings are ``gdn_state_out_kernel``'s (the difference in fp32, rounded once; the same
+non-finite placement), so the portable kernel, which serves other GPUs, shapes and the interpreter, is its reference
+as well as the float64 recurrence.
 """
 
 from __future__ import annotations
@@ -112,26 +119,29 @@ def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VA
     rv = gl.arange(0, BT, layout=gl.SliceLayout(1, cpv))
     cv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, cpv))
     rg = gl.arange(0, BT, layout=gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0]))
+    # element offsets within a chunk (int32, the same for every chunk: the launch keeps them below 2^31) from
+    # base pointers per chunk, so the loop holds no 64-bit address per row
+    okq = r[:, None] * (H * K) + cc[None, :]
+    oa = r[:, None] * (HV * BT) + cc[None, :]
+    ov = rv[:, None] * (HV * V) + cv[None, :]
+    og = rg * HV
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
-        tg = c * BT + rg
-        okg = tg < Tn
-        bx = gl.load(beta + (bos + tg) * HV + i_hv, mask=okg, other=0.0)  # before the wait, which hides its latency
+        x0 = bos + c * BT  # the chunk's first row
+        nv = Tn - c * BT  # rows from there to the sequence's end
+        gb = x0 * HV + i_hv
+        bx = gl.load(beta + gb + og, mask=rg < nv, other=0.0)  # before the wait, which hides its latency
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
         # the chunk's gates, and its last gate in every row
-        async_load(g_smem.index(s * 3), gc + (bos + tg) * HV + i_hv, mask=okg)
-        async_load(g_smem.index(s * 3 + 2), gc + ((bos + gl.minimum(c * BT + BT, Tn) - 1) * HV + i_hv) + rg * 0)
-        t = c * BT + r
-        ok = (t < Tn)[:, None]
-        x = bos + t
-        kq = x * (H * K) + i_h * K
+        async_load(g_smem.index(s * 3), gc + gb + og, mask=rg < nv)
+        async_load(g_smem.index(s * 3 + 2), gc + (gb + (gl.minimum(nv, BT) - 1) * HV) + rg * 0)
+        ok = (r < nv)[:, None]
+        kb = x0 * (H * K) + i_h * K
         for j in gl.static_range(NK):
-            async_load(k_smem.index(s * NK + j), k + kq[:, None] + (j * SLAB + cc)[None, :], mask=ok)
-            async_load(q_smem.index(s * NK + j), q + kq[:, None] + (j * SLAB + cc)[None, :], mask=ok)
-        async_load(a_smem.index(s), Ainv + (x * HV + i_hv)[:, None] * BT + cc[None, :], mask=ok)
-        tv = c * BT + rv
-        async_load(v_smem.index(s), v + ((bos + tv) * (HV * V) + i_hv * V)[:, None] + cv[None, :],
-                   mask=(tv < Tn)[:, None])
+            async_load(k_smem.index(s * NK + j), k + kb + (okq + j * SLAB), mask=ok)
+            async_load(q_smem.index(s * NK + j), q + kb + (okq + j * SLAB), mask=ok)
+        async_load(a_smem.index(s), Ainv + gb * BT + oa, mask=ok)
+        async_load(v_smem.index(s), v + (x0 * (HV * V) + i_hv * V) + ov, mask=(rv < nv)[:, None])
         g_smem.index(s * 3 + 1).store(bx.to(gl.float32))
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
         mbarrier.arrive(ready.index(s), count=1)  # after beta's store (the arrival releases it)
@@ -167,12 +177,13 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
 
         # publish the state at the chunk's start (the output warpgroup reads it for q S)
         mbarrier.wait(ofree.index(b2), ((c // 2) & 1) ^ 1)
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         sd_smem.index(b2 * NK).store(S0.to(dt))
         sd_smem.index(b2 * NK + 1).store(S1.to(dt))
+        # one fence for both the stage (written through cp.async, the generic proxy) and the state: wgmma reads
+        # the async proxy
         fence_async_shared()
         mbarrier.arrive(sd_ready.index(b2), count=1)
-        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        fence_async_shared()  # the stage arrived through cp.async (generic proxy); wgmma reads the async proxy
         ks = warpgroup_mma(k_smem.index(s * NK), sd_smem.index(b2 * NK), zero, use_acc=False, is_async=True)
         ks = warpgroup_mma(k_smem.index(s * NK + 1), sd_smem.index(b2 * NK + 1), ks, is_async=True)
         # while k S runs: v, its finiteness and the gate factors (none of them depends on the state)
