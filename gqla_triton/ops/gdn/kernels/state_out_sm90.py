@@ -107,7 +107,8 @@ def _nan_from_first_bad(x, ok, r):
 
 @gluon.jit
 def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The producer: each chunk's k, q, v block and Ainv rows into ring stage ``c % STAGES``."""
+    """The producer: each chunk's k, q, v block, Ainv rows, gates, last gate and beta (fp32) into ring stage
+    ``c % STAGES``."""
     (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
      sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
