@@ -593,3 +593,36 @@ def test_constructor_and_query_refusals_name_the_argument():
         c.cache_seqlens[0] = length
         with pytest.raises(ValueError, match="cache_seqlens: slot 0 holds"):
             c.gather(0)
+
+
+def test_new_tokens_that_view_the_caches_own_lengths_or_table_are_read_before_the_append_moves_them():
+    """Keys that are a view of ``cache_seqlens`` or ``block_table`` are stored as they were when the call was made
+    (the append advances the lengths and reserves pages before it copies the rows)."""
+    c = GroupedCache(4, 64, 1, 4, 0, page_size=16, dtype=torch.float32, device=P.device)
+    c.append([0], torch.ones(1, 5, 1, 4, device=P.device), torch.ones(1, 5, 1, 4, device=P.device),
+             torch.zeros(1, 5, 0, device=P.device))
+    for view in (lambda: c.cache_seqlens.view(torch.float32), lambda: c.block_table[2].view(torch.float32)):
+        k = view().view(1, 1, 1, 4)
+        want = k.clone()
+        slot = 1 if view().data_ptr() == c.cache_seqlens.data_ptr() else 2
+        c.append([slot], k, torch.zeros(1, 1, 1, 4, device=P.device), torch.zeros(1, 1, 0, device=P.device))
+        assert torch.equal(c.gather(slot)[0].view(torch.int32), want[0].view(torch.int32))
+
+
+def test_lengths_written_from_outside_under_inference_mode_are_seen():
+    """Under ``torch.inference_mode()`` too, a length moved back from outside (within the slot's reservation) is
+    seen by the next append: the page shared with a forked slot is copied before it is written, and an eager
+    append that needs a page takes one (no overflow)."""
+    with torch.inference_mode():
+        c = LatentCache(2, 64, 16, 16, page_size=16, num_pages=8, dtype=torch.float32, device=P.device)
+        c.append([0], torch.randn(1, 20, 16, device=P.device), torch.randn(1, 20, 16, device=P.device))
+        c.fork(0, 1)
+        before = c.gather(0)[0].clone()
+        c.cache_seqlens[1] = 10
+        c.append([1], torch.full((1, 3, 16), 7.0, device=P.device), torch.full((1, 3, 16), 7.0, device=P.device))
+        assert torch.equal(c.gather(0)[0], before)
+        assert c.seqlens() == c.cache_seqlens.tolist() == [20, 13]
+        c.cache_seqlens[0] = 15
+        c.append([0], torch.ones(1, 4, 16, device=P.device), torch.ones(1, 4, 16, device=P.device))
+        assert c.seqlens([0]) == [19] and not bool(c.overflow[0])
+        c.check()

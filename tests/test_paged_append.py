@@ -161,3 +161,19 @@ def test_unchecked_slots_are_masked_in_the_kernel_and_the_torch_plan(T):
     one = [t.clone() for t in (bt, sl, ov)]  # the one slot in range, planned alone (host-checked)
     rows_one = call(append_rows_torch, *one, idx(1), batch=1, T=T)
     assert torch.equal(ra[T:2 * T], rows_one) and torch.equal(a[1], one[1]) and torch.equal(a[2], one[2])
+
+
+@pytest.mark.parametrize("plan", [append_rows, append_rows_torch])
+def test_an_inference_tensor_outside_inference_mode_is_refused_before_any_change(plan):
+    """``overflow`` (or ``cache_seqlens``) made under ``torch.inference_mode()`` cannot be written outside it: the
+    call is refused before the lengths move."""
+    bt = torch.arange(8, dtype=torch.int32, device=P.device).view(2, 4)
+    sl = torch.tensor([0, 3], dtype=torch.int32, device=P.device)
+    with torch.inference_mode():
+        ov = torch.zeros(2, dtype=torch.bool, device=P.device)
+        sl_inf = sl.clone()
+    for lens, over in ((sl, ov), (sl_inf, torch.zeros(2, dtype=torch.bool, device=P.device))):
+        before = lens.clone()
+        with pytest.raises(RuntimeError, match="inference_mode"):
+            plan(bt, lens, over, None, 2, 2, max_seqlen=64, num_pages=8, page_size=16)
+        assert torch.equal(lens, before)

@@ -118,7 +118,10 @@ class PagedCache(abc.ABC):
         self.auto_reserve = auto_reserve
         self.scratch_page = self.num_pages
         dev = check_device(device, storage=True) or torch.device("cpu")
-        self.cache_seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
+        # a normal tensor even under torch.inference_mode(), whose tensors keep no version counter: the counter is how
+        # the host mirror of the lengths sees a write from outside the cache
+        with torch.inference_mode(False):
+            self.cache_seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=dev)
         self.device = self.cache_seqlens.device  # index resolved ("cuda" -> "cuda:0")
         self.block_table = torch.full((self.max_batch, self.max_pages), self.scratch_page, dtype=torch.int32,
                                       device=self.device)
@@ -242,7 +245,8 @@ class PagedCache(abc.ABC):
         return len(self._free)
 
     def _stamp(self) -> int | None:
-        """Version counter of ``cache_seqlens`` (None for inference-mode tensors, which keep none)."""
+        """Version counter of ``cache_seqlens`` (made outside inference mode, so it has one; a write through
+        ``.numpy()`` or ``.data`` bypasses it and is not seen)."""
         try:
             return self.cache_seqlens._version
         except RuntimeError:
@@ -451,7 +455,7 @@ class PagedCache(abc.ABC):
             check_disjoint("cache storage", t, **reads)
 
     def _check_mode(self, name: str) -> None:
-        check_inference_mode(name, self.cache_seqlens)
+        check_inference_mode(name, self.block_table)
 
     def _sync_table(self, slots: list[int]) -> None:
         """Write the block-table rows of ``slots`` from the host page lists (one host-to-device copy)."""
@@ -516,8 +520,9 @@ class PagedCache(abc.ABC):
         """Append ``T`` tokens to each validated slot: ``values`` pairs a flat storage view ``[rows, ...]``
         with the new rows ``[B * T, ...]`` (already in the storage dtype)."""
         B = len(ids)
-        if not torch.compiler.is_compiling():  # new rows read from any of the cache's storages: copied out first
-            own = {t.untyped_storage().data_ptr() for t in self._storages()}
+        if not torch.compiler.is_compiling():  # new rows read from any of the cache's own tensors: copied out first
+            own = {t.untyped_storage().data_ptr()
+                   for t in (*self._storages(), self.block_table, self.cache_seqlens, self.overflow)}
             values = [(dst, src.clone() if src.untyped_storage().data_ptr() in own else src) for dst, src in values]
         device_only = self._device_only()
         need, mirror, unshare = None, False, ()

@@ -34,6 +34,7 @@ from ..ops._common.validation import (
     INDEX_DTYPES,
     INT32_MAX,
     check_disjoint,
+    check_inference_mode,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -90,6 +91,7 @@ def _check(block_table, cache_seqlens, overflow, slots, batch, num_tokens, max_s
     for name, t in (("cache_seqlens", cache_seqlens), ("overflow", overflow)):
         if mb > 1 and t.stride(0) == 0:
             raise ValueError(f"{name}: written in place, so its {mb} entries need their own memory (got stride 0)")
+        check_inference_mode(name, t)  # both are written: refused before either changes
     if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or not 0 <= batch <= INT32_MAX:
         raise ValueError(f"batch: expected an int in [0, {INT32_MAX}], got {type(batch).__name__} {batch!r}")
     batch = int(batch)
