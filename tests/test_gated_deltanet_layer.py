@@ -354,3 +354,21 @@ def test_bad_device_is_refused_by_name():
             GatedDeltaNetCache(2, m.conv_dim, 4, 2, 16, 16, device=bad)
         with pytest.raises(ValueError, match="device"):
             m.init_cache(2, device=bad)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_token_counts_saturate_at_int32_max(impl):
+    """A slot whose count is loaded near 2^31 − 1 stays there through a decode step, a prefill and a verify /
+    commit: the int32 counts saturate instead of wrapping negative."""
+    m = GatedDeltaNet(32, 2, 2, 16, 16, conv_size=4, impl=impl, device=P.device, dtype=torch.float32)
+    cache = m.init_cache(3)
+    conv = torch.randn(1, m.conv_dim, 4, device=P.device)
+    cache.load_hf_states(conv, torch.randn(1, 2, 16, 16, device=P.device), slots=[0], seqlen=2**31 - 2)
+    with torch.no_grad():
+        m(torch.randn(1, 1, 32, device=P.device), cache, slots=[0])  # decode step
+        assert cache.seqlens.tolist()[0] == 2**31 - 1
+        m(torch.randn(1, 40, 32, device=P.device), cache, slots=[0])  # prefill
+        assert cache.seqlens.tolist()[0] == 2**31 - 1
+        m(torch.randn(1, 3, 32, device=P.device), cache, slots=[0], verify=True)
+        cache.commit(torch.tensor([2], dtype=torch.int32, device=P.device))
+    assert cache.seqlens.tolist() == [2**31 - 1, 0, 0]

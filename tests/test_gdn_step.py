@@ -124,6 +124,13 @@ def test_decode_prep_hostile_slots_stay_in_bounds():
                                torch.full((4,), -1, **I32), A_log, dt_bias, **dims, num_slots=num_slots)
     for o, r in zip(out[:3], zero[:3], strict=True):  # a skipped sequence's conv starts from a zero window
         torch.testing.assert_close(o[:4], r, rtol=2e-3, atol=2e-3)
+    # an empty pool: every sequence skipped, in the kernel and the reference alike
+    empty = (buf[:0].clone(), lens_buf[:0].clone())
+    got = gdn_decode_prep(mixed[:2], conv_w, *empty, slots_t[:2], A_log, dt_bias, **dims)
+    want = gdn_decode_prep_ref(mixed[:2], conv_w, *empty, slots_t[:2], A_log, dt_bias, **dims)
+    assert got[5].tolist() == want[5].tolist() == [-1, -1]
+    for o, r in zip(got[:5], want[:5], strict=True):
+        torch.testing.assert_close(o, r, rtol=2e-3, atol=2e-3)
 
 
 def test_decode_prep_bad_inputs_change_nothing():

@@ -125,6 +125,12 @@ def _windows(old: torch.Tensor, xf: torch.Tensor, seq: torch.Tensor, bos: torch.
     return ext[idx.clamp(0, ext.shape[0] - 1)]
 
 
+def _count_tokens(lens: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
+    """``lens[rows] += counts`` (int32 token counts), saturating at 2^31 − 1; ``rows`` are distinct but for the
+    scratch row, whose count nothing reads."""
+    lens.index_add_(0, rows, torch.minimum(counts.long(), 2**31 - 1 - lens[rows].long()).to(torch.int32))
+
+
 def _clamped_bounds(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """``cu_seqlens [N+1]`` as the chunked op's device plan takes it (``ops/gdn/plan.py``): each bound clamped to
     ``[0, T]``, then their running maximum (int64, device ops; a well-formed cu_seqlens is unchanged). Sequence n owns
@@ -195,7 +201,7 @@ class GatedDeltaNetCache:
     Tensors (device):
         conv_state ``[num_seqs, conv_dim, conv_size - 1]``: the last pre-conv inputs of each slot, layer dtype.
         recurrent_state ``[num_seqs, HV, K, V]`` fp32 (fp64 for a fp64 layer): the decode op's in-place pool.
-        seqlens ``[num_seqs]`` int32: tokens fed through the layer per slot.
+        seqlens ``[num_seqs]`` int32: tokens fed through the layer per slot (saturating at 2^31 − 1).
     Host: one flag per slot, "holds a state" (``holds``), set by a prefill and cleared by ``reset`` / ``free``; it
     decides between prefill and decode for host slot ids and does not change across decode steps.
 
@@ -383,7 +389,7 @@ class GatedDeltaNetCache:
             pos = a[:, None] + torch.arange(W1, device=dev)
             win = _windows(old, d.xf, seq, bos, pos)
             self._conv.index_copy_(0, write, win.transpose(1, 2))
-            self._lens.index_add_(0, write, a.to(torch.int32))
+            _count_tokens(self._lens, write, a)
         self._draft, self._committed = None, d
 
     # ------------------------------------------------------------------------------------ transformers interop
@@ -979,7 +985,7 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             cache._conv.index_copy_(0, rows, conv_fin.detach().to(cache._conv.dtype))
             counts = cu_seqlens.diff() if cu_seqlens is not None else torch.full_like(rows, T)
-            cache._lens.index_add_(0, rows, counts.to(torch.int32))
+            _count_tokens(cache._lens, rows, counts)
         for s in batch.ids:
             cache._held[s] = True
         return self._project_out(o, z)

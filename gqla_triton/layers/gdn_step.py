@@ -70,7 +70,7 @@ def gdn_decode_prep_kernel(
         tl.store(rows + i_b, tl.where(live, slot, -1).to(tl.int32))
         if UPDATE:
             n = tl.load(lens + row, mask=live, other=0)
-            tl.store(lens + row, n + T, mask=live)
+            tl.store(lens + row, tl.minimum(n.to(tl.int64) + T, 2147483647).to(tl.int32), mask=live)  # saturates
         o_h = tl.arange(0, BH)
         m_h = o_h < HV
         neg_a = -tl.exp(tl.load(a_log + o_h, mask=m_h, other=0.0).to(tl.float32))
@@ -284,8 +284,8 @@ def gdn_decode_prep_ref(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_sta
     C, W = 2 * KD + VD, conv_weight.shape[-1]
     s = slots.long()
     live = (s >= 0) & (s < num_slots)
-    old = conv_state[torch.where(live, s, 0)]
-    old = torch.where(live[:, None, None], old, torch.zeros((), dtype=old.dtype, device=old.device))
+    old = conv_state.new_zeros(B, *conv_state.shape[1:])  # a skipped sequence's window (an empty pool: all)
+    old[live] = conv_state[s[live]]
     stream = torch.cat([old.transpose(1, 2), mixed[..., :C]], 1)  # [B, W-1+T, C]
     cdt = torch.promote_types(mixed.dtype, torch.float32)
     wc = conv_weight[:, 0].t().to(cdt)  # [W, C]
@@ -305,7 +305,7 @@ def gdn_decode_prep_ref(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_sta
     if update:
         idx = s[live]
         conv_state[idx] = stream[:, T:].transpose(1, 2)[live].to(conv_state.dtype)
-        seqlens[idx] += T
+        seqlens[idx] = (seqlens[idx].long() + T).clamp_max(2**31 - 1).to(torch.int32)  # saturates, as the kernel
     return q, k, v, g, beta, rows
 
 
