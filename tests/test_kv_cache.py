@@ -626,3 +626,23 @@ def test_lengths_written_from_outside_under_inference_mode_are_seen():
         c.append([0], torch.ones(1, 4, 16, device=P.device), torch.ones(1, 4, 16, device=P.device))
         assert c.seqlens([0]) == [19] and not bool(c.overflow[0])
         c.check()
+
+
+def test_new_tokens_must_be_dense_and_float8_values_reach_every_cache_kind():
+    """Sparse or nested new tokens are refused by name (``TypeError``) before any change, with or without
+    ``seq_ids``; float8 values are taken by every cache kind, the FP8 latent layout included (widened exactly, so
+    the stored rows are those of the same values in float32)."""
+    kinds = [LatentCache(2, 64, 512, 64, page_size=16, dtype=dt, device=P.device, **kw)
+             for dt, kw in ((torch.float32, {}), (torch.float8_e4m3fn, {}), (torch.float8_e4m3fn, {"k_scale": 1.0}))]
+    c, r = torch.randn(1, 3, 512, device=P.device), torch.randn(1, 3, 64, device=P.device)
+    for cache in kinds:
+        for bad in (c.to_sparse(), torch.nested.nested_tensor([c[0]])):
+            for ids in ([0], None):
+                with pytest.raises(TypeError, match="c_kv: expected a dense"):
+                    cache.append(ids, bad, r)
+        assert cache.seqlens() == [0, 0] and cache.num_free_pages == cache.num_pages
+        c8, r8 = c.to(torch.float8_e4m3fn), r.to(torch.float8_e4m3fn)
+        cache.append([0], c8, r8)
+        cache.append([1], c8.float(), r8.float())
+        a, b = cache.gather(0), cache.gather(1)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -62,6 +62,7 @@ from ..ops._common.validation import (
     check_page_size,
     check_positive_int,
     check_scale,
+    check_tensor,
     is_int,
 )
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
@@ -226,7 +227,8 @@ class PagedCache(abc.ABC):
 
     def slot_index(self, seq_ids) -> torch.Tensor | None:
         """The cached device index (``[B]`` int64) of ``seq_ids``, ``None`` when they are ``0 .. B-1``.
-        Call it (or run one eager step) before capturing a step with other slots in a CUDA graph."""
+        Call it (or run one eager step) before capturing a step with other slots in a CUDA graph. It is the
+        cache's own tensor, which every later step with these slots reads: read it, never write it."""
         ids = self._slots(seq_ids)
         idx = self._index_of(ids)
         self._remember(ids, idx)
@@ -470,8 +472,7 @@ class PagedCache(abc.ABC):
 
     # ---- append ------------------------------------------------------------------------------------
     def _check_new(self, name: str, t, B: int, T: int | None, tail: Sequence[int]) -> int:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)  # a dense (strided, not nested) tensor
         want = [B, T if T is not None else t.shape[1] if t.dim() > 1 else -1, *tail]
         if t.dim() != len(want) or list(t.shape) != want:
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
@@ -484,8 +485,7 @@ class PagedCache(abc.ABC):
     @staticmethod
     def _batch_of(name: str, t, ndim: int) -> int:
         """``B`` of new tokens ``t`` (for ``seq_ids=None``)."""
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.dim() != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {list(t.shape)}")
         return t.shape[0]
@@ -628,6 +628,8 @@ class LatentCache(PagedCache):
             c, r = c.to(wide), r.to(wide)
         val = torch.cat([c, r], -1)
         if self.fp8:  # the rows as bytes (index_copy_ takes uint8 on every device)
+            if val.element_size() == 1:  # float8 values: widened (exactly) to what the quantiser takes
+                val = val.to(torch.float32)
             val = quantize_latent_fp8(val).view(torch.uint8).reshape(-1, FP8_ROW_BYTES)
             dst = self.kv.view(torch.uint8).view(-1, FP8_ROW_BYTES)
         elif self.k_scale is not None:
