@@ -5,6 +5,8 @@ L2-normalised (eps 1e-6), ``g = -exp(A_log)·softplus(a + dt_bias)``, ``beta = s
 RMSNorm (norm, weight, then ``x·sigmoid(x)`` of the gate), ``o_proj``.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,3 +165,24 @@ def test_from_fla_refuses_other_activations_and_modules():
         GatedDeltaNet.from_fla(fla, impl="reference")
     with pytest.raises(TypeError, match="fla GatedDeltaNet"):
         GatedDeltaNet.from_fla(nn.Linear(2, 2))
+
+
+def test_fla_weights_must_be_finite_and_wider_than_float8_and_old_fla_layers_load():
+    """``load_fla_state_dict`` (and so ``from_fla``) refuses a non-finite or float8 weight by name before any
+    parameter changes (a ``dt_bias`` of -inf would silently remove the decay); an fla layer without
+    ``num_v_heads`` (fla before value-head groups) loads with one value head per head."""
+    fla = FlaLayer(32, 2, 2, 16, 8).double()
+    sd = fla.state_dict()
+    m = GatedDeltaNet(32, 2, 2, 16, 8, impl="reference", dtype=torch.float64)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for key, bad in (("dt_bias", -math.inf), ("A_log", math.nan)):
+        with pytest.raises(ValueError, match=f"{key} has non-finite values"):
+            m.load_fla_state_dict({**sd, key: torch.full_like(sd[key], bad)})
+    with pytest.raises(TypeError, match="float8 weights need their scales"):
+        m.load_fla_state_dict({**sd, "o_proj.weight": sd["o_proj.weight"].to(torch.float8_e4m3fn)})
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    want = GatedDeltaNet.from_fla(fla, impl="reference")
+    del fla.num_v_heads
+    got = GatedDeltaNet.from_fla(fla, impl="reference")
+    assert got.num_v_heads == 2 and all(torch.equal(a, b) for a, b in zip(
+        got.state_dict().values(), want.state_dict().values(), strict=True))

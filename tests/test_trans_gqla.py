@@ -420,3 +420,41 @@ def test_meta_weights_bad_devices_and_ranks_are_refused_by_name():
             trans_gqla(src, **kw, device=device)
     with pytest.raises(ValueError, match="^q_rank: "):
         load_gqla({}, num_heads=4, num_groups=2, head_dim=16, rope_dim=16, kv_rank=32, q_rank=0)
+
+
+def test_loaders_refuse_unexpected_keys_float8_weights_and_bad_q_rank_by_name():
+    """``load_gqla`` / ``mla_to_gqla`` refuse a key under the prefix that the attention has no weight for (a bias,
+    FP8 scales, a query path other than ``q_rank``'s: each would otherwise be dropped), float8 weights (their
+    scales are not read) and a ``q_rank`` that is not None or a positive int, naming the argument."""
+    sd = deepseek_checkpoint(0, hidden=48, h=8, n=2, dn=8, dR=8, dv=8, r=24)
+    kw = dict(num_heads=8, num_groups=2, head_dim=8, rope_dim=8, kv_rank=24, v_head_dim=8, impl="reference",
+              dtype=torch.float64)
+    load_gqla(sd, **kw)
+    for extra in ("o_proj.bias", "kv_b_proj.weight_scale_inv", "q_a_proj.weight"):
+        with pytest.raises(ValueError, match=f"unexpected keys.*{extra}"):
+            load_gqla({**sd, extra: torch.ones(4, dtype=torch.float64)}, **kw)
+    other = {f"attn.{k}": v for k, v in sd.items()} | {"mlp.o_proj.bias": torch.ones(4)}  # outside the prefix
+    load_gqla(other, **kw, prefix="attn.")
+    with pytest.raises(TypeError, match="'kv_b_proj.weight' expected a real floating tensor of 16 bits"):
+        load_gqla({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"].to(torch.float8_e4m3fn)}, **kw)
+    mla = deepseek_checkpoint(0, hidden=48, h=8, n=8, dn=8, dR=8, dv=8, r=24, q_rank=16)
+    mkw = dict(num_heads=8, num_groups=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, kv_rank=24,
+               impl="reference", dtype=torch.float64)
+    for bad in ("16", 0, -1, 16.5, True):
+        with pytest.raises(ValueError, match="q_rank: expected None or an int"):
+            mla_to_gqla(mla, **mkw, q_rank=bad)
+    assert mla_to_gqla(mla, **mkw, q_rank=16).q_rank == 16
+
+
+def test_float8_parameter_dtypes_are_refused_by_name():
+    """A float8 ``dtype`` for a layer's parameters (or a TransGQLA result) is a ``TypeError`` naming ``dtype``;
+    float8 source weights of TransGQLA likewise name the weight."""
+    f8 = torch.float8_e4m3fn
+    with pytest.raises(TypeError, match="dtype: expected None or a floating torch.dtype of 16 bits"):
+        GQLAttention(32, 4, 2, 8, 4, 8, impl="reference", dtype=f8)
+    src = gqa_source(0, hidden=32, h=4, g=2, d=8)
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=8, impl="reference")
+    with pytest.raises(TypeError, match="dtype: expected"):
+        trans_gqla(src, **kw, dtype=f8)
+    with pytest.raises(TypeError, match="float8 weights need their scales"):
+        trans_gqla({k: v.to(f8) for k, v in src.items()}, **kw)

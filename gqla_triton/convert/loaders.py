@@ -48,8 +48,9 @@ def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"state_dict: {key!r} expected shape {list(shape)}, got {got}")
-    if not t.is_floating_point():
-        raise TypeError(f"state_dict: {key!r} expected a real floating tensor, got {t.dtype}")
+    if not t.is_floating_point() or t.element_size() < 2:
+        raise TypeError(f"state_dict: {key!r} expected a real floating tensor of 16 bits or more, got {t.dtype} (float8 "
+                        "weights need their scales: dequantise them first)")
     if t.device.type == "meta":
         raise ValueError(f"state_dict: {key!r} is on the meta device (it holds no values)")
     if not torch.isfinite(t.detach()).all():
@@ -66,6 +67,13 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     rope_interleaved = check_flag("rope_interleaved", rope_interleaved)
     for name, v in (("num_heads", h), ("head_dim", d_nope), ("v_head_dim", d_v), ("kv_rank", r)):
         check_positive_int(name, v)
+    q_rank = check_optional_int("q_rank", q_rank)
+    want = ({"q_proj.weight"} if q_rank is None else {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"}) | {
+        "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}
+    extra = sorted(k for k in sd if isinstance(k, str) and k.startswith(prefix) and k[len(prefix):] not in want)
+    if extra:  # a bias, FP8 scales or a query path other than q_rank's would otherwise be dropped
+        raise ValueError(f"state_dict: unexpected keys {extra} (the attention with q_rank={q_rank} has "
+                         f"{sorted(prefix + k for k in want)})")
     if not is_int(d_R) or d_R < 0 or d_R % 2:
         raise ValueError(f"rope_dim: expected an even int >= 0, got {d_R!r}")
     key = prefix + "kv_a_proj_with_mqa.weight"

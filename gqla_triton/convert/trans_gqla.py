@@ -81,6 +81,8 @@ def _checked(names, weights):
             raise ValueError(f"source: {n} must be a 2-D floating weight tensor, got {got}")
         if w.device.type == "meta":
             raise ValueError(f"source: {n} is on the meta device (it holds no values to factorize)")
+        if w.element_size() < 2:
+            raise TypeError(f"source: {n} is {w.dtype}: float8 weights need their scales; dequantise them first")
         if not torch.isfinite(w.detach()).all():
             raise ValueError(f"source: {n} has non-finite values")
     return weights

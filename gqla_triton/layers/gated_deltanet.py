@@ -165,6 +165,10 @@ def _hf_tensor(state_dict, prefix: str, key: str, layer: str = "a Qwen3-Next lin
     if t.layout != torch.strided or t.device.type == "meta":
         raise ValueError(f"state_dict: {name} must be a dense tensor holding values, got a {t.layout} tensor on "
                          f"{t.device}")
+    if t.element_size() < 2:
+        raise TypeError(f"state_dict: {name} is {t.dtype}: float8 weights need their scales; dequantise them first")
+    if not torch.isfinite(t.detach()).all():
+        raise ValueError(f"state_dict: {name} has non-finite values")
     return t.detach()
 
 
@@ -679,14 +683,15 @@ class GatedDeltaNet(nn.Module):
                  save_states: bool = True) -> GatedDeltaNet:
         """A layer computing what fla's ``fla.layers.GatedDeltaNet`` ``layer`` computes, with its weights
         (``load_fla_state_dict``): sizes ``hidden_size``, ``num_heads``, ``num_v_heads``, ``head_k_dim``,
-        ``head_v_dim``, ``conv_size`` and the gated norm's ``eps`` are read from it. fla's options this layer has
+        ``head_v_dim``, ``conv_size`` and the gated norm's ``eps`` are read from it (no ``num_v_heads``, as in fla
+        releases before value-head groups: ``num_heads``). fla's options this layer has
         no counterpart for are refused by name (``ValueError``): ``use_gate=False``, ``use_short_conv=False``,
         ``conv_bias=True``, ``allow_neg_eigval=True``, a norm or conv activation other than SiLU. ``device`` /
         ``dtype`` default to those of ``q_proj.weight``. fla is not imported. fla's ``attention_mask`` (padded
         tokens dropped) has no counterpart here: pack sequences of different lengths with ``cu_seqlens``."""
-        if not isinstance(layer, nn.Module) or not all(
-                hasattr(layer, a) for a in ("q_proj", "o_norm", "head_k_dim", "head_v_dim", "use_gate")):
-            raise TypeError(f"layer: expected an fla GatedDeltaNet layer (q_proj, o_norm, use_gate, ...), got "
+        need = ("q_proj", "o_norm", "hidden_size", "num_heads", "head_k_dim", "head_v_dim", "conv_size", "use_gate")
+        if not isinstance(layer, nn.Module) or not all(hasattr(layer, a) for a in need):
+            raise TypeError(f"layer: expected an fla GatedDeltaNet layer ({', '.join(need)}, ...), got "
                             f"{type(layer).__name__}")
         for name, bad, what in cls._FLA_OPTIONS:
             if getattr(layer, name, not bad) == bad:
@@ -702,9 +707,10 @@ class GatedDeltaNet(nn.Module):
         if dtype is None:
             check_impl(impl, op="GatedDeltaNet", gluon=False)
             _check_kernel_dtype(impl, w.dtype, "dtype (None: that of q_proj.weight)")
-        m = cls(layer.hidden_size, layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
-                conv_size=layer.conv_size, norm_eps=layer.o_norm.eps,
-                layer_idx=layer.layer_idx if layer_idx is None else layer_idx, impl=impl,
+        # fla releases before value-head groups (GVA) have no num_v_heads: as many value heads as heads
+        m = cls(layer.hidden_size, layer.num_heads, getattr(layer, "num_v_heads", layer.num_heads), layer.head_k_dim,
+                layer.head_v_dim, conv_size=layer.conv_size, norm_eps=layer.o_norm.eps,
+                layer_idx=getattr(layer, "layer_idx", None) if layer_idx is None else layer_idx, impl=impl,
                 device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype,
                 save_states=save_states)
         m.load_fla_state_dict(layer.state_dict())

@@ -192,11 +192,13 @@ def check_positive_real(name: str, value: object) -> float:
 
 
 def check_float_dtype(dtype: object, *, optional: bool = True, name: str = "dtype") -> None:
-    """A floating ``torch.dtype`` (or None where ``optional``): the layers' and caches' ``dtype`` arguments."""
+    """A floating ``torch.dtype`` of 16 bits or more (or None where ``optional``): the ``dtype`` arguments of
+    parameters and states (float8 values need scales that such tensors do not carry)."""
     if dtype is None and optional:
         return
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{name}: expected {'None or ' if optional else ''}a floating torch.dtype, got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"{name}: expected {'None or ' if optional else ''}a floating torch.dtype of 16 bits or more, "
+                        f"got {dtype!r}")
 
 
 def check_bools(**flags: object) -> None:
