@@ -49,8 +49,8 @@ def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"state_dict: {key!r} expected shape {list(shape)}, got {got}")
     if not t.is_floating_point() or t.element_size() < 2:
-        raise TypeError(f"state_dict: {key!r} expected a real floating tensor of 16 bits or more, got {t.dtype} (float8 "
-                        "weights need their scales: dequantise them first)")
+        raise TypeError(f"state_dict: {key!r} expected a real floating tensor of 16 bits or more, got {t.dtype} "
+                        "(float8 weights need their scales: dequantise them first)")
     if t.device.type == "meta":
         raise ValueError(f"state_dict: {key!r} is on the meta device (it holds no values)")
     if not torch.isfinite(t.detach()).all():
