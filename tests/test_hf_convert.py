@@ -184,17 +184,24 @@ def _small(cls, cfg_cls, **kw):
     return cls(cfg_cls(**{**base, **kw})).eval().to(P.device)
 
 
-@pytest.mark.parametrize("variant", ["cohere", "olmo_clip", "smollm3_nope", "qk_norm_flag"])
+@pytest.mark.parametrize("variant", ["cohere", "olmo_clip", "smollm3_nope", "qk_norm_flag", "stablelm_qk_layernorm",
+                                     "hunyuan_qk_layernorm", "bitnet_sub_norm", "diffllama"])
 def test_attention_variants_that_change_the_function_are_refused(variant):
     """Llama-shaped models whose attention is not Llama's (interleaved RoPE pairs, clamped q / k / v, layers
-    without RoPE) would convert into another function: refused, and the model left as it was."""
+    without RoPE, q / k / output norms under any name, differential attention) would convert into another function:
+    refused, and the model left as it was."""
     T = transformers
     model = {"cohere": lambda: _small(T.CohereForCausalLM, T.CohereConfig),
              "olmo_clip": lambda: _small(T.OlmoForCausalLM, T.OlmoConfig, clip_qkv=0.05),
              "smollm3_nope": lambda: _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=4),
-             "qk_norm_flag": lambda: _small(T.CohereForCausalLM, T.CohereConfig, use_qk_norm=True)}[variant]()
+             "qk_norm_flag": lambda: _small(T.CohereForCausalLM, T.CohereConfig, use_qk_norm=True),
+             "stablelm_qk_layernorm": lambda: _small(T.StableLmForCausalLM, T.StableLmConfig, qk_layernorm=True,
+                                                     partial_rotary_factor=1.0),
+             "hunyuan_qk_layernorm": lambda: _small(T.HunYuanDenseV1ForCausalLM, T.HunYuanDenseV1Config, head_dim=8),
+             "bitnet_sub_norm": lambda: _small(T.BitNetForCausalLM, T.BitNetConfig),
+             "diffllama": lambda: _small(T.DiffLlamaForCausalLM, T.DiffLlamaConfig)}[variant]()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="model: .*(rotary|rotates|clip_qkv|no_rope|normalizes)"):
+    with pytest.raises(ValueError, match="model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama)"):
         convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

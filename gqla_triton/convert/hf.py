@@ -219,6 +219,10 @@ def _check_calib(ids, cfg, base) -> None:
         raise ValueError(f"calib_input_ids: token ids must lie in [0, {cfg.vocab_size}), got values in [{lo}, {hi}]")
 
 
+# an attention of Llama's layout holds these parameters only (biases: refused by trans_gqla, by name)
+_LLAMA_ATTENTION_PARAMS = {f"{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")}
+
+
 def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.Tensor | None = None,
                   decode_path: str = "absorb", impl: str = "auto", max_seqlen: int = 4096, page_size: int = 64,
                   balance_kv: bool = True):
@@ -227,7 +231,8 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     attention, any ``num_key_value_heads``) by a ``GQLAHFAttention`` in place; returns ``model``. Attention variants
     that would convert into another function are a ``ValueError`` before anything changes: interleaved RoPE pairs
     (Cohere), layers without RoPE (SmolLM3), clamped q / k / v (``clip_qkv``), soft-capped logits, q / k norms,
-    sliding windows, biases, length-dependent RoPE.
+    sliding windows, biases, length-dependent RoPE, and any parameter of the attention besides its q / k / v / o
+    projections (StableLM's and HunYuan's q / k layer norms, BitNet's sub-norm, differential attention's λ).
 
     ``kv_rank`` / ``rope_dim``: see ``trans_gqla`` (``rope_dim = num_key_value_heads·head_dim`` and ``kv_rank >=
     2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
@@ -266,6 +271,10 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
             raise ValueError(f"model: layer {i}'s attention is already converted")
         if any(hasattr(sa, n) for n in ("q_norm", "k_norm")):
             raise ValueError(f"model: layer {i} normalizes q / k per head (q_norm / k_norm); not supported")
+        extra = sorted(n for n, _ in sa.named_parameters() if n not in _LLAMA_ATTENTION_PARAMS)
+        if extra:  # norms of q / k / the output (StableLM, HunYuan, BitNet), differential attention's λ, ...
+            raise ValueError(f"model: layer {i}'s attention has parameters beyond Llama's q / k / v / o projections "
+                             f"({extra}): its function is not the one converted; not supported")
         _check_rope(rotary, sa, inv, scaling)
     new = []
     for i, layer in enumerate(layers):
