@@ -186,3 +186,20 @@ def test_fla_weights_must_be_finite_and_wider_than_float8_and_old_fla_layers_loa
     got = GatedDeltaNet.from_fla(fla, impl="reference")
     assert got.num_v_heads == 2 and all(torch.equal(a, b) for a, b in zip(
         got.state_dict().values(), want.state_dict().values(), strict=True))
+
+
+def test_refused_load_state_dict_changes_no_parameter():
+    """A refused ``load_state_dict`` of fla's keys leaves every parameter as it was: an extra conv bias (refused
+    even with ``strict=False``: dropping it would change the function), a wrong shape, an unexpected key under
+    ``strict``."""
+    fla = FlaLayer(32, 2, 2, 16, 8).double()
+    sd = fla.state_dict()
+    m = GatedDeltaNet(32, 2, 2, 16, 8, impl="reference", dtype=torch.float64)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for bad, strict in (({**sd, "q_conv1d.bias": torch.zeros(32)}, True), ({**sd, "q_conv1d.bias": torch.zeros(32)},
+                                                                           False),
+                        ({**sd, "A_log": torch.zeros(3)}, True), ({**sd, "extra.weight": torch.zeros(2)}, True)):
+        with pytest.raises((ValueError, RuntimeError), match="(state_dict: .*(q_conv1d.bias|A_log)|extra.weight)"):
+            m.load_state_dict(bad, strict=strict)
+        assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    m.load_state_dict({**sd, "extra.weight": torch.zeros(2)}, strict=False)

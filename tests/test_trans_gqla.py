@@ -458,3 +458,24 @@ def test_float8_parameter_dtypes_are_refused_by_name():
         trans_gqla(src, **kw, dtype=f8)
     with pytest.raises(TypeError, match="float8 weights need their scales"):
         trans_gqla({k: v.to(f8) for k, v in src.items()}, **kw)
+
+
+def test_refused_gqla_load_state_dict_changes_nothing():
+    """A layer built without ``rope_inv_freq`` refuses a state dict carrying RoPE frequencies (strict or not: it
+    would keep ``rope_theta``'s), and any refused load (a wrong shape, frequency bits that are not int64) leaves
+    every parameter as it was."""
+    inv = torch.tensor([1.0, 0.25, 3e-4, 2.0], dtype=torch.float64)
+    src = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=inv, impl="reference", dtype=torch.float64)
+    sd = src.state_dict()
+    plain = GQLAttention(32, 4, 2, 16, 8, 16, impl="reference", dtype=torch.float64)
+    with_inv = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=torch.ones(4), impl="reference", dtype=torch.float64)
+    cases = [(plain, sd, True), (plain, sd, False),
+             (with_inv, {**sd, "o_proj.weight": sd["o_proj.weight"][:, :3]}, True),
+             (with_inv, {**sd, "rope_inv_freq_bits": inv.float()}, False)]
+    for layer, bad, strict in cases:
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(ValueError, match="state_dict: .*(rope_inv_freq_bits|o_proj.weight)"):
+            layer.load_state_dict(bad, strict=strict)
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    with_inv.load_state_dict(sd)
+    assert torch.equal(with_inv.rope_inv_freq, inv)

@@ -45,6 +45,7 @@ from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
 from ..ops.gdn.decode import sequence_count
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
+from ._state import check_state_dict, load_or_restore
 from .gdn_step import gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
 
@@ -525,7 +526,8 @@ class GatedDeltaNet(nn.Module):
         output gate), joined into ``in_proj.weight`` in that order when the fused key is absent, and fla's layout
         (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three short convs ``q_conv1d`` /
         ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as ``norm_weight`` (each
-        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it."""
+        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it. Every entry's
+        shape is checked before any is copied (``_state.check_state_dict``), also inside a model's load."""
         for ours, fla in (("z_proj.weight", "g_proj.weight"), ("norm_weight", "o_norm.weight")):
             if f"{prefix}{ours}" not in state_dict and f"{prefix}{fla}" in state_dict:
                 state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{fla}")
@@ -546,7 +548,13 @@ class GatedDeltaNet(nn.Module):
                     raise ValueError(f"{prefix}{n}.weight: expected shape [{rows}, {self.hidden_size}], got "
                                      f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
             state_dict[f"{prefix}in_proj.weight"] = torch.cat(parts, 0)
+        check_state_dict(self, state_dict, prefix, tuple(
+            (f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv"))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a load that fails leaves every tensor of the layer as it was."""
+        return load_or_restore(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
 
     @property
     def in_proj_sizes(self) -> tuple[int, int, int, int, int, int]:

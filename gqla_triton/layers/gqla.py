@@ -49,6 +49,7 @@ from ..ops._common.validation import (
     is_int,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
+from ._state import check_state_dict, load_or_restore
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
@@ -186,6 +187,24 @@ class GQLAttention(nn.Module):
         self._absorbed: dict = {}
         bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device)
         self.register_buffer("rope_inv_freq_bits", bits)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Every entry's shape is checked before any is copied (``_state.check_state_dict``), also inside a model's
+        load; RoPE frequencies (``rope_inv_freq_bits``, int64) are refused by a layer built without
+        ``rope_inv_freq`` even when not ``strict``: it would keep ``rope_theta``'s."""
+        key = prefix + "rope_inv_freq_bits"
+        if key in state_dict and isinstance(state_dict[key], torch.Tensor) and state_dict[key].dtype != torch.int64:
+            raise ValueError(f"state_dict: {key}: expected the int64 bits of float64 frequencies, got "
+                             f"{state_dict[key].dtype}")
+        refused = () if self.rope_inv_freq_bits is not None else (
+            ("rope_inv_freq_bits", "RoPE frequencies for a layer built without rope_inv_freq (it uses rope_theta's): "
+                                   "build it with rope_inv_freq"),)
+        check_state_dict(self, state_dict, prefix, refused)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a load that fails leaves every tensor of the layer as it was."""
+        return load_or_restore(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
 
     @property
     def rope_inv_freq(self) -> torch.Tensor | None:
