@@ -479,3 +479,20 @@ def test_refused_gqla_load_state_dict_changes_nothing():
         assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
     with_inv.load_state_dict(sd)
     assert torch.equal(with_inv.rope_inv_freq, inv)
+
+
+def test_calibration_with_fewer_tokens_than_hidden_still_converts_exactly_at_full_rank():
+    """Calibration activations of fewer tokens than ``hidden`` (a singular covariance) still rank every direction of
+    the weights: at ``kv_rank = hidden < g·(d + d_v)`` the conversion reproduces the source (float64), as it does
+    uncalibrated; activations of all zeros weight nothing."""
+    hidden, h, g, d = 48, 4, 4, 8
+    src = gqa_source(0, hidden=hidden, h=h, g=g, d=d)
+    x = randn((2, 7, hidden), 4, dtype=torch.float64, device="cpu")
+    pos = torch.arange(7)
+    ref = gqa_attention_reference(src, x, num_heads=h, num_groups=g, head_dim=d, positions=pos)
+    for calib in (randn((40, hidden), 9, dtype=torch.float64, device="cpu"),
+                  torch.zeros(5, hidden, dtype=torch.float64)):
+        layer = trans_gqla(src, num_heads=h, num_groups=g, head_dim=d, kv_rank=hidden, rope_dim=0, calib=calib,
+                           impl="reference", dtype=torch.float64)
+        with torch.no_grad():
+            assert rel_err(layer(x, pos), ref) < 1e-10

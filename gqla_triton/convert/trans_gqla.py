@@ -19,7 +19,8 @@ where ``q_i,m``, ``k_j,m`` are 2-vectors and ``R`` a 2-D rotation. Conversion (a
    matched by the full ``q_i`` as no-rope query: only these folded components lose their rotation.
 3. K/V norm balancing and joint PCA: ``W = [α W_K,res[0]; W_V[0]; ...]`` (``g·(d + d_v)`` rows) with
    ``α = ‖W_V‖ / ‖W_K,res‖`` (norms on ``X`` when calibrating), so neither side dominates the factorization.
-   With ``U_r`` the top-``r`` eigenvectors of ``W Wᵀ`` (or ``W XᵀX Wᵀ``), ``kv_a_proj``'s latent rows are
+   With ``U_r`` the top-``r`` eigenvectors of ``W Wᵀ`` (or ``W XᵀX Wᵀ``, whose zero-eigenvalue directions, left by
+   fewer calibration tokens than ``hidden``, are taken from ``W Wᵀ``), ``kv_a_proj``'s latent rows are
    ``U_rᵀ W`` and ``kv_b_proj = D⁻¹ U_r`` (``D`` the ``α`` row scaling): the per-group K/V maps become
    ``D⁻¹ U_r U_rᵀ D W``, an orthogonal projection of the balanced maps whose error never grows with ``r``.
 4. ``q_proj`` rows per head = [``W_Q[i]`` (no-rope, ``d``); rope part (``d_R``)] times the square of the
@@ -192,7 +193,9 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     nk, nv = (_gram(w.reshape(-1, hidden), C).trace().clamp_min(0).sqrt() for w in (res, wv3))
     alpha = (nv / nk).item() if balance_kv and nk > 0 and nv > 0 else 1.0
     W = torch.cat([alpha * res, wv3], 1).reshape(g * (d + dv), hidden)
-    _, Uw = _top_eigh(_gram(W, C))
+    lam_w, Uw = _top_eigh(_gram(W, C))
+    if C is not None:
+        Uw = _complete(Uw, lam_w, _gram(W, None))
     r_eff = min(kv_rank, Uw.shape[1])
     U_r = torch.zeros(W.shape[0], kv_rank, **_F64)
     U_r[:, :r_eff] = Uw[:, :r_eff]
@@ -217,6 +220,22 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
         for name, w in weights.items():
             getattr(layer, name).weight.copy_(w)
     return layer
+
+
+def _complete(U: torch.Tensor, lam: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors ``U [n, n]`` of a calibrated Gram (eigenvalues ``lam``, largest first) whose eigenvalue is
+    zero (directions no calibration token reaches: fewer tokens than ``hidden``) replaced by the top eigenvectors of
+    the weights' own Gram ``G`` within the complement of the others, so that every direction of the weights is
+    ranked and a rank that holds them all is exact; the calibrated directions keep their order."""
+    top = lam[0].item() if lam.numel() else 0.0
+    k = int((lam > top * 1e-12).sum()) if top > 0 else 0
+    if k == U.shape[1]:
+        return U
+    A = U[:, :k]
+    ev, E = torch.linalg.eigh(torch.eye(U.shape[0], **_F64) - A @ A.T)
+    Q = E[:, ev > 0.5]  # an orthonormal basis of A's complement
+    _, V = _top_eigh(Q.T @ G @ Q)
+    return torch.cat([A, Q @ V], 1)
 
 
 def _calib_gram(Km: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
