@@ -322,7 +322,7 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
     v_smem = gl.allocate_shared_memory(dv, [STAGES, BT, BV], swv)
     sd_smem = gl.allocate_shared_memory(dt, [2 * NK, SLAB, BV], swv)  # the chunk's start state, two buffers
     vn_smem = gl.allocate_shared_memory(dv, [2, BT, BV], swv)  # v_new, two buffers
-    # xs, then (once Ainv·xs is done) the decayed v_new of the state update
+    # xs, then (when Ainv·xs is done) the decayed v_new of the state update
     xs_smem = gl.allocate_shared_memory(dt, [BT, BV], swv)
     # per buffer, the row from which each column of o is NaN (BT: none)
     fb_smem = gl.allocate_shared_memory(gl.int32, [2, BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
