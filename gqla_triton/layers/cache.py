@@ -575,7 +575,7 @@ class LatentCache(PagedCache):
                  compute_dtype=None, k_scale=None):
         if not _is_int(kv_rank) or not _is_int(rope_dim) or kv_rank <= 0 or rope_dim < 0:
             raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
-        check_float_dtype(dtype, optional=False)
+        check_float_dtype(dtype, optional=False, float8=True)
         scaled = k_scale is not None
         fp8 = dtype == torch.float8_e4m3fn and not scaled
         if dtype.itemsize == 1 and dtype != torch.float8_e4m3fn:
@@ -684,7 +684,7 @@ class GroupedCache(PagedCache):
         if (not all(_is_int(v) for v in (num_groups, head_dim, dv, rope_dim)) or num_groups <= 0 or head_dim <= 0
                 or dv <= 0 or rope_dim < 0):
             raise ValueError("num_groups/head_dim/v_head_dim: expected positive ints, rope_dim >= 0")
-        check_float_dtype(dtype, optional=False)
+        check_float_dtype(dtype, optional=False, float8=True)
         if dtype.itemsize == 1:
             raise TypeError(f"dtype: the grouped cache has no 8-bit layout (FP8 is the latent cache's), got {dtype}")
         self.num_groups, self.head_dim, self.v_head_dim, self.rope_dim, self.dtype = (

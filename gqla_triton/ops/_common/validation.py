@@ -191,14 +191,15 @@ def check_positive_real(name: str, value: object) -> float:
     return float(value)
 
 
-def check_float_dtype(dtype: object, *, optional: bool = True, name: str = "dtype") -> None:
-    """A floating ``torch.dtype`` of 16 bits or more (or None where ``optional``): the ``dtype`` arguments of
-    parameters and states (float8 values need scales that such tensors do not carry)."""
+def check_float_dtype(dtype: object, *, optional: bool = True, name: str = "dtype", float8: bool = False) -> None:
+    """A floating ``torch.dtype`` (or None where ``optional``) of 16 bits or more: the ``dtype`` arguments of
+    parameters and states, whose float8 values would need scales such tensors do not carry; ``float8``: float8
+    dtypes too (cache storage, which keeps its scales)."""
     if dtype is None and optional:
         return
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise TypeError(f"{name}: expected {'None or ' if optional else ''}a floating torch.dtype of 16 bits or more, "
-                        f"got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or (dtype.itemsize < 2 and not float8):
+        raise TypeError(f"{name}: expected {'None or ' if optional else ''}a floating torch.dtype"
+                        f"{'' if float8 else ' of 16 bits or more'}, got {dtype!r}")
 
 
 def check_bools(**flags: object) -> None:
