@@ -196,9 +196,9 @@ def test_refused_load_state_dict_changes_no_parameter():
     sd = fla.state_dict()
     m = GatedDeltaNet(32, 2, 2, 16, 8, impl="reference", dtype=torch.float64)
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    for bad, strict in (({**sd, "q_conv1d.bias": torch.zeros(32)}, True), ({**sd, "q_conv1d.bias": torch.zeros(32)},
-                                                                           False),
-                        ({**sd, "A_log": torch.zeros(3)}, True), ({**sd, "extra.weight": torch.zeros(2)}, True)):
+    bias = {**sd, "q_conv1d.bias": torch.zeros(32)}
+    for bad, strict in ((bias, True), (bias, False), ({**sd, "A_log": torch.zeros(3)}, True),
+                        ({**sd, "extra.weight": torch.zeros(2)}, True)):
         with pytest.raises((ValueError, RuntimeError), match="(state_dict: .*(q_conv1d.bias|A_log)|extra.weight)"):
             m.load_state_dict(bad, strict=strict)
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())

@@ -46,7 +46,7 @@ from ..ops.gdn import plan as gdn_plan
 from ..ops.gdn.decode import sequence_count
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from ._state import check_state_dict, load_or_restore
-from .gdn_step import gdn_decode_prep, gdn_gated_norm
+from .gdn_step import add_token_counts, gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache"]
@@ -124,12 +124,6 @@ def _windows(old: torch.Tensor, xf: torch.Tensor, seq: torch.Tensor, bos: torch.
     ext = torch.cat([old.reshape(N * W1, C), xf], 0)
     idx = torch.where(pos < W1, seq[:, None] * W1 + pos, N * W1 + bos[:, None] + pos - W1)
     return ext[idx.clamp(0, ext.shape[0] - 1)]
-
-
-def _count_tokens(lens: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
-    """``lens[rows] += counts`` (int32 token counts), saturating at 2^31 − 1; ``rows`` are distinct but for the
-    scratch row, whose count nothing reads."""
-    lens.index_add_(0, rows, torch.minimum(counts.long(), 2**31 - 1 - lens[rows].long()).to(torch.int32))
 
 
 def _clamped_bounds(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -394,7 +388,7 @@ class GatedDeltaNetCache:
             pos = a[:, None] + torch.arange(W1, device=dev)
             win = _windows(old, d.xf, seq, bos, pos)
             self._conv.index_copy_(0, write, win.transpose(1, 2))
-            _count_tokens(self._lens, write, a)
+            add_token_counts(self._lens, write, a)
         self._draft, self._committed = None, d
 
     # ------------------------------------------------------------------------------------ transformers interop
@@ -999,7 +993,7 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             cache._conv.index_copy_(0, rows, conv_fin.detach().to(cache._conv.dtype))
             counts = cu_seqlens.diff() if cu_seqlens is not None else torch.full_like(rows, T)
-            _count_tokens(cache._lens, rows, counts)
+            add_token_counts(cache._lens, rows, counts)
         for s in batch.ids:
             cache._held[s] = True
         return self._project_out(o, z)

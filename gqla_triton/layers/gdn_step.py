@@ -269,6 +269,12 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
                 dt_bias.contiguous(), num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim, update)
 
 
+def add_token_counts(lens: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
+    """``lens[rows] += counts`` for int32 token counts, saturating at 2^31 − 1 as the prep kernel does; ``rows``
+    are distinct but for a scratch row, whose count nothing reads."""
+    lens.index_add_(0, rows, torch.minimum(counts.long(), 2**31 - 1 - lens[rows].long()).to(torch.int32))
+
+
 def gdn_decode_prep_ref(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                         seqlens: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
                         num_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
@@ -305,7 +311,7 @@ def gdn_decode_prep_ref(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_sta
     if update:
         idx = s[live]
         conv_state[idx] = stream[:, T:].transpose(1, 2)[live].to(conv_state.dtype)
-        seqlens[idx] = (seqlens[idx].long() + T).clamp_max(2**31 - 1).to(torch.int32)  # saturates, as the kernel
+        add_token_counts(seqlens, idx, torch.full_like(idx, T))
     return q, k, v, g, beta, rows
 
 
