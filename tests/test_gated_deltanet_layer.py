@@ -372,3 +372,25 @@ def test_token_counts_saturate_at_int32_max(impl):
         m(torch.randn(1, 3, 32, device=P.device), cache, slots=[0], verify=True)
         cache.commit(torch.tensor([2], dtype=torch.int32, device=P.device))
     assert cache.seqlens.tolist() == [2**31 - 1, 0, 0]
+    for cu in (None, torch.tensor([0, 3], dtype=torch.int32, device=P.device)):  # 3-token steps, dense and packed
+        cache.load_hf_states(conv, torch.randn(1, 2, 16, 16, device=P.device), slots=[0], seqlen=2**31 - 2)
+        with torch.no_grad():
+            m(torch.randn(1, 3, 32, device=P.device), cache, cu, slots=[0])
+        assert cache.seqlens.tolist() == [2**31 - 1, 0, 0]
+
+
+def test_refused_prefill_keeps_freed_slots():
+    """A prefill the chunked op refuses (more (batch x value head) programs than a launch takes) leaves a freed
+    slot's states in place, as ``free()`` promises until a call succeeds."""
+    HV = 64
+    m = GatedDeltaNet(4, 1, HV, 16, 16, conv_size=2, device=P.device, dtype=torch.float32)
+    B = 65535 // HV + 1
+    cache = m.init_cache(B)
+    cache.load_hf_states(torch.randn(B, m.conv_dim, 2, device=P.device), torch.randn(B, HV, 16, 16, device=P.device),
+                         seqlen=7)
+    cache.free()
+    before = [t.clone() for t in (cache.recurrent_state, cache.conv_state, cache.seqlens)]
+    with torch.no_grad(), pytest.raises(ValueError, match="programs"):
+        m(torch.randn(B, 1, 4, device=P.device), cache)
+    for t, old in zip((cache.recurrent_state, cache.conv_state, cache.seqlens), before, strict=True):
+        assert torch.equal(t, old)

@@ -1102,7 +1102,7 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H,
                         lambda self, p, x, m, c: (check(p, m, "store"), store(self, p, x, m, c))[1])
     alloc, l2 = launch_mod.empty, api_mod._l2norm
     monkeypatch.setattr(launch_mod, "empty", lambda *a, **kw: reg(alloc(*a, **kw)))
-    index, segs = plan_mod._chunk_index, plan_mod._seg_plan
+    index, segs, bounds = plan_mod._chunk_index, plan_mod._seg_plan, plan_mod._device_bounds
 
     def reg_all(tup):  # the plan's index tensors (cached by value: possibly built by an earlier test)
         items = [reg(x) if torch.is_tensor(x) else x for x in tup]
@@ -1110,6 +1110,7 @@ def test_no_out_of_bounds_access_h200_config(monkeypatch, config_override, B, H,
 
     monkeypatch.setattr(plan_mod, "_chunk_index", lambda *a: reg_all(index(*a)))
     monkeypatch.setattr(plan_mod, "_seg_plan", lambda *a: reg_all(segs(*a)))
+    monkeypatch.setattr(plan_mod, "_device_bounds", lambda *a: reg(bounds(*a)))
     monkeypatch.setattr(api_mod, "_l2norm", lambda x: reg(l2(x).contiguous()))
     K = V = 128
     N = 2 if varlen else B
@@ -1174,6 +1175,25 @@ def test_cu_seqlens_cpu_is_checked():
             chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens=cu, cu_seqlens_cpu=[0, 7, 8])
 
 
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("grad", [False, True])
+def test_cu_seqlens_cpu_is_what_the_kernels_follow(grad):
+    """A device ``cu_seqlens`` that disagrees with ``cu_seqlens_cpu`` (not compared: that would need a sync), even
+    one whose bounds lie far outside the inputs: the kernels read the plan's copy of the host bounds, so the call
+    equals the one whose ``cu_seqlens`` holds them, bit for bit (forward and gradients)."""
+    T, host = 300, [0, 70, 70, 300]
+    q, k, v, g, beta = (t.to(P.device).float().requires_grad_(grad) for t in _inputs(1, 1, T, 1, 2, 16, 16, 3)[:5])
+    h0 = torch.randn(3, 2, 16, 16, device=P.device)
+    outs = []
+    for dev in (host, [0, 2**40, 5, 2**62]):
+        xs = [t.detach().clone().requires_grad_(grad) for t in (q, k, v, g, beta)]
+        o, ht = chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=torch.tensor(dev, device=P.device), cu_seqlens_cpu=host)
+        outs.append([o, ht, *(torch.autograd.grad((o.sum(), ht.sum()), xs) if grad else ())])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
 
 def _hopper_info():
     from gqla_triton.dispatch import DeviceInfo
@@ -1227,3 +1247,17 @@ def test_launches_fit_sm90_shared_memory(only):
     failed = "\n".join(line for line in lines if not line.startswith("ok"))
     assert res.returncode == 0, failed[-3000:] + res.stderr[-2000:]
     assert lines[-1].endswith(": 0 do not fit or compile") and int(lines[-1].split()[0]) > 10, lines[-1]
+
+
+@pytest.mark.parametrize("cu", [[0, 0], [2, 2], [0, 0, 0]])
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_no_tokens_in_any_sequence_still_differentiates(cu, impl):
+    """Every sequence empty (the rest padding), no initial state: every impl returns zero outputs and final states
+    that autograd takes through, with zero gradients for every input."""
+    xs = [t.to(P.device).float().requires_grad_() for t in _inputs(0, 1, 4, 1, 2, 16, 16, len(cu) - 1)[:5]]
+    o, ht = chunk_gated_delta_rule(*xs, output_final_state=True,
+                                   cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=P.device), impl=impl)
+    assert o.requires_grad and ht.requires_grad
+    assert not o.any() and not ht.any()
+    grads = torch.autograd.grad((o.sum(), ht.sum()), xs)
+    assert all(gr is not None and not gr.any() for gr in grads)

@@ -167,6 +167,26 @@ def test_decode_bfloat16_under_the_interpreter():
     assert gated_delta_rule_decode(**{**a, "state": before}, impl="reference").dtype == torch.bfloat16
 
 
+def test_inference_mode_pool_outside_inference_mode():
+    """A state pool and intermediate-state buffer made under ``torch.inference_mode()``, stepped outside it: both
+    impls write them (the kernel writes raw memory; the reference writes in inference mode), with the same results."""
+    g = gen(3)
+    B, s, H, HV, K, V = 2, 3, 1, 2, 16, 16
+    q, k, v, gate, beta = _inputs(B, s, H, HV, K, V, torch.float32, g)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=P.device)
+    start = randn((3, HV, K, V), g, scale=0.5)
+    got = {}
+    for impl in ("triton", "reference"):
+        with torch.inference_mode():
+            pool, inter = start.clone(), torch.zeros(B, s, HV, K, V, device=P.device)
+        o = gated_delta_rule_decode(q, k, v, gate, beta, pool, idx, use_qk_l2norm_in_kernel=True,
+                                    intermediate_states=inter, impl=impl)
+        got[impl] = (o, pool, inter)
+    for a, b in zip(got["triton"], got["reference"], strict=True):
+        assert_close("decode", a, b.double(), dtype=torch.float32)
+    assert torch.equal(got["reference"][1][1], start[1])
+
+
 @settings(max_examples=examples(3, 12))
 @given(B=st.integers(1, pick(3, 16)), s=st.integers(1, 3), G=st.sampled_from([1, 2]), K=st.sampled_from(DIMS),
        V=st.sampled_from(DIMS), l2=st.booleans(), dtype=dtypes(), seed=seeds())

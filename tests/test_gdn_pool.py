@@ -187,6 +187,16 @@ def test_bad_pool_calls_are_refused_and_change_nothing():
     refused(ValueError, "inference only", pool_=pool.clone().requires_grad_())
     with torch.no_grad():  # under no_grad an input that requires grad is fine
         f(q.clone().requires_grad_(), q, v, g, beta, initial_state=pool.clone(), state_indices=idx)
+    # cu_seqlens stored inside a pool row the call writes: refused (the decode step refuses it too)
+    box = pool.clone()
+    cu_in_pool = box.view(-1)[:3].view(torch.int32)[:3]
+    cu_in_pool.copy_(torch.tensor([0, 5, 8], dtype=torch.int32))
+    kept = box.clone()
+    for impl in ("triton", "reference"):
+        with pytest.raises(ValueError, match="initial_state: shares memory with cu_seqlens"):
+            f(q[:1], q[:1], v[:1], g[:1], beta[:1], initial_state=box, state_indices=idx, cu_seqlens=cu_in_pool,
+              impl=impl)
+        assert torch.equal(box, kept)
     if d == "cpu":  # a CPU index tensor is checked against the pool
         refused(ValueError, r"state_indices: row 4 is outside", idx_=torch.tensor([0, 4], dtype=torch.int32))
         refused(ValueError, "state_indices: pool row 2 is named by more than one",
@@ -215,3 +225,26 @@ def test_pool_torch_compile(varlen):
     assert not torch.equal(eager_pool, pool)
     assert torch.equal(eager, compiled), "o: compiled differs from eager"
     assert torch.equal(eager_pool, comp_pool), "pool: compiled differs from eager"
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_inference_mode_pool_outside_inference_mode(impl):
+    """A pool made under ``torch.inference_mode()`` and updated outside it: every impl writes it (the kernels write
+    raw memory; the reference writes it in inference mode) and agrees with the float64 reference."""
+    d = P.device
+    HV, K, V = 2, 16, 16
+    q = torch.randn(2, 70, 1, K, device=d)
+    v = torch.randn(2, 70, HV, V, device=d)
+    g = -torch.rand(2, 70, HV, device=d)
+    beta = torch.rand(2, 70, HV, device=d)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=d)
+    with torch.inference_mode():
+        pool = torch.randn(3, HV, K, V, device=d)
+    before = pool.clone()
+    with torch.no_grad():
+        o, _ = chunk_gated_delta_rule(q, q, v, g, beta, initial_state=pool, state_indices=idx, impl=impl)
+    ro, rht = chunk_gated_delta_rule_ref(*(t.double() for t in (q, q, v, g, beta)),
+                                         initial_state=before[idx.long()].double(), output_final_state=True)
+    assert_close("o", o, ro, dtype=torch.float32)
+    assert_close("pool rows", pool[idx.long()], rht, dtype=torch.float32)
+    assert torch.equal(pool[1], before[1])

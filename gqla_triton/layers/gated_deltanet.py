@@ -979,17 +979,25 @@ class GatedDeltaNet(nn.Module):
                              f"256 and head_v_dim up to 1024; this layer has {self.head_k_dim} / {self.head_v_dim} "
                              "(impl='reference' takes any)")
         rows = batch.write
-        with torch.no_grad():
-            if any(fresh):
-                new = rows if all(fresh) else rows[torch.tensor([i for i, f in enumerate(fresh) if f],
-                                                                device=rows.device)]
-                cache._conv.index_fill_(0, new, 0)
-                cache.recurrent_state.index_fill_(0, new, 0)
-                cache._lens.index_fill_(0, new, 0)
-        xc, z, b, a = self._project_in(x)
-        y, conv_fin = self._conv(xc, cache._conv[rows], cu_seqlens)
-        q, k, v, g, beta = self._qkv_gates(y, b, a)
-        o = self._pool_rule(q, k, v, g, beta, cache, batch, cu_seqlens, cu_host)
+        kept = None
+        if any(fresh):
+            new = rows if all(fresh) else rows[torch.tensor([i for i, f in enumerate(fresh) if f], device=rows.device)]
+            with torch.no_grad():
+                # a freed slot's states stay in place until a call succeeds: kept, and put back if this one is refused
+                kept = [(t, t[new]) for t in (cache._conv, cache.recurrent_state, cache._lens)]
+                for t, _ in kept:
+                    t.index_fill_(0, new, 0)
+        try:
+            xc, z, b, a = self._project_in(x)
+            y, conv_fin = self._conv(xc, cache._conv[rows], cu_seqlens)
+            q, k, v, g, beta = self._qkv_gates(y, b, a)
+            o = self._pool_rule(q, k, v, g, beta, cache, batch, cu_seqlens, cu_host)
+        except BaseException:
+            if kept is not None:
+                with torch.no_grad():
+                    for t, old in kept:
+                        t.index_copy_(0, new, old)
+            raise
         with torch.no_grad():
             cache._conv.index_copy_(0, rows, conv_fin.detach().to(cache._conv.dtype))
             counts = cu_seqlens.diff() if cu_seqlens is not None else torch.full_like(rows, T)
@@ -1029,10 +1037,7 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, impl=self.impl)
             cache._conv.index_copy_(0, batch.write, conv_fin.to(cache._conv.dtype))
-            if cu_seqlens is None:
-                cache._lens.index_add_(0, batch.write, torch.full_like(batch.op, T))
-            else:
-                cache._lens.index_add_(0, batch.write, n_tok)
+            add_token_counts(cache._lens, batch.write, torch.full_like(batch.op, T) if cu_seqlens is None else n_tok)
         out = self._project_out(o, z)
         if keep is not None:
             out = torch.where(keep[..., None], out, 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -273,6 +274,13 @@ def check_disjoint(name: str, t: torch.Tensor | None, **others: torch.Tensor | N
         if b is not None and a[0] < b[1] and b[0] < a[1]:
             raise ValueError(f"{name}: shares memory with {other} ({name} is written in place while {other} is "
                              "read); pass separate tensors")
+
+
+def inference_writes(t: torch.Tensor):
+    """The context in which ``t`` is written in place by torch ops: ``torch.inference_mode()`` for an inference
+    tensor (torch refuses its in-place updates elsewhere), else none. The reference paths write state pools through
+    it, so they take the pools the kernels take (kernels write raw memory)."""
+    return torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
 
 
 def check_inference_mode(name: str, t: torch.Tensor) -> None:

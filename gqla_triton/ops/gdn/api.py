@@ -32,6 +32,7 @@ from .._common.validation import (
     check_same_dtype,
     check_scale,
     check_tensor,
+    inference_writes,
 )
 from . import plan as plan_mod
 from .compat import (
@@ -246,7 +247,8 @@ def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_s
     rows = torch.where(live, state_indices, 0).long()
     h0 = torch.where(live[:, None, None, None], state_pool[rows], 0.0)
     o, ht = _reference(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens, cu_host, v_first, chunk_size)
-    state_pool[rows[live]] = ht[live].to(state_pool.dtype)
+    with inference_writes(state_pool):
+        state_pool[rows[live]] = ht[live].to(state_pool.dtype)
     return o, None
 
 
@@ -262,7 +264,8 @@ def _check_gluon(q, k, v, chunk_size: int, grad: bool) -> None:
         raise ValueError(f"impl='gluon': the Gluon GDN kernel cannot run here: {why}")
 
 
-def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row, params=()) -> None:
+def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row, params=(),
+                     cu_seqlens=None) -> None:
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
     if pool is None:
         raise ValueError("initial_state: state_indices needs the state pool [P, HV, K, V] as initial_state")
@@ -278,7 +281,7 @@ def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, 
         raise ValueError("state_indices: the call over a state pool is inference only, but an input requires grad; "
                          "run it under torch.no_grad() / torch.inference_mode() or detach the inputs")
     check_disjoint("initial_state", pool, q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices,
-                   **dict(zip(("A_log", "dt_bias"), params, strict=False)))
+                   cu_seqlens=cu_seqlens, **dict(zip(("A_log", "dt_bias"), params, strict=False)))
 
 
 def _beta_ref(beta: torch.Tensor, sigmoid: bool, neg_eigval: bool) -> torch.Tensor:
@@ -378,7 +381,8 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
     row = (HV, V, K) if v_first else (HV, K, V)
     if state_indices is not None:
-        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias))
+        _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias),
+                         cu_seqlens)
     elif initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
     scale = check_scale("scale", scale, K ** -0.5)
@@ -451,7 +455,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's
             option of the same name): the plan is built on the host from it (checked: shape, non-decreasing
             within ``[0, T]``; not compared with the device copy, which would need a sync), with the exact chunk
-            counts and sequence lengths; index tensors are reused across calls with the same values.
+            counts and sequence lengths; index tensors are reused across calls with the same values. The kernels
+            then read the plan's own device copy of these bounds, so a call whose two copies differ follows
+            ``cu_seqlens_cpu`` (and stays within its tensors).
         chunk_indices: fla's precomputed ``[NT, 2]`` (sequence, chunk) pairs of the varlen input's 64-token chunks;
             accepted and unused (the plan comes from ``cu_seqlens``), it must describe the chunks of ``cu_seqlens``
             (``ValueError`` otherwise: its shape is checked against the host values of ``cu_seqlens`` where there

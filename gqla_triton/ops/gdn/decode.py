@@ -40,6 +40,7 @@ from .._common.validation import (
     check_pool_rows,
     check_scale,
     check_tensor,
+    inference_writes,
     refuse_grad,
 )
 from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
@@ -261,9 +262,11 @@ def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seql
                                                    use_qk_l2norm=l2, gk=one[5], gv=one[6])
             o[b, t] = ot[0, 0].to(o.dtype)
             if inter is not None:
-                inter[b, t] = h[0].to(inter.dtype)
+                with inference_writes(inter):
+                    inter[b, t] = h[0].to(inter.dtype)
             if t + 1 - lo == n_acc:
-                state[row] = h[0].to(state.dtype)
+                with inference_writes(state):
+                    state[row] = h[0].to(state.dtype)
     return o
 
 

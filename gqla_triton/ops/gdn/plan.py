@@ -185,6 +185,15 @@ def _chunk_index(seq_cu: tuple[int, ...], BT: int, device: torch.device,
     return len(pairs), cidx, device_ints(offs, torch.int32, device)
 
 
+@functools.lru_cache(maxsize=32)
+def _device_bounds(seq_cu: tuple[int, ...], device: torch.device, stream: int | None = None) -> torch.Tensor:
+    """The sequence bounds ``seq_cu`` as the kernels of a plan built from host values read them (``[N+1]`` int64
+    on ``device``; ``stream`` as ``_chunk_index``'s): the plan's own copy, so its chunk programs and state rows
+    always match the bounds the kernels read, whatever the caller's ``cu_seqlens`` tensor holds (a
+    ``cu_seqlens_cpu`` that differs from it, a pool row that aliases it)."""
+    return device_ints(seq_cu, torch.int64, device)
+
+
 # sequence splitting chains [K, K] fp32 segment maps in one program: at K 256 such a map alone (256 KiB) is more than
 # an H100 / H200 SM's shared memory, so longer keys keep one sequential program per sequence
 SEG_MAX_K = 128
@@ -252,7 +261,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     else:
         seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))
         NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device, stream_key(cu_seqlens.device))
-        NT, NG, cu = 0, NTT, cu_seqlens.contiguous()
+        NT, NG, cu = 0, NTT, _device_bounds(seq_cu, cu_seqlens.device, stream_key(cu_seqlens.device))
     _check_grid(B, HV, NG, BT)
     N = len(seq_cu) - 1
     longest = NT if cu_seqlens is None else max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))

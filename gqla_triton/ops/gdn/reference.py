@@ -62,6 +62,12 @@ def _live_rows(d: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(d)).cumsum(-1) == 0
 
 
+def _tie(*xs):
+    """An exact zero that depends on every given input (None: absent), added to the references' results so that
+    they stay differentiable (zero gradients) when no sequence has a token and no initial state is given."""
+    return sum(x.reshape(-1)[:0].sum() for x in xs if x is not None)
+
+
 def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm=False, cu_seqlens=None, *, gk=None, gv=None):
     """Token-by-token recurrence: ``S = exp(g_t)·S; S += beta_t·k_t (v_t − Sᵀk_t)ᵀ; o_t = scale·Sᵀq_t``.
@@ -96,7 +102,8 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=N
     zero = torch.zeros(HV, V, dtype=cdt, device=q.device)
     o = torch.stack([torch.stack([r if r is not None else zero for r in row]) for row in o_rows]) if T else \
         v.new_zeros(B, 0, HV, V)
-    return o, (torch.stack(finals) if output_final_state else None)
+    tie = _tie(q, k, v, g, beta, gk, gv)
+    return o + tie.to(o.dtype), (torch.stack(finals) + tie.to(cdt) if output_final_state else None)
 
 
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -165,7 +172,8 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
             ob = torch.cat([ob[:s], oc, ob[s + oc.shape[0]:]], 0)
         rows.append(ob)
     o = torch.stack(rows) if rows else o
-    return o, (torch.stack(finals) if output_final_state else None)
+    tie = _tie(q, k, v, g, beta)
+    return o + tie.to(o.dtype), (torch.stack(finals) + tie.to(sdt) if output_final_state else None)
 
 
 def softplus_ref(x: torch.Tensor) -> torch.Tensor:
