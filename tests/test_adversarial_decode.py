@@ -404,16 +404,17 @@ def test_long_mtp_boundary_keys_match_reference(op):
 @pytest.mark.parametrize("op", ["mla", "gqa"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("impl", IMPLS["mla"])
-def test_huge_softmax_scale_matches_reference(op, splits, impl):
-    """A valid softmax_scale near the float32 limit (2e37: its product with log2(e) is finite) over scores whose
+@pytest.mark.parametrize("sign", [1, -1])
+def test_huge_softmax_scale_matches_reference(op, splits, impl, sign):
+    """A valid softmax_scale near the float32 limit (±2e37: its product with log2(e) is finite) over scores whose
     scaled values pass the float32 range in log2 units (15 · 2e37 · log2(e)) but not in natural log: each query's
-    one top key takes all the weight, so out is exactly that key's value row and lse = 15 · 2e37 = 3e38, finite,
-    as in the float64 reference."""
+    one top key (score 15, or -15 under the negative scale) takes all the weight, so out is exactly that key's
+    value row and lse = 15 · 2e37 = 3e38, finite, as in the float64 reference."""
     if op == "gqa" and impl != "triton":
         pytest.skip("gqa_decode has one kernel")
     dtype = P.dtypes[0]
     inputs = _clean(op, 1, [CAP - 5, CAP // 2 + 3], splits, dtype, impl)
-    scale = 2e37
+    scale = sign * 2e37
     q = inputs["q"]
     q.zero_()
     q[..., 0] = 1.0  # every head's score is a key's channel 0 (latent for mla, the group's key for gqa)
@@ -425,7 +426,7 @@ def test_huge_softmax_scale_matches_reference(op, splits, impl):
     for b, n in enumerate(inputs["cache_seqlens"].tolist()):
         pos = int(torch.randint(0, n, (1,), generator=g))
         blk = int(inputs["block_table"][b, pos // PAGE])
-        key[blk, pos % PAGE, ..., 0] = 15.0
+        key[blk, pos % PAGE, ..., 0] = sign * 15.0
         top.append((blk, pos % PAGE))
     inputs["softmax_scale"] = scale
     out, lse = run_op(op, inputs, impl)
@@ -434,7 +435,7 @@ def test_huge_softmax_scale_matches_reference(op, splits, impl):
     assert torch.isfinite(lse).all() and torch.isfinite(out).all(), f"{op} {impl}: non-finite out / lse"
     assert torch.equal(out.cpu(), ref_o.to(dtype)), f"{op} {impl}: out is not the top key's value row"
     torch.testing.assert_close(lse.double().cpu(), ref_l, rtol=1e-5, atol=0)
-    assert abs(float(ref_l.flatten()[0]) - 15.0 * scale) < 1e-5 * 15.0 * scale
+    assert abs(float(ref_l.flatten()[0]) - 15.0 * abs(scale)) < 1e-5 * 15.0 * abs(scale)
     if op == "mla":  # and it is that row: the key's latent channels
         for b, (blk, slot) in enumerate(top):
             assert torch.equal(out[b, 0, 0].cpu(), inputs["kv_cache"][blk, slot, 0, :MLA_DIMS[0]].cpu())
@@ -443,15 +444,16 @@ def test_huge_softmax_scale_matches_reference(op, splits, impl):
 @pytest.mark.parametrize("op", ["mla", "gqa"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("impl", IMPLS["mla"])
-def test_raw_score_softmax_matches_reference(op, splits, impl):
-    """softmax_scale 1.5 (scale · log2(e) > 1: the kernels' raw-score softmax, ``raw_scores``) on causal MTP
+@pytest.mark.parametrize("scale", [1.5, -1.5])
+def test_raw_score_softmax_matches_reference(op, splits, impl, scale):
+    """softmax_scale ±1.5 (|scale · log2(e)| > 1: the kernels' raw-score softmax, ``score_mode``) on causal MTP
     (s_q 3, boundary keys) with a NaN and a -inf among the keys: the float64 reference, as at the default scale."""
     if op == "gqa" and impl != "triton":
         pytest.skip("gqa_decode has one kernel")
     dtype = P.dtypes[0]
     n = CAP - 3
     inputs = _clean(op, 3, [n, CAP // 2 + 1], splits, dtype, impl)
-    inputs["softmax_scale"] = 1.5
+    inputs["softmax_scale"] = scale
     if op == "mla":
         _set(inputs, "kv_cache", 0, n - 2, math.nan, channel=3)
         _set(inputs, "kv_cache", 1, 7, -math.inf, channel=1)

@@ -80,6 +80,27 @@ def test_combine_rejects_bad_shapes():
     with pytest.raises(ValueError, match="lse_partial"):
         combine_splits(o_p, torch.zeros(1, 3, 1, 4, device=P.device), torch.zeros(1, 1, 4, 16, device=P.device),
                        torch.zeros(1, 4, 1, device=P.device))
+    with pytest.raises(ValueError, match="lse_partial"):  # its heads read at stride 1
+        combine_splits(o_p, torch.zeros(1, 2, 1, 8, device=P.device)[..., ::2], torch.zeros(1, 1, 4, 16,
+                       device=P.device), torch.zeros(1, 4, 1, device=P.device))
+
+
+def test_combine_offsets_past_int32():
+    """Partials whose query tokens lie 2^30 elements apart (a ``[B, S, Q, H, D]`` buffer with H·D = 2^30, mapped
+    lazily: only the rows read are touched): token 2's rows start past 2^31, and the merge reads and writes them
+    there, not at a wrapped offset."""
+    B, S, Q, H, D = 1, 2, 3, 1, 16
+    s_oq = 2**30
+    base = torch.empty((Q - 1) * s_oq + S * D + 64, device=P.device)
+    o_part = base.as_strided((B, S, Q, H, D), (0, D, s_oq, D, 1))
+    for q in range(Q):
+        o_part[0, :, q].fill_(q + 1.0)
+    lse_part = torch.zeros(B, S, Q, H, device=P.device)
+    out = torch.full((B, Q, H, D), -7.0, device=P.device)
+    lse = torch.empty(B, H, Q, device=P.device)
+    combine_splits(o_part, lse_part, out, lse)
+    assert out[0, :, 0].tolist() == [[q + 1.0] * D for q in range(Q)]
+    assert torch.allclose(lse, torch.full_like(lse, math.log(2.0)))
 
 
 def test_combine_nonfinite_partials():

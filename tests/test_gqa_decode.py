@@ -496,3 +496,17 @@ def test_cache_offsets_past_int32_do_not_wrap(config_override, variant):
     ref_lowp, _ = gqa_decode_reference(q, k.contiguous(), v, bt, sl, **kw, compute_dtype=torch.float32)
     assert_close("out", got, want, ref_lowp, dtype=dt)
     assert torch.allclose(lse.double().cpu(), want_lse.double().cpu(), rtol=1e-3, atol=1e-3)
+
+
+def test_reference_takes_an_empty_batch():
+    """The float64 reference of an empty batch: empty out ``[0, s_q, h_q, d_v]`` and lse ``[0, h_q, s_q]`` (the op
+    itself refuses B = 0 by name)."""
+    q = torch.zeros(0, 2, 8, 32)  # d_h 16 + the shared rope key's 16
+    k = torch.zeros(3, 16, 2, 16)
+    out, lse = gqa_decode_reference(q, k, k, torch.zeros(0, 2, dtype=torch.int32),
+                                    torch.zeros(0, dtype=torch.int32), torch.zeros(3, 16, 16))
+    assert out.shape == (0, 2, 8, 16) and lse.shape == (0, 8, 2)
+    with pytest.raises(ValueError, match="batch"):
+        gqa_decode(q.to(P.device), k.to(P.device), k.to(P.device), torch.zeros(0, 2, dtype=torch.int32,
+                   device=P.device), torch.zeros(0, dtype=torch.int32, device=P.device),
+                   torch.zeros(3, 16, 16, device=P.device))

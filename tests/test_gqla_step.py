@@ -3,6 +3,8 @@ against float64 references, with hostile strides (views of larger projection out
 the int32 limits, d_R = 0 and every heads-per-group count (fewer than 16: padded tiles; more than 64: split);
 their torch.library registration (opcheck, a fullgraph compile); bad inputs."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -350,11 +352,33 @@ def test_norm_rope_refuses_bad_weights_and_positions():
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t="yes", **kw)
     with pytest.raises(ValueError, match="kv_rank"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=float(s["r"]), out_dtype=dt)
+    for name in ("qa_eps", "kv_eps"):
+        for bad in (math.nan, -math.inf, math.inf, -1e-6, "1e-6", None, True, torch.tensor(1e-6)):
+            with pytest.raises(ValueError, match=name):
+                gs.norm_rope(s["qa"], s["qa_w"], s["kv"], None, s["pos"], s["inv"], add_t=False, **kw,
+                             **{name: bad})
     for a, b in zip((s["kv"], s["pos"], s["inv"]), before, strict=True):
         assert torch.equal(a, b)
     _, row, _ = gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=np.int64(s["r"]),
                              out_dtype=dt)
     assert torch.equal(row, gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)[1])
+
+
+def test_norm_rope_channel_strides_past_int32():
+    """A kv view whose channels lie 2^26 elements apart (mapped lazily: only the channels read are touched), so its
+    last channels sit past 2^31: norm_rope reads them there (the rope at position 0 is the identity)."""
+    r, d_r = 32, 16
+    D = r + d_r
+    s = 2**26
+    base = torch.empty((D - 1) * s + 1, dtype=torch.float16, device=P.device)
+    kv = base.as_strided((1, 1, D), (0, 0, s))
+    vals = torch.linspace(-1, 1, D, dtype=torch.float16, device=P.device)
+    for c in range(D):
+        kv[0, 0, c] = vals[c]
+    pos = torch.zeros(1, 1, dtype=torch.long, device=P.device)
+    _, row, _ = gs.norm_rope(None, None, kv, None, pos, rope_inv_freq(d_r, device=P.device), add_t=False, kv_rank=r,
+                             out_dtype=torch.float32)
+    assert torch.equal(row[0, 0], vals.float())
 
 
 def test_norm_rope_positions_plus_t_never_wrap():

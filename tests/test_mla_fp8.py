@@ -796,6 +796,32 @@ def test_scaled_fp8_nonfinite_and_empty_rows():
     _check_scaled(out[:1, :1], lse[:1, :, :1], q[:1, :1], kv8, bt[:1], lens[:1] - 1, qd[:1], kd[:1], causal=True)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_scaled_fp8_descales_past_the_log2_range(num_splits):
+    """Descales whose scores pass float32's range in log2 units but not in natural log (k_descale ±4e37 times a
+    score of ±15 at softmax_scale 0.5: lse 3e38), and a negative one: each query's top key takes all the weight
+    (out is its value row, times the descale) and lse is finite, as in the float64 reference."""
+    g = gen(11)
+    B, page = 2, PAGE[0]
+    pages = -(-40 // page)
+    bt = torch.arange(B * pages, dtype=torch.int32).reshape(B, pages).to(P.device)
+    lens = torch.tensor([40, 33], dtype=torch.int32, device=P.device)
+    kvf = torch.rand(B * pages, page, 1, 576, generator=g, dtype=torch.float64) * 2 - 1
+    kd = torch.tensor([4e37, -4e37], dtype=torch.float32)
+    for b, pos in enumerate((19, 30)):
+        kvf[int(bt[b, pos // page]), pos % page, 0, 575] = 15.0 if kd[b] > 0 else -15.0
+    kv8 = kvf.to(torch.float8_e4m3fn).to(P.device)
+    q = torch.zeros(B, 1, 16, 576, dtype=QDT, device=P.device)
+    q[..., 575] = 1.0  # every score is a key's last rope channel
+    kd = kd.to(P.device)
+    out, lse = _call(q, kv8, bt, lens, 512, impl="triton", num_splits=num_splits, softmax_scale=0.5, k_descale=kd)
+    ro, rl = mla_decode_ref(q, kv8, bt, lens, 512, softmax_scale=0.5, k_descale=kd)
+    assert torch.isfinite(rl).all() and torch.isfinite(ro).all()
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(lse.double().cpu(), rl.cpu(), rtol=1e-5, atol=0)
+    assert_close("out", out, ro, dtype=out.dtype)
+
+
 def test_scaled_fp8_refusals_name_the_argument():
     q, kv8, bt, lens, qd, kd, _ = _scaled_case(1, 2, 1, 16, PAGE[0], q8=True, per_seq=False)
     qb = q.to(QDT)

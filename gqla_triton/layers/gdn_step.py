@@ -29,6 +29,7 @@ from ..ops._common.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
     check_disjoint,
+    check_eps,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -386,8 +387,7 @@ def _check_norm(o, z, weight, eps, rows, ref):
     check_tensor("weight", weight, shape=(V,), dtypes=fdt)
     if rows is not None:
         check_tensor("rows", rows, shape=(B,), dtypes=(torch.int32,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps: expected a real number >= 0, got {eps!r}")
+    check_eps("eps", eps)
 
 
 def gdn_gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

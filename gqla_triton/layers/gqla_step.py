@@ -36,7 +36,14 @@ from ..dispatch import device_info
 from ..ops._common import FLOAT_DTYPES, cdiv, check_kernel_device, next_pow2
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
-from ..ops._common.validation import check_flag, check_positive_int, check_tensor, forward_only, requires_grad
+from ..ops._common.validation import (
+    check_eps,
+    check_flag,
+    check_positive_int,
+    check_tensor,
+    forward_only,
+    requires_grad,
+)
 from .rope import check_positions
 
 __all__ = ["absorb_o", "absorb_q", "grouped_q", "norm_rope"]
@@ -60,32 +67,35 @@ def gqla_norm_rope_kernel(qa, qa_w, qa_out, kv, kv_w, kv_out, cs_out, pos, inv_f
     if tl.program_id(1) == 1:
         e = tl.arange(0, BLOCK_QR)
         em = e < QR
-        xq = tl.load(qa + b * s_qa_b + t * s_qa_t + e * s_qa_d, mask=em, other=0.0).to(tl.float32)
+        e64 = e.to(tl.int64)  # channel x stride in int64: any strides
+        xq = tl.load(qa + b * s_qa_b + t * s_qa_t + e64 * s_qa_d, mask=em, other=0.0).to(tl.float32)
         yq = xq * tl.rsqrt(tl.sum(xq * xq, axis=0) / QR + qa_eps)
-        wq = tl.load(qa_w + e * s_qaw, mask=em, other=0.0).to(tl.float32)
+        wq = tl.load(qa_w + e64 * s_qaw, mask=em, other=0.0).to(tl.float32)
         tl.store(qa_out + row * QR + e, (yq * wq).to(qa_out.dtype.element_ty), mask=em)
     else:
         src = kv + b * s_kv_b + t * s_kv_t
         dst = kv_out + row * (R + 2 * HALF)
         d = tl.arange(0, BLOCK_R)
         dm = d < R
-        x = tl.load(src + d * s_kv_d, mask=dm, other=0.0).to(tl.float32)
+        d64 = d.to(tl.int64)
+        x = tl.load(src + d64 * s_kv_d, mask=dm, other=0.0).to(tl.float32)
         if KV_NORM:
             x = x * tl.rsqrt(tl.sum(x * x, axis=0) / R + kv_eps)
-            x = x * tl.load(kv_w + d * s_kvw, mask=dm, other=0.0).to(tl.float32)
+            x = x * tl.load(kv_w + d64 * s_kvw, mask=dm, other=0.0).to(tl.float32)
         tl.store(dst + d, x.to(kv_out.dtype.element_ty), mask=dm)
         if HALF > 0:
             i = tl.arange(0, BLOCK_HALF)
             im = i < HALF
+            i64 = i.to(tl.int64)
             p = tl.load(pos + b * s_pb + t * s_pt).to(tl.float64)  # exact below 2**53, as torch's .double()
             if ADD_T:
                 p += t  # in float64: an int64 sum would wrap past 2**63 - 1
-            ang = p * tl.load(inv_freq + i * s_inv, mask=im, other=0.0)
+            ang = p * tl.load(inv_freq + i64 * s_inv, mask=im, other=0.0)
             cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
             tl.store(cs_out + row * (2 * HALF) + i, cos, mask=im)
             tl.store(cs_out + row * (2 * HALF) + HALF + i, sin, mask=im)
-            x1 = tl.load(src + (R + i) * s_kv_d, mask=im, other=0.0).to(tl.float32)
-            x2 = tl.load(src + (R + HALF + i) * s_kv_d, mask=im, other=0.0).to(tl.float32)
+            x1 = tl.load(src + (R + i64) * s_kv_d, mask=im, other=0.0).to(tl.float32)
+            x2 = tl.load(src + (R + HALF + i64) * s_kv_d, mask=im, other=0.0).to(tl.float32)
             tl.store(dst + R + i, (x1 * cos - x2 * sin).to(kv_out.dtype.element_ty), mask=im)
             tl.store(dst + R + HALF + i, (x2 * cos + x1 * sin).to(kv_out.dtype.element_ty), mask=im)
 
@@ -121,11 +131,12 @@ def _rope_rows(q, out, cs, pid_m, j, NT, s_qb, s_qt, s_qh, s_qd, s_ob, s_ot, s_o
     hh = (pid_m % NHB) * HB + tl.arange(0, HB)
     head = (j * HPG + hh).to(tl.int64)
     ok = tv[:, None, None] & (hh < HPG)[None, :, None] & im[None, None, :]
-    src = q + (b * s_qb + t * s_qt)[:, None, None] + (head * s_qh)[None, :, None] + Q_OFF * s_qd
+    src = q + (b * s_qb + t * s_qt)[:, None, None] + (head * s_qh)[None, :, None]
     dst = out + (b * s_ob + t * s_ot)[:, None, None] + (head * s_oh)[None, :, None] + O_OFF
     i3 = i[None, None, :]
-    x1 = tl.load(src + i3 * s_qd, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + (HALF + i3) * s_qd, mask=ok, other=0.0).to(tl.float32)
+    c3 = i3.to(tl.int64) + Q_OFF  # channel x stride in int64: any strides
+    x1 = tl.load(src + c3 * s_qd, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + (c3 + HALF) * s_qd, mask=ok, other=0.0).to(tl.float32)
     tl.store(dst + i3, (x1 * cos - x2 * sin).to(out.dtype.element_ty), mask=ok)
     tl.store(dst + HALF + i3, (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=ok)
 
@@ -140,8 +151,10 @@ def _group_rows_dot(a_row, s_ak, w_g, s_wk, s_wn, valid, n, nm, KD: tl.constexpr
     for k0 in range(0, KD, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < KD
-        a = tl.load(a_row[:, None] + k[None, :] * s_ak, mask=valid[:, None] & km[None, :], other=0.0)
-        wt = tl.load(w_g + k[:, None] * s_wk + n[None, :] * s_wn, mask=km[:, None] & nm[None, :], other=0.0)
+        k64 = k.to(tl.int64)  # index x stride in int64: any strides
+        a = tl.load(a_row[:, None] + k64[None, :] * s_ak, mask=valid[:, None] & km[None, :], other=0.0)
+        wt = tl.load(w_g + k64[:, None] * s_wk + n.to(tl.int64)[None, :] * s_wn, mask=km[:, None] & nm[None, :],
+                     other=0.0)
         if A_TO_W:
             acc = tl.dot(a.to(wt.dtype), wt, acc, input_precision=DOT_PREC)
         else:
@@ -207,7 +220,7 @@ def gqla_grouped_q_kernel(q, out, cs, T, H, s_qb, s_qt, s_qh, s_qd,
     dst = out + (row * H + hd64) * (DH + 2 * HALF)
     d = tl.arange(0, BLOCK_DH)
     ok = hm[:, None] & (d < DH)[None, :]
-    x = tl.load(src[:, None] + d[None, :] * s_qd, mask=ok, other=0.0)
+    x = tl.load(src[:, None] + d.to(tl.int64)[None, :] * s_qd, mask=ok, other=0.0)  # int64: any strides
     tl.store(dst[:, None] + d[None, :], x.to(out.dtype.element_ty), mask=ok)
     if HALF > 0:
         i = tl.arange(0, BLOCK_HALF)
@@ -215,8 +228,9 @@ def gqla_grouped_q_kernel(q, out, cs, T, H, s_qb, s_qt, s_qh, s_qd,
         cos = tl.load(cs + row * (2 * HALF) + i, mask=im, other=0.0)[None, :]
         sin = tl.load(cs + row * (2 * HALF) + HALF + i, mask=im, other=0.0)[None, :]
         ok = hm[:, None] & im[None, :]
-        x1 = tl.load(src[:, None] + (DH + i)[None, :] * s_qd, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src[:, None] + (DH + HALF + i)[None, :] * s_qd, mask=ok, other=0.0).to(tl.float32)
+        c = i.to(tl.int64) + DH
+        x1 = tl.load(src[:, None] + c[None, :] * s_qd, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src[:, None] + (c + HALF)[None, :] * s_qd, mask=ok, other=0.0).to(tl.float32)
         tl.store(dst[:, None] + (DH + i)[None, :], (x1 * cos - x2 * sin).to(out.dtype.element_ty), mask=ok)
         tl.store(dst[:, None] + (DH + HALF + i)[None, :], (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=ok)
 
@@ -386,6 +400,7 @@ def norm_rope(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: torch
         _check_weight("qa_weight", qa_weight, qa.shape[-1], kv.device)
     elif qa_weight is not None:
         raise ValueError("qa_weight: given without qa (it scales the normed qa)")
+    qa_eps, kv_eps = check_eps("qa_eps", qa_eps), check_eps("kv_eps", kv_eps)
     check_positions(positions, (B, T))
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or list(inv_freq.shape) != [half]:
         got = (inv_freq.dtype, list(inv_freq.shape)) if isinstance(inv_freq, torch.Tensor) else inv_freq
@@ -398,7 +413,7 @@ def norm_rope(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: torch
     for w in (qa_weight, kv_weight):
         if w is not None:
             check_kernel_device(kv.device, _REFERENCE, w.dtype)
-    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, float(qa_eps), float(kv_eps),
+    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, qa_eps, kv_eps,
             out_dtype)
     fn = _norm_rope_op if requires_grad(qa, qa_weight, kv, kv_weight) else route(_norm_rope_op, _norm_rope_fwd)
     return fn(*args)

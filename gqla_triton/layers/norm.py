@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common.validation import check_device, check_float_dtype, check_positive_int, is_finite_real
+from ..ops._common.validation import check_device, check_eps, check_float_dtype, check_positive_int
 
 __all__ = ["RMSNorm", "gated_rms_norm"]
 
@@ -21,11 +21,9 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
         check_positive_int("dim", dim)
-        if not is_finite_real(eps) or eps < 0:
-            raise ValueError(f"eps: expected a finite real number >= 0, got {type(eps).__name__} {eps!r}")
+        self.eps = check_eps("eps", eps)
         check_float_dtype(dtype)
         device = check_device(device)
-        self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

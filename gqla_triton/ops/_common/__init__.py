@@ -1,6 +1,6 @@
 """Pieces shared by the ops: input validation, paging math, split-KV planning and combine."""
 
-from .combine import combine_splits, finish_rows, raw_scores, scale_scores, softmax_step, store_rows
+from .combine import combine_splits, finish_rows, scale_scores, score_mode, softmax_step, store_rows
 from .host import cdiv, next_pow2
 from .paging import (
     gather_pages,
@@ -37,8 +37,8 @@ __all__ = [
     "cdiv",
     "combine_splits",
     "finish_rows",
-    "raw_scores",
     "scale_scores",
+    "score_mode",
     "gather_pages",
     "key_capacity",
     "logical_to_physical",

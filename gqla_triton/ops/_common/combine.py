@@ -53,20 +53,23 @@ class CombineConfig(KernelConfig):
 @triton.jit
 def scale_scores(s, qk_scale, RAW: tl.constexpr):
     """The scores ``softmax_step`` takes from raw ``q·k``: ``s·qk_scale`` (log2 units), or under ``RAW`` (see
-    ``raw_scores``) the raw scores themselves."""
-    if RAW:
+    ``score_mode``) the raw scores themselves, negated where ``RAW < 0`` (a negative scale: the largest scaled
+    score is the smallest raw one)."""
+    if RAW > 0:
         return s
+    if RAW < 0:
+        return -s
     return s * qk_scale
 
 
 @triton.jit
 def softmax_step(s, m_i, l_i, qk_scale, AXIS: tl.constexpr, RAW: tl.constexpr):
     """One online-softmax step over a tile of scores from ``scale_scores`` (-inf where masked), reduced along
-    ``AXIS`` (1: s is [rows, keys]; 0: [keys, rows]); ``qk_scale`` = softmax_scale · log2(e) > 0. For
-    ``qk_scale <= 1`` the scores are scaled (``|s·qk_scale| <= |s|``: nothing overflows) and the running max m is
-    of the scaled scores. With ``RAW`` (``qk_scale > 1``, where a finite score times the scale may pass the
-    float32 range while the softmax is finite) m is the max of the raw scores and the scale applies to
-    differences from it, ``p = 2^((s - m)·qk_scale)``. Returns ``(m_new, alpha, p, l_new)``: the running max, the
+    ``AXIS`` (1: s is [rows, keys]; 0: [keys, rows]); ``qk_scale`` = softmax_scale · log2(e). For
+    ``|qk_scale| <= 1`` the scores are scaled (``|s·qk_scale| <= |s|``: nothing overflows) and the running max m is
+    of the scaled scores. With ``RAW`` (``|qk_scale| > 1``, where a finite score times the scale may pass the
+    float32 range while the softmax is finite; ``score_mode``) m is the max of the raw scores (negated for a
+    negative scale) and the scale, then ``|qk_scale|``, applies to differences from it, ``p = 2^((s - m)·qk_scale)``. Returns ``(m_new, alpha, p, l_new)``: the running max, the
     rescale of the old accumulator, the tile's probabilities and the running sum. A row with no key so far keeps
     m = -inf and gets p = 0. The max skips NaN scores; they reach ``l`` (and P·V) through ``p = NaN``. A ``+inf``
     max rescales from 0, so a ``+inf`` score gives ``p = +inf`` and ``l = +inf`` (lse ``+inf``) instead of
@@ -104,9 +107,13 @@ def finish_rows(acc, m, l, qk_scale, SPLIT: tl.constexpr, RAW: tl.constexpr):
     return o, lse
 
 
-def raw_scores(qk_scale: float) -> bool:
-    """Whether the decode kernels keep raw scores (``softmax_step``'s ``RAW``) for this ``qk_scale``."""
-    return qk_scale > 1.0
+def score_mode(qk_scale: float, raw: bool = False) -> tuple[float, int]:
+    """``(qk_scale, RAW)`` as the decode kernels take them (``softmax_step``): the scale itself and ``RAW = 0``
+    (scaled scores) for ``|qk_scale| <= 1``; past that (or with ``raw``: a kernel that scales its scores itself),
+    raw scores, negated for a negative scale (``RAW = -1``, else 1), and ``|qk_scale|``."""
+    if abs(qk_scale) <= 1.0 and not raw:
+        return qk_scale, 0
+    return abs(qk_scale), (-1 if qk_scale < 0 else 1)
 
 
 @triton.jit
@@ -149,12 +156,14 @@ def combine_splits_kernel(
     mh = offs_h < H
     md = offs_d < D
     b64 = b.to(tl.int64)
+    q64 = q.to(tl.int64)
+    h64 = offs_h.to(tl.int64)  # no int32 product of an index and a stride
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    lse_base = lse_part + b64 * s_lb + q * s_lq + offs_h
-    o_base = o_part + b64 * s_ob + q * s_oq + (offs_h[:, None] * s_oh + offs_d[None, :])
+    lse_base = lse_part + b64 * s_lb + q64 * s_lq + h64
+    o_base = o_part + b64 * s_ob + q64 * s_oq + (h64[:, None] * s_oh + offs_d[None, :])
     for s0 in range(0, num_splits, BLOCK_S):
         sp = s0 + offs_s
         ms = sp < num_splits
@@ -175,10 +184,10 @@ def combine_splits_kernel(
     safe_l = tl.where(empty, 1.0, l)
     o = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
     lse = tl.where(empty, float("-inf"), m + tl.log(safe_l))
-    tl.store(out + b64 * s_outb + q * s_outq + offs_h[:, None] * s_outh + offs_d[None, :],
+    tl.store(out + b64 * s_outb + q64 * s_outq + h64[:, None] * s_outh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=mh[:, None] & md[None, :])
     first = (offs_h * 0 + tl.program_id(1)) == 0  # lse once per head: by the programs of the first D tile
-    tl.store(lse_out + b64 * s_lob + offs_h * s_loh + q * s_loq, lse, mask=mh & first)
+    tl.store(lse_out + b64 * s_lob + h64 * s_loh + q64 * s_loq, lse, mask=mh & first)
 
 
 def combine_geometry(B: int, S: int, Q: int, H: int, D: int, sm_count: int,
@@ -209,8 +218,8 @@ def combine_splits(
         raise ValueError(f"lse_partial: expected shape {[B, S, Q, H]}, got {list(lse_partial.shape)}")
     if out.shape != (B, Q, H, D) or lse.shape != (B, H, Q):
         raise ValueError(f"out/lse: expected {[B, Q, H, D]} / {[B, H, Q]}, got {list(out.shape)} / {list(lse.shape)}")
-    if o_partial.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("combine_splits: the last dimension of o_partial and out must be contiguous")
+    if o_partial.stride(-1) != 1 or out.stride(-1) != 1 or lse_partial.stride(-1) != 1:
+        raise ValueError("combine_splits: the last dimension of o_partial, lse_partial and out must be contiguous")
     if B * Q * H == 0:
         return
     info = device_info(out)  # (a tensor: the cached lookup of its device)

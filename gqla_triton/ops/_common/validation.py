@@ -192,6 +192,13 @@ def check_positive_real(name: str, value: object) -> float:
     return float(value)
 
 
+def check_eps(name: str, value: object) -> float:
+    """A norm's epsilon: a finite real number >= 0 (bools, strings and tensors refused)."""
+    if not is_finite_real(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite real number >= 0, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def check_float_dtype(dtype: object, *, optional: bool = True, name: str = "dtype", float8: bool = False) -> None:
     """A floating ``torch.dtype`` (or None where ``optional``) of 16 bits or more: the ``dtype`` arguments of
     parameters and states, whose float8 values would need scales such tensors do not carry; ``float8``: float8

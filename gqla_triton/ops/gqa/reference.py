@@ -63,7 +63,8 @@ def gqa_decode_reference(
     num_pages, page_size, g, d_h = k_cache.shape
     G = h_q // g
     # positions past the block table's capacity hold no key (and are never allocated here)
-    L = max(1, min(int(cache_seqlens.max().clamp(min=0)), key_capacity(block_table.shape[1], page_size)))
+    longest = int(cache_seqlens.max().clamp(min=0)) if cache_seqlens.numel() else 0
+    L = max(1, min(longest, key_capacity(block_table.shape[1], page_size)))
     k = gather_pages(k_cache.detach().cpu().double(), block_table.cpu(), L)  # [B, L, g, d_h]
     v = gather_pages(v_cache.detach().cpu().double(), block_table.cpu(), L)
     if k_rope_cache is not None:
@@ -82,7 +83,7 @@ def gqa_decode_reference(
         return t.to(compute_dtype).double()
 
     # head h reads group h // G: the scores per group, never a per-head copy of the cache
-    s = torch.einsum("bjgcd,blgd->bjgcl", rnd(q).reshape(B, s_q, g, G, -1), rnd(k)).reshape(B, s_q, h_q, L)
+    s = torch.einsum("bjgcd,blgd->bjgcl", rnd(q).reshape(B, s_q, g, G, q.shape[-1]), rnd(k)).reshape(B, s_q, h_q, L)
     s = s * softmax_scale
     seen = counts > 0
     # a key a query does not see takes no part in its arithmetic (a NaN or inf score there included)

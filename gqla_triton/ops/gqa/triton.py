@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import finish_rows, logical_to_physical, raw_scores, scale_scores, softmax_step, split_bounds, store_rows
+from .._common import finish_rows, logical_to_physical, scale_scores, score_mode, softmax_step, split_bounds, store_rows
 from .._common.paging import table_keys
 from .plan import GQAPlan
 
@@ -246,6 +246,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     kr = k_rope_cache if k_rope_cache is not None else k_cache
     s_r = (k_rope_cache.stride(0), k_rope_cache.stride(1)) if k_rope_cache is not None else (0, 0)
     grid = (g * p.num_mt, S, p.nbq)
+    qk_scale, raw = score_mode(qk_scale)
     gqa_decode_fwd_kernel[grid](
         q, k_cache, v_cache, kr, block_table, cache_seqlens, idx,
         topk_length if topk_length is not None else cache_seqlens,
@@ -266,6 +267,6 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
         FP32=q.dtype == torch.float32,
         PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
-        TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw_scores(qk_scale),
+        TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw,
         num_warps=p.num_warps, num_stages=p.cfg.num_stages,
     )

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .._common import raw_scores
+from .._common import score_mode
 from .._common.gluon import async_load, barrier, reinterpret, tma_load
 from .fp8 import fp8_layout, is_fp8_latent
 from .plan import MLAPlan
@@ -333,6 +333,16 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 
 
 @gluon.jit
+def _scaled(sacc, qk_scale, RAW: gl.constexpr):
+    """The scores ``_softmax_step`` takes: as ``_common.combine.scale_scores``."""
+    if RAW > 0:
+        return sacc
+    if RAW < 0:
+        return -sacc
+    return sacc * qk_scale
+
+
+@gluon.jit
 def _softmax_step(sc, m_i, l_i, qk_scale, RAW: gl.constexpr):
     """One online-softmax step, as ``_common.combine.softmax_step`` (``sc`` scaled, or under ``RAW`` raw with the
     scale applied to differences from their max): NaN reaches l through p, an infinite max rescales from 0.
@@ -456,7 +466,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             mbarrier.wait(s_full, j & 1)
             sacc = sacc + s_smem.load(s_l)
             mbarrier.arrive(s_free, count=1)
-            sc = gl.where(first_q[None, :] <= qi[:, None], sacc if RAW else sacc * qk_scale, float("-inf"))
+            sc = gl.where(first_q[None, :] <= qi[:, None], _scaled(sacc, qk_scale, RAW), float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale, RAW)
             pb = p.to(q.dtype.element_ty)
             kv_smem.index(s * NSLAB + ROPE).store(pb)
@@ -678,6 +688,7 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     desc = _kv_descriptor(kv_cache) if p.cfg.tma and not (fp8 or sparse) else None
     if fp8:
         kv_cache = kv_cache.view(torch.uint8)  # read as bytes; strides count bytes
+    qk_scale, raw = score_mode(qk_scale)
     mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
         q, kv_cache, kv_cache if desc is None else desc, rows_src, cache_seqlens,
         topk_length if topk_length is not None else cache_seqlens,
@@ -693,7 +704,7 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
         *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
         D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
         SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-        FP8=fp8, RAW=raw_scores(qk_scale), TMA=desc is not None, num_warps=4, maxnreg=MAXNREG,
+        FP8=fp8, RAW=raw, TMA=desc is not None, num_warps=4, maxnreg=MAXNREG,
     )
 
 

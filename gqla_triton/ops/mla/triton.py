@@ -35,8 +35,8 @@ from .._common import (
     finish_rows,
     logical_to_physical,
     next_pow2,
-    raw_scores,
     scale_scores,
+    score_mode,
     softmax_step,
     split_bounds,
     store_rows,
@@ -75,7 +75,7 @@ def _unchained_scores(q_lat, k_lat, q_rope, k_rope, qk_scale, sdesc, ok, rvalid,
                       DOT_PREC: tl.constexpr, SPARSE: tl.constexpr, RAW: tl.constexpr, DESCALE: tl.constexpr):
     """S = Q·Kᵀ of one key tile (latent and rope dots added, not accumulated into each other, which would chain
     them), masked, and one online-softmax step: ``(m_new, alpha, p, l_new)`` (the P_SCRATCH variant). ``qk_scale``:
-    the factor ``scale_scores`` applies (1 where the descale carries the scale)."""
+    the scores' scale (the kernel's ``s_scale``)."""
     s = (_descale(tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC), sdesc, DESCALE)
          + _descale(tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC), sdesc, DESCALE))
     s = scale_scores(s, qk_scale, RAW)
@@ -204,7 +204,7 @@ def _keys(kv, kvs, kvr, off, sc_off, ok, offs_v, mv, offs_r, mr, KDT: tl.constex
 def mla_decode_fwd_kernel(
     q, kv, kvs, kvr, block_table, seqlens, indices, topk_length,
     out, lse, o_part, lse_part, pbuf, abuf, mx, qd, kd,
-    qk_scale,  # softmax_scale * log2(e)
+    qk_scale,  # softmax_scale * log2(e), as combine.score_mode gives it
     s_q, h_q, max_pages, num_pages, topk, num_splits, h_tiles, HPT, QPT, causal,
     s_qb, s_qq, s_qh,
     s_kvp, s_kvt,
@@ -242,15 +242,16 @@ def mla_decode_fwd_kernel(
 
     seqlen = tl.maximum(tl.load(seqlens + b), 0)  # a negative length is empty
     sdesc = 1.0
-    s_scale = qk_scale  # the factor scale_scores applies
+    s_scale = qk_scale  # the scores' scale (softmax_step's qk_scale)
     if DESCALE > 0:  # a cache scaled per tensor: the scores take q_descale · k_descale, the output k_descale
         kdesc = tl.load(kd + b64 * s_kd)
-        sdesc = kdesc
+        dsc = kdesc
         if DESCALE == 2:
-            sdesc = sdesc * tl.load(qd + b64 * s_qd)
-        if not RAW:  # one factor on the dot: a large descale times a small scale does not overflow on the way
-            sdesc = sdesc * qk_scale
-            s_scale = 1.0
+            dsc = dsc * tl.load(qd + b64 * s_qd)
+        # raw scores (the launcher sets RAW): the descales' sign goes on the dot and their magnitude on the scale,
+        # which applies to differences from the running max only, so a large descale overflows nothing on the way
+        sdesc = tl.where(dsc < 0, -1.0, 1.0)
+        s_scale = qk_scale * tl.abs(dsc)
 
     offs_r = tl.arange(0, BDR)
     mr = offs_r < DR
@@ -357,7 +358,7 @@ def mla_decode_fwd_kernel(
             else:  # every row sees every key of a dense tile (the loop bounds)
                 keep = ok[None, :]
             s = tl.where(keep, scale_scores(s, s_scale, RAW), float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
+            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, s_scale, 1, RAW)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PREC)
         m_i = m_new
@@ -374,19 +375,19 @@ def mla_decode_fwd_kernel(
             s = _descale(tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC), sdesc, DESCALE)
             sees = t <= last
             s = tl.where(ok[None, :] & sees[:, None], scale_scores(s, s_scale, RAW), float("-inf"))
-            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, qk_scale, 1, RAW)
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, s_scale, 1, RAW)
             # rows that do not see the key keep their accumulator (alpha is 1 there): no 0 · v enters them
             acc = acc * alpha[:, None] + tl.where(sees[:, None], tl.dot(p.to(k_lat.dtype), k_lat,
                                                                          input_precision=DOT_PREC), 0.0)
 
-    o, lse_row = finish_rows(acc, m_i, l_i, qk_scale, SPLIT, RAW)
+    o, lse_row = finish_rows(acc, m_i, l_i, s_scale, SPLIT, RAW)
     if DESCALE > 0:  # a row with no key keeps its 0 (or a split's raw partial), whatever the descale
         o = tl.where((l_i == 0)[:, None], o, o * kdesc)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
                h.to(tl.int64), out, s_ob, s_oq, s_oh, lse, s_lb, s_lh, s_lq,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
     if HAS_MAX:  # this split's largest score per row in natural units (softmax_scale · q·k); NaN with a NaN sum
-        ln_m = qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453  # m: raw scores, or in log2 units
+        ln_m = s_scale * 0.6931471805599453 if RAW else 0.6931471805599453  # m: raw scores, or in log2 units
         mx_row = tl.where(l_i != l_i, float("nan"), m_i * ln_m)
         tl.store(mx + b64 * s_mb + split.to(tl.int64) * s_ms + qi.to(tl.int64) * s_mq + h, mx_row, mask=rvalid)
 
@@ -430,6 +431,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     # the page's bytes in order, scales last)
     paged_fp8 = PAGED.get(layout)
     s_kvt = paged_fp8.token if paged_fp8 else kv.stride(1)
+    qk_scale, raw = score_mode(qk_scale, raw=k_descale is not None)  # descales: raw scores (see the kernel)
     mla_decode_fwd_kernel[grid](
         q.view(torch.uint8) if q_e4m3 else q, kv, kvs, kvr, block_table, cache_seqlens, rows_src,
         topk_length if topk_length is not None else cache_seqlens,
@@ -454,7 +456,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
         ASM_SYNC=not info.interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
         TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
-        RAW=raw_scores(qk_scale),
+        RAW=raw,
         HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
         PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
         Q_E4M3=q_e4m3, E4M3_HW=info.interpreter or info.capability >= (8, 9),
@@ -488,7 +490,7 @@ def compile_sm90(*, layout: str | None = None, dtype: str = "bf16", head_dim_v: 
                  PAGE_SIZE=64, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse and not q8,
                  HAS_TOPK_LEN=sparse and not q8, SPLIT=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
                  PAGED_TILES=not sparse or q8, P_SCRATCH=p_scratch, ASM_SYNC=True, ROWS_AHEAD=rows_ahead, TAIL=False,
-                 FP8=FP8_KINDS[layout], RAW=False, HAS_MAX=False, DESCALE=2 if q8 else 0,
+                 FP8=FP8_KINDS[layout], RAW=int(q8), HAS_MAX=False, DESCALE=2 if q8 else 0,
                  PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0, Q_E4M3=q8,
                  E4M3_HW=True)
     cache = "u8" if layout is not None else dtype  # the views the launcher passes (mla_decode_triton)
