@@ -230,7 +230,7 @@ def test_pool_torch_compile(varlen):
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_inference_mode_pool_outside_inference_mode(impl):
     """A pool made under ``torch.inference_mode()`` and updated outside it: every impl writes it (the kernels write
-    raw memory; the reference writes it in inference mode) and agrees with the float64 reference."""
+    raw memory; the reference writes it in inference mode), bit for bit as it writes an ordinary pool."""
     d = P.device
     HV, K, V = 2, 16, 16
     q = torch.randn(2, 70, 1, K, device=d)
@@ -238,13 +238,12 @@ def test_inference_mode_pool_outside_inference_mode(impl):
     g = -torch.rand(2, 70, HV, device=d)
     beta = torch.rand(2, 70, HV, device=d)
     idx = torch.tensor([2, 0], dtype=torch.int32, device=d)
+    start = torch.randn(3, HV, K, V, device=d)
     with torch.inference_mode():
-        pool = torch.randn(3, HV, K, V, device=d)
-    before = pool.clone()
+        pool = start.clone()
+    plain = start.clone()
     with torch.no_grad():
         o, _ = chunk_gated_delta_rule(q, q, v, g, beta, initial_state=pool, state_indices=idx, impl=impl)
-    ro, rht = chunk_gated_delta_rule_ref(*(t.double() for t in (q, q, v, g, beta)),
-                                         initial_state=before[idx.long()].double(), output_final_state=True)
-    assert_close("o", o, ro, dtype=torch.float32)
-    assert_close("pool rows", pool[idx.long()], rht, dtype=torch.float32)
-    assert torch.equal(pool[1], before[1])
+        o2, _ = chunk_gated_delta_rule(q, q, v, g, beta, initial_state=plain, state_indices=idx, impl=impl)
+    assert torch.equal(o, o2) and torch.equal(pool, plain)
+    assert torch.equal(pool[1], start[1]) and not torch.equal(pool[0], start[0])

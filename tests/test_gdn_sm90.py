@@ -94,6 +94,52 @@ def test_gluon_matches_portable_kernel(lens, varlen, G, V, layout, beta_opts, ba
 
 
 @pytest.mark.gpu_only
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gluon_runs_split_sequences_per_segment(monkeypatch, varlen):
+    """Sequences too few to fill the GPU are cut into segments (exact maps, chained): the Gluon kernel then runs each
+    segment from its chained start state and gives the portable kernels' result on the same split (NaN positions,
+    values to rounding, final states), as close to the float64 recurrence."""
+    _hopper()
+    real, launched = launch_mod.gdn_state_out_sm90_kernel, []
+
+    class Spy:  # counts the Gluon kernel's launches and runs them
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(launch_mod, "gdn_state_out_sm90_kernel", Spy())
+    lens = [1500, 700] if varlen else [1500]
+    T, N = sum(lens) if varlen else lens[0], len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=P.device) if varlen \
+        else None
+    ins = _inputs(7, 1, T, 1, 2, 64, N)
+    ins[2] = ins[2].clone()
+    ins[2][0, 900, 1, 5] = float("nan")
+    split = {"seg_units": 64, "seg_below": 16, "seg_min": 2, "sout_gluon_units": 0}
+    outs = {}
+    for impl in ("gluon", "triton"):
+        with torch.no_grad(), config_override({"gdn_chunk": {**ALWAYS, **split, "sout_impl": impl}}):
+            plan = plan_mod.chunk_plan(ins[0], ins[2], cu, None)
+            assert plan.seg is not None and plan.seg.nseg > N
+            outs[impl] = chunk_gated_delta_rule(*ins[:5], initial_state=ins[5].clone(), cu_seqlens=cu,
+                                                output_final_state=True)
+        assert len(launched) == 1  # once, by the Gluon impl; the portable one launches none
+    (o, ht), (o2, ht2) = outs["gluon"], outs["triton"]
+    assert torch.equal(o.isnan(), o2.isnan()) and o.isnan().any() and torch.equal(ht.isnan(), ht2.isnan())
+    ok = ~o.isnan()
+    assert rel_err(o[ok].double(), o2[ok].double()) < 1e-3
+    okh = ~ht.isnan()
+    assert rel_err(ht[okh].double(), ht2[okh].double()) < 1e-3
+    ins[2][0, 900, 1, 5] = 0.0
+    with torch.no_grad(), config_override({"gdn_chunk": {**ALWAYS, **split, "sout_impl": "gluon"}}):
+        o, ht = chunk_gated_delta_rule(*ins[:5], initial_state=ins[5].clone(), cu_seqlens=cu,
+                                       output_final_state=True)
+    ro, rht = recurrent_gated_delta_rule_ref(*[t.double() for t in ins[:5]], initial_state=ins[5].double(),
+                                             output_final_state=True, cu_seqlens=cu)
+    assert rel_err(o.double(), ro) < 1e-2 and rel_err(ht.double(), rht) < 1e-2
+
+
+@pytest.mark.gpu_only
 def test_gluon_vs_float64_and_deterministic():
     """Long sequences (many chunks through the ring and both buffer pairs) against the float64 recurrence, as close
     as the portable kernel; every call the same bits."""
@@ -139,8 +185,8 @@ def test_table_runs_gluon_where_it_applies():
 
 
 def test_gluon_gate():
-    """``use_sout_sm90``: compute capability 9.0 only, unsplit sequences, at least ``sout_gluon_units`` (chunk x
-    value head) units, inputs the kernel takes (checked on a plan that names an H200)."""
+    """``use_sout_sm90``: compute capability 9.0 only, at least ``sout_gluon_units`` (chunk x value head) units,
+    inputs the kernel takes, split sequences too (checked on a plan that names an H200)."""
     from gqla_triton.dispatch import DeviceInfo
 
     h200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=60 << 20)
@@ -164,15 +210,17 @@ def test_gluon_gate():
         v = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(1, 64, 1, 128)
         why = launch_mod.sout_sm90_unsupported(h200, 64, k, k, v)
         assert (why is None) == (H < 2**18) and (why is None or "2^31" in why)
-    assert not use(64 * 64, 2, sout_gluon_units=0, seg_units=64, seg_below=16, seg_min=4)  # split sequences
+    assert use(64 * 64, 2, sout_gluon_units=0, seg_units=64, seg_below=16, seg_min=4)  # split: per segment
 
 
 def test_config_and_rule():
-    """``sout_impl`` is checked (the Gluon ring has at most 3 stages); where the Gluon kernel runs, ``_fuse_out``
-    fuses any length, never with sout_chunks 0; the H200 table selects it."""
-    assert ChunkConfig(sout_impl="gluon", sout_num_stages=3).sout_num_stages == 3
-    with pytest.raises(ValueError, match="'sout_num_stages'"):
-        ChunkConfig(sout_impl="gluon", sout_num_stages=4)
+    """``sout_impl`` is checked (the Gluon ring has 1 to 3 stages at either V block); where the Gluon kernel runs,
+    ``_fuse_out`` fuses any length, never with sout_chunks 0; the H200 table selects it."""
+    assert ChunkConfig(sout_impl="gluon", sout_gluon_stages_v64=3).sout_gluon_stages_v64 == 3
+    for field in ("sout_gluon_stages_v32", "sout_gluon_stages_v64"):
+        for bad in (0, 4):
+            with pytest.raises(ValueError, match=f"'{field}'"):
+                ChunkConfig(**{field: bad})
     with pytest.raises(ValueError, match="'sout_impl'"):
         ChunkConfig(sout_impl="cuda")
     assert table_config("h200", "gdn_chunk", plan_mod.config_key(128, 128)).sout_impl == "gluon"

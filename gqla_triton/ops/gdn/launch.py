@@ -233,13 +233,14 @@ def sout_sm90_unsupported(info: DeviceInfo, BT: int, q, k, v) -> str | None:
 
 
 def use_sout_sm90(plan: ChunkPlan, q, k, v) -> bool:
-    """Whether a fused forward (``sout``) runs the Gluon kernel: the table's ``sout_impl: "gluon"``, sequences not
-    split (split, the separate state and output kernels beat it: the segment maps need w and u first), at least
-    ``sout_gluon_units`` (chunk x value head) units, at most 65535 (sequence x value head) programs (its grid's
-    second axis), and inputs it takes (``sout_sm90_unsupported``)."""
+    """Whether a fused forward (``sout``) runs the Gluon kernel: the table's ``sout_impl: "gluon"``, at least
+    ``sout_gluon_units`` (chunk x value head) units, at most 65535 (sequence or segment x value head) programs (its
+    grid's second axis), and inputs it takes (``sout_sm90_unsupported``). Split sequences run it per segment from
+    the chained start states (``_state_out``)."""
     cfg = plan.cfg
-    return (cfg.sout_impl == "gluon" and plan.seg is None and plan.NTT * v.shape[2] >= cfg.sout_gluon_units
-            and plan.N * v.shape[2] <= MAX_GRID_Y and sout_sm90_unsupported(plan.gpu, plan.BT, q, k, v) is None)
+    units = plan.seg.nseg if plan.seg is not None else plan.N
+    return (cfg.sout_impl == "gluon" and plan.NTT * v.shape[2] >= cfg.sout_gluon_units
+            and units * v.shape[2] <= MAX_GRID_Y and sout_sm90_unsupported(plan.gpu, plan.BT, q, k, v) is None)
 
 
 def _sout_bv(plan: ChunkPlan, V: int, programs: int, sm90: bool) -> int:
@@ -267,7 +268,7 @@ def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: Ch
     if sm90:
         gdn_state_out_sm90_kernel[(V // BV, st.units * HV)](
             q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, st.pool_rows, H, HV, V=V, BV=BV,
-            STAGES=plan.cfg.sout_num_stages, **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
+            STAGES=getattr(plan.cfg, f"sout_gluon_stages_v{BV}"), **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
             num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
     else:
         gdn_state_out_kernel[(cdiv(V, BV) * st.units * HV,)](
