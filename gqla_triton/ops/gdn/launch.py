@@ -4,7 +4,8 @@ sequences, the state pass and the chaining of split sequences.
 Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state; long sequences split into segments:
 ``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). A forward that no backward follows may instead
 run ``wy`` -> ``sout`` (``_fuse_out``): one pass forming w and u's products from Ainv, the state and o, with nothing
-else through HBM (under sequence splitting ``wu`` and the segment maps still run first). Backward (after w, u, h,
+else through HBM (under sequence splitting ``wu`` and the segment maps still run first, and ``sout`` runs per
+segment). Backward (after w, u, h,
 v_new are recomputed or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a
 kernel fills comes from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*``
 (``ChunkConfig``).

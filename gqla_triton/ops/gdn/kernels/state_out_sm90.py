@@ -1,7 +1,7 @@
 """Stage ``sout`` for Hopper (sm_90): ``gdn_state_out_kernel``'s pass as a warp-specialised Gluon kernel.
 
-One program per (sequence, value head, V block of ``BV``), the chunk size 64 and K = 128 (two 64-column slabs),
-four partitions of four warps each:
+One program per (sequence or segment of a split one, value head, V block of ``BV``), the chunk size 64 and K = 128
+(two 64-column slabs), four partitions of four warps each:
 
 * the producer copies each chunk's k, q (two slabs each), its v block, Ainv rows, gates and beta into a ring of
   ``STAGES`` shared-memory stages with ``cp.async`` (rows past the sequence end zero-filled; beta through its
