@@ -69,11 +69,11 @@ def softmax_step(s, m_i, l_i, qk_scale, AXIS: tl.constexpr, RAW: tl.constexpr):
     ``|qk_scale| <= 1`` the scores are scaled (``|s·qk_scale| <= |s|``: nothing overflows) and the running max m is
     of the scaled scores. With ``RAW`` (``|qk_scale| > 1``, where a finite score times the scale may pass the
     float32 range while the softmax is finite; ``score_mode``) m is the max of the raw scores (negated for a
-    negative scale) and the scale, then ``|qk_scale|``, applies to differences from it, ``p = 2^((s - m)·qk_scale)``. Returns ``(m_new, alpha, p, l_new)``: the running max, the
-    rescale of the old accumulator, the tile's probabilities and the running sum. A row with no key so far keeps
-    m = -inf and gets p = 0. The max skips NaN scores; they reach ``l`` (and P·V) through ``p = NaN``. A ``+inf``
-    max rescales from 0, so a ``+inf`` score gives ``p = +inf`` and ``l = +inf`` (lse ``+inf``) instead of
-    ``inf - inf``."""
+    negative scale) and the scale, then ``|qk_scale|``, applies to differences from it, ``p = 2^((s - m)·qk_scale)``.
+    Returns ``(m_new, alpha, p, l_new)``: the running max, the rescale of the old accumulator, the tile's
+    probabilities and the running sum. A row with no key so far keeps m = -inf and gets p = 0. The max skips NaN
+    scores; they reach ``l`` (and P·V) through ``p = NaN``. A ``+inf`` max rescales from 0, so a ``+inf`` score
+    gives ``p = +inf`` and ``l = +inf`` (lse ``+inf``) instead of ``inf - inf``."""
     m_new = tl.maximum(m_i, tl.max(s, AXIS))
     m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
     a = m_i - m_safe
