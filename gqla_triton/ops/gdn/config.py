@@ -37,9 +37,9 @@ class ChunkConfig(KernelConfig):
     warp-specialised kernel takes (``kernels/state_out_sm90.py``: bf16, K 128, chunk 64, V a multiple of 32) run
     ``sout`` there, for any length (its output products leave the state's chain), with ``sout_gluon_stages_v32`` /
     ``sout_gluon_stages_v64`` ring stages (1-3) at V blocks of 32 / 64, where the call has at least
-    ``sout_gluon_units`` (chunk x value head) units: its launch costs the
-    host more than the portable kernel's, which outweighs the GPU time it saves on the smallest calls (on the H200,
-    an eager 512-token chunk of 32 value heads). Other calls run the portable kernel under the rule above."""
+    ``sout_gluon_units`` (chunk x value head) units: its launch costs the host more than the portable kernel's,
+    which outweighs the GPU time it saves on the smallest calls (on the H200, an eager 512-token chunk of 32 value
+    heads). Other calls run the portable kernel under the rule above."""
 
     OP: ClassVar[str] = "gdn_chunk"
     MATCH: ClassVar[dict] = {"K": int, "V": int}

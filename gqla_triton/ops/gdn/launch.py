@@ -5,10 +5,9 @@ Forward: ``wy`` (gc, Ainv) -> ``wu`` (w, u) -> ``state`` (h, v_new, final state;
 ``seg`` maps, chained, then ``state`` per segment) -> ``out`` (o). A forward that no backward follows may instead
 run ``wy`` -> ``sout`` (``_fuse_out``): one pass forming w and u's products from Ainv, the state and o, with nothing
 else through HBM (under sequence splitting ``wu`` and the segment maps still run first, and ``sout`` runs per
-segment). Backward (after w, u, h,
-v_new are recomputed or taken from the forward): ``dvl`` -> ``state_bwd`` -> ``grad`` -> ``wy_bwd``. Every buffer a
-kernel fills comes from ``alloc.empty``. The launch parameters of stage ``<s>`` are the config fields ``<s>_*``
-(``ChunkConfig``).
+segment). Backward (after w, u, h, v_new are recomputed or taken from the forward): ``dvl`` -> ``state_bwd`` ->
+``grad`` -> ``wy_bwd``. Every buffer a kernel fills comes from ``alloc.empty``. The launch parameters of stage
+``<s>`` are the config fields ``<s>_*`` (``ChunkConfig``).
 """
 
 from __future__ import annotations
@@ -269,8 +268,8 @@ def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: Ch
     if sm90:
         gdn_state_out_sm90_kernel[(V // BV, st.units * HV)](
             q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, st.pool_rows, H, HV, V=V, BV=BV,
-            STAGES=getattr(plan.cfg, f"sout_gluon_stages_v{BV}"), **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
-            num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
+            STAGES=getattr(plan.cfg, f"sout_gluon_stages_v{BV}"), **_starts_flags(st), BETA_SIGMOID=beta_sigmoid,
+            NEG_EIGVAL=neg_eigval, num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
     else:
         gdn_state_out_kernel[(cdiv(V, BV) * st.units * HV,)](
             q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, plan.NT,
