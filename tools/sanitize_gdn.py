@@ -20,6 +20,11 @@ decay) at a token inside a chunk, dense and varlen, K = V = 128 and the masked o
 and backward (the non-finite paths of the marked chunks run here). The output and final state must be non-finite
 exactly where the float64 recurrence is and within the tolerance above elsewhere; the gradients of the clean
 sequence must be finite.
+
+``--cases infer``: the forward without gradient through the Hopper Gluon kernel (sm_90 only; elsewhere the cases
+are listed as not run): V 32 / 64 / 128, dense, varlen with empty and one-token sequences (lengths 1, 0, 63, 64,
+65, 130), a state pool with a ``-1`` row, and a sequence split into segments, each with a NaN in v, against the
+portable kernel on the same call: the same NaN positions, the rest within 1e-3.
 """
 
 from __future__ import annotations
@@ -183,22 +188,76 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", choices=("all", "finite", "nonfinite"), default="all")
+    ap.add_argument("--cases", choices=("all", "finite", "nonfinite", "infer"), default="all")
     ap.add_argument("--dims", choices=("all", "128", "odd"), default="all",
                     help="head dims of the non-finite cases: K = V = 128, K 24 / V 20 (masked tiles), or both")
     args = ap.parse_args(argv)
     which = args.cases
     dims = {"all": ((128, 128), (24, 20)), "128": ((128, 128),), "odd": ((24, 20),)}[args.dims]
     ok = True
-    if which != "nonfinite":
+    if which == "infer":
+        ok &= infer_cases()
+    if which in ("all", "finite"):
         ok &= finite_cases()
         ok &= hostile_cu_cases()
-    if which != "finite":
+    if which in ("all", "nonfinite"):
         for K_, V_ in dims:
             for i, (what, val) in enumerate(NONFINITE_SPOTS):
                 ok &= nonfinite_case(K_, V_, what, val, varlen=bool(i % 2))
     print("ALL OK" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def infer_cases() -> bool:
+    """``--cases infer`` (module docstring): the Gluon kernel against the portable one, no autograd."""
+    from gqla_triton.dispatch import config_override
+
+    if DEV != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        print("not run: the Gluon GDN kernel needs an sm_90 GPU", flush=True)
+        return True
+    ok = True
+    split = {"seg_units": 64, "seg_below": 16, "seg_min": 2}
+    for V_ in (32, 64, 128):
+        for kind in ("dense", "varlen", "pool", "split"):
+            g = torch.Generator().manual_seed(V_)
+            lens = (1, 0, 63, 64, 65, 130) if kind != "split" else (700,)
+            B, T, N = (2, 130, 2) if kind == "dense" else (1, sum(lens), len(lens))
+            cu = None if kind == "dense" else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                                          dtype=torch.int32, device=DEV)
+            q, k = (torch.nn.functional.normalize(torch.randn(B, T, 1, K, generator=g), dim=-1) for _ in range(2))
+            v = torch.randn(B, T, 2, V_, generator=g)
+            v[0, min(T - 1, 100), 1, 3] = math.nan
+            gg, beta = -torch.rand(B, T, 2, generator=g), torch.rand(B, T, 2, generator=g) * 0.9 + 0.05
+            rows = N + 2 if kind == "pool" else N
+            h0 = torch.randn(rows, 2, K, V_, generator=g) * 0.5
+            xs = [x.to(DEV, DTYPE) for x in (q, k, v, gg, beta)]
+            kw = {}
+            if kind == "pool":
+                idx = torch.randperm(rows, generator=g)[:N].to(torch.int32)
+                idx[1] = -1
+                kw["state_indices"] = idx.to(DEV)
+            outs = []
+            for impl in ("gluon", "triton"):
+                pool = h0.to(DEV).clone()
+                over = {"sout_chunks": 1 << 20, "sout_waves": 1 << 20, "sout_gluon_units": 0, "sout_impl": impl,
+                        **(split if kind == "split" else {})}
+                with torch.no_grad(), config_override({"gdn_chunk": over}):
+                    o, ht = gq.chunk_gated_delta_rule(*xs, initial_state=pool, cu_seqlens=cu,
+                                                      output_final_state="state_indices" not in kw, **kw)
+                outs.append((o, pool if ht is None else ht))
+            torch.cuda.synchronize()
+            msgs = []
+            for name, a, b in zip(("o", "final_state"), *outs, strict=True):
+                if not torch.equal(a.isnan(), b.isnan()):
+                    msgs.append(f"{name}: NaN positions differ")
+                    continue
+                fin = ~a.isnan()
+                if fin.any() and rel(a[fin], b[fin].double()) > 1e-3:
+                    msgs.append(f"{name}: err {rel(a[fin], b[fin].double()):.3g}")
+            tag = f"infer gluon V={V_} {kind}"
+            print(("FAIL " if msgs else "ok   ") + tag + ("  " + "; ".join(msgs) if msgs else ""), flush=True)
+            ok &= not msgs
+    return ok
 
 
 def finite_cases() -> bool:
