@@ -269,6 +269,22 @@ def test_absorbed_weights_cached_and_invalidated():
     assert w_uk.requires_grad
 
 
+def test_reference_decode_sees_writes_through_weight_data():
+    """``impl="reference"``'s absorb step after an in-place write through ``kv_b_proj.weight.data`` (which has a
+    version counter of its own): the float64 layer reference of the new weights, as the kernels' path gives."""
+    gg = gen(4)
+    layer = make_layer(4, g=2, impl="reference")
+    lat, ids = random_latent_cache(layer, gg, [5, 9], dtype=torch.float32)
+    x = randn((2, 1, layer.hidden_size), gg, dtype=torch.float32)
+    pos = torch.tensor([[5], [9]])
+    with torch.no_grad():
+        layer(x, pos, copy.deepcopy(lat), seq_ids=ids)
+        layer.kv_b_proj.weight.data.copy_(randn(layer.kv_b_proj.weight.shape, gg, dtype=torch.float32, scale=0.2))
+        y = layer(x, pos, copy.deepcopy(lat), seq_ids=ids)
+    assert_close("absorb after a .data write", y, gqla_reference(layer, x, pos, past_of(lat, ids)),
+                 dtype=torch.float32, eps=1e-4)
+
+
 def test_auto_path_choice_and_make_cache():
     layer = make_layer(0, g=2, dtype=torch.float32, path="auto")
     big = GQLAttention(7168, 128, 8, 128, 64, 512, device="meta")

@@ -593,6 +593,27 @@ def test_heads_too_wide_for_shared_memory_are_refused(monkeypatch):
         mla_decode(q, kv, bt, torch.ones(1, dtype=torch.int32, device=P.device), 8192 - 64)
 
 
+def test_portable_kernel_fits_whatever_the_config_names(monkeypatch):
+    """A config that names the Gluon kernel (its 64 x 64 tiles, two stages) for a call the portable kernel runs
+    (fp32 q, which the Gluon kernel refuses): the portable kernel's tiles are cut to the GPU's shared memory as for
+    a config that names the portable kernel, not launched past it."""
+    import dataclasses
+
+    import gqla_triton.ops.mla.plan as plan_mod
+    from gqla_triton.dispatch import config_override
+
+    real = plan_mod.device_info
+    monkeypatch.setattr(plan_mod, "device_info", lambda d: dataclasses.replace(real(d), smem_per_block=SM90_SHARED))
+    q = torch.zeros(1, 1, 64, 576, dtype=torch.float32, device=P.device)
+    plans = []
+    for impl in ("triton", "gluon"):
+        with config_override({"mla_decode": {"impl": impl, "block_h": 64, "block_n": 64, "num_stages": 2}}):
+            p = plan_mod.plan(q, 64, 4, 512, None, 0, "triton")
+        assert plan_mod.shared_bytes(p.BLOCK_H, p.cfg.block_n, p.cfg.num_stages, 512, 576, 4) <= SM90_SHARED
+        plans.append((p.BLOCK_H, p.cfg.block_n, p.cfg.num_stages))
+    assert plans[0] == plans[1]
+
+
 def test_gluon_config_has_one_key_ring():
     """A table cannot ask the Gluon kernel for a key ring it does not have (64-key tiles, two stages): the config
     is refused by field name, not launched with the fields ignored."""

@@ -12,6 +12,7 @@ every check (spawning costs seconds under the interpreter).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import tempfile
 import time
@@ -372,6 +373,11 @@ def test_converted_layers_rope_frequencies_travel_with_the_shards(tmp_path):
         assert sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want)
     with pytest.raises(ValueError, match="unexpected \\['rope_inv_freq_bits'\\]"):  # the frequencies belong in config
         shard_gqla_state_dict(layer.state_dict(), {k: v for k, v in cfg.items() if k != "rope_inv_freq"}, 0, 2)
+    sd = layer.state_dict()
+    inf_bits = torch.full_like(inv, math.inf).view(torch.int64)
+    for bad, why in ((sd["rope_inv_freq_bits"].int(), "int64 bits"), (inf_bits, "finite")):  # as the layer's load
+        with pytest.raises(ValueError, match=f"rope_inv_freq_bits: expected the .*{why}"):
+            shard_gqla_state_dict({**sd, "rope_inv_freq_bits": bad}, cfg, 0, 2)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         tp = TPGQLAttention.from_layer(layer)

@@ -462,8 +462,9 @@ def test_float8_parameter_dtypes_are_refused_by_name():
 
 def test_refused_gqla_load_state_dict_changes_nothing():
     """A layer built without ``rope_inv_freq`` refuses a state dict carrying RoPE frequencies (strict or not: it
-    would keep ``rope_theta``'s), and any refused load (a wrong shape, frequency bits that are not int64) leaves
-    every parameter as it was."""
+    would keep ``rope_theta``'s), and any refused load (a wrong shape, frequency bits that are not int64 or not of
+    finite values, integer / bool / complex weights, an ``assign`` of another dtype) leaves every parameter as it
+    was."""
     inv = torch.tensor([1.0, 0.25, 3e-4, 2.0], dtype=torch.float64)
     src = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=inv, impl="reference", dtype=torch.float64)
     sd = src.state_dict()
@@ -471,12 +472,21 @@ def test_refused_gqla_load_state_dict_changes_nothing():
     with_inv = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=torch.ones(4), impl="reference", dtype=torch.float64)
     cases = [(plain, sd, True), (plain, sd, False),
              (with_inv, {**sd, "o_proj.weight": sd["o_proj.weight"][:, :3]}, True),
-             (with_inv, {**sd, "rope_inv_freq_bits": inv.float()}, False)]
+             (with_inv, {**sd, "rope_inv_freq_bits": inv.float()}, False),
+             (with_inv, {**sd, "rope_inv_freq_bits": sd["rope_inv_freq_bits"].int()}, True),
+             (with_inv, {**sd, "rope_inv_freq_bits": torch.tensor([1.0, math.inf, 0.5, 2.0],
+                                                                  dtype=torch.float64).view(torch.int64)}, True),
+             (with_inv, {**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"].long()}, True),
+             (with_inv, {**sd, "q_proj.weight": sd["q_proj.weight"] > 0}, False),
+             (with_inv, {**sd, "o_proj.weight": sd["o_proj.weight"].to(torch.complex128)}, True)]
     for layer, bad, strict in cases:
         before = {k: v.clone() for k, v in layer.state_dict().items()}
-        with pytest.raises(ValueError, match="state_dict: .*(rope_inv_freq_bits|o_proj.weight)"):
+        with pytest.raises(ValueError, match="state_dict: .*(rope_inv_freq_bits|o_proj.weight|kv_b_proj|q_proj)"):
             layer.load_state_dict(bad, strict=strict)
         assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    with pytest.raises(ValueError, match="kv_b_proj.weight: assign=True takes the layer's dtype"):
+        with_inv.load_state_dict({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"].float()}, assign=True)
+    assert with_inv.kv_b_proj.weight.dtype == torch.float64
     with_inv.load_state_dict(sd)
     assert torch.equal(with_inv.rope_inv_freq, inv)
 

@@ -11,9 +11,35 @@ import torch
 from torch import nn
 
 
-def check_state_dict(module: nn.Module, state_dict, prefix: str, refused: tuple[tuple[str, str], ...] = ()) -> None:
+def entry_problem(v, t: torch.Tensor, *, assign: bool = False) -> str | None:
+    """Why ``v`` cannot be loaded into the state tensor ``t`` (None when it can): not a tensor, another shape, no
+    values (meta), or another kind: a real floating tensor for a floating one (a cast from an integer, bool or
+    complex tensor would not be the layer's weights), the very dtype for an integer one (bits); with ``assign`` (the
+    tensor replaces ``t``) also ``t``'s dtype and device, or the layer would compute in mixed dtypes."""
+    if not isinstance(v, torch.Tensor):
+        return f"expected a tensor, got {type(v).__name__}"
+    if tuple(v.shape) != tuple(t.shape):
+        return f"expected shape {list(t.shape)}, got {list(v.shape)}"
+    if v.device.type == "meta" and t.device.type != "meta":
+        return "on the meta device (it holds no values)"
+    if t.is_floating_point() and (not v.is_floating_point() or v.is_complex()):
+        return f"expected a real floating tensor, got {v.dtype}"
+    if not t.is_floating_point() and v.dtype != t.dtype:
+        return f"expected {t.dtype}, got {v.dtype}"
+    if assign and (v.dtype != t.dtype or v.device != t.device):
+        return f"assign=True takes the layer's dtype and device ({t.dtype}, {t.device}), got {v.dtype}, {v.device}"
+    return None
+
+
+def assigning(local_metadata) -> bool:
+    """Whether ``_load_from_state_dict``'s load replaces the module's tensors (``load_state_dict(assign=True)``)."""
+    return isinstance(local_metadata, dict) and bool(local_metadata.get("assign_to_params_buffers", False))
+
+
+def check_state_dict(module: nn.Module, state_dict, prefix: str, refused: tuple[tuple[str, str], ...] = (), *,
+                     assign: bool = False) -> None:
     """Before ``module`` (and its children) take their entries of ``state_dict`` under ``prefix``: each entry of the
-    module's own state that is present is a tensor of the module's shape, and none of ``refused`` (``(key, why)``
+    module's own state that is present can be loaded (``entry_problem``), and none of ``refused`` (``(key, why)``
     pairs: keys whose loss would change the layer's function, refused even without ``strict``) is present. A
     ``ValueError`` names the offending keys."""
     for key, why in refused:
@@ -23,10 +49,9 @@ def check_state_dict(module: nn.Module, state_dict, prefix: str, refused: tuple[
     for n, t in module.state_dict().items():
         k = prefix + n
         if k in state_dict:
-            v = state_dict[k]
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape):
-                got = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                bad.append(f"{k}: expected shape {list(t.shape)}, got {got}")
+            why = entry_problem(state_dict[k], t, assign=assign)
+            if why is not None:
+                bad.append(f"{k}: {why}")
     if bad:
         raise ValueError(f"state_dict: {'; '.join(bad)}")
 

@@ -45,7 +45,7 @@ from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
 from ..ops.gdn.decode import sequence_count
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
-from ._state import check_state_dict, load_or_restore
+from ._state import assigning, check_state_dict, load_or_restore
 from .gdn_step import add_token_counts, gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
 
@@ -543,7 +543,8 @@ class GatedDeltaNet(nn.Module):
                                      f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
             state_dict[f"{prefix}in_proj.weight"] = torch.cat(parts, 0)
         check_state_dict(self, state_dict, prefix, tuple(
-            (f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv"))
+            (f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv"),
+            assign=assigning(args[0] if args else None))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -49,7 +49,7 @@ from ..ops._common.validation import (
     is_int,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
-from ._state import check_state_dict, load_or_restore
+from ._state import assigning, check_state_dict, load_or_restore
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
@@ -96,6 +96,17 @@ class _ForwardOnlyDecode(torch.autograd.Function):
         raise RuntimeError("GQLAttention: a decode step against a cache is forward-only (the new tokens' rows are "
                            "read back from the cache): call it under torch.no_grad() / torch.inference_mode(), or "
                            "run the whole sequence without a cache to train")
+
+
+def check_rope_bits(key: str, v) -> None:
+    """A state dict's RoPE frequencies (entry ``key``, ``rope_inv_freq_bits``; None or a non-tensor: left to the
+    shape checks): the int64 bits of finite float64 frequencies, as the constructor takes ``rope_inv_freq``."""
+    if not isinstance(v, torch.Tensor):
+        return
+    if v.dtype != torch.int64:
+        raise ValueError(f"state_dict: {key}: expected the int64 bits of float64 frequencies, got {v.dtype}")
+    if v.device.type != "meta" and not bool(torch.isfinite(v.view(torch.float64)).all()):
+        raise ValueError(f"state_dict: {key}: expected the bits of finite frequencies")
 
 
 class GQLAttention(nn.Module):
@@ -193,13 +204,11 @@ class GQLAttention(nn.Module):
         load; RoPE frequencies (``rope_inv_freq_bits``, int64) are refused by a layer built without
         ``rope_inv_freq`` even when not ``strict``: it would keep ``rope_theta``'s."""
         key = prefix + "rope_inv_freq_bits"
-        if key in state_dict and isinstance(state_dict[key], torch.Tensor) and state_dict[key].dtype != torch.int64:
-            raise ValueError(f"state_dict: {key}: expected the int64 bits of float64 frequencies, got "
-                             f"{state_dict[key].dtype}")
+        check_rope_bits(key, state_dict.get(key))
         refused = () if self.rope_inv_freq_bits is not None else (
             ("rope_inv_freq_bits", "RoPE frequencies for a layer built without rope_inv_freq (it uses rope_theta's): "
                                    "build it with rope_inv_freq"),)
-        check_state_dict(self, state_dict, prefix, refused)
+        check_state_dict(self, state_dict, prefix, refused, assign=assigning(args[0] if args else None))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -286,7 +295,8 @@ class GQLAttention(nn.Module):
     def absorbed_weights(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorb-path weights ``W_UK [g, d_h, r]``, ``W_UV [g, d_v, r]`` contiguous in ``dtype``, computed once
         and reused until ``kv_b_proj.weight`` changes (tracked by its version counter and storage pointer; also
-        across ``weight.data = ...``).
+        across ``weight.data = ...``; an in-place write through ``weight.data``, which has a version counter of its
+        own, is not seen: the layer's own decode steps read ``w_uk_uv`` instead).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
         they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly)."""
         check_float_dtype(dtype)
@@ -506,7 +516,7 @@ class GQLAttention(nn.Module):
 
         B, T, h, dh = q_nope.shape
         g, r = self.num_groups, self.kv_rank
-        w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
+        w_uk, w_uv = self.w_uk_uv(q_nope.dtype)  # read each step: no cache to miss a write through weight.data
         q_lat = torch.einsum("btgjd,gdr->btgjr", q_nope.reshape(B, T, g, h // g, dh), w_uk).reshape(B, T, h, r)
         q = torch.cat([q_lat, q_rope], -1).to(cache.compute_dtype).contiguous()
         # every check of the attention op (on the tables' shapes) before the cache is written

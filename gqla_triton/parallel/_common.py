@@ -87,7 +87,8 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], full: nn.Module, lo
             raise TypeError(f"state_dict: {k!r} is a {type(t).__name__}, expected a tensor")
         if t.shape != w.shape:
             raise ValueError(f"state_dict: {k!r} has shape {list(t.shape)}, the layer expects {list(w.shape)}")
-        if t.is_floating_point() != w.is_floating_point() or t.is_complex():
+        if t.is_floating_point() != w.is_floating_point() or t.is_complex() or (
+                not w.is_floating_point() and t.dtype != w.dtype):  # bits (an int64 buffer) are read as they are
             raise TypeError(f"state_dict: {k!r} is {t.dtype}, the layer holds {w.dtype}")
         if t.device.type == "meta":
             raise ValueError(f"state_dict: {k!r} is on the meta device (it holds no values)")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..layers.gqla import GQLAttention
+from ..layers.gqla import GQLAttention, check_rope_bits
 from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
@@ -67,6 +67,14 @@ def shard_gqla_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mappin
     arguments. No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
     full, local, _ = _meta_layers(_check_config(config), tp_size)
+    return _shard(state_dict, full, local, tp_rank)
+
+
+def _shard(state_dict, full: GQLAttention, local: GQLAttention, tp_rank: int) -> dict[str, torch.Tensor]:
+    """``shard_state_dict`` after the checks the layer's own load makes of its RoPE frequencies (``check_rope_bits``:
+    int64 bits of finite values)."""
+    if isinstance(state_dict, Mapping):
+        check_rope_bits("rope_inv_freq_bits", state_dict.get("rope_inv_freq_bits"))
     return shard_state_dict(state_dict, full, local, tp_rank)
 
 
@@ -101,7 +109,7 @@ class TPGQLAttention(TensorParallel):
         src = state_dict.get("kv_b_proj.weight") if isinstance(state_dict, Mapping) else None
         dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)
         full, local, cfg = _meta_layers(cfg, size, dtype)
-        shards = shard_state_dict(state_dict, full, local, rank)
+        shards = _shard(state_dict, full, local, rank)
         dev = resolve_device(group, device)
         return cls(load_into(local, shards, dev), group, rank, size, cfg)
 

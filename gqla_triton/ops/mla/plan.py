@@ -81,9 +81,9 @@ def plan(q: torch.Tensor, page_size: int, max_pages: int, head_dim_v: int, topk:
     cfg = select_config("mla_decode", config_key(q, head_dim_v, sparse, impl), device=q)
     if impl == "gluon" and cfg.impl != "gluon":  # a table with no Gluon entry (an explicit impl="gluon"): its geometry
         cfg = cfg.replace(**GLUON_GEOMETRY)
-    if cfg.impl != "gluon":
+    if impl != "gluon":  # the portable kernel runs: its tiles fit, whichever kernel the config names for "auto"
         rows = h_q if sparse else h_q * s_q
-        cfg = _fit_shared(cfg, rows, head_dim_v, q.shape[-1], 4 if q.dtype == torch.float32 else 2,
+        cfg = _fit_shared(cfg.replace(impl="triton"), rows, head_dim_v, q.shape[-1], 4 if q.dtype == torch.float32 else 2,
                           device_info(q).smem_per_block)
     HPT = min(h_q, cfg.block_h)
     QPT = 1 if sparse else max(1, min(s_q, cfg.block_h // HPT))
