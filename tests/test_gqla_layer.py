@@ -285,6 +285,54 @@ def test_reference_decode_sees_writes_through_weight_data():
                  dtype=torch.float32, eps=1e-4)
 
 
+def test_layer_arguments_of_the_wrong_kind_are_refused_by_name():
+    """Sparse / nested inputs, devices torch cannot name, a path given as a falsy value and an epsilon float32
+    flushes: a TypeError / ValueError naming the argument, before any cache changes."""
+    layer = make_layer(5, g=2)
+    gg = gen(5)
+    lat, ids = random_latent_cache(layer, gg, [4, 6], dtype=torch.float32)
+    before = lat.seqlens(ids)
+    x = randn((2, 1, layer.hidden_size), gg, dtype=torch.float32)
+    with torch.no_grad():
+        for bad in (x.to_sparse(), torch.nested.nested_tensor([x[0], x[1]])):
+            with pytest.raises(TypeError, match="hidden_states: expected a dense"):
+                layer(bad, None, lat, seq_ids=ids)
+        idx = torch.zeros(2, 1, 4, dtype=torch.int32, device=P.device)
+        with pytest.raises(TypeError, match="indices: expected a dense"):
+            layer(x, None, lat, seq_ids=ids, indices=idx.to_sparse())
+        with pytest.raises(TypeError, match="topk_length: expected a dense"):
+            layer(x, None, lat, seq_ids=ids, indices=idx, topk_length=torch.ones(2, dtype=torch.int32).to_sparse())
+    assert lat.seqlens(ids) == before
+    for bad in ("xyz", -1, 1.5):
+        with pytest.raises(ValueError, match="device"):
+            layer.make_cache(2, 32, page_size=16, device=bad)
+        with pytest.raises(ValueError, match="device"):
+            layer.choose_path(device=bad)
+    for bad in ("", False, 0):
+        with pytest.raises(ValueError, match="path"):
+            layer.make_cache(2, 32, page_size=16, path=bad)
+    with pytest.raises(ValueError, match="norm_eps"):
+        GQLAttention(32, 4, 2, 16, 8, 16, norm_eps=1e-50)
+
+
+def test_nan_token_reaches_only_the_queries_that_see_it():
+    """An MTP step (2 tokens) whose second token is NaN: only that query's output is non-finite, in the float64
+    layer reference and on both decode paths (the first query does not see the second token's key)."""
+    layer = make_layer(6, g=2)
+    gg = gen(6)
+    lat, ids = random_latent_cache(layer, gg, [4, 7], dtype=torch.float32)
+    grp = GroupedCache.from_latent(lat, layer)
+    x = randn((2, 2, layer.hidden_size), gg, dtype=torch.float32)
+    x[0, 1, 3] = math.nan
+    pos = torch.tensor([[4, 5], [7, 8]])
+    ref = gqla_reference(layer, x, pos, past_of(lat, ids))
+    want = [[0, 1]]
+    assert (~torch.isfinite(ref)).any(-1).nonzero().tolist() == want
+    with torch.no_grad():
+        for cache in (lat, grp):
+            assert (~torch.isfinite(layer(x, pos, cache, seq_ids=ids))).any(-1).nonzero().tolist() == want
+
+
 def test_auto_path_choice_and_make_cache():
     layer = make_layer(0, g=2, dtype=torch.float32, path="auto")
     big = GQLAttention(7168, 128, 8, 128, 64, 512, device="meta")

@@ -136,6 +136,41 @@ def test_cropped_hf_cache_is_refused():
             conv(ids[:, 8:9], past_key_values=cache, use_cache=True)
 
 
+def test_refused_cached_calls_leave_both_caches_as_they_were():
+    """A cached call the adapter refuses (past ``max_seqlen``, the wrong dtype) is refused before the HF cache
+    records its tokens: both caches keep their length and the next valid step decodes. Masks, positions and
+    arguments of the wrong kind are refused by name (an integer 4-D mask, whose HF meaning is 1 = attend, is read
+    neither way)."""
+    model = tiny_llama(15, g=2, layers=1)
+    ids = ids_for(16, 1, 20)
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference", max_seqlen=16, page_size=16)
+    cache = transformers.DynamicCache(config=model.config)
+    attn = conv.model.layers[0].self_attn
+    with torch.no_grad():
+        conv(ids[:, :10], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_seqlen 16"):
+            conv(ids[:, 10:18], past_key_values=cache, use_cache=True)
+        x = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64, device=P.device)
+        with pytest.raises(TypeError, match="hidden_states: expected the layer's dtype"):
+            attn(x, None, None, past_key_values=cache)
+        assert cache.get_seq_length(0) == 10 and attn.gqla_cache.seqlens([0]) == [10]
+        conv(ids[:, 10:11], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length(0) == 11
+        y = torch.randn(1, 3, model.config.hidden_size, device=P.device)
+        for kw, err, what in ((dict(position_ids=torch.arange(4, device=P.device)[None]), ValueError, "position_ids"),
+                              (dict(cache_position=torch.arange(5, device=P.device)), ValueError, "cache_position"),
+                              (dict(position_ids=torch.arange(3.0, device=P.device)[None]), TypeError,
+                               "position_ids"),
+                              (dict(attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.int64, device=P.device)),
+                               TypeError, "attention_mask"),
+                              (dict(attention_mask=torch.ones(2, 1, 3, 3, dtype=torch.bool, device=P.device)),
+                               ValueError, "attention_mask")):
+            with pytest.raises(err, match=what):
+                attn(y, None, **kw)
+    with pytest.raises(TypeError, match="layer_idx"):
+        GQLAHFAttention(attn.attn, "0")
+
+
 def test_truncated_conversion_calibration_helps():
     """Below full rank the error grows as the rank falls; calibrating on token ids lowers it on those ids."""
     model = tiny_llama(7, g=2, layers=1)

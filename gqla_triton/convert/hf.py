@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.gqla import GQLAttention
-from ..ops._common.validation import check_page_size, check_positive_int
+from ..ops._common.validation import check_dense, check_page_size, check_positive_int, is_int
 from .trans_gqla import trans_gqla
 
 __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
@@ -27,8 +27,24 @@ _DECODE_PATHS = ("absorb", "grouped")
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """HF 4-D mask (bool: True = attend; float: 0 = attend, large negative = hidden) -> bool."""
+    """HF 4-D mask (bool: True = attend; float: 0 = attend, large negative = hidden) -> bool. An integer mask is
+    refused: HF's 4-D integer masks mean 1 = attend, the additive convention's opposite, so neither reading is
+    safe."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attention_mask: expected a bool (True = attend) or floating (0 = attend) 4-D mask, got "
+                        f"{mask.dtype}")
     return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _positions(name: str, p, B: int, T: int, dev: torch.device) -> torch.Tensor:
+    """``position_ids`` / ``cache_position`` broadcast to ``[B, T]`` (a ``ValueError`` naming it where they do not)."""
+    p = check_dense(name, p)
+    if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got {p.dtype}")
+    try:
+        return torch.broadcast_to(p.to(dev), (B, T))
+    except RuntimeError:
+        raise ValueError(f"{name}: expected a shape that broadcasts to [{B}, {T}], got {list(p.shape)}") from None
 
 
 class GQLAHFAttention(nn.Module):
@@ -50,6 +66,10 @@ class GQLAHFAttention(nn.Module):
         super().__init__()
         if not isinstance(attn, GQLAttention):
             raise TypeError(f"attn: expected a GQLAttention, got {type(attn).__name__}")
+        if not is_int(layer_idx):
+            raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__} {layer_idx!r}")
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
         if decode_path not in _DECODE_PATHS:
             raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
         check_positive_int("max_seqlen", max_seqlen)
@@ -61,13 +81,13 @@ class GQLAHFAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 position_ids=None, past_key_values=None, cache_position=None, **kwargs):
         hf_cache = cache if cache is not None else past_key_values
-        B, T = hidden_states.shape[:2]
+        B, T = self.attn.check_hidden(hidden_states)  # every check before the HF cache is updated
         past = hf_cache.get_seq_length(self.layer_idx) if hf_cache is not None else 0
         dev = hidden_states.device
         if position_ids is not None:
-            pos = position_ids.to(dev).expand(B, T)
+            pos = _positions("position_ids", position_ids, B, T, dev)
         elif cache_position is not None:
-            pos = cache_position.to(dev)[None].expand(B, T)
+            pos = _positions("cache_position", cache_position, B, T, dev)
         else:
             pos = (past + torch.arange(T, device=dev))[None].expand(B, T)
         causal = attention_mask is None or self._is_causal_mask(attention_mask, past, B, T)
@@ -77,6 +97,9 @@ class GQLAHFAttention(nn.Module):
         if not causal:
             raise ValueError("attention_mask: the GQLA caches need a purely causal mask (no padding); pass prompts "
                              "of equal length or call without a cache (use_cache=False)")
+        if past + T > self.max_seqlen:
+            raise ValueError(f"hidden_states: {T} more tokens after {past} pass the GQLA cache's max_seqlen "
+                             f"{self.max_seqlen} (GQLAHFAttention / convert_llama(max_seqlen=...))")
         if past == 0:  # B slots for the sequences and B spare ones, through which a beam reorder is followed
             self.gqla_cache = self.attn.make_cache(2 * B, self.max_seqlen, path=self.decode_path,
                                                    page_size=self.page_size, dtype=hidden_states.dtype, device=dev)
@@ -119,8 +142,10 @@ class GQLAHFAttention(nn.Module):
 
     @staticmethod
     def _is_causal_mask(mask: torch.Tensor, past: int, B: int, T: int) -> bool:
-        if mask.dim() != 4 or mask.shape[-2] != T or mask.shape[-1] < past + T:
-            raise ValueError(f"attention_mask: expected a 4-D mask [B, 1, {T}, >= {past + T}], "
+        check_dense("attention_mask", mask)
+        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[-2] != T or \
+                mask.shape[-1] < past + T:
+            raise ValueError(f"attention_mask: expected a 4-D mask [{B} or 1, 1, {T}, >= {past + T}], "
                              f"got {list(mask.shape)}")
         kv = mask.shape[-1]
         want = torch.arange(kv, device=mask.device)[None] <= (past + torch.arange(T, device=mask.device))[:, None]

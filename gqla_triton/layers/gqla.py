@@ -39,6 +39,7 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     INT32_MAX,
+    check_dense,
     check_device,
     check_flag,
     check_float_dtype,
@@ -159,6 +160,9 @@ class GQLAttention(nn.Module):
             v_head_dim = check_positive_int("v_head_dim", v_head_dim)
         rope_theta = check_positive_real("rope_theta", rope_theta)
         norm_eps = check_positive_real("norm_eps", norm_eps)
+        if norm_eps < torch.finfo(torch.float32).tiny:  # the norms add it in float32: it would be 0 or subnormal
+            raise ValueError(f"norm_eps: expected at least float32's smallest normal number "
+                             f"{torch.finfo(torch.float32).tiny:.3g}, got {norm_eps!r}")
         kv_norm = check_flag("kv_norm", kv_norm)
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
@@ -243,10 +247,27 @@ class GQLAttention(nn.Module):
         if gpu is not None:
             info = gpu
         else:
-            dev = torch.device(device) if device is not None else self.kv_b_proj.weight.device
+            dev = check_device(device) or self.kv_b_proj.weight.device
             info = dispatch.device_info(dev) if (dev.type == "cuda" or dispatch.is_interpreter()) else "default"
         override = None if self.path == "auto" else self.path
         return choose_decode_path(self.layer_shape, s_q, info, batch=batch, seqlen=seqlen, override=override)
+
+    def check_hidden(self, hidden_states) -> tuple[int, int]:
+        """``forward``'s checks of ``hidden_states`` (a dense ``[B, T, hidden_size]`` tensor of the layer's dtype
+        unless autocast is on, B, T >= 1); returns (B, T)."""
+        check_dense("hidden_states", hidden_states)
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected shape [B, T, {self.hidden_size}], "
+                             f"got {list(hidden_states.shape)}")
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states: expected a floating dtype, got {hidden_states.dtype}")
+        w_dtype = self.o_proj.weight.dtype
+        if hidden_states.dtype != w_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states: expected the layer's dtype {w_dtype}, got {hidden_states.dtype}")
+        B, T, _ = hidden_states.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(hidden_states.shape)}")
+        return B, T
 
     def make_cache(self, max_batch: int, max_seqlen: int, *, path: str | None = None, page_size: int = 64,
                    num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True,
@@ -255,14 +276,14 @@ class GQLAttention(nn.Module):
         takes the absorb path where the grouped kernels do not take the head dims, see ``gqa_decode``).
         ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only); with ``k_scale`` the float8 cache
         scaled per tensor (``LatentCache``). ``auto_reserve``: see ``PagedCache``."""
-        path = path or self.path
+        path = self.path if path is None else path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_seqlen", max_seqlen)
         w = self.kv_b_proj.weight
-        device = device if device is not None else w.device
-        dtype = dtype or w.dtype
+        device = check_device(device, storage=True) or w.device
+        dtype = w.dtype if dtype is None else dtype
         if path == "auto":
             path = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device).path
             if path == "grouped" and not _grouped_dims_ok(self.impl, self.head_dim, self.v_head_dim, self.rope_dim):
@@ -364,19 +385,7 @@ class GQLAttention(nn.Module):
         Sparse decode: ``indices [B, T, topk]`` int32 logical positions (shared by all heads and groups; -1 and
         out-of-range entries ignored, duplicates count twice as the kernels do), ``topk_length [B]`` int32.
         """
-        if not isinstance(hidden_states, torch.Tensor):
-            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states: expected shape [B, T, {self.hidden_size}], "
-                             f"got {list(hidden_states.shape)}")
-        if not hidden_states.is_floating_point():
-            raise TypeError(f"hidden_states: expected a floating dtype, got {hidden_states.dtype}")
-        w_dtype = self.o_proj.weight.dtype
-        if hidden_states.dtype != w_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
-            raise TypeError(f"hidden_states: expected the layer's dtype {w_dtype}, got {hidden_states.dtype}")
-        B, T, _ = hidden_states.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"hidden_states: expected B, T >= 1, got shape {list(hidden_states.shape)}")
+        B, T = self.check_hidden(hidden_states)
         dev = hidden_states.device
         ids, decode = None, False
         if cache is not None:
@@ -389,6 +398,9 @@ class GQLAttention(nn.Module):
             decode = any(holds[s] for s in ids)
         elif seq_ids is not None:
             raise ValueError("seq_ids: given without a cache")
+        for name, t in (("indices", indices), ("topk_length", topk_length)):
+            if t is not None:
+                check_dense(name, t)
         if indices is not None:
             if not decode:
                 raise ValueError("indices: sparse attention is a decode option (needs a cache holding tokens)")

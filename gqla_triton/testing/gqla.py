@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.rope import apply_rope
-from .attention import key_weights
+from .attention import attend, key_weights
 
 __all__ = ["gqla_reference"]
 
@@ -58,11 +58,11 @@ def gqla_reference(layer, hidden_states: torch.Tensor, positions: torch.Tensor, 
         call, kall = torch.cat([pc, c[b]]), torch.cat([pk, k_rope[b]])
         K = torch.einsum("gdr,lr->lgd", w_uk, call)[:, grp]  # [L, h, dh]
         V = torch.einsum("gdr,lr->lgd", w_uv, call)[:, grp]
-        s = (torch.einsum("thd,lhd->htl", q_nope[b], K) + torch.einsum("thd,ld->htl", q_rope[b], kall))
-        s = s * layer.softmax_scale
-        w = key_weights(call.shape[0], T, None if indices is None else indices[b],
+        L = call.shape[0]
+        w = key_weights(L, T, None if indices is None else indices[b],
                          None if topk_length is None else topk_length[b])
-        p = torch.softmax(s + w.log()[None], -1).nan_to_num(0.0)
-        outs.append(torch.einsum("htl,lhd->thd", p, V))
+        # keys a query does not see (weight 0) never reach it, non-finite ones included (``attend``)
+        outs.append(attend(torch.cat([q_nope[b], q_rope[b]], -1), torch.cat([K, kall[:, None].expand(L, h, dR)], -1),
+                           V, layer.softmax_scale, w))
     o = torch.stack(outs).reshape(B, T, h * dv)
     return o @ P["o_proj.weight"].T

@@ -20,6 +20,15 @@ _F32_TINY = float(torch.finfo(torch.float32).tiny)
 _LOG2E = 1.4426950408889634
 
 
+def check_dense(name: str, t: object) -> torch.Tensor:
+    """``t`` is a dense (strided, not nested) tensor: a ``TypeError`` naming ``name`` otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} one")
+    return t
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -31,10 +40,7 @@ def check_tensor(
 ) -> torch.Tensor:
     """Check that ``t`` is a dense (strided, not nested) tensor of the given rank, dtype set, shape (``None`` = any)
     and device, without a lazy negation or conjugation bit (the kernels read its memory as it is)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided or t.is_nested:
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} one")
+    check_dense(name, t)
     if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):  # (torch.compile cannot trace these)
         raise ValueError(f"{name}: a view with a lazy negation / conjugation bit (torch._neg_view, .conj()): the kernels "
                          f"read its memory as it is; pass {name}.resolve_neg() / .resolve_conj()")
