@@ -185,6 +185,12 @@ def parse_table(raw: Mapping, *, where: str) -> dict[str, list[tuple[dict, Any]]
                 raise ValueError(f"{op} config{at}: 'match' must be a JSON object of shape features, got {match!r}")
             match = dict(match)
             check_match_key(cls, match, where=at)
+            # first match wins: an entry that every earlier one's match covers is never reached (a typo, or one
+            # placed after a catch-all)
+            for j, (earlier, _) in enumerate(rows):
+                if earlier.items() <= match.items():
+                    raise ValueError(f"{op} config{at}: never reached: entry {j}'s match {earlier} takes every "
+                                     f"key this one's {match} does")
             rows.append((match, cls.from_fields(entry["config"], where=at)))
         table[op] = rows
     return table
@@ -247,10 +253,26 @@ def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
     return table
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' object hook: a JSON object naming a key twice is refused (JSON would keep the last one
+    silently, so a duplicated field would look set to one value while another takes effect)."""
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"the key {k!r} appears twice in one object")
+        seen[k] = v
+    return seen
+
+
+def load_json(text: str):
+    """``json.loads`` of a config table or override, refusing repeated keys (``_unique_keys``)."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def _read_table(path: Path) -> dict[str, list[tuple[dict, Any]]]:
     try:
         with open(path) as f:
-            raw = json.load(f)
+            raw = load_json(f.read())
     except (OSError, ValueError) as e:  # unreadable, or not JSON (JSONDecodeError is a ValueError)
         raise ValueError(f"{path}: not a readable JSON config table ({type(e).__name__}: {e})") from None
     return parse_table(raw, where=str(path))
@@ -278,7 +300,7 @@ def _env_override(raw: str, version: tuple | None = None) -> dict:
             where = f"GQLA_TRITON_CONFIG file {raw!r}"
             with open(raw) as f:
                 text = f.read()
-        value = json.loads(text)
+        value = load_json(text)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: expected a JSON object {{op: {{field: value}}}} or the path of a file holding "
                          f"one ({type(e).__name__}: {e})") from None
@@ -392,5 +414,5 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
         info = device_info(device)
     cfg = table_config(info.key, op, key, fallback=not info.interpreter)
     if cfg is None:
-        raise KeyError(f"select_config: no config for op {op!r} (key {dict(key or {})}) in configs/{info.key}.json")
+        raise ValueError(f"select_config: no config for op {op!r} (key {dict(key or {})}) in configs/{info.key}.json")
     return cfg

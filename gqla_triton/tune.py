@@ -395,6 +395,28 @@ def _check_partial(path: Path, old: dict) -> None:
                          "start over")
 
 
+def _check_done(path: Path, t: Target, row: dict) -> None:
+    """A finished target's report row in a partial search file (``path``) as a resumed run reads it: its target's
+    label, a config of the op's schema, finite times; a ``ValueError`` naming the file before any search."""
+    def bad(why):
+        raise ValueError(f"{path}: an unreadable partial search (target {t.label()!r}: {why}); remove it to start "
+                         "over")
+
+    if row.get("target") != t.label():
+        bad(f"its row names {row.get('target')!r}")
+    if "config" in row:
+        if not isinstance(row["config"], Mapping):
+            bad(f"its config is a {type(row['config']).__name__}")
+        try:
+            dispatch.schema(t.op).from_fields(row["config"], where=f" ({path})")
+        except (TypeError, ValueError) as e:
+            bad(str(e))
+    for k in ("current_ms", "tuned_ms", "shipped_ms", "seconds", "wave_s"):
+        v = row.get(k, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            bad(f"{k} is {v!r}")
+
+
 def _check_space(space) -> None:
     """``space``: None, or {op: {entry: candidate values}}: an entry is a field of the op's schema, or fields joined
     by ``+`` whose values are tuples (a joint move, ``_move``)."""
@@ -630,6 +652,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     wave_s = 0.0
     report = []
     done = state.data["done"]
+    for t in tlist:  # what a resumed run takes from the file, checked before any search
+        if t.label() in done:
+            _check_done(state.path, t, done[t.label()])
     sizes = [1 + sum(len(v) for v in (space or {}).get(t.op, t.space).values()) for t in tlist]
     bar = _bar(sum(sizes), progress)
     pool = _Warmer(jobs, ops) if jobs and target_list is None else None

@@ -142,10 +142,37 @@ def test_first_matching_entry_wins():
     ({"gdn_decode": [{"match": {}, "config": {"num_stages": 0}}]}, "'num_stages' must lie"),
     ({"combine": [{"match": 5, "config": {}}]}, "'match' must be a JSON object"),
     ({"combine": [{"match": [["D", 64]], "config": {}}]}, "'match' must be a JSON object"),
+    ({"combine": [{"match": {"D": -5}, "config": {}}]}, "match key 'D' expects an int >= 0"),
+    ({"mla_decode": [{"match": {"impl": "gluonn"}, "config": {}}]}, "match key 'impl' expects 'triton' | 'gluon'"),
+    ({"combine": [{"match": {}, "config": {}}, {"match": {"D": 64}, "config": {}}]}, "entry 1.*never reached"),
+    ({"combine": [{"match": {"D": 64}, "config": {}}, {"match": {"D": 64}, "config": {}}]}, "never reached"),
 ])
 def test_a_misspelled_or_mistyped_table_entry_is_a_value_error_naming_it(raw, message):
     with pytest.raises(ValueError, match=message):
         dispatch.parse_table(raw, where="configs/test.json")
+
+
+def test_select_config_without_an_entry_is_a_value_error():
+    """An op the table has no entry for: decode_path on a GPU of no table of its own (default.json holds none)."""
+    a100 = dispatch.DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), sm_count=108, smem_per_block=166912,
+                               l2_bytes=40 << 20)
+    with pytest.raises(ValueError, match="select_config: no config for op 'decode_path'"):
+        dispatch.select_config("decode_path", {"s_q": 1}, info=a100)
+
+
+def test_repeated_json_keys_are_refused(monkeypatch, tmp_path):
+    """A JSON object naming a key twice (JSON keeps the last silently) is refused, in the environment override and
+    in a table file alike."""
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", '{"combine": {"num_warps": 2, "num_warps": 8}}')
+    dispatch._env_override.cache_clear()
+    with pytest.raises(ValueError, match="GQLA_TRITON_CONFIG.*'num_warps' appears twice"):
+        dispatch.select_config("combine", {"D": 64})
+    monkeypatch.delenv("GQLA_TRITON_CONFIG")
+    dispatch._env_override.cache_clear()
+    path = tmp_path / "t.json"
+    path.write_text('{"combine": [{"match": {}, "config": {}}], "combine": []}')
+    with pytest.raises(ValueError, match="'combine' appears twice"):
+        dispatch._read_table(path)
 
 
 def test_env_override_is_checked_like_a_table(monkeypatch):

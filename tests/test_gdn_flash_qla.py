@@ -2,6 +2,7 @@
 ``chunk_gated_delta_rule`` (the same kernels: bitwise) and against float64 for what only they return (the chunk
 cumulative decay, the chunk states h)."""
 
+import numpy as np
 import pytest
 import torch
 from harness import EPS, P, assert_close, dtypes, examples, gdn_problem, pick, randn, seeds
@@ -179,10 +180,11 @@ def test_recurrent_decode_form(use_h0, Hk, Hv):
     assert gq.recurrent_gated_delta_rule(*xs, output_final_state=False)[1] is None
     with pytest.raises(ValueError, match="head_first"):
         gq.recurrent_gated_delta_rule(*xs, head_first=True)
-    for bad in (0, 1.5, "2", True):
-        with pytest.raises(TypeError, match="head_batch"):
+    for bad, err in ((0, ValueError), (-3, ValueError), (1.5, TypeError), ("2", TypeError), (True, TypeError)):
+        with pytest.raises(err, match="head_batch"):
             gq.recurrent_gated_delta_rule(*xs, head_batch=bad)
     assert torch.equal(gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, head_batch=4)[0], o_all)
+    assert torch.equal(gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, head_batch=np.int64(2))[0], o_all)
     # int64 lengths (FlashQLA takes either), past T and negative: clamped to [0, T] as the int32 ones are
     wide = torch.tensor([1, 2**40, -2**40], dtype=torch.int64, device=P.device)
     got = gq.recurrent_gated_delta_rule(*xs, initial_state=h0d, seqlens=wide)

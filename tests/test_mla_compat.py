@@ -193,6 +193,8 @@ def test_refusals_change_no_state():
         (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:0])),
         (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:0], indices=idx)),
         (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:, :0], indices=idx)),
+        (TypeError, "^block_table: expected None or a tensor", dict(indices=idx, block_table="junk")),
+        (TypeError, "^cache_seqlens: expected None or a tensor", dict(indices=idx, cache_seqlens=5)),
     ]
     for exc, match, kw in cases:
         with pytest.raises(exc, match=match):

@@ -388,8 +388,12 @@ def test_bad_options_and_partial_files_are_refused_before_any_search(tmp_path):
         with pytest.raises(err, match=msg):
             tune.tune(**{"budget_minutes": 0.1, **kw}, out=out, progress=False)
     partial = tmp_path / "t.json.partial.json"
+    row = '{"gpu": "interpreter", "start": "table", "measured": {}, "done": {"combine {}": %s}}'
     for text in ('{"gpu": "interpreter", "measured": []}', '{"gpu": "interpreter", "spent_s": "abc"}',
-                 '{"gpu": "interpreter", "done": []}', '{"gpu": "interpreter", "done": {"x": 1}}'):
+                 '{"gpu": "interpreter", "done": []}', '{"gpu": "interpreter", "done": {"x": 1}}',
+                 row % '{"target": "combine {}", "config": 5}', row % '{}',
+                 row % '{"target": "combine {}", "config": {"bogus": 1}}',
+                 row % '{"target": "combine {}", "tuned_ms": "fast"}'):
         partial.write_text(text)
         with pytest.raises(ValueError, match="an unreadable partial search"):
             tune.tune(["combine"], budget_minutes=0.1, out=out, progress=False)

@@ -115,9 +115,11 @@ def check_match_key(schema: type[KernelConfig], key: Mapping[str, Any], *, where
         if name not in schema.MATCH:
             raise ValueError(f"{schema.OP} config{where}: unknown match key {name!r}; the keys are "
                              f"{sorted(schema.MATCH)}")
-        if not _type_ok(value, schema.MATCH[name]):
-            raise ValueError(f"{schema.OP} config{where}: match key {name!r} expects "
-                             f"{_type_name(schema.MATCH[name])}, got {value!r}")
+        tp = schema.MATCH[name]
+        if not _type_ok(value, tp):
+            raise ValueError(f"{schema.OP} config{where}: match key {name!r} expects {_type_name(tp)}, got {value!r}")
+        if tp is int and value < 0:  # shape features are counts and sizes: a negative one matches no call
+            raise ValueError(f"{schema.OP} config{where}: match key {name!r} expects an int >= 0, got {value!r}")
 
 
 _HINTS: dict[type, dict[str, Any]] = {}

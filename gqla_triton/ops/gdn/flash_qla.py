@@ -14,7 +14,7 @@ import torch
 
 from ...dispatch import device_info
 from .._common.host import cdiv
-from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor
+from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor, is_int
 from . import plan as plan_mod
 from .api import (
     _REFERENCE,
@@ -166,9 +166,12 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     if check_flag("head_first", head_first):
         raise ValueError("head_first=True is not supported by recurrent_gated_delta_rule (inputs in the "
                          "head-first [B, H, T, ...] layout); only head_first=False")
-    if head_batch is not None and (isinstance(head_batch, bool) or not isinstance(head_batch, int) or head_batch < 1):
-        raise TypeError(f"head_batch: expected None or a positive int, got {type(head_batch).__name__} "
-                        f"{head_batch!r}")
+    if head_batch is not None:
+        if not is_int(head_batch):
+            raise TypeError(f"head_batch: expected None or a positive int, got {type(head_batch).__name__} "
+                            f"{head_batch!r}")
+        if head_batch < 1:
+            raise ValueError(f"head_batch: expected None or a positive int, got {head_batch!r}")
     check_tensor("q", q, ndim=4)
     check_tensor("v", v, ndim=4, device=q.device)
     B, T, K = q.shape[0], q.shape[1], q.shape[3]

@@ -180,6 +180,9 @@ def _one_cache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         if h_k == 1:
             return parts[0]
         return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 1)
+    for arg, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):  # unused by sparse calls
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg}: expected None or a tensor (unused with indices), got {type(t).__name__}")
     if k_cache.shape[0] * k_cache.shape[1] > MAX_KEYS:  # the sparse rows address the whole cache as one sequence
         raise ValueError(f"{name}: {k_cache.shape[0]} x {k_cache.shape[1]} token rows, more than the {MAX_KEYS} that "
                          "sparse indices may address")

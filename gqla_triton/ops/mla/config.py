@@ -26,7 +26,8 @@ class MLADecodeConfig(KernelConfig):
     program (``plan_splits``)."""
 
     OP: ClassVar[str] = "mla_decode"
-    MATCH: ClassVar[dict] = {"D": int, "DV": int, "sparse": bool, "s_q": int, "impl": str, "fp32": bool}
+    MATCH: ClassVar[dict] = {"D": int, "DV": int, "sparse": bool, "s_q": int, "impl": Literal["triton", "gluon"],
+                             "fp32": bool}
 
     impl: Literal["triton", "gluon"] = "triton"
     block_h: int = 32
