@@ -526,3 +526,19 @@ def test_test_shards_cover_the_suite_once(monkeypatch):
     for bad in ("3/3", "1", "a/b", "-1/2", "0/0"):
         with pytest.raises(pytest.UsageError, match="GQLA_TEST_SHARD"):
             part(bad, forward)
+
+
+def test_a_config_past_shared_memory_is_a_value_error_naming_it():
+    """Triton's OutOfResources (a launch config past the GPU's shared memory; raised before the kernel runs) from a
+    launcher of a config without a shared-memory model of its own is a ValueError naming that config."""
+    from triton.runtime.errors import OutOfResources
+
+    from gqla_triton.ops._common.config import names_config
+
+    @names_config("gdn_chunk")
+    def launch():
+        raise OutOfResources(417044, 232448, "shared memory")
+
+    with pytest.raises(ValueError, match="gdn_chunk config: a kernel needs 417044 of shared memory, more than"):
+        launch()
+

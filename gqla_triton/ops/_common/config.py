@@ -9,11 +9,14 @@ unknown field, wrong type or out-of-range value, so a misspelled entry never pas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
-__all__ = ["KernelConfig", "check_match_key", "TILES", "WARPS"]
+from triton.runtime.errors import OutOfResources
+
+__all__ = ["KernelConfig", "check_match_key", "names_config", "TILES", "WARPS"]
 
 TILES = (16, 32, 64, 128)  # tile widths the kernels take (powers of two; tl.dot needs >= 16)
 WARPS = (1, 2, 4, 8, 16)
@@ -129,3 +132,23 @@ def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = get_type_hints(cls, vars(typing) | vars(__import__(cls.__module__, fromlist=["_"])))
     return _HINTS[cls]
+
+
+def names_config(op: str) -> Callable:
+    """Decorator of a launcher whose kernels take their tiles and stages from ``op``'s config without a shared-memory
+    model of their own: Triton's ``OutOfResources`` (a kernel asks for more shared memory or registers than the
+    GPU's block holds; raised before it runs, so nothing is written) becomes a ``ValueError`` naming the config
+    that asked (a table entry or an override: ``GQLA_TRITON_CONFIG``, ``config_override``). The shipped tables fit
+    (``python -m tools.audit_shared``)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def launcher(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except OutOfResources as e:
+                raise ValueError(f"{op} config: a kernel needs {e.required} of {e.name}, more than this GPU's "
+                                 f"{e.limit}: the table entry or override in force asks for tiles or stages that "
+                                 "do not fit; lower its tile (*_bv, *_bk) or *_num_stages fields") from e
+        return launcher
+    return wrap
+

@@ -27,6 +27,7 @@ import triton.language as tl
 from ...dispatch import select_config
 from .._common.alloc import empty
 from .._common.boundary import route
+from .._common.config import names_config
 from .._common.host import cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
@@ -164,6 +165,7 @@ def gated_delta_rule_decode_fwd_kernel(
                 tl.store(o + (t * HV + i_hv).to(tl.int64) * V + o_v, zero, mask=m_v)
 
 
+@names_config("gdn_decode")
 def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: float,
                                 use_qk_l2norm_in_kernel: bool, cu_seqlens=None, accepted=None,
                                 intermediate_states=None, *, A_log=None, dt_bias=None, use_gate_in_kernel=False,

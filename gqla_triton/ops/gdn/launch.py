@@ -18,6 +18,7 @@ import torch
 
 from ...dispatch import DeviceInfo
 from .._common.alloc import empty
+from .._common.config import names_config
 from .._common.host import MAX_GRID_Y, cdiv, next_pow2
 from .config import WY_BWD_TILES
 from .kernels.dv_local import gdn_dv_local_kernel
@@ -356,6 +357,7 @@ def _gate_args(gate: tuple | None) -> dict:
     return dict(a_log=A_log, dt_bias=dt_bias, GATE=True, HAS_BIAS=dt_bias is not None)
 
 
+@names_config("gdn_chunk")
 def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, *, keep_h: bool = False,
                   state_indices: torch.Tensor | None = None, v_first: bool = False, beta_sigmoid: bool = False,
                   neg_eigval: bool = False, gate: tuple | None = None, fuse: bool = True):
@@ -416,6 +418,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     return o, ht, gc, Ainv
 
 
+@names_config("gdn_chunk")
 def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan, gc, Ainv, do, dht,
                   states: States | None = None, *, v_first: bool = False, beta_sigmoid: bool = False,
                   neg_eigval: bool = False, gate: tuple | None = None):
