@@ -313,6 +313,8 @@ def test_layer_arguments_of_the_wrong_kind_are_refused_by_name():
             layer.make_cache(2, 32, page_size=16, path=bad)
     with pytest.raises(ValueError, match="norm_eps"):
         GQLAttention(32, 4, 2, 16, 8, 16, norm_eps=1e-50)
+    with pytest.raises(ValueError, match="path: this layer decodes on path='absorb'"):  # forward would refuse it
+        make_layer(5, g=2, path="absorb").make_cache(2, 32, page_size=16, path="grouped")
 
 
 def test_nan_token_reaches_only_the_queries_that_see_it():

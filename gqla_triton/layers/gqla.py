@@ -279,6 +279,9 @@ class GQLAttention(nn.Module):
         path = self.path if path is None else path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
+        if self.path != "auto" and path != self.path:  # forward would refuse the cache (_check_cache)
+            raise ValueError(f"path: this layer decodes on path={self.path!r}, so its caches are too; got {path!r} "
+                             "(a layer made with path='auto' takes either)")
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_seqlen", max_seqlen)
         w = self.kv_b_proj.weight
