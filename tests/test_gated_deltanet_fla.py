@@ -165,6 +165,14 @@ def test_from_fla_refuses_other_activations_and_modules():
         GatedDeltaNet.from_fla(fla, impl="reference")
     with pytest.raises(TypeError, match="fla GatedDeltaNet"):
         GatedDeltaNet.from_fla(nn.Linear(2, 2))
+    fla = FlaLayer(32, 1, 1, 16, 16)
+    del fla.q_conv1d
+    with pytest.raises(TypeError, match="has no q_conv1d"):
+        GatedDeltaNet.from_fla(fla, impl="reference")
+    partial = nn.Module()
+    partial.in_proj_qkvz = nn.Linear(2, 2)  # one attribute of a transformers Qwen3-Next layer, not its sizes
+    with pytest.raises(TypeError, match="has no hidden_size"):
+        GatedDeltaNet.from_hf(partial)
 
 
 def test_fla_weights_must_be_finite_and_wider_than_float8_and_old_fla_layers_load():
@@ -186,6 +194,33 @@ def test_fla_weights_must_be_finite_and_wider_than_float8_and_old_fla_layers_loa
     got = GatedDeltaNet.from_fla(fla, impl="reference")
     assert got.num_v_heads == 2 and all(torch.equal(a, b) for a, b in zip(
         got.state_dict().values(), want.state_dict().values(), strict=True))
+
+
+def test_weights_of_the_wrong_kind_or_past_the_layers_range_are_refused():
+    """fla's layout through ``load_state_dict`` checks each part it joins as the slice it fills (an integer, bool,
+    float8, meta, sparse or nested part: a ValueError naming it), nested weights are refused by the fla loader, and a
+    finite weight past the layer's dtype (it would load as inf) is refused by name; nothing changes."""
+    fla = FlaLayer(32, 2, 2, 16, 8).double()
+    sd = fla.state_dict()
+    m = GatedDeltaNet(32, 2, 2, 16, 8, impl="reference", dtype=torch.float64)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    k, c = sd["k_proj.weight"], sd["k_conv1d.weight"]
+    for key, bad in (("k_proj.weight", (3 * k).round().long()), ("k_proj.weight", k > 0),
+                     ("k_proj.weight", k.to(torch.float8_e4m3fn)), ("k_proj.weight", k.to("meta")),
+                     ("k_proj.weight", k.to_sparse()), ("k_conv1d.weight", c.long()),
+                     ("k_conv1d.weight", torch.nested.nested_tensor(list(c)))):
+        with pytest.raises(ValueError, match=f"state_dict: {key}: "):
+            m.load_state_dict({**sd, key: bad})
+        assert all(torch.equal(v, before[k2]) for k2, v in m.state_dict().items())
+    with pytest.raises(ValueError, match="A_log must be a dense tensor"):
+        m.load_fla_state_dict({**sd, "A_log": torch.nested.nested_tensor([sd["A_log"]])})
+    m16 = GatedDeltaNet(32, 2, 2, 16, 8, impl="reference", dtype=torch.float16)
+    keep = {k2: v.clone() for k2, v in m16.state_dict().items()}
+    big = {**sd, "o_proj.weight": sd["o_proj.weight"].clone()}
+    big["o_proj.weight"][0, 0] = 1e6  # finite, past float16's 65504
+    with pytest.raises(ValueError, match="o_proj.weight pass torch.float16's range"):
+        m16.load_fla_state_dict(big)
+    assert all(torch.equal(v, keep[k2]) for k2, v in m16.state_dict().items())
 
 
 def test_refused_load_state_dict_changes_no_parameter():

@@ -622,3 +622,64 @@ def test_decode_step_torch_compile_default_backend():
             torch.testing.assert_close(step(xi, cache), m(xi, eager, slots=slots))
     for name in ("conv_state", "recurrent_state", "seqlens"):
         torch.testing.assert_close(getattr(cache, name), getattr(eager, name))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_verify_keeps_its_own_bounds(impl):
+    """A packed verify step keeps a copy of ``cu_seqlens``: the caller refilling that buffer before ``commit`` (with
+    other bounds, or bounds that would not pass a check) changes nothing: the commit equals decoding the accepted
+    tokens with the step's own bounds."""
+    m = _as(_layer(1, 2, 16, torch.float64, 3), impl, torch.float32)
+    g = gen(3)
+    pre, draft = randn((2, 5, m.hidden_size), g), randn((1, 6, m.hidden_size), g)
+    got, want = m.init_cache(2), m.init_cache(2)
+    with torch.no_grad():
+        for c in (got, want):
+            m(pre, c, slots=[0, 1])
+        cu = torch.tensor([0, 3, 6], **I32)
+        m(draft, got, cu, slots=[0, 1], verify=True)
+        cu[1] = 7  # the caller's buffer, refilled
+        got.commit(torch.tensor([3, 2], **I32))
+        m(draft[:, [0, 1, 2, 3, 4]], want, torch.tensor([0, 3, 5], **I32), slots=[0, 1])
+    assert got.seqlens.tolist() == want.seqlens.tolist() == [8, 7]
+    torch.testing.assert_close(got.recurrent_state, want.recurrent_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.conv_state, want.conv_state, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_and_cache_arguments_of_the_wrong_kind():
+    """Sparse / nested hidden states, a CPU slot tensor naming a slot that holds no state (a decode step continues
+    one), a ``max_decode_tokens`` that is no count, nested states for ``load_hf_states``, a repeated slot in
+    ``gdn_decode_prep``'s CPU slots: a TypeError / ValueError naming the argument, the cache unchanged."""
+    from gqla_triton.layers.gdn_step import gdn_decode_prep
+
+    m = _as(_layer(1, 2, 16, torch.float64, 4), "triton", torch.float32)
+    g = gen(4)
+    cache = m.init_cache(3)
+    with torch.no_grad():
+        m(randn((2, 3, m.hidden_size), g), cache, slots=[0, 1])
+    snap = _snapshot(cache)
+    x = randn((2, 1, m.hidden_size), g)
+    with torch.no_grad():
+        for bad in (x.to_sparse(), torch.nested.nested_tensor([x[0], x[1]])):
+            with pytest.raises(TypeError, match="hidden_states: expected a dense"):
+                m(bad, cache, slots=[0, 1])
+        if P.device == "cpu":  # read only where it costs no sync
+            with pytest.raises(ValueError, match=r"slots: \[2\] hold no state"):
+                m(x, cache, slots=torch.tensor([1, 2], **I32))
+        for bad in ("16", None, -1, 2.5, True):
+            m.max_decode_tokens = bad
+            with pytest.raises(ValueError, match="max_decode_tokens"):
+                m(x, cache, slots=[0, 1])
+        m.max_decode_tokens = 16
+        rec = randn((1, *cache.recurrent_state.shape[1:]), g)
+        conv = randn((1, cache.conv_state.shape[1], 4), g)
+        with pytest.raises(ValueError, match="conv_state: expected a dense"):
+            cache.load_hf_states(torch.nested.nested_tensor([conv[0]]), rec, slots=[2])
+    _assert_unchanged(cache, snap)
+    if P.device == "cpu":
+        H, K, HV, V = m.num_heads, m.head_k_dim, m.num_v_heads, m.head_v_dim
+        mixed = randn((2, 1, 2 * H * K + 2 * HV * V + 2 * HV), g)
+        with pytest.raises(ValueError, match="slots: a slot is named by more than one"):
+            gdn_decode_prep(mixed, m.conv1d.weight.detach(), cache._conv.clone(), cache._lens.clone(),
+                            torch.tensor([1, 1], **I32), m.A_log.detach(), m.dt_bias.detach(), num_heads=H,
+                            head_k_dim=K, num_v_heads=HV, head_v_dim=V)

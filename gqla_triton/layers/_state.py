@@ -12,18 +12,23 @@ from torch import nn
 
 
 def entry_problem(v, t: torch.Tensor, *, assign: bool = False) -> str | None:
-    """Why ``v`` cannot be loaded into the state tensor ``t`` (None when it can): not a tensor, another shape, no
-    values (meta), or another kind: a real floating tensor for a floating one (a cast from an integer, bool or
-    complex tensor would not be the layer's weights), the very dtype for an integer one (bits); with ``assign`` (the
-    tensor replaces ``t``) also ``t``'s dtype and device, or the layer would compute in mixed dtypes."""
+    """Why ``v`` cannot be loaded into the state tensor ``t`` (None when it can): not a dense tensor, another shape,
+    no values (meta), or another kind: a real floating tensor of 16 bits or more for a floating one (a cast from an
+    integer, bool or complex tensor would not be the layer's weights, float8 ones lack their scales), the very dtype
+    for an integer one (bits); with ``assign`` (the tensor replaces ``t``) also ``t``'s dtype and device, or the
+    layer would compute in mixed dtypes."""
     if not isinstance(v, torch.Tensor):
         return f"expected a tensor, got {type(v).__name__}"
+    if v.layout != torch.strided or v.is_nested:
+        return f"expected a dense tensor, got a {'nested' if v.is_nested else v.layout} one"
     if tuple(v.shape) != tuple(t.shape):
         return f"expected shape {list(t.shape)}, got {list(v.shape)}"
     if v.device.type == "meta" and t.device.type != "meta":
         return "on the meta device (it holds no values)"
     if t.is_floating_point() and (not v.is_floating_point() or v.is_complex()):
         return f"expected a real floating tensor, got {v.dtype}"
+    if t.is_floating_point() and v.element_size() < 2 <= t.element_size():
+        return f"{v.dtype} weights need their scales; dequantise them first"
     if not t.is_floating_point() and v.dtype != t.dtype:
         return f"expected {t.dtype}, got {v.dtype}"
     if assign and (v.dtype != t.dtype or v.device != t.device):

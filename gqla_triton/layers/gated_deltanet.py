@@ -31,6 +31,7 @@ from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
+    check_dense,
     check_device,
     check_disjoint,
     check_float_dtype,
@@ -40,12 +41,13 @@ from ..ops._common.validation import (
     check_positive_int,
     check_positive_real,
     check_tensor,
+    is_int,
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
 from ..ops.gdn.decode import sequence_count
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
-from ._state import assigning, check_state_dict, load_or_restore
+from ._state import assigning, check_state_dict, entry_problem, load_or_restore
 from .gdn_step import add_token_counts, gdn_decode_prep, gdn_gated_norm
 from .norm import gated_rms_norm
 
@@ -157,9 +159,9 @@ def _hf_tensor(state_dict, prefix: str, key: str, layer: str = "a Qwen3-Next lin
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError(f"state_dict: {name} must be a floating-point tensor, got "
                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.layout != torch.strided or t.device.type == "meta":
-        raise ValueError(f"state_dict: {name} must be a dense tensor holding values, got a {t.layout} tensor on "
-                         f"{t.device}")
+    if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+        raise ValueError(f"state_dict: {name} must be a dense tensor holding values, got a "
+                         f"{'nested' if t.is_nested else t.layout} tensor on {t.device}")
     if t.element_size() < 2:
         raise TypeError(f"state_dict: {name} is {t.dtype}: float8 weights need their scales; dequantise them first")
     if not torch.isfinite(t.detach()).all():
@@ -185,10 +187,26 @@ def _layer_weights(state_dict, prefix: str, want: dict[str, tuple[int, ...]], la
     return t
 
 
-def _copy_all(pairs) -> None:
-    """Copy each ``(parameter, source)`` pair's source into its parameter; every source is put in its parameter's
-    form before the first copy, so a call that fails changes no parameter."""
+def _joined(state_dict, keys: list[str], slices, assign: bool) -> torch.Tensor:
+    """The entries ``keys`` of ``state_dict`` (removed from it) joined along dim 0, each checked first as the slice
+    of the parameter it fills (``entry_problem``; a ``ValueError`` naming the key, the state dict unchanged)."""
+    for k, t in zip(keys, slices, strict=True):
+        why = entry_problem(state_dict[k], t, assign=assign)
+        if why is not None:
+            raise ValueError(f"state_dict: {k}: {why}")
+    return torch.cat([state_dict.pop(k) for k in keys], 0)
+
+
+def _copy_all(module: nn.Module, pairs) -> None:
+    """Copy each ``(parameter, source)`` pair's source into its parameter of ``module``; every source is put in its
+    parameter's form before the first copy, so a call that fails changes no parameter. A finite source that the
+    parameter's dtype cannot hold (it would load as inf) is a ``ValueError`` naming the parameter."""
     ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
+    names = {id(p): n for n, p in module.named_parameters()}
+    for (p, _), src in zip(pairs, ready, strict=True):
+        if not bool(torch.isfinite(src).all()):  # the sources are checked finite: the cast overflowed
+            raise ValueError(f"state_dict: the weights of {names.get(id(p), 'a parameter')} pass {p.dtype}'s range "
+                             "(they would load as inf); make the layer in a wider dtype")
     with torch.no_grad():
         for (p, _), src in zip(pairs, ready, strict=True):
             p.copy_(src)
@@ -314,6 +332,14 @@ class GatedDeltaNetCache:
             return _Batch(None, slots, None, None, None)
         return self._host_batch(self._host_ids(slots, n, tensors=True))
 
+    def _check_held(self, slots: torch.Tensor) -> None:
+        """A slot tensor's live entries name slots that hold a state (a decode step continues one): checked where
+        reading it costs no sync (a CPU tensor); on a device it is the caller's to ensure."""
+        if slots.device.type == "cpu" and not torch.compiler.is_compiling():
+            free = [s for s in slots[(slots >= 0) & (slots < self.num_seqs)].tolist() if not self._held[s]]
+            if free:
+                raise ValueError(f"slots: {free} hold no state (prefill them with host slot ids first)")
+
     def _check_reads(self, **reads: torch.Tensor | None) -> None:
         """The tensors a call reads (None: absent) share no memory with the rows it writes (``ValueError``)."""
         for name, t in (("cache.conv_state", self._conv), ("cache.recurrent_state", self.recurrent_state),
@@ -412,8 +438,9 @@ class GatedDeltaNetCache:
                 raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name}: on {t.device}, the cache on {self.device}")
-            if t.layout != torch.strided:
-                raise ValueError(f"{name}: expected a dense (strided) tensor, got a {t.layout} one")
+            if t.layout != torch.strided or t.is_nested:
+                raise ValueError(f"{name}: expected a dense (strided) tensor, got a "
+                                 f"{'nested' if t.is_nested else t.layout} one")
         C, W1 = self._conv.shape[1:]
         if conv_state.dim() != 3 or conv_state.shape[1] != C or conv_state.shape[2] < W1:
             raise ValueError(f"conv_state: expected [n, {C}, >= {W1}] (transformers' [batch, conv_dim, conv_size]), "
@@ -522,29 +549,22 @@ class GatedDeltaNet(nn.Module):
         ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as ``norm_weight`` (each
         where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it. Every entry's
         shape is checked before any is copied (``_state.check_state_dict``), also inside a model's load."""
+        assign = assigning(args[0] if args else None)
         for ours, fla in (("z_proj.weight", "g_proj.weight"), ("norm_weight", "o_norm.weight")):
             if f"{prefix}{ours}" not in state_dict and f"{prefix}{fla}" in state_dict:
                 state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{fla}")
+        # parts joined into one parameter: each checked as the slice it fills (``_state.entry_problem``) first
         convs = [f"{prefix}{n}_conv1d.weight" for n in "qkv"]
         if f"{prefix}conv1d.weight" not in state_dict and all(n in state_dict for n in convs):
-            parts = [state_dict.pop(n) for n in convs]
-            for n, t, c in zip(convs, parts, (self.key_dim, self.key_dim, self.value_dim), strict=True):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (c, 1, self.conv_size):
-                    raise ValueError(f"{n}: expected shape [{c}, 1, {self.conv_size}], got "
-                                     f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-            state_dict[f"{prefix}conv1d.weight"] = torch.cat(parts, 0)
+            slices = self.conv1d.weight.split([self.key_dim, self.key_dim, self.value_dim], 0)
+            state_dict[f"{prefix}conv1d.weight"] = _joined(state_dict, convs, slices, assign)
         names = [f"{prefix}{n}.weight" for n in self._SPLIT_PROJ]
         if f"{prefix}in_proj.weight" not in state_dict and all(n in state_dict for n in names):
-            parts = [state_dict.pop(n) for n in names]
-            sizes = self.in_proj_sizes
-            for n, t, rows in zip(self._SPLIT_PROJ, parts, sizes, strict=True):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, self.hidden_size):
-                    raise ValueError(f"{prefix}{n}.weight: expected shape [{rows}, {self.hidden_size}], got "
-                                     f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-            state_dict[f"{prefix}in_proj.weight"] = torch.cat(parts, 0)
+            slices = self.in_proj.weight.split(list(self.in_proj_sizes), 0)
+            state_dict[f"{prefix}in_proj.weight"] = _joined(state_dict, names, slices, assign)
         check_state_dict(self, state_dict, prefix, tuple(
             (f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv"),
-            assign=assigning(args[0] if args else None))
+            assign=assign)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -601,8 +621,13 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError("state_dict: the weights are read from the given layer; pass None")
             if prefix:
                 raise ValueError("prefix: only with a config and a state_dict")
-            sizes = (m.hidden_size, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.conv_kernel_size,
-                     m.layer_norm_epsilon, m.activation)
+            names = ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size",
+                     "layer_norm_epsilon", "activation")
+            missing = [a for a in names if not hasattr(m, a)]
+            if missing:
+                raise TypeError(f"layer_or_config: expected a Qwen3-Next linear-attention layer; "
+                                f"{type(m).__name__} has no {', '.join(missing)}")
+            sizes = tuple(getattr(m, a) for a in names)
             state_dict = m.state_dict()
             layer_idx = m.layer_idx if layer_idx is None else layer_idx
         else:
@@ -656,9 +681,9 @@ class GatedDeltaNet(nn.Module):
         b, a = t["in_proj_ba.weight"].reshape(H, 2 * r, hid).split([r, r], 1)
         w = self.in_proj.weight
         fused = torch.cat([p.reshape(-1, hid).to(device=w.device, dtype=w.dtype) for p in (q, k, v, z, b, a)], 0)
-        _copy_all(((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
-                   (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
-                   (self.o_proj.weight, t["out_proj.weight"])))
+        _copy_all(self, ((w, fused), (self.conv1d.weight, t["conv1d.weight"]), (self.A_log, t["A_log"]),
+                         (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["norm.weight"]),
+                         (self.o_proj.weight, t["out_proj.weight"])))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the layout of a transformers Qwen3-Next linear-attention layer (the inverse of
@@ -699,6 +724,11 @@ class GatedDeltaNet(nn.Module):
         for name, bad, what in cls._FLA_OPTIONS:
             if getattr(layer, name, not bad) == bad:
                 raise ValueError(f"layer: fla's {name}={bad} ({what}) has no counterpart here")
+        missing = [f"{n}_conv1d" for n in "qkv" if not hasattr(layer, f"{n}_conv1d")]
+        missing += [] if hasattr(layer.o_norm, "eps") else ["o_norm.eps"]
+        if missing:
+            raise TypeError(f"layer: expected an fla GatedDeltaNet layer; {type(layer).__name__} has no "
+                            f"{', '.join(missing)}")
         acts = [("o_norm", getattr(layer.o_norm, "activation", "swish"))]
         acts += [(f"{n}_conv1d", getattr(getattr(layer, f"{n}_conv1d"), "activation", "silu")) for n in "qkv"]
         for name, act in acts:
@@ -739,8 +769,9 @@ class GatedDeltaNet(nn.Module):
         w = self.in_proj.weight
         fused = torch.cat([t[f"{n}_proj.weight"].to(device=w.device, dtype=w.dtype) for n in "qkvgba"], 0)
         conv = torch.cat([t[f"{n}_conv1d.weight"] for n in "qkv"], 0)
-        _copy_all(((w, fused), (self.conv1d.weight, conv), (self.A_log, t["A_log"]), (self.dt_bias, t["dt_bias"]),
-                   (self.norm_weight, t["o_norm.weight"]), (self.o_proj.weight, t["o_proj.weight"])))
+        _copy_all(self, ((w, fused), (self.conv1d.weight, conv), (self.A_log, t["A_log"]),
+                         (self.dt_bias, t["dt_bias"]), (self.norm_weight, t["o_norm.weight"]),
+                         (self.o_proj.weight, t["o_proj.weight"])))
 
     def fla_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the layout of an fla ``GatedDeltaNet`` layer (the inverse of ``load_fla_state_dict``;
@@ -915,10 +946,11 @@ class GatedDeltaNet(nn.Module):
         The tensors passed share no memory with the cache's. Invalid arguments raise ``TypeError`` /
         ``ValueError`` before anything in the cache changes.
         """
-        x = hidden_states
+        x = check_dense("hidden_states", hidden_states)
         w = self.in_proj.weight
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(x).__name__}")
+        mdt = self.max_decode_tokens
+        if not is_int(mdt) or mdt < 0:
+            raise ValueError(f"max_decode_tokens: expected an int >= 0, got {type(mdt).__name__} {mdt!r}")
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(x.shape)}")
         if x.dtype != w.dtype:
@@ -945,6 +977,8 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache._check_reads(hidden_states=x, cu_seqlens=cu_seqlens,
                                slots=batch.slots if batch.ids is None else None)
+            if batch.ids is None:
+                cache._check_held(batch.slots)
         decode = batch is not None and batch.ids is None
         fresh = []
         if batch is not None and not decode:
@@ -1032,8 +1066,11 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, accepted=accepted,
                                         impl=self.impl)
+            # the draft keeps its own copy of the caller's cu_seqlens: a buffer refilled before commit() must not
+            # change what it commits (its rows op / write are the call's own tensors)
             cache._draft = _Draft(batch.op, batch.write, xc.reshape(-1, xc.shape[-1]).detach(),
-                                  tuple(t.detach() for t in (q, k, v, g, beta)), T, cu_seqlens, self.impl)
+                                  tuple(t.detach() for t in (q, k, v, g, beta)), T,
+                                  None if cu_seqlens is None else cu_seqlens.clone(), self.impl)
         else:
             o = gated_delta_rule_decode(q, k, v, g, beta, cache.recurrent_state, batch.op,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, impl=self.impl)

@@ -226,6 +226,10 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
         num_slots = P
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 <= num_slots <= P:
         raise ValueError(f"num_slots: expected an int in [0, {P}] (rows of conv_state), got {num_slots!r}")
+    if slots.device.type == "cpu" and not torch.compiler.is_compiling():  # read only where it costs no sync
+        live = slots[(slots >= 0) & (slots < num_slots)]
+        if live.unique().numel() != live.numel():  # two sequences would update one row in place
+            raise ValueError(f"slots: a slot is named by more than one sequence in {slots.tolist()}")
     return num_slots
 
 
@@ -245,8 +249,8 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
         slots: ``[B]`` int32: each sequence's slot. Never read on the host: an entry outside ``[0, num_slots)``
             (negative, or any larger value) skips that sequence: its conv starts from a zero window and no row of
             ``conv_state`` / ``seqlens`` is read or written for it; every pool access is at a row inside
-            ``[0, num_slots)``. Live entries must be distinct (a repeated one stays memory-safe; its rows'
-            contents are then unspecified).
+            ``[0, num_slots)``. Live entries must be distinct: a CPU tensor with a repeated one is a ``ValueError``;
+            on a device (not read: no sync) a repeated one stays memory-safe, its rows' contents unspecified.
         A_log, dt_bias: ``[HV]``, any of those dtypes.
         num_slots: rows of the pool that are slots (default ``P``; at most ``P``).
         update: advance each live sequence's window by its ``T`` tokens and its length by ``T`` (in place);
