@@ -547,9 +547,9 @@ class GatedDeltaNet(nn.Module):
         output gate), joined into ``in_proj.weight`` in that order when the fused key is absent, and fla's layout
         (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three short convs ``q_conv1d`` /
         ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as ``norm_weight`` (each
-        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it. Every entry (and
-        every part joined) is checked before any is copied (``_state.check_state_dict``), also inside a model's
-        load."""
+        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it. Every
+        entry (and every part joined) is checked before any is copied (``_state.check_state_dict``), also inside a
+        model's load."""
         assign = assigning(args[0] if args else None)
         for ours, fla in (("z_proj.weight", "g_proj.weight"), ("norm_weight", "o_norm.weight")):
             if f"{prefix}{ours}" not in state_dict and f"{prefix}{fla}" in state_dict:
