@@ -1261,3 +1261,15 @@ def test_no_tokens_in_any_sequence_still_differentiates(cu, impl):
     assert not o.any() and not ht.any()
     grads = torch.autograd.grad((o.sum(), ht.sum()), xs)
     assert all(gr is not None and not gr.any() for gr in grads)
+
+
+def test_state_pass_programs_past_a_launch_are_refused():
+    """Sequences x value heads x V blocks past one launch's 2^31 - 1 programs (65537 sequences, most of them empty,
+    of 32768 value heads): a ValueError naming them before any launch, not a failed launch."""
+    HV, N = 32768, 65537
+    q = torch.zeros(1, 1, 1, 16, device=P.device)
+    v = torch.zeros(1, 1, HV, 16, device=P.device)
+    g = torch.zeros(1, 1, HV, device=P.device)
+    cu = torch.tensor([0] * N + [1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="65537 sequences x 32768 value heads .* more than one launch takes"):
+        chunk_gated_delta_rule(q, q, v, g, g, cu_seqlens=cu.to(P.device), cu_seqlens_cpu=cu)

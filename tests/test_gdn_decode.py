@@ -561,3 +561,18 @@ def test_decode_options_torch_compile_aot_eager():
     torch.testing.assert_close(o1, o2)
     torch.testing.assert_close(pools[0], pools[1])
     torch.testing.assert_close(inters[0], inters[1])
+
+
+def test_programs_past_a_launch_are_refused():
+    """A step whose (sequence x value head x V block) programs pass one launch's 2^31 - 1 (65537 packed sequences,
+    most of them empty, of 32768 value heads): a ValueError naming them, the pool unchanged."""
+    HV, N = 32768, 65537
+    q = torch.zeros(1, 1, 1, 16, device=P.device)
+    v = torch.zeros(1, 1, HV, 16, device=P.device)
+    g = torch.zeros(1, 1, HV, device=P.device)
+    pool = torch.zeros(1, HV, 16, 16, device=P.device)
+    idx = torch.full((N,), -1, dtype=torch.int32, device=P.device)
+    cu = torch.tensor([0] * N + [1], dtype=torch.int32, device=P.device)
+    with pytest.raises(ValueError, match="65537 sequences x 32768 value heads .* more than one launch takes"):
+        gated_delta_rule_decode(q, q, v, g, g, pool, idx, cu_seqlens=cu)
+    assert not pool.any()

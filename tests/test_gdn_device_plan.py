@@ -84,7 +84,7 @@ def test_device_plan_matches_host_plan(lens, BT, L, HV):
     base = select_config("gdn_chunk", plan_mod.config_key(K, 16), info=device_info(q))
     cfg = base.replace(**{**SEG, "seg_min": L}) if L else base.replace(seg_units=0)
     longest = -(-T // BT)
-    plan = plan_mod.device_plan(cfg, device_info(q), cu, T, HV, K, BT)
+    plan = plan_mod.device_plan(cfg, device_info(q), cu, T, HV, K, BT, 16)
     assert plan.empty_slots and plan.padding and plan.varlen and plan.N == len(lens)
     assert torch.equal(plan.cu.cpu(), torch.tensor(cu_list, dtype=torch.int64))
     ntt, cidx, coff = plan_mod._chunk_index(tuple(cu_list), BT, torch.device(P.device))
@@ -120,7 +120,7 @@ def test_device_plan_many_sequences(L):
     q = torch.zeros(1, T, 1, 16, device=P.device)
     base = select_config("gdn_chunk", plan_mod.config_key(16, 16), info=device_info(q))
     cfg = base.replace(**{**SEG, "seg_min": L}) if L else base.replace(seg_units=0)
-    plan = plan_mod.device_plan(cfg, device_info(q), cu, T, 1, 16, 64)
+    plan = plan_mod.device_plan(cfg, device_info(q), cu, T, 1, 16, 64, 16)
     assert plan.cu.cpu().tolist() == cu_list
     ntt, cidx, coff = plan_mod._chunk_index(tuple(cu_list), 64, torch.device(P.device))
     assert torch.equal(plan.coff.cpu(), coff.cpu()) and torch.equal(plan.cidx[:ntt].cpu(), cidx.cpu())

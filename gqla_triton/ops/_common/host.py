@@ -3,7 +3,8 @@ constexpr functions whose calls cost about a microsecond each, which adds up on 
 
 import torch
 
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes (the first takes 2**31 - 1)
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
+MAX_GRID_X = 2**31 - 1  # and on its first
 
 
 def cdiv(a: int, b: int) -> int:

@@ -28,7 +28,7 @@ from ...dispatch import select_config
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.config import names_config
-from .._common.host import cdiv, next_pow2
+from .._common.host import MAX_GRID_X, cdiv, next_pow2
 from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
@@ -184,6 +184,9 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     BK = next_pow2(K)
     BV = min(cfg.bv, next_pow2(V))
     grid = (cdiv(V, BV) * N * HV,)
+    if grid[0] > MAX_GRID_X:
+        raise ValueError(f"cu_seqlens / v: {N} sequences x {HV} value heads x {cdiv(V, BV)} V blocks make {grid[0]} "
+                         f"programs, more than one launch takes ({MAX_GRID_X}); split the call")
     gate = bool(use_gate_in_kernel)
     gated_delta_rule_decode_fwd_kernel[grid](
         q, k, v, g, beta, o, state, state_indices,

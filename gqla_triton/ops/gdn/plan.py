@@ -17,7 +17,7 @@ import torch
 
 from ...dispatch import DeviceInfo, device_info, is_interpreter, select_config
 from .._common.alloc import empty
-from .._common.host import MAX_GRID_Y, cdiv, device_ints, next_pow2, stream_key
+from .._common.host import MAX_GRID_X, MAX_GRID_Y, cdiv, device_ints, next_pow2, stream_key
 from .config import ChunkConfig
 from .kernels.plan import gdn_plan_kernel
 
@@ -117,9 +117,14 @@ def backward_unsupported(info: DeviceInfo, BT: int, K: int, dtype: torch.dtype) 
             f"{f'chunk_size={fits[0]}, ' if fits else ''}bf16 / fp16 inputs, or impl='reference'")
 
 
-def _check_grid(B: int, HV: int, NG: int, BT: int) -> None:
+def _check_grid(B: int, HV: int, NG: int, BT: int, N: int, V: int) -> None:
     """The per-chunk kernels' grids take (batch x value head) programs and chunk groups on their second and third
-    axes: a ``ValueError`` past CUDA's 65535 (the state passes and the decode step take any count)."""
+    axes, the state passes' (sequence x value head x V block) programs on their first: a ``ValueError`` past CUDA's
+    65535, or past 2^31 - 1 at the narrowest V block (16)."""
+    units = N * HV * cdiv(V, 16)
+    if units > MAX_GRID_X:
+        raise ValueError(f"cu_seqlens / v: {N} sequences x {HV} value heads x {cdiv(V, 16)} V blocks make {units} "
+                         f"state-pass programs, more than one launch takes ({MAX_GRID_X}); split the call")
     if B * HV > MAX_GRID_Y:
         raise ValueError(f"q / v: batch {B} x {HV} value heads = {B * HV} programs, more than one launch takes "
                          f"along a grid axis ({MAX_GRID_Y}); pass the sequences as one varlen batch (cu_seqlens)")
@@ -253,7 +258,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     if impl in ("triton", "gluon"):
         cfg = _impl_config(cfg, impl)
     if cu_seqlens is not None and cu_host is None and plans_on_device(cu_seqlens):
-        return device_plan(cfg, gpu, cu_seqlens, T, HV, K, BT)
+        return device_plan(cfg, gpu, cu_seqlens, T, HV, K, BT, V)
     if cu_seqlens is None:
         NT = cdiv(T, BT)
         seq_cu = tuple(range(0, (B + 1) * T, T))
@@ -262,8 +267,8 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))
         NTT, cidx, coff = _chunk_index(seq_cu, BT, cu_seqlens.device, stream_key(cu_seqlens.device))
         NT, NG, cu = 0, NTT, _device_bounds(seq_cu, cu_seqlens.device, stream_key(cu_seqlens.device))
-    _check_grid(B, HV, NG, BT)
     N = len(seq_cu) - 1
+    _check_grid(B, HV, NG, BT, N, v.shape[3])
     longest = NT if cu_seqlens is None else max(cdiv(b - a, BT) for a, b in zip(seq_cu[:-1], seq_cu[1:], strict=True))
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
@@ -280,8 +285,8 @@ def plans_on_device(cu_seqlens: torch.Tensor) -> bool:
     return cu_seqlens.device.type != "cpu"
 
 
-def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: int, HV: int, K: int,
-                BT: int) -> ChunkPlan:
+def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: int, HV: int, K: int, BT: int,
+                V: int) -> ChunkPlan:
     """The plan of a varlen call (T tokens, HV value heads, key dim K, chunks of BT) from ``cu_seqlens`` ``[N+1]``
     as it lies on its device (any strides), by ``gdn_plan_kernel``: no host read. The bounds, from the shapes:
     N sequences in T tokens hold at most (T + N·(BT−1)) // BT chunks, the longest at most ceil(T/BT); segments of
@@ -289,7 +294,7 @@ def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: 
     longest sequence taken at its bound."""
     N = cu_seqlens.numel() - 1
     NTT = (T + N * (BT - 1)) // BT
-    _check_grid(1, HV, NTT, BT)
+    _check_grid(1, HV, NTT, BT, N, V)
     longest = cdiv(T, BT)
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     NSEG = NTT // L + N if L else 0
