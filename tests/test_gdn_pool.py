@@ -156,14 +156,18 @@ def test_rows_outside_the_pool_are_never_accessed(monkeypatch, varlen, seg):
     assert torch.equal(got[keep], buf[keep]), "a row other than the named live rows was touched"
 
 
+def _small_call(T: int, HV: int = 2, K: int = 16, V: int = 16):
+    """q (= k) ``[2, T, 1, K]``, v ``[2, T, HV, V]``, g ``[2, T, HV]`` in (-1, 0], beta ``[2, T, HV]``, fp32."""
+    d = P.device
+    return (torch.randn(2, T, 1, K, device=d), torch.randn(2, T, HV, V, device=d), -torch.rand(2, T, HV, device=d),
+            torch.rand(2, T, HV, device=d))
+
+
 def test_bad_pool_calls_are_refused_and_change_nothing():
     """Every rejected call raises a ValueError / TypeError naming its argument and leaves the pool as it was."""
     d = P.device
     HV, K, V = 2, 16, 16
-    q = torch.randn(2, 8, 1, K, device=d)
-    v = torch.randn(2, 8, HV, V, device=d)
-    g = -torch.rand(2, 8, HV, device=d)
-    beta = torch.rand(2, 8, HV, device=d)
+    q, v, g, beta = _small_call(8)
     pool = torch.randn(4, HV, K, V, device=d)
     before = pool.clone()
     idx = torch.tensor([0, 3], dtype=torch.int32, device=d)
@@ -233,10 +237,7 @@ def test_inference_mode_pool_outside_inference_mode(impl):
     raw memory; the reference writes it in inference mode), bit for bit as it writes an ordinary pool."""
     d = P.device
     HV, K, V = 2, 16, 16
-    q = torch.randn(2, 70, 1, K, device=d)
-    v = torch.randn(2, 70, HV, V, device=d)
-    g = -torch.rand(2, 70, HV, device=d)
-    beta = torch.rand(2, 70, HV, device=d)
+    q, v, g, beta = _small_call(70)
     idx = torch.tensor([2, 0], dtype=torch.int32, device=d)
     start = torch.randn(3, HV, K, V, device=d)
     with torch.inference_mode():

@@ -48,6 +48,14 @@ def _snapshot(cache):
             cache._draft)
 
 
+def _held(m, g, num_seqs: int, T: int):
+    """A cache of ``num_seqs`` slots whose first two hold ``T`` prefilled tokens each, and its snapshot."""
+    cache = m.init_cache(num_seqs)
+    with torch.no_grad():
+        m(randn((2, T, m.hidden_size), g), cache, slots=[0, 1])
+    return cache, _snapshot(cache)
+
+
 def _assert_unchanged(cache, snap, what=""):
     conv, rec, lens, held, draft = snap
     assert torch.equal(cache._conv, conv), what
@@ -412,10 +420,7 @@ def test_decode_step_with_hidden_states_requiring_grad_is_refused_by_name():
     RuntimeError naming hidden_states before any row changes; a parameter requiring grad is named alike."""
     m = _as(_layer(1, 1, 16, torch.float64, 6), "triton", torch.float32)
     g = gen(6)
-    cache = m.init_cache(2)
-    with torch.no_grad():
-        m(randn((2, 2, m.hidden_size), g), cache, slots=[0, 1])
-    snap = _snapshot(cache)
+    cache, snap = _held(m, g, 2, 2)
     m.requires_grad_(False)
     x = randn((2, 1, m.hidden_size), g).requires_grad_()
     for slots in ([0, 1], torch.tensor([1, 0], **I32)):
@@ -654,10 +659,7 @@ def test_layer_and_cache_arguments_of_the_wrong_kind():
 
     m = _as(_layer(1, 2, 16, torch.float64, 4), "triton", torch.float32)
     g = gen(4)
-    cache = m.init_cache(3)
-    with torch.no_grad():
-        m(randn((2, 3, m.hidden_size), g), cache, slots=[0, 1])
-    snap = _snapshot(cache)
+    cache, snap = _held(m, g, 3, 3)
     x = randn((2, 1, m.hidden_size), g)
     with torch.no_grad():
         for bad in (x.to_sparse(), torch.nested.nested_tensor([x[0], x[1]])):
