@@ -388,13 +388,16 @@ def test_bad_options_and_partial_files_are_refused_before_any_search(tmp_path):
         with pytest.raises(err, match=msg):
             tune.tune(**{"budget_minutes": 0.1, **kw}, out=out, progress=False)
     partial = tmp_path / "t.json.partial.json"
-    row = '{"gpu": "interpreter", "start": "table", "measured": {}, "done": {"combine {}": %s}}'
-    for text in ('{"gpu": "interpreter", "measured": []}', '{"gpu": "interpreter", "spent_s": "abc"}',
-                 '{"gpu": "interpreter", "done": []}', '{"gpu": "interpreter", "done": {"x": 1}}',
-                 row % '{"target": "combine {}", "config": 5}', row % '{}',
-                 row % '{"target": "combine {}", "config": {"bogus": 1}}',
-                 row % '{"target": "combine {}", "tuned_ms": "fast"}'):
-        partial.write_text(text)
+    # the file of this machine's search: its table key, its combine target's label
+    gpu, label = dispatch.device_info().key, tune.targets(["combine"])[0].label()
+    head = {"gpu": gpu, "start": "table", "measured": {}}
+    texts = [{"gpu": gpu, "measured": []}, {"gpu": gpu, "spent_s": "abc"}, {"gpu": gpu, "done": []},
+             {"gpu": gpu, "done": {"x": 1}}]
+    texts += [{**head, "done": {label: row}} for row in (
+        {"target": label, "config": 5}, {}, {"target": label, "config": {"bogus": 1}},
+        {"target": label, "tuned_ms": "fast"})]
+    for text in texts:
+        partial.write_text(json.dumps(text))
         with pytest.raises(ValueError, match="an unreadable partial search"):
             tune.tune(["combine"], budget_minutes=0.1, out=out, progress=False)
     assert not out.exists()
