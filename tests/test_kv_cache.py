@@ -645,3 +645,37 @@ def test_new_tokens_must_be_dense_and_float8_values_reach_every_cache_kind():
         cache.append([1], c8.float(), r8.float())
         a, b = cache.gather(0), cache.gather(1)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_block_table_past_the_decode_kernels_positions_is_refused_at_construction():
+    """``max_pages · page_size`` above 2**30 (the decode ops' bound on a block table's positions) is refused when
+    the cache is made (``ValueError`` naming ``max_seqlen``), not by every decode step after the prefill."""
+    for cls, widths in ((LatentCache, (R, DR)), (GroupedCache, (G, DH, DR, DV))):
+        for max_seqlen, page in ((2**30 + 1, 2**15), (2**31 - 1, 2**24)):
+            with pytest.raises(ValueError, match="max_seqlen"):
+                cls(1, max_seqlen, *widths, page_size=page, num_pages=1, dtype=torch.float32, device=P.device)
+    c = LatentCache(1, 2**30, R, DR, page_size=2**15, num_pages=1, dtype=torch.float32, device=P.device)
+    assert c.max_pages * c.page_size == 2**30
+
+
+def test_k_scale_past_any_float_is_refused_by_name():
+    """An int too large for a float is a ``ValueError`` naming ``k_scale`` (not an ``OverflowError``)."""
+    for bad in (10**400, -(10**400)):
+        with pytest.raises(ValueError, match="k_scale"):
+            LatentCache(1, 32, R, DR, page_size=PS, dtype=torch.float8_e4m3fn, k_scale=bad, device=P.device)
+
+
+@pytest.mark.parametrize("kind", ["latent", "grouped"])
+def test_unhashable_slot_ids_are_refused_by_name(kind):
+    """Slot ids that are not ints (a nested list, a list holding a dict) are a ``TypeError`` naming ``seq_ids``
+    before any change, in every call that takes them."""
+    c = make_cache(kind)
+    parts, _ = new_tokens(kind, 1, 3, gen(12))
+    c.append([1], *parts)
+    for bad in ([[1]], ([0],), [{}], [1, [2]]):
+        for call in (lambda: c.append(bad, *parts), lambda: c.reserve(bad, 1), lambda: c.free(bad),
+                     lambda: c.seqlens(bad), lambda: c.slot_index(bad)):
+            before = snapshot(c)
+            with pytest.raises(TypeError, match="seq_ids"):
+                call()
+            assert_unchanged(before, c)

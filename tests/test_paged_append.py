@@ -65,6 +65,9 @@ def _bad_calls():
         ("num_tokens True", ValueError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=True)),
         ("num_tokens 2.0", ValueError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=2.0)),
         ("num_tokens 0", ValueError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=0)),
+        # the kernel's int32 token loop would step past int32 (and never end) on the last 1024 ints
+        ("num_tokens near int32", ValueError, "num_tokens",
+         lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=2**31 - 1)),
         ("batch -1", ValueError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=-1)),
         ("batch 1.0", ValueError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=1.0)),
         ("batch past the slots", ValueError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=4)),

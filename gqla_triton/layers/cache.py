@@ -48,13 +48,13 @@ from __future__ import annotations
 
 import abc
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
 
 from ..ops._common.validation import (
     INT32_MAX,
+    MAX_KEYS,
     check_device,
     check_disjoint,
     check_float_dtype,
@@ -63,6 +63,7 @@ from ..ops._common.validation import (
     check_positive_int,
     check_scale,
     check_tensor,
+    is_finite_real,
     is_int,
 )
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
@@ -95,7 +96,8 @@ class PagedCache(abc.ABC):
 
     Args:
         max_batch: sequence slots.
-        max_seqlen: most tokens one slot may hold.
+        max_seqlen: most tokens one slot may hold (its block-table row, ``ceil(max_seqlen / page_size)`` pages,
+            addresses at most 2**30 positions: the decode kernels' bound).
         page_size: tokens per page, a positive multiple of 16 (keyword-only, default 64).
         num_pages: pages to share among the slots (default ``max_batch * ceil(max_seqlen / page_size)``).
         device: of every tensor of the cache.
@@ -110,6 +112,10 @@ class PagedCache(abc.ABC):
         self.max_seqlen = check_positive_int("max_seqlen", max_seqlen)
         self.page_size = check_page_size(page_size)
         self.max_pages = math.ceil(self.max_seqlen / self.page_size)
+        if self.max_pages * self.page_size > MAX_KEYS:  # the decode ops' bound on a block table's positions
+            raise ValueError(f"max_seqlen: {self.max_seqlen} tokens on pages of {self.page_size} make a block table of "
+                             f"{self.max_pages * self.page_size} positions; the decode kernels address at most "
+                             f"{MAX_KEYS} per sequence")
         self.num_pages = (self.max_batch * self.max_pages if num_pages is None
                           else check_positive_int("num_pages", num_pages))
         if (self.num_pages + 1) * self.page_size >= 2**31:
@@ -160,7 +166,7 @@ class PagedCache(abc.ABC):
             return tuple(range(n))
         if type(seq_ids) is tuple or type(seq_ids) is list:
             ids = tuple(seq_ids)
-            if ids in self._index and all(type(s) is int for s in ids):  # validated when it was cached
+            if all(type(s) is int for s in ids) and ids in self._index:  # validated when cached (ints: hashable)
                 if n is not None and len(ids) != n:
                     raise ValueError(f"{name}: expected {n} slots, got {len(ids)}")
                 return ids
@@ -580,8 +586,7 @@ class LatentCache(PagedCache):
         fp8 = dtype == torch.float8_e4m3fn and not scaled
         if dtype.itemsize == 1 and dtype != torch.float8_e4m3fn:
             raise TypeError(f"dtype: the one 8-bit cache is FlashMLA's FP8 layout (torch.float8_e4m3fn), got {dtype}")
-        if scaled and (dtype != torch.float8_e4m3fn or isinstance(k_scale, bool)
-                       or not isinstance(k_scale, numbers.Real) or not 0 < float(k_scale) < math.inf):
+        if scaled and (dtype != torch.float8_e4m3fn or not is_finite_real(k_scale) or not k_scale > 0):
             raise ValueError(f"k_scale: the scale of a float8_e4m3fn cache (dtype=torch.float8_e4m3fn), a positive "
                              f"finite number; got {k_scale!r} for dtype {dtype}")
         if scaled:  # the kernels' k_descale is a float32: a normal float32 number

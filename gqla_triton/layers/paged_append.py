@@ -95,7 +95,8 @@ def _check(block_table, cache_seqlens, overflow, slots, batch, num_tokens, max_s
     if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or not 0 <= batch <= INT32_MAX:
         raise ValueError(f"batch: expected an int in [0, {INT32_MAX}], got {type(batch).__name__} {batch!r}")
     batch = int(batch)
-    T = check_positive_int("num_tokens", num_tokens)
+    # the kernel's int32 token loop steps by up to 1024: its last step must not pass int32
+    T = check_positive_int("num_tokens", num_tokens, hi=INT32_MAX - 1024)
     max_seqlen = check_positive_int("max_seqlen", max_seqlen)
     num_pages = check_positive_int("num_pages", num_pages)
     page_size = check_positive_int("page_size", page_size)
