@@ -476,3 +476,78 @@ def test_errors_name_flashmlas_arguments():
                     (torch.randn(4, 8, 1, 48, device=P.device), ValueError)):
         with pytest.raises(err, match="^k_cache: "):
             gq.flash_mla_with_kvcache(q, kc, bt, sl, 32, gq.get_mla_metadata()[0])
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view of a larger tensor (every dim one longer, the last 128 longer), as FlashMLA's test
+    scripts pass q, kv and indices."""
+    base = torch.zeros([n + (128 if i == t.dim() - 1 else 1) for i, n in enumerate(t.shape)], dtype=t.dtype,
+                       device=t.device)
+    view = base[tuple(slice(0, n) for n in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def test_flashmla_test_scripts_input_forms():
+    """The inputs FlashMLA's own test scripts build, which differ from contiguous ones: q, indices and the prefill's
+    kv as views with padded strides; V3.2 FP8 pages allocated one token longer (a page stride of (page + 1) · 656
+    bytes) beside MODEL1 pages padded to 576 bytes; a sink of ±inf; index values at int32's ends; a dense block table
+    holding 2147480000 past each sequence's pages, whose pages, and the rows past each length, are NaN. Each call
+    gives the contiguous call's bits (and no NaN reaches a dense result)."""
+    g = gen(11)
+    B, s_q, h_q = 2, 2, 16
+    qdt = torch.bfloat16 if P.big else torch.float32  # FP8 caches take bf16 or fp32 q
+    sink = (randn((h_q,), g) * 2).float().to(P.device)
+    sink[0], sink[1] = float("inf"), float("-inf")
+    # sparse decode: V3.2 FP8 pages of 3 tokens in a buffer of 4-token pages, an extra cache of MODEL1 pages of 5
+    v32 = gq.quantize_latent_fp8(randn((4, 3, 1, 576), g, device="cpu", dtype=torch.bfloat16)).to(P.device)
+    padded = torch.zeros(4, 4, 656, dtype=v32.dtype, device=P.device)[:, :3]
+    padded.copy_(v32[:, :, 0])
+    padded = padded.view(4, 3, 1, 656)
+    assert padded.stride(0) == 4 * 656
+    m1 = gq.quantize_latent_fp8(randn((3, 5, 1, 512), g, device="cpu"), layout="model1").to(P.device)
+    q = randn((B, s_q, h_q, 576), g, dtype=qdt)
+    idx, idx2 = _rows(g, B, s_q, 16, 12), _rows(g, B, s_q, 8, 15)
+    idx[0, 1] = -1  # a query that sees no key
+    length = torch.tensor([16, 5], dtype=torch.int32, device=P.device)
+    want = gq.flash_mla_with_kvcache(q, v32.contiguous(), None, None, 512, gq.get_mla_metadata()[0], None, 0.1,
+                                     False, True, idx, sink, None, None, length)
+    got = gq.flash_mla_with_kvcache(_strided(q), padded, None, None, 512, gq.get_mla_metadata()[0], None, 0.1,
+                                    False, True, _strided(idx), sink, None, None, length)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert (got[1][0, :, 1] == float("inf")).all() and (got[0][0, 1] == 0).all() and (got[0][:, :, 0] == 0).all()
+    q5 = randn((B, s_q, h_q, 512), g, dtype=qdt)
+    m1_want = gq.flash_mla_with_kvcache(q5, m1, None, None, 512, gq.get_mla_metadata()[0], None, 0.1, False, True,
+                                       idx2, sink)
+    m1_got = gq.flash_mla_with_kvcache(_strided(q5), m1, None, None, 512, gq.get_mla_metadata()[0], None, 0.1, False,
+                                       True, _strided(idx2), sink)
+    assert all(torch.equal(a, b) for a, b in zip(m1_got, m1_want, strict=True))
+    # sparse prefill: strided q, kv and indices, entries at int32's ends and just past kv
+    dtype = P.dtypes[-1]
+    pq, pkv = randn((5, h_q, 576), g, dtype=dtype), randn((9, 1, 576), g, dtype=dtype)
+    pidx = torch.randint(0, 9, (5, 1, 12), generator=g).int()
+    pidx[..., :4] = torch.tensor([-2**31, -1, 9, 2**31 - 1], dtype=torch.int32)
+    pidx[2] = -2**31  # a query that sees no key
+    pidx = pidx.to(P.device)
+    want = gq.flash_mla_sparse_fwd(pq, pkv, pidx, sm_scale=0.5, attn_sink=sink)
+    got = gq.flash_mla_sparse_fwd(_strided(pq), _strided(pkv), _strided(pidx), sm_scale=0.5, attn_sink=sink)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert got[2][2].eq(float("inf")).all() and got[1][2].eq(float("-inf")).all() and (got[0][2] == 0).all()
+    # dense: sentinel block-table entries past each sequence's pages, NaN in those pages and past each length
+    r, dr = DIMS[0]
+    page = 16
+    kv = randn((8, page, 2, r + dr), g, dtype=dtype)
+    bt = torch.randperm(8, generator=g)[:6].reshape(B, 3).int()
+    lens = torch.tensor([20, 3], dtype=torch.int32)
+    clean = kv.clone()
+    for b in range(B):
+        used = -(-int(lens[b]) // page)
+        kv[bt[b, used:].long()] = float("nan")
+        kv[bt[b, used - 1].long(), int(lens[b]) - (used - 1) * page:] = float("nan")
+        bt[b, used:] = 2147480000
+    bt, lens = bt.to(P.device), lens.to(P.device)
+    qd = randn((B, s_q, 4, r + dr), g, dtype=dtype)
+    got = gq.flash_mla_with_kvcache(qd, kv, bt, lens, r, gq.get_mla_metadata()[0], None, causal=True)
+    want = gq.flash_mla_with_kvcache(qd, clean, bt, lens, r, gq.get_mla_metadata()[0], None, causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert got[0].isfinite().all() and got[1].isfinite().all()
