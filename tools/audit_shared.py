@@ -147,6 +147,11 @@ def cases() -> dict[str, dict]:
                 for cs in (64, 32):
                     out["gdn"][f"K{K} V{V} {_TYPES[dt]} {'fwd+bwd' if grad else 'fwd'} chunk{cs}"] = \
                         _gdn(1, K, V, dt, grad, cs)
+    for K, V in ((128, 256), (128, 128), (64, 64)):  # one long sequence of two value heads: split into segments
+        for dt in (f16, f32):
+            for grad in (False, True):
+                out["gdn"][f"K{K} V{V} {_TYPES[dt]} {'fwd+bwd' if grad else 'fwd'} split"] = \
+                    _gdn(1, K, V, dt, grad, T=4096, H=1, HV=2)
     for K, V in ((256, 256), (128, 128)):
         for dt in (f16, f32):
             for s in (1, 4):

@@ -1,14 +1,16 @@
 """Run-to-run determinism of ``gq.chunk_gated_delta_rule`` forward + backward on the GPU, per launch config.
 
     python -m tools.determinism_gdn [--reps 100] [--dtypes bfloat16,float16] [--variants table,split]
-                                    [--config 'name={"grad_num_stages": 2}'] [--choose FILE]
+                                    [--config 'name={"grad_num_stages": 2}'] [--choose FILE] [--infer]
 
 For each config variant (``gdn_chunk`` fields applied with ``config_override``; ``table`` is the GPU's table
 entry) and each shape (the kernels promise bitwise-identical results for every HV / H), repeats one forward +
 backward on fixed inputs and counts the repetitions whose output, final state or any gradient (q, k, v, g, beta,
 initial state) differs bitwise from the first. A miscompiled or racy kernel shows as a nonzero count. Prints one
 line per (variant, dtype, shape); exits 1 if any count is nonzero. With ``--choose FILE`` the variants are tried
-in order and the first without differences is written to FILE as a ``GQLA_TRITON_CONFIG`` object.
+in order and the first without differences is written to FILE as a ``GQLA_TRITON_CONFIG`` object. ``--infer``:
+the forward without autograd instead (the inference kernels: ``sout``, the Hopper Gluon kernel, the segment maps
+formed from Ainv), its output and final state compared.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ SHAPES = [(1, 18, 1, 1), (1, 200, 1, 2), (2, 333, 2, 4), (1, 1024, 2, 2), (1, 70
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def _once(xs, do, dht):
+def _once(xs, do, dht, infer=False):
     import torch
 
     import gqla_triton as gq
 
+    if infer:
+        with torch.no_grad():
+            return list(gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True))
     xs = [x.detach().clone().requires_grad_() for x in xs]
     o, ht = gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
     torch.autograd.backward([o, ht], [do, dht])
@@ -71,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="comma list of built-in variants (default: all)")
     ap.add_argument("--config", action="append", default=[], help="extra variant: JSON fields or name=JSON")
     ap.add_argument("--choose", default=None, help="write the first variant without differences here and stop")
+    ap.add_argument("--infer", action="store_true", help="the forward without autograd (o and the final state)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tools.determinism_gdn needs a CUDA GPU")
@@ -84,10 +90,11 @@ def main(argv=None) -> int:
                 dt = getattr(torch, dname)
                 for B, T, H, HV in SHAPES:
                     xs, do, dht = _inputs(B, T, H, HV, dt)
-                    ref = _once(xs, do, dht)
-                    diff = dict.fromkeys(NAMES, 0)
+                    ref = _once(xs, do, dht, a.infer)
+                    names = NAMES[:2] if a.infer else NAMES
+                    diff = dict.fromkeys(names, 0)
                     for _ in range(a.reps):
-                        for n, x, y in zip(NAMES, _once(xs, do, dht), ref, strict=True):
+                        for n, x, y in zip(names, _once(xs, do, dht, a.infer), ref, strict=True):
                             diff[n] += not torch.equal(x, y)
                     nz = {n: c for n, c in diff.items() if c}
                     vbad += bool(nz)

@@ -106,21 +106,25 @@ def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool, state
         USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, V_FIRST=v_first, num_warps=8, num_stages=1)
 
 
-def _segments(k, w, u, gc, V: int, plan: ChunkPlan) -> _Split | None:
+def _segments(k, w, u, gc, V: int, plan: ChunkPlan, ainv: tuple | None = None) -> _Split | None:
     """The segment maps of the plan's sequence splitting (``gdn_state_seg_kernel``), or None without splitting.
-    ``u`` None: only the M columns (all the backward's reverse chain reads; the b columns stay unwritten)."""
+    ``u`` None: only the M columns (all the backward's reverse chain reads; the b columns stay unwritten).
+    ``ainv`` = (v, beta, Ainv, beta_sigmoid, neg_eigval): the maps formed from Ainv (w and u None: a forward
+    without gradient)."""
     if plan.seg is None:
         return None
     cfg = plan.cfg
     B, T, H, K = k.shape
-    HV = w.shape[2]
+    HV = gc.shape[2]
     nseg, cu, co, soff, _ = plan.seg
     BK = tile(K)
     BVs = min(cfg.seg_bv, BK)
     mb = empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
-    gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None else 0), nseg * HV)](
-        k, w, u if u is not None else w, gc, mb, cu, co, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BVs,
-        **cfg.launch("seg"))
+    v, beta, Ainv, beta_sigmoid, neg_eigval = ainv if ainv is not None else (k, k, k, False, False)
+    gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None or ainv is not None else 0), nseg * HV)](
+        k, w if w is not None else k, u if u is not None else k, v, beta, Ainv, gc, mb, cu, co, H=H, HV=HV, K=K,
+        V=V, BT=plan.BT, BK=BK, BV=BVs, FROM_AINV=ainv is not None, BETA_SIGMOID=beta_sigmoid,
+        NEG_EIGVAL=neg_eigval, **cfg.launch("seg"))
     return _Split(nseg, cu, co, soff, mb)
 
 
@@ -157,15 +161,15 @@ def _seg_states(plan: ChunkPlan, nseg: int, HV: int, K: int, V: int, device) -> 
 
 
 def _state_starts(k, w, u, gc, initial_state, plan: ChunkPlan, state_indices, v_first: bool, V: int,
-                  HV: int) -> _Starts:
-    """Without splitting, one program per sequence from initial_state (or the pool); with it, the segment maps are
-    chained (``_chain_segments``) into each segment's start state and the final state, and the programs run
-    segments."""
+                  HV: int, ainv: tuple | None = None) -> _Starts:
+    """Without splitting, one program per sequence from initial_state (or the pool); with it, the segment maps
+    (``_segments``; ``ainv`` as its) are chained (``_chain_segments``) into each segment's start state and the
+    final state, and the programs run segments."""
     N, K = plan.N, k.shape[3]
     pool = state_indices is not None
     ht = initial_state if pool else empty(N, HV, *((V, K) if v_first else (K, V)), dtype=torch.float32,
                                           device=k.device)
-    split = _segments(k, w, u, gc, V, plan)
+    split = _segments(k, w, u, gc, V, plan, ainv)
     if split is None:
         return _Starts(initial_state, ht, plan.cu, plan.coff, N, True, plan.varlen, pool, v_first, None)
     h0 = _seg_states(plan, split.nseg, HV, K, V, k.device)
@@ -256,14 +260,12 @@ def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: Ch
                v_first: bool, beta_sigmoid: bool, neg_eigval: bool, sm90: bool = False):
     """Stage ``sout`` (``gdn_state_out_kernel``, or with ``sm90`` the Gluon kernel): o ``[B, T, HV, V]`` (v's dtype,
     filled here) and the final state (as ``chunk_gdn_state_fwd``'s, with the same pool and ``v_first`` semantics) of
-    a forward without gradient. Under sequence splitting the segment maps are formed from ``wu``'s w and u first."""
+    a forward without gradient. Under sequence splitting the segment maps are formed from Ainv first (no w or u)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dummy = k
-    w = u = None
-    if plan.seg is not None:
-        w, u, _ = _wu(k, v, beta, gc, Ainv, plan, beta_sigmoid, neg_eigval)
-    st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
+    st = _state_starts(k, None, None, gc, initial_state, plan, state_indices, v_first, V, HV,
+                       ainv=(v, beta, Ainv, beta_sigmoid, neg_eigval))
     BV = _sout_bv(plan, V, st.units * HV, sm90)
     h0, ht, cu, coff, idx = _starts_args(st, state_indices, dummy)
     if sm90:

@@ -200,6 +200,24 @@ def _nan_from_first_bad(x, ok, BT: tl.constexpr):
 
 
 @triton.jit
+def _vnew_ainv(A, b, vv, kS, gg, BT: tl.constexpr):
+    """One chunk's v_new = Ainv·(beta·(v − e^gc·(k S))) ``[BT, BV]`` fp32 (= u − w S, without w and u) from its
+    Ainv rows A ``[BT, BT]`` (k's dtype), beta as taken b ``[BT]``, v ``[BT, BV]`` and k S ``[BT, BV]`` (fp32) and gc
+    ``[BT]``; the difference is taken in fp32 and rounded once to A's dtype. Non-finite inputs: the product takes the
+    finite, live entries only (a row whose gc is NaN is dead; a later row's NaN must not reach an earlier row as
+    0·NaN through it), and each column is NaN from its first non-finite v on, where ``gdn_wu_fwd_kernel`` puts
+    NaN. Returns v_new and whether the chunk has no non-finite v and no dead row."""
+    xs = b[:, None] * (vv - tl.exp(gg)[:, None] * kS)
+    okv = tl.abs(vv) < float("inf")
+    live = gg == gg
+    clean = tl.sum(tl.sum(tl.where(okv, 0, 1), 1) + tl.where(live, 0, 1), 0) == 0
+    vn = tl.dot(A, tl.where(okv & live[:, None], xs, 0.0).to(A.dtype))
+    if not clean:
+        vn = _nan_from_first_bad(vn, okv, BT)
+    return vn, clean
+
+
+@triton.jit
 def _softplus(x):
     """``log(1 + exp(x))`` (``x`` itself above 20, as torch's softplus), log1p-accurate for very negative x; a NaN
     stays NaN (the clamp is a select: tl.minimum would return 20 for it on the GPU)."""

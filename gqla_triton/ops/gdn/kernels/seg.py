@@ -6,34 +6,46 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_k_g, _decay_update, _h_row, _state_heads, _state_ptr
+from .common import _beta_in, _chunk_k_g, _decay_update, _h_row, _state_heads, _state_ptr, _vnew_ainv
 
 
 @triton.jit(do_not_specialize=["H", "HV"])
-def gdn_state_seg_kernel(k, w, u, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr):
+def gdn_state_seg_kernel(k, w, u, v, beta, Ainv, gc, mb, cu, coff, H, HV, K: tl.constexpr, V: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FROM_AINV: tl.constexpr = False,
+                         BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False):
     """Sequence splitting, pass 1: per segment (cu/coff index segments, not sequences) and value head, the state
     map S_end = M·S_start + b over the segment's chunks, as the state recurrence on X = [M | b] from [I | 0]
-    (u = 0 in the M columns). Program i_c < BK/BV owns BV columns of M, the others BV columns of b; X is stored
-    to mb ``[segments, HV, K, K + V]`` fp32."""
+    (v = 0 in the M columns). Program i_c < BK/BV owns BV columns of M, the others BV columns of b; X is stored
+    to mb ``[segments, HV, K, K + V]`` fp32. Each chunk's v_new is u − w X from ``wu``'s w and u, or with FROM_AINV
+    (a forward without gradient, which needs no w or u) ``_vnew_ainv``'s Ainv·(beta·(v − e^gc·k X)) from v, beta
+    (BETA_SIGMOID / NEG_EIGVAL as ``_beta_in`` takes it) and Ainv ``[rows, HV, BT]``; w, u and v, beta, Ainv are
+    the pointers the other form does not read."""
     i_c, i_sh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, Tn, _ = _state_heads(i_sh, cu, coff, 0, 0, H, HV, True)
     ck = tl.arange(0, BK)
+    r = tl.arange(0, BT)
     c = i_c * BV + tl.arange(0, BV)  # column of X: c < BK in M, else value column c - BK in b
     cv = c - BK
     X = ((ck[:, None] == c[None, :]) & (ck[:, None] < K)).to(tl.float32)
     mu = (c >= BK) & (cv < V)
-    dt = w.dtype.element_ty
+    dt = k.dtype.element_ty
     for i_n in range(0, tl.cdiv(Tn, BT)):
-        t = i_n * BT + tl.arange(0, BT)
+        t = i_n * BT + r
         valid = t < Tn
         x = bos + t
         mk = valid[:, None] & (ck[None, :] < K)
-        ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=valid[:, None] & mu[None, :],
-                     other=0.0).to(tl.float32)
-        vn = uu - tl.dot(ww, X.to(dt))
+        mv = valid[:, None] & mu[None, :]
         kk, gg, gl = _chunk_k_g(k, gc, x, valid, mk, bos, i_n * BT, Tn, i_hv, i_h, ck, H, HV, K, BT)
+        if FROM_AINV:
+            A = tl.load(Ainv + (x[:, None] * HV + i_hv) * BT + r[None, :], mask=valid[:, None], other=0.0).to(dt)
+            b = _beta_in(tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32), valid, BETA_SIGMOID,
+                         NEG_EIGVAL)
+            vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+            vn, clean = _vnew_ainv(A, b, vv, tl.dot(kk, X.to(dt)), gg, BT)
+        else:
+            ww = tl.load(w + x[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
+            uu = tl.load(u + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+            vn = uu - tl.dot(ww, X.to(dt))
         X = _decay_update(X, vn, kk, gg, gl, valid)
     col = tl.where(c < BK, c, K + cv)
     mcol = tl.where(c < BK, c < K, mu)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _beta_in, _chunk_k_g, _decay_update, _nan_from_first_bad, _state_begin, _state_end
+from .common import _beta_in, _chunk_k_g, _decay_update, _nan_from_first_bad, _state_begin, _state_end, _vnew_ainv
 
 
 @triton.jit(do_not_specialize=["T", "NT", "P", "H", "HV"])
@@ -22,12 +22,10 @@ def gdn_state_out_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scal
         o     = scale·(e^gc·q S + (q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j])·v_new)
         S    ← e^gl·S + kᵀ (e^(gl−gc)·v_new)
 
-    The difference ``v − e^gc·k S`` is taken in fp32 before its one rounding to k's dtype. BETA_SIGMOID / NEG_EIGVAL:
-    beta as ``_beta_in`` takes it. Non-finite inputs: a chunk with a non-finite v or a row whose gc is NaN (``wy``:
-    from the first non-finite k, beta or decay on) forms its products from the finite, live entries only (a later
-    row's NaN must not reach an earlier row as 0·NaN through the triangular products), and each column of v_new
-    and of o is NaN from its first non-finite v on: where ``gdn_wu_fwd_kernel`` and ``gdn_output_fwd_kernel`` put
-    NaN."""
+    v_new as ``_vnew_ainv`` forms it (non-finite inputs included: gc is NaN from a chunk's first non-finite k, beta
+    or decay on, ``wy``). BETA_SIGMOID / NEG_EIGVAL: beta as ``_beta_in`` takes it. In a chunk with non-finite
+    inputs P takes the finite v_new entries only and each column of o is NaN from its first non-finite v_new on,
+    where ``gdn_output_fwd_kernel`` puts NaN."""
     i_nh, i_hv, i_h, bos, Tn, boh, ck, cv, mkv, S = _state_begin(h0, idx, cu, coff, T, NT, P, H, HV, K, V, BK, BV,
                                                                  USE_H0, IS_VARLEN, POOL, V_FIRST)
     dt = k.dtype.element_ty
@@ -46,19 +44,12 @@ def gdn_state_out_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scal
         b = _beta_in(tl.load(beta + x * HV + i_hv, mask=valid, other=0.0).to(tl.float32), valid, BETA_SIGMOID,
                      NEG_EIGVAL)
         vv = tl.load(v + x[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        eg = tl.exp(gg)
-        xs = b[:, None] * (vv - eg[:, None] * tl.dot(kk, Sd))
-        oi = tl.dot(qq, Sd) * eg[:, None]
+        kS = tl.dot(kk, Sd)
+        oi = tl.dot(qq, Sd) * tl.exp(gg)[:, None]
         qk = tl.dot(qq, tl.trans(kk))
         m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
         Pm = tl.where(m, qk * tl.exp(tl.where(m, gg[:, None] - gg[None, :], 0.0)), 0.0).to(dv)
-        okv = tl.abs(vv) < float("inf")
-        live = gg == gg
-        clean = tl.sum(tl.sum(tl.where(okv, 0, 1), 1) + tl.where(live, 0, 1), 0) == 0
-        # the products take the finite, live entries only; the NaN placement is elementwise work in rare branches
-        vn = tl.dot(A, tl.where(okv & live[:, None], xs, 0.0).to(dt))
-        if not clean:
-            vn = _nan_from_first_bad(vn, okv, BT)
+        vn, clean = _vnew_ainv(A, b, vv, kS, gg, BT)
         vnd = vn.to(dv)
         ok = (tl.abs(vnd.to(tl.float32)) < float("inf")) | clean
         out = (oi + tl.dot(Pm, tl.where(ok, vnd, 0.0).to(dv))) * scale
