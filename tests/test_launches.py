@@ -82,6 +82,17 @@ def test_chunked_prefill_forward_is_two_launches(monkeypatch):
             assert rec.torch_ops == [], bounds
 
 
+def test_split_sequence_forward_forms_no_w_or_u(monkeypatch):
+    """A forward without gradient whose sequence is split into segments: ``wy``, the segment maps (formed from
+    Ainv), their chain, then ``sout`` per segment; no ``wu`` (w and u are the training path's)."""
+    xs = _gdn_inputs(1, 64 * 8, 1, 2, 32, 1)
+    with config_override({"gdn_chunk": {**FUSED, "seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 2}}), \
+            _Record(monkeypatch) as rec:
+        gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_state_seg_kernel", "gdn_state_prefix_kernel",
+                           "gdn_state_out_kernel"] and rec.torch_ops == []
+
+
 @pytest.mark.parametrize("HV", [2, 4])
 def test_training_step_is_four_and_four_launches(HV, monkeypatch):
     """Forward with gradient: ``wy``, ``wu``, ``state``, ``output``; backward: ``dv_local``, ``state_bwd``,
