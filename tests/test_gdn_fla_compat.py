@@ -661,3 +661,38 @@ def test_import_names_of_fla_and_flash_qla():
     assert gdn.chunk_gdn is gdn.chunk_gated_delta_rule
     assert gdn.fused_recurrent_gdn is gdn.fused_recurrent_gated_delta_rule
     assert flash_qla.chunk_gated_delta_rule is gdn.chunk_gated_delta_rule
+
+
+# fla 0.6's parameters, in order, with their defaults (names only), of fused_recurrent_gated_delta_rule and of the
+# first nine of chunk_gated_delta_rule (the tenth is FlashQLA's cu_seqlens here: fla's later ones go by keyword)
+FLA_RECURRENT = (("q", None), ("k", None), ("v", None), ("g", None), ("gk", None), ("gv", None), ("beta", None),
+                 ("scale", None), ("initial_state", None), ("output_final_state", False),
+                 ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("A_log", None), ("dt_bias", None),
+                 ("use_beta_sigmoid_in_kernel", False), ("allow_neg_eigval", False), ("state_v_first", False),
+                 ("cu_seqlens", None))
+FLA_CHUNK_HEAD = (("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("scale", None),
+                  ("initial_state", None), ("output_final_state", False), ("use_qk_l2norm_in_kernel", False))
+
+
+def test_signatures_follow_fla_and_flash_qla():
+    """Callers written against fla / FlashQLA bind the same parameters: fla's recurrent function in its order and
+    defaults (then keyword-only options), the chunked op's first nine as in both, cu_seqlens tenth as in FlashQLA;
+    fla's later chunk parameters are taken by keyword."""
+    import inspect
+
+    def params(fn):
+        return [(p.name, None if p.default is inspect.Parameter.empty else p.default, p.kind)
+                for p in inspect.signature(fn).parameters.values()]
+
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    rec = params(fused_recurrent_gated_delta_rule)
+    assert [(n, d) for n, d, k in rec if k is positional] == list(FLA_RECURRENT)
+    chunk = [(n, d) for n, d, k in params(chunk_gated_delta_rule) if k is positional]
+    assert chunk == [*FLA_CHUNK_HEAD, ("cu_seqlens", None)]
+    q, k, v, g, beta = _inputs(1, 6, 151)
+    cu = torch.tensor([0, 2, 6], device=P.device)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+    o2, ht2 = chunk_gated_delta_rule(q, k, v, g, beta, None, None, True, False, use_beta_sigmoid_in_kernel=False,
+                                     allow_neg_eigval=False, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=None,
+                                     chunk_indices=None, cp_context=None)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)

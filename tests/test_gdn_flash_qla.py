@@ -194,3 +194,63 @@ def test_recurrent_decode_form(use_h0, Hk, Hv):
         gq.recurrent_gated_delta_rule(*xs, seqlens=seqlens[:2])
     with pytest.raises(ValueError, match="initial_state"):
         gq.recurrent_gated_delta_rule(*xs, initial_state=torch.zeros(B, Hv, V, K + 1, device=P.device))
+
+
+# FlashQLA 0.1.3's parameters of its two-call form, in order, with their defaults (names only: its call sites
+# pass them positionally, e.g. ``fwd(q, k, v, g, beta, scale, h0, cu_seqlens, True, False, True, False)``)
+FLASH_QLA_FWD = (("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("scale", None),
+                 ("initial_state", None), ("cu_seqlens", None), ("output_final_state", True), ("output_h", False),
+                 ("auto_cp", True), ("state_v_first", False), ("enable_fwd_cp_cache", False), ("cp_context", None),
+                 ("is_train", None))
+FLASH_QLA_BWD = (("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("A", None), ("do", None),
+                 ("dht", None), ("scale", None), ("initial_state", None), ("cu_seqlens", None),
+                 ("state_v_first", False), ("auto_cp", True), ("cp_cache", None), ("cp_context", None))
+
+
+def test_flash_qla_013_signatures():
+    """The fwd / bwd take FlashQLA 0.1.3's parameters by name and position (its ``cp_context`` and ``is_train``
+    included), each with FlashQLA's default."""
+    import inspect
+
+    for fn, want in ((gq.chunk_gated_delta_rule_fwd, FLASH_QLA_FWD), (gq.chunk_gated_delta_rule_bwd, FLASH_QLA_BWD)):
+        got = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+               for p in inspect.signature(fn).parameters.values()]
+        assert got == list(want), fn.__name__
+        assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                   for p in inspect.signature(fn).parameters.values()), fn.__name__
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_flash_qla_013_cp_context_and_is_train(positional):
+    """FlashQLA 0.1.3's ``is_train`` (None or a bool: no effect here) and ``cp_context=None`` are taken by keyword
+    and in their places, bit-identical to the call without them; a cp_context is refused by name (ValueError), a
+    non-bool is_train is a TypeError naming it."""
+    ins, cu = gdn_problem(5, [40, 30], True, 1, 2, 16, 16)
+    xs = _device(ins, P.dtypes[0])
+    cu = cu.to(P.device)
+    base = gq.chunk_gated_delta_rule_fwd(*xs[:5], initial_state=xs[5], cu_seqlens=cu)
+    gc, A, o = base[:3]
+    do = torch.ones_like(o)
+    dbase = gq.chunk_gated_delta_rule_bwd(*xs[:3], gc, xs[4], A, do, initial_state=xs[5], cu_seqlens=cu)
+    for is_train in (None, True, False):
+        if positional:
+            got = gq.chunk_gated_delta_rule_fwd(*xs[:5], None, xs[5], cu, True, False, True, False, False, None,
+                                                is_train)
+        else:
+            got = gq.chunk_gated_delta_rule_fwd(*xs[:5], initial_state=xs[5], cu_seqlens=cu, cp_context=None,
+                                                is_train=is_train)
+        assert all(torch.equal(a, b) for a, b in zip(got[:5], base[:5], strict=True) if a is not None)
+        assert got[3] is None and got[5] is None
+    if positional:
+        dgot = gq.chunk_gated_delta_rule_bwd(*xs[:3], gc, xs[4], A, do, None, None, xs[5], cu, False, True, None, None)
+    else:
+        dgot = gq.chunk_gated_delta_rule_bwd(*xs[:3], gc, xs[4], A, do, initial_state=xs[5], cu_seqlens=cu,
+                                             cp_context=None)
+    assert all(torch.equal(a, b) for a, b in zip(dgot, dbase, strict=True))
+    with pytest.raises(ValueError, match="cp_context: not supported by chunk_gated_delta_rule_fwd"):
+        gq.chunk_gated_delta_rule_fwd(*xs[:5], cp_context=object())
+    with pytest.raises(ValueError, match="cp_context: not supported by chunk_gated_delta_rule_bwd"):
+        gq.chunk_gated_delta_rule_bwd(*xs[:3], gc, xs[4], A, do, cu_seqlens=cu, cp_context=object())
+    for bad in ("yes", 2, torch.tensor(True)):
+        with pytest.raises(TypeError, match="is_train: expected a bool"):
+            gq.chunk_gated_delta_rule_fwd(*xs[:5], is_train=bad)

@@ -49,9 +49,16 @@ def _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
     return N, float(check_scale("scale", scale, K ** -0.5)), v_first, row
 
 
+def _no_cp_context(op: str, cp_context) -> None:
+    """FlashQLA 0.1.3's ``cp_context`` (its context-parallel plan, inter- or intra-card): only None is taken."""
+    if cp_context is not None:
+        raise ValueError(f"cp_context: not supported by {op} (FlashQLA's context-parallel plan; here the plan splits "
+                         "long sequences by itself and no context parallelism spans cards); pass None or leave it out")
+
+
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                                output_final_state=True, output_h=False, auto_cp=True, state_v_first=False,
-                               enable_fwd_cp_cache=False):
+                               enable_fwd_cp_cache=False, cp_context=None, is_train=None):
     """FlashQLA's forward: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g (log decay), beta ``[B, T, HV]``,
     initial_state ``[N, HV, K, V]`` (``state_v_first``: ``[N, HV, V, K]``) or None, cu_seqlens ``[N+1]`` or None;
     inputs as ``chunk_gated_delta_rule`` takes them (no in-kernel l2norm or gate: FlashQLA's autograd function
@@ -65,12 +72,17 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
     cu_seqlens, which then reads cu_seqlens on the host and is refused under torch.compile; ``[.., V, K]`` rows with
     ``state_v_first``), else None; final_state ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]``) or None without
     ``output_final_state``; cp_cache None. ``auto_cp`` / ``enable_fwd_cp_cache``: bools, no effect (see the
-    module docstring). No autograd: the outputs carry no gradient.
+    module docstring); FlashQLA 0.1.3's ``is_train`` (None or a bool: whether a backward follows, which steers its
+    CP decision and cache) likewise; its ``cp_context`` (a context-parallel plan) must be None. No autograd: the
+    outputs carry no gradient.
     """
     output_final_state = check_flag("output_final_state", output_final_state)
     output_h = check_flag("output_h", output_h)
     check_flag("auto_cp", auto_cp)
     check_flag("enable_fwd_cp_cache", enable_fwd_cp_cache)
+    if is_train is not None:
+        check_flag("is_train", is_train)
+    _no_cp_context("chunk_gated_delta_rule_fwd", cp_context)
     N, scale, v_first, _ = _common(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -108,7 +120,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-                               state_v_first=False, auto_cp=True, cp_cache=None):
+                               state_v_first=False, auto_cp=True, cp_cache=None, cp_context=None):
     """FlashQLA's backward: the forward's inputs with g and A as ``chunk_gated_delta_rule_fwd`` returned them (g
     the chunk-local cumulative decay, fp32), do ``[B, T, HV, V]`` the output's gradient (fp32, bf16 or fp16, taken in
     v's dtype, the output's, as autograd takes it), dht the final state's
@@ -117,9 +129,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
     Returns ``(dq, dk, dv, db, dg, dh0)``: dq, dk ``[B, T, H, K]`` (summed over each q/k head's value heads), dv,
     db (beta's) as their inputs, dg fp32 the gradient of the raw decay (not of its cumulative sum), dh0 in
     initial_state's dtype and layout, or None without initial_state. ``cp_cache`` must be None (the forward here
-    never makes one); ``auto_cp``: a bool, no effect.
+    never makes one), and so must FlashQLA 0.1.3's ``cp_context``; ``auto_cp``: a bool, no effect.
     """
     check_flag("auto_cp", auto_cp)
+    _no_cp_context("chunk_gated_delta_rule_bwd", cp_context)
     if cp_cache is not None:
         raise ValueError("cp_cache: must be None (chunk_gated_delta_rule_fwd here returns no context-parallel "
                          "cache: the plan splits long sequences without one)")
