@@ -28,7 +28,8 @@ def _fake_fla(tmp_path):
     _write(tmp_path / "pkg/fla/__init__.py", "from . import layers  # noqa: F401  (as fla imports its layers)\n")
     _write(tmp_path / "pkg/fla/ops/__init__.py", "")
     _write(tmp_path / "pkg/fla/ops/gated_delta_rule/__init__.py",
-           upstream.format("chunk_gated_delta_rule") + upstream.format("fused_recurrent_gated_delta_rule"))
+           upstream.format("chunk_gated_delta_rule") + upstream.format("fused_recurrent_gated_delta_rule")
+           + "chunk_gdn = chunk_gated_delta_rule\nfused_recurrent_gdn = fused_recurrent_gated_delta_rule\n")
     # fla's layer binds the names when fla is imported, before any rebinding: the tool rebinds them there too
     _write(tmp_path / "pkg/fla/layers/__init__.py", "from . import gated_deltanet  # noqa: F401\n")
     _write(tmp_path / "pkg/fla/layers/gated_deltanet.py",
@@ -50,7 +51,8 @@ def test_fla_suite_calls_ours(tmp_path):
     _write(tests / "test_up.py", """
         import torch
         import ref_helper
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, chunk_gdn, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import fused_recurrent_gdn
 
         import gqla_triton.ops.gdn as ours
         from fla.layers import gated_deltanet as layer
@@ -58,6 +60,8 @@ def test_fla_suite_calls_ours(tmp_path):
         def test_bound(upstream_fixture):
             assert chunk_gated_delta_rule is ours.chunk_gated_delta_rule
             assert fused_recurrent_gated_delta_rule is ours.fused_recurrent_gated_delta_rule
+            assert chunk_gdn is ours.chunk_gated_delta_rule  # fla's short names
+            assert fused_recurrent_gdn is ours.fused_recurrent_gated_delta_rule
             assert layer.chunk_gated_delta_rule is ours.chunk_gated_delta_rule
             assert layer.fused_recurrent_gated_delta_rule is ours.fused_recurrent_gated_delta_rule
             assert ref_helper.VALUE == 3 and upstream_fixture == 7

@@ -7,8 +7,9 @@
 The upstream package must be importable (its tests take their references and helpers from it); its entry points
 are rebound to ours before the test module is imported, so every call the tests make to them runs here:
 
-- ``fla``: ``fla.ops.gated_delta_rule``'s ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` (also
-  in the ``chunk`` / ``fused_recurrent`` submodules, and the names ``fla.layers.gated_deltanet`` imported from it
+- ``fla``: ``fla.ops.gated_delta_rule``'s ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` and
+  their short names ``chunk_gdn`` / ``fused_recurrent_gdn`` (also in ``fla.ops``, the ``chunk`` / ``fused_recurrent``
+  submodules, and the names ``fla.layers.gated_deltanet`` imported from it
   when the full fla package is there: its layer and model tests then run ours), from ``gqla_triton.ops.gdn``.
 - ``flashqla``: ``flash_qla``'s ``chunk_gated_delta_rule`` / ``_fwd`` / ``_bwd``, from ``gqla_triton.ops.gdn`` and
   its ``flash_qla`` module.
@@ -35,11 +36,13 @@ from pathlib import Path
 
 # project -> (upstream module, attribute, our module, our attribute)
 BINDINGS = {
-    "fla": [
-        (m, a, "gqla_triton.ops.gdn", a)
-        for m in ("fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk",
+    "fla": [  # the two functions, and fla's short names for them (chunk_gdn, fused_recurrent_gdn)
+        (m, alias or a, "gqla_triton.ops.gdn", a)
+        for m in ("fla.ops", "fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk",
                   "fla.ops.gated_delta_rule.fused_recurrent", "fla.layers.gated_deltanet")
-        for a in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+        for a, alias in (("chunk_gated_delta_rule", None), ("fused_recurrent_gated_delta_rule", None),
+                         ("chunk_gated_delta_rule", "chunk_gdn"),
+                         ("fused_recurrent_gated_delta_rule", "fused_recurrent_gdn"))
     ],
     "flashqla": [
         ("flash_qla", "chunk_gated_delta_rule", "gqla_triton.ops.gdn", "chunk_gated_delta_rule"),
