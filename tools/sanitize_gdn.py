@@ -1,7 +1,8 @@
 """``gq.chunk_gated_delta_rule`` forward + backward over small edge-case shapes, for ``compute-sanitizer``.
 
-    compute-sanitizer --tool memcheck python -m tools.sanitize_gdn [--cases all|finite|nonfinite] [--dims ...]
-                                                                        (also: --tool racecheck / initcheck)
+    compute-sanitizer --tool memcheck python -m tools.sanitize_gdn [--cases all|finite|nonfinite|infer]
+                                                                   [--dims all|128|odd]
+                                                                   (also: --tool racecheck / initcheck)
 
 must report 0 errors and exit 0. Without a GPU, ``TRITON_INTERPRET=1 python -m tools.sanitize_gdn`` runs the same
 cases in float32 in Triton's interpreter (a check of the script and of the interpreter's address checks).

@@ -11,6 +11,7 @@ counts. Every result is also checked against the float64 reference; any mismatch
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -59,7 +60,9 @@ def adversarial(seed: int, *, B=3, s_q=2, g=2, G=16, d_h=64, d_r=32, d_v=64, pag
     return err, lse_ok
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.sanitize_sparse_gqa", description=__doc__.splitlines()[0])
+    ap.parse_args(argv)
     bad = 0
     n = 0
     for seed in range(6):

@@ -14,6 +14,7 @@ against the float64 reference, so the run fails loudly (exit 1) on a wrong answe
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -89,16 +90,16 @@ def prefill_case(seed, s_q, h_q, r, dr, s_kv, topk, impl="auto"):
     return not bad
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.sanitize_sparse_mla", description=(
+        "Adversarial sparse indices and block tables through gq.mla_decode and gq.mla_sparse_prefill on the GPU, "
+        "for compute-sanitizer."))
+    ap.add_argument("seeds", nargs="?", type=int, default=3, help="seeds of every case (3)")
+    ap.add_argument("--impl", choices=("auto", "triton", "gluon"), default="auto")
+    a = ap.parse_args(argv)
+    impl, seeds = a.impl, a.seeds
     ok = True
     n = 0
-    args = sys.argv[1:]
-    impl = "auto"
-    if "--impl" in args:
-        i = args.index("--impl")
-        impl = args[i + 1]
-        del args[i:i + 2]
-    seeds = int(args[0]) if args else 3
     for seed in range(seeds):
         for (r, dr, h_q, page) in ((512, 64, 128, 64), (512, 64, 16, 16), (256, 64, 64, 32), (512, 64, 64, 2),
                                    (512, 64, 128, 61)):
