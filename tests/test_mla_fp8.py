@@ -99,6 +99,27 @@ def test_quantizer_layout_and_error_bound(rows, scale, pow2, seed):
     assert torch.equal(dequantize_latent_fp8(q8.view(torch.uint8)), dequantize_latent_fp8(q8))
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantizer_tiny_tiles_keep_the_error_bound(pow2):
+    """Tiles whose scale amax / 448 is a float32 subnormal, or below float32's range: the scale is rounded up, not
+    down or to 0, so every value keeps the bound of ``test_quantizer_layout_and_error_bound`` (none saturates
+    past 448, no nonzero tile reads back as zeros); an all-zero tile keeps scale 0."""
+    amaxes = [1e-45, 3e-43, 8e-43, 1.5e-42, 1e-40, 1e-38]
+    x = torch.zeros(len(amaxes), 576)
+    g = gen(4)
+    for i, a in enumerate(amaxes):
+        x[i, :128] = (torch.rand(128, generator=g, dtype=torch.float64) * 2 - 1) * a
+        x[i, 7] = a
+    q8 = quantize_latent_fp8(x, pow2_scales=pow2)
+    sc = q8.view(torch.uint8)[:, 512:528].contiguous().view(torch.float32)
+    assert (sc[:, 0] > 0).all() and (sc[:, 1:] == 0).all()
+    assert (sc[:, 0].double() * 448 >= x[:, :128].double().abs().amax(-1)).all()
+    deq = dequantize_latent_fp8(q8, torch.float64)
+    err = (deq[:, :128] - x[:, :128].double()).abs()
+    bound = torch.maximum(x[:, :128].double().abs() * 2**-4, sc[:, :1].double() * 2**-10) * (1 + 1e-6)
+    assert (err <= bound).all(), err.amax(-1) / x[:, :128].double().abs().amax(-1)
+
+
 def test_quantizer_nonfinite_stays_in_its_tile_and_refusals():
     x = torch.randn(2, 576)
     x[1, 300] = float("nan")
@@ -396,6 +417,23 @@ def test_v41_fp4_quantizer_layout_and_error_bound(pages, page, scale, seed):
     bound = sc[..., None] * (half + (r - 6).clamp(min=0)) * (1 + 1e-9)
     assert torch.all(((d - vals).abs() <= bound)[finite])
     assert torch.isnan(d[~finite]).all() and (deq[0, 0, 0, 16:32] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["v32", "v32_no_rope", "model1", "v41", "v41_fp4"])
+def test_quantisers_take_strided_and_expanded_values(layout):
+    """Every layout quantises a strided view (every other channel), a transposed one and an expanded one (stride 0
+    along the channels) to the bytes of the same values made contiguous (V4.1, which has no rope part, raised on
+    the empty rope slice of a strided view)."""
+    width = 576 if layout == "v32" else 512
+    shape = (2, 4, 1) if layout in PAGED else (3,)
+    g = gen(6)
+    views = [torch.randn(*shape, 2 * width, generator=g)[..., ::2],
+             torch.randn(width, *shape, generator=g).movedim(0, -1),
+             torch.randn(*shape, 1, generator=g).expand(*shape, width)]
+    for x in views:
+        assert not x.is_contiguous()
+        got = quantize_latent_fp8(x, layout=layout).view(torch.uint8)
+        assert torch.equal(got, quantize_latent_fp8(x.contiguous(), layout=layout).view(torch.uint8))
 
 
 @pytest.mark.parametrize("layout", ["v32", "v32_no_rope", "model1", "v41", "v41_fp4"])
@@ -822,6 +860,58 @@ def test_scaled_fp8_descales_past_the_log2_range(num_splits):
     assert_close("out", out, ro, dtype=out.dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_scaled_fp8_zero_tiny_and_nan_descale_products(num_splits):
+    """Scales whose product with the descales is not a normal float32 number: a zero k_descale, a zero
+    softmax_scale, descales whose product underflows float32 (every score 0: a uniform softmax), descales whose
+    product alone overflows it beside a tiny scale (finite scores); each as the float64 reference, never NaN. A NaN
+    descale poisons the rows that see a key, and a sparse row that selects nothing keeps out 0 and lse -inf."""
+    q8, kv8, bt, lens, _, _, g = _scaled_case(13, 2, 2, 16, PAGE[0], q8=True, per_seq=False)
+    qb = randn(q8.shape, g, dtype=QDT)
+    lens = lens.clamp(min=1)
+    f32 = dict(dtype=torch.float32, device=P.device)
+    cases = [(qb, None, torch.zeros(1, **f32), {}), (qb, None, torch.tensor([0.03], **f32), dict(softmax_scale=0.0)),
+             (q8, torch.tensor([1e-30], **f32), torch.tensor([1e-30], **f32), {}),
+             (q8, torch.tensor([1e20], **f32), torch.tensor([1e20], **f32), dict(softmax_scale=1e-30))]
+    for q, qd, kd, kw in cases:
+        out, lse = _call(q, kv8, bt, lens, 512, impl="triton", num_splits=num_splits, q_descale=qd, k_descale=kd,
+                         **kw)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (qd, kd, kw)
+        _check_scaled(out, lse, q, kv8, bt, lens, qd, kd, **kw)
+    idx = torch.randint(0, MAXLEN, (2, 2, 16), generator=g).int().to(P.device)
+    idx[0, 1] = -1
+    nan = torch.full((1,), math.nan, **f32)
+    for kd in (nan, torch.zeros(1, **f32)):
+        out, lse = _call(qb, kv8, bt, lens, 512, impl="triton", num_splits=num_splits, indices=idx, k_descale=kd)
+        assert (out[0, 1] == 0).all() and (lse[0, :, 1] == -math.inf).all()
+        seen = (lse != -math.inf).permute(0, 2, 1)
+        assert (out[seen].isnan() if kd.isnan().all() else out[seen] == 0).all()
+
+
+def test_tied_top_keys_share_the_weight_at_huge_descales():
+    """Two tokens with the same top score under k_descale 1e30 (a softmax that is a max): each takes half the
+    weight, so out is k_descale times their mean, in the kernel and in the float64 reference (whose weights are
+    normalised by their sum: ``exp(s - lse)`` gave each weight 1 there, ``max + ln 2`` rounding to ``max``)."""
+    g = gen(17)
+    page = PAGE[0]
+    kvf = torch.rand(2, page, 1, 576, generator=g, dtype=torch.float64) * 2 - 1
+    kvf[..., 575] = 0.0
+    kvf[0, 2, 0, 575] = kvf[1, 5, 0, 575] = 8.0
+    kv8 = kvf.to(torch.float8_e4m3fn).to(P.device)
+    q = torch.zeros(1, 1, 16, 576, dtype=QDT, device=P.device)
+    q[..., 575] = 1.0  # every score is a token's last rope channel
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([2 * page], dtype=torch.int32, device=P.device)
+    kd = torch.tensor([1e30], device=P.device)
+    rows = kv8.cpu().double()[:, :, 0, :512]
+    want = (1e30 * (rows[0, 2] + rows[1, 5]) / 2).expand(1, 1, 16, 512)
+    out, lse = _call(q, kv8, bt, lens, 512, impl="triton", softmax_scale=0.5, k_descale=kd)
+    ro, rl = mla_decode_ref(q, kv8, bt, lens, 512, softmax_scale=0.5, k_descale=kd)
+    torch.testing.assert_close(ro, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-6 if QDT == torch.float32 else 1e-2, atol=0)
+    torch.testing.assert_close(lse.double().cpu(), rl, rtol=1e-6, atol=0)
+
+
 def test_scaled_fp8_refusals_name_the_argument():
     q, kv8, bt, lens, qd, kd, _ = _scaled_case(1, 2, 1, 16, PAGE[0], q8=True, per_seq=False)
     qb = q.to(QDT)
@@ -849,6 +939,8 @@ def test_scaled_fp8_refusals_name_the_argument():
         mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=torch.ones(1, device="meta"))
     with pytest.raises(ValueError, match="impl='gluon'.*k_descale"):
         mla_decode(q, kv8, bt, lens, 512, q_descale=qd, k_descale=kd, impl="gluon")
+    with pytest.raises(ValueError, match="^q: expected at least one head of at least one channel"):
+        mla_decode(qb[..., :0], kv8[..., :0], bt, lens, 1, k_descale=kd)
     import gqla_triton as gq
 
     with pytest.raises(ValueError, match="descale_q / descale_k: the dense FP8 path"):

@@ -148,6 +148,49 @@ def test_nonfinite_values_reach_only_the_queries_that_see_them():
     assert (ref_m[1, ::2] == math.inf).all()
 
 
+def test_huge_scale_with_duplicated_and_tied_rows():
+    """At softmax_scale 1e30 the softmax is a max: a top row listed three times, or two equal rows tied at the top,
+    share its weight, so out is that row's value, in the kernel and in the float64 reference (whose weights are
+    normalised by their sum: ``exp(s - lse)`` gave each copy weight 1 there, ``max + ln 3`` rounding to ``max``)."""
+    r, dr = DIMS[0]
+    D = r + dr
+    dtype = P.dtypes[-1]
+    kv = randn((8, 1, D), 3, dtype=dtype)
+    kv[:, 0, D - 1] = 0.0
+    kv[3, 0, D - 1], kv[5, 0, D - 1] = 2.0, 1.0
+    kv[6] = kv[3]
+    q = torch.zeros(2, HEADS[0], D, dtype=dtype, device=P.device)
+    q[..., D - 1] = 1.0  # every score is a row's last channel
+    idx = torch.tensor([[[3, 3, 3, 5, -1, 0]], [[3, 6, 5, 1, 2, 9]]], dtype=torch.int32, device=P.device)
+    want = kv[3, 0, :r].double().cpu().expand(2, HEADS[0], r)
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    for out, lse in (mla_sparse_prefill_ref(q, kv, idx, r, 1e30)[0::2], _run(q, kv, idx, r, 1e30)[0::2]):
+        torch.testing.assert_close(out.double().cpu(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double().cpu(), torch.full((2, HEADS[0]), 2e30, dtype=torch.float64),
+                                   rtol=1e-6, atol=0)
+
+
+def test_every_seen_score_minus_inf_gives_out_zero():
+    """A query whose every selected row scores -inf (q -1 on a channel where the row holds +inf) has no weight
+    anywhere: out 0 and both statistics -inf, in the kernel (any split count) and in the reference, whose
+    ``0 · inf`` in P·V gave NaN there; another query selecting the same row gets what IEEE arithmetic gives (lse
+    +inf for its heads whose score is +inf, NaN in out)."""
+    r, dr = DIMS[0]
+    D = r + dr
+    dtype = P.dtypes[-1]
+    kv = randn((6, 1, D), 8, dtype=dtype)
+    kv[3, 0, 0] = math.inf
+    q = randn((2, HEADS[0], D), 9, dtype=dtype)
+    q[0] = 0.0
+    q[0, :, 0] = -1.0
+    idx = torch.tensor([[[3, -1, 3]], [[3, 1, 2]]], dtype=torch.int32, device=P.device)
+    for num_splits in (1, 2):
+        got = _run(q, kv, idx, r, None, None, num_splits)
+        ref_o, ref_m, ref_l = _check(got, q, kv, idx, r, None, None, dtype)
+        assert (ref_o[0] == 0).all() and (ref_l[0] == -math.inf).all() and (ref_m[0] == -math.inf).all()
+        assert (got.out[0] == 0).all() and (got.lse[0] == -math.inf).all()
+
+
 def test_hostile_layouts_and_extremes():
     """Strided q and kv (a row stride above D, a storage offset, heads not adjacent), an index tensor that is a
     non-contiguous view, every row junk for some queries, topk lengths at the int32 extremes, a single kv row."""
@@ -208,6 +251,8 @@ def _bad_calls(q, kv, idx):
         ("impl gluon", dict(impl="gluon"), ValueError, r"^impl='gluon': mla_sparse_prefill has no Gluon kernel"),
         ("impl", dict(impl="fast"), ValueError, r"^impl: expected one of"),
         ("q heads", dict(q=q[:, :0]), ValueError, r"^q: expected at least one head"),
+        ("q channels", dict(q=q[..., :0], kv=kv[..., :0], head_dim_v=1), ValueError,
+         r"^q: expected at least one head of at least one channel"),
     ]
 
 

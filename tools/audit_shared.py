@@ -125,6 +125,18 @@ def _mla(D, DV, dt, s_q, sparse, layout=None, page=64, S=256, B=2, h_q=128):
     return call
 
 
+def _mla_scaled(qdt, page=64, S=256, B=2, h_q=128):
+    def call():
+        q = torch.randn(B, 1, h_q, 576).to(qdt)
+        pages = (S + page - 1) // page * B
+        kv = torch.randn(pages, page, 1, 576).to(torch.float8_e4m3fn)
+        bt = torch.arange(pages, dtype=torch.int32).view(B, -1)
+        qd = torch.ones(1) if qdt == torch.float8_e4m3fn else None
+        gq.mla_decode(q, kv, bt, torch.full((B,), S, dtype=torch.int32), 512, q_descale=qd, k_descale=torch.ones(1),
+                      impl="triton")
+    return call
+
+
 def _gqa(dh, dr, dv, dt, s_q, sparse, page=64, S=256, B=2, h_q=128, g=8):
     def call():
         q = torch.randn(B, s_q, h_q, dh + dr, dtype=dt)
@@ -165,6 +177,8 @@ def cases() -> dict[str, dict]:
         D = 576 if layout == "v32" else 512
         for sparse in (False, True) if layout.startswith("v32") else (True,):
             out["mla"][f"{layout} fp32 q{' sparse' if sparse else ''}"] = _mla(D, 512, f32, 1, sparse, layout)
+    for qdt in (f16, torch.float8_e4m3fn):  # a float8 cache scaled per tensor (k_descale; float8 q: q_descale too)
+        out["mla"][f"fp8 scaled {_TYPES[qdt]} q"] = _mla_scaled(qdt)
     for dh, dr, dv in ((256, 64, 256), (128, 64, 128), (256, 0, 256)):
         for dt in (f16, f32):
             for s_q, sparse in ((1, False), (4, False), (2, True)):

@@ -201,8 +201,8 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         _check_fp8(q, kv_cache, head_dim_v, indices is not None, kv_format)
     elif kv_cache.shape[3] != D:
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
-    if q.shape[2] == 0:
-        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+    if q.shape[2] == 0 or D == 0:
+        raise ValueError(f"q: expected at least one head of at least one channel, got shape {list(q.shape)}")
     head_dim_v = _check_head_dim_v(head_dim_v, D)
     scale = check_softmax_scale(softmax_scale, D ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
@@ -479,8 +479,8 @@ def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, nu
     check_same_dtype(q=q, kv=kv)
     check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length)
     s_q, h_q, D = q.shape
-    if h_q == 0:
-        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+    if h_q == 0 or D == 0:
+        raise ValueError(f"q: expected at least one head of at least one channel, got shape {list(q.shape)}")
     if kv.shape[1] != 1:
         raise ValueError(f"kv: expected one latent head shared by every query head (dim 1 == 1), got shape "
                          f"{list(kv.shape)}")

@@ -164,7 +164,8 @@ def _quantize_paged(kv: torch.Tensor, layout: str) -> torch.Tensor:
     q8 = (vals / torch.where(finite, scale, 1.0)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     q8 = torch.where(finite[..., None], q8, vals)
     tok[..., :lay.quant] = q8.reshape(nb, bs, lay.quant).to(torch.float8_e4m3fn).view(torch.uint8)
-    tok[..., lay.quant:] = x[..., lay.quant:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    if lay.quant < FP8_LATENT:  # the bf16 rope values (MODEL1; V4.1 quantises every channel)
+        tok[..., lay.quant:] = x[..., lay.quant:].to(torch.bfloat16).contiguous().view(torch.uint8)
     sc[..., :lay.quant // lay.tile] = _ue8m0_bytes(scale)
     return out
 
@@ -179,9 +180,10 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
 
     Each 128-value latent tile gets the scale ``amax / 448`` (``pow2_scales``: rounded up to a power of two, as
     DeepSeek's UE8M0 scales are), so its largest value maps to e4m3's largest finite value; an all-zero tile gets
-    scale 0 and zeros. The rope values are stored in bf16. The latent values are taken in float32 (a float64 value
-    past its range is ±inf there). NaN / inf in a tile make its scale NaN / inf, so its dequantised values are
-    non-finite (they reach every query that sees the token, as in the bf16 cache)."""
+    scale 0 and zeros (a float32 subnormal scale is rounded up). The rope values are stored in bf16. The latent
+    values are taken in float32 (a float64 value past its range is ±inf there). NaN / inf in a tile make its scale
+    NaN / inf, so its dequantised values are non-finite (they reach every query that sees the token, as in the bf16
+    cache)."""
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point() or is_fp8_latent(kv):
         got = kv.dtype if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise TypeError(f"kv: expected a floating tensor of latent + rope values, got {got}")
@@ -200,6 +202,10 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     amax = lat.abs().amax(-1)
     finite = torch.isfinite(lat).all(-1)
     scale = amax / E4M3_MAX
+    # a float32 subnormal scale keeps few bits: where amax / 448 rounded down (or to 0, amax < 448 · 2^-150) the
+    # next float32 up, so the tile's values never saturate past 448 and a nonzero tile never gets scale 0
+    low = (scale < torch.finfo(torch.float32).tiny) & (scale.double() * E4M3_MAX < amax.double())
+    scale = torch.where(low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     if pow2_scales:
         scale = torch.where(scale > 0, _pow2_ceil(scale), scale)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))

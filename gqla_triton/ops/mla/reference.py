@@ -68,6 +68,16 @@ def seen_pv(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tenso
     return out
 
 
+def _weights(s: torch.Tensor, count, empty: torch.Tensor) -> torch.Tensor:
+    """Softmax weights ``count · exp(s - max) / Σ count · exp(s - max)`` over the last dim of the scores ``s``
+    (-inf: unseen; ``count``: each key's multiplicity, broadcast to ``s``), 0 for the ``empty`` rows. Normalised by
+    their sum, not by ``exp(lse)``: at scores of 1e17 and more ``max + ln(count)`` rounds back to ``max``, and tied
+    keys would each get weight 1. A ``+inf`` max gives NaN weights (``inf - inf``), a NaN score NaN ones."""
+    m = torch.where(empty, 0.0, s.amax(dim=-1))[..., None]
+    w = count * torch.exp(s - m)
+    return torch.where(empty[..., None], 0.0, w / torch.where(empty[..., None], 1.0, w.sum(-1, keepdim=True)))
+
+
 def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, softmax_scale=None, causal=True,
                    indices=None, topk_length=None, *, q_descale=None, k_descale=None, kv_format=None, p_dtype=None):
     """Reference ``(out [B, s_q, h_q, head_dim_v] float64, lse [B, h_q, s_q] float64)`` on the CPU.
@@ -124,10 +134,11 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, head_dim_v=512, soft
         s = s * s_desc[:, None, None, None]
     s = s * softmax_scale
     # a key a query does not see takes no part in its arithmetic (a NaN or inf score there included)
-    s = torch.where(seen, s + torch.where(seen, count[:, :, None, :], 1.0).log(), -math.inf)
-    lse = torch.logsumexp(s, dim=-1)  # [B, s_q, h_q]: +inf for a +inf score, NaN for a NaN one
+    s = torch.where(seen, s, -math.inf)
+    cnt = count[:, :, None, :]
+    lse = torch.logsumexp(s + torch.where(seen, cnt, 1.0).log(), dim=-1)  # +inf for a +inf score, NaN for a NaN one
     empty = lse == -math.inf
-    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
+    p = _weights(s, cnt, empty)
     if p_dtype is not None:
         p = p.to(p_dtype).double()
     out = seen_pv(p, keys[..., :head_dim_v], seen)
@@ -165,10 +176,11 @@ def mla_sparse_prefill_ref(q, kv, indices, head_dim_v=512, softmax_scale=None, t
     lse = torch.logsumexp(s, dim=-1)  # [s_q, h_q]
     max_logits = s.amax(dim=-1)  # NaN where a seen score is NaN
     empty = lse == -math.inf
-    p = torch.where(empty[..., None], 0.0, torch.exp(s - torch.where(empty, 0.0, lse)[..., None]))
+    p = _weights(s, 1.0, empty)
     if p_dtype is not None:
         p = p.to(p_dtype).double()
     out = torch.einsum("qhn,qnd->qhd", p, keys[..., :head_dim_v])
+    out = torch.where(empty[..., None], 0.0, out)  # every seen score -inf: out 0 (no 0 · inf from its values)
     if p_dtype is not None:
         out = out.to(p_dtype).double()
     return out, max_logits, lse

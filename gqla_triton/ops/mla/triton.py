@@ -245,13 +245,20 @@ def mla_decode_fwd_kernel(
     s_scale = qk_scale  # the scores' scale (softmax_step's qk_scale)
     if DESCALE > 0:  # a cache scaled per tensor: the scores take q_descale · k_descale, the output k_descale
         kdesc = tl.load(kd + b64 * s_kd)
-        dsc = kdesc
+        dsc = kdesc.to(tl.float64)
         if DESCALE == 2:
-            dsc = dsc * tl.load(qd + b64 * s_qd)
+            dsc = dsc * tl.load(qd + b64 * s_qd).to(tl.float64)
         # raw scores (the launcher sets RAW): the descales' sign goes on the dot and their magnitude on the scale,
-        # which applies to differences from the running max only, so a large descale overflows nothing on the way
+        # which applies to differences from the running max only, so a large descale overflows nothing on the way.
+        # The product is formed in float64 (q_descale · k_descale neither under- nor overflows on its own). Where it
+        # is not a normal float32 number (0: a zero descale or softmax_scale, or one too small; inf; NaN) it
+        # multiplies the dots itself (every score 0, ±inf or NaN, as the math gives) and the differences from the max
+        # go unscaled: a masked key's -inf times a zero scale would be NaN.
+        mag = (qk_scale * tl.abs(dsc)).to(tl.float32)  # (float64: dsc is)
+        normal = (mag >= 1.1754943508222875e-38) & (mag < float("inf"))
         sdesc = tl.where(dsc < 0, -1.0, 1.0)
-        s_scale = qk_scale * tl.abs(dsc)
+        sdesc = tl.where(normal, sdesc, sdesc * mag)
+        s_scale = tl.where(normal, mag, 1.0)
 
     offs_r = tl.arange(0, BDR)
     mr = offs_r < DR
