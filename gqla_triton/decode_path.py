@@ -175,11 +175,14 @@ def step_inputs(batch: int, seqlen: int, s_q: int, *, seed: int = 0, device="cud
     caches with one shared rope key (grouped path) over the same shuffled block table."""
     import torch
 
-    from .ops._common.validation import check_positive_int, is_int
+    from .ops._common.validation import check_device, check_positive_int, is_int
 
     batch, seqlen, s_q = (check_positive_int(n, v) for n, v in (("batch", batch), ("seqlen", seqlen), ("s_q", s_q)))
     if not is_int(seed):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if not -2**63 <= seed < 2**64:  # torch.Generator.manual_seed's range
+        raise ValueError(f"seed: expected an int in [-2**63, 2**64), got {seed!r}")
+    device = check_device(device, storage=True)
     H, G, DH, DR, R = (REF_SHAPE[k] for k in ("num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank"))
     g = torch.Generator(device=device)
     g.manual_seed(seed)

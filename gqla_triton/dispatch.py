@@ -102,6 +102,8 @@ SHARED_TABLES = {"h100": "h200"}
 
 
 def gpu_key(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a GPU name (str), got {type(name).__name__}")
     low = name.lower()
     for needle, key in _GPU_NAMES:
         if needle in low:
@@ -412,6 +414,8 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
         check_match_key(schema(op), key, where=" (select_config key)")  # names the value of the wrong type
     if info is None:
         info = device_info(device)
+    elif not isinstance(info, DeviceInfo):
+        raise TypeError(f"info: expected a DeviceInfo or None, got {type(info).__name__}")
     cfg = table_config(info.key, op, key, fallback=not info.interpreter)
     if cfg is None:
         raise ValueError(f"select_config: no config for op {op!r} (key {dict(key or {})}) in configs/{info.key}.json")

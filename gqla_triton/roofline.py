@@ -55,6 +55,8 @@ GPUS: dict[str, GPUSpec] = {
 
 def gpu_spec(key: str) -> GPUSpec:
     """Spec by table key (``h100``, ``h200``, ``h20``, ...); ``default`` and ``interpreter`` map to H100."""
+    if not isinstance(key, str):
+        raise TypeError(f"key: expected a GPU name (str), got {type(key).__name__}")
     if key in GPUS:
         return GPUS[key]
     if key in ("default", "interpreter"):

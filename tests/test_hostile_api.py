@@ -282,3 +282,97 @@ def test_non_dense_tensors_are_refused_by_name(layout):
             bad[i] = odd(args[i])
             with pytest.raises(TypeError, match=f"^{name}: expected a dense"):
                 fn(*bad)
+
+
+def _deepseek_sd(hidden=32, h=4, n=2, dn=8, dR=4, dv=8, r=16):
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"kv_a_proj_with_mqa.weight": (r + dR, hidden), "kv_b_proj.weight": (n * (dn + dv), r),
+              "o_proj.weight": (hidden, h * dv), "q_proj.weight": (h * (dn + dR), hidden)}
+    sd = {k: torch.randn(*s, generator=gen) * s[1] ** -0.5 for k, s in shapes.items()}
+    sd["kv_a_layernorm.weight"] = torch.rand(r, generator=gen) + 0.5
+    return sd
+
+
+def test_loaders_take_rope_dim_zero_and_refuse_huge_rope_widths_by_name():
+    """``rope_dim=0`` (a checkpoint without rope) loads; a rope width past the checkpoint's rows (2**31: a 2**31-row
+    permutation built before the shape check, 2**63 / 10**400: raw torch / Python errors) is refused by name, and
+    ``interleaved_to_half`` checks its width."""
+    from gqla_triton.convert import interleaved_to_half, load_gqla, mla_to_gqla
+
+    assert interleaved_to_half(0).numel() == 0
+    assert interleaved_to_half(6).tolist() == [0, 2, 4, 1, 3, 5]
+    for d in (-2, 3, True, 2**63, 10**400, 2.0):
+        with pytest.raises(ValueError, match="^d: expected an even int"):
+            interleaved_to_half(d)
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=16, v_head_dim=8, dtype=torch.float32, impl="reference")
+    assert load_gqla(_deepseek_sd(dR=0), rope_dim=0, **kw).rope_dim == 0
+    for d in (2**31, 2**63, 10**400):
+        with pytest.raises(ValueError, match="kv_a_proj_with_mqa.weight' expected shape"):
+            load_gqla(_deepseek_sd(), rope_dim=d, **kw)
+    mkw = dict(num_heads=4, num_groups=2, qk_nope_head_dim=8, v_head_dim=8, kv_rank=16, dtype=torch.float32,
+               impl="reference")
+    assert mla_to_gqla(_deepseek_sd(n=4, dR=0), qk_rope_head_dim=0, **mkw).rope_dim == 0
+    for d in (-1, 3, "4"):
+        with pytest.raises(ValueError, match="^qk_rope_head_dim: expected an even int"):
+            mla_to_gqla(_deepseek_sd(n=4), qk_rope_head_dim=d, **mkw)
+    with pytest.raises(ValueError, match="^qk_nope_head_dim: expected a positive int"):
+        mla_to_gqla(_deepseek_sd(n=4), qk_rope_head_dim=4, **{**mkw, "qk_nope_head_dim": 0})
+
+
+def test_split_in_proj_refuses_bad_tensors_and_dims_by_name():
+    from gqla_triton.layers import GatedDeltaNet
+
+    m = GatedDeltaNet(32, 1, 2, 16, 16, impl="reference")
+    width = sum(m.in_proj_sizes)
+    assert [t.shape[-1] for t in m.split_in_proj(torch.randn(2, width))] == list(m.in_proj_sizes)
+    assert [t.shape[0] for t in m.split_in_proj(m.in_proj.weight, dim=0)] == list(m.in_proj_sizes)
+    for bad, err in ((None, TypeError), ([1.0], TypeError), (torch.tensor(1.0), ValueError),
+                     (torch.randn(2, width - 1), ValueError), (torch.randn(width, 3), ValueError)):
+        with pytest.raises(err, match="^t: expected"):
+            m.split_in_proj(bad)
+    for dim in (2, -3, 2**31, 2**63, 10**400, 1.0, None, True):
+        with pytest.raises(ValueError, match="^dim: expected an int"):
+            m.split_in_proj(torch.randn(2, width), dim=dim)
+
+
+def test_norm_and_attention_refuse_inputs_on_another_device_and_float8_by_name():
+    """A ``meta`` (or other-device) input of a layer on the CPU, and a float8 input of ``RMSNorm``, are refused by
+    name, not left to torch's device / promotion errors."""
+    norm = gq.RMSNorm(8, device=P.device)
+    with pytest.raises(ValueError, match="^x: expected a tensor on"):
+        norm(torch.randn(2, 8, device="meta"))
+    with pytest.raises(TypeError, match="^x: expected a floating dtype of 16 bits"):
+        norm(torch.randn(2, 8, device=P.device).to(torch.float8_e4m3fn))
+    attn = gq.GQLAttention(64, 16, 2, head_dim=16, rope_dim=16, kv_rank=32, impl="reference", dtype=torch.float32,
+                           device=P.device)
+    with pytest.raises(ValueError, match="^hidden_states: expected a tensor on the layer's device"):
+        attn(torch.randn(2, 3, 64, device="meta"))
+
+
+def test_gpu_name_arguments_of_the_roofline_and_dispatch_are_checked_by_name():
+    from gqla_triton import dispatch, roofline
+    from gqla_triton.layers import GQLAttention
+
+    for bad in ([1], {}, None, 3):
+        with pytest.raises(TypeError, match="^key: expected a GPU name"):
+            roofline.gpu_spec(bad)
+        with pytest.raises(TypeError, match="^name: expected a GPU name"):
+            dispatch.gpu_key(bad)
+    layer = GQLAttention(64, 16, 2, head_dim=16, rope_dim=16, kv_rank=32, dtype=torch.float32)
+    for bad in ([1], {}, 3, 1.0):
+        with pytest.raises(TypeError, match="^gpu: expected None or a GPU name"):
+            layer.choose_path(gpu=bad)
+    for bad in ("h100", 0, {}):
+        with pytest.raises(TypeError, match="^info: expected a DeviceInfo"):
+            dispatch.select_config("combine", info=bad)
+
+
+def test_step_inputs_checks_its_device_and_seed_by_name():
+    from gqla_triton import decode_path
+
+    for bad in ("x", -1, 2**63, "meta"):
+        with pytest.raises(ValueError, match="^device: expected"):
+            decode_path.step_inputs(1, 64, 1, device=bad)
+    for bad in (2**64, -2**63 - 1, 10**400):
+        with pytest.raises(ValueError, match="^seed: expected an int in"):
+            decode_path.step_inputs(1, 64, 1, seed=bad, device="cpu")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.gqla import GQLAttention
+from ..layers.rope import check_rope_dim
 from ..ops._common.validation import check_flag, check_optional_int, check_positive_int, is_int
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
@@ -37,7 +38,8 @@ _F64 = dict(dtype=torch.float64, device="cpu")
 
 def interleaved_to_half(d: int) -> torch.Tensor:
     """Row order taking interleaved rope pairs ``(2i, 2i + 1)`` to rotate-half pairs ``(i, i + d/2)``."""
-    return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    d = check_rope_dim("d", d)
+    return torch.arange(d).view(-1, 2).t().reshape(-1)
 
 
 def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
@@ -83,6 +85,7 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
         got = list(sd[key].shape) if isinstance(sd[key], torch.Tensor) else type(sd[key]).__name__
         raise ValueError(f"state_dict: {key!r} expected a 2-D weight [kv_rank + rope_dim, hidden], got {got}")
     hidden = sd[key].shape[-1]
+    kva = _get(sd, prefix, "kv_a_proj_with_mqa.weight", (r + d_R, hidden))  # bounds d_R before the permutation
     perm = interleaved_to_half(d_R) if rope_interleaved else torch.arange(d_R)
     out = {}
     qd = d_nope + d_R
@@ -94,7 +97,6 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
         q = _get(sd, prefix, "q_b_proj.weight", (h * qd, q_rank))
     q = q.view(h, qd, -1)
     out["q"] = torch.cat([q[:, :d_nope], q[:, d_nope:][:, perm]], 1)
-    kva = _get(sd, prefix, "kv_a_proj_with_mqa.weight", (r + d_R, hidden))
     out["kv_a"] = torch.cat([kva[:r], kva[r:][perm]])
     out["kv_a_layernorm"] = _get(sd, prefix, "kv_a_layernorm.weight", (r,))
     out["kv_b"] = _get(sd, prefix, "kv_b_proj.weight", (n * (d_nope + d_v), r)).view(n, d_nope + d_v, r)
@@ -172,6 +174,8 @@ def mla_to_gqla(state_dict: dict, *, num_heads: int, num_groups: int, qk_nope_he
     if not is_int(g) or g <= 0 or not is_int(h) or h % g:
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {h!r}, got {g!r}")
     dn, dR, dv, r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_rank
+    check_positive_int("qk_nope_head_dim", dn)
+    check_rope_dim("qk_rope_head_dim", dR)
     w = _read(state_dict, prefix, h=h, n=h, d_nope=dn, d_R=dR, d_v=dv, r=r, q_rank=q_rank,
               rope_interleaved=rope_interleaved)
     rep = h // g

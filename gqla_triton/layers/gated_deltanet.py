@@ -581,7 +581,16 @@ class GatedDeltaNet(nn.Module):
     def split_in_proj(self, t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, z, b, a)``: views of ``t`` split along ``dim`` by ``in_proj_sizes`` (``in_proj``'s output, or
         its weight with ``dim=0``)."""
-        return t.split(self.in_proj_sizes, dim)
+        check_dense("t", t)
+        if t.dim() == 0:
+            raise ValueError("t: expected at least one dimension, got a 0-dim tensor")
+        if not is_int(dim) or not -t.dim() <= dim < t.dim():
+            raise ValueError(f"dim: expected an int in [{-t.dim()}, {t.dim()}), got {dim!r}")
+        sizes = self.in_proj_sizes
+        if t.shape[dim] != sum(sizes):
+            raise ValueError(f"t: expected size {sum(sizes)} (in_proj's output width) along dim {dim}, got shape "
+                             f"{list(t.shape)}")
+        return t.split(sizes, dim)
 
     @torch.no_grad()
     def _init_gates(self):

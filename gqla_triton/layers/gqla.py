@@ -245,6 +245,8 @@ class GQLAttention(nn.Module):
         from ..decode_path import choose_decode_path
 
         if gpu is not None:
+            if not isinstance(gpu, str):
+                raise TypeError(f"gpu: expected None or a GPU name (str), got {type(gpu).__name__}")
             info = gpu
         else:
             dev = check_device(device) or self.kv_b_proj.weight.device
@@ -261,7 +263,10 @@ class GQLAttention(nn.Module):
                              f"got {list(hidden_states.shape)}")
         if not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states: expected a floating dtype, got {hidden_states.dtype}")
-        w_dtype = self.o_proj.weight.dtype
+        w_dtype, w_dev = self.o_proj.weight.dtype, self.o_proj.weight.device
+        if hidden_states.device != w_dev:
+            raise ValueError(f"hidden_states: expected a tensor on the layer's device {w_dev}, got one on "
+                             f"{hidden_states.device}")
         if hidden_states.dtype != w_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
             raise TypeError(f"hidden_states: expected the layer's dtype {w_dtype}, got {hidden_states.dtype}")
         B, T, _ = hidden_states.shape

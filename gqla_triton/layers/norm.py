@@ -30,8 +30,10 @@ class RMSNorm(nn.Module):
         """``x [..., dim]`` of a floating dtype -> the same shape and dtype."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x: expected a floating dtype, got {x.dtype}")
+        if not x.is_floating_point() or x.dtype.itemsize < 2:
+            raise TypeError(f"x: expected a floating dtype of 16 bits or more, got {x.dtype}")
+        if x.device != self.weight.device:
+            raise ValueError(f"x: expected a tensor on the norm's device {self.weight.device}, got one on {x.device}")
         dim = self.weight.shape[0]
         if x.dim() == 0 or x.shape[-1] != dim:
             raise ValueError(f"x: expected a last dimension of {dim}, got shape {list(x.shape)}")

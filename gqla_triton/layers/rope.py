@@ -13,7 +13,7 @@ __all__ = ["apply_rope", "cached_inv_freq", "rope_cos_sin", "rope_inv_freq"]
 _INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # (d, theta, device) -> float64 [d/2]
 
 
-def _check_rope_dim(name: str, d: object) -> int:
+def check_rope_dim(name: str, d: object) -> int:
     """A rope width: an even int in ``[0, INT32_MAX]`` (bools refused)."""
     if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d <= INT32_MAX or d % 2:
         raise ValueError(f"{name}: expected an even int >= 0, got {type(d).__name__} {d!r}")
@@ -44,7 +44,7 @@ def _check_inv_freq(inv_freq: object, half: int | None, device: torch.device) ->
 def rope_inv_freq(d: int, theta: float = 10000.0, *, device=None) -> torch.Tensor:
     """The standard inverse frequencies ``theta^(-2i/d)``, ``i < d/2``, float64 ``[d/2]`` (``d`` even, ``theta``
     positive and finite)."""
-    d = _check_rope_dim("d", d)
+    d = check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
     device = check_device(device)
     return theta ** (-torch.arange(0, d // 2, dtype=torch.float64, device=device) * 2.0 / d)
@@ -61,7 +61,7 @@ def _cacheable(device: torch.device) -> bool:
 def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
     """``rope_inv_freq(d, theta)`` on ``device``, made once per ``(d, theta, device)`` and kept (outside
     torch.compile traces and CUDA-graph captures, which make it fresh). Do not write to it."""
-    d = _check_rope_dim("d", d)
+    d = check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
     device = check_device(device)
     if device is None:
