@@ -506,3 +506,57 @@ def test_calibration_with_fewer_tokens_than_hidden_still_converts_exactly_at_ful
                            impl="reference", dtype=torch.float64)
         with torch.no_grad():
             assert rel_err(layer(x, pos), ref) < 1e-10
+
+
+def _gqa_source(h=4, g=2, d=8, hidden=16, seed=3):
+    return {n: randn(s, seed + i, dtype=torch.float64, device="cpu") for i, (n, s) in enumerate(
+        (("q_proj", (h * d, hidden)), ("k_proj", (g * d, hidden)), ("v_proj", (g * d, hidden)),
+         ("o_proj", (hidden, h * d))))}
+
+
+def test_gqa_attention_reference_checks_its_arguments_by_name():
+    """The float64 reference of the source attention names each bad argument before any product (sizes, x,
+    positions, mask, scales), as trans_gqla does for the shared ones."""
+    src, kw = _gqa_source(), dict(num_heads=4, num_groups=2, head_dim=8)
+    x = randn((2, 5, 16), 1, dtype=torch.float64, device="cpu")
+    assert gqa_attention_reference(src, x, **kw).shape == (2, 5, 16)
+    assert gqa_attention_reference(src, x[:0], **kw).shape == (0, 5, 16)  # an empty batch is computed
+    bad = [(dict(x=None), "x"), (dict(x=x[..., :7]), "x"), (dict(x=x.long()), "x"),
+           (dict(x=x.to("meta")), "x"), (dict(num_heads=None), "num_heads"), (dict(head_dim=-1), "head_dim"),
+           (dict(num_groups=3), "num_heads"), (dict(v_head_dim=0), "v_head_dim"),
+           (dict(softmax_scale=10**400), "softmax_scale"), (dict(rope_theta=-1.0), "rope_theta"),
+           (dict(rope_attention_scaling=float("nan")), "rope_attention_scaling"),
+           (dict(positions=torch.arange(4)), "positions"), (dict(positions=torch.rand(5)), "positions"),
+           (dict(attention_mask=torch.tensor(1)), "attention_mask"),
+           (dict(attention_mask=torch.ones(2, 4)), "attention_mask")]
+    for over, name in bad:
+        args = {**kw, "x": x, **over}
+        with pytest.raises((ValueError, TypeError), match=f"^{name}: "):
+            gqa_attention_reference(src, args.pop("x"), **args)
+
+
+def test_gqa_attention_reference_carries_non_finite_weights_and_zeroes_queries_without_keys():
+    """A NaN weight reaches the outputs it feeds (no NaN is turned into 0), and a query that sees no key (a padded
+    first token) gives 0."""
+    src = _gqa_source()
+    x = randn((2, 5, 16), 1, dtype=torch.float64, device="cpu")
+    kw = dict(num_heads=4, num_groups=2, head_dim=8)
+    mask = torch.ones(2, 5)
+    mask[0, 0] = 0
+    o = gqa_attention_reference(src, x, **kw, attention_mask=mask)
+    assert o.isfinite().all() and (o[0, 0] == 0).all()
+    src["q_proj"][0, 0] = float("nan")  # head 0's query: every token's output through o_proj
+    assert gqa_attention_reference(src, x, **kw).isnan().all()
+
+
+def test_trans_gqla_takes_float8_calibration_and_refuses_meta_calibration():
+    """Calibration activations in float8 are taken at their values (the covariance in float64); on the meta device
+    they are refused by name."""
+    src = _gqa_source(seed=7)
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=8, rope_dim=4, device="cpu", dtype=torch.float32)
+    calib = randn((64, 16), 2, device="cpu")
+    want = trans_gqla(src, **kw, calib=calib.to(torch.float8_e4m3fn).float())
+    got = trans_gqla(src, **kw, calib=calib.to(torch.float8_e4m3fn))
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values(), strict=True))
+    with pytest.raises(ValueError, match="^calib: "):
+        trans_gqla(src, **kw, calib=calib.to("meta"))

@@ -74,8 +74,9 @@ def _weights(source, names):
     return out
 
 
-def _checked(names, weights):
-    """Each source weight a finite 2-D floating tensor (the factorization of a NaN / inf weight has no answer)."""
+def _checked(names, weights, finite: bool = True):
+    """Each source weight a 2-D floating tensor, finite with ``finite`` (the factorization of a NaN / inf weight
+    has no answer)."""
     for n, w in zip(names, weights, strict=True):
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
             got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
@@ -84,9 +85,33 @@ def _checked(names, weights):
             raise ValueError(f"source: {n} is on the meta device (it holds no values to factorize)")
         if w.element_size() < 2:
             raise TypeError(f"source: {n} is {w.dtype}: float8 weights need their scales; dequantise them first")
-        if not torch.isfinite(w.detach()).all():
+        if finite and not torch.isfinite(w.detach()).all():
             raise ValueError(f"source: {n} has non-finite values")
     return weights
+
+
+def _source(source, num_heads, num_groups, head_dim, v_head_dim, finite: bool = True):
+    """The source's checked weights (``_checked``, ``finite`` as its) and sizes ``(wq, wk, wv, wo, h, g, d, d_v,
+    hidden)``: positive head counts and widths, ``num_groups`` dividing ``num_heads``, an even ``head_dim`` (rotary
+    sources), weight shapes that agree with them."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    wq, wk, wv, wo = _checked(names, _weights(source, names), finite)
+    for name, v in (("num_heads", num_heads), ("num_groups", num_groups), ("head_dim", head_dim)):
+        check_positive_int(name, v)
+    h, g, d = num_heads, num_groups, head_dim
+    dv = d if v_head_dim is None else check_positive_int("v_head_dim", v_head_dim)
+    if h % g:
+        raise ValueError(f"num_heads: {h} is not a multiple of num_groups {g}")
+    if d % 2:
+        raise ValueError(f"head_dim: rotary sources need an even head_dim, got {d}")
+    hidden = wq.shape[1]
+    for name, w, shape, what in (("q_proj", wq, (h * d, hidden), "num_heads·head_dim"),
+                                 ("k_proj", wk, (g * d, hidden), "num_groups·head_dim"),
+                                 ("v_proj", wv, (g * dv, hidden), "num_groups·v_head_dim"),
+                                 ("o_proj", wo, (hidden, h * dv), "hidden, num_heads·v_head_dim")):
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name}: expected weight shape {list(shape)} ({what}), got {list(w.shape)}")
+    return wq, wk, wv, wo, h, g, d, dv, hidden
 
 
 def _source_inv_freq(d: int, rope_theta: float, inv_freq) -> torch.Tensor:
@@ -129,29 +154,13 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     ``balance_kv``: scale keys to the values' norm before the joint PCA. The factorization runs in float64;
     the result has ``dtype`` (default: the source's) on ``device`` (default: the source's).
     """
-    names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    wq, wk, wv, wo = _checked(names, _weights(source, names))
-    for name, v in (("num_heads", num_heads), ("num_groups", num_groups), ("head_dim", head_dim)):
-        check_positive_int(name, v)
-    h, g, d = num_heads, num_groups, head_dim
-    dv = d if v_head_dim is None else check_positive_int("v_head_dim", v_head_dim)
+    wq, wk, wv, wo, h, g, d, dv, hidden = _source(source, num_heads, num_groups, head_dim, v_head_dim)
     check_positive_int("kv_rank", kv_rank)
     rope_theta = check_positive_real("rope_theta", rope_theta)
     rope_attention_scaling = check_positive_real("rope_attention_scaling", rope_attention_scaling)
     scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
     balance_kv = check_flag("balance_kv", balance_kv)
     check_float_dtype(dtype)
-    if h % g:
-        raise ValueError(f"num_heads: {h} is not a multiple of num_groups {g}")
-    if d % 2:
-        raise ValueError(f"head_dim: rotary sources need an even head_dim, got {d}")
-    hidden = wq.shape[1]
-    for name, w, shape, what in (("q_proj", wq, (h * d, hidden), "num_heads·head_dim"),
-                                 ("k_proj", wk, (g * d, hidden), "num_groups·head_dim"),
-                                 ("v_proj", wv, (g * dv, hidden), "num_groups·v_head_dim"),
-                                 ("o_proj", wo, (hidden, h * dv), "hidden, num_heads·v_head_dim")):
-        if tuple(w.shape) != shape:
-            raise ValueError(f"{name}: expected weight shape {list(shape)} ({what}), got {list(w.shape)}")
     if (isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or rope_dim < 0 or rope_dim % 2
             or rope_dim > g * d):
         raise ValueError(f"rope_dim: expected an even int in [0, {g * d}] (num_groups * head_dim), got {rope_dim!r}")
@@ -161,9 +170,11 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
             raise ValueError(f"calib: expected a non-empty tensor [..., {hidden}]")
         if not calib.is_floating_point():
             raise TypeError(f"calib: expected a real floating tensor, got {calib.dtype}")
-        if not torch.isfinite(calib.detach()).all():
+        if calib.device.type == "meta":
+            raise ValueError("calib: is on the meta device (it holds no values)")
+        X = calib.detach().to(**_F64).reshape(-1, hidden)  # (float8 too: its values, exactly)
+        if not torch.isfinite(X).all():
             raise ValueError("calib: has non-finite values (the factorization of their covariance has no answer)")
-        X = calib.detach().to(**_F64).reshape(-1, hidden)
         C = X.T @ X / X.shape[0]
         if not torch.isfinite(C).all():
             raise ValueError("calib: its covariance overflows float64 (values too large)")
@@ -254,11 +265,29 @@ def gqa_attention_reference(source, x: torch.Tensor, *, num_heads: int, num_grou
     q and k at ``positions [T]`` or ``[B, T]`` (default ``0..T-1``), cos / sin times ``rope_attention_scaling``.
     ``attention_mask [B, T]`` (1 = token, 0 = padding) hides padded keys.
     """
-    wq, wk, wv, wo = (w.detach().to(**_F64) for w in _weights(source, ("q_proj", "k_proj", "v_proj", "o_proj")))
+    # non-finite weights are taken: the reference carries them where the math does
+    wq, wk, wv, wo, h, g, d, dv, hidden = _source(source, num_heads, num_groups, head_dim, v_head_dim, finite=False)
+    wq, wk, wv, wo = (w.detach().to(**_F64) for w in (wq, wk, wv, wo))
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != hidden:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x: expected a tensor [B, T, {hidden}] (the source's hidden size), got {got}")
+    if not x.is_floating_point() or x.device.type == "meta":
+        raise TypeError(f"x: expected a real floating tensor with values, got {x.dtype} on {x.device}")
     x = x.detach().to(**_F64)
     B, T, _ = x.shape
-    h, g, d = num_heads, num_groups, head_dim
-    dv = d if v_head_dim is None else v_head_dim
+    scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
+    rope_attention_scaling = check_positive_real("rope_attention_scaling", rope_attention_scaling)
+    if rope_theta is not None:
+        rope_theta = check_positive_real("rope_theta", rope_theta)
+    if positions is not None and (not isinstance(positions, torch.Tensor) or positions.is_floating_point()
+                                  or positions.dtype == torch.bool or positions.shape not in ((T,), (B, T))
+                                  or positions.device.type == "meta"):
+        got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, torch.Tensor) else positions
+        raise ValueError(f"positions: expected an integer tensor [{T}] or [{B}, {T}] with values, got {got}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != (B, T) or attention_mask.device.type == "meta"):
+        got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise ValueError(f"attention_mask: expected a tensor [{B}, {T}] (1 = token, 0 = padding), got {got}")
     q = (x @ wq.T).view(B, T, h, d)
     k = (x @ wk.T).view(B, T, g, d)
     v = (x @ wv.T).view(B, T, g, dv)
@@ -268,10 +297,11 @@ def gqa_attention_reference(source, x: torch.Tensor, *, num_heads: int, num_grou
         pos = pos.expand(B, T) if pos.dim() == 1 else pos
         q, k = (apply_rope(t, pos, inv_freq=inv) * rope_attention_scaling for t in (q, k))
     k, v = k.repeat_interleave(h // g, 2), v.repeat_interleave(h // g, 2)
-    s = torch.einsum("bthd,bshd->bhts", q, k) * (d ** -0.5 if softmax_scale is None else softmax_scale)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * scale
     hide = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]
     if attention_mask is not None:
         hide = hide | (attention_mask.to("cpu") == 0)[:, None, None, :]
     s = s.masked_fill(hide, -math.inf)
-    o = torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1).nan_to_num(0.0), v).reshape(B, T, h * dv)
+    p = torch.where(hide.all(-1, keepdim=True), 0.0, torch.softmax(s, -1))  # a query that sees no key: 0
+    o = torch.einsum("bhts,bshd->bthd", p, v).reshape(B, T, h * dv)
     return o @ wo.T
