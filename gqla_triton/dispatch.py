@@ -155,11 +155,15 @@ def device_info(device: Any = None) -> DeviceInfo:
     return _cuda_info(index)
 
 
-@functools.cache
 def schema(op: str):
     """The config schema class of ``op`` (a ``KernelConfig`` subclass)."""
-    if op not in _SCHEMAS:
-        raise ValueError(f"unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
+    if not isinstance(op, str) or op not in _SCHEMAS:
+        raise ValueError(f"op: unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
+    return _schema(op)
+
+
+@functools.cache
+def _schema(op: str):
     module, cls = _SCHEMAS[op].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -210,7 +214,9 @@ _SWAPPED: dict[str, dict] = {}
 def table_swap(key: str, raw: Mapping) -> Iterator[None]:
     """Within the block, GPU ``key`` reads the table ``raw`` (checked by ``parse_table``) instead of its own: the
     tuner measures the decode paths under the table it is about to write. For tools and tests; not thread-safe."""
-    parsed = parse_table(raw, where="table_swap")
+    if not isinstance(key, str):
+        raise TypeError(f"key: expected a GPU table key (str), got {type(key).__name__}")
+    parsed = parse_table(raw, where="table_swap raw")
     old = _SWAPPED.get(key)
     _SWAPPED[key] = parsed
     reload_tables()
@@ -340,7 +346,7 @@ def _frozen(value: Any) -> Any:
 def config_override(fields: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
     """Within the block, ``select_config`` applies ``{op: {field: value}}`` over the selected entry (after
     ``GQLA_TRITON_CONFIG``). Checked against the schemas on entry. For tools and tests; not thread-safe."""
-    checked = _check_override(fields, "config_override")
+    checked = _check_override(fields, "config_override fields")
     _OVERRIDES.append({op: tuple(sorted((k, _frozen(v)) for k, v in f.items())) for op, f in checked.items()})
     _EPOCH[0] += 1
     try:

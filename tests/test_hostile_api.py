@@ -365,6 +365,29 @@ def test_gpu_name_arguments_of_the_roofline_and_dispatch_are_checked_by_name():
     for bad in ("h100", 0, {}):
         with pytest.raises(TypeError, match="^info: expected a DeviceInfo"):
             dispatch.select_config("combine", info=bad)
+    for bad in ([1], None, 3):
+        with pytest.raises(ValueError, match="^op: unknown config op"):
+            dispatch.schema(bad)
+        with pytest.raises(TypeError, match="^key: expected a GPU table key"):
+            with dispatch.table_swap(bad, {}):
+                pass
+    with pytest.raises(ValueError, match="^config_override fields: expected a JSON object"):
+        with dispatch.config_override(None):
+            pass
+    with pytest.raises(ValueError, match="^table_swap raw: expected a JSON object"):
+        with dispatch.table_swap("h100", None):
+            pass
+
+
+def test_shard_functions_name_missing_constructor_arguments():
+    """A shard config without a layer's required constructor arguments is refused under ``config`` (not the
+    constructor's missing-argument TypeError)."""
+    from gqla_triton.parallel import shard_gated_deltanet_state_dict, shard_gqla_state_dict
+
+    with pytest.raises(ValueError, match=r"^config: missing GQLAttention arguments \['hidden_size'"):
+        shard_gqla_state_dict({}, {}, 0, 2)
+    with pytest.raises(ValueError, match=r"^config: missing GatedDeltaNet arguments \['head_k_dim'"):
+        shard_gated_deltanet_state_dict({}, {"hidden_size": 64, "num_heads": 2, "num_v_heads": 2}, 0, 2)
 
 
 def test_step_inputs_checks_its_device_and_seed_by_name():

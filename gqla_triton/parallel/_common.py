@@ -145,11 +145,15 @@ def config_of(layer: nn.Module, names: tuple[str, ...]) -> dict:
     return {k: getattr(layer, k) for k in names}
 
 
-def check_config(config, names: tuple[str, ...], what: str) -> dict:
-    """``config`` (a mapping of ``what``'s constructor arguments ``names``; device / dtype dropped) or an error."""
+def check_config(config, names: tuple[str, ...], what: str, required: tuple[str, ...] = ()) -> dict:
+    """``config`` (a mapping of ``what``'s constructor arguments ``names``, holding at least ``required``; device /
+    dtype dropped) or an error."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config: expected a mapping of {what} arguments, got {type(config).__name__}")
     bad = sorted(set(config) - set(names) - {"device", "dtype"})
     if bad:
         raise ValueError(f"config: unknown {what} arguments {bad} (expected some of {list(names)})")
+    missing = [n for n in required if n not in config]
+    if missing:
+        raise ValueError(f"config: missing {what} arguments {missing} (required: {list(required)})")
     return {k: v for k, v in config.items() if k not in ("device", "dtype")}

@@ -40,7 +40,7 @@ def _config_of(layer: GatedDeltaNet) -> dict:
 
 
 def _check_config(config) -> dict:
-    return check_config(config, _CONFIG, "GatedDeltaNet")
+    return check_config(config, _CONFIG, "GatedDeltaNet", _CONFIG[:5])  # the five without a default
 
 
 def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:

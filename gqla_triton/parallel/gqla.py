@@ -45,7 +45,7 @@ def _config_of(layer: GQLAttention) -> dict:
 
 
 def _check_config(config) -> dict:
-    return check_config(config, _CONFIG, "GQLAttention")
+    return check_config(config, _CONFIG, "GQLAttention", _CONFIG[:3])  # the three without a default
 
 
 def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
