@@ -14,7 +14,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from .ops._common.validation import is_int
+from .ops._common.validation import is_finite_real, is_int
 
 __all__ = [
     "GPUSpec",
@@ -30,12 +30,25 @@ __all__ = [
 ]
 
 
+def _positive(name: str, v) -> None:
+    if not is_finite_real(v) or not v > 0:
+        raise ValueError(f"{name}: expected a positive, finite number, got {v!r}")
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     name: str
     bf16_flops: float  # dense bf16 tensor-core FLOP/s
     hbm_bytes_s: float  # HBM bandwidth, B/s
     sm_count: int
+
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"name: expected a str, got {type(self.name).__name__}")
+        _positive("bf16_flops", self.bf16_flops)
+        _positive("hbm_bytes_s", self.hbm_bytes_s)
+        if not is_int(self.sm_count) or self.sm_count < 1:
+            raise ValueError(f"sm_count: expected an int >= 1, got {self.sm_count!r}")
 
     @property
     def ridge(self) -> float:
@@ -73,15 +86,27 @@ class OpModel:
     bytes: float
     tokens: float = 1.0
 
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"name: expected a str, got {type(self.name).__name__}")
+        for field in ("flops", "tokens"):
+            if not is_finite_real(getattr(self, field)) or getattr(self, field) < 0:
+                raise ValueError(f"{field}: expected a finite number >= 0, got {getattr(self, field)!r}")
+        _positive("bytes", self.bytes)
+
     @property
     def intensity(self) -> float:
         return self.flops / self.bytes
 
     def time(self, spec: GPUSpec) -> float:
         """Roofline floor in seconds: the larger of compute time and memory time."""
+        if not isinstance(spec, GPUSpec):
+            raise TypeError(f"spec: expected a GPUSpec, got {type(spec).__name__}")
         return max(self.flops / spec.bf16_flops, self.bytes / spec.hbm_bytes_s)
 
     def bound(self, spec: GPUSpec) -> str:
+        if not isinstance(spec, GPUSpec):
+            raise TypeError(f"spec: expected a GPUSpec, got {type(spec).__name__}")
         return "compute" if self.flops / spec.bf16_flops >= self.bytes / spec.hbm_bytes_s else "memory"
 
     def tokens_per_s(self, spec: GPUSpec) -> float:
@@ -89,15 +114,18 @@ class OpModel:
 
 
 # ---------------------------------------------------------------------------------------------- GDN
+_MAX_SIZE = 2**40  # products of a few such sizes stay within float64's range and exact integers
+
+
 def _sizes(zero_ok: tuple = (), optional: tuple = (), **sizes) -> None:
-    """Every size an int >= 1 (>= 0 for those in ``zero_ok``; None allowed for those in ``optional``). The models
-    count in Python ints, so no int32 bound applies."""
+    """Every size an int in ``[1, 2**40]`` (from 0 for those in ``zero_ok``; None allowed for those in
+    ``optional``). The models count in Python ints, so no int32 bound applies."""
     for name, v in sizes.items():
         if v is None and name in optional:
             continue
         lo = 0 if name in zero_ok else 1
-        if not is_int(v) or v < lo:
-            raise ValueError(f"{name}: expected an int >= {lo}, got {type(v).__name__} {v!r}")
+        if not is_int(v) or not lo <= v <= _MAX_SIZE:
+            raise ValueError(f"{name}: expected an int in [{lo}, 2**40], got {type(v).__name__} {v!r}")
 
 
 def _gdn_chunk_flops(T: int, HV: int, K: int, V: int, C: int) -> float:
@@ -187,6 +215,8 @@ def paper_tokens_per_s(gpu: str, path: str, s_q: int = 1, L: int = 8192) -> floa
 
     Attention only, one sequence, cache traffic only (the paper's accounting): s_q / max(FLOPs/peak, bytes/BW).
     """
+    if not isinstance(gpu, str):
+        raise TypeError(f"gpu: expected a GPU name (str), got {type(gpu).__name__}")
     spec = gpu_spec(gpu)
     _sizes(s_q=s_q, L=L)
     if path == "absorb":

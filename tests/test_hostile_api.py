@@ -399,3 +399,28 @@ def test_step_inputs_checks_its_device_and_seed_by_name():
     for bad in (2**64, -2**63 - 1, 10**400):
         with pytest.raises(ValueError, match="^seed: expected an int in"):
             decode_path.step_inputs(1, 64, 1, seed=bad, device="cpu")
+
+
+def test_roofline_models_check_their_fields_and_sizes_by_name():
+    """The roofline's spec and model records refuse non-finite or non-positive numbers by field, its models sizes
+    past 2**40 (their float64 products), and its methods a spec that is not a GPUSpec."""
+    from gqla_triton import roofline
+
+    for kw, name in ((dict(bf16_flops=float("nan")), "bf16_flops"), (dict(hbm_bytes_s=0.0), "hbm_bytes_s"),
+                     (dict(sm_count=0), "sm_count"), (dict(name=None), "name")):
+        with pytest.raises((ValueError, TypeError), match=f"^{name}: "):
+            roofline.GPUSpec(**{"name": "x", "bf16_flops": 1e15, "hbm_bytes_s": 1e12, "sm_count": 8, **kw})
+    for kw, name in ((dict(flops=float("inf")), "flops"), (dict(bytes=0.0), "bytes"), (dict(tokens=-1.0), "tokens")):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            roofline.OpModel(**{"name": "x", "flops": 1.0, "bytes": 1.0, **kw})
+    model = roofline.gdn_chunk_fwd_model(1, 64, 1, 1)
+    for bad in (None, "h100"):
+        with pytest.raises(TypeError, match="^spec: expected a GPUSpec"):
+            model.time(bad)
+    for kw in (dict(B=10**400), dict(HV=2**41), dict(C=2**63)):
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}: expected an int in"):
+            roofline.gdn_chunk_fwd_model(**{"B": 1, "T": 64, "H": 1, "HV": 1, **kw})
+    with pytest.raises(TypeError, match="^gpu: expected a GPU name"):
+        roofline.paper_tokens_per_s([1], "absorb")
+    with pytest.raises(ValueError, match="^s_q: expected an int in"):
+        roofline.paper_tokens_per_s("h200", "absorb", s_q=10**400)
