@@ -33,6 +33,7 @@ __all__ = ["TPGatedDeltaNet", "shard_gated_deltanet_state_dict"]
 
 _CONFIG = ("hidden_size", "num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_size", "norm_eps",
            "layer_idx", "impl", "save_states")
+_REQUIRED = ("hidden_size", "num_heads", "num_v_heads", "head_k_dim", "head_v_dim")  # those without a default
 
 
 def _config_of(layer: GatedDeltaNet) -> dict:
@@ -40,7 +41,7 @@ def _config_of(layer: GatedDeltaNet) -> dict:
 
 
 def _check_config(config) -> dict:
-    return check_config(config, _CONFIG, "GatedDeltaNet", _CONFIG[:5])  # the five without a default
+    return check_config(config, _CONFIG, "GatedDeltaNet", _REQUIRED)
 
 
 def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:

@@ -38,6 +38,7 @@ __all__ = ["TPGQLAttention", "shard_gqla_state_dict"]
 
 _CONFIG = ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim", "kv_rank", "q_rank", "v_head_dim",
            "rope_theta", "softmax_scale", "path", "impl", "kv_norm", "norm_eps", "rope_inv_freq")
+_REQUIRED = ("hidden_size", "num_heads", "num_groups")  # those without a default
 
 
 def _config_of(layer: GQLAttention) -> dict:
@@ -45,7 +46,7 @@ def _config_of(layer: GQLAttention) -> dict:
 
 
 def _check_config(config) -> dict:
-    return check_config(config, _CONFIG, "GQLAttention", _CONFIG[:3])  # the three without a default
+    return check_config(config, _CONFIG, "GQLAttention", _REQUIRED)
 
 
 def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
