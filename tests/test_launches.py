@@ -85,12 +85,14 @@ def test_chunked_prefill_forward_is_two_launches(monkeypatch):
 def test_split_sequence_forward_forms_no_w_or_u(monkeypatch):
     """A forward without gradient whose sequence is split into segments: ``wy``, the segment maps (formed from
     Ainv), their chain, then ``sout`` per segment (the portable kernel here; the Hopper Gluon one takes the same
-    place); no ``wu`` (w and u are the training path's)."""
+    place); no ``wu`` (w and u are the training path's). The segment bounds are copied to the device once, when
+    the plan is built (the first call of these shapes)."""
     xs = _gdn_inputs(1, 64 * 8, 1, 2, 32, 1)
     split = {"seg_units": 1 << 20, "seg_below": 1 << 20, "seg_min": 2, "sout_impl": "triton"}
-    with config_override({"gdn_chunk": {**FUSED, **split}}), \
-            _Record(monkeypatch) as rec:
-        gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+    with config_override({"gdn_chunk": {**FUSED, **split}}):
+        gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)  # warm: the plan's segments
+        with _Record(monkeypatch) as rec:
+            gq.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
     assert rec.kernels == ["gdn_wy_fwd_kernel", "gdn_state_seg_kernel", "gdn_state_prefix_kernel",
                            "gdn_state_out_kernel"] and rec.torch_ops == []
 
