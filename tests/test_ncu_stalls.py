@@ -44,11 +44,13 @@ def test_regions_and_sums(tmp_path):
     assert [r.samples for r in regions] == [3, 57, 1003]
     assert [r.issued for r in regions] == [0, 9, 11]
     assert kernels[0].stalls(3) == [("barrier", 38)]
+    assert kernels[0].stalls(1, end=5) == [("barrier", 38), ("long_sb", 6)]
     text = ncu_stalls.report(kernels[0], top=2, blocks=2, min_share=1.0)
     assert "alloc 232 regs: 57 samples (5.4 %), issued 9" in text
     assert "dealloc 40 regs: 1003 samples (94.4 %)" in text
     assert "entry" not in text  # 3 samples: below --min-share
     assert "long_sb 990" in text and "block" in text
+    assert "stall reasons: long_sb 99 %, barrier 0 %" in text  # the dealloc range: 990 + 1 of 1003 samples
 
 
 def test_not_an_export(tmp_path, capsys):

@@ -57,13 +57,16 @@ class Kernel:
     def source(self, i: int) -> str:
         return self.rows[i][self.column("Source")].strip()
 
-    def stalls(self, i: int, top: int = 3) -> list[tuple[str, int]]:
-        """The ``top`` stall reasons of instruction ``i`` with their samples (all samples, largest first)."""
+    def stalls(self, i: int, top: int = 3, end: int | None = None) -> list[tuple[str, int]]:
+        """The ``top`` stall reasons of instruction ``i`` (of instructions ``[i, end)`` together) with their samples
+        (all samples, largest first)."""
         out = []
         for c, h in enumerate(self.header):
             if h.startswith("stall_") and "Not Issued" not in h:
-                cell = self.rows[i][c].replace(",", "").strip()
-                n = int(float(cell)) if cell not in ("", "-") else 0
+                n = 0
+                for row in self.rows[i:i + 1 if end is None else end]:
+                    cell = row[c].replace(",", "").strip()
+                    n += int(float(cell)) if cell not in ("", "-") else 0
                 if n:
                     out.append((h[len("stall_"):], n))
         return sorted(out, key=lambda kv: -kv[1])[:top]
@@ -127,6 +130,8 @@ def report(kernel: Kernel, top: int = 12, blocks: int = 0, min_share: float = 1.
         if share < min_share:
             continue
         lines.append(f"  [{r.start}, {r.end}) {r.label}: {r.samples} samples ({share:.1f} %), issued {r.issued}")
+        why = kernel.stalls(r.start, top=5, end=r.end)
+        lines.append("    stall reasons: " + ", ".join(f"{k} {100.0 * v / (r.samples or 1):.0f} %" for k, v in why))
         best = sorted(range(r.start, r.end), key=lambda i: -kernel.samples(i))[:top]
         for i in sorted(best):
             n = kernel.samples(i)
