@@ -231,8 +231,11 @@ def test_decode_cu_seqlens_cpu_checks():
                                 cu_seqlens_cpu=[0, 5])
     with pytest.raises(TypeError, match="inplace_final_state: expected a bool"):
         call(inplace_final_state=1)
+    if cu.device.type == "cpu":  # read with no sync: the host copy must equal it, as for the chunked op
+        with pytest.raises(ValueError, match=r"cu_seqlens_cpu: \[0, 4, 5\] differs from cu_seqlens \[0, 2, 5\]"):
+            call(cu_seqlens=cu, cu_seqlens_cpu=[0, 4, 5])
     assert torch.equal(state, keep)
-    call(cu_seqlens=cu, cu_seqlens_cpu=[0, 2, 4])  # padded: token 4 belongs to no sequence
+    call(cu_seqlens=cu.new_tensor([0, 2, 4]), cu_seqlens_cpu=[0, 2, 4])  # padded: token 4 belongs to no sequence
     assert not torch.equal(state, keep)
 
 

@@ -174,9 +174,10 @@ def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None, ch
                          f"pairs {want})")
 
 
-def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int) -> None:
+def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int, cu_seqlens: torch.Tensor) -> None:
     """The decode step's ``cu_seqlens_cpu`` (a CPU int32/int64 tensor or a sequence of ints): ``n`` values,
-    non-decreasing within ``[0, T]`` (tokens outside ``[cu[0], cu[-1])`` are padding)."""
+    non-decreasing within ``[0, T]`` (tokens outside ``[cu[0], cu[-1])`` are padding), equal to ``cu_seqlens``'
+    where that is a CPU tensor (read with no sync), as the chunked op holds them."""
     if isinstance(cu_seqlens_cpu, torch.Tensor):
         if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"cu_seqlens_cpu: expected a CPU int32/int64 tensor, got a {cu_seqlens_cpu.dtype} "
@@ -194,6 +195,8 @@ def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int) -> None:
         raise ValueError(f"cu_seqlens_cpu: expected {n} values (the shape of cu_seqlens), got {len(cu)}")
     if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
         raise ValueError(f"cu_seqlens_cpu: expected non-decreasing values within [0, T={T}], got {cu}")
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu:
+        raise ValueError(f"cu_seqlens_cpu: {cu} differs from cu_seqlens {cu_seqlens.tolist()}")
 
 
 def state_v_first(state_layout, options: dict) -> bool:

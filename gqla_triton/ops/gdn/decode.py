@@ -356,7 +356,7 @@ def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
-        check_decode_cu_seqlens_cpu(cu_seqlens_cpu, N + 1, S)
+        check_decode_cu_seqlens_cpu(cu_seqlens_cpu, N + 1, S, cu_seqlens)
     if state_indices is None:
         if state.shape[0] < N:
             raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than the {N} sequences "
@@ -433,7 +433,8 @@ def gated_delta_rule_decode(
             ``ValueError``). Tokens outside ``[cu[0], cu[N])`` belong to no sequence: o = 0.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's option
             of the same name). The step never reads ``cu_seqlens`` on the host, so it changes nothing; it is
-            checked (``[N+1]``, non-decreasing within ``[0, T]``; not compared with the device copy).
+            checked (``[N+1]``, non-decreasing within ``[0, T]``, equal to ``cu_seqlens`` where that is a CPU
+            tensor; a GPU ``cu_seqlens`` is not read to compare).
         accepted: ``[B]`` (``[N]`` with ``cu_seqlens``) int32: commit to the pool only the state after each sequence's
             first ``accepted[b]`` tokens (clamped to ``[0, s]``, with ``cu_seqlens`` to ``[0, its tokens]``; 0 leaves
             the row unchanged). Outputs of all tokens are computed alike (speculative verification: the outputs of

@@ -176,7 +176,9 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     ``layout="v32_no_rope"``: ``kv [..., 512]`` -> ``[..., 528]`` rows (the same without the rope part).
     ``layout="model1"`` / ``"v41"`` / ``"v41_fp4"``: ``kv [num_pages, page_size, 1, 512]`` -> FlashMLA's pages
     ``[num_pages, page_size, 1, 584 | 528 | 288]`` (module docstring; UE8M0 scales, the least power of two >= amax /
-    448 per tile, always; e4m3 scales amax / 6 for e2m1 values).
+    448 per tile, always; e4m3 scales amax / 6 for e2m1 values). ``"v41_fp4"``'s range is the format's: its e4m3
+    tile scales lie in [2^-9, 448] and e2m1 values reach 6, so larger magnitudes saturate at ±2688 and, in a tile
+    whose scale is clamped to 2^-9, values below 2^-11 round to 0 (the UE8M0 layouts' scales span float32's range).
 
     Each 128-value latent tile gets the scale ``amax / 448`` (``pow2_scales``: rounded up to a power of two, as
     DeepSeek's UE8M0 scales are), so its largest value maps to e4m3's largest finite value; an all-zero tile gets
