@@ -510,3 +510,25 @@ def test_reference_takes_an_empty_batch():
         gqa_decode(q.to(P.device), k.to(P.device), k.to(P.device), torch.zeros(0, 2, dtype=torch.int32,
                    device=P.device), torch.zeros(0, dtype=torch.int32, device=P.device),
                    torch.zeros(3, 16, 16, device=P.device))
+
+
+def test_few_sequences_take_the_deeper_pipeline(monkeypatch):
+    """On an H200 (the shipped table) a dense step whose (sequence, group) pairs fill at most two programs per SM
+    (``fill`` 1 or 2) takes four pipeline stages at one program per SM and splits to one wave; larger batches, MTP
+    rows and sparse steps keep their entries (``docs/performance.md``, grouped decode)."""
+    import gqla_triton.ops.gqa.plan as plan_mod
+    from gqla_triton.dispatch import DeviceInfo
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
+    monkeypatch.setattr(plan_mod, "device_info", lambda d: h200)
+
+    def plan(B, S, s_q=1, topk=None):
+        q = torch.zeros(B, s_q, 128, 192, dtype=torch.float16)
+        return plan_mod.plan(q, 8, 64, S // 64, 128, 64, 128, topk, 0)
+
+    for B, S, splits in ((1, 32768, 16), (8, 8192, 2), (16, 2048, 1), (32, 16384, 1)):
+        p = plan(B, S)
+        assert (p.cfg.num_stages, p.cfg.waves, p.num_splits) == (4, 1, splits), (B, S)
+        assert plan_mod.shared_bytes(p.BLOCK_M, p.BLOCK_N, 4, 128, 64, 128, 2) <= h200.smem_per_block
+    for p in (plan(128, 4096), plan(8, 8192, s_q=2), plan(8, 8192, topk=2048)):
+        assert p.cfg.num_stages == 3

@@ -14,12 +14,14 @@ __all__ = ["GQADecodeConfig"]
 class GQADecodeConfig(KernelConfig):
     """``block_n`` keys per tile (halved until the pipelined K/V tiles fit ``smem`` bytes), at most ``max_m``
     query rows per tile; ``acc_elems_4w``: largest fp32 accumulator (rows x d_v) run with 4 warps (larger ones
-    take 8); ``waves``: split-KV aims at this many programs per SM. Variants: ``paged`` (dense, block_n divides
+    take 8); ``waves``: split-KV aims at this many programs per SM. Match key ``fill``: the (sequence, group) pairs
+    per SM, rounded up (1: one sequence's groups or a few sequences leave SMs idle before any split). Variants: ``paged`` (dense, block_n divides
     the page: one block-table lookup per tile), ``rows_ahead`` (sparse: the next tile's cache rows loaded one
     iteration ahead)."""
 
     OP: ClassVar[str] = "gqa_decode"
-    MATCH: ClassVar[dict] = {"sparse": bool, "G": int, "rows": int, "d_h": int, "d_r": int, "d_v": int}
+    MATCH: ClassVar[dict] = {"sparse": bool, "G": int, "rows": int, "d_h": int, "d_r": int, "d_v": int,
+                             "fill": int}
 
     block_n: int = 64
     max_m: int = 64

@@ -50,8 +50,11 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     G = h_q // g
     sparse = topk is not None
     rows = G if sparse else G * s_q
-    key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v}
-    cfg = select_config("gqa_decode", key, device=q)
+    info = device_info(q)
+    nbq = B * s_q if sparse else B
+    key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v,
+           "fill": cdiv(nbq * g, max(1, info.sm_count))}
+    cfg = select_config("gqa_decode", key, info=info)
     block_m = min(cfg.max_m, max(16, next_pow2(rows)))
     block_n = cfg.block_n
     bdh, bdr, bdv = (next_pow2(d) for d in (d_h, d_r, d_v))
@@ -61,7 +64,7 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
         block_n //= 2
     # ... and every buffer within the GPU's block (fp32 rows of 256 channels past 99 KB): fewer rows per tile, then
     # fewer pipeline stages
-    smem = device_info(q).smem_per_block
+    smem = info.smem_per_block
 
     def need(bm):
         return shared_bytes(bm, block_n, cfg.num_stages, bdh, max(bdr, 16), bdv, elt)
@@ -78,11 +81,10 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     if block_m * bdv > cfg.acc_elems_4w:  # fp32 accumulator too large for 4 warps
         warps = max(warps, 8)
     num_mt = cdiv(rows, block_m)
-    nbq = B * s_q if sparse else B
     if nbq > MAX_GRID_Y:  # the grid's third dimension
         raise ValueError(f"q: batch {B}{f' x {s_q} query tokens (sparse)' if sparse else ''} = {nbq} exceeds "
                          f"the {MAX_GRID_Y} sequences one launch takes")
     if num_splits == 0:
         num_splits = plan_splits(nbq * g * num_mt, key_capacity(max_pages, page_size, topk),
-                                 device_info(q).sm_count, block_n=block_n, waves=cfg.waves)
+                                 info.sm_count, block_n=block_n, waves=cfg.waves)
     return GQAPlan(cfg, G, block_m, block_n, bdh, max(bdr, 16), bdv, warps, num_mt, nbq, num_splits)
