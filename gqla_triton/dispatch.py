@@ -15,8 +15,8 @@ config directory (``user_config_dir()``) takes precedence for its GPU: its rows 
 shipped rows of that op, which still serve the ops and shapes it leaves out. Every entry of a table is checked against
 its op's schema when the table is first read: an unknown op, match key or field, or a value of the wrong type, is
 a ``ValueError`` naming it. ``GQLA_TRITON_CONFIG`` (a JSON object or the path of a JSON file,
-``{"<op>": {"<field>": value}}``) and ``config_override`` (in-process, for tools and tests) override fields of the
-selected entry, checked alike.
+``{"<op>": {"<field>": value}}``; text that parses as JSON is JSON) and ``config_override`` (in-process, for tools
+and tests) override fields of the selected entry, checked alike.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import functools
 import importlib
 import json
 import os
+import re
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,31 +83,38 @@ class DeviceInfo:
 
 _INTERPRETER = DeviceInfo("interpreter", (0, 0), sm_count=4, smem_per_block=1 << 30, l2_bytes=0, interpreter=True)
 
-# Substrings of driver names, most specific first.
+# Model tokens of driver names (a name is split at every character that is not a letter or digit, so "NVIDIA
+# A100-SXM4-80GB" holds "a100" and "NVIDIA RTX A1000" does not) and their table keys. The GH200's GPU is an
+# H100-class Hopper die (sm_90, 132 SMs): it takes the H100's key, which runs the H200's kernel configs
+# (``SHARED_TABLES``) but not the H200's measured ``decode_path`` rows.
 _GPU_NAMES = (
     ("h200", "h200"),
     ("h100", "h100"),
     ("h800", "h100"),
+    ("gh200", "h100"),
     ("h20", "h20"),
     ("a100", "a100"),
+    ("a100x", "a100"),
     ("a800", "a100"),
     ("l40s", "l40s"),
 )
 GPU_KEYS = tuple(sorted({k for _, k in _GPU_NAMES}))
 
 # GPUs whose SM is another GPU's, and which run that GPU's shipped kernel configs where they have no table of their
-# own: the H100 / H800 are sm_90a with the H200's SM count (SXM) and 227 KB of shared memory per block, so the
-# H200's tiles, stage counts and Gluon kernels compile and fit alike (the choices are tuned on the H200). Entries of
-# one GPU's own measurements (a schema with ``MEASURED``: ``decode_path``) are not shared.
+# own: the H100 / H800 / GH200 (key h100) are sm_90a with the H200's SM count (SXM) and 227 KB of shared memory per
+# block, so the H200's tiles, stage counts and Gluon kernels compile and fit alike (the choices are tuned on the
+# H200). Entries of one GPU's own measurements (a schema with ``MEASURED``: ``decode_path``) are not shared.
 SHARED_TABLES = {"h100": "h200"}
 
 
 def gpu_key(name: str) -> str:
+    """The config-table key of the GPU whose driver name is ``name`` (its model token, ``_GPU_NAMES``), else
+    ``default``."""
     if not isinstance(name, str):
         raise TypeError(f"name: expected a GPU name (str), got {type(name).__name__}")
-    low = name.lower()
-    for needle, key in _GPU_NAMES:
-        if needle in low:
+    tokens = set(re.split(r"[^a-z0-9]+", name.lower()))
+    for token, key in _GPU_NAMES:
+        if token in tokens:
             return key
     return "default"
 
@@ -207,7 +215,7 @@ def user_config_dir() -> Path:
     return Path(os.environ.get("GQLA_TRITON_CONFIG_DIR") or Path.home() / ".config" / "gqla_triton")
 
 
-_SWAPPED: dict[str, dict] = {}
+_SWAPPED: dict[str, list[dict]] = {}  # GPU key -> the tables of its open table_swap blocks, the latest last
 
 
 @contextlib.contextmanager
@@ -217,16 +225,14 @@ def table_swap(key: str, raw: Mapping) -> Iterator[None]:
     if not isinstance(key, str):
         raise TypeError(f"key: expected a GPU table key (str), got {type(key).__name__}")
     parsed = parse_table(raw, where="table_swap raw")
-    old = _SWAPPED.get(key)
-    _SWAPPED[key] = parsed
+    _SWAPPED.setdefault(key, []).append(parsed)
     reload_tables()
     try:
         yield
     finally:
-        if old is None:
-            _SWAPPED.pop(key, None)
-        else:
-            _SWAPPED[key] = old
+        _remove(_SWAPPED[key], parsed)
+        if not _SWAPPED[key]:
+            del _SWAPPED[key]
         reload_tables()
 
 
@@ -246,7 +252,7 @@ def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
     before it: its rows of an op are matched first, then the shipped rows of that op, so a table that names some
     ops or some shapes leaves the rest as shipped. The interpreter reads only the shipped table."""
     if key in _SWAPPED:
-        return _SWAPPED[key]
+        return _SWAPPED[key][-1]
     shared = SHARED_TABLES.get(key)
     paths = [_CONFIG_DIR / f"{key}.json", *([_CONFIG_DIR / f"{shared}.json"] if shared else []),
              _CONFIG_DIR / "default.json"]
@@ -286,15 +292,33 @@ def _read_table(path: Path) -> dict[str, list[tuple[dict, Any]]]:
     return parse_table(raw, where=str(path))
 
 
+@functools.lru_cache(maxsize=4)
+def _parses(raw: str) -> bool:
+    try:
+        load_json(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def _env_is_path(raw: str) -> bool:
+    """Whether ``GQLA_TRITON_CONFIG`` = ``raw`` is the path of a file rather than JSON text: text that parses as JSON
+    is JSON text (a file whose name parses is named as ``./<name>``), and so is text that starts with ``{`` and
+    names no file (an object with a syntax error, reported as such); anything else is a path."""
+    if _parses(raw):
+        return False
+    return not (raw.lstrip().startswith("{") and not os.path.isfile(raw))
+
+
 def _env_version(raw: str | None) -> tuple | None:
     """What identifies the content of ``GQLA_TRITON_CONFIG`` = ``raw`` beside the value itself: a file's
-    modification time and size (a stat per lookup, so an edited file is read again), None for a JSON object in the
-    variable (no cost) or a path that cannot be read (its error names it)."""
-    if not raw or raw.lstrip().startswith("{"):
+    modification time and size (a stat per lookup, so an edited file is read again), None for JSON text in the
+    variable or a path that cannot be read (its error names it)."""
+    if not raw or not _env_is_path(raw):
         return None
     try:
         st = os.stat(raw)
-    except OSError:
+    except (OSError, ValueError):
         return None
     return st.st_mtime_ns, st.st_size
 
@@ -304,7 +328,7 @@ def _env_override(raw: str, version: tuple | None = None) -> dict:
     """The checked overrides of ``GQLA_TRITON_CONFIG`` = ``raw`` (``version``: ``_env_version``'s, a cache key)."""
     text, where = raw, "GQLA_TRITON_CONFIG"
     try:
-        if not raw.lstrip().startswith("{"):  # a path to a JSON file
+        if _env_is_path(raw):
             where = f"GQLA_TRITON_CONFIG file {raw!r}"
             with open(raw) as f:
                 text = f.read()
@@ -317,7 +341,8 @@ def _env_override(raw: str, version: tuple | None = None) -> dict:
 
 def _check_override(value: Any, where: str) -> dict:
     if not isinstance(value, Mapping):
-        raise ValueError(f"{where}: expected a JSON object {{op: {{field: value}}}}")
+        raise ValueError(f"{where}: expected a JSON object {{op: {{field: value}}}}, got {type(value).__name__} "
+                         f"{value!r:.60}")
     for op, fields in value.items():
         if op not in _SCHEMAS:
             raise ValueError(f"{where}: unknown op {op!r}; the ops are {sorted(_SCHEMAS)}")
@@ -338,6 +363,15 @@ def config_state() -> tuple:
     return env, _env_version(env), _EPOCH[0]
 
 
+def _remove(stack: list, entry: object) -> None:
+    """Remove ``entry`` (by identity, the latest occurrence) from a block's ``stack``: a block that ends while one
+    opened after it is still open (two generators or tasks each holding one) takes its own entry, not the last."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is entry:
+            del stack[i]
+            return
+
+
 def _frozen(value: Any) -> Any:
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
@@ -347,12 +381,13 @@ def config_override(fields: Mapping[str, Mapping[str, Any]]) -> Iterator[None]:
     """Within the block, ``select_config`` applies ``{op: {field: value}}`` over the selected entry (after
     ``GQLA_TRITON_CONFIG``). Checked against the schemas on entry. For tools and tests; not thread-safe."""
     checked = _check_override(fields, "config_override fields")
-    _OVERRIDES.append({op: tuple(sorted((k, _frozen(v)) for k, v in f.items())) for op, f in checked.items()})
+    entry = {op: tuple(sorted((k, _frozen(v)) for k, v in f.items())) for op, f in checked.items()}
+    _OVERRIDES.append(entry)
     _EPOCH[0] += 1
     try:
         yield
     finally:
-        _OVERRIDES.pop()
+        _remove(_OVERRIDES, entry)
         _EPOCH[0] += 1
 
 

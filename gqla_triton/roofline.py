@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from dataclasses import dataclass
 
 from .ops._common.validation import is_finite_real, is_int
@@ -339,8 +340,21 @@ def main(argv: list[str] | None = None) -> None:
             gpu_spec(g)  # unknown names fail before any output
         except ValueError as e:
             ap.error(str(e))
-    if args.plot and os.path.exists(args.plot) and not os.path.isdir(args.plot):
-        ap.error(f"--plot: {args.plot!r} exists and is not a directory")
+    if args.plot:  # matplotlib and the folder (made, written to) checked before any output
+        from .plots import _pyplot
+
+        try:
+            _pyplot()
+        except ImportError as e:
+            ap.error(f"--plot: {e}")
+        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            ap.error(f"--plot: {args.plot!r} exists and is not a directory")
+        try:
+            os.makedirs(args.plot, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.plot):
+                pass
+        except OSError as e:
+            ap.error(f"--plot: cannot write into the folder {args.plot!r} ({type(e).__name__}: {e.strerror or e})")
     print("GPU specs (dense bf16 tensor-core rate, HBM bandwidth; ridge = the FLOP/byte above which an op is "
           "compute-bound)\n")
     print(_spec_table(gpus))

@@ -632,6 +632,8 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     if ops is not None and (isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence)
                             or not all(isinstance(o, str) for o in ops)):
         raise TypeError(f"ops: expected None or a list of op names, got {ops!r}")
+    if ops is not None and not ops:  # nothing to tune: the table written would repeat the start table's rows
+        raise ValueError("ops: expected None (every op) or a non-empty list of op names, got an empty list")
     tlist = target_list if target_list is not None else targets(ops)
     _check_space(space)
     info = dispatch.device_info()

@@ -550,3 +550,102 @@ def test_a_config_past_shared_memory_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="gdn_chunk config: a kernel needs 417044 of shared memory, more than"):
         launch()
 
+
+
+def test_override_blocks_that_end_out_of_order_remove_their_own_entry():
+    """A ``config_override`` or ``table_swap`` block removes its own entry when it ends, also when another block
+    opened after it is still open (two generators or tasks each holding one); nested blocks restore as they
+    open."""
+    base = dispatch.select_config("gdn_decode").bv
+    a, b = dispatch.config_override({"gdn_decode": {"bv": 16}}), dispatch.config_override({"gdn_decode": {"bv": 128}})
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert dispatch.select_config("gdn_decode").bv == 128
+    b.__exit__(None, None, None)
+    assert dispatch.select_config("gdn_decode").bv == base
+
+    def holder(bv):
+        with dispatch.config_override({"gdn_decode": {"bv": bv}}):
+            yield
+
+    g1, g2 = holder(16), holder(128)
+    next(g1)
+    next(g2)
+    g1.close()
+    assert dispatch.select_config("gdn_decode").bv == 128
+    g2.close()
+    assert dispatch.select_config("gdn_decode").bv == base
+    with dispatch.config_override({"gdn_decode": {"bv": 16}}):
+        with dispatch.config_override({"gdn_decode": {"bv": 128}}):
+            assert dispatch.select_config("gdn_decode").bv == 128
+        assert dispatch.select_config("gdn_decode").bv == 16
+    assert dispatch.select_config("gdn_decode").bv == base
+
+    key = dispatch.device_info().key
+    combine = lambda elems: {"combine": [{"match": {}, "config": {"elems": elems}}]}  # noqa: E731
+    before = dispatch.select_config("combine", {"D": 32})
+    s1, s2 = dispatch.table_swap(key, combine(64)), dispatch.table_swap(key, combine(1024))
+    s1.__enter__()
+    s2.__enter__()
+    s1.__exit__(None, None, None)
+    assert dispatch.select_config("combine", {"D": 32}).elems == 1024
+    s2.__exit__(None, None, None)
+    assert dispatch.select_config("combine", {"D": 32}) == before
+    with dispatch.table_swap(key, combine(64)):
+        with dispatch.table_swap(key, combine(1024)):
+            assert dispatch.select_config("combine", {"D": 32}).elems == 1024
+        assert dispatch.select_config("combine", {"D": 32}).elems == 64
+    assert dispatch.select_config("combine", {"D": 32}) == before
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100"), ("NVIDIA H100 NVL", "h100"), ("NVIDIA H800", "h100"), ("NVIDIA H800 PCIe", "h100"),
+    ("NVIDIA GH200 480GB", "h100"), ("NVIDIA GH200 144G HBM3e", "h100"), ("NVIDIA H20", "h20"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA A100-PCIE-40GB", "a100"),
+    ("NVIDIA A100 80GB PCIe", "a100"), ("NVIDIA A800-SXM4-80GB", "a100"), ("NVIDIA A800 80GB PCIe", "a100"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA L40", "default"), ("NVIDIA RTX A1000", "default"),
+    ("NVIDIA RTX A1000 6GB Laptop GPU", "default"), ("NVIDIA A10", "default"), ("NVIDIA RTX A2000 12GB", "default"),
+    ("NVIDIA GeForce RTX 4090", "default"), ("NVIDIA B200", "default"), ("NVIDIA GB200", "default")])
+def test_gpu_key_matches_driver_names_by_model_token(name, key):
+    """A driver name's model is a whole token: an RTX A1000 is no A100, a GH200 (an H100-class die) no H200."""
+    assert dispatch.gpu_key(name) == key
+
+
+def test_roofline_plot_folder_that_cannot_be_made_is_refused_before_any_output(tmp_path):
+    """``--plot DIR`` whose folder cannot be made or written is an argparse error (rc 2, no traceback) before any
+    table is printed."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad in (blocker / "sub", "/proc/gqla-triton-nope"):
+        res = subprocess.run([sys.executable, "-m", "gqla_triton.roofline", "--plot", str(bad)], capture_output=True,
+                             text=True)
+        assert res.returncode == 2 and res.stdout == "", (bad, res.stdout[-300:], res.stderr[-300:])
+        assert "--plot: " in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (blocker / "sub").exists()
+
+
+def test_env_override_json_that_is_not_an_object_is_named_as_such(monkeypatch, tmp_path):
+    """``GQLA_TRITON_CONFIG`` text that parses as JSON but is not an object is refused as such (not as a missing
+    file); a file named by any path (one starting with ``{`` too) is read."""
+    try:
+        for raw in ("[]", "null", "1", '"x"', " [1, 2] "):
+            monkeypatch.setenv("GQLA_TRITON_CONFIG", raw)
+            with pytest.raises(ValueError, match="^GQLA_TRITON_CONFIG: expected a JSON object") as e:
+                dispatch.select_config("combine", {"D": 64})
+            assert "FileNotFoundError" not in str(e.value)
+        monkeypatch.setenv("GQLA_TRITON_CONFIG", '{"combine": {"num_warps": 2')
+        with pytest.raises(ValueError, match="^GQLA_TRITON_CONFIG: expected a JSON object.*JSONDecodeError"):
+            dispatch.select_config("combine", {"D": 64})
+        odd = tmp_path / "{cfg}.json"
+        odd.write_text('{"combine": {"num_warps": 2}}')
+        monkeypatch.setenv("GQLA_TRITON_CONFIG", str(odd))
+        assert dispatch.select_config("combine", {"D": 64}).num_warps == 2
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "{c}").write_text('{"combine": {"num_warps": 8}}')
+        monkeypatch.setenv("GQLA_TRITON_CONFIG", "{c}")
+        assert dispatch.select_config("combine", {"D": 64}).num_warps == 8
+    finally:
+        monkeypatch.delenv("GQLA_TRITON_CONFIG")
+        dispatch._env_override.cache_clear()

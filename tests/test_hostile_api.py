@@ -424,3 +424,33 @@ def test_roofline_models_check_their_fields_and_sizes_by_name():
         roofline.paper_tokens_per_s([1], "absorb")
     with pytest.raises(ValueError, match="^s_q: expected an int in"):
         roofline.paper_tokens_per_s("h200", "absorb", s_q=10**400)
+
+
+@pytest.mark.parametrize("layer", ["gqla", "gdn"])
+def test_failed_assign_load_puts_the_layers_own_tensors_back(layer):
+    """A ``load_state_dict(assign=True)`` that fails torch's strict key check (an unexpected or a missing key) after
+    torch assigned the other entries leaves the layer's parameter and buffer objects in place with their values, and
+    the caller's tensors as they were; a load that succeeds takes the caller's tensors."""
+    def make(seed):
+        torch.manual_seed(seed)
+        if layer == "gqla":
+            return gq.GQLAttention(32, 4, 2, 16, 16, 32, impl="reference")
+        return gq.GatedDeltaNet(32, 2, 4, 16, 16, impl="reference")
+
+    m = make(0)
+    good = {k: v.detach().clone() + 1.0 for k, v in make(1).state_dict().items()}
+    missing = dict(good)
+    missing.pop(next(iter(missing)))
+    for bad in ({**good, "bogus": torch.zeros(1)}, missing):
+        objs = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+        values = {k: v.detach().clone() for k, v in objs.items()}
+        caller = {k: v.clone() for k, v in bad.items()}
+        with pytest.raises(RuntimeError, match="(Unexpected|Missing) key"):
+            m.load_state_dict(bad, assign=True)
+        after = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+        assert all(after[k] is objs[k] and torch.equal(after[k], values[k]) for k in objs)
+        assert all(torch.equal(v, caller[k]) for k, v in bad.items())
+        assert not any(after[k].data_ptr() == v.data_ptr() for k, v in bad.items() if k in after)
+    m.load_state_dict(good, assign=True)
+    assert all(p.data_ptr() == good[k].data_ptr() for k, p in m.named_parameters())
+    assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())

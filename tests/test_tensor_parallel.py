@@ -312,13 +312,13 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
         shard_gqla_state_dict(sd, cfg, 2, 2)
     with pytest.raises(ValueError, match=r"state_dict: .*missing \['o_proj.weight'\]"):
         shard_gqla_state_dict({k: v for k, v in sd.items() if k != "o_proj.weight"}, cfg, 0, 2)
-    with pytest.raises(ValueError, match="state_dict: 'kv_b_proj.weight' has shape"):
+    with pytest.raises(ValueError, match="state_dict: kv_b_proj.weight: expected shape"):
         shard_gqla_state_dict({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"][1:]}, cfg, 0, 2)
     with pytest.raises(ValueError, match="config: unknown GQLAttention arguments"):
         shard_gqla_state_dict(sd, {**cfg, "groups": 4}, 0, 2)
-    with pytest.raises(TypeError, match="state_dict: 'kv_b_proj.weight' is torch.int64"):
+    with pytest.raises(ValueError, match="kv_b_proj.weight: expected a real floating tensor, got torch.int64"):
         shard_gqla_state_dict({**sd, "kv_b_proj.weight": sd["kv_b_proj.weight"].long()}, cfg, 0, 2)
-    with pytest.raises(ValueError, match="state_dict: 'o_proj.weight' is on the meta device"):
+    with pytest.raises(ValueError, match="state_dict: o_proj.weight: on the meta device"):
         shard_gqla_state_dict({**sd, "o_proj.weight": sd["o_proj.weight"].to("meta")}, cfg, 0, 2)
     gdn = _gdn_layer(0)
     with pytest.raises(ValueError, match="does not divide num_heads"):
@@ -387,3 +387,31 @@ def test_converted_layers_rope_frequencies_travel_with_the_shards(tmp_path):
             assert_close("tp_out", tp(x), layer(x), layer(x))
     finally:
         dist.destroy_process_group()
+
+
+def test_tp_loaders_refuse_float8_weights_as_the_layers_load_does(tmp_path):
+    """float8 weights (no scales) are refused by the shard functions and ``from_state_dict`` (with or without a
+    ``dtype``) with the layers' own ``load_state_dict`` message, naming the key; so are integer weights."""
+    import torch.distributed as dist
+
+    f8 = torch.float8_e4m3fn
+    cases = [(GQLAttention(**GQLA, impl="reference"), GQLA, shard_gqla_state_dict, TPGQLAttention, "kv_b_proj"),
+             (GatedDeltaNet(**GDN, impl="reference"), GDN, shard_gated_deltanet_state_dict, TPGatedDeltaNet,
+              "in_proj")]
+    for layer, cfg, shard, cls, key in cases:
+        sd = layer.state_dict()
+        bad = {**sd, f"{key}.weight": sd[f"{key}.weight"].to(f8)}
+        why = f"state_dict: {key}.weight: torch.float8_e4m3fn weights need their scales"
+        with pytest.raises(ValueError, match=why):
+            layer.load_state_dict(bad)
+        with pytest.raises(ValueError, match=why):
+            shard(bad, cfg, 0, 2)
+        with pytest.raises(ValueError, match=f"state_dict: {key}.weight: expected a real floating tensor"):
+            shard({**sd, f"{key}.weight": sd[f"{key}.weight"].long()}, cfg, 0, 2)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / (key + '_store')}", rank=0, world_size=1)
+        try:
+            for dtype in (None, torch.float32):
+                with pytest.raises(ValueError, match=why):
+                    cls.from_state_dict(bad, cfg, dtype=dtype)
+        finally:
+            dist.destroy_process_group()

@@ -560,3 +560,96 @@ def test_trans_gqla_takes_float8_calibration_and_refuses_meta_calibration():
     assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="^calib: "):
         trans_gqla(src, **kw, calib=calib.to("meta"))
+
+
+def test_rope_attention_scaling_whose_square_leaves_float64_is_refused_by_name():
+    """The source's RoPE attention scaling multiplies the converted query weights by its square: a scaling whose
+    square overflows (or underflows to 0 in) float64 is a ValueError naming it, not an OverflowError."""
+    src = gqa_source(0, hidden=32, h=4, g=2, d=8)
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=16, rope_dim=4, impl="reference")
+    for bad in (1e200, 1e-200):
+        with pytest.raises(ValueError, match="^rope_attention_scaling: .*float64"):
+            trans_gqla(src, **kw, rope_attention_scaling=bad)
+    assert trans_gqla(src, **kw, rope_attention_scaling=1e10).q_proj.weight.isfinite().all()
+
+
+def test_rope_inv_freq_on_meta_is_refused_by_name_everywhere():
+    """``rope_inv_freq`` on the meta device holds no values: trans_gqla, gqa_attention_reference and the layer
+    refuse it with the same ValueError."""
+    src = gqa_source(0, hidden=32, h=4, g=2, d=8)
+    meta = torch.ones(4, device="meta")
+    why = "^rope_inv_freq: expected a tensor with values, got one on meta"
+    with pytest.raises(ValueError, match=why):
+        trans_gqla(src, num_heads=4, num_groups=2, head_dim=8, kv_rank=16, rope_dim=4, rope_inv_freq=meta)
+    with pytest.raises(ValueError, match=why):
+        gqa_attention_reference(src, torch.randn(1, 2, 32), num_heads=4, num_groups=2, head_dim=8,
+                                rope_inv_freq=meta)
+    with pytest.raises(ValueError, match=why):
+        GQLAttention(32, 4, 2, 8, 8, 16, rope_inv_freq=meta.view(4))
+
+
+def test_rope_inv_freq_is_copied_from_the_callers_tensor():
+    """The layer's frequencies are its own: a later write to the tensor passed as ``rope_inv_freq`` leaves them."""
+    inv = torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=torch.float64)
+    layer = GQLAttention(32, 4, 2, 8, 8, 16, rope_inv_freq=inv, impl="reference")
+    inv.fill_(7.0)
+    assert torch.equal(layer.rope_inv_freq, torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=torch.float64))
+
+
+def test_source_weights_whose_gram_overflows_float64_are_refused_by_name():
+    """Finite float64 weights so large that their Gram matrices overflow float64 are refused naming the source
+    weight and its magnitude (not ``dtype`` or a converted weight)."""
+    src = gqa_source(0, hidden=32, h=4, g=2, d=8)
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=16, rope_dim=4, impl="reference", dtype=torch.float64)
+    for key in ("k_proj", "v_proj"):
+        with pytest.raises(ValueError, match=f"^source: {key}: .*overflow.*float64"):
+            trans_gqla({**src, key: src[key] * 1e200}, **kw)
+    calib, k10 = torch.full((4, 32), 1e150, dtype=torch.float64), {**src, "k_proj": src["k_proj"] * 1e10}
+    assert trans_gqla(k10, **kw).kv_a_proj.weight.isfinite().all()
+    with pytest.raises(ValueError, match="^source: k_proj: .* on calib overflows float64"):
+        trans_gqla(k10, **kw, calib=calib)
+    big = trans_gqla({k: v * 1e100 for k, v in src.items()}, **kw)  # Grams of 1e200: converted
+    assert big.kv_a_proj.weight.isfinite().all()
+
+
+def test_loaders_refuse_the_meta_device_by_name():
+    """``load_gqla`` / ``mla_to_gqla`` onto ``device="meta"`` would drop every loaded value: refused as trans_gqla
+    refuses it."""
+    gq_sd = deepseek_checkpoint(0, hidden=32, h=4, n=2, dn=8, dR=4, dv=8, r=16)
+    mla_sd = deepseek_checkpoint(0, hidden=32, h=4, n=4, dn=8, dR=4, dv=8, r=16)
+    why = "^device: expected a device with storage, got meta"
+    for dev in ("meta", torch.device("meta")):
+        with pytest.raises(ValueError, match=why):
+            load_gqla(gq_sd, num_heads=4, num_groups=2, head_dim=8, rope_dim=4, kv_rank=16, impl="reference",
+                      dtype=torch.float32, device=dev)
+        with pytest.raises(ValueError, match=why):
+            mla_to_gqla(mla_sd, num_heads=4, num_groups=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        kv_rank=16, impl="reference", dtype=torch.float32, device=dev)
+
+
+def test_loaders_name_the_weight_whose_hidden_size_differs():
+    """The hidden size is the width the query input, ``kv_a_proj_with_mqa`` and ``o_proj`` weights share; the one
+    that differs is named (also ``q_a_proj`` with ``q_rank``), and three different widths are all reported."""
+    kw = dict(num_heads=4, num_groups=2, head_dim=8, rope_dim=4, kv_rank=16, impl="reference", dtype=torch.float32)
+    for q_rank in (None, 8):
+        sd = deepseek_checkpoint(0, hidden=32, h=4, n=2, dn=8, dR=4, dv=8, r=16, q_rank=q_rank)
+        qkey = "q_proj.weight" if q_rank is None else "q_a_proj.weight"
+        for key, dim in ((qkey, 1), ("kv_a_proj_with_mqa.weight", 1), ("o_proj.weight", 0)):
+            bad = {**sd, key: sd[key].narrow(dim, 0, 31)}
+            with pytest.raises(ValueError, match=f"^state_dict: '{key}' expected shape .*got"):
+                load_gqla(bad, **kw, q_rank=q_rank)
+        three = {**sd, qkey: sd[qkey][:, :31], "o_proj.weight": sd["o_proj.weight"][:30]}
+        with pytest.raises(ValueError, match="^state_dict: the hidden sizes .* disagree"):
+            load_gqla(three, **kw, q_rank=q_rank)
+
+
+def test_loaders_name_num_heads_that_is_not_an_int():
+    sd = deepseek_checkpoint(0, hidden=32, h=4, n=4, dn=8, dR=4, dv=8, r=16)
+    for bad in (4.0, "4", True, 0):
+        with pytest.raises(ValueError, match="^num_heads: expected a positive int"):
+            load_gqla(sd, num_heads=bad, num_groups=2, head_dim=8, rope_dim=4, kv_rank=16)
+        with pytest.raises(ValueError, match="^num_heads: expected a positive int"):
+            mla_to_gqla(sd, num_heads=bad, num_groups=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        kv_rank=16)
+    with pytest.raises(ValueError, match="^num_groups: expected a positive divisor of num_heads 4, got 3"):
+        load_gqla(sd, num_heads=4, num_groups=3, head_dim=8, rope_dim=4, kv_rank=16)

@@ -375,6 +375,16 @@ def test_the_cli_names_a_bad_option_without_a_traceback(capsys):
     assert e.value.code == 2 and "budget_minutes: expected a positive" in capsys.readouterr().err
 
 
+def test_an_empty_op_list_is_refused_before_anything_is_written(tmp_path):
+    """``ops=[]`` names no op to tune: a ValueError naming ``ops``, and no table is written (one would repeat the
+    shipped rows ahead of them in the user config directory)."""
+    out = tmp_path / "t.json"
+    for ops in ([], ()):
+        with pytest.raises(ValueError, match="^ops: expected None .* or a non-empty list"):
+            tune.tune(ops, budget_minutes=0.1, out=out, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_options_and_partial_files_are_refused_before_any_search(tmp_path):
     out = tmp_path / "t.json"
     bad = [(dict(ops="combine"), TypeError, "ops: expected None or a list"),

@@ -29,7 +29,7 @@ import torch
 
 from ..layers.gqla import GQLAttention
 from ..layers.rope import check_rope_dim
-from ..ops._common.validation import check_flag, check_optional_int, check_positive_int, is_int
+from ..ops._common.validation import check_device, check_flag, check_optional_int, check_positive_int, is_int
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
@@ -40,6 +40,13 @@ def interleaved_to_half(d: int) -> torch.Tensor:
     """Row order taking interleaved rope pairs ``(2i, 2i + 1)`` to rotate-half pairs ``(i, i + d/2)``."""
     d = check_rope_dim("d", d)
     return torch.arange(d).view(-1, 2).t().reshape(-1)
+
+
+def _check_heads(num_heads, num_groups) -> None:
+    """``num_heads`` a positive int, ``num_groups`` a positive divisor of it."""
+    check_positive_int("num_heads", num_heads)
+    if not is_int(num_groups) or num_groups <= 0 or num_heads % num_groups:
+        raise ValueError(f"num_groups: expected a positive divisor of num_heads {num_heads}, got {num_groups!r}")
 
 
 def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
@@ -60,6 +67,28 @@ def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
     return t.detach().to(**_F64)
 
 
+def _hidden(sd: dict, prefix: str, q_in: str) -> int:
+    """The hidden size: the width that the query input weight ``q_in``, ``kv_a_proj_with_mqa`` (inputs) and
+    ``o_proj`` (outputs) share. Where one of the three differs, the others' width is taken (``_get`` then names the
+    odd one); three different widths are a ``ValueError`` naming them."""
+    widths = {}
+    for name, dim, shape in ((q_in, 1, "[rows, hidden]"),
+                             ("kv_a_proj_with_mqa.weight", 1, "[kv_rank + rope_dim, hidden]"),
+                             ("o_proj.weight", 0, "[hidden, num_heads·v_head_dim]")):
+        key = prefix + name
+        if key not in sd:
+            raise ValueError(f"state_dict: missing {key!r}")
+        t = sd[key]
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"state_dict: {key!r} expected a 2-D weight {shape}, got {got}")
+        widths[key] = t.shape[dim]
+    sizes = sorted(widths.values())
+    if sizes[0] != sizes[1] and sizes[1] != sizes[2]:
+        raise ValueError(f"state_dict: the hidden sizes of {widths} disagree")
+    return sizes[1]
+
+
 def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     """The checkpoint's weights in float64, rope rows in rotate-half order; q as [h, d_nope + d_R, in]."""
     if not isinstance(sd, dict):
@@ -78,13 +107,7 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
                          f"{sorted(prefix + k for k in want)})")
     if not is_int(d_R) or d_R < 0 or d_R % 2:
         raise ValueError(f"rope_dim: expected an even int >= 0, got {d_R!r}")
-    key = prefix + "kv_a_proj_with_mqa.weight"
-    if key not in sd:
-        raise ValueError(f"state_dict: missing {key!r}")
-    if not isinstance(sd[key], torch.Tensor) or sd[key].dim() != 2:
-        got = list(sd[key].shape) if isinstance(sd[key], torch.Tensor) else type(sd[key]).__name__
-        raise ValueError(f"state_dict: {key!r} expected a 2-D weight [kv_rank + rope_dim, hidden], got {got}")
-    hidden = sd[key].shape[-1]
+    hidden = _hidden(sd, prefix, "q_proj.weight" if q_rank is None else "q_a_proj.weight")
     kva = _get(sd, prefix, "kv_a_proj_with_mqa.weight", (r + d_R, hidden))  # bounds d_R before the permutation
     perm = interleaved_to_half(d_R) if rope_interleaved else torch.arange(d_R)
     out = {}
@@ -107,6 +130,7 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
 
 def _build(w, *, h, g, d_h, d_R, d_v, r, q_rank, q, kv_b, o, rope_theta, rope_inv_freq, softmax_scale, norm_eps,
            path, impl, device, dtype):
+    device = check_device(device, storage=True)  # a meta layer would drop the loaded values
     layer = GQLAttention(w["hidden"], h, g, d_h, d_R, r, q_rank, d_v, rope_theta, softmax_scale, path, impl,
                          device=device, dtype=dtype, norm_eps=norm_eps, rope_inv_freq=rope_inv_freq)
     with torch.no_grad():
@@ -133,8 +157,7 @@ def load_gqla(state_dict: dict, *, num_heads: int, num_groups: int, head_dim: in
     ``head_dim`` = d_nope, ``rope_dim`` = d_R, ``softmax_scale`` default ``(d_nope + d_R)^-0.5``; ``rope_inv_freq
     [d_R/2]`` replaces ``rope_theta``'s frequencies (e.g. YaRN's). Exact: only the rope rows are reordered.
     """
-    if not is_int(num_groups) or num_groups <= 0 or not is_int(num_heads) or num_heads % num_groups:
-        raise ValueError(f"num_groups: expected a positive divisor of num_heads {num_heads!r}, got {num_groups!r}")
+    _check_heads(num_heads, num_groups)
     check_optional_int("q_rank", q_rank)
     d_v = head_dim if v_head_dim is None else v_head_dim
     w = _read(state_dict, prefix, h=num_heads, n=num_groups, d_nope=head_dim, d_R=rope_dim, d_v=d_v, r=kv_rank,
@@ -171,8 +194,7 @@ def mla_to_gqla(state_dict: dict, *, num_heads: int, num_groups: int, qk_nope_he
     the source's ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5``. The PCA runs in float64.
     """
     h, g = num_heads, num_groups
-    if not is_int(g) or g <= 0 or not is_int(h) or h % g:
-        raise ValueError(f"num_groups: expected a positive divisor of num_heads {h!r}, got {g!r}")
+    _check_heads(h, g)
     dn, dR, dv, r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_rank
     check_positive_int("qk_nope_head_dim", dn)
     check_rope_dim("qk_rope_head_dim", dR)

@@ -42,7 +42,7 @@ import numbers
 import torch
 
 from ..layers.gqla import GQLAttention
-from ..layers.rope import apply_rope, rope_inv_freq
+from ..layers.rope import apply_rope, check_rope_inv_freq, rope_inv_freq
 from ..ops._common.validation import (
     check_device,
     check_flag,
@@ -117,14 +117,7 @@ def _source(source, num_heads, num_groups, head_dim, v_head_dim, finite: bool = 
 def _source_inv_freq(d: int, rope_theta: float, inv_freq) -> torch.Tensor:
     if inv_freq is None:
         return rope_inv_freq(d, rope_theta)
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (d // 2,):
-        got = list(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else inv_freq
-        raise ValueError(f"rope_inv_freq: expected a tensor of shape [{d // 2}] (head_dim / 2), got {got!r}")
-    if not inv_freq.is_floating_point():
-        raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {inv_freq.dtype}")
-    if not torch.isfinite(inv_freq.detach()).all():
-        raise ValueError("rope_inv_freq: expected finite values")
-    return inv_freq.detach().to(**_F64)
+    return check_rope_inv_freq(inv_freq, d // 2, " (head_dim / 2)")
 
 
 def _top_eigh(G: torch.Tensor):
@@ -136,6 +129,15 @@ def _top_eigh(G: torch.Tensor):
 def _gram(A: torch.Tensor, C: torch.Tensor | None) -> torch.Tensor:
     """``A Aᵀ`` (or ``A C Aᵀ``) for ``A [..., n, hidden]``."""
     return A @ A.transpose(-1, -2) if C is None else A @ C @ A.transpose(-1, -2)
+
+
+def _finite(G: torch.Tensor, name: str, calibrated: bool) -> torch.Tensor:
+    """``G``, a Gram matrix of the source weights ``name``, or a ValueError when it overflows float64 (finite
+    weights too large to factorize)."""
+    if not torch.isfinite(G).all():
+        raise ValueError(f"source: {name}: the Gram matrix of its weights{' on calib' if calibrated else ''} "
+                         "overflows float64 (weights too large to factorize; scale them down)")
+    return G
 
 
 def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_rank: int, rope_dim: int = 0,
@@ -188,7 +190,8 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
 
     # 1-2. per-frequency PCA across groups; the n components of largest energy form the shared rope key
     Km = torch.stack([wk3[:, :half], wk3[:, half:]], 2).permute(1, 0, 2, 3)  # [half, g, 2, hidden]
-    lam, U = _top_eigh(_gram(Km.reshape(half, g, 2 * hidden), None) if C is None else _calib_gram(Km, C))
+    Gk = _gram(Km.reshape(half, g, 2 * hidden), None) if C is None else _calib_gram(Km, C)
+    lam, U = _top_eigh(_finite(Gk, "k_proj", C is not None))
     comps = torch.einsum("mjl,mjah->mlah", U, Km)  # u_{m,l}: [half, g, 2, hidden]
     order = torch.argsort(-lam.flatten(), stable=True)[:n]
     km, kl = order // g, order % g
@@ -201,12 +204,13 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     res = torch.einsum("mjl,mlah->jamh", U * (~keep)[:, None, :], comps).reshape(g, d, hidden)
 
     # 3. balanced joint PCA of the residual keys and the values of all groups
-    nk, nv = (_gram(w.reshape(-1, hidden), C).trace().clamp_min(0).sqrt() for w in (res, wv3))
+    nk, nv = (_finite(_gram(w.reshape(-1, hidden), C), name, C is not None).trace().clamp_min(0).sqrt()
+              for w, name in ((res, "k_proj"), (wv3, "v_proj")))
     alpha = (nv / nk).item() if balance_kv and nk > 0 and nv > 0 else 1.0
     W = torch.cat([alpha * res, wv3], 1).reshape(g * (d + dv), hidden)
-    lam_w, Uw = _top_eigh(_gram(W, C))
+    lam_w, Uw = _top_eigh(_finite(_gram(W, C), "k_proj, v_proj", C is not None))
     if C is not None:
-        Uw = _complete(Uw, lam_w, _gram(W, None))
+        Uw = _complete(Uw, lam_w, _finite(_gram(W, None), "k_proj, v_proj", False))
     r_eff = min(kv_rank, Uw.shape[1])
     U_r = torch.zeros(W.shape[0], kv_rank, **_F64)
     U_r[:, :r_eff] = Uw[:, :r_eff]
@@ -214,7 +218,10 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     up = U_r.view(g, d + dv, kv_rank).clone()
     up[:, :d] /= alpha
 
-    s2 = rope_attention_scaling ** 2
+    s2 = rope_attention_scaling * rope_attention_scaling
+    if not 0.0 < s2 < math.inf:
+        raise ValueError(f"rope_attention_scaling: {rope_attention_scaling!r} squared (the factor on the converted "
+                         f"q_proj weights) is {'past' if s2 else 'below'} float64's range")
     weights = {"q_proj": s2 * torch.cat([wq3, rope_q], 1).reshape(h * (d + rope_dim), hidden),
                "kv_a_proj": torch.cat([down, rope_k], 0), "kv_b_proj": up.reshape(g * (d + dv), kv_rank), "o_proj": wo}
     limit = torch.finfo(dtype).max

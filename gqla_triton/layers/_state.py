@@ -3,7 +3,8 @@
 torch copies a module's tensors one by one and reports a wrong shape, a missing or an unexpected key only at the
 end, after the others are copied. The layers check every entry's shape (and the keys they refuse outright) in
 ``_load_from_state_dict``, before anything of theirs is copied, and their own ``load_state_dict`` puts every
-tensor back when the load fails for any other reason (a missing or unexpected key under ``strict``)."""
+parameter and buffer back (the same objects, their values) when the load fails for any other reason (a missing or
+unexpected key under ``strict``)."""
 
 from __future__ import annotations
 
@@ -62,14 +63,24 @@ def check_state_dict(module: nn.Module, state_dict, prefix: str, refused: tuple[
 
 
 def load_or_restore(module: nn.Module, load, *args, **kwargs):
-    """``load(*args, **kwargs)`` (the module's ``nn.Module.load_state_dict``); if it raises, every tensor of the
-    module's state gets its values from before the call back, then the error propagates."""
-    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    """``load(*args, **kwargs)`` (the module's ``nn.Module.load_state_dict``); if it raises, every parameter and
+    buffer of the module and its children is the object it was before the call, with its values from before the
+    call (a load with ``assign=True`` leaves the state dict's tensors as they were), then the error propagates."""
+    held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    saved = [(t, t.untyped_storage().data_ptr(), t.detach().clone())
+             for _, params, bufs in held for t in (*params.values(), *bufs.values()) if t is not None]
     try:
         return load(*args, **kwargs)
     except BaseException:
         with torch.no_grad():
-            for k, v in module.state_dict().items():
-                if k in saved and v.shape == saved[k].shape:
-                    v.copy_(saved[k])
+            for m, params, bufs in held:
+                m._parameters.clear()
+                m._parameters.update(params)
+                m._buffers.clear()
+                m._buffers.update(bufs)
+            for t, ptr, values in saved:
+                if t.untyped_storage().data_ptr() == ptr:
+                    t.copy_(values)
+                else:  # its contents swapped (torch.__future__'s swap_module_params_on_conversion): its own again
+                    t.data = values
         raise

@@ -569,7 +569,8 @@ class GatedDeltaNet(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``; a load that fails leaves every tensor of the layer as it was."""
+        """``nn.Module.load_state_dict``; a load that fails leaves every parameter and buffer of the layer as it was
+        (the same objects, their values; ``_state.load_or_restore``) and the state dict's tensors untouched."""
         return load_or_restore(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
 
     @property

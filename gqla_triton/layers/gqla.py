@@ -54,7 +54,7 @@ from ._state import assigning, check_state_dict, load_or_restore
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
-from .rope import apply_rope, cached_inv_freq, check_positions
+from .rope import apply_rope, cached_inv_freq, check_positions, check_rope_inv_freq
 
 __all__ = ["GQLAttention"]
 
@@ -171,16 +171,7 @@ class GQLAttention(nn.Module):
         if path == "grouped":
             _check_grouped_dims(impl, head_dim, head_dim if v_head_dim is None else v_head_dim, rope_dim)
         if rope_inv_freq is not None:
-            if not isinstance(rope_inv_freq, torch.Tensor) or rope_inv_freq.shape != (rope_dim // 2,):
-                got = list(rope_inv_freq.shape) if isinstance(rope_inv_freq, torch.Tensor) else rope_inv_freq
-                raise ValueError(f"rope_inv_freq: expected a tensor of shape [{rope_dim // 2}], got {got!r}")
-            if not rope_inv_freq.is_floating_point():
-                raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {rope_inv_freq.dtype}")
-            if rope_inv_freq.device.type == "meta":
-                raise ValueError("rope_inv_freq: expected a tensor with values, got one on meta")
-            rope_inv_freq = rope_inv_freq.detach().to("cpu", torch.float64)
-            if not torch.isfinite(rope_inv_freq).all():
-                raise ValueError("rope_inv_freq: expected finite values")
+            rope_inv_freq = check_rope_inv_freq(rope_inv_freq, rope_dim // 2)
         fk = dict(device=device, dtype=dtype)
         self.hidden_size, self.num_heads, self.num_groups = hidden_size, num_heads, num_groups
         self.head_dim, self.rope_dim, self.kv_rank, self.q_rank = head_dim, rope_dim, kv_rank, q_rank
@@ -216,7 +207,8 @@ class GQLAttention(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``; a load that fails leaves every tensor of the layer as it was."""
+        """``nn.Module.load_state_dict``; a load that fails leaves every parameter and buffer of the layer as it was
+        (the same objects, their values; ``_state.load_or_restore``) and the state dict's tensors untouched."""
         return load_or_restore(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
 
     @property

@@ -41,6 +41,22 @@ def _check_inv_freq(inv_freq: object, half: int | None, device: torch.device) ->
     return inv_freq
 
 
+def check_rope_inv_freq(inv_freq: object, half: int, what: str = "") -> torch.Tensor:
+    """A ``rope_inv_freq`` argument: a real floating tensor ``[half]`` (``what``: how the message names ``half``)
+    with finite values (not on meta); a float64 copy of it on the CPU."""
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (half,):
+        got = list(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else inv_freq
+        raise ValueError(f"rope_inv_freq: expected a tensor of shape [{half}]{what}, got {got!r}")
+    if not inv_freq.is_floating_point():
+        raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {inv_freq.dtype}")
+    if inv_freq.device.type == "meta":
+        raise ValueError("rope_inv_freq: expected a tensor with values, got one on meta")
+    inv = inv_freq.detach().to("cpu", torch.float64, copy=True)
+    if not torch.isfinite(inv).all():
+        raise ValueError("rope_inv_freq: expected finite values")
+    return inv
+
+
 def rope_inv_freq(d: int, theta: float = 10000.0, *, device=None) -> torch.Tensor:
     """The standard inverse frequencies ``theta^(-2i/d)``, ``i < d/2``, float64 ``[d/2]`` (``d`` even, ``theta``
     positive and finite)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from ..layers._state import check_state_dict, entry_problem
 from ..ops._common.validation import check_device
 
 
@@ -70,9 +71,10 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], full: nn.Module, lo
                      special: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> dict:
     """Views of the shard of ``state_dict`` (a full layer's) that ``local`` holds.
 
-    ``full`` / ``local``: the full and the shard layer (meta modules suffice: only keys and shapes are read). A
-    tensor whose shard is smaller along one dim is split there into equal contiguous blocks; one of equal shape is
-    replicated; ``special[key]`` maps the full tensor to its shard where the rule is another.
+    ``full`` / ``local``: the full and the shard layer (meta modules suffice: only keys and shapes are read). Each
+    entry is checked as the layers' own ``load_state_dict`` checks it (``_state.check_state_dict``: a ``ValueError``
+    naming the key). A tensor whose shard is smaller along one dim is split there into equal contiguous blocks; one
+    of equal shape is replicated; ``special[key]`` maps the full tensor to its shard where the rule is another.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -81,17 +83,11 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], full: nn.Module, lo
     if missing or unexpected:
         raise ValueError(f"state_dict: does not match the layer's parameters (missing {missing}, unexpected "
                          f"{unexpected})")
-    for k, w in want.items():
-        t = state_dict[k]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict: {k!r} is a {type(t).__name__}, expected a tensor")
-        if t.shape != w.shape:
-            raise ValueError(f"state_dict: {k!r} has shape {list(t.shape)}, the layer expects {list(w.shape)}")
-        if t.is_floating_point() != w.is_floating_point() or t.is_complex() or (
-                not w.is_floating_point() and t.dtype != w.dtype):  # bits (an int64 buffer) are read as they are
-            raise TypeError(f"state_dict: {k!r} is {t.dtype}, the layer holds {w.dtype}")
-        if t.device.type == "meta":
-            raise ValueError(f"state_dict: {k!r} is on the meta device (it holds no values)")
+    # each entry as the layers' own load checks it; ``full`` lives on meta, where a meta entry would fit
+    meta = [k for k in want if isinstance(state_dict[k], torch.Tensor) and state_dict[k].device.type == "meta"]
+    if meta:
+        raise ValueError(f"state_dict: {meta[0]}: on the meta device (it holds no values)")
+    check_state_dict(full, state_dict, "")
     out = {}
     for k, w in mine.items():
         part = special[k](state_dict[k]) if special and k in special else _chunk(state_dict[k], w.shape, tp_rank)
@@ -99,6 +95,15 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], full: nn.Module, lo
             raise AssertionError(f"{k}: shard shape {list(part.shape)} != {list(w.shape)}")
         out[k] = part
     return out
+
+
+def source_dtype(state_dict, key: str) -> torch.dtype | None:
+    """The dtype of ``state_dict[key]`` where a layer can take it (``_state.entry_problem``: a real floating tensor
+    of 16 bits or more), else None (the layer's default; ``shard_state_dict`` then refuses the entry by name)."""
+    t = state_dict.get(key) if isinstance(state_dict, Mapping) else None
+    if isinstance(t, torch.Tensor) and entry_problem(t, torch.empty(t.shape, device="meta")) is None:
+        return t.dtype
+    return None
 
 
 def load_into(local: nn.Module, shards: Mapping[str, torch.Tensor], device) -> nn.Module:

@@ -27,6 +27,7 @@ from ._common import (
     resolve_device,
     resolve_group,
     shard_state_dict,
+    source_dtype,
 )
 
 __all__ = ["TPGatedDeltaNet", "shard_gated_deltanet_state_dict"]
@@ -109,8 +110,7 @@ class TPGatedDeltaNet(TensorParallel):
         cfg = _check_config(config)
         check_float_dtype(dtype)
         group, rank, size = resolve_group(group)
-        src = state_dict.get("in_proj.weight") if isinstance(state_dict, Mapping) else None
-        dtype = dtype or (src.dtype if isinstance(src, torch.Tensor) else None)
+        dtype = dtype or source_dtype(state_dict, "in_proj.weight")
         full, local = _meta_layers(cfg, size, dtype)
         shards = _shard(state_dict, full, local, rank)
         dev = resolve_device(group, device)
