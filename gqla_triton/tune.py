@@ -360,7 +360,14 @@ def _gqa_targets(tiny: bool) -> list[Target]:
     plain_hq = 4 * g
     plain = [(2, 40, 0)] if tiny else [(w["batch"], w["seqlen"], 0) for w in roofline.GQA_WORKLOADS.values()
                                        if w.get("rope_dim") == 0] + [(b, s, 0) for b, s in SPLIT_REGIME]
-    return [Target("gqa_decode", {}, [case(*s) for s in dense], checker(False), space, name="gqa_decode dense"),
+    # dense steps whose (sequence, group) pairs fill one or two programs per SM have entries of their own (match
+    # key ``fill``, as ``gqa.plan`` forms it on this GPU)
+    sm = max(1, dispatch.device_info().sm_count)
+    few = {} if tiny else {f: [s for s in dense if -(-s[0] * g // sm) == f] for f in (1, 2)}
+    many = [s for s in dense if not any(s in c for c in few.values())]
+    return [Target("gqa_decode", {}, [case(*s) for s in many], checker(False), space, name="gqa_decode dense"),
+            *(Target("gqa_decode", {"sparse": False, "rows": 16, "fill": f}, [case(*s) for s in c],
+                     checker(False, s_q=1), space, name=f"gqa_decode dense fill {f}") for f, c in few.items() if c),
             Target("gqa_decode", {"sparse": False, "rows": 4, "d_r": 0}, [case(*s, hq=plain_hq, dr=0) for s in plain],
                    checker(False, hq=plain_hq, dr=0, s_q=1), space, name="gqa_decode plain"),
             Target("gqa_decode", {"sparse": True}, [case(*s) for s in sparse], checker(True), space,

@@ -411,3 +411,13 @@ def test_bad_options_and_partial_files_are_refused_before_any_search(tmp_path):
         with pytest.raises(ValueError, match="an unreadable partial search"):
             tune.tune(["combine"], budget_minutes=0.1, out=out, progress=False)
     assert not out.exists()
+
+
+def test_gqa_targets_tune_the_fill_entries_on_their_workloads(monkeypatch):
+    """On a 132-SM GPU the dense grouped-decode workloads split between the catch-all entry (Q1) and the ``fill``
+    entries that ``gqa.plan`` selects for them: one program per SM or less (B1, B8, B16) and two (Q3, B32)."""
+    h200 = dispatch.DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
+    monkeypatch.setattr(dispatch, "device_info", lambda *a, **k: h200)
+    got = {json.dumps(t.key, sort_keys=True): len(t.calls) for t in tune._gqa_targets(False) if not t.key.get("sparse")}
+    assert got == {"{}": 1, '{"fill": 1, "rows": 16, "sparse": false}': 4,
+                   '{"fill": 2, "rows": 16, "sparse": false}': 1, '{"d_r": 0, "rows": 4, "sparse": false}': 5}
