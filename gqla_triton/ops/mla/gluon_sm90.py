@@ -43,11 +43,12 @@ from .._common.gluon import async_load, barrier, reinterpret, tma_load
 from .fp8 import fp8_layout, is_fp8_latent
 from .plan import MLAPlan
 
-NEVER = gl.constexpr(1 << 30)  # key-mask value of a key no query sees
-SLAB = gl.constexpr(64)  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
-PRODUCER_WARPS = gl.constexpr(4)
-PRODUCER_REGS = gl.constexpr(40)  # registers per thread of the producer warpgroup (setmaxnreg)
-CONSUMER_REGS = gl.constexpr(232)  # registers per thread of each consumer warpgroup
+# the kernel's constants: the defaults of its trailing constexpr parameters (so Triton's cache key holds them)
+NEVER = 1 << 30  # key-mask value of a key no query sees
+SLAB = 64  # channels per shared-memory slab: 128 bytes of bf16, one 128-byte swizzle row
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 40  # registers per thread of the producer warpgroup (setmaxnreg)
+CONSUMER_REGS = 232  # registers per thread of each consumer warpgroup
 MAXNREG = 168  # register cap of the launch (4 default warps)
 _SWIZZLE_128 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # the key slabs' layout
 
@@ -143,7 +144,7 @@ def _tile_words(k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE: gl.con
 @gluon.jit
 def _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D: gl.constexpr, DV: gl.constexpr,
                 PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
-                FP8: gl.constexpr):
+                FP8: gl.constexpr, SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
     """Fill stage ``s`` with the cache rows of key positions ``[k0, k0 + BLOCK_N)``, ``words`` their index words
     (``_tile_words``; rows that do not count zero-filled); returns which rows count. bf16: every slab by
     ``cp.async`` (the consumers wait on the copies). FP8 (``kv`` the cache's bytes, ``fp8.py`` layout):
@@ -156,7 +157,7 @@ def _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D: gl.conste
     base = kv + (row // PAGE_SIZE).to(gl.int64) * s_kvp + (row % PAGE_SIZE).to(gl.int64) * s_kvt
     if FP8:
         _fp8_stage(kv, kv_smem, s, base, ok, k0, wb, ws, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
-                   STAGES, SPARSE)
+                   STAGES, SPARSE, SLAB, RAW_SLAB)
     else:
         for c in gl.static_range(NSLAB):
             async_load(kv_smem.index(s * NSLAB + c), base[:, None] + (c * SLAB + cc)[None, :], mask=ok[:, None])
@@ -168,11 +169,11 @@ def _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D: gl.conste
 # rope values (bf16) in the rope slab. The consumer warpgroup that reads tile k's values converts it into bf16
 # slabs 2k and 2k + 1 (``_fp8_convert``): the owner tiles 0 and 1 (slabs 0-3), the other warpgroup tiles 2 and 3
 # (slabs 4-7), so neither writes a slab the other reads.
-RAW_SLAB = gl.constexpr((2, 3, 6, 7))
+RAW_SLAB = (2, 3, 6, 7)
 
 
 @gluon.jit
-def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.constexpr):
+def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.constexpr, SLAB: gl.constexpr):
     """The ring as 64-byte rows (``raw``: half h of slab c of stage s at ``2 * (s * NSLAB + c) + h``) and as pairs
     of ``BLOCK_N``-float32 rows (``scv``: the first two rows of slab c of stage s at
     ``(s * NSLAB + c) * SLAB // 4``)."""
@@ -185,7 +186,8 @@ def _fp8_views(kv_smem, STAGES: gl.constexpr, NSLAB: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _fp8_stage(kv, kv_smem, s, base, ok, k0, wb, ws, num_pages, s_kvp, s_kvt, D: gl.constexpr, DV: gl.constexpr,
-               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
+               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
+               SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
     """Copy an FP8 tile's bytes into stage ``s`` as laid out above, every part by ``cp.async`` (rows that do not
     count are zero bytes with scale 0)."""
     NSLAB: gl.constexpr = D // SLAB
@@ -193,7 +195,7 @@ def _fp8_stage(kv, kv_smem, s, base, ok, k0, wb, ws, num_pages, s_kvp, s_kvt, D:
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])  # 16-byte copies
     sl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [2, gl.num_warps() // 2], [1, 0])  # 2 x 64 scales
-    raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N)
+    raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N, SLAB)
     cc = gl.arange(0, SLAB, layout=gl.SliceLayout(0, cp))
     rope = (base + DV + 4 * NT).to(gl.pointer_type(gl.bfloat16), bitcast=True)
     async_load(kv_smem.index(s * NSLAB + NSLAB - 1), rope[:, None] + cc[None, :], mask=ok[:, None])
@@ -216,7 +218,8 @@ def _fp8_stage(kv, kv_smem, s, base, ok, k0, wb, ws, num_pages, s_kvp, s_kvt, D:
 
 
 @gluon.jit
-def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OWNER: gl.constexpr):
+def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OWNER: gl.constexpr,
+                 SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
     """This consumer warpgroup's two FP8 tiles of stage ``s`` to bf16 in place (layout above), complete and visible
     to its wgmma on return. Every thread loads both tiles' scales and bytes, a partition barrier, then it stores
     the values, so no store lands on bytes another thread has still to read."""
@@ -224,7 +227,7 @@ def _fp8_convert(kv_smem, s, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.
     H: gl.constexpr = 0 if OWNER else 1
     b16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, b16)
-    raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N)
+    raw, scv = _fp8_views(kv_smem, STAGES, NSLAB, BLOCK_N, SLAB)
     pair: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [gl.num_warps(), 1], [1, 0])  # a key's two scales
     sc0, sc1 = gl.split(scv.index((s * NSLAB + 4 * H) * SLAB // 4).permute((1, 0)).load(pair))
     sc0 = gl.convert_layout(sc0, rows)
@@ -262,7 +265,8 @@ def _publish(ready):
 @gluon.jit
 def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, TMA: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, TMA: gl.constexpr, SLAB: gl.constexpr,
+              NEVER: gl.constexpr, PRODUCER_WARPS: gl.constexpr, RAW_SLAB: gl.constexpr):
     (q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
@@ -305,12 +309,13 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         if not whole:
             if AHEAD:
                 ok = _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
-                                 STAGES, SPARSE, FP8)
+                                 STAGES, SPARSE, FP8, SLAB, RAW_SLAB)
             else:
                 ok = _fill_stage(kv, kv_smem, s, k0,
                                  _tile_words(k0, hi, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE,
                                              BLOCK_N, FP8),
-                                 num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8)
+                                 num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N, STAGES, SPARSE, FP8, SLAB,
+                                 RAW_SLAB)
             first_q_smem.index(s).store(gl.where(ok, first_q, NEVER))
             _publish(ready.index(s))
         k1 = k0 + BLOCK_N
@@ -327,7 +332,7 @@ def _producer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             words = _tile_words(k0, k0 + 1, rows_src, b64, qt, s_rb, s_rq, max_pages, SPARSE, PAGE_SIZE, BLOCK_N,
                                 FP8)
             ok = _fill_stage(kv, kv_smem, s, k0, words, num_pages, s_kvp, s_kvt, D, DV, PAGE_SIZE, BLOCK_N,
-                             STAGES, SPARSE, FP8)
+                             STAGES, SPARSE, FP8, SLAB, RAW_SLAB)
             first_q_smem.index(s).store(gl.where(ok, gl.maximum(k0 + rk - (seqlen - s_q), 0), NEVER))
             _publish(ready.index(s))
 
@@ -404,7 +409,8 @@ def _pv_boundary(p_op, a_o, kv_smem, v0, o0, o1, o2, o3, zero, sees):
 @gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, OWNER: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, OWNER: gl.constexpr,
+              SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
     """One of the two consumer warpgroups. Both add their part of each score tile (the owner: latent columns
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
@@ -458,7 +464,7 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         mbarrier.wait(ready.index(s), ph)
         fence_async_shared()  # the rows arrived through cp.async (generic proxy); wgmma reads the async proxy
         if FP8:
-            _fp8_convert(kv_smem, s, D, BLOCK_N, STAGES, OWNER)
+            _fp8_convert(kv_smem, s, D, BLOCK_N, STAGES, OWNER, SLAB, RAW_SLAB)
         sacc = _partial_scores(q_a, q_smem, kv_smem, s, FIRST, NSLAB, VS, BLOCK_H, BLOCK_N, OWNER, s_l)
         if OWNER:
             sacc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, q_a))  # q_a: the rope product's operand
@@ -548,15 +554,19 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 @gluon.jit
 def _owner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, True)
+           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SLAB: gl.constexpr,
+           RAW_SLAB: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, True, SLAB,
+              RAW_SLAB)
 
 
 @gluon.jit
 def _partner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, False)
+             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SLAB: gl.constexpr,
+             RAW_SLAB: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, False, SLAB,
+              RAW_SLAB)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
@@ -575,6 +585,10 @@ def mla_decode_gluon_kernel(
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
     TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, TMA: gl.constexpr,
+    # the kernel's constants: leave them at their defaults
+    SLAB: gl.constexpr = SLAB, NEVER: gl.constexpr = NEVER, RAW_SLAB: gl.constexpr = RAW_SLAB,
+    PRODUCER_WARPS: gl.constexpr = PRODUCER_WARPS, PRODUCER_REGS: gl.constexpr = PRODUCER_REGS,
+    CONSUMER_REGS: gl.constexpr = CONSUMER_REGS,
 ):
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is converted to it in place
@@ -629,9 +643,12 @@ def mla_decode_gluon_kernel(
           s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
           s_plq)
     gl.warp_specialize([
-        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW)),
-        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW)),
-        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, TMA)),
+        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SLAB,
+                  RAW_SLAB)),
+        (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SLAB,
+                    RAW_SLAB)),
+        (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, TMA, SLAB,
+                     NEVER, PRODUCER_WARPS, RAW_SLAB)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -671,7 +688,7 @@ def _kv_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor | None:
             or (num_pages > 1 and kv_cache.stride(0) != page_size * s_t)):
         return None
     view = kv_cache.as_strided((rows, D), (s_t, 1))
-    return TensorDescriptor(view, [rows, D], [s_t, 1], [64, SLAB.value], _SWIZZLE_128)
+    return TensorDescriptor(view, [rows, D], [s_t, 1], [64, SLAB], _SWIZZLE_128)
 
 
 def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -719,11 +736,13 @@ def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: i
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = mla_decode_gluon_kernel
-    names = list(inspect.signature(fn.fn).parameters)
-    const = dict(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    const = {n: p.default for n, p in params.items() if p.default is not p.empty}  # the kernel's constants
+    const.update(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
                  HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8, RAW=raw, TMA=tma)
     kv = "*u8" if fp8 else f"*{dtype}"
-    desc = f"tensordesc<{dtype}[64,{SLAB.value}],{_SWIZZLE_128!r}>" if tma else kv
+    desc = f"tensordesc<{dtype}[64,{SLAB}],{_SWIZZLE_128!r}>" if tma else kv
     ptr = {"q": f"*{dtype}", "kv": kv, "kv_desc": desc, "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
            "topk_length": "*i32", "lse": "*fp32", "o_part": "*fp32", "lse_part": "*fp32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}

@@ -41,14 +41,14 @@ from ..._common.gluon import async_load
 
 __all__ = ["BT", "K", "MAXNREG", "compile_sm90", "gdn_state_out_sm90_kernel"]
 
-BT = gl.constexpr(64)  # chunk size
-K = gl.constexpr(128)  # key head dim: two 64-column slabs
-SLAB = gl.constexpr(64)
-NK = gl.constexpr(2)  # slabs of K
-PRODUCER_WARPS = gl.constexpr(4)
-PRODUCER_REGS = gl.constexpr(56)  # registers per thread of each partition (setmaxnreg; 16 warps share 64K)
-CHAIN_REGS = gl.constexpr(168)
-SCORES_REGS = gl.constexpr(152)
+# the kernel's constants: the defaults of its trailing constexpr parameters (so Triton's cache key holds them)
+BT = 64  # chunk size
+K = 128  # key head dim: two 64-column slabs
+SLAB = 64
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 56  # registers per thread of each partition (setmaxnreg; 16 warps share 64K)
+CHAIN_REGS = 168
+SCORES_REGS = 152
 MAXNREG = 128  # register cap of the launch: the output warpgroup's (the default partition)
 
 
@@ -69,7 +69,8 @@ def _coords(cu, T, H, HV, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _state_rows(idx, i_nh, r, cv, HV, P, V: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr):
+def _state_rows(idx, i_nh, r, cv, HV, P, V: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr,
+                K: gl.constexpr):
     """Element offsets (int64) of state slice (K rows ``r``, V columns ``cv``) of sequence x value head i_nh and its
     mask: row i_nh of ``[N, HV, K, V]`` (``[.., V, K]`` with V_FIRST), or with POOL row ``idx[i_nh // HV]`` of the
     pool, masked off entirely where that row is outside [0, P) (as ``common._h_row``)."""
@@ -99,14 +100,16 @@ def _beta_in(b, mask, BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
 
 
 @gluon.jit
-def _nan_from_first_bad(x, ok, r):
+def _nan_from_first_bad(x, ok, r, BT: gl.constexpr):
     """x with each column NaN from its first row where ok is False on (``common._nan_from_first_bad``)."""
     first = gl.min(gl.where(ok, BT, r[:, None]), 0)
     return gl.where(r[:, None] >= first[None, :], float("nan"), x)
 
 
 @gluon.jit
-def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+              BT: gl.constexpr, K: gl.constexpr, SLAB: gl.constexpr, NK: gl.constexpr,
+              PRODUCER_WARPS: gl.constexpr):
     """The producer: each chunk's k, q, v block, Ainv rows, gates, last gate and beta (fp32) into ring stage
     ``c % STAGES``."""
     (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
@@ -151,7 +154,8 @@ def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VA
 @gluon.jit
 def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr,
            STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr,
-           BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
+           BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr, BT: gl.constexpr, K: gl.constexpr,
+           SLAB: gl.constexpr, NK: gl.constexpr):
     """The chain: the state recurrence, v_new and the final state (``gdn_state_out_kernel``'s arithmetic)."""
     (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
      sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
@@ -167,9 +171,9 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
     S0 = zero
     S1 = zero
     if USE_H0:
-        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST)
+        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
         S0 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
-        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST)
+        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
         S1 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
@@ -211,7 +215,7 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
             vo = vn.to(dv)
             fb = gl.full([BV], BT, gl.int32, layout=cols)
         else:
-            vn = _nan_from_first_bad(vn, okv, r)
+            vn = _nan_from_first_bad(vn, okv, r, BT)
             vnd = vn.to(dv)
             okn = gl.abs(vnd.to(gl.float32)) < float("inf")
             vo = gl.where(okn, vnd, gl.zeros_like(vnd))
@@ -227,14 +231,15 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(S0, S1))
         mbarrier.arrive(empty.index(s), count=1)
     if STORE_HT:
-        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST)
+        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
         gl.store(ht + off, S0.to(ht.dtype.element_ty), mask=m)
-        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST)
+        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
         gl.store(ht + off, S1.to(ht.dtype.element_ty), mask=m)
 
 
 @gluon.jit
-def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, BT: gl.constexpr,
+            NK: gl.constexpr):
     """The scores warpgroup: each chunk's ``P = q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j]`` (v's dtype) into ``p_smem``."""
     (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
      sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
@@ -265,7 +270,8 @@ def _scores(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
 
 
 @gluon.jit
-def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, BT: gl.constexpr,
+            NK: gl.constexpr):
     """The output warpgroup: ``o = scale·(e^gc·q S + P·v_new)`` per chunk, NaN where the chain says."""
     (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
      sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
@@ -308,9 +314,15 @@ def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
 def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV,
                               V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr,
                               STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, POOL: gl.constexpr,
-                              V_FIRST: gl.constexpr, BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
+                              V_FIRST: gl.constexpr, BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr,
+                              BT: gl.constexpr = BT, K: gl.constexpr = K, SLAB: gl.constexpr = SLAB,
+                              PRODUCER_WARPS: gl.constexpr = PRODUCER_WARPS,
+                              PRODUCER_REGS: gl.constexpr = PRODUCER_REGS, CHAIN_REGS: gl.constexpr = CHAIN_REGS,
+                              SCORES_REGS: gl.constexpr = SCORES_REGS):
     """``gdn_state_out_kernel`` (same arguments without coff / NT / the tile widths; K = 128, chunk 64, bf16 k and
-    Ainv) for sm_90, grid ``(V // BV, programs x HV)``."""
+    Ainv) for sm_90, grid ``(V // BV, programs x HV)``. The parameters after NEG_EIGVAL are the kernel's constants:
+    leave them at their defaults."""
+    NK: gl.constexpr = K // SLAB  # slabs of K
     dt: gl.constexpr = k.dtype.element_ty
     dv: gl.constexpr = v.dtype.element_ty
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -349,10 +361,11 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
     rt = (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
           sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free)
     gl.warp_specialize([
-        (_output, (rt, V, BV, STAGES, IS_VARLEN)),
-        (_chain, (rt, V, BV, STAGES, USE_H0, STORE_HT, IS_VARLEN, POOL, V_FIRST, BETA_SIGMOID, NEG_EIGVAL)),
-        (_scores, (rt, V, BV, STAGES, IS_VARLEN)),
-        (_producer, (rt, V, BV, STAGES, IS_VARLEN)),
+        (_output, (rt, V, BV, STAGES, IS_VARLEN, BT, NK)),
+        (_chain, (rt, V, BV, STAGES, USE_H0, STORE_HT, IS_VARLEN, POOL, V_FIRST, BETA_SIGMOID, NEG_EIGVAL, BT, K, SLAB,
+                  NK)),
+        (_scores, (rt, V, BV, STAGES, IS_VARLEN, BT, NK)),
+        (_producer, (rt, V, BV, STAGES, IS_VARLEN, BT, K, SLAB, NK, PRODUCER_WARPS)),
     ], [4, 4, PRODUCER_WARPS], [CHAIN_REGS, SCORES_REGS, PRODUCER_REGS])
 
 
@@ -368,8 +381,10 @@ def compile_sm90(*, bv: int = 32, stages: int = 2, dtype: str = "bf16", use_h0: 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gdn_state_out_sm90_kernel
-    names = list(inspect.signature(fn.fn).parameters)
-    const = dict(V=V, BV=bv, STAGES=stages, USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, POOL=pool,
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    const = {n: p.default for n, p in params.items() if p.default is not p.empty}  # the kernel's constants
+    const.update(V=V, BV=bv, STAGES=stages, USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, POOL=pool,
                  V_FIRST=v_first, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval)
     ptr = {"q": f"*{dtype}", "k": f"*{dtype}", "v": f"*{dtype}", "beta": f"*{dtype}", "gc": "*fp32",
            "Ainv": f"*{dtype}", "o": f"*{dtype}", "h0": "*fp32", "ht": "*fp32", "cu": "*i64", "idx": "*i32"}
