@@ -319,6 +319,7 @@ def _mla_targets(tiny: bool, hopper: bool) -> list[Target]:
 
 def _gqa_targets(tiny: bool) -> list[Target]:
     from .ops.gqa import gqa_decode, gqa_decode_reference
+    from .ops.gqa.plan import fill
 
     g, dh, dr, page = (2, 16, 16, 16) if tiny else (8, 128, 64, 64)
     hq = 16 * g
@@ -362,8 +363,8 @@ def _gqa_targets(tiny: bool) -> list[Target]:
                                        if w.get("rope_dim") == 0] + [(b, s, 0) for b, s in SPLIT_REGIME]
     # dense steps whose (sequence, group) pairs fill one or two programs per SM have entries of their own (match
     # key ``fill``, as ``gqa.plan`` forms it on this GPU)
-    sm = max(1, dispatch.device_info().sm_count)
-    few = {} if tiny else {f: [s for s in dense if -(-s[0] * g // sm) == f] for f in (1, 2)}
+    sm = dispatch.device_info().sm_count
+    few = {} if tiny else {f: [s for s in dense if fill(s[0], g, sm) == f] for f in (1, 2)}
     many = [s for s in dense if not any(s in c for c in few.values())]
     return [Target("gqa_decode", {}, [case(*s) for s in many], checker(False), space, name="gqa_decode dense"),
             *(Target("gqa_decode", {"sparse": False, "rows": 16, "fill": f}, [case(*s) for s in c],

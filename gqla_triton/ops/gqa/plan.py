@@ -16,7 +16,7 @@ from .._common import cdiv, key_capacity, next_pow2, plan_splits
 from .._common.host import MAX_GRID_Y
 from .config import GQADecodeConfig
 
-__all__ = ["GQAPlan", "plan", "shared_bytes"]
+__all__ = ["GQAPlan", "fill", "plan", "shared_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,11 @@ def shared_bytes(block_m: int, block_n: int, stages: int, bdh: int, bdr: int, bd
     return max(stages * block_n * (bdh + bdv + bdr) * elt + q_tile, block_m * bdv * 4 + q_tile)
 
 
+def fill(entries: int, g: int, sm_count: int) -> int:
+    """The table match key ``fill``: the (batch entry, group) pairs per SM, rounded up."""
+    return cdiv(entries * g, max(1, sm_count))
+
+
 def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r: int, d_v: int, topk: int | None,
          num_splits: int) -> GQAPlan:
     """Geometry for ``q [B, s_q, h_q, d_h + d_r]`` over ``g`` groups; ``topk``: the index row length (sparse) or
@@ -53,7 +58,7 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     info = device_info(q)
     nbq = B * s_q if sparse else B
     key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v,
-           "fill": cdiv(nbq * g, max(1, info.sm_count))}
+           "fill": fill(nbq, g, info.sm_count)}
     cfg = select_config("gqa_decode", key, info=info)
     block_m = min(cfg.max_m, max(16, next_pow2(rows)))
     block_n = cfg.block_n
