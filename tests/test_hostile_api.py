@@ -91,6 +91,45 @@ def test_state_written_in_place_must_not_alias_what_is_read():
         assert torch.isfinite(o).all()
 
 
+def test_custom_ops_refuse_a_state_that_aliases_what_they_read():
+    """The in-place GDN ops called as custom ops (a compiled graph's kernels, torch.ops directly) refuse a state
+    sharing memory with an input by name, the state unchanged, as the public functions do."""
+    import gqla_triton.ops.gdn.api  # noqa: F401 (registers the ops)
+    import gqla_triton.ops.gdn.decode  # noqa: F401
+
+    ops = torch.ops.gqla_triton
+    q, k, v, g, beta = _gdn_inputs(T=4, HV=1)
+    K, V = q.shape[-1], v.shape[-1]
+    buf = randn((2 * K * V,), 9)
+    pool = buf.view(2, 1, K, V)
+    aliased = buf[K * V:K * V + q.numel()].view(q.shape)
+    idx = torch.tensor([0], dtype=torch.int32, device=P.device)
+    before = pool.clone()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="state: shares memory with q"):
+            ops.gated_delta_rule_decode(aliased, k, v, g, beta, pool, idx, K ** -0.5, False, None, None, None, None,
+                                        None, False, False, False, False)
+        with pytest.raises(ValueError, match="state_pool: shares memory with q"):
+            ops.chunk_gated_delta_rule_pool(aliased, k, v, g, beta, K ** -0.5, pool, idx, None, False, False, False,
+                                            None, None, 64, "triton")
+        inter = torch.zeros(1, 4, 1, K, V, device=P.device)
+        with pytest.raises(ValueError, match="intermediate_states: shares memory with state"):
+            ops.gated_delta_rule_decode(q, k, v, g, beta, inter.view(4, 1, K, V), idx, K ** -0.5, False, None, None,
+                                        inter, None, None, False, False, False, False)
+    assert torch.equal(pool, before)
+    # compiled (inductor may hand the op the aliased memory itself): refused by name, or the read-first result
+    want_pool = pool.clone()
+    want = gq.gated_delta_rule_decode(aliased.clone(), k, v, g, beta, want_pool, idx)
+    step = torch.compile(gq.gated_delta_rule_decode, fullgraph=True,
+                         backend="aot_eager" if P.device == "cpu" else "inductor")
+    try:
+        got = step(aliased, k, v, g, beta, pool, idx)
+    except ValueError as e:
+        assert "state: shares memory with q" in str(e) and torch.equal(pool, before)
+    else:
+        assert torch.equal(got, want) and torch.equal(pool, want_pool)
+
+
 def test_chunk_indices_on_another_device_is_refused():
     q, k, v, g, beta = _gdn_inputs()
     cu = torch.tensor([0, 10, 20], device=P.device)

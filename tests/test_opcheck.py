@@ -75,3 +75,62 @@ def test_mla_decode_and_sparse_prefill(out_fp32):
                                 out_fp32))
     rows = kv.reshape(-1, 1, 48)
     _check(OPS.mla_sparse_prefill, (q[:, 0], rows, idx[:, :1], 32, 0.2, None, 0, "triton", out_fp32))
+
+
+def _strided(x):
+    """The values of ``x`` (None: None) in a view of the same shape with stride 2 along its last dimension."""
+    return None if x is None else torch.stack([x, x], -1)[..., 0]
+
+
+def test_gdn_ops_take_any_strides_of_what_they_read():
+    """The GDN ops called as custom ops (a compiled graph, or torch.ops directly) read any strides of the tensors
+    they only read: each result equals that of contiguous inputs bit for bit, and the fakes give the real outputs'
+    strides (opcheck); a non-contiguous state they update in place is refused by name, unchanged."""
+    q, k, v, g, beta, h0 = _gdn(1, 2)
+    cu = torch.tensor([0, 7, T], dtype=torch.int32, device=P.device)
+    idx = torch.tensor([3, 0], dtype=torch.int32, device=P.device)
+    acc = torch.tensor([2, 7], dtype=torch.int32, device=P.device)
+    A_log, dt_bias = torch.randn(HV, device=P.device), torch.randn(HV, device=P.device)
+    pool = torch.randn(4, HV, K, V, device=P.device)
+    s = _strided
+    assert not any(x.is_contiguous() for x in map(s, (q, v, g, cu, idx, A_log)))
+
+    def decode(q, k, v, g, beta, idx, cu, acc, A_log, dt_bias, pool):
+        return OPS.gated_delta_rule_decode(q, k, v, g, beta, pool, idx, K ** -0.5, True, cu, acc, None, A_log,
+                                           dt_bias, True, True, False, False)
+
+    def fwd(q, k, v, g, beta, h0, cu, A_log, dt_bias):
+        return OPS.chunk_gated_delta_rule_fwd(q, k, v, g, beta, K ** -0.5, h0, cu, True, True, False, True, False,
+                                              A_log, dt_bias, 64, "triton")
+
+    def pooled(q, k, v, g, beta, idx, cu, A_log, dt_bias, pool):
+        return OPS.chunk_gated_delta_rule_pool(q, k, v, g, beta, K ** -0.5, pool, idx, cu, False, True, False,
+                                               A_log, dt_bias, 64, "triton")
+
+    cases = [(decode, (q, k, v, g, beta, idx, cu, acc, A_log, dt_bias)), (fwd, (q, k, v, g, beta, h0, cu, A_log,
+                                                                                dt_bias)),
+             (pooled, (q, k, v, g, beta, idx, cu, A_log, dt_bias))]
+    for fn, args in cases:
+        mutates = fn is not fwd
+        p1, p2 = pool.clone(), pool.clone()
+        want = fn(*args, *((p1,) if mutates else ()))
+        got = fn(*map(s, args), *((p2,) if mutates else ()))
+        for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,),
+                        strict=True):
+            assert torch.equal(a, b) and a.stride() == b.stride(), fn.__name__
+        assert torch.equal(p1, p2), fn.__name__
+        if mutates:
+            with pytest.raises(ValueError, match="contiguous"):
+                fn(*args, s(p2))
+            assert torch.equal(p1, p2), fn.__name__
+    _check(OPS.gated_delta_rule_decode, (s(q), s(k), s(v), s(g), s(beta), pool.clone(), s(idx), K ** -0.5, True,
+                                         s(cu), s(acc), None, None, None, False, False, False, False))
+    # the backward, on the forward's saved tensors and a strided do
+    o, ht, gc, Ainv, w, h, vnew = fwd(q, k, v, g, beta, h0, cu, A_log, dt_bias)
+    do = torch.randn_like(o)
+    bwd = [q, k, v, g, beta, K ** -0.5, h0, cu, gc, Ainv, do, None, w, h, vnew, False, True, False, A_log, dt_bias, 64]
+    want = OPS.chunk_gated_delta_rule_bwd(*bwd)
+    got = OPS.chunk_gated_delta_rule_bwd(*[s(x) if isinstance(x, torch.Tensor) else x for x in bwd])
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    _check(OPS.chunk_gated_delta_rule_bwd, tuple(s(x) if isinstance(x, torch.Tensor) else x for x in bwd))

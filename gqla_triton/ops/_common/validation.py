@@ -382,6 +382,18 @@ def contiguous_indices(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | No
     return tuple(t if t is None or t.is_contiguous() or _shared_row(t) else t.contiguous() for t in tensors)
 
 
+def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each tensor (None: None) contiguous, for kernels that read their inputs without strides: the custom ops'
+    bodies, which a compiled graph or a direct ``torch.ops`` call may hand any strides."""
+    return tuple(t if t is None else t.contiguous() for t in tensors)
+
+
+def check_contiguous(name: str, t: torch.Tensor | None) -> None:
+    """``t`` (None: absent), which a kernel updates in place without strides, is contiguous (``ValueError``)."""
+    if t is not None and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (it is updated in place)")
+
+
 def _shared_row(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(0) == 0 and t.stride(1) == 1
 

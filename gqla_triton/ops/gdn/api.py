@@ -24,6 +24,7 @@ from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bools,
+    check_contiguous,
     check_disjoint,
     check_flag,
     check_kernel_device,
@@ -32,6 +33,7 @@ from .._common.validation import (
     check_same_dtype,
     check_scale,
     check_tensor,
+    contiguous,
     inference_writes,
 )
 from . import plan as plan_mod
@@ -93,6 +95,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             needs_grad: bool, v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
             dt_bias: torch.Tensor | None, chunk_size: int, impl: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, g, beta, initial_state, A_log, dt_bias = contiguous(q, k, v, g, beta, initial_state, A_log, dt_bias)
     return _fwd(q, k, v, g, beta, scale, initial_state,
                 chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size, impl=impl), save_states, needs_grad, v_first,
                 beta_sigmoid, neg_eigval, A_log, dt_bias)
@@ -120,6 +123,8 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
+    q, k, v, g, beta, initial_state, gc, Ainv, do, dht, w, h, vnew, A_log, dt_bias = contiguous(
+        q, k, v, g, beta, initial_state, gc, Ainv, do, dht, w, h, vnew, A_log, dt_bias)
     return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size), gc,
                 Ainv, do, dht, w, h, vnew, v_first, beta_sigmoid, neg_eigval, A_log, dt_bias)
 
@@ -130,10 +135,10 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    dA = torch.empty_like(A_log) if A_log is not None else q.new_empty(0)
-    ddt = torch.empty_like(dt_bias) if A_log is not None and dt_bias is not None else q.new_empty(0)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), q.new_empty(N, HV, *((V, K) if v_first else (K, V)),
+    dA = A_log.new_empty(A_log.shape) if A_log is not None else q.new_empty(0)
+    ddt = dt_bias.new_empty(dt_bias.shape) if A_log is not None and dt_bias is not None else q.new_empty(0)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), q.new_empty(N, HV, *((V, K) if v_first else (K, V)),
                                                 dtype=initial_state.dtype if initial_state is not None else torch.float32),
             dA, ddt)
 
@@ -229,6 +234,10 @@ def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              dt_bias: torch.Tensor | None, chunk_size: int, impl: str) -> torch.Tensor:
     # the public function cannot read it while tracing
     check_pool_rows("state_indices", state_indices, state_pool.shape[0])
+    check_contiguous("state_pool", state_pool)
+    check_disjoint("state_pool", state_pool, q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices,
+                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+    q, k, v, g, beta, state_indices, A_log, dt_bias = contiguous(q, k, v, g, beta, state_indices, A_log, dt_bias)
     return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
                  A_log, dt_bias, chunk_size, impl, cu_host=None)
 
@@ -236,7 +245,8 @@ def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 @_pool_op.register_fake
 def _(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval, A_log,
       dt_bias, chunk_size, impl):
-    return torch.empty_like(v)
+    check_contiguous("state_pool", state_pool)
+    return v.new_empty(v.shape)
 
 
 def _reference_pool(q, k, v, g, beta, scale, state_pool, state_indices, l2, cu_seqlens, cu_host, v_first,

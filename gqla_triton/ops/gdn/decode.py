@@ -35,12 +35,14 @@ from .._common.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bools,
+    check_contiguous,
     check_disjoint,
     check_flag,
     check_kernel_device,
     check_pool_rows,
     check_scale,
     check_tensor,
+    contiguous,
     inference_writes,
     refuse_grad,
 )
@@ -223,6 +225,11 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     # the public function cannot read CPU index tensors while tracing: checked here
     check_pool_rows("state_indices", state_indices, state.shape[0])
     _check_cu_values(cu_seqlens, q.shape[1])
+    _check_written(state, intermediate_states)
+    _check_overlap(state, intermediate_states, q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices,
+                   cu_seqlens=cu_seqlens, accepted=accepted, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
+    q, k, v, g, beta, state_indices, cu_seqlens, accepted, A_log, dt_bias, gk, gv = contiguous(
+        q, k, v, g, beta, state_indices, cu_seqlens, accepted, A_log, dt_bias, gk, gv)
     return gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel,
                                        cu_seqlens, accepted, intermediate_states, A_log=A_log, dt_bias=dt_bias,
                                        use_gate_in_kernel=use_gate_in_kernel,
@@ -234,7 +241,20 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def _(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel, cu_seqlens, accepted,
       intermediate_states, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
       v_first, gk=None, gv=None):
-    return torch.empty_like(v)
+    _check_written(state, intermediate_states)
+    return v.new_empty(v.shape)
+
+
+def _check_written(state: torch.Tensor, intermediate_states: torch.Tensor | None) -> None:
+    """What the op writes in place is contiguous (the kernel writes it without strides)."""
+    check_contiguous("state", state)
+    check_contiguous("intermediate_states", intermediate_states)
+
+
+def _check_overlap(state: torch.Tensor, intermediate_states: torch.Tensor | None, **reads: torch.Tensor | None) -> None:
+    """What the op writes in place shares no memory with what it reads (``ValueError``; addresses, every call)."""
+    check_disjoint("state", state, **reads)
+    check_disjoint("intermediate_states", intermediate_states, state=state, **reads)
 
 
 def _decode_reference(q, k, v, g, beta, state, state_indices, scale, l2, cu_seqlens, accepted, inter, gk=None,
@@ -487,10 +507,8 @@ def gated_delta_rule_decode(
     if state_indices is None:
         state_indices = torch.arange(N, dtype=torch.int32, device=q.device)
     # what the checks read beside metadata, every call: addresses, and the values of host index tensors
-    reads = dict(q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices, cu_seqlens=cu_seqlens, accepted=accepted,
-                 A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
-    check_disjoint("state", state, **reads)
-    check_disjoint("intermediate_states", intermediate_states, state=state, **reads)
+    _check_overlap(state, intermediate_states, q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices,
+                   cu_seqlens=cu_seqlens, accepted=accepted, A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
     if not torch.compiler.is_compiling():
         check_pool_rows("state_indices", state_indices, state.shape[0])
         _check_cu_values(cu_seqlens, S)
