@@ -134,3 +134,48 @@ def test_gdn_ops_take_any_strides_of_what_they_read():
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride()
     _check(OPS.chunk_gated_delta_rule_bwd, tuple(s(x) if isinstance(x, torch.Tensor) else x for x in bwd))
+
+
+def test_layer_step_ops_take_any_strides_of_what_they_read():
+    """The layers' decode-step ops called as custom ops read any strides of what they only read (results equal
+    those of contiguous inputs bit for bit, fakes matching: opcheck) and refuse a non-contiguous conv pool or length
+    vector, which they update in place, by name, unchanged."""
+    import gqla_triton.layers.gdn_step  # noqa: F401 (registers the ops)
+    import gqla_triton.layers.gqla_step  # noqa: F401
+
+    s = _strided
+    g_ = torch.Generator().manual_seed(3)
+    d = P.device
+    rnd = lambda *shape: torch.randn(*shape, generator=g_).to(d)  # noqa: E731
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=d)  # noqa: E731
+    W, B, L = 4, 2, 3
+    C = 2 * H * K + HV * V
+    mixed, cw, pool = rnd(B, L, C + HV * V + 2 * HV), rnd(C, 1, W), rnd(3, C, W - 1)
+    lens, slots, A_log, dt_bias = i32(1, 2, 3), i32(2, 0), rnd(HV), rnd(HV)
+
+    def prep(cw, slots, A_log, dt_bias, pool, lens):
+        return OPS.gdn_decode_prep(mixed, cw, pool, lens, slots, A_log, dt_bias, 3, H, K, HV, V, True)
+
+    p1, p2 = (pool.clone(), lens.clone()), (pool.clone(), lens.clone())
+    want, got = prep(cw, slots, A_log, dt_bias, *p1), prep(s(cw), s(slots), s(A_log), s(dt_bias), *p2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert torch.equal(p1[0], p2[0]) and torch.equal(p1[1], p2[1])
+    _check(OPS.gdn_decode_prep, (mixed, s(cw), pool.clone(), lens.clone(), s(slots), s(A_log), s(dt_bias), 3, H, K,
+                                 HV, V, True))
+    for i, name in ((0, "conv_state"), (1, "seqlens")):
+        kept = [x.clone() for x in p1]
+        bad = [x.clone() for x in p1]
+        bad[i] = s(bad[i])
+        with pytest.raises(ValueError, match=f"{name}: expected a contiguous"):
+            prep(cw, slots, A_log, dt_bias, *bad)
+        assert torch.equal(bad[i], kept[i])
+    o, z, w, rows = rnd(B, L, HV, V), rnd(B, L, HV, V), rnd(V), i32(0, -1)
+    assert torch.equal(OPS.gdn_gated_norm(o, z, w, 1e-6, rows), OPS.gdn_gated_norm(o, z, s(w), 1e-6, s(rows)))
+    _check(OPS.gdn_gated_norm, (o, z, s(w), 1e-6, s(rows)))
+    h, dh, half = 4, 16, 8
+    q, cos_sin, w_uk = rnd(B, L, h, dh + 2 * half), rnd(B, L, 2, half), rnd(2, dh, 32)
+    assert torch.equal(OPS.gqla_grouped_q(q, cos_sin, dh, q.dtype), OPS.gqla_grouped_q(q, s(cos_sin), dh, q.dtype))
+    assert torch.equal(OPS.gqla_absorb_q(q, w_uk, cos_sin, dh, q.dtype),
+                       OPS.gqla_absorb_q(q, w_uk, s(cos_sin), dh, q.dtype))
+    _check(OPS.gqla_grouped_q, (q, s(cos_sin), dh, q.dtype))
+    _check(OPS.gqla_absorb_q, (q, w_uk, s(cos_sin), dh, q.dtype))

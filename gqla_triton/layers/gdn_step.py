@@ -28,11 +28,13 @@ from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2
 from ..ops._common.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
+    check_contiguous,
     check_disjoint,
     check_eps,
     check_kernel_device,
     check_same_device,
     check_tensor,
+    contiguous,
     forward_only,
     refuse_grad,
     requires_grad,
@@ -172,13 +174,26 @@ def _prep_op(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
              slots: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_slots: int, num_heads: int,
              head_k_dim: int, num_v_heads: int, head_v_dim: int, update: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_written(conv_state, seqlens)
+    check_disjoint("conv_state", conv_state, seqlens=seqlens, mixed=mixed, slots=slots, conv_weight=conv_weight,
+                   A_log=A_log, dt_bias=dt_bias)
+    check_disjoint("seqlens", seqlens, mixed=mixed, slots=slots, conv_weight=conv_weight, A_log=A_log,
+                   dt_bias=dt_bias)
+    conv_weight, slots, A_log, dt_bias = contiguous(conv_weight, slots, A_log, dt_bias)
     return _prep_launch(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads,
                         head_k_dim, num_v_heads, head_v_dim, update)
+
+
+def _check_written(conv_state: torch.Tensor, seqlens: torch.Tensor) -> None:
+    """What the prep op writes in place is contiguous (the kernel writes it without strides)."""
+    check_contiguous("conv_state", conv_state)
+    check_contiguous("seqlens", seqlens)
 
 
 @_prep_op.register_fake
 def _(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads, head_k_dim, num_v_heads,
       head_v_dim, update):
+    _check_written(conv_state, seqlens)
     qk_shape, v_shape, g_shape = _prep_shapes(mixed, num_heads, head_k_dim, num_v_heads, head_v_dim)
     return (mixed.new_empty(qk_shape), mixed.new_empty(qk_shape), mixed.new_empty(v_shape),
             mixed.new_empty(g_shape, dtype=torch.float32), mixed.new_empty(g_shape, dtype=torch.float32),
@@ -368,6 +383,7 @@ def _norm_launch(o, z, weight, eps: float, rows):
 @torch.library.custom_op("gqla_triton::gdn_gated_norm", mutates_args=())
 def _norm_op(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
              rows: torch.Tensor | None) -> torch.Tensor:
+    weight, rows = contiguous(weight, rows)
     return _norm_launch(o, z, weight, eps, rows)
 
 

@@ -441,7 +441,7 @@ def _absorb_q_fwd(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, he
 @torch.library.custom_op("gqla_triton::gqla_absorb_q", mutates_args=())
 def _absorb_q_op(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    return _absorb_q_fwd(q, w_uk, cos_sin, head_dim, out_dtype)
+    return _absorb_q_fwd(q, w_uk, cos_sin.contiguous(), head_dim, out_dtype)  # (the kernel reads it without strides)
 
 
 @_absorb_q_op.register_fake
@@ -553,7 +553,7 @@ def _grouped_q_fwd(q: torch.Tensor, cos_sin: torch.Tensor, head_dim: int, out_dt
 
 @torch.library.custom_op("gqla_triton::gqla_grouped_q", mutates_args=())
 def _grouped_q_op(q: torch.Tensor, cos_sin: torch.Tensor, head_dim: int, out_dtype: torch.dtype) -> torch.Tensor:
-    return _grouped_q_fwd(q, cos_sin, head_dim, out_dtype)
+    return _grouped_q_fwd(q, cos_sin.contiguous(), head_dim, out_dtype)  # (the kernel reads it without strides)
 
 
 @_grouped_q_op.register_fake
