@@ -946,6 +946,29 @@ def test_bfloat16_under_the_interpreter():
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32 and torch.isfinite(o).all()
 
 
+def test_reference_impl_takes_float64():
+    """``impl="reference"`` takes float64 inputs, initial states and state pools (the kernels refuse them by name):
+    the float64 recurrence's result, final states in float64; a pool's rows written in float64."""
+    d, f64 = P.device, torch.float64
+    q = torch.nn.functional.normalize(randn((1, 40, 1, 16), gen(4), dtype=f64), dim=-1).to(d)
+    v = randn((1, 40, 2, 8), gen(5), dtype=f64).to(d)
+    g = rand((1, 40, 2), gen(6), lo=-1.0, hi=0.0, dtype=f64).to(d)
+    beta = rand((1, 40, 2), gen(7), lo=0.1, hi=0.9, dtype=f64).to(d)
+    h0 = randn((1, 2, 16, 8), gen(8), dtype=f64).to(d)
+    with pytest.raises(TypeError, match="q: .*float64"):
+        chunk_gated_delta_rule(q, q, v, g, beta, initial_state=h0)
+    o, ht = chunk_gated_delta_rule(q, q, v, g, beta, initial_state=h0, output_final_state=True, impl="reference")
+    ro, rht = recurrent_gated_delta_rule_ref(q, q, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == ht.dtype == f64
+    assert rel_err(o, ro) < 1e-12 and rel_err(ht, rht) < 1e-12
+    pool = torch.zeros(3, 2, 16, 8, dtype=f64, device=d)
+    pool[2] = h0[0]
+    with torch.no_grad():
+        o2, _ = chunk_gated_delta_rule(q, q, v, g, beta, initial_state=pool, impl="reference",
+                                       state_indices=torch.tensor([2], dtype=torch.int32, device=d))
+    assert torch.equal(o2, o) and rel_err(pool[2], rht[0]) < 1e-12 and not pool[:2].any()
+
+
 @settings(max_examples=examples(2, 4))
 @given(T=st.integers(1, pick(150, 400)), varlen=st.booleans(), G=st.sampled_from([1, 2]), dtype=dtypes(),
        seed=seeds())

@@ -275,11 +275,11 @@ def _check_gluon(q, k, v, chunk_size: int, grad: bool) -> None:
 
 
 def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, N, row, params=(),
-                     cu_seqlens=None) -> None:
+                     cu_seqlens=None, state_dtypes=_STATE_DTYPES) -> None:
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=INDEX_DTYPES, device=q.device)
     if pool is None:
         raise ValueError("initial_state: state_indices needs the state pool [P, HV, K, V] as initial_state")
-    check_tensor("initial_state", pool, shape=(None, *row), dtypes=_STATE_DTYPES)
+    check_tensor("initial_state", pool, shape=(None, *row), dtypes=state_dtypes)
     if pool.shape[0] == 0:
         raise ValueError("initial_state: the state pool has no rows")
     if not pool.is_contiguous():
@@ -316,22 +316,23 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
     o, ht = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                        output_final_state=output_final_state, use_qk_l2norm=l2, cu_seqlens=cu,
                                        chunk_size=chunk_size)
-    if ht is not None:
-        ht = (ht.transpose(-1, -2) if v_first else ht).float().contiguous()
+    if ht is not None:  # float32 as the kernels' (float64 where an input is)
+        ht = (ht.transpose(-1, -2) if v_first else ht).to(torch.promote_types(ht.dtype, torch.float32)).contiguous()
     return o.to(v.dtype), ht
 
 
-def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, torch.device]:
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref: bool = False) -> tuple[int, torch.device]:
     """The checks of the chunked op's tensors every entry point shares (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
-    g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims the kernels take); initial_state
-    only joins the device check. Returns (N, the device)."""
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims the kernels take; float64 too
+    with ``ref``, the pure-torch path); initial_state only joins the device check. Returns (N, the device)."""
+    dtypes = FLOAT_DTYPES + ((torch.float64,) if ref else ())
+    check_tensor("q", q, ndim=4, dtypes=dtypes)
     B, T, H, K = q.shape
-    check_tensor("k", k, shape=(B, T, H, K), dtypes=FLOAT_DTYPES)
-    check_tensor("v", v, shape=(B, T, None, None), dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, shape=(B, T, H, K), dtypes=dtypes)
+    check_tensor("v", v, shape=(B, T, None, None), dtypes=dtypes)
     HV, V = v.shape[2], v.shape[3]
-    check_tensor("g", g, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    check_tensor("beta", beta, shape=(B, T, HV), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_tensor("g", g, shape=(B, T, HV), dtypes=dtypes)
+    check_tensor("beta", beta, shape=(B, T, HV), dtypes=dtypes)
     check_same_dtype(q=q, k=k, v=v)
     dev = check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if H == 0 or HV == 0 or HV % H != 0:
@@ -385,16 +386,18 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
                         "keyword)")
     use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     output_final_state = check_flag("output_final_state", output_final_state)
-    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    ref = impl == "reference"
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref=ref)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=impl == "reference")
+    check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
     row = (HV, V, K) if v_first else (HV, K, V)
+    sdt = _STATE_DTYPES + ((torch.float64,) if ref else ())
     if state_indices is not None:
         _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias),
-                         cu_seqlens)
+                         cu_seqlens, sdt)
     elif initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=_STATE_DTYPES)
+        check_tensor("initial_state", initial_state, shape=(N, *row), dtypes=sdt)
     scale = check_scale("scale", scale, K ** -0.5)
     if not isinstance(save_states, bool):
         raise TypeError(f"save_states: expected a bool, got {type(save_states).__name__}")
@@ -442,7 +445,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
-            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32); any K <= 256, V <= 1024.
+            ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32; float64 too with
+            ``impl="reference"``); any K <= 256, V <= 1024.
         g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
             float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
@@ -451,8 +455,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             With ``state_indices`` the state pool ``[P, HV, K, V]`` (``"vk"``: ``[P, HV, V, K]``) in one of those
             dtypes, contiguous; the final states are rounded to its dtype.
         output_final_state: also return the final states ``[N, HV, K, V]`` (``"vk"``: ``[N, HV, V, K]``) float32,
-            whatever initial_state's dtype, as fla (must be False with ``state_indices``: the final states go into
-            the pool).
+            whatever initial_state's dtype, as fla (float64 for float64 inputs; must be False with
+            ``state_indices``: the final states go into the pool).
         use_qk_l2norm_in_kernel: normalise q and k over K first (``x·rsqrt(Σx² + 1e-6)``, differentiable).
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sequence bounds (varlen; then B must be 1), any strides:
             sequence n owns tokens ``[cu[n], cu[n+1])`` (0 tokens allowed); tokens outside ``[cu[0], cu[N])``
