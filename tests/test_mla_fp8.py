@@ -997,3 +997,28 @@ def test_large_descale_does_not_overflow_before_the_scale():
     ro, rl = mla_decode_ref(q, kv, bt, lens, 64, k_descale=kd)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(lse.double().cpu(), rl, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["v32", "v32_no_rope", "model1", "v41", "v41_fp4"])
+def test_op_reads_any_strides_of_a_quantised_cache(layout):
+    """``mla_decode``'s custom op (a compiled graph, or torch.ops directly) over a quantised cache the public
+    function refuses for its strides (a last dimension of stride 2; rows sliced from wider ones, so a page's bytes
+    are not in order): the same values as over the contiguous cache, bit for bit."""
+    g = gen(11)
+    D = 576 if layout == "v32" else 512
+    kv8 = quantize_latent_fp8(randn((5, 16, 1, D), g), layout=layout).to(P.device)
+    q = randn((2, 1, 16, D), g, dtype=QDT).to(P.device)
+    bt = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([29, 7], dtype=torch.int32, device=P.device)
+    idx = torch.randint(-1, 80, (2, 1, 8), generator=g, dtype=torch.int32).to(P.device)
+    wider = torch.zeros(*kv8.shape[:3], kv8.shape[3] + 8, dtype=kv8.dtype, device=P.device)
+    wider[..., :kv8.shape[3]] = kv8
+    views = (torch.stack([kv8, kv8], -1)[..., 0], wider[..., :kv8.shape[3]])
+    for indices in ((None, idx) if layout in ("v32", "v32_no_rope") else (idx,)):
+        def op(kv):
+            return torch.ops.gqla_triton.mla_decode(q, kv, bt, lens, 512, 0.1, indices is None, indices, None, 0,
+                                                    "triton", None, None, layout, False)
+
+        want = op(kv8)
+        for view in views:
+            assert all(torch.equal(a, b) for a, b in zip(want, op(view), strict=True))

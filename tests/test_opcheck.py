@@ -179,3 +179,47 @@ def test_layer_step_ops_take_any_strides_of_what_they_read():
                        OPS.gqla_absorb_q(q, w_uk, s(cos_sin), dh, q.dtype))
     _check(OPS.gqla_grouped_q, (q, s(cos_sin), dh, q.dtype))
     _check(OPS.gqla_absorb_q, (q, w_uk, s(cos_sin), dh, q.dtype))
+
+
+def test_attention_ops_take_any_strides_of_what_they_read():
+    """The decode, sparse-prefill and two-cache merge ops called as custom ops (a compiled graph, or torch.ops
+    directly) read any strides of their inputs, a last dimension of stride 2 included (which the public functions
+    refuse): each result equals that of contiguous inputs bit for bit, and the fakes give the real outputs'
+    strides (opcheck)."""
+    import gqla_triton.ops.gqa.api  # noqa: F401 (registers the ops)
+    import gqla_triton.ops.mla.compat  # noqa: F401
+
+    s = _strided
+    g_ = torch.Generator().manual_seed(4)
+    rnd = lambda *shape: torch.randn(*shape, generator=g_).to(P.device)  # noqa: E731
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=P.device)  # noqa: E731
+    table, lens = i32([[3, 0], [1, 4]]), i32([29, 7])
+    idx = i32([[[0, 5, -1], [28, 3, 3]], [[1, 2, 3], [-5, 0, 7]]])
+
+    def same(want, got):
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+
+    q, kc, vc, kr = rnd(2, 2, 4, 32), rnd(5, 16, 2, 16), rnd(5, 16, 2, 16), rnd(5, 16, 16)
+    for indices, splits in ((None, 0), (idx, 2)):
+        args = (q, kc, vc, table, lens, kr, 0.2, True, indices, None, splits, "triton")
+        strided = (s(q), s(kc), s(vc), table, lens, s(kr), *args[6:])
+        same(OPS.gqa_decode(*args), OPS.gqa_decode(*strided))
+        _check(OPS.gqa_decode, strided)
+    q, kv = rnd(2, 2, 16, 48), rnd(5, 16, 1, 48)
+    for indices, splits in ((None, 0), (idx, 2)):
+        args = (q, kv, table, lens, 32, 0.2, True, indices, None, splits, "triton", None, None, None, False)
+        strided = (s(q), s(kv), *args[2:])
+        same(OPS.mla_decode(*args), OPS.mla_decode(*strided))
+        _check(OPS.mla_decode, strided)
+    rows = kv.reshape(-1, 1, 48)
+    args = (q[:, 0], rows, idx[:, :1], 32, 0.2, None, 0, "triton", False)
+    strided = (s(q[:, 0]), s(rows), *args[2:])
+    same(OPS.mla_sparse_prefill(*args), OPS.mla_sparse_prefill(*strided))
+    _check(OPS.mla_sparse_prefill, strided)
+    out, out2, lse, lse2 = rnd(2, 1, 4, 32), rnd(2, 1, 4, 32), rnd(2, 4, 1), rnd(2, 4, 1)
+    t = lambda x: x.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 (dense, last stride not 1)
+    args = (out, lse, out2, lse2)
+    for strided in ((t(out), t(lse), s(out2), s(lse2)), (s(out), lse, t(out2), lse2)):
+        same(OPS.flash_mla_merge_caches(*args), OPS.flash_mla_merge_caches(*strided))
+        _check(OPS.flash_mla_merge_caches, strided)

@@ -388,6 +388,13 @@ def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]
     return tuple(t if t is None else t.contiguous() for t in tensors)
 
 
+def unit_last_stride(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each tensor (None: None) with unit stride along its last dimension, copied (contiguous) where it has another:
+    for kernels that take every stride but the last, in the custom ops' bodies (the public functions refuse such
+    views; a compiled graph or a direct ``torch.ops`` call may hand them any strides)."""
+    return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def check_contiguous(name: str, t: torch.Tensor | None) -> None:
     """``t`` (None: absent), which a kernel updates in place without strides, is contiguous (``ValueError``)."""
     if t is not None and not t.is_contiguous():

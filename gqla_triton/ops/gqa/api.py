@@ -20,7 +20,14 @@ from .._common.alloc import empty
 from .._common.boundary import runner
 from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
-from .._common.validation import check_flag, check_num_splits, contiguous_indices, forward_only, requires_grad
+from .._common.validation import (
+    check_flag,
+    check_num_splits,
+    contiguous_indices,
+    forward_only,
+    requires_grad,
+    unit_last_stride,
+)
 from .plan import GQAPlan, plan
 from .reference import gqa_decode_reference
 from .triton import gqa_decode_triton
@@ -44,6 +51,8 @@ def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return o.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
     block_table, cache_seqlens, indices, topk_length = contiguous_indices(block_table, cache_seqlens, indices,
                                                                           topk_length)
+    # the kernel takes every stride but the last (a custom op's body is handed any strides)
+    q, k_cache, v_cache, k_rope_cache = unit_last_stride(q, k_cache, v_cache, k_rope_cache)
     B, s_q, h_q, _ = q.shape
     num_pages, page_size = k_cache.shape[:2]
     d_v = v_cache.shape[-1]

@@ -32,6 +32,7 @@ from .._common.validation import (
     contiguous_indices,
     forward_only,
     requires_grad,
+    unit_last_stride,
 )
 from .fp8 import FP8_DTYPES, PAGED, ROW_BYTES, check_kv_format, fp8_layout, is_fp8_latent
 from .gluon_sm90 import gluon_unsupported, mla_decode_gluon
@@ -105,8 +106,9 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     num_pages, page_size = kv_cache.shape[:2]
     sparse = indices is not None
     S = p.num_splits
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, = unit_last_stride(q)
+    if not _kernel_strides(kv_cache, layout):  # (a custom op's body is handed any strides)
+        kv_cache = kv_cache.contiguous()
     out = empty(B, s_q, h_q, head_dim_v, dtype=o_dtype, device=q.device)  # the kernels round into its dtype
     lse = empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
     if S > 1:
@@ -285,6 +287,23 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool
         _check_fp8_offset(kv_cache, layout)
 
 
+def _kernel_strides(kv_cache: torch.Tensor, layout: str | None) -> bool:
+    """Whether the kernels read ``kv_cache`` (of the quantised ``layout``, None: not quantised) in place: unit stride
+    along the last dimension; FlashMLA's V3.2 rows with 4-byte strides (their float32 scales), its paged layouts
+    with each page's bytes in order (as ``_check_fp8`` asks of the public call's). A dim of size 1 is never
+    stepped along."""
+    if kv_cache.stride(-1) != 1:
+        return False
+    strides = [(n, st) for n, st in zip(kv_cache.shape[:3], kv_cache.stride()[:3], strict=True) if n > 1]
+    if layout in ("v32", "v32_no_rope"):
+        return all(st % _ALIGN[layout] == 0 for _, st in strides)
+    if layout in PAGED:
+        num_pages, page = kv_cache.shape[:2]
+        return ((page <= 1 or kv_cache.stride(1) == ROW_BYTES[layout])
+                and (num_pages <= 1 or kv_cache.stride(0) % _ALIGN[layout] == 0))
+    return True
+
+
 def _check_fp8_q(q: torch.Tensor) -> None:
     if q.dtype not in (torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"q: with an FP8 latent cache q must be bfloat16 or float32 (float64 for impl='reference'), "
@@ -424,8 +443,7 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         none = torch.full((s_q, h_q), float("-inf"), dtype=torch.float32, device=q.device)
         return out, none, none.clone()
     indices, topk_length = contiguous_indices(indices, topk_length)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, kv = unit_last_stride(q, kv)  # (a custom op's body is handed any strides)
     q4 = q.unsqueeze(1)  # [s_q, 1, h_q, D]: a batch of single-token queries
     cache = kv.unsqueeze(1)  # [s_kv, 1, 1, D]: pages of one token, so a page id is a row
     # the translation sees kv as one page of MAX_KEYS (>= s_kv) rows, so an entry in [0, s_kv) is its own row and

@@ -302,8 +302,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
 def _merge(out, lse, out2, lse2):
     """The attention over two key sets from each one's ``(out [B, s_q, h_q, D], lse [B, h_q, s_q])``, out in out's
-    dtype (float32 here: the one rounding comes after the merge)."""
-    merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+    dtype (float32 here: the one rounding comes after the merge), both contiguous whatever the inputs' strides."""
+    merged, merged_lse = out.new_empty(out.shape), lse.new_empty(lse.shape)
     combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
                    merged, merged_lse)
     return merged, merged_lse
@@ -317,7 +317,7 @@ def _merge_op(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor,
 
 @_merge_op.register_fake
 def _(out, lse, out2, lse2):
-    return torch.empty_like(out), torch.empty_like(lse)
+    return out.new_empty(out.shape), lse.new_empty(lse.shape)
 
 
 forward_only(_merge_op, "flash_mla_with_kvcache")
