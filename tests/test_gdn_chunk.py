@@ -948,7 +948,8 @@ def test_bfloat16_under_the_interpreter():
 
 def test_reference_impl_takes_float64():
     """``impl="reference"`` takes float64 inputs, initial states and state pools (the kernels refuse them by name):
-    the float64 recurrence's result, final states in float64; a pool's rows written in float64."""
+    the float64 recurrence's result, final states in float64; a pool's rows written in float64. A float64 state
+    with inputs of another dtype is refused by name."""
     d, f64 = P.device, torch.float64
     q = torch.nn.functional.normalize(randn((1, 40, 1, 16), gen(4), dtype=f64), dim=-1).to(d)
     v = randn((1, 40, 2, 8), gen(5), dtype=f64).to(d)
@@ -967,6 +968,8 @@ def test_reference_impl_takes_float64():
         o2, _ = chunk_gated_delta_rule(q, q, v, g, beta, initial_state=pool, impl="reference",
                                        state_indices=torch.tensor([2], dtype=torch.int32, device=d))
     assert torch.equal(o2, o) and rel_err(pool[2], rht[0]) < 1e-12 and not pool[:2].any()
+    with pytest.raises(TypeError, match="initial_state"):
+        chunk_gated_delta_rule(q.float(), q.float(), v.float(), g, beta, initial_state=h0, impl="reference")
 
 
 @settings(max_examples=examples(2, 4))

@@ -392,7 +392,7 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     HV, V = v.shape[2], v.shape[3]
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
     row = (HV, V, K) if v_first else (HV, K, V)
-    sdt = _STATE_DTYPES + ((torch.float64,) if ref else ())
+    sdt = _STATE_DTYPES + ((torch.float64,) if ref and q.dtype == torch.float64 else ())  # float64 calls only
     if state_indices is not None:
         _check_pool_call(q, k, v, g, beta, initial_state, state_indices, output_final_state, N, row, (A_log, dt_bias),
                          cu_seqlens, sdt)
