@@ -261,6 +261,18 @@ class GatedDeltaNetCache:
         self._draft: _Draft | None = None
         self._committed: _Draft | None = None  # a committed draft: its buffers stay alive until the next commit
 
+    def __getstate__(self) -> dict:
+        # conv_state and seqlens are views of the rows (which hold a scratch row past the slots); pickle copies each
+        # tensor's storage on its own, so __setstate__ makes them again from the rows
+        state = self.__dict__.copy()
+        del state["conv_state"], state["seqlens"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        n = self.recurrent_state.shape[0]
+        self.conv_state, self.seqlens = self._conv[:n], self._lens[:n]
+
     @property
     def num_seqs(self) -> int:
         return self.recurrent_state.shape[0]
