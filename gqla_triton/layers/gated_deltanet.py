@@ -605,6 +605,14 @@ class GatedDeltaNet(nn.Module):
                              f"{list(t.shape)}")
         return t.split(sizes, dim)
 
+    def reset_parameters(self) -> None:
+        """The layer's own parameters as the constructor makes them: ``A_log``, ``dt_bias`` (random decays) and
+        ``norm_weight`` (ones), e.g. after ``to_empty`` of a layer built on meta. The projections and the convolution
+        are submodules with a ``reset_parameters`` of their own."""
+        self._init_gates()
+        with torch.no_grad():
+            self.norm_weight.fill_(1)
+
     @torch.no_grad()
     def _init_gates(self):
         self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(1, 16).log())

@@ -191,8 +191,18 @@ class GQLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_rank, num_groups * (head_dim + self.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
         self._absorbed: dict = {}
+        self._rope_inv_freq_init = rope_inv_freq  # float64 on the CPU, or None: what reset_parameters writes back
         bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device)
         self.register_buffer("rope_inv_freq_bits", bits)
+
+    def reset_parameters(self) -> None:
+        """The layer's own state as the constructor makes it: the RoPE frequencies it was built with
+        (``rope_inv_freq_bits``), e.g. after ``to_empty`` of a layer built on meta. The projections and norms are
+        submodules with a ``reset_parameters`` of their own."""
+        bits = self.rope_inv_freq_bits
+        if bits is not None:
+            with torch.no_grad():
+                bits.copy_(self._rope_inv_freq_init.view(torch.int64))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Every entry's shape is checked before any is copied (``_state.check_state_dict``), also inside a model's
