@@ -303,6 +303,20 @@ def test_meta_construction_then_reset_parameters(q_rank):
     assert torch.equal(meta(x), cpu(x))
 
 
+def test_absorbed_weights_of_a_layer_made_under_inference_mode():
+    """Parameters made under ``torch.inference_mode()`` keep no version counter: ``absorbed_weights`` inside it
+    gives the current weights (contiguous, in the dtype asked) after in-place writes too, instead of raising."""
+    with torch.inference_mode():
+        layer = make_layer(0, g=2, dtype=torch.float32)
+        w_uk, w_uv = layer.absorbed_weights()
+        want = layer.w_uk_uv()
+        assert torch.equal(w_uk, want[0]) and torch.equal(w_uv, want[1])
+        assert w_uk.is_contiguous() and w_uv.is_contiguous()
+        layer.kv_b_proj.weight.mul_(2)
+        w_uk, _ = layer.absorbed_weights(torch.float16)
+        assert w_uk.dtype == torch.float16 and torch.equal(w_uk, layer.w_uk_uv(torch.float16)[0])
+
+
 def test_reference_decode_sees_writes_through_weight_data():
     """``impl="reference"``'s absorb step after an in-place write through ``kv_b_proj.weight.data`` (which has a
     version counter of its own): the float64 layer reference of the new weights, as the kernels' path gives."""

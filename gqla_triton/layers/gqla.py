@@ -329,12 +329,16 @@ class GQLAttention(nn.Module):
         across ``weight.data = ...``; an in-place write through ``weight.data``, which has a version counter of its
         own, is not seen: the layer's own decode steps read ``w_uk_uv`` instead).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
-        they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly)."""
+        they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly). A weight made under
+        ``torch.inference_mode()`` keeps no version counter: they are computed on every call."""
         check_float_dtype(dtype)
         w = self.kv_b_proj.weight
         dtype = dtype or w.dtype
         if (torch.is_grad_enabled() and w.requires_grad) or torch.compiler.is_compiling():
             return self.w_uk_uv(dtype)
+        if w.is_inference():
+            uk, uv = self.w_uk_uv(dtype)
+            return uk.contiguous(), uv.contiguous()
         key = (w._version, w.data_ptr(), w.device, dtype)
         hit = self._absorbed.get(dtype)
         if hit is None or hit[0] != key:
