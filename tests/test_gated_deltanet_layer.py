@@ -319,6 +319,25 @@ def test_hf_loads_change_nothing_when_refused_and_take_their_own_rows():
     assert torch.equal(got.recurrent_state, want.recurrent_state) and torch.equal(got.conv_state, want.conv_state)
 
 
+def test_meta_construction_then_reset_parameters():
+    """A layer built on meta and materialised as FSDP does (``to_empty`` + ``reset_parameters()`` of every module that
+    holds parameters of its own): A_log, dt_bias and the norm weight are initialised as the constructor does (decays
+    in ``exp(A_log) ∈ [1, 16]``, ``softplus(dt_bias) ∈ [1e-4, 0.1]``, ones)."""
+    with torch.device("meta"):
+        m = GatedDeltaNet(32, 1, 2, 16, 16, impl="reference", dtype=torch.float32)
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        for mod in m.modules():
+            if any(True for _ in mod.parameters(recurse=False)):
+                mod.reset_parameters()
+    a = m.A_log.detach().exp()
+    dt = torch.nn.functional.softplus(m.dt_bias.detach())
+    assert bool(((a >= 1 - 1e-5) & (a <= 16 + 1e-4)).all()), a
+    assert bool(((dt >= 1e-4 * (1 - 1e-5)) & (dt <= 0.1 * (1 + 1e-5))).all()), dt
+    assert torch.equal(m.norm_weight, torch.ones_like(m.norm_weight))
+    assert torch.isfinite(m(torch.randn(1, 5, 32))).all()
+
+
 def test_kernel_impls_refuse_float64_at_construction():
     """The Triton kernels take bfloat16 / float16 / float32: a kernel impl in float64 is a TypeError naming dtype, from
     the constructor and from ``from_hf`` (an explicit dtype, or the weights' when dtype is None)."""

@@ -453,6 +453,27 @@ def test_kernel_impl_moved_to_float64_is_refused_before_any_row_changes(impl):
             _assert_unchanged(cache, snap)
 
 
+def test_pickled_cache_keeps_its_views_of_the_rows():
+    """A cache through ``pickle`` (which copies each tensor's storage on its own, unlike ``copy.deepcopy`` and
+    ``torch.save``) keeps ``conv_state`` / ``seqlens`` as views of the rows the layer writes: after a decode step on
+    both, the copy's public tensors equal the original's."""
+    import pickle
+
+    m = GatedDeltaNet(32, 1, 2, 16, 16, impl="triton", device=P.device, dtype=torch.float32)
+    g = gen(9)
+    cache, _ = _held(m, g, 3, 5)
+    twin = pickle.loads(pickle.dumps(cache))
+    x = randn((2, 1, 32), g)
+    with torch.no_grad():
+        out, out_twin = m(x, cache, slots=[0, 1]), m(x, twin, slots=[0, 1])
+    assert torch.equal(out, out_twin)
+    for name in ("conv_state", "recurrent_state", "seqlens"):
+        assert torch.equal(getattr(twin, name), getattr(cache, name)), name
+    assert twin.seqlens.tolist() == [6, 6, 0]
+    twin.reset([0])
+    assert twin.seqlens.tolist() == [0, 6, 0] and twin.holds() == [False, True, False]
+
+
 @pytest.mark.gpu_only
 def test_decode_step_past_65535_sequences():
     """A dense decode step of 65536 sequences (device slots, most of them padding): the live ones equal the same step

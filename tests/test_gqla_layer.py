@@ -269,6 +269,54 @@ def test_absorbed_weights_cached_and_invalidated():
     assert w_uk.requires_grad
 
 
+def _materialize(module):
+    """FSDP's meta-device initialisation: ``to_empty`` on the CPU, then ``reset_parameters()`` of every module that
+    holds parameters or buffers of its own (each initialises only those)."""
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for m in module.modules():
+            if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
+                m.reset_parameters()
+    return module
+
+
+@pytest.mark.parametrize("q_rank", [None, 24])
+def test_meta_construction_then_reset_parameters(q_rank):
+    """A layer built on meta and materialised as FSDP does (``to_empty`` + each module's ``reset_parameters``): the
+    norms are ones and the RoPE frequencies the ones it was built with, so the forward equals a layer built on the
+    CPU with the same projections."""
+    inv = torch.rand(8, dtype=torch.float64) + 0.1
+    kw = dict(q_rank=q_rank, dtype=torch.float32, rope_inv_freq=inv, impl="reference")
+    with torch.device("meta"):
+        meta = GQLAttention(64, 4, 2, 16, 16, 32, **kw)
+    _materialize(meta)
+    cpu = GQLAttention(64, 4, 2, 16, 16, 32, **kw)
+    for name, p in meta.named_parameters():
+        if "layernorm" in name:
+            assert torch.equal(p, torch.ones_like(p)), name
+    assert torch.equal(meta.rope_inv_freq, inv)
+    with torch.no_grad():
+        for name, p in cpu.named_parameters():
+            if "layernorm" not in name:
+                p.copy_(meta.get_parameter(name))
+    x = torch.randn(2, 5, 64)
+    assert torch.equal(meta(x), cpu(x))
+
+
+def test_absorbed_weights_of_a_layer_made_under_inference_mode():
+    """Parameters made under ``torch.inference_mode()`` keep no version counter: ``absorbed_weights`` inside it
+    gives the current weights (contiguous, in the dtype asked) after in-place writes too, instead of raising."""
+    with torch.inference_mode():
+        layer = make_layer(0, g=2, dtype=torch.float32)
+        w_uk, w_uv = layer.absorbed_weights()
+        want = layer.w_uk_uv()
+        assert torch.equal(w_uk, want[0]) and torch.equal(w_uv, want[1])
+        assert w_uk.is_contiguous() and w_uv.is_contiguous()
+        layer.kv_b_proj.weight.mul_(2)
+        w_uk, _ = layer.absorbed_weights(torch.float16)
+        assert w_uk.dtype == torch.float16 and torch.equal(w_uk, layer.w_uk_uv(torch.float16)[0])
+
+
 def test_reference_decode_sees_writes_through_weight_data():
     """``impl="reference"``'s absorb step after an in-place write through ``kv_b_proj.weight.data`` (which has a
     version counter of its own): the float64 layer reference of the new weights, as the kernels' path gives."""

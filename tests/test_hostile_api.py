@@ -6,6 +6,7 @@ import torch
 from harness import P, rand, randn
 
 import gqla_triton as gq
+from gqla_triton.layers import GatedDeltaNet
 from gqla_triton.layers.cache import GroupedCache, LatentCache
 
 
@@ -51,6 +52,24 @@ def test_chunk_double_backward_is_refused():
     (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         dq.square().sum().backward()
+
+
+def test_chunk_double_backward_toward_the_inputs_is_refused():
+    """A gradient penalty differentiated with ``torch.autograd.grad(..., inputs)`` reaches only the nodes that lead
+    to those inputs: the refusal is one of them, so it raises too instead of leaving the op's second-order terms out
+    (q through the in-kernel L2 norm, as the layer calls it, and q taken as is; the GatedDeltaNet layer too)."""
+    for l2 in (True, False):
+        q, k, v, g, beta = _gdn_inputs()
+        q.requires_grad_()
+        o, _ = gq.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=l2)
+        (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            torch.autograd.grad(dq.square().sum(), q)
+    layer = GatedDeltaNet(16, 1, 2, 16, 16, impl="triton", device=P.device)
+    x = randn((1, 9, 16), 5).requires_grad_()
+    (dx,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(dx.square().sum(), x)
 
 
 def test_flash_qla_bwd_takes_do_in_the_outputs_dtype():

@@ -261,6 +261,18 @@ class GatedDeltaNetCache:
         self._draft: _Draft | None = None
         self._committed: _Draft | None = None  # a committed draft: its buffers stay alive until the next commit
 
+    def __getstate__(self) -> dict:
+        # conv_state and seqlens are views of the rows (which hold a scratch row past the slots); pickle copies each
+        # tensor's storage on its own, so __setstate__ makes them again from the rows
+        state = self.__dict__.copy()
+        del state["conv_state"], state["seqlens"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        n = self.recurrent_state.shape[0]
+        self.conv_state, self.seqlens = self._conv[:n], self._lens[:n]
+
     @property
     def num_seqs(self) -> int:
         return self.recurrent_state.shape[0]
@@ -592,6 +604,14 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"t: expected size {sum(sizes)} (in_proj's output width) along dim {dim}, got shape "
                              f"{list(t.shape)}")
         return t.split(sizes, dim)
+
+    def reset_parameters(self) -> None:
+        """The layer's own parameters as the constructor makes them: ``A_log``, ``dt_bias`` (random decays) and
+        ``norm_weight`` (ones), e.g. after ``to_empty`` of a layer built on meta. The projections and the convolution
+        are submodules with a ``reset_parameters`` of their own."""
+        self._init_gates()
+        with torch.no_grad():
+            self.norm_weight.fill_(1)
 
     @torch.no_grad()
     def _init_gates(self):

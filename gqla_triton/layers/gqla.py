@@ -191,8 +191,18 @@ class GQLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_rank, num_groups * (head_dim + self.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
         self._absorbed: dict = {}
+        self._rope_inv_freq_init = rope_inv_freq  # float64 on the CPU, or None: what reset_parameters writes back
         bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device)
         self.register_buffer("rope_inv_freq_bits", bits)
+
+    def reset_parameters(self) -> None:
+        """The layer's own state as the constructor makes it: the RoPE frequencies it was built with
+        (``rope_inv_freq_bits``), e.g. after ``to_empty`` of a layer built on meta. The projections and norms are
+        submodules with a ``reset_parameters`` of their own."""
+        bits = self.rope_inv_freq_bits
+        if bits is not None:
+            with torch.no_grad():
+                bits.copy_(self._rope_inv_freq_init.view(torch.int64))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Every entry's shape is checked before any is copied (``_state.check_state_dict``), also inside a model's
@@ -319,12 +329,16 @@ class GQLAttention(nn.Module):
         across ``weight.data = ...``; an in-place write through ``weight.data``, which has a version counter of its
         own, is not seen: the layer's own decode steps read ``w_uk_uv`` instead).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
-        they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly)."""
+        they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly). A weight made under
+        ``torch.inference_mode()`` keeps no version counter: they are computed on every call."""
         check_float_dtype(dtype)
         w = self.kv_b_proj.weight
         dtype = dtype or w.dtype
         if (torch.is_grad_enabled() and w.requires_grad) or torch.compiler.is_compiling():
             return self.w_uk_uv(dtype)
+        if w.is_inference():
+            uk, uv = self.w_uk_uv(dtype)
+            return uk.contiguous(), uv.contiguous()
         key = (w._version, w.data_ptr(), w.device, dtype)
         hit = self._absorbed.get(dtype)
         if hit is None or hit[0] != key:

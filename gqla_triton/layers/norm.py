@@ -26,6 +26,11 @@ class RMSNorm(nn.Module):
         device = check_device(device)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
+    def reset_parameters(self) -> None:
+        """The weight as the constructor makes it: ones (e.g. after ``to_empty`` of a layer built on meta)."""
+        with torch.no_grad():
+            self.weight.fill_(1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., dim]`` of a floating dtype -> the same shape and dtype."""
         if not isinstance(x, torch.Tensor):

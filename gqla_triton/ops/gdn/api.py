@@ -14,7 +14,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ...dispatch import device_info
 from .._common.boundary import route
@@ -200,9 +199,27 @@ class _ChunkGDN(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the backward kernels have no backward: a double backward is an error, not a zero
     def backward(ctx, do, dht, *_unused):
-        return _backward_with(_bwd, ctx.plan, ctx, do, dht)
+        if not torch.is_grad_enabled():
+            return _backward_with(_bwd, ctx.plan, ctx, do, dht)
+        # create_graph=True: the gradients hang off a node of the saved inputs and the output gradients, so a
+        # backward toward any of them (``autograd.grad(..., inputs)`` prunes the nodes that lead elsewhere) reaches
+        # it and raises
+        return _ChunkGDNGrads.apply(ctx, do, dht, *ctx.saved_tensors)
+
+
+class _ChunkGDNGrads(torch.autograd.Function):
+    """``_ChunkGDN``'s gradients under ``create_graph=True``: the backward kernels have no backward, so a double
+    backward through them is an error, not a zero."""
+
+    @staticmethod
+    def forward(ctx, fwd_ctx, do, dht, *_saved):
+        return _backward_with(_bwd, fwd_ctx.plan, fwd_ctx, do, dht)
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        raise RuntimeError("chunk_gated_delta_rule: trying to differentiate twice (a double backward, e.g. a gradient "
+                           "penalty): the backward kernels have no backward; impl='reference' differentiates twice")
 
 
 def _eager(q, k, v, g, beta, scale, initial_state, cu_seqlens, save_states, needs_grad, v_first, beta_sigmoid,
