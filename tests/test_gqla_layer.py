@@ -317,6 +317,23 @@ def test_absorbed_weights_of_a_layer_made_under_inference_mode():
         assert w_uk.dtype == torch.float16 and torch.equal(w_uk, layer.w_uk_uv(torch.float16)[0])
 
 
+@pytest.mark.parametrize("path", ["absorb", "grouped"])
+def test_float64_layer_decodes_with_the_reference_only(path):
+    """A float64 layer with a kernel ``impl`` is refused at its decode step by name (the layer's dtype and impl, not
+    an internal tensor), the cache unchanged; with ``impl="reference"`` the same weights decode."""
+    layer = make_layer(2, g=2, dtype=torch.float64, path=path)
+    cache = layer.make_cache(2, 128, path=path)
+    x = randn((2, 5, layer.hidden_size), gen(3), dtype=torch.float64).to(P.device)
+    with torch.no_grad():
+        layer(x, cache=cache)
+        kept = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+        with pytest.raises(TypeError, match=r"GQLAttention: a torch.float64 layer decodes with impl='reference'"):
+            layer(x[:, :1], cache=cache)
+        assert all(torch.equal(v, kept[k]) for k, v in vars(cache).items() if isinstance(v, torch.Tensor))
+        layer.impl = "reference"
+        assert layer(x[:, :1], cache=cache).dtype == torch.float64
+
+
 def test_reference_decode_sees_writes_through_weight_data():
     """``impl="reference"``'s absorb step after an in-place write through ``kv_b_proj.weight.data`` (which has a
     version counter of its own): the float64 layer reference of the new weights, as the kernels' path gives."""

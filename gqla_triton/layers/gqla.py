@@ -38,6 +38,7 @@ from torch import nn
 
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
+    FLOAT_DTYPES,
     INT32_MAX,
     check_dense,
     check_device,
@@ -437,6 +438,10 @@ class GQLAttention(nn.Module):
         else:
             pos = torch.arange(T, device=dev)[None].expand(B, T)
         if decode and self.impl != "reference":
+            wdt = self.kv_a_proj.weight.dtype
+            if wdt not in FLOAT_DTYPES:  # (before the step writes the cache)
+                raise TypeError(f"GQLAttention: a {wdt} layer decodes with impl='reference' only (the decode kernels "
+                                f"take bfloat16 / float16 / float32; this layer has impl={self.impl!r})")
             o = self._decode_step(hidden_states, pos, add_t, cache, ids, idx, indices, topk_length)
             return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
         if add_t:
