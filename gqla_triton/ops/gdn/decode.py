@@ -520,8 +520,8 @@ def gated_delta_rule_decode(
                                          bool(use_qk_l2norm_in_kernel), cu_seqlens, accepted, intermediate_states,
                                          **opts)
     step = route(_decode_op, gated_delta_rule_decode_fwd)
-    cont = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    opts.update(A_log=cont(A_log), dt_bias=cont(dt_bias), gk=cont(gk), gv=cont(gv))
-    return step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state,
-                state_indices.contiguous(), float(scale), bool(use_qk_l2norm_in_kernel), cont(cu_seqlens),
-                cont(accepted), intermediate_states, **opts)
+    q, k, v, g, beta, state_indices, cu_seqlens, accepted, A_log, dt_bias, gk, gv = contiguous(
+        q, k, v, g, beta, state_indices, cu_seqlens, accepted, A_log, dt_bias, gk, gv)
+    opts.update(A_log=A_log, dt_bias=dt_bias, gk=gk, gv=gv)
+    return step(q, k, v, g, beta, state, state_indices, float(scale), bool(use_qk_l2norm_in_kernel), cu_seqlens,
+                accepted, intermediate_states, **opts)
