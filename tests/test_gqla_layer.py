@@ -3,7 +3,9 @@ latent -> grouped cache conversion; prefill gradients; paged cache bookkeeping; 
 
 import copy
 import math
+import pickle
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -267,6 +269,33 @@ def test_absorbed_weights_cached_and_invalidated():
     # under autograd: recomputed and differentiable
     w_uk, _ = layer.absorbed_weights()
     assert w_uk.requires_grad
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_absorbed_weights_hold_no_weight_after_to(g):
+    """``absorbed_weights`` keeps no reference to the weight it was computed from: after ``layer.to(...)`` replaces
+    the weight, the old weight's storage and the entry made from it are freed at once (not at the next call); the
+    next call computes the weights of the new parameter. A layer holding an entry pickles and deep-copies."""
+    layer = make_layer(0, g=g, dtype=torch.float32)
+    with torch.no_grad():
+        w_uk, _ = layer.absorbed_weights()
+    old_weight = weakref.ref(layer.kv_b_proj.weight.untyped_storage())
+    old_uk = weakref.ref(w_uk)
+    twin = copy.deepcopy(layer)
+    again = pickle.loads(pickle.dumps(layer))
+    del w_uk
+    layer.to(torch.float64)
+    assert old_weight() is None, "the old weight's storage is still referenced"
+    assert old_uk() is None, "the entry made from the old weight is still held"
+    with torch.no_grad():
+        w_uk, w_uv = layer.absorbed_weights()
+        assert w_uk.dtype == torch.float64 and torch.equal(w_uk, layer.w_uk_uv()[0].contiguous())
+        for other in (twin, again):
+            want = [t.clone() for t in other.w_uk_uv()]
+            got = other.absorbed_weights()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            other.kv_b_proj.weight.mul_(2)
+            assert torch.equal(other.absorbed_weights()[0], 2 * want[0])
 
 
 def _materialize(module):

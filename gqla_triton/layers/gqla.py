@@ -32,6 +32,8 @@ be captured in a CUDA graph or compiled with ``torch.compile(fullgraph=True)`` a
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,6 +111,21 @@ def check_rope_bits(key: str, v) -> None:
         raise ValueError(f"state_dict: {key}: expected the int64 bits of float64 frequencies, got {v.dtype}")
     if v.device.type != "meta" and not bool(torch.isfinite(v.view(torch.float64)).all()):
         raise ValueError(f"state_dict: {key}: expected the bits of finite frequencies")
+
+
+def _drop_absorbed(layer: nn.Module, dtype: torch.dtype):
+    """The callback of an ``absorbed_weights`` entry's weak reference to its weight's storage: drops the entry
+    (unless a newer one replaced it) when that storage is freed. Holds the layer weakly."""
+    layer_ref = weakref.ref(layer)
+
+    def drop(storage_ref) -> None:
+        m = layer_ref()
+        if m is not None:
+            hit = m._absorbed.get(dtype)
+            if hit is not None and hit[3] is storage_ref:
+                del m._absorbed[dtype]
+
+    return drop
 
 
 class GQLAttention(nn.Module):
@@ -195,6 +212,12 @@ class GQLAttention(nn.Module):
         self._rope_inv_freq_init = rope_inv_freq  # float64 on the CPU, or None: what reset_parameters writes back
         bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device)
         self.register_buffer("rope_inv_freq_bits", bits)
+
+    def __getstate__(self) -> dict:
+        # the absorbed weights name their source weakly (not picklable): a copy computes its own
+        state = super().__getstate__()
+        state["_absorbed"] = {}
+        return state
 
     def reset_parameters(self) -> None:
         """The layer's own state as the constructor makes it: the RoPE frequencies it was built with
@@ -326,8 +349,9 @@ class GQLAttention(nn.Module):
 
     def absorbed_weights(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorb-path weights ``W_UK [g, d_h, r]``, ``W_UV [g, d_v, r]`` contiguous in ``dtype``, computed once
-        and reused until ``kv_b_proj.weight`` changes (tracked by its version counter and storage pointer; also
-        across ``weight.data = ...``; an in-place write through ``weight.data``, which has a version counter of its
+        and reused until ``kv_b_proj.weight`` changes (tracked by its version counter, storage and address; also
+        across ``weight.data = ...``; an entry is dropped when its weight's storage is freed, e.g. by
+        ``layer.to(...)``; an in-place write through ``weight.data``, which has a version counter of its
         own, is not seen: the layer's own decode steps read ``w_uk_uv`` instead).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
         they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly). A weight made under
@@ -340,14 +364,17 @@ class GQLAttention(nn.Module):
         if w.is_inference():
             uk, uv = self.w_uk_uv(dtype)
             return uk.contiguous(), uv.contiguous()
-        key = (w._version, w.data_ptr(), w.device, dtype)
+        key = (w._version, w.data_ptr(), w.stride(), w.device, dtype)
+        storage = w.untyped_storage()
         hit = self._absorbed.get(dtype)
-        if hit is None or hit[0] != key:
+        if hit is None or hit[0] != key or hit[3]() is not storage:
             with torch.no_grad():
                 uk, uv = self.w_uk_uv(dtype)
-                # the entry holds the weight it was made from: while it lives, no other storage (``weight.data =
-                # ...``, which keeps the version counter) can take its address, so the key names one storage
-                hit = (key, uk.contiguous(), uv.contiguous(), w.detach())
+            # the entry names the weight's storage weakly (``weight.data = ...`` keeps the version counter, and a new
+            # storage may take a freed one's address): it is dropped when that storage is freed (``layer.to(...)``)
+            # copies, never views (a one-group W_UK is a contiguous view of the weight): the entry holds no weight
+            uk, uv = (t.clone(memory_format=torch.contiguous_format) for t in (uk, uv))
+            hit = (key, uk, uv, weakref.ref(storage, _drop_absorbed(self, dtype)))
             self._absorbed[dtype] = hit
         return hit[1], hit[2]
 
