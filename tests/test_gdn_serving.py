@@ -636,6 +636,26 @@ def test_host_slots_decode_step_cuda_graph():
         torch.testing.assert_close(getattr(cache, name), getattr(eager, name))
 
 
+def test_host_slot_tuple_of_a_captured_step_stays_indexed(monkeypatch):
+    """The index tensors of a host slot tuple that a CUDA-graph capture read stay in the cache however many other
+    tuples are used after it (the graph reads them at every replay: dropped, their memory would be reused under
+    it). The capture is simulated, so this runs on every device."""
+    m = _layer(1, 1, 16, torch.float32, 0, impl="reference")
+    cache = m.init_cache(40)
+    x = randn((2, 3, m.hidden_size), gen(0), dtype=torch.float32)
+    with torch.no_grad():
+        m(x, cache, slots=[7, 1])  # eager: the tuple's index tensors are made and kept
+        kept = cache._index[(7, 1)]
+        monkeypatch.setattr(cache, "_capturing", lambda: True)
+        m(x[:, :1], cache, slots=[7, 1])  # the captured step reads them
+        monkeypatch.undo()
+    others = [(a, b) for a in range(8, 40) for b in range(8, 40) if a != b][:GatedDeltaNetCache._INDEX_CACHE + 8]
+    for ids in others:
+        cache.reset(list(ids))
+    assert cache._index.get((7, 1)) is kept
+    assert len(cache._index) == GatedDeltaNetCache._INDEX_CACHE + 1  # the others: the most recent ones
+
+
 @pytest.mark.gpu_only
 def test_decode_step_torch_compile_default_backend():
     m, cache, g, slots = _gpu_layer()

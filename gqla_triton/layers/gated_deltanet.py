@@ -225,8 +225,9 @@ class GatedDeltaNetCache:
     ``slots`` (attribute, default None = ``0..n-1``): the slots used by forward calls that pass none.
 
     A forward's ``slots`` are either a host sequence of ints (checked: ints in ``[0, num_seqs)``, distinct; its
-    device index tensors are made once per distinct tuple and reused: a tuple other than ``0..n-1`` is copied to the
-    device on its first use, so use it once before capturing a CUDA graph) or a device int32 tensor ``[n]``, which
+    device index tensors are made once per distinct tuple and reused, 256 tuples kept, the least recently used out
+    first, and a tuple that a CUDA graph captured never: a tuple other than ``0..n-1`` is copied to the device on its
+    first use, so use it once before capturing a CUDA graph) or a device int32 tensor ``[n]``, which
     always runs a decode step and is never read on the host: a negative entry is padding (that sequence is skipped,
     its output is 0 and no row is touched), an entry ``>= num_seqs`` is skipped alike. Live entries must be distinct
     and name slots that hold a state (or were ``reset``: a zeroed row decodes as a fresh sequence); a decode through a
@@ -258,6 +259,7 @@ class GatedDeltaNetCache:
         self.slots = None
         self._held = [False] * num_seqs
         self._index: collections.OrderedDict[tuple[int, ...], _Batch] = collections.OrderedDict()
+        self._pinned: set[tuple[int, ...]] = set()  # tuples a CUDA graph captured: kept beyond _INDEX_CACHE
         self._draft: _Draft | None = None
         self._committed: _Draft | None = None  # a committed draft: its buffers stay alive until the next commit
 
@@ -313,23 +315,29 @@ class GatedDeltaNetCache:
     def _host_batch(self, ids: tuple[int, ...]) -> _Batch:
         """The index tensors of host slot ids, kept per tuple. ``0..n-1`` is made by a device op (capturable); any
         other tuple by a host-to-device copy on its first use. Tensors made while torch.compile traces or a CUDA
-        graph captures are not kept (a captured tensor holds its values only once the graph replays)."""
+        graph captures are not kept (a captured tensor holds its values only once the graph replays); kept ones that
+        a capture reads are pinned (never dropped)."""
         b = self._index.get(ids)
         tracing = torch.compiler.is_compiling()
         if b is not None:
             if not tracing:
                 self._index.move_to_end(ids)
+                if self._capturing():
+                    self._pinned.add(ids)  # the graph reads these tensors at every replay: never drop them
             return b
         if ids == tuple(range(len(ids))):
             op = torch.arange(len(ids), dtype=torch.int32, device=self.device)
         else:
             op = torch.tensor(ids, dtype=torch.int32, device=self.device)
         b = _Batch(ids, op, op, op.long(), None)
-        if not tracing and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not tracing and not self._capturing():
             self._index[ids] = b
-            if len(self._index) > self._INDEX_CACHE:
-                self._index.popitem(last=False)
+            if len(self._index) > self._INDEX_CACHE + len(self._pinned):
+                del self._index[next(k for k in self._index if k not in self._pinned)]
         return b
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _batch(self, slots, n: int) -> _Batch:
         """The rows of ``n`` sequences (validated; nothing is changed)."""
