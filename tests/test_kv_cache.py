@@ -289,6 +289,26 @@ def test_overflow_goes_to_the_scratch_page_and_check_raises(kind):
     cache.check()
 
 
+def test_no_auto_reserve_copies_a_shared_page_it_would_write():
+    """``auto_reserve=False``: an eager append into a page shared by ``fork`` (the forked slot's length moved back
+    from outside, within its reservation) copies that page first, so the source slot keeps its tokens; it takes no
+    page for its tokens."""
+    gg = gen(5)
+    cache = make_cache("latent", 2, 40, 7, auto_reserve=False)
+    cache.reserve([0], 20)
+    parts, flat = new_tokens("latent", 1, 20, gg)
+    cache.append([0], *parts)
+    cache.fork(0, 1)  # page 0 shared, the partly filled page 1 copied
+    cache.cache_seqlens[1] = 10
+    new, nflat = new_tokens("latent", 1, 3, gg)
+    free = cache.num_free_pages
+    cache.append([1], *new)
+    assert torch.equal(gathered(cache, 0), flat[0])
+    assert torch.equal(gathered(cache, 1), torch.cat([flat[0, :10], nflat[0]]))
+    assert cache.num_free_pages == free - 1 and cache.reserved([1]) == [32]
+    cache.check()
+
+
 def test_eager_calls_follow_outside_writes_of_the_lengths():
     """Eager appends take lengths from a host mirror; a write to ``cache_seqlens`` from outside the cache (a
     benchmark restoring lengths) is seen through the tensor's version counter."""

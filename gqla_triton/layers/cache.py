@@ -101,9 +101,10 @@ class PagedCache(abc.ABC):
         page_size: tokens per page, a positive multiple of 16 (keyword-only, default 64).
         num_pages: pages to share among the slots (default ``max_batch * ceil(max_seqlen / page_size)``).
         device: of every tensor of the cache.
-        auto_reserve: eager appends reserve the pages they need (default). With False every append behaves
-            as inside a captured step: only ``reserve`` takes pages, and an append past the reservation is
-            flagged for ``check()`` (no host sync in any append).
+        auto_reserve: eager appends reserve the pages they need (default). With False an append takes no pages
+            for its tokens (only ``reserve`` does) and one past the reservation is flagged for ``check()``, as
+            inside a captured step, and it makes no host sync, except an eager append while pages are shared
+            (``fork``): it reads the device lengths (one sync) and copies a shared page it would write.
     """
 
     def __init__(self, max_batch: int, max_seqlen: int, *, page_size: int = 64, num_pages: int | None = None,
