@@ -639,7 +639,8 @@ def test_host_slots_decode_step_cuda_graph():
 def test_host_slot_tuple_of_a_captured_step_stays_indexed(monkeypatch):
     """The index tensors of a host slot tuple that a CUDA-graph capture read stay in the cache however many other
     tuples are used after it (the graph reads them at every replay: dropped, their memory would be reused under
-    it). The capture is simulated, so this runs on every device."""
+    it); a tuple with no index tensors yet is refused by name inside a capture, nothing changed. The capture is
+    simulated, so this runs on every device."""
     m = _layer(1, 1, 16, torch.float32, 0, impl="reference")
     cache = m.init_cache(40)
     x = randn((2, 3, m.hidden_size), gen(0), dtype=torch.float32)
@@ -648,6 +649,10 @@ def test_host_slot_tuple_of_a_captured_step_stays_indexed(monkeypatch):
         kept = cache._index[(7, 1)]
         monkeypatch.setattr(cache, "_capturing", lambda: True)
         m(x[:, :1], cache, slots=[7, 1])  # the captured step reads them
+        before = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+        with pytest.raises(ValueError, match=r"slots: \[3, 1\] have no device index yet"):
+            m(x[:, :1], cache, slots=[3, 1])  # a new tuple would need a host-to-device copy inside the capture
+        assert all(torch.equal(v, getattr(cache, k)) for k, v in before.items()) and (3, 1) not in cache._index
         monkeypatch.undo()
     others = [(a, b) for a in range(8, 40) for b in range(8, 40) if a != b][:GatedDeltaNetCache._INDEX_CACHE + 8]
     for ids in others:

@@ -325,12 +325,16 @@ class GatedDeltaNetCache:
                 if self._capturing():
                     self._pinned.add(ids)  # the graph reads these tensors at every replay: never drop them
             return b
+        capturing = not tracing and self._capturing()
         if ids == tuple(range(len(ids))):
             op = torch.arange(len(ids), dtype=torch.int32, device=self.device)
+        elif capturing:  # a host-to-device copy cannot be captured
+            raise ValueError(f"slots: {list(ids)} have no device index yet; run one eager call with them before "
+                             "capturing a CUDA graph (or pass a device int32 slot tensor)")
         else:
             op = torch.tensor(ids, dtype=torch.int32, device=self.device)
         b = _Batch(ids, op, op, op.long(), None)
-        if not tracing and not self._capturing():
+        if not tracing and not capturing:
             self._index[ids] = b
             if len(self._index) > self._INDEX_CACHE + len(self._pinned):
                 del self._index[next(k for k in self._index if k not in self._pinned)]
