@@ -649,3 +649,14 @@ def test_env_override_json_that_is_not_an_object_is_named_as_such(monkeypatch, t
     finally:
         monkeypatch.delenv("GQLA_TRITON_CONFIG")
         dispatch._env_override.cache_clear()
+
+
+def test_unknown_config_fields_of_mixed_name_types_are_named():
+    """Unknown field names that are not all strings (an in-process override or table) are a ``ValueError`` naming
+    them, not a ``TypeError`` from sorting them."""
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \[1, 'zz'\]"):
+        with dispatch.config_override({"gqa_decode": {1: 2, "zz": 3}}):
+            pass
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \[1, 'zz'\]"):
+        with dispatch.table_swap("interpreter", {"gqa_decode": [{"match": {}, "config": {"zz": 1, 1: 2}}]}):
+            pass
