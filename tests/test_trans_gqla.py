@@ -674,7 +674,8 @@ def test_sources_with_more_than_plain_projections_are_refused_by_name():
         return m
 
     x = randn((1, 3, hid), gen(32), dtype=torch.float64, device="cpu")
-    trans_gqla(module(), **kw, kv_rank=32, impl="reference")  # the plain projections convert
+    for plain in (module(), module(q_norm=None, k_norm=torch.nn.Identity())):  # the plain projections convert
+        trans_gqla(plain, **kw, kv_rank=32, impl="reference")
     for extra, what in ((dict(q_norm=torch.nn.RMSNorm(d, dtype=torch.float64)), "q_norm"),
                         (dict(k_norm=torch.nn.RMSNorm(d, elementwise_affine=False)), "q_norm / k_norm"),
                         (dict(lambda_q=torch.nn.Parameter(torch.ones(d))), "lambda_q")):

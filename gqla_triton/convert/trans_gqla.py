@@ -59,10 +59,10 @@ _F64 = dict(dtype=torch.float64, device="cpu")
 
 def check_plain_attention(module, arg: str = "source", what: str = "the attention") -> None:
     """``module`` (an attention) holds its q / k / v / o projections and nothing else that enters its function: no
-    per-head q / k norms (``q_norm`` / ``k_norm``, with or without weights) and no parameters besides the
-    projections' (else a ``ValueError`` naming the argument ``arg``, ``what`` the module is, and what is extra);
-    biases are refused where they are read."""
-    if any(hasattr(module, n) for n in ("q_norm", "k_norm")):
+    per-head q / k norms (``q_norm`` / ``k_norm`` other than None or ``nn.Identity``, with or without weights) and
+    no parameters besides the projections' (else a ``ValueError`` naming the argument ``arg``, ``what`` the module
+    is, and what is extra); biases are refused where they are read."""
+    if any(not isinstance(getattr(module, n, None), (type(None), torch.nn.Identity)) for n in ("q_norm", "k_norm")):
         raise ValueError(f"{arg}: {what} normalizes q / k per head (q_norm / k_norm); not supported")
     if isinstance(module, torch.nn.Module):
         own = {f"{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")}
