@@ -19,6 +19,7 @@ from typing import ClassVar, NamedTuple
 from .dispatch import GPU_KEYS, DeviceInfo, device_info, is_interpreter, table_config
 from .ops._common.config import KernelConfig
 from .ops._common.validation import is_finite_real
+from .roofline import _MAX_SIZE
 
 __all__ = ["choose_decode_path", "DecodePathChoice", "DecodePathConfig", "PATHS", "POINTS", "REF_SHAPE",
            "step_inputs", "absorb_step", "grouped_step", "measure_points"]
@@ -52,10 +53,11 @@ class DecodePathConfig(KernelConfig):
 
     def check(self) -> None:
         self.within(("absorb_efficiency", "grouped_efficiency"), 0, 1, open_lo=True)
-        for p in self.points:
-            if len(p) != 4 or min(p[:2]) < 1 or min(p[2:]) <= 0 or not all(map(is_finite_real, p)):
+        for p in self.points:  # batch and seqlen whole, in the range the roofline models price
+            if (len(p) != 4 or not all(map(is_finite_real, p)) or min(p[2:]) <= 0
+                    or not all(1 <= v <= _MAX_SIZE and float(v).is_integer() for v in p[:2])):
                 raise ValueError(f"decode_path config: 'points' holds rows [batch, seqlen, absorb_ms, grouped_ms] "
-                                 f"(batch, seqlen >= 1; finite times > 0), got {list(p)}")
+                                 f"(batch, seqlen whole numbers in [1, 2**40]; finite times > 0), got {list(p)}")
 
 
 class DecodePathChoice(NamedTuple):

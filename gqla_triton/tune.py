@@ -446,6 +446,11 @@ def _check_space(space) -> None:
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
                 raise ValueError(f"space: {op}.{name} expected a non-empty sequence of candidate values, got "
                                  f"{values!r}")
+            joint = name.split("+")
+            for v in values if len(joint) > 1 else ():  # a joint move sets its fields from one tuple (``_move``)
+                if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or len(v) != len(joint):
+                    raise ValueError(f"space: {op}.{name} expected candidate values each a ({', '.join(joint)}) "
+                                     f"tuple, got {v!r}")
 
 
 class _State:

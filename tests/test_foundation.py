@@ -649,3 +649,27 @@ def test_env_override_json_that_is_not_an_object_is_named_as_such(monkeypatch, t
     finally:
         monkeypatch.delenv("GQLA_TRITON_CONFIG")
         dispatch._env_override.cache_clear()
+
+
+def test_unknown_config_fields_of_mixed_name_types_are_named():
+    """Unknown field names that are not all strings (an in-process override or table) are a ``ValueError`` naming
+    them, not a ``TypeError`` from sorting them."""
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \[1, 'zz'\]"):
+        with dispatch.config_override({"gqa_decode": {1: 2, "zz": 3}}):
+            pass
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \[1, 'zz'\]"):
+        with dispatch.table_swap("interpreter", {"gqa_decode": [{"match": {}, "config": {"zz": 1, 1: 2}}]}):
+            pass
+
+
+def test_decode_path_points_take_whole_sizes_the_roofline_models():
+    """A measured point's batch and seqlen are whole numbers in the roofline's range ``[1, 2**40]``: a point past it
+    or between integers is refused as the config's ``points`` when the config is read, not met later as the
+    caller's ``batch`` or silently truncated."""
+    for row in ([1.5, 4096, 0.05, 0.1], [1, 4096.5, 0.05, 0.1], [2**41, 4096, 0.05, 0.1], [1, 1e300, 0.05, 0.1]):
+        with pytest.raises(ValueError, match="decode_path config: 'points'"):
+            with dispatch.config_override({"decode_path": {"points": [row]}}):
+                pass
+    with dispatch.config_override({"decode_path": {"points": [[2.0, 2**40, 0.05, 0.1]]}}):
+        choice = decode_path.choose_decode_path(decode_path.REF_SHAPE, 1, "h200")
+        assert "batch 2, seqlen 1099511627776" in choice.reason

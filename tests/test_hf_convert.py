@@ -273,3 +273,19 @@ def test_calib_input_ids_and_page_size_are_checked_before_any_change():
             convert_llama(model, kv_rank=8, rope_dim=8, page_size=page_size)
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    """A model built on the meta device (no weights loaded yet) holds no values to factorize: a ``ValueError``
+    naming what is on meta (the model's rotary buffer, else the attention's weights)."""
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="^model: .*meta device"):
+        convert_llama(model, kv_rank=8, rope_dim=8)
+    inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    model.model.rotary_emb.register_buffer("inv_freq", inv, persistent=False)
+    with pytest.raises(ValueError, match="^source: q_proj is on the meta device"):
+        convert_llama(model, kv_rank=8, rope_dim=8)
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())

@@ -415,3 +415,16 @@ def test_tp_loaders_refuse_float8_weights_as_the_layers_load_does(tmp_path):
                     cls.from_state_dict(bad, cfg, dtype=dtype)
         finally:
             dist.destroy_process_group()
+
+
+def test_unknown_names_of_mixed_types_are_named():
+    """A config or state dict whose unknown names are not all strings is a ``ValueError`` naming them, not a
+    ``TypeError`` from sorting them."""
+    layer = _gqla_layer(0)
+    cfg = {k: getattr(layer, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim",
+                                          "kv_rank", "q_rank")}
+    sd = layer.state_dict()
+    with pytest.raises(ValueError, match=r"config: unknown GQLAttention arguments \[1, 'zz'\]"):
+        shard_gqla_state_dict(sd, {**cfg, 1: 2, "zz": 3}, 0, 2)
+    with pytest.raises(ValueError, match=r"state_dict: .*unexpected \[1, 'zz'\]"):
+        shard_gqla_state_dict({**sd, 1: sd["o_proj.weight"], "zz": sd["o_proj.weight"]}, cfg, 0, 2)

@@ -653,3 +653,35 @@ def test_loaders_name_num_heads_that_is_not_an_int():
                         kv_rank=16)
     with pytest.raises(ValueError, match="^num_groups: expected a positive divisor of num_heads 4, got 3"):
         load_gqla(sd, num_heads=4, num_groups=3, head_dim=8, rope_dim=4, kv_rank=16)
+
+
+def test_sources_with_more_than_plain_projections_are_refused_by_name():
+    """A module whose attention holds anything beyond bias-free q / k / v / o (per-head q / k norms, with or without
+    weights, as Qwen3's; differential attention's λ) or a dict with other entries computes another function than
+    the one converted: ``trans_gqla`` and the reference refuse it, naming what is extra."""
+    h, g, d, hid = 4, 2, 8, 16
+    src = gqa_source(31, hidden=hid, h=h, g=g, d=d)
+    kw = dict(num_heads=h, num_groups=g, head_dim=d)
+
+    def module(**extra):
+        m = torch.nn.Module()
+        for n, w in src.items():
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float64)
+            lin.weight.data.copy_(w)
+            setattr(m, n, lin)
+        for n, v in extra.items():
+            setattr(m, n, v)
+        return m
+
+    x = randn((1, 3, hid), gen(32), dtype=torch.float64, device="cpu")
+    for plain in (module(), module(q_norm=None, k_norm=torch.nn.Identity())):  # the plain projections convert
+        trans_gqla(plain, **kw, kv_rank=32, impl="reference")
+    for extra, what in ((dict(q_norm=torch.nn.RMSNorm(d, dtype=torch.float64)), "q_norm"),
+                        (dict(k_norm=torch.nn.RMSNorm(d, elementwise_affine=False)), "q_norm / k_norm"),
+                        (dict(lambda_q=torch.nn.Parameter(torch.ones(d))), "lambda_q")):
+        with pytest.raises(ValueError, match=f"^source: .*{what}"):
+            trans_gqla(module(**extra), **kw, kv_rank=32, impl="reference")
+        with pytest.raises(ValueError, match=f"^source: .*{what}"):
+            gqa_attention_reference(module(**extra), x, **kw)
+    with pytest.raises(ValueError, match=r"^source: unexpected weights \['q_norm'\]"):
+        trans_gqla({**src, "q_norm": torch.ones(d)}, **kw, kv_rank=32, impl="reference")

@@ -393,6 +393,10 @@ def test_bad_options_and_partial_files_are_refused_before_any_search(tmp_path):
            (dict(ops=["combine"], space={"combine": {"bogus": (1, 2)}}), ValueError, "space: 'combine' has no field"),
            (dict(ops=["combine"], space={"nope": {}}), ValueError, "space: unknown op 'nope'"),
            (dict(ops=["combine"], space={"combine": {"num_warps": ()}}), ValueError, "non-empty sequence"),
+           (dict(ops=["combine"], space={"combine": {"elems+num_warps": (2048, 8)}}), ValueError,
+            r"space: combine.elems\+num_warps .*a \(elems, num_warps\) tuple, got 2048"),
+           (dict(ops=["combine"], space={"combine": {"elems+num_warps": ((2048,),)}}), ValueError,
+            r"space: combine.elems\+num_warps .*got \(2048,\)"),
            (dict(ops=["combine"], budget_minutes=10**400), ValueError, "budget_minutes")]
     for kw, err, msg in bad:
         with pytest.raises(err, match=msg):

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layers.gqla import GQLAttention
 from ..ops._common.validation import check_dense, check_page_size, check_positive_int, is_int
-from .trans_gqla import trans_gqla
+from .trans_gqla import check_plain_attention, trans_gqla
 
 __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
 
@@ -244,10 +244,6 @@ def _check_calib(ids, cfg, base) -> None:
         raise ValueError(f"calib_input_ids: token ids must lie in [0, {cfg.vocab_size}), got values in [{lo}, {hi}]")
 
 
-# an attention of Llama's layout holds these parameters only (biases: refused by trans_gqla, by name)
-_LLAMA_ATTENTION_PARAMS = {f"{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")}
-
-
 def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.Tensor | None = None,
                   decode_path: str = "absorb", impl: str = "auto", max_seqlen: int = 4096, page_size: int = 64,
                   balance_kv: bool = True):
@@ -271,6 +267,9 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     cfg = model.config
     h, g = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    if rotary.inv_freq.device.type == "meta":
+        raise ValueError("model: its rotary_emb.inv_freq is on the meta device (it holds no values); load the model's "
+                         "weights first")
     inv = rotary.inv_freq.detach().to("cpu", torch.float64)
     if inv.shape != (d // 2,):
         raise ValueError(f"model: partial rotary embeddings ({2 * inv.numel()} of {d} dims) are not supported")
@@ -294,12 +293,7 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
         sa = layer.self_attn
         if isinstance(sa, GQLAHFAttention):
             raise ValueError(f"model: layer {i}'s attention is already converted")
-        if any(hasattr(sa, n) for n in ("q_norm", "k_norm")):
-            raise ValueError(f"model: layer {i} normalizes q / k per head (q_norm / k_norm); not supported")
-        extra = sorted(n for n, _ in sa.named_parameters() if n not in _LLAMA_ATTENTION_PARAMS)
-        if extra:  # norms of q / k / the output (StableLM, HunYuan, BitNet), differential attention's λ, ...
-            raise ValueError(f"model: layer {i}'s attention has parameters beyond Llama's q / k / v / o projections "
-                             f"({extra}): its function is not the one converted; not supported")
+        check_plain_attention(sa, "model", f"layer {i}'s attention")
         _check_rope(rotary, sa, inv, scaling)
     new = []
     for i, layer in enumerate(layers):

@@ -57,12 +57,31 @@ __all__ = ["trans_gqla", "gqa_attention_reference"]
 _F64 = dict(dtype=torch.float64, device="cpu")
 
 
+def check_plain_attention(module, arg: str = "source", what: str = "the attention") -> None:
+    """``module`` (an attention) holds its q / k / v / o projections and nothing else that enters its function: no
+    per-head q / k norms (``q_norm`` / ``k_norm`` other than None or ``nn.Identity``, with or without weights) and
+    no parameters besides the projections' (else a ``ValueError`` naming the argument ``arg``, ``what`` the module
+    is, and what is extra); biases are refused where they are read."""
+    if any(not isinstance(getattr(module, n, None), (type(None), torch.nn.Identity)) for n in ("q_norm", "k_norm")):
+        raise ValueError(f"{arg}: {what} normalizes q / k per head (q_norm / k_norm); not supported")
+    if isinstance(module, torch.nn.Module):
+        own = {f"{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")}
+        extra = sorted(n for n, _ in module.named_parameters() if n not in own)
+        if extra:  # norms of q / k / the output (StableLM, HunYuan, BitNet), differential attention's λ, ...
+            raise ValueError(f"{arg}: {what} has parameters beyond Llama's q / k / v / o projections ({extra}): its "
+                             "function is not the one converted; not supported")
+
+
 def _weights(source, names):
     if isinstance(source, dict):
         missing = [n for n in names if n not in source]
         if missing:
             raise ValueError(f"source: missing weights {missing}")
+        extra = sorted(map(str, set(source) - set(names)))
+        if extra:
+            raise ValueError(f"source: unexpected weights {extra} (the source holds {list(names)} only)")
         return [source[n] for n in names]
+    check_plain_attention(source)
     out = []
     for n in names:
         mod = getattr(source, n, None)
@@ -148,7 +167,8 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     """Convert a GQA attention into a ``GQLAttention`` (module docstring: the math and when it is exact).
 
     ``source``: a module with bias-free ``q_proj [h·d, hidden]``, ``k_proj [g·d, hidden]``, ``v_proj
-    [g·d_v, hidden]``, ``o_proj [hidden, h·d_v]`` (LLaMA naming) or a dict of those weight tensors.
+    [g·d_v, hidden]``, ``o_proj [hidden, h·d_v]`` (LLaMA naming) and no other parameters or q / k norms, or a dict
+    of exactly those weight tensors.
     ``kv_rank``: latent rank r (ranks past ``g·(d + d_v)`` get zero latent rows). ``rope_dim``: d_R, even, at most
     ``g·d`` (= exact RoPE); 0 keeps no rotation. The source's RoPE: ``rope_inv_freq [d/2]`` (default
     ``rope_theta^(-2m/d)``) and ``rope_attention_scaling`` (the factor on its cos / sin).

@@ -79,7 +79,7 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], full: nn.Module, lo
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
     want, mine = full.state_dict(), local.state_dict()
-    missing, unexpected = sorted(set(want) - set(state_dict)), sorted(set(state_dict) - set(want))
+    missing, unexpected = sorted(set(want) - set(state_dict)), sorted(set(state_dict) - set(want), key=str)
     if missing or unexpected:
         raise ValueError(f"state_dict: does not match the layer's parameters (missing {missing}, unexpected "
                          f"{unexpected})")
@@ -155,7 +155,7 @@ def check_config(config, names: tuple[str, ...], what: str, required: tuple[str,
     dtype dropped) or an error."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config: expected a mapping of {what} arguments, got {type(config).__name__}")
-    bad = sorted(set(config) - set(names) - {"device", "dtype"})
+    bad = sorted(set(config) - set(names) - {"device", "dtype"}, key=str)
     if bad:
         raise ValueError(f"config: unknown {what} arguments {bad} (expected some of {list(names)})")
     missing = [n for n in required if n not in config]

@@ -96,7 +96,7 @@ class KernelConfig:
         if not isinstance(fields, Mapping):
             raise ValueError(f"{cls.OP} config{where}: expected an object of fields, got {type(fields).__name__}")
         known = cls.field_names()
-        unknown = sorted(set(fields) - set(known))
+        unknown = sorted(set(fields) - set(known), key=str)  # names of any type (an in-process override)
         if unknown:
             raise ValueError(f"{cls.OP} config{where}: unknown field(s) {unknown}; the fields are {sorted(known)}")
         start = dataclasses.asdict(base) if base is not None else {}
