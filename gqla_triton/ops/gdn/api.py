@@ -468,7 +468,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``state_layout="vk"``: ``[N, HV, V, K]``) float32, bfloat16 or float16, or
-            None (N = B, or the number of sequences with varlen); read in the kernels as it is, in fp32 arithmetic.
+            None (N = B, or the number of sequences with varlen); read in the kernels as it is, in fp32 arithmetic
+            (with fp16 q / k / v their products take the states in fp16: entries past 65504 overflow).
             With ``state_indices`` the state pool ``[P, HV, K, V]`` (``"vk"``: ``[P, HV, V, K]``) in one of those
             dtypes, contiguous; the final states are rounded to its dtype.
         output_final_state: also return the final states ``[N, HV, K, V]`` (``"vk"``: ``[N, HV, V, K]``) float32,
