@@ -232,11 +232,36 @@ def compile_in_child(call: str, report: str) -> list[str]:
     return res.stdout.splitlines()[-1].split()
 
 
+def static_shared(cubin: bytes) -> int:
+    """The static shared memory of a cubin's kernels (its ``.nv.shared.*`` ELF sections; a warp-specialised Gluon
+    kernel has 1 KB): a launch's dynamic shared memory may take the block's 227 KB less this."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = heads[shstrndx][4]
+
+    def name(h):
+        start = names_at + h[0]
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    return sum(h[5] for h in heads if name(h).startswith(".nv.shared."))
+
+
 def compile_sm90_in_child(call: str, *, tma: bool = False) -> int:
     """``compile_in_child`` for a Gluon kernel: assert it is warp-specialised (register reallocation) with wgmma
-    products and cp.async copies, TMA tile copies exactly when ``tma``, and return its shared memory in bytes."""
-    shared, *flags = compile_in_child(call, "k.metadata.shared, 'setmaxnreg' in k.asm['ptx'], "
-                                            "'wgmma.mma_async' in k.asm['ptx'], 'cp.async' in k.asm['ptx'], "
-                                            "'cp.async.bulk.tensor' in k.asm['ptx']")
+    products and cp.async copies, TMA tile copies exactly when ``tma``, and return its shared memory in bytes, the
+    dynamic (what the launch asks for) and the static together."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/k.cubin"
+        shared, *flags = compile_in_child(f"{call}; open({path!r}, 'wb').write(k.asm['cubin'])",
+                                          "k.metadata.shared, 'setmaxnreg' in k.asm['ptx'], "
+                                          "'wgmma.mma_async' in k.asm['ptx'], 'cp.async' in k.asm['ptx'], "
+                                          "'cp.async.bulk.tensor' in k.asm['ptx']")
+        with open(path, "rb") as f:
+            static = static_shared(f.read())
     assert flags == ["True", "True", "True", str(tma)], flags
-    return int(shared)
+    return int(shared) + static
