@@ -6,12 +6,14 @@ Without a GPU: Triton's CPU interpreter at tiny sizes in float32 (says so; the n
 """
 
 import os
+import sys
 import time
 
 import torch
 
 if not torch.cuda.is_available():  # must be set before gqla_triton (and its kernels) are imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gqla_triton.layers import GatedDeltaNet  # noqa: E402
 

@@ -13,6 +13,7 @@ import torch
 
 if not torch.cuda.is_available():  # must be set before gqla_triton (and its kernels) are imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gqla_triton as gq  # noqa: E402
 from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref  # noqa: E402

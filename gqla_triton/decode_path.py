@@ -91,8 +91,10 @@ def choose_decode_path(
 
     ``layer_shape`` has ``num_heads``, ``num_groups``, ``head_dim``, ``rope_dim``, ``kv_rank`` (and optionally
     ``v_head_dim``). ``override`` ("absorb" / "grouped") or ``GQLA_TRITON_DECODE_PATH`` wins. With
-    ``kernel_efficiency`` each path's roofline time is divided by the measured efficiency of our kernel on that
-    GPU (``DecodePathConfig``); ``kernel_efficiency=False`` compares the hardware bounds alone.
+    ``kernel_efficiency`` each path's roofline time is scaled by what our kernels measured on that GPU (its
+    ``decode_path`` entry, ``DecodePathConfig``): measured / roofline at the measured point nearest in log batch
+    and log length where the entry has ``points``, else divided by one efficiency per path;
+    ``kernel_efficiency=False`` compares the hardware bounds alone.
     """
     from . import roofline
     from .ops._common.validation import check_flag, check_positive_int

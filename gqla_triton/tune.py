@@ -973,7 +973,7 @@ def _bar(total: int, progress: bool):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="", help="comma list of combine,gdn_decode,gdn_chunk,mla_decode,gqa_decode,"
                                               "decode_path (default: all)")
     ap.add_argument("--budget-minutes", type=float, default=15.0, help="bound on the search time (%(default)s)")

@@ -532,3 +532,19 @@ def test_few_sequences_take_the_deeper_pipeline(monkeypatch):
         assert plan_mod.shared_bytes(p.BLOCK_M, p.BLOCK_N, 4, 128, 64, 128, 2) <= h200.smem_per_block
     for p in (plan(128, 4096), plan(8, 8192, s_q=2), plan(8, 8192, topk=2048)):
         assert p.cfg.num_stages == 3
+
+
+def test_reference_takes_head_dims_the_kernel_refuses():
+    """``impl="reference"`` (any device and dtype) computes head dims the kernel does not take (d_h, d_v, d_R not
+    multiples of 16): the float64 reference's answer; the kernel refuses them by name."""
+    q, k, v, bt, lens, kr, _ = _case(5, B=2, s_q=2, g=2, G=2, d_h=8, d_r=6, d_v=12, max_len=20,
+                                     dtype=torch.float32)
+    with pytest.raises(ValueError, match="d_h"):
+        gqa_decode(q, k, v, bt, lens, kr)
+    out, lse = gqa_decode(q, k, v, bt, lens, kr, impl="reference")
+    ref_o, ref_l = gqa_decode_reference(q, k, v, bt, lens, kr)
+    assert out.shape == (2, 2, 4, 12) and out.dtype == torch.float32
+    assert_close("reference out", out, ref_o, ref_o.float(), dtype=torch.float32)
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_l.cpu()))
+    with pytest.raises(ValueError, match="d_v"):
+        gqa_decode(q, k, v[..., :0], bt, lens, kr, impl="reference")

@@ -546,3 +546,18 @@ def test_uint64_positions_are_refused():
     layer = GQLAttention(32, 4, 2, 8, 4, 8, impl="reference")
     with pytest.raises(TypeError, match="positions: .*uint64"):
         layer(torch.randn(1, 2, 32), torch.tensor([0, 1], dtype=torch.uint64))
+
+
+def test_reference_grouped_path_decodes_dims_the_kernels_refuse():
+    """``impl="reference"`` takes the grouped path at head dims its kernels refuse (rope_dim 8, v_head_dim 12): a
+    decode step runs and equals the absorb path's (float64)."""
+    layer = GQLAttention(64, 8, 4, 16, 8, 32, v_head_dim=12, impl="reference", dtype=torch.float64, device=P.device)
+    x = randn((2, 5, 64), gen(4), dtype=torch.float64).to(P.device)
+    outs = []
+    with torch.no_grad():
+        for path in ("absorb", "grouped"):
+            cache = layer.make_cache(2, 32, path=path, page_size=16)
+            layer(x[:, :4], cache=cache)
+            outs.append(layer(x[:, 4:], cache=cache))
+            assert cache.seqlens() == [5, 5]
+    assert rel_err(outs[1], outs[0]) < 1e-10

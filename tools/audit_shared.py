@@ -227,7 +227,7 @@ def audit(gpu: str, ops_: list[str], only: str = "") -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.audit_shared", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.audit_shared", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
     ap.add_argument("--case", default="gdn,step,mla,gqa", help="ops to audit: gdn, step, mla, gqa")
     ap.add_argument("--only", default="", help="cases whose name contains this")

@@ -442,7 +442,7 @@ def _hand_over(pattern: str, n: int = 8) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(":") + ".")
     ap.add_argument("--default-writes", choices=("none", "smem", "mbarrier", "exchange"), default="smem")
     ap.add_argument("--hand-over", choices=PATTERNS, help="run this hand-over pattern instead")
     ap.add_argument("--tile", choices=TILES, help="run the store / load hand-over of this tile shape and layout")

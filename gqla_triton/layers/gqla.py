@@ -144,7 +144,8 @@ class GQLAttention(nn.Module):
         softmax_scale: default ``(d_h + d_R) ** -0.5``.
         path: ``"auto"`` (``choose_decode_path`` picks per batch / length when a cache is made), ``"absorb"``
             (MLA over a ``LatentCache``) or ``"grouped"`` (GQA over a ``GroupedCache``).
-        impl: ``"auto"`` | ``"triton"`` | ``"gluon"`` (decode kernels, passed to the ops) or ``"reference"``
+        impl: ``"auto"`` | ``"triton"`` | ``"gluon"`` (decode kernels, passed to the ops; ``"gluon"`` is the absorb
+            path's Hopper kernel: ``gqa_decode`` has none, so a grouped decode step refuses it) or ``"reference"``
             (pure-torch decode on any device and dtype; it reads the cache on the host, so it is not for
             CUDA graphs or torch.compile). Prefill runs torch SDPA in every case.
         device, dtype: of the parameters.

@@ -464,8 +464,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value head i uses q/k head
             ``i // (HV // H)``); all one dtype in (bfloat16, float16, float32; float64 too with
             ``impl="reference"``); any K <= 256, V <= 1024.
-        g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token), any
-            float dtype; beta: ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``).
+        g: ``[B, T, HV]`` log-space decay (<= 0; -inf is a full decay: the state is reset at that token); beta:
+            ``[B, T, HV]`` in (0, 1) (logits with ``use_beta_sigmoid_in_kernel``); each float32, bfloat16 or float16
+            (float64 too with ``impl="reference"``), independently of q's dtype.
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``state_layout="vk"``: ``[N, HV, V, K]``) float32, bfloat16 or float16, or
             None (N = B, or the number of sequences with varlen); read in the kernels as it is, in fp32 arithmetic
@@ -490,7 +491,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             counts and sequence lengths; index tensors are reused across calls with the same values. The kernels
             then read the plan's own device copy of these bounds, so a call whose two copies differ follows
             ``cu_seqlens_cpu`` (and stays within its tensors).
-        chunk_indices: fla's precomputed ``[NT, 2]`` (sequence, chunk) pairs of the varlen input's 64-token chunks;
+        chunk_indices: fla's precomputed ``[NT, 2]`` (sequence, chunk) pairs of the varlen input's chunks of
+            ``chunk_size`` tokens;
             accepted and unused (the plan comes from ``cu_seqlens``), it must describe the chunks of ``cu_seqlens``
             (``ValueError`` otherwise: its shape is checked against the host values of ``cu_seqlens`` where there
             are any, its values when it is a CPU tensor).
@@ -506,7 +508,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``[B,T,HV,K]``, h ``[chunks, HV, K, V]`` and v_new ``[B,T,HV,V]`` in the input dtype (about 4x v's size
             at K = V; h alone is 2x). False recomputes them in the backward as fla does (the w / u stage and the
             state pass run again). No effect without autograd.
-        use_gate_in_kernel: ``g`` holds the raw gate input ``a`` (any float dtype) and the kernels take the decay
+        use_gate_in_kernel: ``g`` holds the raw gate input ``a`` (g's dtypes) and the kernels take the decay
             ``-exp(A_log)·softplus(a + dt_bias)`` (softplus is x itself above 20), as fla's option; the gradient
             of ``g`` is then that of ``a``, and A_log / dt_bias get theirs.
         A_log, dt_bias: ``[HV]`` float32 or q's dtype, on q's device; A_log is required with
@@ -521,7 +523,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         chunk_size: tokens per chunk, 16, 32 or 64 (fla's choices and default): the kernels' chunk (the same
             function at every size, rounded differently; 64 is the tuned one; the GPU kernels take 16 as 32,
             ``plan.kernel_chunk``). fla's ``chunk_indices`` count chunks of this size.
-        impl: ``"auto"``: this GPU's table decides (the H200's runs a forward without gradient of at least 4096
+        impl: ``"auto"``: this GPU's table decides (the H200's runs a forward without gradient of at least 1024
             chunk x value-head units through the Hopper Gluon kernel where it applies, the Triton kernels
             otherwise); ``"triton"``: the portable Triton kernels only; ``"gluon"``: the forward without gradient
             through the Gluon kernel (sm_90, bf16, K 128, V a multiple of 32, chunk_size 64; sequences never split),

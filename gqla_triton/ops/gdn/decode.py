@@ -433,9 +433,10 @@ def gated_delta_rule_decode(
         q, k: ``[B, s, H, K]`` (bf16/fp16/fp32, one dtype), the ``s`` tokens of each sequence in order.
         v: ``[B, s, HV, V]``, bf16/fp16/fp32 (may differ from q's); ``HV % H == 0`` (value head ``i`` uses q/k head
             ``i // (HV // H)``).
-        g: ``[B, s, HV]`` log-space decay (<= 0), any float dtype; with ``use_gate_in_kernel`` the raw gate input.
-        beta: ``[B, s, HV]``, any float dtype; with ``use_beta_sigmoid_in_kernel`` logits. Or ``[B, s, HV, V]``: one
-            beta per value channel (fla's recurrent option), scaling each column of the update.
+        g: ``[B, s, HV]`` log-space decay (<= 0); with ``use_gate_in_kernel`` the raw gate input.
+        beta: ``[B, s, HV]``; with ``use_beta_sigmoid_in_kernel`` logits. Or ``[B, s, HV, V]``: one
+            beta per value channel (fla's recurrent option), scaling each column of the update. g, beta, gk and gv
+            are each bf16/fp16/fp32, in dtypes of their own (float64 too with ``impl="reference"``).
         state: ``[P, HV, K, V]`` (``state_layout="vk"``: ``[P, HV, V, K]``) fp32, bf16 or fp16 contiguous pool; rows
             ``state_indices`` are read (to fp32) and written back (rounded to the pool's dtype) in place.
         state_indices: ``[B]`` int32 pool row of each sequence (``[N]`` with ``cu_seqlens``; default ``arange``, needs
@@ -468,8 +469,7 @@ def gated_delta_rule_decode(
             no bias), and both must be ``None`` without it.
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernel takes ``sigmoid(beta)``.
         allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k k^T`` may have eigenvalues down to -1.
-        gk, gv: fla's per-key / per-value decays ``[B, s, HV, K]`` / ``[B, s, HV, V]`` (log space, any float dtype) or
-            None: with ``g`` they scale the state before each update, ``S = exp(g)·diag(exp(gk))·S·diag(exp(gv))``
+        gk, gv: fla's per-key / per-value decays ``[B, s, HV, K]`` / ``[B, s, HV, V]`` (log space) or None: with ``g`` they scale the state before each update, ``S = exp(g)·diag(exp(gk))·S·diag(exp(gv))``
             (state rows ``[K, V]``).
         state_layout: ``"kv"`` (``[..., K, V]`` rows) or ``"vk"`` (``[..., V, K]``, the layout of vLLM / SGLang /
             FlashInfer decode); fla's ``state_v_first=True`` (and its deprecated name ``transpose_state_layout``,

@@ -133,8 +133,13 @@ def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, sof
         check_kernel_device(q.device, _REFERENCE, q.dtype)
     d_v = v_cache.shape[-1]
     d_r = 0 if k_rope_cache is None else k_rope_cache.shape[-1]
-    check_head_dims(d_h, d_v, d_r, names=("d_h (k_cache.shape[-1])", "d_v (v_cache.shape[-1])",
-                                          "k_rope_cache: rope dim d_R"), rope=k_rope_cache is not None)
+    names = ("d_h (k_cache.shape[-1])", "d_v (v_cache.shape[-1])", "k_rope_cache: rope dim d_R")
+    if impl != "reference":
+        check_head_dims(d_h, d_v, d_r, names=names, rope=k_rope_cache is not None)
+    else:  # the torch reference takes any widths
+        for name, d in zip(names, (d_h, d_v, d_r if k_rope_cache is not None else 1), strict=True):
+            if d <= 0:
+                raise ValueError(f"{name}: expected a positive width, got {d}")
     if g == 0:
         raise ValueError("k_cache: number of groups g (dim 2) must be >= 1")
     if q.shape[-1] != d_h + d_r:
@@ -159,7 +164,8 @@ def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache=Non
         q: ``[B, s_q, h_q, d_h + d_R]`` (bf16 / fp16 / fp32); head ``i`` uses group ``i // (h_q / g)``.
         k_cache: ``[num_pages, page_size, g, d_h]`` per-group keys (no rope part); page_size % 16 == 0 (any size for
             sparse calls).
-        v_cache: ``[num_pages, page_size, g, d_v]`` per-group values.
+        v_cache: ``[num_pages, page_size, g, d_v]`` per-group values. The kernel takes d_h and d_v multiples of 16
+            up to 256 and d_R a multiple of 16 up to 128; ``impl="reference"`` any widths.
         block_table: ``[B, max_pages]`` int32 (``max_pages · page_size <= 2**30``); token ``p`` of sequence ``b``
             lives in page ``block_table[b, p // page_size]``. Entries outside ``[0, num_pages)`` are never read
             through.

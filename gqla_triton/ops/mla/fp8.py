@@ -183,9 +183,8 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     Each 128-value latent tile gets the scale ``amax / 448`` (``pow2_scales``: rounded up to a power of two, as
     DeepSeek's UE8M0 scales are), so its largest value maps to e4m3's largest finite value; an all-zero tile gets
     scale 0 and zeros (a float32 subnormal scale is rounded up). The rope values are stored in bf16. The latent
-    values are taken in float32 (a float64 value past its range is ±inf there). NaN / inf in a tile make its scale
-    NaN / inf, so its dequantised values are non-finite (they reach every query that sees the token, as in the bf16
-    cache)."""
+    values are taken in float32 (a float64 value past its range is ±inf there). A NaN or inf in a tile makes its scale
+    NaN, so its dequantised values are NaN (they reach every query that sees the token, as in the bf16 cache)."""
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point() or is_fp8_latent(kv):
         got = kv.dtype if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise TypeError(f"kv: expected a floating tensor of latent + rope values, got {got}")
