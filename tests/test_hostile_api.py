@@ -512,3 +512,18 @@ def test_failed_assign_load_puts_the_layers_own_tensors_back(layer):
     m.load_state_dict(good, assign=True)
     assert all(p.data_ptr() == good[k].data_ptr() for k, p in m.named_parameters())
     assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())
+
+
+@pytest.mark.parametrize("layer", ["gqla", "gdn"])
+def test_load_state_dict_with_a_key_that_is_no_str_is_refused_by_name(layer):
+    """A state dict key that is not a string (strict or not) is a TypeError naming it, before anything is loaded,
+    not an AttributeError from inside torch's loader."""
+    torch.manual_seed(0)
+    m = (gq.GQLAttention(32, 4, 2, 16, 16, 32, impl="reference") if layer == "gqla"
+         else gq.GatedDeltaNet(32, 2, 4, 16, 16, impl="reference"))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    good = {k: v + 1.0 for k, v in before.items()}
+    for strict in (True, False):
+        with pytest.raises(TypeError, match=r"^state_dict: expected str keys .*got \(1, 2\), 7"):
+            m.load_state_dict({**good, 7: torch.zeros(1), (1, 2): torch.zeros(1)}, strict=strict)
+        assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())

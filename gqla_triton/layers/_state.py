@@ -8,6 +8,8 @@ unexpected key under ``strict``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -62,15 +64,20 @@ def check_state_dict(module: nn.Module, state_dict, prefix: str, refused: tuple[
         raise ValueError(f"state_dict: {'; '.join(bad)}")
 
 
-def load_or_restore(module: nn.Module, load, *args, **kwargs):
-    """``load(*args, **kwargs)`` (the module's ``nn.Module.load_state_dict``); if it raises, every parameter and
-    buffer of the module and its children is the object it was before the call, with its values from before the
-    call (a load with ``assign=True`` leaves the state dict's tensors as they were), then the error propagates."""
+def load_or_restore(module: nn.Module, load, state_dict, **kwargs):
+    """``load(state_dict, **kwargs)`` (the module's ``nn.Module.load_state_dict``) of a mapping whose keys are
+    strings (else a ``TypeError`` naming them, before anything is loaded); if it raises, every parameter and buffer
+    of the module and its children is the object it was before the call, with its values from before the call (a
+    load with ``assign=True`` leaves the state dict's tensors as they were), then the error propagates."""
+    if isinstance(state_dict, Mapping):
+        odd = sorted(repr(k) for k in state_dict if not isinstance(k, str))
+        if odd:
+            raise TypeError(f"state_dict: expected str keys (parameter and buffer names), got {', '.join(odd)}")
     held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     saved = [(t, t.untyped_storage().data_ptr(), t.detach().clone())
              for _, params, bufs in held for t in (*params.values(), *bufs.values()) if t is not None]
     try:
-        return load(*args, **kwargs)
+        return load(state_dict, **kwargs)
     except BaseException:
         with torch.no_grad():
             for m, params, bufs in held:
