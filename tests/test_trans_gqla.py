@@ -386,6 +386,22 @@ def test_rope_inv_freq_buffer_survives_casts_and_state_dict():
             GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=bad)
 
 
+def test_rope_inv_freq_bits_survive_module_type_casts():
+    """``Module.type`` casts every tensor, integer buffers too (of the layer or of a model holding it): the int64
+    bits of the RoPE frequencies stay bits, so the frequencies stay exact and the output is the float64 layer's."""
+    inv = torch.tensor([1.0, 0.1234567890123, 3e-4, 2.0], dtype=torch.float64)
+    layer = GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=inv, impl="reference", dtype=torch.float64)
+    x = randn((1, 5, 32), 1, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        want = layer(x)
+        for cast in (lambda m: m.type(torch.float64), lambda m: torch.nn.Sequential(m).type(torch.float64)[0]):
+            got = cast(layer)
+            assert got.rope_inv_freq_bits.dtype == torch.int64 and torch.equal(got.rope_inv_freq, inv)
+            assert torch.equal(got(x), want)
+        half = layer.type(torch.float32)
+        assert half.kv_b_proj.weight.dtype == torch.float32 and torch.equal(half.rope_inv_freq, inv)
+
+
 def test_weights_beyond_the_target_dtype_are_refused():
     """Balancing scales the key rows of ``kv_b_proj`` by the key / value norm ratio: with values ~1e-6 of the keys
     the rows leave float16's range. A ValueError names it; the float32 result of the same source is right."""

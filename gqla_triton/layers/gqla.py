@@ -220,6 +220,16 @@ class GQLAttention(nn.Module):
         state["_absorbed"] = {}
         return state
 
+    def _apply(self, fn, recurse=True):
+        # a cast of every tensor (``Module.type``) would convert the frequencies' bits as integers: they keep
+        # their bits and follow the tensors' device only
+        bits = self._buffers.get("rope_inv_freq_bits")
+        out = super()._apply(fn, recurse)
+        new = self._buffers.get("rope_inv_freq_bits")
+        if bits is not None and new is not None and new.dtype != torch.int64:
+            self._buffers["rope_inv_freq_bits"] = bits.to(new.device)
+        return out
+
     def reset_parameters(self) -> None:
         """The layer's own state as the constructor makes it: the RoPE frequencies it was built with
         (``rope_inv_freq_bits``), e.g. after ``to_empty`` of a layer built on meta. The projections and norms are
