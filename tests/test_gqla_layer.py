@@ -402,6 +402,10 @@ def test_layer_arguments_of_the_wrong_kind_are_refused_by_name():
             layer.make_cache(2, 32, page_size=16, device=bad)
         with pytest.raises(ValueError, match="device"):
             layer.choose_path(device=bad)
+    for path in ("absorb", "grouped", "auto"):  # s_q is the auto choice's; a fixed path still refuses a bad one
+        for bad in ("x", 0, True, 1.5):
+            with pytest.raises(ValueError, match="^s_q: expected a positive int"):
+                layer.make_cache(2, 32, page_size=16, path=path, s_q=bad)
     for bad in ("", False, 0):
         with pytest.raises(ValueError, match="path"):
             layer.make_cache(2, 32, page_size=16, path=bad)

@@ -317,7 +317,8 @@ class GQLAttention(nn.Module):
         """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch (and
         takes the absorb path where the grouped kernels do not take the head dims, see ``gqa_decode``).
         ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only); with ``k_scale`` the float8 cache
-        scaled per tensor (``LatentCache``). ``auto_reserve``: see ``PagedCache``."""
+        scaled per tensor (``LatentCache``). ``s_q``: query tokens per decode step (a positive int; it informs the
+        "auto" choice). ``auto_reserve``: see ``PagedCache``."""
         path = self.path if path is None else path
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
@@ -326,6 +327,7 @@ class GQLAttention(nn.Module):
                              "(a layer made with path='auto' takes either)")
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_seqlen", max_seqlen)
+        check_positive_int("s_q", s_q)
         w = self.kv_b_proj.weight
         device = check_device(device, storage=True) or w.device
         dtype = w.dtype if dtype is None else dtype
