@@ -433,6 +433,25 @@ def test_nan_token_reaches_only_the_queries_that_see_it():
             assert (~torch.isfinite(layer(x, pos, cache, seq_ids=ids))).any(-1).nonzero().tolist() == want
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_prefill_nonfinite_token_stays_in_its_sequence(bad):
+    """A prefill (torch SDPA) whose third token of sequence 0 is non-finite: that query and the later ones are
+    non-finite, as in the float64 layer reference (SDPA may carry it to the earlier ones too: docs/design.md), and
+    the other sequence is finite and matches the reference, with no cache and with a cache on either path."""
+    layer = make_layer(7, g=2)
+    x = randn((2, 5, layer.hidden_size), gen(7), dtype=torch.float32)
+    x[0, 2, 3] = bad
+    pos = torch.arange(5)[None].expand(2, 5)
+    ref = gqla_reference(layer, x, pos)
+    assert (~torch.isfinite(ref)).any(-1).nonzero().tolist() == [[0, 2], [0, 3], [0, 4]]
+    with torch.no_grad():
+        outs = [layer(x, pos)] + [layer(x, pos, layer.make_cache(2, 8, path=p, page_size=PAGE))
+                                  for p in ("absorb", "grouped")]
+    for y in outs:
+        assert not torch.isfinite(y[0, 2:]).all(-1).any()
+        assert rel_err(y[1], ref[1]) < 1e-5
+
+
 def test_auto_path_choice_and_make_cache():
     layer = make_layer(0, g=2, dtype=torch.float32, path="auto")
     big = GQLAttention(7168, 128, 8, 128, 64, 512, device="meta")

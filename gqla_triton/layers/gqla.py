@@ -8,7 +8,8 @@ Weights (MLA with group-indexed up-projections; ``γ(i) = i // (h_q/g)`` is the 
     o_proj         h_q·d_v -> hidden
 
 Per query head the first ``d_h`` dims are the no-rope part, the last ``d_R`` the rope part.
-Prefill / training runs the grouped form through ``F.scaled_dot_product_attention``. Decode (a cache that
+Prefill / training runs the grouped form through ``F.scaled_dot_product_attention`` (whose causal mask can carry
+a token's NaN / inf to the earlier queries of its sequence; docs/design.md). Decode (a cache that
 already holds tokens of these sequences, ``s_q = T >= 1`` new tokens) runs
 
 - ``absorb``: ``q_lat = W_UK[γ(i)]ᵀ q_nope`` ++ ``q_rope`` -> ``mla_decode`` over a ``LatentCache``
