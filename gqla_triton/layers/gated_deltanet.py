@@ -948,15 +948,15 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"cache: expected a GatedDeltaNetCache, got {type(cache).__name__}")
         want_conv = (self.conv_dim, self.conv_size - 1)
         want_rec = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        if tuple(cache.conv_state.shape[1:]) != want_conv or tuple(cache.recurrent_state.shape[1:]) != want_rec:
-            raise ValueError(f"cache: conv/recurrent rows {list(cache.conv_state.shape[1:])} / "
+        if tuple(cache._conv.shape[1:]) != want_conv or tuple(cache.recurrent_state.shape[1:]) != want_rec:
+            raise ValueError(f"cache: conv/recurrent rows {list(cache._conv.shape[1:])} / "
                              f"{list(cache.recurrent_state.shape[1:])} do not match the layer's {list(want_conv)} / "
                              f"{list(want_rec)} (make it with layer.init_cache)")
         w = self.in_proj.weight
         if cache.device != w.device:
             raise ValueError(f"cache: on {cache.device}, the layer on {w.device}")
-        if cache.conv_state.dtype != w.dtype:
-            raise TypeError(f"cache: conv_state is {cache.conv_state.dtype}, the layer {w.dtype}")
+        if cache._conv.dtype != w.dtype:
+            raise TypeError(f"cache: conv_state is {cache._conv.dtype}, the layer {w.dtype}")
         cache._check_idle("forward")
 
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,
