@@ -510,7 +510,8 @@ class GatedDeltaNet(nn.Module):
         head_k_dim (K), head_v_dim (V): per-head dims. conv_size: short-conv width (>= 2).
         norm_eps: gated RMSNorm epsilon. layer_idx: position in the model (informational).
         impl: ``"auto"`` / ``"triton"`` (the Triton kernels: bfloat16, float16 or float32) or ``"reference"`` (pure
-            torch, any device and dtype, float64 included).
+            torch, any device and dtype, float64 included; it reads slot rows and ``cu_seqlens`` on the host, so
+            its decode and varlen calls are not for CUDA graphs or torch.compile).
         save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
@@ -976,8 +977,8 @@ class GatedDeltaNet(nn.Module):
           the cache rows (the chunked op over the state pool). Sets the slots' flags;
         - a device slot tensor: a decode step (any number of tokens).
 
-        A decode step has no host sync, host-to-device copy or branch on device values. Tokens outside
-        ``[cu[0], cu[N])`` are padding: they reach no sequence and no cache row (their output: ``o_proj`` of the
+        A decode step of the kernel impls has no host sync, host-to-device copy or branch on device values. Tokens
+        outside ``[cu[0], cu[N])`` are padding: they reach no sequence and no cache row (their output: ``o_proj`` of the
         gated norm of a zero o, 0 for finite inputs). ``cu_seqlens`` on a GPU is never read on the host, prefill
         included (the chunked op plans on the device), and no value of it can cause an out-of-bounds access: a
         decode step clamps each bound as its kernel does, a prefill takes the bounds clamped to ``[0, T]`` and made
