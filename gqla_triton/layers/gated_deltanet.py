@@ -1130,7 +1130,8 @@ class GatedDeltaNet(nn.Module):
         gates, pool rows; conv rows and lengths advanced unless ``verify``), the decode op, the gated-norm kernel
         (zeros for skipped sequences), o_proj."""
         B, T, _ = x.shape
-        mixed = self.in_proj(x)
+        # autocast may give in_proj's output another dtype; the prep kernel takes the conv rows' dtype
+        mixed = self.in_proj(x).to(cache._conv.dtype)
         q, k, v, g, beta, rows = gdn_decode_prep(
             mixed, self.conv1d.weight, cache._conv, cache._lens, batch.slots, self.A_log, self.dt_bias,
             num_heads=self.num_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
