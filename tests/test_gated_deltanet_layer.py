@@ -413,3 +413,43 @@ def test_refused_prefill_keeps_freed_slots():
         m(torch.randn(B, 1, 4, device=P.device), cache)
     for t, old in zip((cache.recurrent_state, cache.conv_state, cache.seqlens), before, strict=True):
         assert torch.equal(t, old)
+
+
+def test_layer_torch_compile_dynamic():
+    """``torch.compile(fullgraph=True, dynamic=True)`` (the layer's float attributes symbolic) traces a cached
+    prefill, host-slot decode steps and a verify step + commit, each equal to eager."""
+    backend = "aot_eager"
+    m = _as(_layer(1, 2, 16, torch.float64, 0), "triton", torch.float32)
+    x = randn((2, 9, m.hidden_size), 1, dtype=torch.float32)
+    f = torch.compile(m, fullgraph=True, backend=backend, dynamic=True)
+    commit = torch.compile(lambda c, a: c.commit(a), fullgraph=True, backend=backend, dynamic=True)
+    with torch.no_grad():
+        c1, c2 = m.init_cache(2), m.init_cache(2)
+        torch.testing.assert_close(f(x[:, :5], c1), m(x[:, :5], c2), rtol=0, atol=0)
+        torch.testing.assert_close(f(x[:, 5:6], c1), m(x[:, 5:6], c2), rtol=0, atol=0)
+        torch.testing.assert_close(f(x[:, 7:], c1, verify=True), m(x[:, 7:], c2, verify=True), rtol=0, atol=0)
+        acc = torch.tensor([1, 2], dtype=torch.int32, device=P.device)
+        commit(c1, acc)
+        c2.commit(acc)
+    for a, b in ((c1.conv_state, c2.conv_state), (c1.recurrent_state, c2.recurrent_state), (c1.seqlens, c2.seqlens)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cached_steps_under_autocast(impl):
+    """Under float16 autocast (in_proj's output float16, the cache float32) a cached prefill, a dense decode step, a
+    device-slot step and a verify step + commit run, close to the float64 layer."""
+    base = _layer(1, 2, 16, torch.float64, 0)
+    m = _as(base, impl, torch.float32)
+    x64 = randn((2, 8, m.hidden_size), 1, dtype=torch.float64)
+    ref = _as(base, "reference", torch.float64)(x64)
+    x = x64.float()
+    with torch.autocast(torch.device(P.device).type, dtype=torch.float16), torch.no_grad():
+        c = m.init_cache(2)
+        outs = [m(x[:, :4], c), m(x[:, 4:5], c),
+                m(x[:, 5:6], c, slots=torch.tensor([0, 1], dtype=torch.int32, device=P.device)),
+                m(x[:, 6:], c, verify=True)]
+        c.commit(torch.tensor([2, 1], dtype=torch.int32, device=P.device))
+    assert c.seqlens.tolist() == [8, 7]
+    err = rel_err(torch.cat(outs, 1), ref)
+    assert err <= 1e-2, err

@@ -584,3 +584,22 @@ def test_reference_grouped_path_decodes_dims_the_kernels_refuse():
             outs.append(layer(x[:, 4:], cache=cache))
             assert cache.seqlens() == [5, 5]
     assert rel_err(outs[1], outs[0]) < 1e-10
+
+
+@pytest.mark.parametrize("path", ["absorb", "grouped"])
+def test_layer_torch_compile_dynamic(path):
+    """``torch.compile(fullgraph=True, dynamic=True)`` (rope_theta and softmax_scale symbolic) traces a prefill with
+    autograd and decode steps, each equal to eager."""
+    layer = make_layer(0, g=2, path=path)
+    x = randn((2, 6, DIMS["hidden"]), 1, dtype=torch.float32)
+    f = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    xg = x.clone().requires_grad_()
+    f(xg).square().sum().backward()
+    gx, xg.grad = xg.grad, None
+    layer(xg).square().sum().backward()
+    torch.testing.assert_close(gx, xg.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        c1, c2 = (layer.make_cache(2, 32, page_size=PAGE) for _ in range(2))
+        layer(x[:, :4], cache=c1)
+        layer(x[:, :4], cache=c2)
+        torch.testing.assert_close(f(x[:, 4:5], cache=c1), layer(x[:, 4:5], cache=c2), rtol=0, atol=0)

@@ -510,7 +510,8 @@ class GatedDeltaNet(nn.Module):
         head_k_dim (K), head_v_dim (V): per-head dims. conv_size: short-conv width (>= 2).
         norm_eps: gated RMSNorm epsilon. layer_idx: position in the model (informational).
         impl: ``"auto"`` / ``"triton"`` (the Triton kernels: bfloat16, float16 or float32) or ``"reference"`` (pure
-            torch, any device and dtype, float64 included).
+            torch, any device and dtype, float64 included; it reads slot rows and ``cu_seqlens`` on the host, so
+            its decode and varlen calls are not for CUDA graphs or torch.compile).
         save_states: the chunked op keeps its per-chunk states for the backward (faster; about 4x the value
             tensor's size of extra activation memory) instead of recomputing them (``chunk_gated_delta_rule``).
 
@@ -948,15 +949,15 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"cache: expected a GatedDeltaNetCache, got {type(cache).__name__}")
         want_conv = (self.conv_dim, self.conv_size - 1)
         want_rec = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        if tuple(cache.conv_state.shape[1:]) != want_conv or tuple(cache.recurrent_state.shape[1:]) != want_rec:
-            raise ValueError(f"cache: conv/recurrent rows {list(cache.conv_state.shape[1:])} / "
+        if tuple(cache._conv.shape[1:]) != want_conv or tuple(cache.recurrent_state.shape[1:]) != want_rec:
+            raise ValueError(f"cache: conv/recurrent rows {list(cache._conv.shape[1:])} / "
                              f"{list(cache.recurrent_state.shape[1:])} do not match the layer's {list(want_conv)} / "
                              f"{list(want_rec)} (make it with layer.init_cache)")
         w = self.in_proj.weight
         if cache.device != w.device:
             raise ValueError(f"cache: on {cache.device}, the layer on {w.device}")
-        if cache.conv_state.dtype != w.dtype:
-            raise TypeError(f"cache: conv_state is {cache.conv_state.dtype}, the layer {w.dtype}")
+        if cache._conv.dtype != w.dtype:
+            raise TypeError(f"cache: conv_state is {cache._conv.dtype}, the layer {w.dtype}")
         cache._check_idle("forward")
 
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None,
@@ -976,8 +977,8 @@ class GatedDeltaNet(nn.Module):
           the cache rows (the chunked op over the state pool). Sets the slots' flags;
         - a device slot tensor: a decode step (any number of tokens).
 
-        A decode step has no host sync, host-to-device copy or branch on device values. Tokens outside
-        ``[cu[0], cu[N])`` are padding: they reach no sequence and no cache row (their output: ``o_proj`` of the
+        A decode step of the kernel impls has no host sync, host-to-device copy or branch on device values. Tokens
+        outside ``[cu[0], cu[N])`` are padding: they reach no sequence and no cache row (their output: ``o_proj`` of the
         gated norm of a zero o, 0 for finite inputs). ``cu_seqlens`` on a GPU is never read on the host, prefill
         included (the chunked op plans on the device), and no value of it can cause an out-of-bounds access: a
         decode step clamps each bound as its kernel does, a prefill takes the bounds clamped to ``[0, T]`` and made
@@ -1129,7 +1130,8 @@ class GatedDeltaNet(nn.Module):
         gates, pool rows; conv rows and lengths advanced unless ``verify``), the decode op, the gated-norm kernel
         (zeros for skipped sequences), o_proj."""
         B, T, _ = x.shape
-        mixed = self.in_proj(x)
+        # autocast may give in_proj's output another dtype; the prep kernel takes the conv rows' dtype
+        mixed = self.in_proj(x).to(cache._conv.dtype)
         q, k, v, g, beta, rows = gdn_decode_prep(
             mixed, self.conv1d.weight, cache._conv, cache._lens, batch.slots, self.A_log, self.dt_bias,
             num_heads=self.num_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,

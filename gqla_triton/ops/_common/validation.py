@@ -111,7 +111,7 @@ def check_scale(name: str, value: object, default: float, *, factor: float = 1.0
         scale = float(value)
     except OverflowError:
         scale = math.inf
-    if not math.isfinite(scale) or abs(scale) * factor > _F32_MAX:
+    if not is_finite_real(scale) or abs(scale) * factor > _F32_MAX:
         raise ValueError(f"{name}: expected a finite real number of magnitude <= {_F32_MAX / factor:.3g} "
                          f"(float32 range) or None, got {value!r}")
     if scale != 0 and abs(scale) * factor < _F32_TINY:  # float32 would make it 0 or subnormal (0 · inf = NaN)
@@ -185,10 +185,14 @@ def is_finite_real(value: object) -> bool:
     """A real number (not a bool) with a finite float value: an int too large for a float is not."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
+    if isinstance(value, numbers.Integral):
+        try:
+            return math.isfinite(value)
+        except OverflowError:
+            return False
+    # inf - inf and nan are nan; unlike math.isfinite this traces under torch.compile, where a float attribute of a
+    # module may be symbolic (dynamic=True)
+    return bool(value - value == 0)
 
 
 def check_positive_real(name: str, value: object) -> float:
