@@ -113,7 +113,7 @@ def choose_decode_path(
     forced = override if override is not None else (os.environ.get("GQLA_TRITON_DECODE_PATH") or None)
     if forced is not None and forced not in PATHS:
         raise ValueError(f"override (or GQLA_TRITON_DECODE_PATH): expected None or one of {PATHS}, got {forced!r}")
-    spec = roofline.gpu_spec(gpu)
+    spec = roofline.gpu_spec(gpu, name="device_info")
     t_abs = roofline.mla_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_mla_shape(layer_shape)).time(spec)
     t_grp = roofline.gqa_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_gqa_shape(layer_shape)).time(spec)
     basis = f"roofline on {spec.name}"

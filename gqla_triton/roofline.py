@@ -67,15 +67,16 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
-def gpu_spec(key: str) -> GPUSpec:
-    """Spec by table key (``h100``, ``h200``, ``h20``, ...); ``default`` and ``interpreter`` map to H100."""
+def gpu_spec(key: str, *, name: str = "gpu") -> GPUSpec:
+    """Spec by table key (``h100``, ``h200``, ``h20``, ...); ``default`` and ``interpreter`` map to H100. ``name``:
+    the caller's argument that held ``key``, for the error messages."""
     if not isinstance(key, str):
-        raise TypeError(f"key: expected a GPU name (str), got {type(key).__name__}")
+        raise TypeError(f"{name}: expected a GPU name (str), got {type(key).__name__}")
     if key in GPUS:
         return GPUS[key]
     if key in ("default", "interpreter"):
         return GPUS["h100"]
-    raise ValueError(f"gpu_spec: unknown GPU {key!r}; known: {sorted(GPUS)}")
+    raise ValueError(f"{name}: unknown GPU {key!r}; known: {sorted(GPUS)}")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import triton
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gqla_triton import decode_path, dispatch, roofline
+from gqla_triton import GQLAttention, decode_path, dispatch, roofline
 from gqla_triton.ops._common.host import cdiv, next_pow2
 
 CONFIGS = Path(dispatch.__file__).parent / "configs"
@@ -85,8 +85,13 @@ def test_choose_decode_path_follows_the_roofline():
     assert decode_path.choose_decode_path(shape, 1, "h20", override="absorb").path == "absorb"
     with pytest.raises(ValueError, match="override"):
         decode_path.choose_decode_path(shape, 1, "h20", override="fast")
-    with pytest.raises(ValueError, match="unknown GPU"):
+    with pytest.raises(ValueError, match="^device_info: unknown GPU 'b300'"):
         decode_path.choose_decode_path(shape, 1, "b300")
+    # an unknown GPU is named as the argument that held it
+    with pytest.raises(ValueError, match="^gpu: unknown GPU 'b300'"):
+        GQLAttention(64, 8, 4, 16, 8, 32, device="meta").choose_path(gpu="b300")
+    with pytest.raises(ValueError, match="^gpu: unknown GPU 'b300'"):
+        roofline.paper_tokens_per_s("b300", "absorb")
 
 
 def test_interpreter_tables_pin_exactly_one_config_per_op():

@@ -279,12 +279,13 @@ class GQLAttention(nn.Module):
 
     def choose_path(self, *, batch: int = 1, seqlen: int = 8192, s_q: int = 1, device=None, gpu: str | None = None):
         """``choose_decode_path`` for this layer's shape (``path`` other than "auto" is an override)."""
-        from .. import dispatch
+        from .. import dispatch, roofline
         from ..decode_path import choose_decode_path
 
         if gpu is not None:
             if not isinstance(gpu, str):
                 raise TypeError(f"gpu: expected None or a GPU name (str), got {type(gpu).__name__}")
+            roofline.gpu_spec(gpu, name="gpu")  # an unknown name is refused as this argument
             info = gpu
         else:
             dev = check_device(device) or self.kv_b_proj.weight.device
