@@ -452,6 +452,18 @@ def test_prefill_nonfinite_token_stays_in_its_sequence(bad):
         assert rel_err(y[1], ref[1]) < 1e-5
 
 
+def test_gluon_impl_on_the_grouped_path_is_refused_where_the_path_is_chosen():
+    """impl='gluon' names the absorb path's Hopper kernel: a layer made for the grouped path, or a grouped cache of
+    an 'auto' layer, is refused by name when made; an 'auto' layer's own choice takes the absorb path."""
+    with pytest.raises(ValueError, match="impl='gluon'"):
+        GQLAttention(64, 8, 4, 16, 8, 32, impl="gluon", path="grouped")
+    layer = GQLAttention(64, 8, 4, 16, 8, 32, impl="gluon", path="auto")
+    with pytest.raises(ValueError, match="impl='gluon'"):
+        layer.make_cache(2, 32, path="grouped", page_size=16)
+    assert isinstance(layer.make_cache(2, 32, page_size=16), LatentCache)
+    assert GQLAttention(64, 8, 4, 16, 8, 32, impl="gluon", path="absorb").impl == "gluon"
+
+
 def test_auto_path_choice_and_make_cache():
     layer = make_layer(0, g=2, dtype=torch.float32, path="auto")
     big = GQLAttention(7168, 128, 8, 128, 64, 512, device="meta")

@@ -66,10 +66,13 @@ _PATHS = ("auto", "absorb", "grouped")
 
 
 def _check_grouped_dims(impl: str, d_h: int, d_v: int, d_r: int) -> None:
-    """The grouped path's decode kernels (``gqa_decode``) take its head dims, else it runs only with
-    ``impl="reference"``: refused where the path is chosen, not at the first decode step."""
+    """The grouped path's decode kernels (``gqa_decode``) take its head dims and ``impl`` (no "gluon"), else it
+    runs only with ``impl="reference"``: refused where the path is chosen, not at the first decode step."""
     if impl == "reference":
         return
+    if impl == "gluon":
+        raise ValueError("path 'grouped' with impl='gluon': 'gluon' is the absorb path's Hopper kernel and the grouped "
+                         "decode (gqa_decode) has none; use impl='auto' or 'triton', or the absorb path")
     from ..ops.gqa.api import check_head_dims
 
     try:
@@ -146,7 +149,8 @@ class GQLAttention(nn.Module):
         path: ``"auto"`` (``choose_decode_path`` picks per batch / length when a cache is made), ``"absorb"``
             (MLA over a ``LatentCache``) or ``"grouped"`` (GQA over a ``GroupedCache``).
         impl: ``"auto"`` | ``"triton"`` | ``"gluon"`` (decode kernels, passed to the ops; ``"gluon"`` is the absorb
-            path's Hopper kernel: ``gqa_decode`` has none, so a grouped decode step refuses it) or ``"reference"``
+            path's Hopper kernel: ``gqa_decode`` has none, so the grouped path refuses it where it is chosen, as the
+            layer's ``path`` or a cache's) or ``"reference"``
             (pure-torch decode on any device and dtype; it reads the cache on the host, so it is not for
             CUDA graphs or torch.compile). Prefill runs torch SDPA in every case.
         device, dtype: of the parameters.
