@@ -76,6 +76,19 @@ def empty_poisoned(shape, *, dtype, device=None) -> torch.Tensor:
     return poison(torch.empty(shape, dtype=dtype, device=device or P.device))
 
 
+def mapped_zeros(numel: int, dtype: torch.dtype, tmp_path) -> torch.Tensor:
+    """A CPU tensor of ``numel`` zeros backed by a sparse file mapped shared: address space, not memory (only the
+    pages written or read take any), for strides past 2**31 elements under the interpreter."""
+    import os
+
+    path = tmp_path / "mapped.bin"
+    with open(path, "wb") as f:
+        f.truncate(numel * torch.empty((), dtype=dtype).element_size())
+    t = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    os.unlink(path)  # the mapping keeps the file until the tensor goes
+    return t
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """‖x − ref‖ / ‖ref‖ in float64; inf if x holds NaN/inf where ref is finite."""
     x = x.detach().to(torch.float64).cpu()

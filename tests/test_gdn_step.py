@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from harness import P, assert_close, dtypes, examples, gen, pick, randn, record_launches, seeds
+from harness import P, assert_close, dtypes, examples, gen, mapped_zeros, pick, randn, record_launches, seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,6 +131,32 @@ def test_decode_prep_hostile_slots_stay_in_bounds():
     assert got[5].tolist() == want[5].tolist() == [-1, -1]
     for o, r in zip(got[:5], want[:5], strict=True):
         torch.testing.assert_close(o, r, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(P.device != "cpu", reason="a view of a sparse file mapped under the interpreter")
+def test_decode_prep_strides_past_int32(tmp_path):
+    """``mixed`` with a token stride that puts a conv tap's token more than 2**31 elements back, and a channel stride
+    that puts the gate input a more than 2**31 elements past b (views of a mapped sparse file: no memory): the
+    results and in-place updates equal those of a compact copy (no int32 offset wraps)."""
+    g = gen(5)
+    B, T, H, HV, K, V, W = 2, 4, 1, 2, 2, 2, 4
+    C = 2 * H * K + HV * V
+    D = C + HV * V + 2 * HV
+    s_xt, s_xc = 2**31 // (W - 1) + 1, 2**30 + 1  # (W - 1)·s_xt and HV·s_xc pass 2**31 - 1
+    strides = (2**20, s_xt, s_xc)  # no two elements share an address
+    span = sum((n - 1) * st for n, st in zip((B, T, D), strides, strict=True)) + 1
+    mixed = mapped_zeros(span + 2**31, torch.float16, tmp_path).as_strided((B, T, D), strides)
+    compact = randn((B, T, D), g, dtype=torch.float16)
+    mixed.copy_(compact)
+    _, conv_w, buf, lens_buf, A_log, dt_bias = _prep_problem(g, B, T, H, HV, K, V, W, 3, torch.float16, 1.0)
+    dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    slots = torch.tensor([2, 0], **I32)
+    with torch.no_grad():
+        got, b, lb = _run(gdn_decode_prep, mixed, conv_w, buf, lens_buf, slots, A_log, dt_bias, dims, 3, True)
+        want, b2, lb2 = _run(gdn_decode_prep, compact, conv_w, buf, lens_buf, slots, A_log, dt_bias, dims, 3, True)
+    for name, o, r in zip(("q", "k", "v", "g", "beta", "rows"), got, want, strict=True):
+        assert torch.equal(o, r), name
+    assert torch.equal(b, b2) and torch.equal(lb, lb2)
 
 
 def test_decode_prep_bad_inputs_change_nothing():

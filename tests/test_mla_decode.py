@@ -627,6 +627,31 @@ def test_gluon_config_has_one_key_ring():
     assert MLADecodeConfig(impl="triton", block_n=32, num_stages=3).num_stages == 3  # the portable kernel's fields
 
 
+def test_caches_of_2_31_rows_or_more():
+    """A cache of 2**31 token rows or more (an expanded view of one page: no memory) is read at its rows past int32
+    by the portable kernel, exactly as the page itself; the Gluon kernel, whose row indices are int32, refuses it
+    (``impl="auto"`` then runs the portable kernel)."""
+    from gqla_triton.ops.mla.fp8 import FP8_ROW_BYTES
+    from gqla_triton.ops.mla.gluon_sm90 import gluon_unsupported
+
+    g = gen(11)
+    page = randn((1, 16, 1, 48), g)
+    big = page.expand(2**27, 16, 1, 48)  # 2**31 rows
+    q = randn((1, 2, 4, 48), g)
+    lens = torch.tensor([20], dtype=torch.int32, device=P.device)
+    table = torch.tensor([[2**27 - 1, 2**27 - 2]], dtype=torch.int32, device=P.device)
+    got = mla_decode(q, big, table, lens, 32, causal=True, impl="triton")
+    want = mla_decode(q, page, torch.zeros_like(table), lens, 32, causal=True, impl="triton")
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    q16 = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    one = torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16)
+    assert gluon_unsupported(q16, one.expand(2**25 - 1, 64, 1, 576), 512) is None
+    assert "2^31 token rows" in gluon_unsupported(q16, one.expand(2**25, 64, 1, 576), 512)
+    fp8 = torch.zeros(1, 64, 1, FP8_ROW_BYTES, dtype=torch.float8_e4m3fn).expand(2**25, 64, 1, FP8_ROW_BYTES)
+    assert "2^31 token rows" in gluon_unsupported(q16, fp8, 512)
+
+
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("s_q", [1, 3])

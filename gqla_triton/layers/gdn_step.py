@@ -78,14 +78,16 @@ def gdn_decode_prep_kernel(
         m_h = o_h < HV
         neg_a = -tl.exp(tl.load(a_log + o_h, mask=m_h, other=0.0).to(tl.float32))
         dtb = tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)
-        pt = x + i_b * s_xb + (2 * KD + 2 * VD + o_h).to(tl.int64) * s_xc
+        pt = x + i_b * s_xb + (2 * KD + 2 * VD + o_h).to(tl.int64) * s_xc  # b's channels
+        pa = x + i_b * s_xb + (2 * KD + 2 * VD + HV + o_h).to(tl.int64) * s_xc  # a's
         for t in range(T):
             tok = i_b * T + t
             b_raw = tl.load(pt, mask=m_h, other=0.0).to(tl.float32)
-            a_raw = tl.load(pt + HV * s_xc, mask=m_h, other=0.0).to(tl.float32)
+            a_raw = tl.load(pa, mask=m_h, other=0.0).to(tl.float32)
             tl.store(beta + tok * HV + o_h, tl.sigmoid(b_raw), mask=m_h)
             tl.store(g + tok * HV + o_h, neg_a * _softplus(a_raw + dtb), mask=m_h)
             pt += s_xt
+            pa += s_xt
     else:
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
@@ -108,7 +110,8 @@ def gdn_decode_prep_kernel(
                 pos = zero_c + (t + j)
                 wj = tl.load(conv_w + o_c64 * W + j, mask=m_c, other=0.0).to(tl.float32)
                 xw = tl.load(p_win + tl.minimum(pos, W1 - 1), mask=m_live & (pos < W1), other=0.0).to(tl.float32)
-                xt = tl.load(p_xt + (j - W1) * s_xt, mask=m_c & (pos >= W1), other=0.0).to(tl.float32)
+                back = tl.full([], j - W1, tl.int64) * s_xt  # (W - 1 - j) tokens back, in int64: any strides
+                xt = tl.load(p_xt + back, mask=m_c & (pos >= W1), other=0.0).to(tl.float32)
                 acc += wj * (xw + xt)  # one of xw, xt is the masked 0
             y = acc.to(x.dtype.element_ty).to(tl.float32)  # the conv output in the input dtype, as the torch path
             y = (y / (1.0 + tl.exp(-y))).to(q.dtype.element_ty)

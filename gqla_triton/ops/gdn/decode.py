@@ -82,11 +82,12 @@ def gated_delta_rule_decode_fwd_kernel(
     m_v = o_v < V
 
     if VARLEN:
-        # clamped to [0, T] and to non-decreasing: no cu_seqlens value can move an access outside the tensors
-        bos = tl.minimum(tl.maximum(tl.load(cu + i_b), 0), S).to(tl.int32)
-        eos = tl.minimum(tl.maximum(tl.load(cu + i_b + 1), bos), S).to(tl.int32)
+        # clamped to [0, T] and to non-decreasing: no cu_seqlens value can move an access outside the tensors; in
+        # int64, as every token index below (T and the products of a token and HV may pass 2**31)
+        bos = tl.minimum(tl.maximum(tl.load(cu + i_b).to(tl.int64), 0), S)
+        eos = tl.minimum(tl.maximum(tl.load(cu + i_b + 1).to(tl.int64), bos), S)
         n_tok = eos - bos
-        tok0 = bos.to(tl.int64)
+        tok0 = bos
     else:
         n_tok = S
         tok0 = i_b.to(tl.int64) * S
@@ -161,10 +162,10 @@ def gated_delta_rule_decode_fwd_kernel(
         zero = tl.zeros([BV], dtype=o.dtype.element_ty)
         if i_b == 0:
             for t in range(bos):
-                tl.store(o + (t * HV + i_hv).to(tl.int64) * V + o_v, zero, mask=m_v)
+                tl.store(o + (t * HV + i_hv) * V + o_v, zero, mask=m_v)
         if i_b == N - 1:
             for t in range(eos, S):
-                tl.store(o + (t * HV + i_hv).to(tl.int64) * V + o_v, zero, mask=m_v)
+                tl.store(o + (t * HV + i_hv) * V + o_v, zero, mask=m_v)
 
 
 @names_config("gdn_decode")

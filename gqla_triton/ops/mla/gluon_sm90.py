@@ -670,6 +670,9 @@ def gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, 
         return f"head_dim_v {head_dim_v}, D {D} (latent 512 + rope 64 only)"
     if kv_cache.shape[1] % 16:
         return f"page size {kv_cache.shape[1]} (multiples of 16 only)"
+    if kv_cache.shape[0] * kv_cache.shape[1] >= 2**31:  # e.g. an expanded (stride 0) view of a few pages
+        return (f"kv_cache of {kv_cache.shape[0]} pages x {kv_cache.shape[1]} tokens: 2^31 token rows or more (the "
+                "kernel's row indices are int32)")
     align = 16 // kv_cache.element_size()
     if kv_cache.stride(0) % align or kv_cache.stride(1) % align or kv_cache.data_ptr() % 16:
         return "kv_cache rows not 16-byte aligned (cp.async copies 16 bytes)"

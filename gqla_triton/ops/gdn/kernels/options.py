@@ -54,8 +54,9 @@ def gdn_options_bwd_kernel(beta, dbt, dbeta, a, dgl, dg, a_log, dt_bias, part, c
         da = tl.where(lv, rev * dgda, 0.0)
         tl.store(dg + o, da.to(dg.dtype.element_ty), mask=m)
         np_ = tl.num_programs(0)
-        tl.store(part + h * np_ + pid, tl.sum(tl.where(lv, rev * gv, 0.0), 0), mask=h < HV)
-        tl.store(part + (HV + h) * np_ + pid, tl.sum(da, 0), mask=h < HV)
+        h64 = h.to(tl.int64)  # part holds 2·HV·programs entries: past 2**31 with many heads and tokens
+        tl.store(part + h64 * np_ + pid, tl.sum(tl.where(lv, rev * gv, 0.0), 0), mask=h < HV)
+        tl.store(part + (HV + h64) * np_ + pid, tl.sum(da, 0), mask=h < HV)
 
 
 @triton.jit
