@@ -66,7 +66,7 @@ def plot_roofline(out_dir: str | Path, gpus: tuple[str, ...] = ("h100", "h200", 
 
 
 def _draw(ax, gpu: str) -> None:
-    spec = roofline.gpu_spec(gpu)
+    spec = roofline.gpu_spec(gpu, name="gpu")
     peak, bw = spec.bf16_flops / 1e12, spec.hbm_bytes_s / 1e12
     xs = sorted([2.0**e for e in range(0, 12)] + [spec.ridge])
     ax.plot(xs, [min(peak, bw * x) for x in xs], color="black", lw=1.2)

@@ -67,7 +67,7 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
-def gpu_spec(key: str, *, name: str = "gpu") -> GPUSpec:
+def gpu_spec(key: str, *, name: str = "key") -> GPUSpec:
     """Spec by table key (``h100``, ``h200``, ``h20``, ...); ``default`` and ``interpreter`` map to H100. ``name``:
     the caller's argument that held ``key``, for the error messages."""
     if not isinstance(key, str):
@@ -219,7 +219,7 @@ def paper_tokens_per_s(gpu: str, path: str, s_q: int = 1, L: int = 8192) -> floa
     """
     if not isinstance(gpu, str):
         raise TypeError(f"gpu: expected a GPU name (str), got {type(gpu).__name__}")
-    spec = gpu_spec(gpu)
+    spec = gpu_spec(gpu, name="gpu")
     _sizes(s_q=s_q, L=L)
     if path == "absorb":
         m = mla_decode_model(1, L, s_q)
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--gpus: expected at least one GPU key")
     for g in gpus:
         try:
-            gpu_spec(g)  # unknown names fail before any output
+            gpu_spec(g, name="--gpus")  # unknown names fail before any output
         except ValueError as e:
             ap.error(str(e))
     if args.plot:  # matplotlib and the folder (made, written to) checked before any output
