@@ -470,7 +470,8 @@ def gated_delta_rule_decode(
             no bias), and both must be ``None`` without it.
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; the kernel takes ``sigmoid(beta)``.
         allow_neg_eigval: beta doubled (after the sigmoid), so ``I - beta k k^T`` may have eigenvalues down to -1.
-        gk, gv: fla's per-key / per-value decays ``[B, s, HV, K]`` / ``[B, s, HV, V]`` (log space) or None: with ``g`` they scale the state before each update, ``S = exp(g)·diag(exp(gk))·S·diag(exp(gv))``
+        gk, gv: fla's per-key / per-value decays ``[B, s, HV, K]`` / ``[B, s, HV, V]`` (log space) or None: with
+            ``g`` they scale the state before each update, ``S = exp(g)·diag(exp(gk))·S·diag(exp(gv))``
             (state rows ``[K, V]``).
         state_layout: ``"kv"`` (``[..., K, V]`` rows) or ``"vk"`` (``[..., V, K]``, the layout of vLLM / SGLang /
             FlashInfer decode); fla's ``state_v_first=True`` (and its deprecated name ``transpose_state_layout``,
