@@ -4,6 +4,7 @@ write-plan kernel against its torch twin (and inside the tensors it is given).""
 
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -325,6 +326,22 @@ def test_eager_calls_follow_outside_writes_of_the_lengths():
     for s in range(2):
         assert torch.equal(gathered(cache, s), torch.cat([flat[s], flat2[s]]))
     cache.check()
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda c: pickle.loads(pickle.dumps(c))])
+def test_a_copied_cache_follows_outside_writes_of_its_lengths(copier):
+    """A copy's ``cache_seqlens`` is a new tensor whose version counter restarts: outside writes to it, as many as
+    the source's counter had seen, are still seen (the host mirror never outlives the lengths it mirrors)."""
+    gg = gen(3)
+    cache = make_cache("latent", 2, 64, 8)
+    cache.append(None, *new_tokens("latent", 2, 12, gg)[0])
+    for _ in range(6):  # outside writes (of the same length) move the source's counter on
+        cache.cache_seqlens[1] = 12
+    assert cache.seqlens() == [12, 12]
+    dup = copier(cache)
+    while dup.cache_seqlens._version < cache.cache_seqlens._version:  # the copy's counter meets the source's
+        dup.cache_seqlens[0] = 5
+    assert dup.seqlens() == [5, 12] and cache.seqlens() == [12, 12]
 
 
 @pytest.mark.parametrize("kind", ["latent", "grouped"])

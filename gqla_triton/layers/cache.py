@@ -264,6 +264,16 @@ class PagedCache(abc.ABC):
     def _mark_lens(self) -> None:
         self._lens_stamp = self._stamp()
 
+    def __getstate__(self) -> dict:
+        # a copy's cache_seqlens is a new tensor, its version counter restarted: the stamp is taken again there
+        state = self.__dict__.copy()
+        state["_lens_stamp"] = self._mirror_valid()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lens_stamp = self._stamp() if state["_lens_stamp"] else -1  # -1: no version, the device is read
+
     def _mirror_valid(self) -> bool:
         return self._lens_known and self._stamp() == self._lens_stamp
 
