@@ -5,6 +5,10 @@ launches (``wy``, ``sout``), a training step four forward and four backward, a d
 not looked at); torch's ops are recorded by a dispatch mode, allocations and views excepted. Inputs are
 contiguous, as a serving engine passes them."""
 
+import ast
+import importlib
+import pathlib
+
 import pytest
 import torch
 from harness import P, randn
@@ -162,3 +166,45 @@ def test_grids_stay_within_cuda_limits(monkeypatch):
         assert grid[0] < 2**31 and max(grid[1:]) <= 65535, (name, grid)
     with pytest.raises(ValueError, match="q / v: batch 2100 x 32 value heads.*cu_seqlens"):
         gq.chunk_gated_delta_rule(q, k, v, g, beta.to(dt))
+
+
+def _launches(tree: ast.AST, module) -> list[ast.Call]:
+    """The kernel launches ``kernel[grid](...)`` in ``tree``: a subscripted module global that is a Triton or Gluon
+    kernel."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
+            and isinstance(n.func.value, ast.Name)
+            and isinstance(getattr(module, n.func.value.id, None), KernelInterface)]
+
+
+def test_every_launch_runs_on_its_tensors_device():
+    """Triton and Gluon launch on the current CUDA device and its current stream, not on their tensors' device:
+    every kernel launch of the package stands inside ``on_device(x.device)`` for a tensor ``x`` the launch passes
+    the kernel (in an argument, or through a local ``dev = x.device``), so a model spread over GPUs runs each kernel on
+    its own tensors' GPU. ``test_multi_device.py`` runs the ops so on two GPUs."""
+    root = pathlib.Path(gq.__file__).parent
+    found = 0
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for call in _launches(tree, importlib.import_module(name)):
+            found += 1
+            where = f"{path.relative_to(root.parent)}:{call.lineno}"
+            passed = {ast.unparse(n) for a in [*call.args, *(kw.value for kw in call.keywords)] for n in ast.walk(a)
+                      if isinstance(n, (ast.Name, ast.Attribute))}
+            node, guard, func = call, None, None
+            while node in parent and func is None:
+                node = parent[node]
+                if isinstance(node, ast.With) and guard is None:
+                    guard = next((item.context_expr for item in node.items if isinstance(item.context_expr, ast.Call)
+                                  and ast.unparse(item.context_expr.func) == "on_device"), None)
+                if isinstance(node, ast.FunctionDef):
+                    func = node
+            assert guard is not None, f"{where}: a launch outside on_device(...)"
+            dev = ast.unparse(guard.args[0])
+            local = {ast.unparse(a.targets[0]): ast.unparse(a.value) for a in ast.walk(func)
+                     if isinstance(a, ast.Assign) and len(a.targets) == 1}
+            dev = local.get(dev, dev)
+            assert dev.endswith(".device") and dev.removesuffix(".device") in passed, \
+                f"{where}: on_device({dev}) names no tensor the launch passes"
+    assert found >= 30  # every op's launches were seen

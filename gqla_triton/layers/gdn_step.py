@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
-from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2
+from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2, on_device
 from ..ops._common.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
@@ -162,13 +162,14 @@ def _prep_launch(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
     C = 2 * KD + VD
     W = conv_weight.shape[-1]
     grid, BC = _prep_grid(B, C)
-    gdn_decode_prep_kernel[grid](
-        mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
-        q, k, v, g, beta, rows,
-        T, num_slots, mixed.stride(0), mixed.stride(1), mixed.stride(2),
-        KD=KD, VD=VD, HV=num_v_heads, W=W, BC=BC, BW=next_pow2(W - 1), BH=next_pow2(num_v_heads),
-        UPDATE=bool(update), num_warps=max(1, min(4, BC // 128)),
-    )
+    with on_device(mixed.device):
+        gdn_decode_prep_kernel[grid](
+            mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias,
+            q, k, v, g, beta, rows,
+            T, num_slots, mixed.stride(0), mixed.stride(1), mixed.stride(2),
+            KD=KD, VD=VD, HV=num_v_heads, W=W, BC=BC, BW=next_pow2(W - 1), BH=next_pow2(num_v_heads),
+            UPDATE=bool(update), num_warps=max(1, min(4, BC // 128)),
+        )
     return q, k, v, g, beta, rows
 
 
@@ -375,11 +376,12 @@ def _norm_launch(o, z, weight, eps: float, rows):
     out = empty((B, T, HV * V), dtype=z.dtype, device=z.device)
     BV = next_pow2(V)
     BH = max(1, min(next_pow2(HV), 256 // BV))
-    gdn_gated_norm_kernel[(B * T, cdiv(HV, BH))](
-        o, z, weight, rows if rows is not None else weight, out, T, float(eps),
-        *o.stride(), *z.stride(),
-        HV=HV, V=V, BH=BH, BV=BV, HAS_ROWS=rows is not None, num_warps=max(1, min(4, BH * BV // 128)),
-    )
+    with on_device(o.device):
+        gdn_gated_norm_kernel[(B * T, cdiv(HV, BH))](
+            o, z, weight, rows if rows is not None else weight, out, T, float(eps),
+            *o.stride(), *z.stride(),
+            HV=HV, V=V, BH=BH, BV=BV, HAS_ROWS=rows is not None, num_warps=max(1, min(4, BH * BV // 128)),
+        )
     return out
 
 

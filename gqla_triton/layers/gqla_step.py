@@ -26,7 +26,6 @@ run the launcher directly (``route``). The ops are forward-only.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 
 import torch
 import triton
@@ -36,6 +35,7 @@ from ..dispatch import device_info
 from ..ops._common import FLOAT_DTYPES, cdiv, check_kernel_device, next_pow2
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
+from ..ops._common.host import on_device
 from ..ops._common.validation import (
     check_eps,
     check_flag,
@@ -238,11 +238,6 @@ def gqla_grouped_q_kernel(q, out, cs, T, H, s_qb, s_qt, s_qh, s_qd,
 # ---- launch helpers -------------------------------------------------------------------------------------
 # (a tensor a kernel never reads, e.g. the rope factors with d_R = 0, is replaced by a non-empty one: an empty
 # tensor's data pointer may be null)
-def _on(dev: torch.device):
-    """Triton launches on the current device: make it ``dev``."""
-    return torch.cuda.device(dev) if dev.type == "cuda" and dev.index != torch.cuda.current_device() else nullcontext()
-
-
 def _dot_prec(*tensors: torch.Tensor) -> str:
     return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
 
@@ -335,7 +330,7 @@ def _norm_rope_fwd(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: 
     has_q = qa is not None
     QR = qa.shape[-1] if has_q else 1
     qa_out = empty(B, T, QR, dtype=qa.dtype, device=dev) if has_q else row.new_empty(0)
-    with _on(dev):
+    with on_device(dev):
         gqla_norm_rope_kernel[(B * T, 2 if has_q else 1)](
             qa if has_q else kv, qa_weight if has_q else kv, qa_out if has_q else row, kv,
             kv_weight if kv_weight is not None else kv, row, cos_sin if half else row, positions,
@@ -430,7 +425,7 @@ def _absorb_q_fwd(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, he
     fp32 = torch.float32 in (q.dtype, w_uk.dtype)
     tok, hb, nhb, block_n, block_k, warps = _plan(B * T, hpg, g, head_dim, r, q.element_size(), fp32, _sms(q))
     grid = (cdiv(B * T, tok) * nhb, g, cdiv(r, block_n))
-    with _on(q.device):
+    with on_device(q.device):
         gqla_absorb_q_kernel[grid](
             q, w_uk, out, cos_sin if half else out, B * T, T, *q.stride(), *w_uk.stride(), *out.stride()[:3],
             HPG=hpg, DH=head_dim, R=r, HALF=half, TOK=tok, HB=hb, NHB=nhb, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -493,7 +488,7 @@ def _absorb_o_fwd(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     fp32 = torch.float32 in (o.dtype, w_uv.dtype)
     tok, hb, nhb, block_n, block_k, warps = _plan(B * T, hpg, g, r, dv, w_uv.element_size(), fp32, _sms(o))
     grid = (cdiv(B * T, tok) * nhb, g, cdiv(dv, block_n))
-    with _on(o.device):
+    with on_device(o.device):
         gqla_absorb_o_kernel[grid](
             o, w_uv, out, B * T, T, *o.stride(), *w_uv.stride(), *out.stride()[:3],
             HPG=hpg, R=r, DV=dv, TOK=tok, HB=hb, NHB=nhb, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -543,7 +538,7 @@ def _grouped_q_fwd(q: torch.Tensor, cos_sin: torch.Tensor, head_dim: int, out_dt
     block_dh = next_pow2(head_dim)
     fit = max(1, 4096 // (block_dh + 2 * next_pow2(max(half, 1))))  # about 4096 elements per program
     block_h = min(next_pow2(h), 1 << (fit.bit_length() - 1))
-    with _on(q.device):
+    with on_device(q.device):
         gqla_grouped_q_kernel[(B * T, cdiv(h, block_h))](
             q, out, cos_sin if half else out, T, h, *q.stride(),
             DH=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_DH=block_dh, BLOCK_HALF=max(1, next_pow2(half)),

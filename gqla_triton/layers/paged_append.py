@@ -22,7 +22,6 @@ it) and for tensors on other devices (CPU outside the interpreter).
 from __future__ import annotations
 
 import numbers
-from contextlib import nullcontext
 
 import torch
 import triton
@@ -30,6 +29,7 @@ import triton.language as tl
 
 from ..dispatch import is_interpreter
 from ..ops._common.alloc import empty
+from ..ops._common.host import on_device
 from ..ops._common.validation import (
     INDEX_DTYPES,
     INT32_MAX,
@@ -166,8 +166,7 @@ def _rows_kernel(block_table, cache_seqlens, overflow, slots, batch, T, max_seql
     if batch == 0:
         return rows
     BLOCK_T = min(1024, triton.next_power_of_2(max(T, 16)))
-    # Triton launches on the current device: make it the tables' one
-    with torch.cuda.device(dev) if dev.type == "cuda" and dev.index != torch.cuda.current_device() else nullcontext():
+    with on_device(dev):
         paged_append_rows_kernel[(batch,)](
             slots if slots is not None else cache_seqlens, cache_seqlens, block_table, overflow, rows, T,
             max_seqlen, block_table.shape[1], num_pages, block_table.shape[0],

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ...dispatch import device_info, select_config
 from .config import WARPS, KernelConfig
-from .host import cdiv, next_pow2
+from .host import cdiv, next_pow2, on_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,12 +227,13 @@ def combine_splits(
     BLOCK_H, BLOCK_D, BLOCK_S = combine_geometry(B, S, Q, H, D, info.sm_count, cfg)
     NH = cdiv(H, BLOCK_H)
     grid = (B * Q * NH, max(1, cdiv(D, BLOCK_D)))  # D tiles: a few (CUDA's 65535 along this axis)
-    combine_splits_kernel[grid](
-        o_partial, lse_partial, out, lse,
-        S, Q, H, D, NH,
-        *o_partial.stride()[:4],
-        *lse_partial.stride()[:3],
-        *out.stride()[:3],
-        *lse.stride(),
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, num_warps=cfg.num_warps,
-    )
+    with on_device(o_partial.device):
+        combine_splits_kernel[grid](
+            o_partial, lse_partial, out, lse,
+            S, Q, H, D, NH,
+            *o_partial.stride()[:4],
+            *lse_partial.stride()[:3],
+            *out.stride()[:3],
+            *lse.stride(),
+            BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, num_warps=cfg.num_warps,
+        )

@@ -1,5 +1,8 @@
-"""Host-side integer helpers for launchers. Plain Python: ``triton.cdiv`` / ``triton.next_power_of_2`` are
-constexpr functions whose calls cost about a microsecond each, which adds up on the small-launch paths."""
+"""Host-side helpers for launchers: integer math in plain Python (``triton.cdiv`` / ``triton.next_power_of_2`` are
+constexpr functions whose calls cost about a microsecond each, which adds up on the small-launch paths), device
+tensors from host values, and the device a launch runs on."""
+
+import contextlib
 
 import torch
 
@@ -31,3 +34,14 @@ def stream_key(device) -> int | None:
     device tensors that arrived by ``device_ints``' non-blocking copy may be reused."""
     device = torch.device(device)
     return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+
+
+def on_device(device: torch.device):
+    """A context in which ``device`` is the current CUDA device: a no-op where it already is (one device query) and
+    for tensors off CUDA. Triton and Gluon launch a kernel on the current device and its current stream, whatever
+    device its tensors are on; every launch of this package runs inside this context for its tensors' device, so
+    tensors on a GPU other than the current one (a model spread over GPUs, e.g. by transformers' ``device_map``)
+    are read by a kernel on their own GPU, ordered on that GPU's current stream."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .alloc import empty
+from .host import on_device
 
 
 @triton.jit
@@ -133,8 +134,9 @@ def sparse_rows(indices: torch.Tensor, block_table: torch.Tensor, cache_seqlens:
     NI = idx.shape[2] if idx.dim() == 4 else 1
     BLOCK = min(1024, max(16, triton.next_power_of_2(topk)))
     n_blk = triton.cdiv(topk, BLOCK)
-    sparse_rows_kernel[(n_blk * B * s_q * NI,)](
-        idx, block_table, cache_seqlens, topk_length if topk_length is not None else cache_seqlens, rows, topk, s_q,
-        NI, block_table.shape[1], num_pages, int(bool(causal)), block_table.stride(0), n_blk, PAGE_SIZE=page_size,
-        BLOCK=BLOCK, HAS_TOPK_LEN=topk_length is not None, num_warps=4)
+    with on_device(idx.device):
+        sparse_rows_kernel[(n_blk * B * s_q * NI,)](
+            idx, block_table, cache_seqlens, topk_length if topk_length is not None else cache_seqlens, rows, topk, s_q,
+            NI, block_table.shape[1], num_pages, int(bool(causal)), block_table.stride(0), n_blk, PAGE_SIZE=page_size,
+            BLOCK=BLOCK, HAS_TOPK_LEN=topk_length is not None, num_warps=4)
     return rows

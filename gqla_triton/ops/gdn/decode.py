@@ -28,7 +28,7 @@ from ...dispatch import select_config
 from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.config import names_config
-from .._common.host import MAX_GRID_X, cdiv, next_pow2
+from .._common.host import MAX_GRID_X, cdiv, next_pow2, on_device
 from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
@@ -191,18 +191,19 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
         raise ValueError(f"cu_seqlens / v: {N} sequences x {HV} value heads x {cdiv(V, BV)} V blocks make {grid[0]} "
                          f"programs, more than one launch takes ({MAX_GRID_X}); split the call")
     gate = bool(use_gate_in_kernel)
-    gated_delta_rule_decode_fwd_kernel[grid](
-        q, k, v, g, beta, o, state, state_indices,
-        cu_seqlens if varlen else state_indices, accepted if accepted is not None else state_indices,
-        intermediate_states if intermediate_states is not None else state,
-        float(scale), S, P, N,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
-        VARLEN=varlen, ACCEPT=accepted is not None, INTER=intermediate_states is not None,
-        a_log=A_log if gate else None, dt_bias=dt_bias if gate else None,
-        GATE=gate, BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), NEG_EIGVAL=bool(allow_neg_eigval),
-        V_FIRST=bool(v_first), gk=gk, gv=gv, BETA_V=beta.dim() == 4,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with on_device(q.device):
+        gated_delta_rule_decode_fwd_kernel[grid](
+            q, k, v, g, beta, o, state, state_indices,
+            cu_seqlens if varlen else state_indices, accepted if accepted is not None else state_indices,
+            intermediate_states if intermediate_states is not None else state,
+            float(scale), S, P, N,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
+            VARLEN=varlen, ACCEPT=accepted is not None, INTER=intermediate_states is not None,
+            a_log=A_log if gate else None, dt_bias=dt_bias if gate else None,
+            GATE=gate, BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), NEG_EIGVAL=bool(allow_neg_eigval),
+            V_FIRST=bool(v_first), gk=gk, gv=gv, BETA_V=beta.dim() == 4,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return o
 
 

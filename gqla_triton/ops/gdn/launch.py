@@ -19,7 +19,7 @@ import torch
 from ...dispatch import DeviceInfo
 from .._common.alloc import empty
 from .._common.config import names_config
-from .._common.host import MAX_GRID_Y, cdiv, next_pow2
+from .._common.host import MAX_GRID_Y, cdiv, next_pow2, on_device
 from .config import WY_BWD_TILES
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
@@ -100,10 +100,11 @@ def _chain_segments(mb, rb, s_in, s_seg, s_out, soff, N, *, reverse: bool, state
     HV, K, V = mb.shape[1], mb.shape[2], mb.shape[3] - mb.shape[2]
     BV = min(32, tile(V))  # 8 warps, BV 32: the tf32x3 dot on the [K, K] map does not spill
     pool = state_indices is not None
-    gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
-        mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff,
-        state_indices if pool else soff, HV, s_out.shape[0] if pool else 0, K=K, V=V, BK=tile(K), BV=BV,
-        USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, V_FIRST=v_first, num_warps=8, num_stages=1)
+    with on_device(mb.device):
+        gdn_state_prefix_kernel[(cdiv(V, BV), N * HV)](
+            mb, rb if rb is not None else mb, s_in if s_in is not None else mb, s_seg, s_out, soff,
+            state_indices if pool else soff, HV, s_out.shape[0] if pool else 0, K=K, V=V, BK=tile(K), BV=BV,
+            USE_H0=s_in is not None, REVERSE=reverse, POOL=pool, V_FIRST=v_first, num_warps=8, num_stages=1)
 
 
 def _segments(k, w, u, gc, V: int, plan: ChunkPlan, ainv: tuple | None = None) -> _Split | None:
@@ -121,10 +122,11 @@ def _segments(k, w, u, gc, V: int, plan: ChunkPlan, ainv: tuple | None = None) -
     BVs = min(cfg.seg_bv, BK)
     mb = empty(nseg, HV, K, K + V, dtype=torch.float32, device=k.device)
     v, beta, Ainv, beta_sigmoid, neg_eigval = ainv if ainv is not None else (k, k, k, False, False)
-    gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None or ainv is not None else 0), nseg * HV)](
-        k, w if w is not None else k, u if u is not None else k, v, beta, Ainv, gc, mb, cu, co, H=H, HV=HV, K=K,
-        V=V, BT=plan.BT, BK=BK, BV=BVs, FROM_AINV=ainv is not None, BETA_SIGMOID=beta_sigmoid,
-        NEG_EIGVAL=neg_eigval, **cfg.launch("seg"))
+    with on_device(k.device):
+        gdn_state_seg_kernel[(BK // BVs + (cdiv(V, BVs) if u is not None or ainv is not None else 0), nseg * HV)](
+            k, w if w is not None else k, u if u is not None else k, v, beta, Ainv, gc, mb, cu, co, H=H, HV=HV, K=K,
+            V=V, BT=plan.BT, BK=BK, BV=BVs, FROM_AINV=ainv is not None, BETA_SIGMOID=beta_sigmoid,
+            NEG_EIGVAL=neg_eigval, **cfg.launch("seg"))
     return _Split(nseg, cu, co, soff, mb)
 
 
@@ -209,10 +211,11 @@ def chunk_gdn_state_fwd(k, w, u, gc, initial_state, plan: ChunkPlan, *, rows: in
     dummy = k  # stand-in pointer for absent optional tensors (never dereferenced)
     st = _state_starts(k, w, u, gc, initial_state, plan, state_indices, v_first, V, HV)
     BV = _state_bv(cfg.state_bv, V, st.units * HV, plan.gpu)
-    gdn_state_fwd_kernel[(cdiv(V, BV) * st.units * HV,)](
-        k, w, u, gc, h, vnew, *_starts_args(st, state_indices, dummy), T, plan.NT,
-        st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
-        **_starts_flags(st), **cfg.launch("state"))
+    with on_device(k.device):
+        gdn_state_fwd_kernel[(cdiv(V, BV) * st.units * HV,)](
+            k, w, u, gc, h, vnew, *_starts_args(st, state_indices, dummy), T, plan.NT,
+            st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+            **_starts_flags(st), **cfg.launch("state"))
     return h, vnew, st.ht, st.split
 
 
@@ -269,15 +272,17 @@ def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: Ch
     BV = _sout_bv(plan, V, st.units * HV, sm90)
     h0, ht, cu, coff, idx = _starts_args(st, state_indices, dummy)
     if sm90:
-        gdn_state_out_sm90_kernel[(V // BV, st.units * HV)](
-            q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, st.pool_rows, H, HV, V=V, BV=BV,
-            STAGES=getattr(plan.cfg, f"sout_gluon_stages_v{BV}"), **_starts_flags(st), BETA_SIGMOID=beta_sigmoid,
-            NEG_EIGVAL=neg_eigval, num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
+        with on_device(q.device):
+            gdn_state_out_sm90_kernel[(V // BV, st.units * HV)](
+                q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, st.pool_rows, H, HV, V=V, BV=BV,
+                STAGES=getattr(plan.cfg, f"sout_gluon_stages_v{BV}"), **_starts_flags(st), BETA_SIGMOID=beta_sigmoid,
+                NEG_EIGVAL=neg_eigval, num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
     else:
-        gdn_state_out_kernel[(cdiv(V, BV) * st.units * HV,)](
-            q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, plan.NT,
-            st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
-            **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
+        with on_device(q.device):
+            gdn_state_out_kernel[(cdiv(V, BV) * st.units * HV,)](
+                q, k, v, beta, gc, Ainv, o, h0, ht, cu, coff, idx, scale, T, plan.NT,
+                st.pool_rows, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=tile(K), BV=BV,
+                **_starts_flags(st), BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **plan.cfg.launch("sout"))
     return st.ht
 
 
@@ -319,10 +324,11 @@ def _wu(k, v, beta, gc, Ainv, plan: ChunkPlan, beta_sigmoid: bool = False, neg_e
     dummy = k
     BK, BV = wu_tiles(cfg, K, V)
     vbad = empty(B, plan.NG, HV, dtype=torch.int32, device=k.device)
-    gdn_wu_fwd_kernel[(plan.NG, B * HV)](
-        k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
-        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid,
-        NEG_EIGVAL=neg_eigval, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wu"))
+    with on_device(k.device):
+        gdn_wu_fwd_kernel[(plan.NG, B * HV)](
+            k, v, beta, gc, Ainv, w, u, vbad, plan.cu if plan.varlen else dummy, plan.cidx if plan.varlen else dummy, T,
+            H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BK, BV=BV, IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid,
+            NEG_EIGVAL=neg_eigval, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("wu"))
     return w, u, vbad
 
 
@@ -334,9 +340,10 @@ def _zero_padding(plan: ChunkPlan, *xs: torch.Tensor) -> None:
         return
     T = xs[0].shape[1]
     ws = [x.numel() // T if T else 0 for x in xs]
-    gdn_pad_zero_kernel[(cdiv(T, PAD_ROWS),)](
-        plan.cu, plan.N, T, *xs, *(xs[0],) * (5 - len(xs)), *ws, *(0,) * (5 - len(xs)), NUM=len(xs), BR=PAD_ROWS,
-        BW=min(256, tile(max(ws))))
+    with on_device(plan.cu.device):
+        gdn_pad_zero_kernel[(cdiv(T, PAD_ROWS),)](
+            plan.cu, plan.N, T, *xs, *(xs[0],) * (5 - len(xs)), *ws, *(0,) * (5 - len(xs)), NUM=len(xs), BR=PAD_ROWS,
+            BW=min(256, tile(max(ws))))
 
 
 def _pad_in_wy(plan: ChunkPlan, T: int) -> bool:
@@ -364,13 +371,14 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
                   state_indices: torch.Tensor | None = None, v_first: bool = False, beta_sigmoid: bool = False,
                   neg_eigval: bool = False, gate: tuple | None = None, fuse: bool = True):
     """The forward stages on contiguous inputs (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``,
-    initial_state ``[N, HV, K, V]`` fp32 / bf16 / fp16 or None; ``v_first``: initial and final states ``[N, HV, V, K]``).
-    Returns (o ``[B, T, HV, V]`` v's dtype, final state ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also
-    the ``States`` the backward would otherwise recompute. ``state_indices``: initial_state is a state pool
-    updated in place (``chunk_gdn_state_fwd``), returned in the final state's place. ``beta_sigmoid``: beta holds
-    logits (sigmoid taken in the kernels); ``neg_eigval``: beta doubled (after the sigmoid). ``gate``:
-    ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of fla's in-kernel gate. ``fuse``: a forward without
-    gradient may run as ``wy`` then ``sout`` (``_fuse_out``); False where a backward follows."""
+    initial_state ``[N, HV, K, V]`` fp32 / bf16 / fp16 or None; ``v_first``: initial and final states
+    ``[N, HV, V, K]``). Returns (o ``[B, T, HV, V]`` v's dtype, final state ``[N, HV, K, V]`` fp32, gc ``[B, T, HV]``
+    fp32, Ainv ``[B, T, HV, BT]`` ``mid_dtype``), and with ``keep_h`` also the ``States`` the backward would otherwise
+    recompute. ``state_indices``: initial_state is a state pool updated in place (``chunk_gdn_state_fwd``), returned
+    in the final state's place. ``beta_sigmoid``: beta holds logits (sigmoid taken in the kernels); ``neg_eigval``:
+    beta doubled (after the sigmoid). ``gate``: ``(A_log [HV], dt_bias [HV] or None)``: g is the raw gate input of
+    fla's in-kernel gate. ``fuse``: a forward without gradient may run as ``wy`` then ``sout`` (``_fuse_out``);
+    False where a backward follows."""
     cfg = plan.cfg
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -384,10 +392,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     o = empty(v.shape, dtype=v.dtype, device=v.device)
     pad_wy = _pad_in_wy(plan, T)  # wy also zeroes o's rows that no sequence owns
     if plan.NTT > 0:
-        gdn_wy_fwd_kernel[(plan.NG, B * HV)](
-            k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp), PREC=cfg.wy_prec,
-            IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **_gate_args(gate),
-            EMPTY_SLOTS=plan.empty_slots, **(_pad_args(plan, o) if pad_wy else {}), **cfg.launch("wy"))
+        with on_device(k.device):
+            gdn_wy_fwd_kernel[(plan.NG, B * HV)](
+                k, g, beta, gc, Ainv, cu, cidx, T, H=H, HV=HV, K=K, BT=plan.BT, BK=min(cfg.wy_bk, BKp),
+                PREC=cfg.wy_prec, IS_VARLEN=plan.varlen, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
+                **_gate_args(gate),
+                EMPTY_SLOTS=plan.empty_slots, **(_pad_args(plan, o) if pad_wy else {}), **cfg.launch("wy"))
     if not pad_wy:
         _zero_padding(plan, o)
     if fuse and not keep_h:
@@ -407,15 +417,17 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
                                          state_indices=state_indices, v_first=v_first)
     if plan.NTT > 0:
         BV = min(cfg.out_bv, tile(V))
-        gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
-            q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
-            BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen, EMPTY_SLOTS=plan.empty_slots,
-            **cfg.launch("out"))
+        with on_device(q.device):
+            gdn_output_fwd_kernel[(cdiv(V, BV), plan.NG, B * HV)](
+                q, k, vnew, gc, h, o, vbad, cu, cidx, coff, scale, T, plan.NT, H=H, HV=HV, K=K, V=V, BT=plan.BT,
+                BK=min(cfg.out_bk, BKp), BV=BV, EARLY=cfg.out_early, IS_VARLEN=plan.varlen,
+                EMPTY_SLOTS=plan.empty_slots, **cfg.launch("out"))
     if keep_h:
         if plan.varlen:  # h has a bound's rows (h_rows): the ones past the chunks hold zeros, not leftover memory
             rows, W = h.shape[0], h[0].numel()
-            gdn_rows_zero_kernel[(cdiv(W, H_ZERO_COLS), cdiv(rows, H_ZERO_ROWS))](
-                h, plan.coff[plan.N:], W, rows, BR=H_ZERO_ROWS, BW=H_ZERO_COLS, num_warps=4)
+            with on_device(h.device):
+                gdn_rows_zero_kernel[(cdiv(W, H_ZERO_COLS), cdiv(rows, H_ZERO_ROWS))](
+                    h, plan.coff[plan.N:], W, rows, BR=H_ZERO_ROWS, BW=H_ZERO_COLS, num_warps=4)
         return o, ht, gc, Ainv, States(w, h, vnew)
     return o, ht, gc, Ainv
 
@@ -456,8 +468,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     if opt_beta:
         bt = empty(B, T, HV, dtype=torch.float32, device=dev)
         n = bt.numel()
-        gdn_beta_in_kernel[(cdiv(n, OPTIONS_BLOCK),)](beta, bt, n, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
-                                                      BLOCK=OPTIONS_BLOCK)
+        with on_device(beta.device):
+            gdn_beta_in_kernel[(cdiv(n, OPTIONS_BLOCK),)](beta, bt, n, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval,
+                                                          BLOCK=OPTIONS_BLOCK)
     dbt = empty(B, T, HV, dtype=torch.float32, device=dev) if opt_beta else dbeta
     dgl = empty(B, T, HV, dtype=torch.float32, device=dev) if gate is not None else dg
     dh0 = empty(N, HV, *((V, K) if v_first else (K, V)),
@@ -472,31 +485,35 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     # gradients passed between stages (and dk's partial terms) are stored in mid_dtype, the GVA sums in fp32
     dvl = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
     BV = min(cfg.dvl_bv, BVp)
-    gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
-        q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
-        EARLY=cfg.dvl_early, IS_VARLEN=varlen, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("dvl"))
+    with on_device(q.device):
+        gdn_dv_local_kernel[(cdiv(V, BV), NG, B * HV)](
+            q, k, gc, do, dvl, cu, cidx, scale, T, H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=min(cfg.dvl_bk, BKp), BV=BV,
+            EARLY=cfg.dvl_early, IS_VARLEN=varlen, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("dvl"))
     dhe = empty(NTT, HV, K, V, dtype=k.dtype, device=dev)
     dvn = empty(B, T, HV, V, dtype=mid_dtype(v.dtype), device=dev)
     BV = _state_bv(cfg.state_bwd_bv, V, (N if split is None else split.nseg) * HV, plan.gpu)
     NVB = cdiv(V, BV)
     if split is None:
-        gdn_state_bwd_kernel[(NVB * N * HV,)](
-            q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff, scale, T, NT,
-            H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True, STORE_STEPS=True,
-            IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("state_bwd"))
+        with on_device(q.device):
+            gdn_state_bwd_kernel[(NVB * N * HV,)](
+                q, k, w, gc, do, dvl, dhe, dvn, dht if dht is not None else dummy, dh0, cu, coff, scale, T, NT,
+                H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=dht is not None, STORE_DH0=True,
+                STORE_STEPS=True, IS_VARLEN=varlen, V_FIRST=v_first, **cfg.launch("state_bwd"))
     else:  # reversed sequence splitting: segment contributions from zero, chained by Mᵀ, then the pass per segment
         grid = (NVB * split.nseg * HV,)
         r = empty(split.nseg, HV, K, V, dtype=torch.float32, device=dev)
-        gdn_state_bwd_kernel[grid](
-            q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
-            HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
-            IS_VARLEN=True, **cfg.launch("state_bwd"))
+        with on_device(q.device):
+            gdn_state_bwd_kernel[grid](
+                q, k, w, gc, do, dvl, dummy, dummy, dummy, r, split.cu, split.coff, scale, T, NT, H=H,
+                HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=False, STORE_DH0=True, STORE_STEPS=False,
+                IS_VARLEN=True, **cfg.launch("state_bwd"))
         dse = _seg_states(plan, split.nseg, HV, K, V, dev)
         _chain_segments(split.mb, r, dht, dse, dh0, split.soff, N, reverse=True, v_first=v_first)
-        gdn_state_bwd_kernel[grid](
-            q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
-            K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
-            IS_VARLEN=True, **cfg.launch("state_bwd"))
+        with on_device(q.device):
+            gdn_state_bwd_kernel[grid](
+                q, k, w, gc, do, dvl, dhe, dvn, dse, dummy, split.cu, split.coff, scale, T, NT, H=H, HV=HV,
+                K=K, V=V, BT=plan.BT, BK=BKp, BV=BV, USE_DHT=True, STORE_DH0=False, STORE_STEPS=True,
+                IS_VARLEN=True, **cfg.launch("state_bwd"))
     del dvl
     dw = empty(B, T, HV, K, dtype=mid_dtype(k.dtype), device=dev)
     dgc = empty(B, T, HV, dtype=torch.float32, device=dev)
@@ -513,17 +530,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
         cnt = empty(2, 2 * NG * B * H, dtype=torch.int32, device=dev).zero_()
     else:
         part, cnt = dummy, (dummy, dummy)
-    gdn_grad_chunk_kernel[(NG, B * HV)](
-        q, k, vnew, gc, h, dhe, initial_state if initial_state is not None else dummy,
-        dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
-        EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
-        IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("grad"))
-    gdn_wy_bwd_kernel[(NG, B * HV)](
-        k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
-        BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)), BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
-        GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, SLOTS=slots,
-        EMPTY_SLOTS=plan.empty_slots, NO_H0=initial_state is None, **cfg.launch("wy_bwd"))
+    with on_device(q.device):
+        gdn_grad_chunk_kernel[(NG, B * HV)](
+            q, k, vnew, gc, h, dhe, initial_state if initial_state is not None else dummy,
+            dht if dht is not None else dummy, do, dvn, dq, dkp, dw, dgc, cnt[0], part, cu, cidx, coff, scale, T, NT,
+            H=H, HV=HV, K=K, V=V, BT=plan.BT, BK=BKp, BV=min(cfg.grad_bv, BVp), GSUM=gsum, TRANS_OUT=cfg.grad_trans,
+            EARLY=cfg.grad_early, LATE_WAIT=cfg.grad_late, USE_H0=initial_state is not None, USE_DHT=dht is not None,
+            IS_VARLEN=varlen, V_FIRST=v_first, SLOTS=slots, EMPTY_SLOTS=plan.empty_slots, **cfg.launch("grad"))
+    with on_device(k.device):
+        gdn_wy_bwd_kernel[(NG, B * HV)](
+            k, v, bt, gc, Ainv, dw, dvn, dkp, dk, dgc, dv, dbt, dgl, cnt[1], part, cu, cidx, T, H=H, HV=HV, K=K, V=V,
+            BT=plan.BT, BK=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bk, BKp)),
+            BV=max(WY_BWD_TILES[0], min(cfg.wy_bwd_bv, BVp)),
+            GSUM=gsum, TRANS_OUT=cfg.wy_bwd_trans, LATE_WAIT=cfg.wy_bwd_late, IS_VARLEN=varlen, SLOTS=slots,
+            EMPTY_SLOTS=plan.empty_slots, NO_H0=initial_state is None, **cfg.launch("wy_bwd"))
     _zero_padding(plan, dq, dk, dv, *((dg,) if gate is None else ()), *(() if opt_beta else (dbeta,)))
     if not opt_beta and gate is None:
         return dq, dk, dv, dg, dbeta, dh0
@@ -532,16 +552,18 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale: float, initial_state, plan: ChunkPlan
     BR = max(1, OPTIONS_BLOCK // BH)
     nprog = cdiv(R, BR)
     par = empty(2, HV, nprog, dtype=torch.float32, device=dev) if gate is not None else dummy
-    gdn_options_bwd_kernel[(nprog,)](
-        beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
-        gate[1] if gate is not None and gate[1] is not None else dummy, par, cu, R, HV, N, BETA=opt_beta,
-        BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, GATE=gate is not None,
-        HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH, PADDING=plan.padding)
+    with on_device(beta.device):
+        gdn_options_bwd_kernel[(nprog,)](
+            beta, dbt, dbeta, g, dgl, dg, gate[0] if gate is not None else dummy,
+            gate[1] if gate is not None and gate[1] is not None else dummy, par, cu, R, HV, N, BETA=opt_beta,
+            BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, GATE=gate is not None,
+            HAS_BIAS=gate is not None and gate[1] is not None, BR=BR, BH=BH, PADDING=plan.padding)
     if gate is None:
         return dq, dk, dv, dg, dbeta, dh0
     has_bias = gate[1] is not None
     da_log = empty(HV, dtype=torch.float32, device=dev)
     ddt = empty(HV, dtype=torch.float32, device=dev) if has_bias else None
-    gdn_options_sum_kernel[(HV, 2 if has_bias else 1)](par, da_log, ddt if has_bias else da_log, HV, nprog,
-                                                       BLOCK=min(1024, max(16, next_pow2(nprog))))
+    with on_device(par.device):
+        gdn_options_sum_kernel[(HV, 2 if has_bias else 1)](par, da_log, ddt if has_bias else da_log, HV, nprog,
+                                                           BLOCK=min(1024, max(16, next_pow2(nprog))))
     return dq, dk, dv, dg, dbeta, dh0, da_log, ddt

@@ -17,7 +17,7 @@ import torch
 
 from ...dispatch import DeviceInfo, device_info, is_interpreter, select_config
 from .._common.alloc import empty
-from .._common.host import MAX_GRID_X, MAX_GRID_Y, cdiv, device_ints, next_pow2, stream_key
+from .._common.host import MAX_GRID_X, MAX_GRID_Y, cdiv, device_ints, next_pow2, on_device, stream_key
 from .config import ChunkConfig
 from .kernels.plan import gdn_plan_kernel
 
@@ -304,8 +304,9 @@ def device_plan(cfg: ChunkConfig, gpu: DeviceInfo, cu_seqlens: torch.Tensor, T: 
     cu, coff = i64[:N + 1], i32[:N + 1]
     cidx = i32[N + 1:N + 1 + 2 * NTT].view(NTT, 2)
     seg_cu, seg_coff, soff = i64[N + 1:], i32[N + 1 + 2 * NTT:][:NSEG], i32[N + 1 + 2 * NTT + NSEG:]
-    gdn_plan_kernel[(1,)](cu_seqlens, cu_seqlens.stride(0), cu, coff, cidx, seg_cu if L else cu,
-                          seg_coff if L else coff, soff if L else coff, N, T, NTT, NSEG, N.bit_length(), max(L, 1),
-                          BT=BT, SPLIT=L > 0, BLOCK=PLAN_BLOCK, num_warps=4)
+    with on_device(cu_seqlens.device):
+        gdn_plan_kernel[(1,)](cu_seqlens, cu_seqlens.stride(0), cu, coff, cidx, seg_cu if L else cu,
+                              seg_coff if L else coff, soff if L else coff, N, T, NTT, NSEG, N.bit_length(), max(L, 1),
+                              BT=BT, SPLIT=L > 0, BLOCK=PLAN_BLOCK, num_warps=4)
     seg = SegPlan(NSEG, seg_cu, seg_coff, soff, L) if L else None
     return ChunkPlan(cfg, gpu, BT, N, None, cu, NTT, 0, NTT, cidx, coff, seg, longest, True, True)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._common import finish_rows, logical_to_physical, scale_scores, score_mode, softmax_step, split_bounds, store_rows
+from .._common.host import on_device
 from .._common.paging import table_keys
 from .plan import GQAPlan
 
@@ -247,26 +248,27 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     s_r = (k_rope_cache.stride(0), k_rope_cache.stride(1)) if k_rope_cache is not None else (0, 0)
     grid = (g * p.num_mt, S, p.nbq)
     qk_scale, raw = score_mode(qk_scale)
-    gqa_decode_fwd_kernel[grid](
-        q, k_cache, v_cache, kr, block_table, cache_seqlens, idx,
-        topk_length if topk_length is not None else cache_seqlens,
-        out, lse, o_part, lse_part,
-        qk_scale, num_pages, block_table.shape[1], topk, S, s_q,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *s_r,
-        block_table.stride(0),
-        *s_i,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        *(o_part.stride()[:4] if split else (0, 0, 0, 0)),
-        *(lse_part.stride()[:3] if split else (0, 0, 0)),
-        G=p.G, NUM_MT=p.num_mt, PAGE_SIZE=page_size, DH=d_h, DR=d_r, DV=d_v,
-        BLOCK_M=p.BLOCK_M, BLOCK_N=p.BLOCK_N, BDH=p.BDH, BDR=p.BDR, BDV=p.BDV,
-        CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
-        FP32=q.dtype == torch.float32,
-        PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
-        TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw,
-        num_warps=p.num_warps, num_stages=p.cfg.num_stages,
-    )
+    with on_device(q.device):
+        gqa_decode_fwd_kernel[grid](
+            q, k_cache, v_cache, kr, block_table, cache_seqlens, idx,
+            topk_length if topk_length is not None else cache_seqlens,
+            out, lse, o_part, lse_part,
+            qk_scale, num_pages, block_table.shape[1], topk, S, s_q,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            *s_r,
+            block_table.stride(0),
+            *s_i,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            *(o_part.stride()[:4] if split else (0, 0, 0, 0)),
+            *(lse_part.stride()[:3] if split else (0, 0, 0)),
+            G=p.G, NUM_MT=p.num_mt, PAGE_SIZE=page_size, DH=d_h, DR=d_r, DV=d_v,
+            BLOCK_M=p.BLOCK_M, BLOCK_N=p.BLOCK_N, BDH=p.BDH, BDR=p.BDR, BDV=p.BDV,
+            CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
+            FP32=q.dtype == torch.float32,
+            PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
+            TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw,
+            num_warps=p.num_warps, num_stages=p.cfg.num_stages,
+        )

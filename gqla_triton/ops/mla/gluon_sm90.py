@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._common import score_mode
 from .._common.gluon import async_load, barrier, reinterpret, tma_load
+from .._common.host import on_device
 from .fp8 import fp8_layout, is_fp8_latent
 from .plan import MLAPlan
 
@@ -709,23 +710,24 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     if fp8:
         kv_cache = kv_cache.view(torch.uint8)  # read as bytes; strides count bytes
     qk_scale, raw = score_mode(qk_scale)
-    mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
-        q, kv_cache, kv_cache if desc is None else desc, rows_src, cache_seqlens,
-        topk_length if topk_length is not None else cache_seqlens,
-        out, lse, o_part, lse_part, qk_scale,
-        s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, p.h_tiles * p.q_tiles, p.h_tiles,
-        p.HPT, p.QPT, int(bool(causal)),
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        rows_src.stride(0), rows_src.stride(1) if sparse else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
-        *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
-        D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
-        SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-        FP8=fp8, RAW=raw, TMA=desc is not None, num_warps=4, maxnreg=MAXNREG,
-    )
+    with on_device(q.device):
+        mla_decode_gluon_kernel[(B * S * p.h_tiles * p.q_tiles,)](
+            q, kv_cache, kv_cache if desc is None else desc, rows_src, cache_seqlens,
+            topk_length if topk_length is not None else cache_seqlens,
+            out, lse, o_part, lse_part, qk_scale,
+            s_q, h_q, rows_src.shape[1] if not sparse else 0, num_pages, topk, S, p.h_tiles * p.q_tiles, p.h_tiles,
+            p.HPT, p.QPT, int(bool(causal)),
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1),
+            rows_src.stride(0), rows_src.stride(1) if sparse else 0,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
+            *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
+            D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
+            SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
+            FP8=fp8, RAW=raw, TMA=desc is not None, num_warps=4, maxnreg=MAXNREG,
+        )
 
 
 def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False,

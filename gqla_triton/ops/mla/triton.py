@@ -42,6 +42,7 @@ from .._common import (
     store_rows,
 )
 from .._common.alloc import empty
+from .._common.host import on_device
 from .._common.paging import table_keys
 from .fp8 import M1_NOPE, PAGED
 from .plan import MLAPlan
@@ -439,36 +440,37 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     paged_fp8 = PAGED.get(layout)
     s_kvt = paged_fp8.token if paged_fp8 else kv.stride(1)
     qk_scale, raw = score_mode(qk_scale, raw=k_descale is not None)  # descales: raw scores (see the kernel)
-    mla_decode_fwd_kernel[grid](
-        q.view(torch.uint8) if q_e4m3 else q, kv, kvs, kvr, block_table, cache_seqlens, rows_src,
-        topk_length if topk_length is not None else cache_seqlens,
-        out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
-        q_descale if q_descale is not None else lse, k_descale if k_descale is not None else lse,
-        qk_scale,
-        s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
-        int(bool(causal)),
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), s_kvt,
-        block_table.stride(0),
-        rows_src.stride(0), rows_src.stride(1) if sparse else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
-        *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
-        *(max_logits.stride()[:3] if max_logits is not None else (0, 0, 0)),
-        *(d.stride(0) if d is not None and d.shape[0] > 1 else 0 for d in (q_descale, k_descale)),
-        DV=DV, DR=DR, BDV=BDV, BDR=max(16, next_pow2(max(DR, 1))),
-        PAGE_SIZE=page_size, BLOCK_H=p.BLOCK_H, BLOCK_N=cfg.block_n, SPARSE=sparse,
-        HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
-        ASM_SYNC=not info.interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
-        TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
-        RAW=raw,
-        HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
-        PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
-        Q_E4M3=q_e4m3, E4M3_HW=info.interpreter or info.capability >= (8, 9),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with on_device(q.device):
+        mla_decode_fwd_kernel[grid](
+            q.view(torch.uint8) if q_e4m3 else q, kv, kvs, kvr, block_table, cache_seqlens, rows_src,
+            topk_length if topk_length is not None else cache_seqlens,
+            out, lse, o_part, lse_part, pbuf, abuf, max_logits if max_logits is not None else lse,
+            q_descale if q_descale is not None else lse, k_descale if k_descale is not None else lse,
+            qk_scale,
+            s_q, h_q, block_table.shape[1], num_pages, rows_src.shape[-1] if sparse else 0, S, p.h_tiles, p.HPT, p.QPT,
+            int(bool(causal)),
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), s_kvt,
+            block_table.stride(0),
+            rows_src.stride(0), rows_src.stride(1) if sparse else 0,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
+            *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
+            *(max_logits.stride()[:3] if max_logits is not None else (0, 0, 0)),
+            *(d.stride(0) if d is not None and d.shape[0] > 1 else 0 for d in (q_descale, k_descale)),
+            DV=DV, DR=DR, BDV=BDV, BDR=max(16, next_pow2(max(DR, 1))),
+            PAGE_SIZE=page_size, BLOCK_H=p.BLOCK_H, BLOCK_N=cfg.block_n, SPARSE=sparse,
+            HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PAGED_TILES=paged, P_SCRATCH=cfg.p_scratch,
+            ASM_SYNC=not info.interpreter, ROWS_AHEAD=(sparse or paged) and cfg.rows_ahead,
+            TAIL=causal and not sparse and p.QPT > 1, FP8=FP8_KINDS[layout],
+            RAW=raw,
+            HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
+            PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
+            Q_E4M3=q_e4m3, E4M3_HW=info.interpreter or info.capability >= (8, 9),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
 
 
 def compile_sm90(*, layout: str | None = None, dtype: str = "bf16", head_dim_v: int = 512, D: int = 576,
