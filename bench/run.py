@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--op", default=",".join(SINGLE_GPU),
                     help=f"comma list of {','.join(OPS)} (default: all but tp), or 'ceilings'")
-    ap.add_argument("--workload", default="", help="comma list of workload names (default: all of each op)")
+    ap.add_argument("--workload", default="", help="comma list of workload names (default: all of each op); a name "
+                    "that none of the chosen ops has is refused (--list names them)")
     ap.add_argument("--anchors", default=os.environ.get("GQLA_BENCH_ANCHORS", ""),
                     help="comma list of anchor names to time (default: every importable one; environment "
                          "variable GQLA_BENCH_ANCHORS sets the default), e.g. fla,flashqla,flash_mla,torch_sdpa")
@@ -63,6 +64,13 @@ def main(argv: list[str] | None = None) -> None:
             mod = importlib.import_module(f"bench.{op}")
             print(f"{op}: " + ", ".join(f"{n} {w}" for n, w in mod.WORKLOADS.items()))
         return
+    wanted = [w for w in args.workload.split(",") if w]
+    if wanted and ops != ["ceilings"]:  # a name no chosen op has would time nothing: refused before any GPU work
+        known = {op: importlib.import_module(f"bench.{op}").WORKLOADS for op in ops if op != "ceilings"}
+        unknown = [w for w in wanted if not any(w in names for names in known.values())]
+        if unknown:
+            sys.exit(f"unknown workload(s) {unknown} for --op {','.join(known)}; "
+                     + "; ".join(f"{op}: {','.join(names)}" for op, names in known.items()))
     import torch
 
     if not torch.cuda.is_available():
@@ -75,7 +83,6 @@ def main(argv: list[str] | None = None) -> None:
     if ops == ["ceilings"]:
         print(f"wrote {write_results('ceilings', [], ceilings, command)}")
         return
-    wanted = [w for w in args.workload.split(",") if w]
     only = frozenset(a for a in args.anchors.split(",") if a) or None
     # a run cut short by a signal (``timeout`` sends SIGTERM) still writes the rows it measured, marked incomplete
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

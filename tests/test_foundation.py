@@ -372,6 +372,26 @@ def test_bench_results_plot_without_a_gpu(tmp_path):
     assert sorted(p.stem for p in tmp_path.glob("*.png")) == want
 
 
+def test_bench_run_refuses_a_workload_no_chosen_op_has(monkeypatch):
+    """``python -m bench.run --workload``: a name that none of the chosen ops has (a typo, or a workload of another
+    op) is refused by name before any GPU work, instead of a run that times nothing; each op takes its own names."""
+    from bench.run import main
+
+    for argv, bad in ((["--op", "gdn", "--workload", "G1,G6"], "G6"), (["--op", "mla", "--workload", "Q1"], "Q1"),
+                      (["--op", "gdn,mla", "--workload", "G1,M1,SQ1"], "SQ1")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert "unknown workload" in str(e.value) and repr(bad) in str(e.value), (argv, e.value)
+    # names every chosen op lacks are the only ones refused: one op's names may sit beside another's (the run then
+    # stops at its GPU check, made to fail here so that no benchmark starts on a GPU machine)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["--op", "gdn,mla", "--workload", "G1,M1,B1-S4096"])
+    assert "needs a CUDA GPU" in str(e.value), e.value
+
+
 def test_split_planner_follows_its_cost():
     """plan_splits: the count stays in [1, cap]; a dearer partial tile (split_cost) never gives more splits, and an
     even number of waves gives none; the waves rule fills its programs per SM; mla_decode's config carries the

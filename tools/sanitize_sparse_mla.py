@@ -1,9 +1,9 @@
 """Adversarial sparse indices and block tables through ``gq.mla_decode`` and ``gq.mla_sparse_prefill`` on the GPU,
 for ``compute-sanitizer``.
 
-    compute-sanitizer --tool memcheck python -m tools.sanitize_sparse_mla [SEEDS=3] [--impl auto|triton|gluon]
+    compute-sanitizer --tool memcheck python -m tools.sanitize_sparse_mla [SEEDS] [--impl auto|triton|gluon]
 
-must report 0 errors and exit 0.
+must report 0 errors and exit 0 (SEEDS: seeds of every case, an integer, default 3).
 Indices hold huge, negative, INT32 extremes, >= cache_seqlens, beyond the block table, repeated values; block
 tables hold junk page ids (each case with pages of a multiple of 16 also runs dense over them; pages of 2 and 61
 tokens run sparse only); topk_length is negative, 0, or past topk. The same decode cases run over each of FlashMLA's
