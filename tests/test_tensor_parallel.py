@@ -428,3 +428,15 @@ def test_unknown_names_of_mixed_types_are_named():
         shard_gqla_state_dict(sd, {**cfg, 1: 2, "zz": 3}, 0, 2)
     with pytest.raises(ValueError, match=r"state_dict: .*unexpected \[1, 'zz'\]"):
         shard_gqla_state_dict({**sd, 1: sd["o_proj.weight"], "zz": sd["o_proj.weight"]}, cfg, 0, 2)
+
+
+def test_from_layer_checks_its_dtype():
+    """``from_layer`` / ``tensor_parallel`` check ``dtype`` as ``from_state_dict`` does: a falsy non-dtype (0,
+    False, "") is refused, not taken for the layer's dtype."""
+    for full in (_gqla_layer(0), _gdn_layer(0)):
+        for bad in (0, False, ""):
+            with pytest.raises(TypeError, match="^dtype: expected None or a floating torch.dtype"):
+                tensor_parallel(full, dtype=bad)
+            with pytest.raises(TypeError, match="^dtype: expected None or a floating torch.dtype"):
+                (TPGQLAttention if isinstance(full, GQLAttention) else TPGatedDeltaNet).from_layer(full, dtype=bad)
+

@@ -97,7 +97,8 @@ class TPGatedDeltaNet(TensorParallel):
             raise TypeError(f"layer: expected a GatedDeltaNet, got {type(layer).__name__}")
         w = layer.in_proj.weight
         out = cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
-                                  device=device if device is not None else w.device, dtype=dtype or w.dtype)
+                                  device=device if device is not None else w.device,
+                                  dtype=dtype if dtype is not None else w.dtype)
         out.local.max_decode_tokens = layer.max_decode_tokens
         return out
 

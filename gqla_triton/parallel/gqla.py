@@ -97,7 +97,8 @@ class TPGQLAttention(TensorParallel):
             raise TypeError(f"layer: expected a GQLAttention, got {type(layer).__name__}")
         w = layer.kv_b_proj.weight
         return cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
-                                   device=device if device is not None else w.device, dtype=dtype or w.dtype)
+                                   device=device if device is not None else w.device,
+                                   dtype=dtype if dtype is not None else w.dtype)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: Mapping, *, group=None, device=None,
