@@ -440,3 +440,20 @@ def test_from_layer_checks_its_dtype():
             with pytest.raises(TypeError, match="^dtype: expected None or a floating torch.dtype"):
                 (TPGQLAttention if isinstance(full, GQLAttention) else TPGatedDeltaNet).from_layer(full, dtype=bad)
 
+
+def test_config_device_and_dtype_are_refused_not_dropped():
+    """A config's ``device`` / ``dtype`` are refused by name: no shard applies them (the shard functions return
+    views of the state dict's tensors; ``from_state_dict`` takes them as keyword arguments), so dropping them
+    would build a shard of another dtype or device than the config asks for."""
+    layer, gdn = _gqla_layer(0), _gdn_layer(0)
+    cfg = {k: getattr(layer, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim",
+                                          "kv_rank", "q_rank")}
+    for key, value in (("dtype", torch.float16), ("device", "cpu")):
+        for call in (lambda c: shard_gqla_state_dict(layer.state_dict(), c, 0, 2),
+                     lambda c: TPGQLAttention.from_state_dict(layer.state_dict(), c)):
+            with pytest.raises(ValueError, match=f"^config: {key!r} is not read from config"):
+                call({**cfg, key: value})
+        for call in (lambda c: shard_gated_deltanet_state_dict(gdn.state_dict(), c, 0, 2),
+                     lambda c: TPGatedDeltaNet.from_state_dict(gdn.state_dict(), c)):
+            with pytest.raises(ValueError, match=f"^config: {key!r} is not read from config"):
+                call({**GDN, key: value})

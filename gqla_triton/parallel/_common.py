@@ -151,14 +151,19 @@ def config_of(layer: nn.Module, names: tuple[str, ...]) -> dict:
 
 
 def check_config(config, names: tuple[str, ...], what: str, required: tuple[str, ...] = ()) -> dict:
-    """``config`` (a mapping of ``what``'s constructor arguments ``names``, holding at least ``required``; device /
-    dtype dropped) or an error."""
+    """``config`` (a mapping of ``what``'s constructor arguments ``names``, holding at least ``required``) as a dict,
+    or an error. ``device`` / ``dtype`` are refused: a shard function returns views of the state dict's tensors, and
+    ``from_state_dict`` takes them as keyword arguments."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config: expected a mapping of {what} arguments, got {type(config).__name__}")
-    bad = sorted(set(config) - set(names) - {"device", "dtype"}, key=str)
+    for k in ("device", "dtype"):
+        if k in config:
+            raise ValueError(f"config: {k!r} is not read from config (a shard's state dict holds views of the full "
+                             f"tensors; from_state_dict takes {k}= as a keyword argument)")
+    bad = sorted(set(config) - set(names), key=str)
     if bad:
         raise ValueError(f"config: unknown {what} arguments {bad} (expected some of {list(names)})")
     missing = [n for n in required if n not in config]
     if missing:
         raise ValueError(f"config: missing {what} arguments {missing} (required: {list(required)})")
-    return {k: v for k, v in config.items() if k not in ("device", "dtype")}
+    return dict(config)
