@@ -159,18 +159,29 @@ def run(names, ctx, anchors=True):
         ctx.row(r.pop("op"), r.pop("workload"), r.pop("impl"), r.pop("ms"), layer=dict(GQLA), **r)
 
 
+def _names(argv: list[str]) -> list[str]:
+    """The workloads of ``argv`` (one comma list; empty or absent: all), or an exit naming what is not one."""
+    if len(argv) > 1:
+        sys.exit(f"bench.tp: unknown arguments {argv[1:]} (expected one comma list of {','.join(WORKLOADS)})")
+    names = [w for w in (argv[0] if argv else "").split(",") if w] or list(WORKLOADS)
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        sys.exit(f"bench.tp: unknown workload(s) {unknown} (expected some of {','.join(WORKLOADS)})")
+    return names
+
+
 def _torchrun_main(argv: list[str]) -> None:
     """Under ``torchrun``: every rank measures; rank 0 prints the table and writes ``bench/results``."""
     import torch.distributed as dist
 
     from bench.common import BenchContext, measure_ceilings, print_table, write_results
 
+    names = _names(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600))
     try:
         ceilings = measure_ceilings() if rank == 0 else None
-        names = [w for w in (argv[0].split(",") if argv else WORKLOADS) if w in WORKLOADS]
         rows = _measure(rank, world, names)
         if rank == 0:
             ctx = BenchContext(ceilings)
@@ -188,13 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun_main(argv)
+    names = _names(argv)
     if not torch.cuda.is_available():
         sys.exit("bench.tp needs CUDA GPUs")
     from bench.common import BenchContext, environment, measure_ceilings, print_table, write_results
 
     ceilings = measure_ceilings()
     print(json.dumps({"env": environment(), "ceilings": ceilings}))
-    names = [w for w in (argv[0].split(",") if argv else WORKLOADS) if w in WORKLOADS]
     ctx = BenchContext(ceilings)
     run(names, ctx)
     print_table(ctx.rows)

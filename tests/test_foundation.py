@@ -392,6 +392,30 @@ def test_bench_run_refuses_a_workload_no_chosen_op_has(monkeypatch):
     assert "needs a CUDA GPU" in str(e.value), e.value
 
 
+def test_bench_tp_refuses_unknown_workloads(monkeypatch):
+    """``python -m bench.tp`` (spawning its ranks or under torchrun): a workload name it lacks, or an argument past
+    the one comma list, is refused by name before any GPU or process-group work, instead of a run that times
+    nothing."""
+    import torch
+    import torch.distributed as dist
+
+    from bench import tp
+
+    def no_gpu_work(*args, **kwargs):
+        raise AssertionError("GPU or process-group work before the workload names were checked")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_gpu_work)
+    monkeypatch.setattr(dist, "init_process_group", no_gpu_work)
+    for torchrun in (False, True):
+        if torchrun:
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "2")
+        for argv, bad in ((["T4"], "'T4'"), (["T1,t2"], "'t2'"), (["T1", "T2"], "'T2'")):
+            with pytest.raises(SystemExit) as e:
+                tp.main(argv)
+            assert "bench.tp: unknown" in str(e.value) and bad in str(e.value), (torchrun, argv, e.value)
+
+
 def test_split_planner_follows_its_cost():
     """plan_splits: the count stays in [1, cap]; a dearer partial tile (split_cost) never gives more splits, and an
     even number of waves gives none; the waves rule fills its programs per SM; mla_decode's config carries the
