@@ -457,3 +457,29 @@ def test_config_device_and_dtype_are_refused_not_dropped():
                      lambda c: TPGatedDeltaNet.from_state_dict(gdn.state_dict(), c)):
             with pytest.raises(ValueError, match=f"^config: {key!r} is not read from config"):
                 call({**GDN, key: value})
+
+
+def test_device_is_checked_against_the_groups_backend_for_its_type(tmp_path, monkeypatch):
+    """A group of mixed backends (``init_process_group("cpu:gloo,cuda:nccl")``) reduces CPU tensors with gloo: a CPU
+    shard is built there, and refused by name only where the group has no backend for the device's type (an NCCL
+    group on the CPU)."""
+    import torch.distributed as dist
+
+    layer = _gqla_layer(0)
+    x = randn((1, 3, GQLA["hidden_size"]), gen(1), dtype=torch.float64, device="cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        # (get_backend, get_backend_config) of such a group and of an NCCL one, as torch reports them
+        for name, config, ok in (("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", True), ("nccl", "cuda:nccl", False)):
+            monkeypatch.setattr(dist, "get_backend", lambda group=None, name=name: name)
+            monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
+            if ok:
+                tp = TPGQLAttention.from_layer(layer)
+                with torch.no_grad():
+                    assert_close("tp_out", tp(x), layer(x), layer(x))
+            else:
+                with pytest.raises(ValueError, match="^device: the process group has no backend for cpu tensors"):
+                    TPGQLAttention.from_layer(layer)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

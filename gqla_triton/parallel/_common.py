@@ -32,14 +32,16 @@ def resolve_group(group) -> tuple[object, int, int]:
 
 
 def resolve_device(group, device) -> torch.device:
-    """``device`` (None: the CPU) as a ``torch.device`` the shard's weights can live on and ``group``'s backend
-    reduces (NCCL: CUDA tensors only)."""
+    """``device`` (None: the CPU) as a ``torch.device`` the shard's weights can live on and one of ``group``'s
+    backends reduces (its backend config, e.g. ``cuda:nccl`` or ``cpu:gloo,cuda:nccl``, names the device types)."""
     import torch.distributed as dist
 
     dev = check_device(device, storage=True) or torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and dev.type != "cuda":
-        raise ValueError(f"device: the process group uses NCCL, which reduces CUDA tensors only; got {dev}")
+    config = str(dist.get_backend_config(group)).lower()
+    types = {part.split(":")[0].strip() for part in config.split(",") if ":" in part}
+    if dev.type not in types:
+        raise ValueError(f"device: the process group has no backend for {dev.type} tensors (its backends: "
+                         f"{config}); got {dev}")
     return dev
 
 
