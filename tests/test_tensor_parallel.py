@@ -265,14 +265,16 @@ def _check(world: int, backend: str, seed: int) -> None:
                              low["grouped"][:, T0:T0 + 1].cpu(), dtype=dtype)
     for rank, all_out in enumerate(res):
         errs = all_out["errors"]
-        assert any("does not divide num_heads" in e for e in errs), errs
+        assert any(e.startswith("group: the process group has ") and "does not divide num_heads 3" in e
+                   for e in errs), errs
         assert any("TPGQLAttention: inference only" in e for e in errs), errs
         for want in ("device: expected a torch.device, a device string or a CUDA index, got 'gpu'",
                      "device: expected a torch.device, a device string or a CUDA index, got 3.5",
                      "device: expected a device with storage, got meta", "CUDA devices visible"):
             assert any(want in e for e in errs), (want, errs)
         if world >= 4:
-            want = "3 ranks, which does not divide num_groups" if rank < 3 else "not a member of the process group"
+            want = ("group: the process group has 3 ranks, which does not divide num_groups 4" if rank < 3
+                    else "not a member of the process group")
             assert any(want in e for e in errs), errs
 
 
@@ -306,7 +308,8 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
         mine, want = shard_gqla_state_dict(layer.state_dict(), cfg, r, 2), layer.shard(r, 2).state_dict()
         assert sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want)
     sd = layer.state_dict()
-    with pytest.raises(ValueError, match="tp_size: the process group has 3 ranks, which does not divide num_groups"):
+    # outside a process group the TP size is the argument tp_size (no process group is involved)
+    with pytest.raises(ValueError, match=r"^tp_size: 3 does not divide num_groups 4$"):
         shard_gqla_state_dict(sd, cfg, 0, 3)
     with pytest.raises(ValueError, match="tp_rank"):
         shard_gqla_state_dict(sd, cfg, 2, 2)
@@ -321,7 +324,7 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
     with pytest.raises(ValueError, match="state_dict: o_proj.weight: on the meta device"):
         shard_gqla_state_dict({**sd, "o_proj.weight": sd["o_proj.weight"].to("meta")}, cfg, 0, 2)
     gdn = _gdn_layer(0)
-    with pytest.raises(ValueError, match="does not divide num_heads"):
+    with pytest.raises(ValueError, match=r"^tp_size: 3 does not divide num_heads 4 \(the value heads split"):
         shard_gated_deltanet_state_dict(gdn.state_dict(), GDN, 0, 3)
     with pytest.raises(TypeError, match="dtype: expected None or a floating torch.dtype"):
         TPGQLAttention.from_state_dict(sd, cfg, dtype="bf16")

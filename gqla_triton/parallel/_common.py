@@ -43,9 +43,13 @@ def resolve_device(group, device) -> torch.device:
     return dev
 
 
-def check_divides(tp_size: int, n: int, what: str) -> None:
+def check_divides(tp_size: int, n: int, what: str, from_group: bool, note: str = "") -> None:
+    """``tp_size`` divides ``what`` (``n``), or a ``ValueError`` naming the argument that set ``tp_size``: ``group``
+    (``from_group``: a parallel layer, whose TP size is its group's) or ``tp_size`` (the state-dict functions)."""
     if n % tp_size:
-        raise ValueError(f"tp_size: the process group has {tp_size} ranks, which does not divide {what} {n}")
+        who = (f"group: the process group has {tp_size} ranks, which does" if from_group
+               else f"tp_size: {tp_size} does")
+        raise ValueError(f"{who} not divide {what} {n}{note}")
 
 
 def check_rank(tp_rank, tp_size) -> None:

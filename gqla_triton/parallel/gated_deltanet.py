@@ -45,9 +45,9 @@ def _check_config(config) -> dict:
     return check_config(config, _CONFIG, "GatedDeltaNet", _REQUIRED)
 
 
-def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:
+def _meta_layers(config: dict, tp_size: int, from_group: bool, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:
     full = GatedDeltaNet(**config, device="meta", dtype=dtype)
-    check_divides(tp_size, full.num_heads, "num_heads (the q/k heads; the value heads split alike)")
+    check_divides(tp_size, full.num_heads, "num_heads", from_group, " (the value heads split as the q/k heads)")
     cfg = _config_of(full)
     local = GatedDeltaNet(**{**cfg, "num_heads": full.num_heads // tp_size,
                              "num_v_heads": full.num_v_heads // tp_size}, device="meta", dtype=dtype)
@@ -79,7 +79,7 @@ def shard_gated_deltanet_state_dict(state_dict: Mapping[str, torch.Tensor], conf
     arguments; ``state_dict``: its weights). Views of ``state_dict`` except ``in_proj.weight`` and the conv weight
     (the rank's part of each of their blocks, joined). No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
-    full, local = _meta_layers(_check_config(config), tp_size)
+    full, local = _meta_layers(_check_config(config), tp_size, False)
     return _shard(state_dict, full, local, tp_rank)
 
 
@@ -111,7 +111,7 @@ class TPGatedDeltaNet(TensorParallel):
         check_float_dtype(dtype)
         group, rank, size = resolve_group(group)
         dtype = dtype or source_dtype(state_dict, "in_proj.weight")
-        full, local = _meta_layers(cfg, size, dtype)
+        full, local = _meta_layers(cfg, size, True, dtype)
         shards = _shard(state_dict, full, local, rank)
         dev = resolve_device(group, device)
         return cls(load_into(local, shards, dev), group, rank, size, _config_of(full))

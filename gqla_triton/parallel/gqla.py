@@ -50,11 +50,11 @@ def _check_config(config) -> dict:
     return check_config(config, _CONFIG, "GQLAttention", _REQUIRED)
 
 
-def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
+def _meta_layers(config: dict, tp_size: int, from_group: bool, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
     """The full layer and a shard on the meta device (shapes and validation only), and the full layer's arguments
-    (``rope_inv_freq`` as given: a meta layer holds no values)."""
+    (``rope_inv_freq`` as given: a meta layer holds no values). ``from_group``: ``tp_size`` is the group's."""
     full = GQLAttention(**config, device="meta", dtype=dtype)
-    check_divides(tp_size, full.num_groups, "num_groups")
+    check_divides(tp_size, full.num_groups, "num_groups", from_group)
     # the shard keeps the full layer's softmax scale (its default depends on d_h + d_R only) and rope frequencies
     cfg = {**_config_of(full), "rope_inv_freq": config.get("rope_inv_freq")}
     local = GQLAttention(**{**cfg, "num_heads": full.num_heads // tp_size, "num_groups": full.num_groups // tp_size},
@@ -68,7 +68,7 @@ def shard_gqla_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mappin
     ``state_dict`` (the full layer's, e.g. loaded with ``mmap=True``). ``config``: the full layer's constructor
     arguments. No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
-    full, local, _ = _meta_layers(_check_config(config), tp_size)
+    full, local, _ = _meta_layers(_check_config(config), tp_size, False)
     return _shard(state_dict, full, local, tp_rank)
 
 
@@ -109,7 +109,7 @@ class TPGQLAttention(TensorParallel):
         check_float_dtype(dtype)
         group, rank, size = resolve_group(group)
         dtype = dtype or source_dtype(state_dict, "kv_b_proj.weight")
-        full, local, cfg = _meta_layers(cfg, size, dtype)
+        full, local, cfg = _meta_layers(cfg, size, True, dtype)
         shards = _shard(state_dict, full, local, rank)
         dev = resolve_device(group, device)
         return cls(load_into(local, shards, dev), group, rank, size, cfg)
