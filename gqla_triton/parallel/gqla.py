@@ -24,13 +24,14 @@ from ..layers.gqla import GQLAttention, check_rope_bits
 from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
+    build,
     check_config,
     check_divides,
     check_rank,
     config_of,
     load_into,
+    refuse,
     resolve_device,
-    resolve_group,
     shard_state_dict,
     source_dtype,
 )
@@ -93,8 +94,8 @@ class TPGQLAttention(TensorParallel):
     def from_layer(cls, layer: GQLAttention, *, group=None, device=None, dtype=None) -> TPGQLAttention:
         """Shard of the full ``layer`` (its weights are sliced, the rank's part copied to ``device``, default the
         layer's device; ``dtype`` default the layer's)."""
-        if not isinstance(layer, GQLAttention):
-            raise TypeError(f"layer: expected a GQLAttention, got {type(layer).__name__}")
+        if not isinstance(layer, GQLAttention):  # refused on every rank of the group
+            refuse(group, TypeError(f"layer: expected a GQLAttention, got {type(layer).__name__}"))
         w = layer.kv_b_proj.weight
         return cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
                                    device=device if device is not None else w.device, dtype=dtype or w.dtype)
@@ -105,14 +106,18 @@ class TPGQLAttention(TensorParallel):
         """Shard of the full layer ``GQLAttention(**config)`` whose weights are ``state_dict``: only the rank's
         slices are copied to ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). ``group``: the
         tensor-parallel process group (default: the default group); its size must divide ``num_groups``."""
-        cfg = _check_config(config)
-        check_float_dtype(dtype)
-        group, rank, size = resolve_group(group)
-        dtype = dtype or source_dtype(state_dict, "kv_b_proj.weight")
-        full, local, cfg = _meta_layers(cfg, size, True, dtype)
-        shards = _shard(state_dict, full, local, rank)
-        dev = resolve_device(group, device)
-        return cls(load_into(local, shards, dev), group, rank, size, cfg)
+        def check():
+            _check_config(config)
+            check_float_dtype(dtype)
+
+        def make(group, rank: int, size: int):
+            dt = dtype or source_dtype(state_dict, "kv_b_proj.weight")
+            full, local, cfg = _meta_layers(_check_config(config), size, True, dt)
+            shards = _shard(state_dict, full, local, rank)
+            dev = resolve_device(group, device)
+            return load_into(local, shards, dev), cfg, _shard(state_dict, full, local, (rank + 1) % size)
+
+        return cls(*build(group, check, make))
 
     def make_cache(self, max_batch: int, max_seqlen: int, **kwargs):
         """The rank's cache (``GQLAttention.make_cache`` of the shard): a ``GroupedCache`` of ``g/tp`` groups or a
