@@ -483,3 +483,37 @@ def test_unknown_names_of_mixed_types_are_named():
         shard_gqla_state_dict(sd, {**cfg, 1: 2, "zz": 3}, 0, 2)
     with pytest.raises(ValueError, match=r"state_dict: .*unexpected \[1, 'zz'\]"):
         shard_gqla_state_dict({**sd, 1: sd["o_proj.weight"], "zz": sd["o_proj.weight"]}, cfg, 0, 2)
+
+
+def test_a_ranks_state_dict_loads_into_that_rank_only_and_deepcopy_keeps_the_group(tmp_path):
+    """A parallel layer's state dict names its rank: another rank's (same shapes, other heads) is refused by name,
+    and a refused load (that one, or one missing a key) leaves the layer as it was. ``copy.deepcopy`` copies the
+    shard and shares the process group (which cannot be copied)."""
+    import copy
+
+    import torch.distributed as dist
+
+    layer = _gqla_layer(0)
+    cfg = {k: getattr(layer, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim",
+                                          "kv_rank", "q_rank")}
+    tp0, tp1 = (TPGQLAttention(layer.shard(r, 2), None, r, 2, cfg) for r in range(2))
+    before = {k: v.clone() for k, v in tp1.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"state_dict: _extra_state: rank 0 of 2's shard, expected rank 1 of 2's"):
+        tp1.load_state_dict(tp0.state_dict())
+    sd1 = tp1.state_dict()
+    bad = {k: (v + 1 if isinstance(v, torch.Tensor) else v) for k, v in sd1.items() if k != "local.o_proj.weight"}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        tp1.load_state_dict(bad)
+    after = tp1.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    tp1.load_state_dict(copy.deepcopy(sd1))  # its own loads
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tp = TPGQLAttention.from_layer(layer)
+        twin = copy.deepcopy(tp)
+        assert twin.group is tp.group and twin.local.o_proj.weight is not tp.local.o_proj.weight
+        x = randn((1, 3, GQLA["hidden_size"]), gen(3), dtype=torch.float64, device="cpu")
+        with torch.no_grad():
+            assert torch.equal(twin(x), tp(x))
+    finally:
+        dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Callable, Mapping
 from typing import NoReturn
@@ -9,7 +10,7 @@ from typing import NoReturn
 import torch
 from torch import nn
 
-from ..layers._state import check_state_dict, entry_problem
+from ..layers._state import check_state_dict, entry_problem, load_or_restore
 from ..ops._common.validation import check_device
 
 
@@ -232,6 +233,31 @@ class TensorParallel(nn.Module):
         self.local = local
         self.group, self.tp_rank, self.tp_size = group, tp_rank, tp_size
         self.config = dict(config)
+
+    def get_extra_state(self) -> dict:
+        """The rank the state dict's shard belongs to: ``{"tp_rank", "tp_size"}``."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+    def set_extra_state(self, state) -> None:
+        """Refuses another rank's shard (the same shapes, other heads), before any tensor is loaded."""
+        want = self.get_extra_state()
+        got = {k: state.get(k) for k in want} if isinstance(state, Mapping) else None
+        if got != want:
+            whose = f"rank {got['tp_rank']} of {got['tp_size']}'s shard" if got else f"{type(state).__name__}"
+            raise ValueError(f"state_dict: _extra_state: {whose}, expected rank {self.tp_rank} of {self.tp_size}'s "
+                             "(a parallel layer loads the state dict of its own rank)")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a load that fails leaves the shard as it was (``_state.load_or_restore``)."""
+        return load_or_restore(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
+
+    def __deepcopy__(self, memo):
+        """A copy of the shard in the same process group (the group itself is shared, not copied)."""
+        memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
 
     def _check_inference(self, x) -> None:
         if torch.is_grad_enabled() and ((isinstance(x, torch.Tensor) and x.requires_grad)
