@@ -1,8 +1,9 @@
 """Tensor parallelism (gqla_triton.parallel) in real processes: gloo on the CPU under the interpreter (4 processes:
 TP 2 in two process groups of 2 ranks side by side, then TP 4 over all of them), NCCL on 2 or 4 GPUs. Every rank's
 output equals the unsharded layer's (prefill, decode steps, MTP, both GQLA paths; GatedDeltaNet prefill, decode,
-verify + commit), every rank's caches hold exactly its groups / value heads / conv channels, and group sizes that do
-not divide the groups or heads are refused.
+verify + commit), every rank's caches hold exactly its groups / value heads / conv channels, group sizes that do
+not divide the groups or heads are refused, and a rank whose build fails or differs (config, dtype, weights, not a
+layer) makes every rank refuse at construction.
 
 The parent builds the full layers and runs them (float64 reference, and torch at the ranks' precision for the
 tolerance); the ranks build their shards from the full state dicts and run the same calls. One spawned run carries
@@ -189,9 +190,46 @@ def _worker(rank: int, world: int, backend: str, store: str, payload: str, out_d
             except ValueError as e:
                 errors.append(str(e))
         res["errors"] = errors
+        res["divergent"] = _divergent_builds(data, rank, world, dev, dtype)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _divergent_builds(data: dict, rank: int, world: int, dev, dtype) -> dict:
+    """The last rank of the default group builds a layer unlike the others' (its config, dtype or weights), or
+    refuses its own arguments: what each rank's construction raised (``None``: it built a shard)."""
+    sd, cfg, last = data["gqla_sd"], data["gqla_cfg"], rank == world - 1
+    other = torch.float16 if dtype != torch.float16 else torch.float32
+    cases = {
+        "config": (sd, {**cfg, "softmax_scale": 0.5} if last else cfg, dtype),
+        "dtype": (sd, cfg, other if last else dtype),
+        "replicated": ({**sd, "kv_a_proj.weight": sd["kv_a_proj.weight"] * 2} if last else sd, cfg, dtype),
+        "sharded": ({**sd, "o_proj.weight": sd["o_proj.weight"].neg()} if last else sd, cfg, dtype),
+        "refused": ({k: v for k, v in sd.items() if k != "o_proj.weight"} if last else sd, cfg, dtype),
+    }
+    out = {}
+    for name, (s, c, dt) in cases.items():
+        try:
+            TPGQLAttention.from_state_dict(s, c, device=dev, dtype=dt)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 -- the parent checks the kind and the message
+            out[name] = f"{type(e).__name__}: {e}"
+    try:  # not a layer on the last rank: refused there, and on the ranks that build theirs
+        full = GQLAttention(**cfg, dtype=torch.float64)
+        full.load_state_dict(sd)
+        tensor_parallel(torch.nn.Linear(2, 2) if last else full, device=dev, dtype=dtype)
+        out["layer"] = None
+    except Exception as e:  # noqa: BLE001
+        out["layer"] = f"{type(e).__name__}: {e}"
+    try:  # GatedDeltaNet: weights of one value head differ on the last rank
+        gsd = data["gdn_sd"]
+        TPGatedDeltaNet.from_state_dict({**gsd, "A_log": gsd["A_log"] + 1} if last else gsd, data["gdn_cfg"],
+                                        device=dev, dtype=dtype)
+        out["gdn"] = None
+    except Exception as e:  # noqa: BLE001
+        out["gdn"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _spawn(world: int, backend: str, data: dict) -> list[dict]:
@@ -265,14 +303,30 @@ def _check(world: int, backend: str, seed: int) -> None:
                              low["grouped"][:, T0:T0 + 1].cpu(), dtype=dtype)
     for rank, all_out in enumerate(res):
         errs = all_out["errors"]
-        assert any("does not divide num_heads" in e for e in errs), errs
+        assert any(e.startswith("group: the process group has ") and "does not divide num_heads 3" in e
+                   for e in errs), errs
         assert any("TPGQLAttention: inference only" in e for e in errs), errs
         for want in ("device: expected a torch.device, a device string or a CUDA index, got 'gpu'",
                      "device: expected a torch.device, a device string or a CUDA index, got 3.5",
                      "device: expected a device with storage, got meta", "CUDA devices visible"):
             assert any(want in e for e in errs), (want, errs)
+        # a rank whose build differs or fails: every rank refuses, by name, before any forward
+        div, last = all_out["divergent"], world - 1
+        for case, want in (("config", "ValueError: config: ranks disagree on softmax_scale"),
+                           ("dtype", "ValueError: dtype: ranks disagree"),
+                           ("replicated", "ValueError: state_dict: kv_a_proj.weight: ranks disagree"),
+                           ("sharded", "ValueError: state_dict: o_proj.weight: ranks disagree"),
+                           ("gdn", "ValueError: state_dict: A_log: ranks disagree")):
+            assert div[case] is not None and div[case].startswith(want), (rank, case, div[case])
+        want = ("ValueError: state_dict: does not match" if rank == last
+                else f"ValueError: group: rank {last} of the process group refused its shard")
+        assert div["refused"] is not None and div["refused"].startswith(want), (rank, div["refused"])
+        want = ("TypeError: layer: expected a GQLAttention or a GatedDeltaNet, got Linear" if rank == last
+                else f"TypeError: group: rank {last} of the process group refused its shard (TypeError: layer:")
+        assert div["layer"] is not None and div["layer"].startswith(want), (rank, div["layer"])
         if world >= 4:
-            want = "3 ranks, which does not divide num_groups" if rank < 3 else "not a member of the process group"
+            want = ("group: the process group has 3 ranks, which does not divide num_groups 4" if rank < 3
+                    else "not a member of the process group")
             assert any(want in e for e in errs), errs
 
 
@@ -306,7 +360,8 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
         mine, want = shard_gqla_state_dict(layer.state_dict(), cfg, r, 2), layer.shard(r, 2).state_dict()
         assert sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want)
     sd = layer.state_dict()
-    with pytest.raises(ValueError, match="tp_size: the process group has 3 ranks, which does not divide num_groups"):
+    # outside a process group the TP size is the argument tp_size (no process group is involved)
+    with pytest.raises(ValueError, match=r"^tp_size: 3 does not divide num_groups 4$"):
         shard_gqla_state_dict(sd, cfg, 0, 3)
     with pytest.raises(ValueError, match="tp_rank"):
         shard_gqla_state_dict(sd, cfg, 2, 2)
@@ -321,7 +376,7 @@ def test_shards_are_the_layers_shard_and_need_a_process_group():
     with pytest.raises(ValueError, match="state_dict: o_proj.weight: on the meta device"):
         shard_gqla_state_dict({**sd, "o_proj.weight": sd["o_proj.weight"].to("meta")}, cfg, 0, 2)
     gdn = _gdn_layer(0)
-    with pytest.raises(ValueError, match="does not divide num_heads"):
+    with pytest.raises(ValueError, match=r"^tp_size: 3 does not divide num_heads 4 \(the value heads split"):
         shard_gated_deltanet_state_dict(gdn.state_dict(), GDN, 0, 3)
     with pytest.raises(TypeError, match="dtype: expected None or a floating torch.dtype"):
         TPGQLAttention.from_state_dict(sd, cfg, dtype="bf16")
@@ -482,4 +537,38 @@ def test_device_is_checked_against_the_groups_backend_for_its_type(tmp_path, mon
                     TPGQLAttention.from_layer(layer)
     finally:
         monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_a_ranks_state_dict_loads_into_that_rank_only_and_deepcopy_keeps_the_group(tmp_path):
+    """A parallel layer's state dict names its rank: another rank's (same shapes, other heads) is refused by name,
+    and a refused load (that one, or one missing a key) leaves the layer as it was. ``copy.deepcopy`` copies the
+    shard and shares the process group (which cannot be copied)."""
+    import copy
+
+    import torch.distributed as dist
+
+    layer = _gqla_layer(0)
+    cfg = {k: getattr(layer, k) for k in ("hidden_size", "num_heads", "num_groups", "head_dim", "rope_dim",
+                                          "kv_rank", "q_rank")}
+    tp0, tp1 = (TPGQLAttention(layer.shard(r, 2), None, r, 2, cfg) for r in range(2))
+    before = {k: v.clone() for k, v in tp1.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"state_dict: _extra_state: rank 0 of 2's shard, expected rank 1 of 2's"):
+        tp1.load_state_dict(tp0.state_dict())
+    sd1 = tp1.state_dict()
+    bad = {k: (v + 1 if isinstance(v, torch.Tensor) else v) for k, v in sd1.items() if k != "local.o_proj.weight"}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        tp1.load_state_dict(bad)
+    after = tp1.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    tp1.load_state_dict(copy.deepcopy(sd1))  # its own loads
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tp = TPGQLAttention.from_layer(layer)
+        twin = copy.deepcopy(tp)
+        assert twin.group is tp.group and twin.local.o_proj.weight is not tp.local.o_proj.weight
+        x = randn((1, 3, GQLA["hidden_size"]), gen(3), dtype=torch.float64, device="cpu")
+        with torch.no_grad():
+            assert torch.equal(twin(x), tp(x))
+    finally:
         dist.destroy_process_group()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 import torch
 from torch import nn
 
-from ..layers._state import check_state_dict, entry_problem
+from ..layers._state import check_state_dict, entry_problem, load_or_restore
 from ..ops._common.validation import check_device
 
 
@@ -45,9 +47,13 @@ def resolve_device(group, device) -> torch.device:
     return dev
 
 
-def check_divides(tp_size: int, n: int, what: str) -> None:
+def check_divides(tp_size: int, n: int, what: str, from_group: bool, note: str = "") -> None:
+    """``tp_size`` divides ``what`` (``n``), or a ``ValueError`` naming the argument that set ``tp_size``: ``group``
+    (``from_group``: a parallel layer, whose TP size is its group's) or ``tp_size`` (the state-dict functions)."""
     if n % tp_size:
-        raise ValueError(f"tp_size: the process group has {tp_size} ranks, which does not divide {what} {n}")
+        who = (f"group: the process group has {tp_size} ranks, which does" if from_group
+               else f"tp_size: {tp_size} does")
+        raise ValueError(f"{who} not divide {what} {n}{note}")
 
 
 def check_rank(tp_rank, tp_size) -> None:
@@ -120,6 +126,106 @@ def load_into(local: nn.Module, shards: Mapping[str, torch.Tensor], device) -> n
     return local
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22
+
+
+def _digest(t: torch.Tensor) -> tuple[int, int]:
+    """Two int64 (wrapping) sums of the bits of ``t``, plain and position-weighted: equal for equal tensors."""
+    bits = t.detach().contiguous().view(_BITS[t.element_size()]).reshape(-1)
+    s = w = 0
+    for i in range(0, bits.numel(), _CHUNK):
+        c = bits[i:i + _CHUNK].to(torch.int64)
+        pos = torch.arange(i, i + c.numel(), device=c.device, dtype=torch.int64) % 65521 + 1
+        s, w = s + int(c.sum()), w + int((c * pos).sum())
+    return s, w
+
+
+def _comparable(config: dict) -> dict:
+    return {k: tuple(v.double().tolist()) if isinstance(v, torch.Tensor) else v for k, v in config.items()}
+
+
+def _disagreement(mine: dict, gathered: list) -> str | None:
+    """The first way the ranks' builds differ (``gathered[p]``: rank ``p``'s ``mine``), or None."""
+    for p, theirs in enumerate(gathered):
+        for k in mine["config"]:
+            a, b = gathered[0]["config"][k], theirs["config"].get(k)
+            if repr(a) != repr(b):
+                return f"config: ranks disagree on {k} (rank 0: {a!r}, rank {p}: {b!r})"
+        for what in ("dtype", "device"):
+            if gathered[0][what] != theirs[what]:
+                return (f"{what}: ranks disagree on the shard's {what} (rank 0: {gathered[0][what]}, rank {p}: "
+                        f"{theirs[what]})")
+    n = len(gathered)
+    for p, theirs in enumerate(gathered):  # rank p's source of rank p+1's shard against rank p+1's own
+        nxt = gathered[(p + 1) % n]
+        for k, d in theirs["next"].items():
+            if nxt["own"].get(k) != d:
+                return (f"state_dict: {k}: ranks disagree on the weights (rank {p}'s of rank {(p + 1) % n}'s shard "
+                        f"differ from rank {(p + 1) % n}'s own)")
+    return None
+
+
+def build(group, check: Callable[[], object], make: Callable) -> tuple:
+    """``(local, group, rank, size, config)``: this rank's shard, built so that every rank of ``group`` raises or
+    none does.
+
+    ``check()`` validates the arguments that need no process group; ``make(group, rank, size)`` returns the loaded
+    shard, the full layer's arguments and the next rank's shard (views of this rank's state dict). One
+    ``all_gather_object`` over the group then compares the ranks' refusals, configs, dtypes, device types and
+    weights (each rank's own shard against the previous rank's source of it: with the replicated tensors, a ring
+    over the whole layer). A rank's refusal or any difference raises on every rank, before any all-reduce.
+    """
+    import torch.distributed as dist
+
+    try:
+        check()
+        err = None
+    except Exception as e:  # noqa: BLE001 -- re-raised below, after the ranks have agreed
+        err = e
+    if err is not None and not (dist.is_available() and dist.is_initialized()):
+        raise err
+    group, rank, size = resolve_group(group)
+    local = config = None
+    if err is None:
+        try:
+            local, config, nxt = make(group, rank, size)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    if size == 1:
+        if err is not None:
+            raise err
+        return local, group, rank, size, config
+    mine = {"error": None if err is None else (type(err).__name__, str(err))}
+    if err is None:
+        own, w = local.state_dict(), next(local.parameters())
+        mine.update(config=_comparable(config), dtype=str(w.dtype), device=w.device.type,
+                    own={k: _digest(v) for k, v in own.items()},
+                    next={k: _digest(v.to(device=own[k].device, dtype=own[k].dtype)) for k, v in nxt.items()})
+    gathered = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    if err is not None:
+        raise err
+    for p, theirs in enumerate(gathered):
+        if theirs["error"] is not None:
+            kind, msg = theirs["error"]
+            cls = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+            raise cls(f"group: rank {p} of the process group refused its shard ({kind}: {msg}); no rank builds one")
+    why = _disagreement(mine, gathered)
+    if why is not None:
+        raise ValueError(f"{why}; every rank must build the same layer")
+    return local, group, rank, size, config
+
+
+def refuse(group, error: Exception) -> NoReturn:
+    """Raise ``error`` here, after telling the ranks of ``group`` that build their shards (``build``) to refuse."""
+    def check():
+        raise error
+
+    build(group, check, None)
+    raise AssertionError("unreachable")
+
+
 class TensorParallel(nn.Module):
     """A rank's shard ``local`` of a layer and the group it reduces over: ``forward`` runs the shard, whose output
     projection is row-parallel, and sums the ranks' partial outputs with one all-reduce."""
@@ -129,6 +235,31 @@ class TensorParallel(nn.Module):
         self.local = local
         self.group, self.tp_rank, self.tp_size = group, tp_rank, tp_size
         self.config = dict(config)
+
+    def get_extra_state(self) -> dict:
+        """The rank the state dict's shard belongs to: ``{"tp_rank", "tp_size"}``."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+    def set_extra_state(self, state) -> None:
+        """Refuses another rank's shard (the same shapes, other heads), before any tensor is loaded."""
+        want = self.get_extra_state()
+        got = {k: state.get(k) for k in want} if isinstance(state, Mapping) else None
+        if got != want:
+            whose = f"rank {got['tp_rank']} of {got['tp_size']}'s shard" if got else f"{type(state).__name__}"
+            raise ValueError(f"state_dict: _extra_state: {whose}, expected rank {self.tp_rank} of {self.tp_size}'s "
+                             "(a parallel layer loads the state dict of its own rank)")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a load that fails leaves the shard as it was (``_state.load_or_restore``)."""
+        return load_or_restore(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
+
+    def __deepcopy__(self, memo):
+        """A copy of the shard in the same process group (the group itself is shared, not copied)."""
+        memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
 
     def _check_inference(self, x) -> None:
         if torch.is_grad_enabled() and ((isinstance(x, torch.Tensor) and x.requires_grad)

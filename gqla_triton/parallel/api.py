@@ -12,6 +12,7 @@ def tensor_parallel(layer: nn.Module, *, group=None, device=None, dtype=None):
     ``GatedDeltaNet``; call it in every rank of ``group`` (default: the default process group)."""
     from ..layers.gated_deltanet import GatedDeltaNet
     from ..layers.gqla import GQLAttention
+    from ._common import refuse
     from .gated_deltanet import TPGatedDeltaNet
     from .gqla import TPGQLAttention
 
@@ -19,4 +20,4 @@ def tensor_parallel(layer: nn.Module, *, group=None, device=None, dtype=None):
         return TPGQLAttention.from_layer(layer, group=group, device=device, dtype=dtype)
     if isinstance(layer, GatedDeltaNet):
         return TPGatedDeltaNet.from_layer(layer, group=group, device=device, dtype=dtype)
-    raise TypeError(f"layer: expected a GQLAttention or a GatedDeltaNet, got {type(layer).__name__}")
+    refuse(group, TypeError(f"layer: expected a GQLAttention or a GatedDeltaNet, got {type(layer).__name__}"))

@@ -19,13 +19,14 @@ from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
+    build,
     check_config,
     check_divides,
     check_rank,
     config_of,
     load_into,
+    refuse,
     resolve_device,
-    resolve_group,
     shard_state_dict,
     source_dtype,
 )
@@ -45,9 +46,9 @@ def _check_config(config) -> dict:
     return check_config(config, _CONFIG, "GatedDeltaNet", _REQUIRED)
 
 
-def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:
+def _meta_layers(config: dict, tp_size: int, from_group: bool, dtype=None) -> tuple[GatedDeltaNet, GatedDeltaNet]:
     full = GatedDeltaNet(**config, device="meta", dtype=dtype)
-    check_divides(tp_size, full.num_heads, "num_heads (the q/k heads; the value heads split alike)")
+    check_divides(tp_size, full.num_heads, "num_heads", from_group, " (the value heads split as the q/k heads)")
     cfg = _config_of(full)
     local = GatedDeltaNet(**{**cfg, "num_heads": full.num_heads // tp_size,
                              "num_v_heads": full.num_v_heads // tp_size}, device="meta", dtype=dtype)
@@ -79,7 +80,7 @@ def shard_gated_deltanet_state_dict(state_dict: Mapping[str, torch.Tensor], conf
     arguments; ``state_dict``: its weights). Views of ``state_dict`` except ``in_proj.weight`` and the conv weight
     (the rank's part of each of their blocks, joined). No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
-    full, local = _meta_layers(_check_config(config), tp_size)
+    full, local = _meta_layers(_check_config(config), tp_size, False)
     return _shard(state_dict, full, local, tp_rank)
 
 
@@ -93,8 +94,8 @@ class TPGatedDeltaNet(TensorParallel):
     @classmethod
     def from_layer(cls, layer: GatedDeltaNet, *, group=None, device=None, dtype=None) -> TPGatedDeltaNet:
         """Shard of the full ``layer`` on ``device`` (default the layer's) in ``dtype`` (default the layer's)."""
-        if not isinstance(layer, GatedDeltaNet):
-            raise TypeError(f"layer: expected a GatedDeltaNet, got {type(layer).__name__}")
+        if not isinstance(layer, GatedDeltaNet):  # refused on every rank of the group
+            refuse(group, TypeError(f"layer: expected a GatedDeltaNet, got {type(layer).__name__}"))
         w = layer.in_proj.weight
         out = cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
                                   device=device if device is not None else w.device,
@@ -108,14 +109,19 @@ class TPGatedDeltaNet(TensorParallel):
         """Shard of ``GatedDeltaNet(**config)`` with the weights ``state_dict``; only the rank's slices are copied to
         ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). The size of ``group`` (default: the
         default group) must divide ``num_heads``."""
-        cfg = _check_config(config)
-        check_float_dtype(dtype)
-        group, rank, size = resolve_group(group)
-        dtype = dtype or source_dtype(state_dict, "in_proj.weight")
-        full, local = _meta_layers(cfg, size, dtype)
-        shards = _shard(state_dict, full, local, rank)
-        dev = resolve_device(group, device)
-        return cls(load_into(local, shards, dev), group, rank, size, _config_of(full))
+        def check():
+            _check_config(config)
+            check_float_dtype(dtype)
+
+        def make(group, rank: int, size: int):
+            dt = dtype or source_dtype(state_dict, "in_proj.weight")
+            full, local = _meta_layers(_check_config(config), size, True, dt)
+            shards = _shard(state_dict, full, local, rank)
+            dev = resolve_device(group, device)
+            return (load_into(local, shards, dev), _config_of(full),
+                    _shard(state_dict, full, local, (rank + 1) % size))
+
+        return cls(*build(group, check, make))
 
     def init_cache(self, num_seqs: int, device=None) -> GatedDeltaNetCache:
         """The rank's cache: ``num_seqs`` slots of its conv channels and its ``HV/tp`` value heads' states."""

@@ -24,13 +24,14 @@ from ..layers.gqla import GQLAttention, check_rope_bits
 from ..ops._common.validation import check_float_dtype
 from ._common import (
     TensorParallel,
+    build,
     check_config,
     check_divides,
     check_rank,
     config_of,
     load_into,
+    refuse,
     resolve_device,
-    resolve_group,
     shard_state_dict,
     source_dtype,
 )
@@ -50,11 +51,11 @@ def _check_config(config) -> dict:
     return check_config(config, _CONFIG, "GQLAttention", _REQUIRED)
 
 
-def _meta_layers(config: dict, tp_size: int, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
+def _meta_layers(config: dict, tp_size: int, from_group: bool, dtype=None) -> tuple[GQLAttention, GQLAttention, dict]:
     """The full layer and a shard on the meta device (shapes and validation only), and the full layer's arguments
-    (``rope_inv_freq`` as given: a meta layer holds no values)."""
+    (``rope_inv_freq`` as given: a meta layer holds no values). ``from_group``: ``tp_size`` is the group's."""
     full = GQLAttention(**config, device="meta", dtype=dtype)
-    check_divides(tp_size, full.num_groups, "num_groups")
+    check_divides(tp_size, full.num_groups, "num_groups", from_group)
     # the shard keeps the full layer's softmax scale (its default depends on d_h + d_R only) and rope frequencies
     cfg = {**_config_of(full), "rope_inv_freq": config.get("rope_inv_freq")}
     local = GQLAttention(**{**cfg, "num_heads": full.num_heads // tp_size, "num_groups": full.num_groups // tp_size},
@@ -68,7 +69,7 @@ def shard_gqla_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mappin
     ``state_dict`` (the full layer's, e.g. loaded with ``mmap=True``). ``config``: the full layer's constructor
     arguments. No ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
-    full, local, _ = _meta_layers(_check_config(config), tp_size)
+    full, local, _ = _meta_layers(_check_config(config), tp_size, False)
     return _shard(state_dict, full, local, tp_rank)
 
 
@@ -93,8 +94,8 @@ class TPGQLAttention(TensorParallel):
     def from_layer(cls, layer: GQLAttention, *, group=None, device=None, dtype=None) -> TPGQLAttention:
         """Shard of the full ``layer`` (its weights are sliced, the rank's part copied to ``device``, default the
         layer's device; ``dtype`` default the layer's)."""
-        if not isinstance(layer, GQLAttention):
-            raise TypeError(f"layer: expected a GQLAttention, got {type(layer).__name__}")
+        if not isinstance(layer, GQLAttention):  # refused on every rank of the group
+            refuse(group, TypeError(f"layer: expected a GQLAttention, got {type(layer).__name__}"))
         w = layer.kv_b_proj.weight
         return cls.from_state_dict(layer.state_dict(), _config_of(layer), group=group,
                                    device=device if device is not None else w.device,
@@ -106,14 +107,18 @@ class TPGQLAttention(TensorParallel):
         """Shard of the full layer ``GQLAttention(**config)`` whose weights are ``state_dict``: only the rank's
         slices are copied to ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). ``group``: the
         tensor-parallel process group (default: the default group); its size must divide ``num_groups``."""
-        cfg = _check_config(config)
-        check_float_dtype(dtype)
-        group, rank, size = resolve_group(group)
-        dtype = dtype or source_dtype(state_dict, "kv_b_proj.weight")
-        full, local, cfg = _meta_layers(cfg, size, dtype)
-        shards = _shard(state_dict, full, local, rank)
-        dev = resolve_device(group, device)
-        return cls(load_into(local, shards, dev), group, rank, size, cfg)
+        def check():
+            _check_config(config)
+            check_float_dtype(dtype)
+
+        def make(group, rank: int, size: int):
+            dt = dtype or source_dtype(state_dict, "kv_b_proj.weight")
+            full, local, cfg = _meta_layers(_check_config(config), size, True, dt)
+            shards = _shard(state_dict, full, local, rank)
+            dev = resolve_device(group, device)
+            return load_into(local, shards, dev), cfg, _shard(state_dict, full, local, (rank + 1) % size)
+
+        return cls(*build(group, check, make))
 
     def make_cache(self, max_batch: int, max_seqlen: int, **kwargs):
         """The rank's cache (``GQLAttention.make_cache`` of the shard): a ``GroupedCache`` of ``g/tp`` groups or a
