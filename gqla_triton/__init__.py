@@ -45,7 +45,7 @@ _EXPORTS = {
     "config_override": "gqla_triton.dispatch",
     "device_info": "gqla_triton.dispatch",
 }
-_MODULES = ("dispatch", "decode_path", "roofline", "layers", "ops", "convert", "parallel", "testing")
+_MODULES = ("dispatch", "decode_path", "roofline", "layers", "ops", "library", "convert", "parallel", "testing")
 
 __all__ = sorted(_EXPORTS) + list(_MODULES)
 

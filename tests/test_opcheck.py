@@ -223,3 +223,84 @@ def test_attention_ops_take_any_strides_of_what_they_read():
     for strided in ((t(out), t(lse), s(out2), s(lse2)), (s(out), lse, t(out2), lse2)):
         same(OPS.flash_mla_merge_caches(*args), OPS.flash_mla_merge_caches(*strided))
         _check(OPS.flash_mla_merge_caches, strided)
+
+
+def test_chunk_op_takes_sequences_of_no_tokens():
+    """The chunked op called as a custom op with T == 0 (the public function refuses it; a traced graph need not):
+    empty outputs, the final state is the initial one (zeros without one) and its gradient the final state's,
+    the fakes matching."""
+    q, k, v, g, beta, h0 = (x[:, :0] if x.dim() < 4 or x.shape[1] == T else x for x in _gdn(2, 2))
+    for init in (None, h0):
+        args = (q, k, v, g, beta, K ** -0.5, init, None, True, True, False, False, False, None, None, 64, "triton")
+        o, ht, gc, Ainv, w, h, vnew = OPS.chunk_gated_delta_rule_fwd(*args)
+        assert o.shape == (2, 0, HV, V) and torch.equal(ht, torch.zeros_like(h0) if init is None else h0)
+        _check(OPS.chunk_gated_delta_rule_fwd, args)
+        dht = torch.randn_like(h0)
+        grads = OPS.chunk_gated_delta_rule_bwd(q, k, v, g, beta, K ** -0.5, init, None, gc, Ainv, torch.empty_like(o),
+                                               dht, w, h, vnew, False, False, False, None, None, 64)
+        assert all(x.numel() == 0 for x in grads[:5]) and torch.equal(grads[5], dht)
+
+
+def test_ops_under_torch_func():
+    """``torch.func.vmap`` over an op runs its custom op, which torch runs once per sample: results equal per-sample
+    calls bit for bit; an op that updates a state in place is refused by torch, naming the op, the state unchanged;
+    ``torch.func.grad`` is refused by torch."""
+    import gqla_triton as G
+
+    g_ = torch.Generator().manual_seed(5)
+    rnd = lambda *shape: torch.randn(*shape, generator=g_).to(P.device)  # noqa: E731
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=P.device)
+    lens = torch.tensor([29, 7], dtype=torch.int32, device=P.device)
+    kc, vc, kr, kv = rnd(5, 16, 2, 16), rnd(5, 16, 2, 16), rnd(5, 16, 16), rnd(5, 16, 1, 48)
+    xs = [x.unsqueeze(1) for x in _gdn(3, 3)]
+    cases = [(lambda *a: G.chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True), xs),
+             (lambda q: G.gqa_decode(q, kc, vc, table, lens, kr, 0.2), [rnd(3, 2, 1, 4, 32)]),
+             (lambda q: G.mla_decode(q, kv, table, lens, 32, 0.2), [rnd(3, 2, 1, 16, 48)])]
+    for fn, args in cases:
+        got = torch.func.vmap(fn)(*args)
+        for i in range(3):
+            for a, b in zip(got, fn(*(x[i] for x in args)), strict=True):
+                assert torch.equal(a[i], b)
+    state = xs[5].squeeze(1)
+    kept = state.clone()
+    with pytest.raises(RuntimeError, match="gqla_triton::gated_delta_rule_decode"):
+        torch.func.vmap(lambda *a: G.gated_delta_rule_decode(*a[:5], state))(*(x[:, :, :1] for x in xs[:5]))
+    assert torch.equal(state, kept)
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        q, k, v, g, beta, h0 = (x[0] for x in xs)
+        torch.func.grad(lambda v: cases[0][0](q, k, v, g, beta, h0)[0].sum())(v)
+
+
+def test_exported_program_loads_after_importing_the_library(tmp_path):
+    """A program exported (batch and length dynamic), saved, then loaded in a fresh process after ``import
+    gqla_triton.library`` runs at other shapes and equals eager; that import registers every op of the package."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import gqla_triton as G
+
+    class Prefill(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, h0):
+            return G.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    b, t = torch.export.Dim("b", min=1, max=8), torch.export.Dim("t", min=2, max=256)
+    ep = torch.export.export(Prefill(), tuple(_gdn(2, 2)), dynamic_shapes=({0: b, 1: t},) * 5 + ({0: b},))
+    torch.export.save(ep, tmp_path / "prefill.pt2")
+    args = [x[:, :7] if x.dim() < 4 or x.shape[1] == T else x for x in _gdn(3, 3, seed=1)]
+    torch.save({"args": args, "want": Prefill()(*args)}, tmp_path / "io.pt")
+    root = Path(G.__file__).parent
+    op = re.compile(r'custom_op\("gqla_triton::(\w+)"')
+    names = sorted({m for f in root.rglob("*.py") for m in op.findall(f.read_text())})
+    code = ("import sys, torch, gqla_triton.library\n"
+            f"missing = [n for n in {names!r} if not hasattr(torch.ops.gqla_triton, n)]\n"
+            "assert not missing, missing\n"
+            f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
+            f"got = torch.export.load({str(tmp_path / 'prefill.pt2')!r}).module()(*io['args'])\n"
+            "assert all(torch.equal(a, b) for a, b in zip(got, io['want'], strict=True))\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root.parent), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert len(names) > 10 and r.returncode == 0 and r.stdout.split()[-1:] == ["ok"], r.stderr[-3000:]

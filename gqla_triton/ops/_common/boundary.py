@@ -13,17 +13,24 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["route", "runner"]
+__all__ = ["route", "runner", "traced"]
+
+
+def traced() -> bool:
+    """torch.compile / torch.export traces, or a ``torch.func`` transform (``vmap``, ``grad``, ...) runs: the call's
+    tensors may hold no storage, and the custom op runs (under ``vmap`` torch runs it per sample; torch refuses the
+    ops that write in place, and the other transforms, with its own error)."""
+    return torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
 
 
 def route(custom_op: Callable, eager: Callable) -> Callable:
-    """``custom_op`` while torch.compile traces, ``eager`` otherwise."""
-    return custom_op if torch.compiler.is_compiling() else eager
+    """``custom_op`` while ``traced()``, ``eager`` otherwise."""
+    return custom_op if traced() else eager
 
 
 def runner(custom_op: Callable, eager: Callable, *, grad: bool, memo, key: tuple | None, build: Callable) -> Callable:
     """What runs a checked call: ``custom_op`` where autograd records it (``grad``; the op's backward raises or
-    differentiates) or torch.compile traces, else ``eager`` with ``prepared=`` the plan ``memo`` (a
+    differentiates) or ``traced()``, else ``eager`` with ``prepared=`` the plan ``memo`` (a
     ``memo.CheckedCalls``) keeps under ``key`` (``build()`` on a miss; None where ``key`` is None: ``eager`` plans
     itself)."""
     if grad:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ...dispatch import is_interpreter
+from .boundary import traced
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32,)
@@ -280,8 +281,8 @@ def check_disjoint(name: str, t: torch.Tensor | None, **others: torch.Tensor | N
     """``t``, which the call writes in place, shares no bytes with ``others`` (None: absent), which it reads: a
     ``ValueError`` naming both otherwise (the kernels would read values they have already overwritten). Judged by
     the address ranges the tensors span, so interleaved views of one buffer are refused too. Not judged while
-    torch.compile traces (fake tensors have no storage)."""
-    if t is None or torch.compiler.is_compiling() or t.device.type == "meta":
+    ``boundary.traced()`` (tensors without storage; the custom op's body judges its own)."""
+    if t is None or traced() or t.device.type == "meta":
         return
     a = _byte_span(t)
     if a is None:

@@ -261,7 +261,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
         return device_plan(cfg, gpu, cu_seqlens, T, HV, K, BT, V)
     if cu_seqlens is None:
         NT = cdiv(T, BT)
-        seq_cu = tuple(range(0, (B + 1) * T, T))
+        seq_cu = tuple(b * T for b in range(B + 1))
         NTT, NG, cidx, coff, cu = B * NT, NT, None, None, None
     else:
         seq_cu = tuple(cu_host if cu_host is not None else read_cu_seqlens(cu_seqlens, T))

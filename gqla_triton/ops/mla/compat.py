@@ -43,6 +43,7 @@ import dataclasses
 import torch
 
 from .._common import combine_splits
+from .._common.boundary import route
 from .._common.validation import MAX_KEYS, check_flag, check_scale, check_tensor, forward_only, requires_grad
 from .api import default_out_dtype, mla_decode, mla_sparse_prefill
 from .fp8 import ROW_BYTES, fp8_layout, is_fp8_latent
@@ -285,10 +286,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                                     kv_format=extra_layout, out_dtype=wide)
         except (TypeError, ValueError) as e:  # mla_decode names its own arguments: say which cache they are
             raise type(e)(f"extra_k_cache / extra_indices_in_kvcache / extra_topk_length: {e}") from None
-        if requires_grad(q, k_cache, extra_k_cache) or torch.compiler.is_compiling():
-            out, lse = _merge_op(out, lse, out2, lse2)  # forward-only: a backward through it raises
-        else:
-            out, lse = _merge(out, lse, out2, lse2)
+        merge = _merge_op if requires_grad(q, k_cache, extra_k_cache) else route(_merge_op, _merge)
+        out, lse = merge(out, lse, out2, lse2)  # the op is forward-only: a backward through it raises
     if attn_sink is not None:
         out = _sink(out, lse.transpose(1, 2), attn_sink)
     if wide is not None:
