@@ -236,21 +236,33 @@ def table_swap(key: str, raw: Mapping) -> Iterator[None]:
         reload_tables()
 
 
+# reloads so far: part of the table caches' keys, so a lookup that read a table before a reload (another thread's)
+# keeps its answer under the old count, never seen again
+_RELOADS = [0]
+
+
 def reload_tables() -> None:
     """Read the tables again at the next lookup (a table written since, another ``GQLA_TRITON_CONFIG_DIR``); the
     ``config_state`` changes, so what callers kept from the old tables is built again."""
-    _load_table.cache_clear()
+    _RELOADS[0] += 1
+    _table_at.cache_clear()
     _table_entry.cache_clear()
     _EPOCH[0] += 1
 
 
-@functools.cache
 def _load_table(key: str) -> dict[str, list[tuple[dict, Any]]]:
+    """The table of GPU ``key`` as read since the last ``reload_tables`` (``_table_at``)."""
+    return _table_at(key, _RELOADS[0])
+
+
+@functools.cache
+def _table_at(key: str, reloads: int) -> dict[str, list[tuple[dict, Any]]]:
     """The table of GPU ``key``: one swapped in by ``table_swap``, else the shipped ``configs/<key>.json``, else the
     shipped table of the GPU whose SM it shares (``SHARED_TABLES``, without its measured ops), else
     ``configs/default.json``; a table in the user config directory (``gqla_triton.tune``, or written by hand) goes
     before it: its rows of an op are matched first, then the shipped rows of that op, so a table that names some
-    ops or some shapes leaves the rest as shipped. The interpreter reads only the shipped table."""
+    ops or some shapes leaves the rest as shipped. The interpreter reads only the shipped table. ``reloads``: the
+    ``_RELOADS`` count it is read under (a cache key only)."""
     if key in _SWAPPED:
         return _SWAPPED[key][-1]
     shared = SHARED_TABLES.get(key)
@@ -410,7 +422,7 @@ def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fal
     overrides applied; None when no entry matches and nothing is overridden."""
     frozen = tuple(sorted((key or {}).items()))
     env = os.environ.get("GQLA_TRITON_CONFIG")
-    cfg = _table_entry(gpu, op, frozen, fallback, env, _env_version(env))
+    cfg = _table_entry(gpu, op, frozen, fallback, env, _env_version(env), _RELOADS[0])
     for layer in _OVERRIDES:
         if op in layer:
             cfg = _overridden(op, cfg, layer[op])
@@ -418,18 +430,19 @@ def table_config(gpu: str, op: str, key: Mapping[str, Any] | None = None, *, fal
 
 
 @functools.lru_cache(maxsize=4096)
-def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | None, version: tuple | None):
+def _table_entry(gpu: str, op: str, frozen: tuple, fallback: bool, env: str | None, version: tuple | None,
+                 reloads: int):
     """``table_config`` without the in-process overrides, cached: the tables are read once and a launcher's lookup
-    costs a dictionary hit (the key, the tables and ``GQLA_TRITON_CONFIG``, with its file's ``version``, determine
-    the answer)."""
+    costs a dictionary hit (the key, the tables as of ``reloads`` and ``GQLA_TRITON_CONFIG``, with its file's
+    ``version``, determine the answer)."""
     from .ops._common.config import check_match_key
 
     cls = schema(op)
     key = dict(frozen)
     check_match_key(cls, key, where=" (select_config key)")
-    cfg = _match(_load_table(gpu), op, key)
+    cfg = _match(_table_at(gpu, reloads), op, key)
     if cfg is None and fallback:
-        cfg = _match(_load_table("default"), op, key)
+        cfg = _match(_table_at("default", reloads), op, key)
     overrides = _env_override(env, version) if env else {}
     if op in overrides:
         cfg = cls.from_fields(overrides[op], base=cfg, where=" (GQLA_TRITON_CONFIG)")

@@ -243,6 +243,39 @@ def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, mo
         dispatch.reload_tables()
 
 
+def test_a_lookup_that_read_a_table_before_a_reload_keeps_no_stale_answer(tmp_path, monkeypatch):
+    """A lookup that read the tuned table while another thread wrote a new one and called ``reload_tables`` (the
+    tuner's write) leaves nothing of the old table cached: the next lookup reads the new one."""
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    user = tmp_path / "h100.json"
+
+    def tuned(elems):
+        user.write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": elems}}]}))
+
+    tuned(512)
+    dispatch.reload_tables()
+    read = dispatch._read_table
+    raced = []
+
+    def read_then_reload(path):
+        table = read(path)
+        if path == user and not raced:  # this lookup holds the old table when the other thread writes and reloads
+            raced.append(path)
+            tuned(2048)
+            dispatch.reload_tables()
+        return table
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(dispatch, "_read_table", read_then_reload)
+            assert dispatch.table_config("h100", "combine", {}).elems == 512  # the answer of the table it read
+        assert raced
+        assert dispatch.table_config("h100", "combine", {}).elems == 2048
+        assert dispatch._load_table("h100")["combine"][0][1].elems == 2048
+    finally:
+        dispatch.reload_tables()
+
+
 def test_import_does_no_device_work():
     code = (
         "import torch, gqla_triton\n"

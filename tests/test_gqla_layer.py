@@ -346,6 +346,21 @@ def test_absorbed_weights_of_a_layer_made_under_inference_mode():
         assert w_uk.dtype == torch.float16 and torch.equal(w_uk, layer.w_uk_uv(torch.float16)[0])
 
 
+def test_absorbed_weights_kept_under_inference_mode_serve_autograd_later():
+    """An entry made inside ``torch.inference_mode()`` (a serving step) is reused outside it by a computation that
+    autograd records (a frozen weight, a trainable input): normal tensors, not inference tensors, which autograd
+    cannot save for the backward."""
+    layer = make_layer(0, g=2, dtype=torch.float32)
+    layer.kv_b_proj.weight.requires_grad_(False)
+    with torch.inference_mode():
+        kept, _ = layer.absorbed_weights()
+    w_uk, w_uv = layer.absorbed_weights()
+    assert w_uk is kept and not w_uk.is_inference() and not w_uv.is_inference()
+    x = torch.randn(3, w_uk.shape[-1], dtype=torch.float32, device=P.device, requires_grad=True)
+    (x @ w_uk[0].T).sum().backward()
+    assert torch.equal(x.grad, w_uk[0].sum(0).expand(3, -1))
+
+
 @pytest.mark.parametrize("path", ["absorb", "grouped"])
 def test_float64_layer_decodes_with_the_reference_only(path):
     """A float64 layer with a kernel ``impl`` is refused at its decode step by name (the layer's dtype and impl, not

@@ -464,6 +464,29 @@ def test_rope_helpers_refuse_bad_arguments_by_name(case):
         bad()
 
 
+def test_cached_inv_freq_stays_bounded(monkeypatch):
+    """A long-running process that rotates with ever new thetas (a theta scaled per sequence length, say) keeps a
+    bounded number of frequency tensors; a repeated call reuses its tensor, and the values are ``rope_inv_freq``'s.
+    An entry that a CUDA-graph capture read (its replays read that tensor) is never dropped."""
+    from gqla_triton.layers import rope
+
+    x, pos = torch.randn(1, 2, 1, 8), torch.arange(2)[None]
+    first = cached_inv_freq(8, 1e4, "cpu")
+    assert cached_inv_freq(8, 1e4, "cpu") is first
+    captured = cached_inv_freq(8, 1234.5, "cpu")
+    with monkeypatch.context() as m:
+        m.setattr(rope, "_cacheable", lambda device: False)  # as inside a capture
+        assert cached_inv_freq(8, 1234.5, "cpu") is captured
+    try:
+        for i in range(4 * rope.INV_FREQ_CACHE):
+            apply_rope(x, pos, 1000.0 + i)
+            assert len(rope._INV_FREQ) <= rope.INV_FREQ_CACHE + len(rope._PINNED)
+        assert cached_inv_freq(8, 1234.5, "cpu") is captured
+        assert torch.equal(cached_inv_freq(8, 1e4, "cpu"), rope_inv_freq(8, 1e4))
+    finally:
+        rope._PINNED.discard((8, 1234.5, torch.device("cpu")))
+
+
 def test_apply_rope_takes_the_documented_shapes():
     """``positions [B, T]`` (any integer dtype but uint64) rotate ``x [B, T, ..., d]`` as ``rope_cos_sin``'s
     factors do; d = 0 passes ``x`` through; a numpy integer ``d`` works as the int."""

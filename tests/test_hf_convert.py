@@ -122,6 +122,37 @@ def test_beam_search_follows_the_hf_cache_reorders(impl):
     torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_interleaved_hf_caches_keep_their_own_gqla_caches(impl):
+    """Two conversations, each with its own HF cache, through one converted model, step by step in turn (a server
+    interleaving requests): each decodes against its own tokens. A conversation whose HF cache is dropped frees its
+    GQLA cache (the latest call's stays as ``gqla_cache``)."""
+    import gc
+    import weakref
+
+    model = tiny_llama(21, g=2, layers=1)
+    a, b = ids_for(22, 1, 10), ids_for(23, 1, 10)
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl=impl, max_seqlen=32, page_size=16)
+    attn = conv.model.layers[0].self_attn
+    ca, cb = (transformers.DynamicCache(config=model.config) for _ in range(2))
+    with torch.no_grad():
+        want = {n: conv(x, use_cache=False).logits[:, -2:] for n, x in (("a", a), ("b", b))}
+        conv(a[:, :8], past_key_values=ca, use_cache=True)
+        conv(b[:, :8], past_key_values=cb, use_cache=True)
+        got = {"a": [], "b": []}
+        for t in (8, 9):
+            for n, x, c in (("a", a, ca), ("b", b, cb)):
+                got[n].append(conv(x[:, t:t + 1], past_key_values=c, use_cache=True).logits)
+    for n in ("a", "b"):
+        torch.testing.assert_close(torch.cat(got[n], 1), want[n], rtol=1e-4, atol=1e-4)
+    assert attn.gqla_cache is attn._caches[id(cb)][1]  # b's step ran last
+    held = weakref.ref(attn._caches[id(ca)][1])
+    del ca, c
+    gc.collect()
+    assert held() is None, "the GQLA cache of a dropped HF cache is still held"
+    assert list(attn._caches) == [id(cb)]
+
+
 def test_cropped_hf_cache_is_refused():
     """Assisted / speculative generation crops the HF cache; the GQLA caches cannot drop tokens, so the next call
     is a ValueError instead of attention over the dropped tokens."""

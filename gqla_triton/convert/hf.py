@@ -12,6 +12,7 @@ placeholders), so HF's masks and positions stay right. ``transformers`` is an op
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,19 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
+def _forget(module: nn.Module, key: int):
+    """The callback of a kept GQLA cache's weak reference to its HF cache: drops the entry (unless a newer one
+    replaced it) when that HF cache is freed. Holds the module weakly."""
+    module_ref = weakref.ref(module)
+
+    def drop(hf_ref) -> None:
+        m = module_ref()
+        if m is not None and m._caches.get(key, (None,))[0] is hf_ref:
+            del m._caches[key]
+
+    return drop
+
+
 def _positions(name: str, p, B: int, T: int, dev: torch.device) -> torch.Tensor:
     """``position_ids`` / ``cache_position`` broadcast to ``[B, T]`` (a ``ValueError`` naming it where they do not)."""
     p = check_dense(name, p)
@@ -54,7 +68,8 @@ class GQLAHFAttention(nn.Module):
     Positions come from ``position_ids`` (else ``cache_position``, else the HF cache's length + 0..T-1); the
     model's ``position_embeddings`` are not used (the layer rotates with its own frequencies in float64).
     Without a HF cache any 4-D ``attention_mask`` is honoured (padding included). With one, a call whose HF cache
-    is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls decode against it. Cached
+    is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls with that HF cache decode
+    against it (each HF cache its own: conversations may interleave; it is freed with its HF cache). Cached
     calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
     ``ValueError``. The HF cache holds, per token, the GQLA slot of its row: row reorders of the HF cache (beam
     search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped
@@ -78,6 +93,30 @@ class GQLAHFAttention(nn.Module):
         self.is_causal = True
         self.gqla_cache = None
 
+    @property
+    def gqla_cache(self):
+        """The GQLA cache of the latest cached call (kept after its HF cache is freed, until the next call starts
+        another), or None. Setting None forgets every GQLA cache (continuing a HF cache is then a
+        ``ValueError``)."""
+        return self._latest
+
+    @gqla_cache.setter
+    def gqla_cache(self, value) -> None:
+        if value is not None:
+            raise ValueError("gqla_cache: only None (forget every GQLA cache) can be set")
+        self._caches: dict[int, tuple[weakref.ref, object]] = {}  # id(HF cache) -> (weak ref to it, GQLA cache)
+        self._latest = None
+
+    def __getstate__(self) -> dict:
+        # the GQLA caches are kept per HF cache object, named weakly (not picklable): a copy keeps the latest only
+        state = dict(super().__getstate__())
+        state["_caches"] = {}
+        return state
+
+    def _cache_of(self, hf_cache):
+        e = self._caches.get(id(hf_cache)) if hf_cache is not None else None
+        return e[1] if e is not None and e[0]() is hf_cache else None
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 position_ids=None, past_key_values=None, cache_position=None, **kwargs):
         hf_cache = cache if cache is not None else past_key_values
@@ -100,14 +139,21 @@ class GQLAHFAttention(nn.Module):
         if past + T > self.max_seqlen:
             raise ValueError(f"hidden_states: {T} more tokens after {past} pass the GQLA cache's max_seqlen "
                              f"{self.max_seqlen} (GQLAHFAttention / convert_llama(max_seqlen=...))")
+        gqla = self._cache_of(hf_cache)
         if past == 0:  # B slots for the sequences and B spare ones, through which a beam reorder is followed
-            self.gqla_cache = self.attn.make_cache(2 * B, self.max_seqlen, path=self.decode_path,
-                                                   page_size=self.page_size, dtype=hidden_states.dtype, device=dev)
-        elif self.gqla_cache is None or self.gqla_cache.max_batch != 2 * B:
+            try:
+                ref = weakref.ref(hf_cache, _forget(self, id(hf_cache)))
+            except TypeError:
+                raise TypeError(f"cache: expected a HF cache object, got {type(hf_cache).__name__} (the GQLA cache "
+                                "is kept per HF cache, named by a weak reference)") from None
+            gqla = self.attn.make_cache(2 * B, self.max_seqlen, path=self.decode_path, page_size=self.page_size,
+                                        dtype=hidden_states.dtype, device=dev)
+            self._caches[id(hf_cache)] = (ref, gqla)
+        elif gqla is None or gqla.max_batch != 2 * B:
             raise ValueError(f"cache: the HF cache holds {past} tokens but layer {self.layer_idx} has no GQLA cache "
                              f"for batch {B} (start from an empty HF cache)")
         else:
-            held = self.gqla_cache.seqlens(range(B))
+            held = gqla.seqlens(range(B))
             if any(n != past for n in held):
                 raise ValueError(f"cache: the HF cache holds {past} tokens per sequence but layer {self.layer_idx}'s "
                                  f"GQLA cache holds {held}: the HF cache was cropped or replaced (assisted or "
@@ -118,18 +164,21 @@ class GQLAHFAttention(nn.Module):
         row = torch.arange(B, device=dev)
         mark = torch.stack([row // 256 + 1, row % 256], -1).to(hidden_states.dtype)[:, None, None, :]
         keys, _ = hf_cache.update(mark.expand(B, 1, T, 2), mark.expand(B, 1, T, 2), self.layer_idx)
+        self._latest = gqla
         if past:
             last = keys[:, 0, past - 1].long()
             src = ((last[:, 0] - 1) * 256 + last[:, 1]).tolist()
             if src != list(range(B)):
-                self._reorder(src)
-        out = self.attn(hidden_states, pos, self.gqla_cache)
+                self._reorder(gqla, src)
+        out = self.attn(hidden_states, pos, gqla)
         return out, None
 
-    def _reorder(self, src: list[int]) -> None:
-        """Make slot b of the GQLA cache hold what slot ``src[b]`` holds (a beam reorder: a permutation or a selection
-        with repeats), through the spare slots ``B .. 2B-1``: forks share full pages and copy partly filled ones."""
-        c, B = self.gqla_cache, len(src)
+    @staticmethod
+    def _reorder(c, src: list[int]) -> None:
+        """Make slot b of the GQLA cache ``c`` hold what slot ``src[b]`` holds (a beam reorder: a permutation or a
+        selection with repeats), through the spare slots ``B .. 2B-1``: forks share full pages and copy partly
+        filled ones."""
+        B = len(src)
         if any(not 0 <= s < B for s in src):
             raise ValueError(f"cache: the HF cache's rows name GQLA slots {src}, outside [0, {B}): it was not made "
                              "by this layer's calls")

@@ -374,7 +374,8 @@ class GQLAttention(nn.Module):
         own, is not seen: the layer's own decode steps read ``w_uk_uv`` instead).
         Under autograd with a trainable weight they are recomputed (and differentiable); under torch.compile
         they are the views of ``w_uk_uv`` (the compiled graph reads the weight directly). A weight made under
-        ``torch.inference_mode()`` keeps no version counter: they are computed on every call."""
+        ``torch.inference_mode()`` keeps no version counter: they are computed on every call. Kept weights are
+        normal tensors, also when made inside inference mode."""
         check_float_dtype(dtype)
         w = self.kv_b_proj.weight
         dtype = dtype or w.dtype
@@ -387,12 +388,12 @@ class GQLAttention(nn.Module):
         storage = w.untyped_storage()
         hit = self._absorbed.get(dtype)
         if hit is None or hit[0] != key or hit[3]() is not storage:
-            with torch.no_grad():
-                uk, uv = self.w_uk_uv(dtype)
             # the entry names the weight's storage weakly (``weight.data = ...`` keeps the version counter, and a new
             # storage may take a freed one's address): it is dropped when that storage is freed (``layer.to(...)``)
-            # copies, never views (a one-group W_UK is a contiguous view of the weight): the entry holds no weight
-            uk, uv = (t.clone(memory_format=torch.contiguous_format) for t in (uk, uv))
+            # copies, never views (a one-group W_UK is a contiguous view of the weight): the entry holds no weight;
+            # normal tensors also when made inside inference mode (autograd may read the entry outside it)
+            with torch.inference_mode(False), torch.no_grad():
+                uk, uv = (t.clone(memory_format=torch.contiguous_format) for t in self.w_uk_uv(dtype))
             hit = (key, uk, uv, weakref.ref(storage, _drop_absorbed(self, dtype)))
             self._absorbed[dtype] = hit
         return hit[1], hit[2]

@@ -11,6 +11,8 @@ from ..ops._common.validation import INT32_MAX, check_device, check_positive_rea
 __all__ = ["apply_rope", "cached_inv_freq", "rope_cos_sin", "rope_inv_freq"]
 
 _INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}  # (d, theta, device) -> float64 [d/2]
+INV_FREQ_CACHE = 64  # kept (d, theta, device) entries beside the pinned ones; the others are dropped when full
+_PINNED: set[tuple[int, float, torch.device]] = set()  # entries a CUDA-graph capture read: never dropped
 
 
 def check_rope_dim(name: str, d: object) -> int:
@@ -76,7 +78,8 @@ def _cacheable(device: torch.device) -> bool:
 
 def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
     """``rope_inv_freq(d, theta)`` on ``device``, made once per ``(d, theta, device)`` and kept (outside
-    torch.compile traces and CUDA-graph captures, which make it fresh). Do not write to it."""
+    torch.compile traces and CUDA-graph captures, which make it fresh; ``INV_FREQ_CACHE`` entries, beside those
+    that a CUDA-graph capture read, which stay for its replays). Do not write to it."""
     d = check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
     device = check_device(device)
@@ -87,7 +90,13 @@ def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
     if hit is None:
         hit = rope_inv_freq(d, theta, device=device)
         if _cacheable(device):
+            if len(_INV_FREQ) >= INV_FREQ_CACHE + len(_PINNED):
+                for k in list(_INV_FREQ):
+                    if k not in _PINNED:
+                        _INV_FREQ.pop(k, None)
             _INV_FREQ[key] = hit
+    elif not torch.compiler.is_compiling() and not _cacheable(device):
+        _PINNED.add(key)  # a captured graph reads this tensor at every replay
     return hit
 
 
