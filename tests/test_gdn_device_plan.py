@@ -347,3 +347,29 @@ def test_varlen_prefill_in_a_cuda_graph():
             pool.copy_(start)
             want_o = step()
             assert torch.equal(got_o, want_o) and torch.equal(got_pool, pool), f"replay with cu_seqlens {bounds}"
+
+
+def test_host_plan_tensors_a_capture_reads_outlive_their_cache(monkeypatch):
+    """A plan from host values takes its device tensors (chunk programs, bounds, segments) from caches that drop
+    entries; where a CUDA graph is being captured the graph reads them at every replay, so they are kept for good
+    then (else a dropped entry's memory could be taken by another allocation while the graph still reads it), and
+    are left to their caches otherwise."""
+    import gc
+    import weakref
+
+    import gqla_triton.ops._common.host as host
+
+    caches = (plan_mod._chunk_index, plan_mod._device_bounds, plan_mod._seg_plan)
+    q, v = torch.zeros(1, 256, 1, 32, device=P.device), torch.zeros(1, 256, 2, 32, device=P.device)
+    for capturing in (True, False):
+        monkeypatch.setattr(host, "capturing", lambda device, c=capturing: c, raising=False)
+        with config_override({"gdn_chunk": SEG}):
+            bounds = [0, 40 + capturing, 200, 256]  # a plan of its own per case
+            plan = plan_mod.chunk_plan(q, v, torch.tensor(bounds, device=P.device), bounds)
+        assert plan.seg is not None
+        refs = [weakref.ref(t) for t in (plan.cidx, plan.coff, plan.cu, *plan.seg[1:4])]
+        del plan
+        for cache in caches:
+            cache.cache_clear()
+        gc.collect()
+        assert all((r() is not None) == capturing for r in refs), capturing

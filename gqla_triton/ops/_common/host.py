@@ -24,9 +24,26 @@ def device_ints(values, dtype: torch.dtype, device) -> torch.Tensor:
     allocator keeps the pinned buffer until the copy has run). During CUDA-graph capture the plain copy is used: a
     captured copy would re-read a pinned buffer that is reused after the call."""
     device = torch.device(device)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or capturing(device):
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream captures a CUDA graph (``device`` a CUDA one)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_REPLAYED: dict[int, torch.Tensor] = {}  # id -> a cached device tensor a captured graph reads
+
+
+def keep_for_replays(*tensors: torch.Tensor | None) -> None:
+    """Keep ``tensors`` (None: absent) alive for good where a CUDA graph is being captured on their device: they
+    come from caches that drop entries (``functools.lru_cache``), and the graph reads their memory at every replay,
+    which another allocation could take once the cache dropped them. Nothing happens outside a capture."""
+    for t in tensors:
+        if t is not None and capturing(t.device):
+            _REPLAYED[id(t)] = t
 
 
 def stream_key(device) -> int | None:

@@ -17,7 +17,7 @@ import torch
 
 from ...dispatch import DeviceInfo, device_info, is_interpreter, select_config
 from .._common.alloc import empty
-from .._common.host import MAX_GRID_X, MAX_GRID_Y, cdiv, device_ints, next_pow2, on_device, stream_key
+from .._common.host import MAX_GRID_X, MAX_GRID_Y, cdiv, device_ints, keep_for_replays, next_pow2, on_device, stream_key
 from .config import ChunkConfig
 from .kernels.plan import gdn_plan_kernel
 
@@ -273,6 +273,7 @@ def chunk_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None
     L = seg_len(cfg, N * HV, longest) if K <= SEG_MAX_K else 0
     seg = _seg_plan(seq_cu, L, BT, q.device, stream_key(q.device)) if L else None
     padding = cu_seqlens is not None and (seq_cu[0] > 0 or seq_cu[-1] < T)
+    keep_for_replays(cidx, coff, cu, *(seg[1:4] if seg is not None else ()))  # cached: a captured graph reads them
     return ChunkPlan(cfg, gpu, BT, N, seq_cu, cu, NTT, NT, NG, cidx, coff, seg, longest, padding)
 
 
