@@ -661,7 +661,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     base = shipped if start == "table" else dispatch._load_table("default")
     if start != "table" and info.key == "default":
         raise ValueError(f"start='default': {info.name} has no table of its own to compare with")
-    raw = {op: [{"match": m, "config": c.as_dict()} for m, c in rows] for op, rows in base.items()}
+    raw = {op: [{"match": m, "config": c.as_dict()} for m, c in _reached(rows)] for op, rows in base.items()}
     t_start = time.monotonic()
     end = t_start + max(0.0, budget_minutes * 60 - state.spent0)  # a resumed run gets what its time limit has left
     wave_s = 0.0
@@ -908,6 +908,17 @@ def _retime(t: Target, cfg) -> float:
     with dispatch.config_override({t.op: cfg.as_dict()}):
         calls = [build() for build in t.calls]
         return sorted(sum(_time_ms(c, t.graph) for c in calls) for _ in range(3))[1]
+
+
+def _reached(rows: list) -> list:
+    """The rows of a table as dispatch reads it that a lookup can reach: a tuned table of this GPU goes before the
+    shipped one, and a shipped row after a tuned one whose match is a subset of its own is never reached (nor
+    written back: ``parse_table`` refuses it)."""
+    out: list = []
+    for m, c in rows:
+        if not any(e.items() <= m.items() for e, _ in out):
+            out.append((m, c))
+    return out
 
 
 def _set_entry(raw: dict, t: Target, config: dict) -> None:

@@ -425,3 +425,44 @@ def test_gqa_targets_tune_the_fill_entries_on_their_workloads(monkeypatch):
     got = {json.dumps(t.key, sort_keys=True): len(t.calls) for t in tune._gqa_targets(False) if not t.key.get("sparse")}
     assert got == {"{}": 1, '{"fill": 1, "rows": 16, "sparse": false}': 4,
                    '{"fill": 2, "rows": 16, "sparse": false}': 1, '{"d_r": 0, "rows": 4, "sparse": false}': 5}
+
+
+def _on_h200(monkeypatch, tmp_path, ms):
+    """This process as an H200 whose user config directory is ``tmp_path``; the targets are stand-ins (no kernel
+    runs) whose time is ``ms(op, config)`` of the config in force."""
+    h200 = dispatch.DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
+    monkeypatch.setattr(dispatch, "device_info", lambda *a, **k: h200)
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: fn())
+    monkeypatch.setattr(tune, "_retime", lambda t, cfg: ms(t.op, cfg))
+    dispatch.reload_tables()
+
+    def target(op, space):
+        return tune.Target(op, {}, [lambda: lambda: ms(op, dispatch.table_config("h200", op, {}))], lambda: 0.0,
+                           space)
+    return target
+
+
+def test_a_second_run_tunes_over_the_table_the_first_one_wrote(tmp_path, monkeypatch):
+    """A run on a GPU whose user config directory holds a tuned table (a first run's) searches from it and writes
+    a valid table: the shipped rows the tuned ones hide are not written back, the first run's entries are kept."""
+    fast = {"combine": ("num_warps", 8), "gdn_decode": ("bv", 32)}
+
+    def ms(op, cfg):
+        name, value = fast[op]
+        return 1.0 if getattr(cfg, name) == value else 2.0
+
+    target = _on_h200(monkeypatch, tmp_path, ms)
+    try:
+        tune.tune(["combine"], progress=False, target_list=[target("combine", {"num_warps": (4, 8)})])
+        assert dispatch.select_config("combine", {"D": 64}).num_warps == 8
+        res = tune.tune(["gdn_decode"], progress=False, target_list=[target("gdn_decode", {"bv": (32, 64)})])
+        written = dispatch._read_table(res["path"])
+        assert dispatch.select_config("gdn_decode", {"K": 128, "V": 128}).bv == 32
+        assert dispatch.select_config("combine", {"D": 64}).num_warps == 8  # the first run's entry
+        shipped = dispatch._read_table(dispatch._CONFIG_DIR / "h200.json")
+        for op, rows in shipped.items():  # every shape the shipped table names: as dispatch reads it
+            for match, _ in rows:
+                assert dispatch._match(written, op, match) == dispatch.table_config("h200", op, match)
+    finally:
+        dispatch.reload_tables()
