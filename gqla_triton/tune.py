@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import math
 import os
+import stat
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -493,10 +496,26 @@ class _State:
     def save(self, **extra) -> None:
         self.data["spent_s"] = round(self.spent0 + time.monotonic() - self.t0, 1)
         self.data.update(extra)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        tmp.replace(self.path)  # atomic: a run killed mid-write leaves the previous file
+        _write_atomic(self.path, json.dumps(self.data, indent=1))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a file of its own beside it, then rename it over ``path``: a run killed or
+    out of disk mid-write leaves the previous file whole, and two runs writing the same file each put a whole one
+    there (the last one's)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o644)  # mkstemp's is 0o600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _measure(t: Target, cfg, *, tol: float | None, state: _State, bound: dict | None = None) -> dict:
@@ -706,8 +725,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
         with dispatch.table_swap(info.key, raw):  # the paths' kernels as the written table launches them
             raw["decode_path"] = _decode_path_entries(info)
     dispatch.parse_table(raw, where=str(path))  # the table written is one dispatch accepts
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(raw, indent=1) + "\n")
+    _write_atomic(path, json.dumps(raw, indent=1) + "\n")
     dispatch.reload_tables()  # this process launches through the written table from here on
     state.save(complete=True)
     return {"table": raw, "report": report, "path": path, "compile_wave_s": wave_s, "spent_s": state.data["spent_s"],
@@ -1021,7 +1039,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {res['path']} in {(time.monotonic() - t0) / 60:.1f} min"
           + (f" ({res['spent_s'] / 60:.1f} min of search over {res['runs']} runs)" if res["runs"] > 1 else ""))
     report = Path(res["path"]).with_name(Path(res["path"]).name + ".report.json")
-    report.write_text(json.dumps(res["report"], indent=1) + "\n")
+    _write_atomic(report, json.dumps(res["report"], indent=1) + "\n")
 
 
 if __name__ == "__main__":

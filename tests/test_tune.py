@@ -466,3 +466,73 @@ def test_a_second_run_tunes_over_the_table_the_first_one_wrote(tmp_path, monkeyp
                 assert dispatch._match(written, op, match) == dispatch.table_config("h200", op, match)
     finally:
         dispatch.reload_tables()
+
+
+class _Fault:
+    """``io.open`` whose files, written a text that ``hit(text)`` picks, write its first half and fail (a full
+    disk, a run killed mid-write); ``during(text)``, when given, runs inside such a write instead."""
+
+    def __init__(self, monkeypatch, hit, during=None):
+        import io
+
+        real = io.open
+        fault = self
+
+        class File:
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, text):
+                if not hit(text):
+                    return self.f.write(text)
+                if during is not None:
+                    during(text)
+                    return self.f.write(text)
+                self.f.write(text[: len(text) // 2])
+                self.f.flush()
+                fault.hits += 1
+                raise OSError(28, "No space left on device")
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+        self.hits = 0
+        monkeypatch.setattr(io, "open", lambda *a, **k: File(real(*a, **k)))
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_table_whole(tmp_path, monkeypatch):
+    """The table (and the partial search beside it) is written to a file of its own and renamed over the old one:
+    a run that dies mid-write leaves the table a previous run wrote, which dispatch still reads, and no stray
+    file."""
+    out = tmp_path / "t.json"
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0)
+    tune.tune(["combine"], out=out, space={"combine": {"num_warps": (2,)}}, progress=False)
+    before = out.read_text()
+    files = sorted(tmp_path.iterdir())
+    (out.with_name(out.name + ".partial.json")).unlink()  # the second run writes its search again
+    fault = _Fault(monkeypatch, lambda text: '"gdn_chunk"' in text and '"measured"' not in text)
+    with pytest.raises(OSError, match="No space left"):
+        tune.tune(["combine"], out=out, space={"combine": {"num_warps": (8,)}}, progress=False)
+    monkeypatch.undo()
+    assert fault.hits == 1 and out.read_text() == before
+    dispatch._read_table(out)
+    assert sorted(tmp_path.iterdir()) == files
+
+
+def test_two_runs_writing_one_partial_search_each_leave_a_whole_file(tmp_path, monkeypatch):
+    """Two tuners saving the same partial search at once (here: one saves while the other's write is under way)
+    each finish, and the file holds one whole search."""
+    path = tmp_path / "t.json.partial.json"
+    a, b = tune._State(path, "h200"), tune._State(path, "h200")
+    a.data["measured"]["x"], b.data["measured"]["y"] = {"ms": 1.0}, {"ms": 2.0}
+    _Fault(monkeypatch, lambda text: '"x"' in text, during=lambda text: b.save())
+    a.save()
+    monkeypatch.undo()
+    assert json.loads(path.read_text())["measured"] == {"x": {"ms": 1.0}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
