@@ -272,11 +272,26 @@ def _table_at(key: str, reloads: int) -> dict[str, list[tuple[dict, Any]]]:
     table = _read_table(path)
     if shared and path == _CONFIG_DIR / f"{shared}.json":
         table = {op: rows for op, rows in table.items() if not schema(op).MEASURED}
-    user = user_config_dir() / f"{key}.json"
-    if key != "interpreter" and user.exists():
+    user = _user_table(key) if key != "interpreter" else None
+    if user is not None:
         tuned = _read_table(user)
         table = {op: [*tuned.get(op, ()), *table.get(op, ())] for op in {**table, **tuned}}
     return table
+
+
+def _user_table(key: str) -> Path | None:
+    """The path of GPU ``key``'s table in the user config directory, None where it holds none. A name there that
+    is not a readable file (a link to nothing, a folder) is returned, so that reading it names it; a config
+    directory that is not a directory is a ``ValueError``."""
+    folder = user_config_dir()
+    path = folder / f"{key}.json"
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"GQLA_TRITON_CONFIG_DIR (the user config directory): {folder} is not a directory; "
+                             "expected the folder of the tuned tables (<gpu>.json)")
+        return path if path.is_symlink() or path.exists() else None
+    except OSError as e:  # no permission to look into the folder
+        raise ValueError(f"{path}: not a readable JSON config table ({type(e).__name__}: {e})") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:

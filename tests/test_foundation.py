@@ -755,3 +755,31 @@ def test_decode_path_points_take_whole_sizes_the_roofline_models():
     with dispatch.config_override({"decode_path": {"points": [[2.0, 2**40, 0.05, 0.1]]}}):
         choice = decode_path.choose_decode_path(decode_path.REF_SHAPE, 1, "h200")
         assert "batch 2, seqlen 1099511627776" in choice.reason
+
+
+def test_a_user_table_that_cannot_be_read_is_named_never_skipped(tmp_path, monkeypatch):
+    """A user table that is a link to nothing, a link loop or a folder, and a ``GQLA_TRITON_CONFIG_DIR`` that names
+    a file, are each a ValueError naming the path at the first lookup, not a silent run on the shipped configs."""
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    user = tmp_path / "h100.json"
+    cases = [(lambda: user.symlink_to(tmp_path / "gone.json"), "h100.json: not a readable JSON config table"),
+             (lambda: user.symlink_to(user), "h100.json: not a readable JSON config table"),
+             (lambda: user.mkdir(), "h100.json: not a readable JSON config table")]
+    try:
+        for make, msg in cases:
+            make()
+            dispatch.reload_tables()
+            with pytest.raises(ValueError, match=msg):
+                dispatch.table_config("h100", "combine", {"D": 64})
+            user.rmdir() if user.is_dir() and not user.is_symlink() else user.unlink()
+        user.write_text(json.dumps({"combine": [{"match": {}, "config": {"elems": 64}}]}))
+        monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(user))  # the table itself, not its folder
+        dispatch.reload_tables()
+        with pytest.raises(ValueError, match="GQLA_TRITON_CONFIG_DIR .*h100.json is not a directory"):
+            dispatch.table_config("h100", "combine", {"D": 64})
+        monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+        dispatch.reload_tables()
+        assert dispatch.table_config("h100", "combine", {"D": 64}).elems == 64
+    finally:
+        monkeypatch.delenv("GQLA_TRITON_CONFIG_DIR")
+        dispatch.reload_tables()
