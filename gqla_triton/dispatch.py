@@ -338,16 +338,16 @@ def _env_is_path(raw: str) -> bool:
 
 
 def _env_version(raw: str | None) -> tuple | None:
-    """What identifies the content of ``GQLA_TRITON_CONFIG`` = ``raw`` beside the value itself: a file's
-    modification time and size (a stat per lookup, so an edited file is read again), None for JSON text in the
-    variable or a path that cannot be read (its error names it)."""
+    """What identifies the content of ``GQLA_TRITON_CONFIG`` = ``raw`` beside the value itself: a file's inode,
+    modification and change times and size (a stat per lookup, so an edited file, or one renamed over it, is read
+    again), None for JSON text in the variable or a path that cannot be read (its error names it)."""
     if not raw or not _env_is_path(raw):
         return None
     try:
         st = os.stat(raw)
     except (OSError, ValueError):
         return None
-    return st.st_mtime_ns, st.st_size
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
 
 
 @functools.lru_cache(maxsize=4)

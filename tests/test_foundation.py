@@ -783,3 +783,18 @@ def test_a_user_table_that_cannot_be_read_is_named_never_skipped(tmp_path, monke
     finally:
         monkeypatch.delenv("GQLA_TRITON_CONFIG_DIR")
         dispatch.reload_tables()
+
+
+def test_env_override_file_renamed_over_within_one_time_tick_is_read_again(monkeypatch, tmp_path):
+    """A file renamed over the ``GQLA_TRITON_CONFIG`` file (an editor's save, an atomic writer) with the same size
+    and modification time (a coarse file-system clock) is read again at the next lookup."""
+    path = tmp_path / "cfg.json"
+    path.write_text('{"combine": {"num_warps": 2}}')
+    monkeypatch.setenv("GQLA_TRITON_CONFIG", str(path))
+    assert dispatch.select_config("combine", {"D": 64}).num_warps == 2
+    st = path.stat()
+    new = tmp_path / "cfg.json.new"
+    new.write_text('{"combine": {"num_warps": 8}}')
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+    assert dispatch.select_config("combine", {"D": 64}).num_warps == 8
