@@ -940,13 +940,15 @@ def _reached(rows: list) -> list:
 
 
 def _set_entry(raw: dict, t: Target, config: dict) -> None:
+    """Set the config of ``t``'s entry of ``raw``; a new entry goes before the first row whose match takes every
+    key its own does (a catch-all, a less specific row), so that its lookups reach it."""
     rows = raw.setdefault(t.op, [])
     for row in rows:
         if row["match"] == t.key:
             row["config"] = dict(config)
             return
-    rows.insert(max(0, len(rows) - 1) if rows and rows[-1]["match"] == {} and t.key else len(rows),
-                {"match": dict(t.key), "config": dict(config)})
+    at = next((i for i, row in enumerate(rows) if row["match"].items() <= t.key.items()), len(rows))
+    rows.insert(at, {"match": dict(t.key), "config": dict(config)})
 
 
 def _decode_path_entries(info) -> list[dict]:

@@ -427,19 +427,20 @@ def test_gqa_targets_tune_the_fill_entries_on_their_workloads(monkeypatch):
                    '{"fill": 2, "rows": 16, "sparse": false}': 1, '{"d_r": 0, "rows": 4, "sparse": false}': 5}
 
 
-def _on_h200(monkeypatch, tmp_path, ms):
-    """This process as an H200 whose user config directory is ``tmp_path``; the targets are stand-ins (no kernel
-    runs) whose time is ``ms(op, config)`` of the config in force."""
-    h200 = dispatch.DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
-    monkeypatch.setattr(dispatch, "device_info", lambda *a, **k: h200)
+def _on_gpu(monkeypatch, tmp_path, ms, name="NVIDIA H200"):
+    """This process on a Hopper GPU of driver name ``name`` whose user config directory is ``tmp_path``; the
+    targets are stand-ins (no kernel runs) whose time is ``ms(op, config)`` of the config in force."""
+    info = dispatch.DeviceInfo(name, (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
+    monkeypatch.setattr(dispatch, "device_info", lambda *a, **k: info)
     monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: fn())
     monkeypatch.setattr(tune, "_retime", lambda t, cfg: ms(t.op, cfg))
     dispatch.reload_tables()
 
-    def target(op, space):
-        return tune.Target(op, {}, [lambda: lambda: ms(op, dispatch.table_config("h200", op, {}))], lambda: 0.0,
-                           space)
+    def target(op, space, key=None, fixed=None):
+        key = key or {}
+        return tune.Target(op, key, [lambda: lambda: ms(op, dispatch.table_config(info.key, op, key))],
+                           lambda: 0.0, space, name=f"{op} {key}", fixed=fixed or {})
     return target
 
 
@@ -452,7 +453,7 @@ def test_a_second_run_tunes_over_the_table_the_first_one_wrote(tmp_path, monkeyp
         name, value = fast[op]
         return 1.0 if getattr(cfg, name) == value else 2.0
 
-    target = _on_h200(monkeypatch, tmp_path, ms)
+    target = _on_gpu(monkeypatch, tmp_path, ms)
     try:
         tune.tune(["combine"], progress=False, target_list=[target("combine", {"num_warps": (4, 8)})])
         assert dispatch.select_config("combine", {"D": 64}).num_warps == 8
@@ -536,3 +537,22 @@ def test_two_runs_writing_one_partial_search_each_leave_a_whole_file(tmp_path, m
     monkeypatch.undo()
     assert json.loads(path.read_text())["measured"] == {"x": {"ms": 1.0}}
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_new_entries_go_before_the_rows_that_would_hide_them(tmp_path, monkeypatch):
+    """On a Hopper GPU without a table of its own (H20: ``default.json``) the MLA targets add entries the start
+    table lacks ({"sparse"}, {"impl": "gluon"}, {"impl": "gluon", "sparse"}): each goes before the rows that would
+    take its keys, the table is written, and each shape's lookup gets its own tuned entry."""
+    target = _on_gpu(monkeypatch, tmp_path, lambda op, cfg: 1.0 if cfg.split_cost == 0.5 else 2.0, "NVIDIA H20")
+    ring = {"block_n": 64, "num_stages": 2}
+    keys = [({}, None), ({"sparse": True}, None), ({"impl": "gluon"}, ring), ({"impl": "gluon", "sparse": True}, ring)]
+    try:
+        res = tune.tune(["mla_decode"], progress=False, budget_minutes=1,
+                        target_list=[target("mla_decode", {"split_cost": (0.05, 0.5)}, k, f) for k, f in keys])
+        assert res["path"] == tmp_path / "h20.json"
+        for (key, _), row in zip(keys, res["report"], strict=True):
+            lookup = {"D": 576, "DV": 512, "s_q": 1, "fp32": False, "sparse": False, "impl": "triton", **key}
+            cfg = dispatch.select_config("mla_decode", lookup)
+            assert cfg.as_dict() == row["config"] and cfg.split_cost == 0.5, key
+    finally:
+        dispatch.reload_tables()
