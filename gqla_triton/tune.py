@@ -502,7 +502,8 @@ class _State:
 def _write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a file of its own beside it, then rename it over ``path``: a run killed or
     out of disk mid-write leaves the previous file whole, and two runs writing the same file each put a whole one
-    there (the last one's)."""
+    there (the last one's). A link is written through (its target replaced)."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:

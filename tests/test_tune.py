@@ -556,3 +556,16 @@ def test_new_entries_go_before_the_rows_that_would_hide_them(tmp_path, monkeypat
             assert cfg.as_dict() == row["config"] and cfg.split_cost == 0.5, key
     finally:
         dispatch.reload_tables()
+
+
+def test_a_table_that_is_a_link_is_written_through_it(tmp_path, monkeypatch):
+    """An output table that is a symbolic link (a user table kept in a shared folder) stays a link: the file it
+    names takes the new table."""
+    shared = tmp_path / "shared" / "t.json"
+    shared.parent.mkdir()
+    shared.write_text("{}")
+    out = tmp_path / "t.json"
+    out.symlink_to(shared)
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, graph: 1.0)
+    tune.tune(["combine"], out=out, space={"combine": {"num_warps": (2,)}}, progress=False)
+    assert out.is_symlink() and "combine" in dispatch._read_table(shared)
