@@ -320,3 +320,25 @@ def test_a_model_on_the_meta_device_is_refused_by_name():
     with pytest.raises(ValueError, match="^source: q_proj is on the meta device"):
         convert_llama(model, kv_rank=8, rope_dim=8)
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+
+
+def test_a_decode_step_the_layer_refuses_leaves_both_caches_as_they_were():
+    """A cached step that ``GQLAttention`` itself refuses (a float64 layer decoding with the kernels) after a beam
+    reorder of the HF cache: the HF cache records nothing and the GQLA cache keeps its rows, so the same step
+    runs once the model is back in float32 (attending over the reordered rows)."""
+    model = tiny_llama(31, g=2, layers=1)
+    ids = ids_for(32, 2, 9)
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="triton", max_seqlen=32, page_size=16)
+    attn = conv.model.layers[0].self_attn
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        want = conv(torch.cat([ids[:, :8].flip(0), ids[:, 8:]], 1), use_cache=False).logits[:, -1:]
+        conv(ids[:, :8], past_key_values=cache, use_cache=True)
+        cache.reorder_cache(torch.tensor([1, 0], device=P.device))
+        conv.to(torch.float64)
+        with pytest.raises(TypeError, match="impl='reference' only"):
+            conv(ids[:, 8:], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length(0) == 8 and attn.gqla_cache.seqlens([0, 1]) == [8, 8]
+        conv.to(torch.float32)
+        got = conv(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
