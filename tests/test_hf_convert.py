@@ -342,3 +342,22 @@ def test_a_decode_step_the_layer_refuses_leaves_both_caches_as_they_were():
         conv.to(torch.float32)
         got = conv(ids[:, 8:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_converted_model_saved_whole_loads_and_generates_the_same():
+    """``torch.save`` of the whole converted model (after a cached call) and ``torch.load``: the copy generates the
+    original model's tokens."""
+    import io
+
+    model = tiny_llama(33, g=2, layers=1)
+    ids = ids_for(34, 1, 6)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference", max_seqlen=16, page_size=16)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        assert torch.equal(conv.generate(ids, **kw), want)
+        buf = io.BytesIO()
+        torch.save(conv, buf)
+        buf.seek(0)
+        got = torch.load(buf, weights_only=False).generate(ids, **kw)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
