@@ -361,3 +361,17 @@ def test_a_converted_model_saved_whole_loads_and_generates_the_same():
         buf.seek(0)
         got = torch.load(buf, weights_only=False).generate(ids, **kw)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "starcoder2"])
+def test_attention_with_biases_is_refused_naming_the_model(family):
+    """Qwen2's q / k / v biases (no ``attention_bias`` in its config) and Starcoder2's (``use_bias``): a
+    ``ValueError`` naming ``model`` and the biased projection, the model left as it was."""
+    T = transformers
+    model = (_small(T.Qwen2ForCausalLM, T.Qwen2Config) if family == "qwen2" else
+             _small(T.Starcoder2ForCausalLM, T.Starcoder2Config, sliding_window=None))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="^model: layer 0's attention's q_proj has a bias"):
+        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
