@@ -375,3 +375,22 @@ def test_attention_with_biases_is_refused_naming_the_model(family):
         convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_converted_state_dict_loads_into_the_model_converted_alike():
+    """The documented way back from a state dict: the source architecture converted with the same arguments, then
+    ``load_state_dict``; ``set_decode_path`` forgets the GQLA caches, so a HF cache in progress is refused."""
+    model = tiny_llama(35, g=2, layers=1)
+    ids = ids_for(36, 1, 6)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    args = dict(**full_rank(model), impl="reference", max_seqlen=16, page_size=16)
+    conv = convert_llama(copy.deepcopy(model), **args)
+    fresh = convert_llama(transformers.LlamaForCausalLM(model.config).eval().to(P.device), **args)
+    fresh.load_state_dict(conv.state_dict())
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        assert torch.equal(fresh.generate(ids, **kw), model.generate(ids, **kw))
+        fresh(ids, past_key_values=cache, use_cache=True)
+        set_decode_path(fresh, "grouped")
+        with pytest.raises(ValueError, match="no GQLA cache"):
+            fresh(ids[:, :1], past_key_values=cache, use_cache=True)

@@ -323,6 +323,10 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
     per-layer attention inputs calibrate the factorizations. ``decode_path``, ``max_seqlen``, ``page_size``: the
     adapters' GQLA caches (``set_decode_path`` switches later); ``impl``: the decode kernels.
+
+    Saving: ``torch.save(model)``, or ``model.state_dict()`` loaded into the same model converted with the same
+    arguments. ``save_pretrained`` keeps the source's config, so ``from_pretrained`` builds the unconverted
+    attention and initializes it anew (its load report lists the converted weights as unexpected).
     """
     if decode_path not in _DECODE_PATHS:
         raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
@@ -376,7 +380,8 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
 
 
 def set_decode_path(model, path: str):
-    """Set every converted attention's decode path ("absorb" | "grouped"); applies from the next empty cache."""
+    """Set every converted attention's decode path ("absorb" | "grouped") and forget every GQLA cache: a HF cache
+    in progress is then refused, an empty one starts on the new path."""
     if path not in _DECODE_PATHS:
         raise ValueError(f"path: expected one of {_DECODE_PATHS}, got {path!r}")
     mods = [m for m in model.modules() if isinstance(m, GQLAHFAttention)]
