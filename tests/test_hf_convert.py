@@ -198,6 +198,9 @@ def test_refused_cached_calls_leave_both_caches_as_they_were():
                                ValueError, "attention_mask")):
             with pytest.raises(err, match=what):
                 attn(y, None, **kw)
+        for bad in (((torch.zeros(1),),), object()):  # a legacy tuple cache, not a cache at all
+            with pytest.raises(TypeError, match="^cache: expected a HF cache"):
+                attn(y, None, past_key_values=bad)
     with pytest.raises(TypeError, match="layer_idx"):
         GQLAHFAttention(attn.attn, "0")
 

@@ -122,6 +122,9 @@ class GQLAHFAttention(nn.Module):
                 position_ids=None, past_key_values=None, cache_position=None, **kwargs):
         hf_cache = cache if cache is not None else past_key_values
         B, T = self.attn.check_hidden(hidden_states)  # every check before the HF cache is updated
+        if hf_cache is not None and not all(callable(getattr(hf_cache, n, None)) for n in ("get_seq_length", "update")):
+            raise TypeError(f"cache: expected a HF cache object (get_seq_length, update), got "
+                            f"{type(hf_cache).__name__}")
         past = int(hf_cache.get_seq_length(self.layer_idx)) if hf_cache is not None else 0
         dev = hidden_states.device
         if position_ids is not None:
