@@ -198,6 +198,9 @@ def test_refused_cached_calls_leave_both_caches_as_they_were():
                                ValueError, "attention_mask")):
             with pytest.raises(err, match=what):
                 attn(y, None, **kw)
+        for bad in (((torch.zeros(1),),), object()):  # a legacy tuple cache, not a cache at all
+            with pytest.raises(TypeError, match="^cache: expected a HF cache"):
+                attn(y, None, past_key_values=bad)
     with pytest.raises(TypeError, match="layer_idx"):
         GQLAHFAttention(attn.attn, "0")
 
@@ -320,3 +323,77 @@ def test_a_model_on_the_meta_device_is_refused_by_name():
     with pytest.raises(ValueError, match="^source: q_proj is on the meta device"):
         convert_llama(model, kv_rank=8, rope_dim=8)
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+
+
+def test_a_decode_step_the_layer_refuses_leaves_both_caches_as_they_were():
+    """A cached step that ``GQLAttention`` itself refuses (a float64 layer decoding with the kernels) after a beam
+    reorder of the HF cache: the HF cache records nothing and the GQLA cache keeps its rows, so the same step
+    runs once the model is back in float32 (attending over the reordered rows)."""
+    model = tiny_llama(31, g=2, layers=1)
+    ids = ids_for(32, 2, 9)
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="triton", max_seqlen=32, page_size=16)
+    attn = conv.model.layers[0].self_attn
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        want = conv(torch.cat([ids[:, :8].flip(0), ids[:, 8:]], 1), use_cache=False).logits[:, -1:]
+        conv(ids[:, :8], past_key_values=cache, use_cache=True)
+        cache.reorder_cache(torch.tensor([1, 0], device=P.device))
+        conv.to(torch.float64)
+        with pytest.raises(TypeError, match="impl='reference' only"):
+            conv(ids[:, 8:], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length(0) == 8 and attn.gqla_cache.seqlens([0, 1]) == [8, 8]
+        conv.to(torch.float32)
+        got = conv(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_converted_model_saved_whole_loads_and_generates_the_same():
+    """``torch.save`` of the whole converted model (after a cached call) and ``torch.load``: the copy generates the
+    original model's tokens."""
+    import io
+
+    model = tiny_llama(33, g=2, layers=1)
+    ids = ids_for(34, 1, 6)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference", max_seqlen=16, page_size=16)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        assert torch.equal(conv.generate(ids, **kw), want)
+        buf = io.BytesIO()
+        torch.save(conv, buf)
+        buf.seek(0)
+        got = torch.load(buf, weights_only=False).generate(ids, **kw)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "starcoder2"])
+def test_attention_with_biases_is_refused_naming_the_model(family):
+    """Qwen2's q / k / v biases (no ``attention_bias`` in its config) and Starcoder2's (``use_bias``): a
+    ``ValueError`` naming ``model`` and the biased projection, the model left as it was."""
+    T = transformers
+    model = (_small(T.Qwen2ForCausalLM, T.Qwen2Config) if family == "qwen2" else
+             _small(T.Starcoder2ForCausalLM, T.Starcoder2Config, sliding_window=None))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="^model: layer 0's attention's q_proj has a bias"):
+        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_converted_state_dict_loads_into_the_model_converted_alike():
+    """The documented way back from a state dict: the source architecture converted with the same arguments, then
+    ``load_state_dict``; ``set_decode_path`` forgets the GQLA caches, so a HF cache in progress is refused."""
+    model = tiny_llama(35, g=2, layers=1)
+    ids = ids_for(36, 1, 6)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    args = dict(**full_rank(model), impl="reference", max_seqlen=16, page_size=16)
+    conv = convert_llama(copy.deepcopy(model), **args)
+    fresh = convert_llama(transformers.LlamaForCausalLM(model.config).eval().to(P.device), **args)
+    fresh.load_state_dict(conv.state_dict())
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        assert torch.equal(fresh.generate(ids, **kw), model.generate(ids, **kw))
+        fresh(ids, past_key_values=cache, use_cache=True)
+        set_decode_path(fresh, "grouped")
+        with pytest.raises(ValueError, match="no GQLA cache"):
+            fresh(ids[:, :1], past_key_values=cache, use_cache=True)

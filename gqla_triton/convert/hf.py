@@ -73,7 +73,8 @@ class GQLAHFAttention(nn.Module):
     calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
     ``ValueError``. The HF cache holds, per token, the GQLA slot of its row: row reorders of the HF cache (beam
     search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped
-    by assisted or speculative generation) is a ``ValueError``.
+    by assisted or speculative generation) is a ``ValueError``. A cached call that raises leaves both caches as they
+    were (the HF cache records a step once it ran).
     """
 
     def __init__(self, attn: GQLAttention, layer_idx: int, *, decode_path: str = "absorb", max_seqlen: int = 4096,
@@ -121,7 +122,10 @@ class GQLAHFAttention(nn.Module):
                 position_ids=None, past_key_values=None, cache_position=None, **kwargs):
         hf_cache = cache if cache is not None else past_key_values
         B, T = self.attn.check_hidden(hidden_states)  # every check before the HF cache is updated
-        past = hf_cache.get_seq_length(self.layer_idx) if hf_cache is not None else 0
+        if hf_cache is not None and not all(callable(getattr(hf_cache, n, None)) for n in ("get_seq_length", "update")):
+            raise TypeError(f"cache: expected a HF cache object (get_seq_length, update), got "
+                            f"{type(hf_cache).__name__}")
+        past = int(hf_cache.get_seq_length(self.layer_idx)) if hf_cache is not None else 0
         dev = hidden_states.device
         if position_ids is not None:
             pos = _positions("position_ids", position_ids, B, T, dev)
@@ -140,6 +144,7 @@ class GQLAHFAttention(nn.Module):
             raise ValueError(f"hidden_states: {T} more tokens after {past} pass the GQLA cache's max_seqlen "
                              f"{self.max_seqlen} (GQLAHFAttention / convert_llama(max_seqlen=...))")
         gqla = self._cache_of(hf_cache)
+        spares = None
         if past == 0:  # B slots for the sequences and B spare ones, through which a beam reorder is followed
             try:
                 ref = weakref.ref(hf_cache, _forget(self, id(hf_cache)))
@@ -148,7 +153,6 @@ class GQLAHFAttention(nn.Module):
                                 "is kept per HF cache, named by a weak reference)") from None
             gqla = self.attn.make_cache(2 * B, self.max_seqlen, path=self.decode_path, page_size=self.page_size,
                                         dtype=hidden_states.dtype, device=dev)
-            self._caches[id(hf_cache)] = (ref, gqla)
         elif gqla is None or gqla.max_batch != 2 * B:
             raise ValueError(f"cache: the HF cache holds {past} tokens but layer {self.layer_idx} has no GQLA cache "
                              f"for batch {B} (start from an empty HF cache)")
@@ -159,35 +163,49 @@ class GQLAHFAttention(nn.Module):
                                  f"GQLA cache holds {held}: the HF cache was cropped or replaced (assisted or "
                                  "speculative generation), which the GQLA cache cannot follow; start from an empty "
                                  "HF cache")
-        # each token's entry in the HF cache names the GQLA slot that holds its row (two exact channels); HF reorders
-        # whole rows (beam search), so the last cached entry of row b names the slot whose history row b now has
+            src = self._sources(hf_cache, B, past)
+            if src != list(range(B)):  # the step runs on copies in the spare slots, kept only when it succeeds
+                spares = tuple(range(B, 2 * B))
+                for b, s in enumerate(src):
+                    gqla.fork(s, B + b)
+        try:
+            out = self.attn(hidden_states, pos, gqla, seq_ids=spares)
+        except BaseException:
+            if spares is not None:
+                gqla.free(spares)
+            raise
+        if spares is not None:
+            gqla.free(range(B))
+            for b in range(B):
+                gqla.fork(B + b, b)
+            gqla.free(spares)
+        # the HF cache records the step only once it ran: each token's entry names the GQLA slot of its row (two
+        # exact channels); HF reorders whole rows (beam search), so a row's last entry names the slot of its history
         row = torch.arange(B, device=dev)
         mark = torch.stack([row // 256 + 1, row % 256], -1).to(hidden_states.dtype)[:, None, None, :]
-        keys, _ = hf_cache.update(mark.expand(B, 1, T, 2), mark.expand(B, 1, T, 2), self.layer_idx)
+        hf_cache.update(mark.expand(B, 1, T, 2), mark.expand(B, 1, T, 2), self.layer_idx)
+        if past == 0:
+            self._caches[id(hf_cache)] = (ref, gqla)
         self._latest = gqla
-        if past:
-            last = keys[:, 0, past - 1].long()
-            src = ((last[:, 0] - 1) * 256 + last[:, 1]).tolist()
-            if src != list(range(B)):
-                self._reorder(gqla, src)
-        out = self.attn(hidden_states, pos, gqla)
         return out, None
 
-    @staticmethod
-    def _reorder(c, src: list[int]) -> None:
-        """Make slot b of the GQLA cache ``c`` hold what slot ``src[b]`` holds (a beam reorder: a permutation or a
-        selection with repeats), through the spare slots ``B .. 2B-1``: forks share full pages and copy partly
-        filled ones."""
-        B = len(src)
+    def _sources(self, hf_cache, B: int, past: int) -> list[int]:
+        """The GQLA slot whose history each row of ``hf_cache`` holds (a beam reorder moves whole rows): named by
+        the entry of the row's last cached token in the HF cache's layer (its ``keys [B, 1, >= past, 2]``)."""
+        layers = getattr(hf_cache, "layers", None)
+        keys = getattr(layers[self.layer_idx], "keys", None) if isinstance(layers, list) and \
+            self.layer_idx < len(layers) else None
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or tuple(keys.shape[:2]) != (B, 1) or \
+                keys.shape[-1] != 2 or keys.shape[-2] < past:
+            got = list(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
+            raise ValueError(f"cache: expected layer {self.layer_idx} of the HF cache to hold the entries this "
+                             f"adapter wrote (keys [{B}, 1, >= {past}, 2], a DynamicCache or StaticCache), got {got}")
+        last = keys[:, 0, past - 1].long()
+        src = ((last[:, 0] - 1) * 256 + last[:, 1]).tolist()
         if any(not 0 <= s < B for s in src):
             raise ValueError(f"cache: the HF cache's rows name GQLA slots {src}, outside [0, {B}): it was not made "
                              "by this layer's calls")
-        for b, s in enumerate(src):
-            c.fork(s, B + b)
-        c.free(range(B))
-        for b in range(B):
-            c.fork(B + b, b)
-        c.free(range(B, 2 * B))
+        return src
 
     @staticmethod
     def _is_causal_mask(mask: torch.Tensor, past: int, B: int, T: int) -> bool:
@@ -308,6 +326,10 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
     per-layer attention inputs calibrate the factorizations. ``decode_path``, ``max_seqlen``, ``page_size``: the
     adapters' GQLA caches (``set_decode_path`` switches later); ``impl``: the decode kernels.
+
+    Saving: ``torch.save(model)``, or ``model.state_dict()`` loaded into the same model converted with the same
+    arguments. ``save_pretrained`` keeps the source's config, so ``from_pretrained`` builds the unconverted
+    attention and initializes it anew (its load report lists the converted weights as unexpected).
     """
     if decode_path not in _DECODE_PATHS:
         raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
@@ -361,7 +383,8 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
 
 
 def set_decode_path(model, path: str):
-    """Set every converted attention's decode path ("absorb" | "grouped"); applies from the next empty cache."""
+    """Set every converted attention's decode path ("absorb" | "grouped") and forget every GQLA cache: a HF cache
+    in progress is then refused, an empty one starts on the new path."""
     if path not in _DECODE_PATHS:
         raise ValueError(f"path: expected one of {_DECODE_PATHS}, got {path!r}")
     mods = [m for m in model.modules() if isinstance(m, GQLAHFAttention)]

@@ -58,10 +58,13 @@ _F64 = dict(dtype=torch.float64, device="cpu")
 
 
 def check_plain_attention(module, arg: str = "source", what: str = "the attention") -> None:
-    """``module`` (an attention) holds its q / k / v / o projections and nothing else that enters its function: no
-    per-head q / k norms (``q_norm`` / ``k_norm`` other than None or ``nn.Identity``, with or without weights) and
-    no parameters besides the projections' (else a ``ValueError`` naming the argument ``arg``, ``what`` the module
-    is, and what is extra); biases are refused where they are read."""
+    """``module`` (an attention) holds its bias-free q / k / v / o projections and nothing else that enters its
+    function: no biases, no per-head q / k norms (``q_norm`` / ``k_norm`` other than None or ``nn.Identity``, with
+    or without weights) and no parameters besides the projections' (else a ``ValueError`` naming the argument
+    ``arg``, ``what`` the module is, and what is extra)."""
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if getattr(getattr(module, n, None), "bias", None) is not None:
+            raise ValueError(f"{arg}: {what}'s {n} has a bias; TransGQLA supports bias-free projections only")
     if any(not isinstance(getattr(module, n, None), (type(None), torch.nn.Identity)) for n in ("q_norm", "k_norm")):
         raise ValueError(f"{arg}: {what} normalizes q / k per head (q_norm / k_norm); not supported")
     if isinstance(module, torch.nn.Module):
@@ -87,8 +90,6 @@ def _weights(source, names):
         mod = getattr(source, n, None)
         if mod is None or not hasattr(mod, "weight"):
             raise ValueError(f"source: expected a module with {names} (nn.Linear), missing {n!r}")
-        if getattr(mod, "bias", None) is not None:
-            raise ValueError(f"source: {n} has a bias; TransGQLA supports bias-free projections only")
         out.append(mod.weight)
     return out
 

@@ -216,7 +216,8 @@ class GQLAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=False, **fk)
         self._absorbed: dict = {}
         self._rope_inv_freq_init = rope_inv_freq  # float64 on the CPU, or None: what reset_parameters writes back
-        bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device)
+        # a copy: a buffer aliasing the float64 tensor as int64 could not be saved with torch.save
+        bits = None if rope_inv_freq is None else rope_inv_freq.contiguous().view(torch.int64).to(device, copy=True)
         self.register_buffer("rope_inv_freq_bits", bits)
 
     def __getstate__(self) -> dict:
