@@ -223,6 +223,15 @@ def test_truncated_conversion_calibration_helps():
     assert errs[-1] < 1e-5 and cal < errs[1], (errs, cal)
 
 
+def _refused_leaving_it_unchanged(model, match: str) -> None:
+    """``convert_llama(model)`` is a ``ValueError`` matching ``match``, and the model is left as it was."""
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_convert_llama_bad_inputs():
     model = tiny_llama(9, g=2, layers=1)
     before = copy.deepcopy(model.state_dict())
@@ -269,11 +278,7 @@ def test_attention_variants_that_change_the_function_are_refused(variant):
              "hunyuan_qk_layernorm": lambda: _small(T.HunYuanDenseV1ForCausalLM, T.HunYuanDenseV1Config, head_dim=8),
              "bitnet_sub_norm": lambda: _small(T.BitNetForCausalLM, T.BitNetConfig),
              "diffllama": lambda: _small(T.DiffLlamaForCausalLM, T.DiffLlamaConfig)}[variant]()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama)"):
-        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
-    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    _refused_leaving_it_unchanged(model, "model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama)")
 
 
 def test_llama_family_models_with_llama_attention_still_convert_exactly():
@@ -373,11 +378,7 @@ def test_attention_with_biases_is_refused_naming_the_model(family):
     T = transformers
     model = (_small(T.Qwen2ForCausalLM, T.Qwen2Config) if family == "qwen2" else
              _small(T.Starcoder2ForCausalLM, T.Starcoder2Config, sliding_window=None))
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="^model: layer 0's attention's q_proj has a bias"):
-        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
-    assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    _refused_leaving_it_unchanged(model, "^model: layer 0's attention's q_proj has a bias")
 
 
 def test_a_converted_state_dict_loads_into_the_model_converted_alike():
