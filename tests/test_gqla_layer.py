@@ -529,12 +529,19 @@ def test_bad_inputs():
     assert odd.make_cache(2, 32, path="absorb", page_size=16).rope_dim == 8
     monkey = pytest.MonkeyPatch()
     with monkey.context() as m:  # "auto" where dispatch would pick the grouped path: the absorb path's cache
-        m.setattr(odd, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped"))
+        m.setattr(odd, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped", reason="roofline"))
         assert isinstance(odd.make_cache(2, 32, page_size=16), LatentCache)
         even = GQLAttention(64, 8, 4, 16, 16, 32, dtype=torch.float32, device=P.device)
-        m.setattr(even, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped"))
+        m.setattr(even, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped", reason="roofline"))
         assert isinstance(even.make_cache(2, 32, page_size=16), GroupedCache)
     GQLAttention(64, 8, 4, 16, 8, 32, path="grouped", impl="reference").make_cache(2, 32, page_size=16)
+    with monkey.context() as m:  # the grouped path forced by the environment: refused, never another path
+        m.setenv("GQLA_TRITON_DECODE_PATH", "grouped")
+        with pytest.raises(ValueError, match="^GQLA_TRITON_DECODE_PATH=grouped forces a path .*rope_dim"):
+            odd.make_cache(2, 32, page_size=16)
+        assert isinstance(odd.make_cache(2, 32, path="absorb", page_size=16), LatentCache)
+        m.setenv("GQLA_TRITON_DECODE_PATH", "absorb")
+        assert isinstance(odd.make_cache(2, 32, page_size=16), LatentCache)
     assert GQLAttention(64, 8, 4, 16, 0, 32, path="grouped").rope_dim == 0  # no rope key: nothing to refuse
     layer = make_layer(0, g=2, dtype=torch.float32, path="absorb")
     hs = layer.hidden_size
