@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers._state import drop_when_freed
 from ..layers.gqla import GQLAttention
 from ..ops._common.validation import check_dense, check_page_size, check_positive_int, is_int
 from .trans_gqla import check_plain_attention, trans_gqla
@@ -35,19 +36,6 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"attention_mask: expected a bool (True = attend) or floating (0 = attend) 4-D mask, got "
                         f"{mask.dtype}")
     return mask if mask.dtype == torch.bool else mask == 0
-
-
-def _forget(module: nn.Module, key: int):
-    """The callback of a kept GQLA cache's weak reference to its HF cache: drops the entry (unless a newer one
-    replaced it) when that HF cache is freed. Holds the module weakly."""
-    module_ref = weakref.ref(module)
-
-    def drop(hf_ref) -> None:
-        m = module_ref()
-        if m is not None and m._caches.get(key, (None,))[0] is hf_ref:
-            del m._caches[key]
-
-    return drop
 
 
 def _positions(name: str, p, B: int, T: int, dev: torch.device) -> torch.Tensor:
@@ -147,7 +135,7 @@ class GQLAHFAttention(nn.Module):
         spares = None
         if past == 0:  # B slots for the sequences and B spare ones, through which a beam reorder is followed
             try:
-                ref = weakref.ref(hf_cache, _forget(self, id(hf_cache)))
+                ref = weakref.ref(hf_cache, drop_when_freed(self, "_caches", id(hf_cache), 0))
             except TypeError:
                 raise TypeError(f"cache: expected a HF cache object, got {type(hf_cache).__name__} (the GQLA cache "
                                 "is kept per HF cache, named by a weak reference)") from None

@@ -8,7 +8,8 @@ unexpected key under ``strict``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -91,3 +92,17 @@ def load_or_restore(module: nn.Module, load, state_dict, **kwargs):
                 else:  # its contents swapped (torch.__future__'s swap_module_params_on_conversion): its own again
                     t.data = values
         raise
+
+
+def drop_when_freed(owner: object, table: str, key, slot: int) -> Callable[[weakref.ref], None]:
+    """The callback of a weak reference kept at ``getattr(owner, table)[key][slot]``: removes that entry when its
+    referent is freed, unless a newer entry holding another reference replaced it. Holds ``owner`` weakly."""
+    owner_ref = weakref.ref(owner)
+
+    def drop(ref: weakref.ref) -> None:
+        entries = getattr(owner_ref(), table, None)
+        entry = entries.get(key) if entries is not None else None
+        if entry is not None and entry[slot] is ref:
+            del entries[key]
+
+    return drop

@@ -54,7 +54,7 @@ from ..ops._common.validation import (
     is_int,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
-from ._state import assigning, check_state_dict, load_or_restore
+from ._state import assigning, check_state_dict, drop_when_freed, load_or_restore
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
@@ -115,21 +115,6 @@ def check_rope_bits(key: str, v) -> None:
         raise ValueError(f"state_dict: {key}: expected the int64 bits of float64 frequencies, got {v.dtype}")
     if v.device.type != "meta" and not bool(torch.isfinite(v.view(torch.float64)).all()):
         raise ValueError(f"state_dict: {key}: expected the bits of finite frequencies")
-
-
-def _drop_absorbed(layer: nn.Module, dtype: torch.dtype):
-    """The callback of an ``absorbed_weights`` entry's weak reference to its weight's storage: drops the entry
-    (unless a newer one replaced it) when that storage is freed. Holds the layer weakly."""
-    layer_ref = weakref.ref(layer)
-
-    def drop(storage_ref) -> None:
-        m = layer_ref()
-        if m is not None:
-            hit = m._absorbed.get(dtype)
-            if hit is not None and hit[3] is storage_ref:
-                del m._absorbed[dtype]
-
-    return drop
 
 
 class GQLAttention(nn.Module):
@@ -403,7 +388,7 @@ class GQLAttention(nn.Module):
             # normal tensors also when made inside inference mode (autograd may read the entry outside it)
             with torch.inference_mode(False), torch.no_grad():
                 uk, uv = (t.clone(memory_format=torch.contiguous_format) for t in self.w_uk_uv(dtype))
-            hit = (key, uk, uv, weakref.ref(storage, _drop_absorbed(self, dtype)))
+            hit = (key, uk, uv, weakref.ref(storage, drop_when_freed(self, "_absorbed", dtype, 3)))
             self._absorbed[dtype] = hit
         return hit[1], hit[2]
 
