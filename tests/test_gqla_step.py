@@ -487,6 +487,26 @@ def test_cached_inv_freq_stays_bounded(monkeypatch):
         rope._PINNED.discard((8, 1234.5, torch.device("cpu")))
 
 
+def test_cached_inv_freq_keys_cuda_by_the_current_gpu(monkeypatch):
+    """``"cuda"`` names the GPU current at the call: a lookup with it while another GPU is current gets that GPU's
+    tensor, and ``"cuda"`` and ``"cuda:i"`` share one entry (two fake GPUs; the tensor is tagged with its device)."""
+    from gqla_triton.layers import rope
+
+    current = [1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(rope, "rope_inv_freq", lambda d, theta, *, device: (d, theta, torch.device(device)))
+    monkeypatch.setattr(rope, "_INV_FREQ", {})
+    on1 = cached_inv_freq(8, 1e4, "cuda")
+    assert on1[2] == torch.device("cuda", 1) and cached_inv_freq(8, 1e4, "cuda:1") is on1
+    current[0] = 0
+    on0 = cached_inv_freq(8, 1e4, "cuda")
+    assert on0[2] == torch.device("cuda", 0) and cached_inv_freq(8, 1e4, torch.device("cuda", 0)) is on0
+    assert set(rope._INV_FREQ) == {(8, 1e4, torch.device("cuda", i)) for i in (0, 1)}
+
+
 def test_apply_rope_takes_the_documented_shapes():
     """``positions [B, T]`` (any integer dtype but uint64) rotate ``x [B, T, ..., d]`` as ``rope_cos_sin``'s
     factors do; d = 0 passes ``x`` through; a numpy integer ``d`` works as the int."""

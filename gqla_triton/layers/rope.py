@@ -77,14 +77,17 @@ def _cacheable(device: torch.device) -> bool:
 
 
 def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
-    """``rope_inv_freq(d, theta)`` on ``device``, made once per ``(d, theta, device)`` and kept (outside
-    torch.compile traces and CUDA-graph captures, which make it fresh; ``INV_FREQ_CACHE`` entries, beside those
-    that a CUDA-graph capture read, which stay for its replays). Do not write to it."""
+    """``rope_inv_freq(d, theta)`` on ``device`` (``"cuda"``: the current GPU), made once per ``(d, theta,
+    device)`` and kept (outside torch.compile traces and CUDA-graph captures, which make it fresh;
+    ``INV_FREQ_CACHE`` entries, beside those that a CUDA-graph capture read, which stay for its replays). Do not
+    write to it."""
     d = check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
     device = check_device(device)
     if device is None:
         raise ValueError("device: expected a torch.device, a device string or a CUDA index, got None")
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: one key per GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (d, theta, device)
     hit = _INV_FREQ.get(key)
     if hit is None:
