@@ -217,6 +217,27 @@ def test_gpu_key():
     assert dispatch.gpu_key("Some Future GPU") == "default"
 
 
+def test_a_gpu_without_a_key_has_tables_of_its_own_name(tmp_path, monkeypatch):
+    """A GPU with no model token (which runs ``default.json``) names its tuned tables after itself; its measured
+    ``decode_path`` entry is what the path choice reads, beside the roofline of ``default``."""
+    assert dispatch.gpu_table("NVIDIA H200") == "h200"
+    assert dispatch.gpu_table("NVIDIA RTX A1000") == "nvidia-rtx-a1000"
+    names = ("Default", " interpreter ", "!")
+    assert [dispatch.gpu_table(n) for n in names] == ["gpu-default", "gpu-interpreter", "gpu"]
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    dispatch.reload_tables()
+    info = dispatch.DeviceInfo("NVIDIA RTX A1000", (8, 6), sm_count=16, smem_per_block=101376, l2_bytes=2 << 20)
+    assert (info.key, info.table) == ("default", "nvidia-rtx-a1000")
+    shape = dict(num_heads=32, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512)
+    eff = {"match": {}, "config": {"absorb_efficiency": 0.5, "grouped_efficiency": 0.25}}
+    try:
+        with dispatch.table_swap(info.table, {"decode_path": [eff]}):
+            assert "absorb 0.50, grouped 0.25" in decode_path.choose_decode_path(shape, 1, info).reason
+        assert "measured" not in decode_path.choose_decode_path(shape, 1, info).reason
+    finally:
+        dispatch.reload_tables()
+
+
 def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, monkeypatch):
     """A GPU of the H200's SM with no table of its own (H100, H800) gets the H200's kernel configs for every shape
     key, but not the H200's own measurements (``decode_path``); a GPU of another SM (H20) gets ``default.json``;
