@@ -350,7 +350,7 @@ def test_norm_rope_refuses_bad_weights_and_positions():
                      s["inv"], add_t=False, **kw)
     with pytest.raises(TypeError, match="add_t"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t="yes", **kw)
-    with pytest.raises(ValueError, match="kv_rank"):
+    with pytest.raises(TypeError, match="kv_rank"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=float(s["r"]), out_dtype=dt)
     for name in ("qa_eps", "kv_eps"):
         for bad in (math.nan, -math.inf, math.inf, -1e-6, "1e-6", None, True, torch.tensor(1e-6)):
@@ -409,9 +409,9 @@ def test_head_dims_are_checked_by_name():
     with pytest.raises(ValueError, match="o: expected at least one head"):
         gs.absorb_o(s["q"][:, :, :0, : s["r"]], s["w_uv"])
     for hd in (float(dh), "16", None):
-        with pytest.raises(ValueError, match="head_dim"):
+        with pytest.raises(TypeError, match="head_dim"):
             gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=hd, out_dtype=dt)
-        with pytest.raises(ValueError, match="head_dim"):
+        with pytest.raises(TypeError, match="head_dim"):
             gs.grouped_q(s["q"], cs, head_dim=hd, out_dtype=dt)
     assert torch.equal(gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=np.int64(dh), out_dtype=dt),
                        gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=dh, out_dtype=dt))
@@ -443,11 +443,11 @@ def _rope_bad_calls():
         ("meta inv_freq", ValueError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(4, device=meta))),
         ("odd d", ValueError, "d", lambda: rope_inv_freq(7)),
         ("negative d", ValueError, "d", lambda: rope_inv_freq(-2)),
-        ("float d", ValueError, "d", lambda: rope_inv_freq(8.0)),
+        ("float d", TypeError, "d", lambda: rope_inv_freq(8.0)),
         ("theta -1", ValueError, "theta", lambda: rope_inv_freq(8, -1.0)),
         ("bad device", ValueError, "device", lambda: rope_inv_freq(8, device="nowhere")),
         ("cached theta 0", ValueError, "theta", lambda: cached_inv_freq(8, 0, "cpu")),
-        ("cached bool d", ValueError, "d", lambda: cached_inv_freq(True, 1e4, "cpu")),
+        ("cached bool d", TypeError, "d", lambda: cached_inv_freq(True, 1e4, "cpu")),
         ("cached no device", ValueError, "device", lambda: cached_inv_freq(8, 1e4, None)),
         ("cos_sin float positions", TypeError, "positions", lambda: rope_cos_sin(pos.float(), rope_inv_freq(8))),
         ("cos_sin [T] positions", ValueError, "positions", lambda: rope_cos_sin(pos[0], rope_inv_freq(8))),

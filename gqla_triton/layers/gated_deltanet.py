@@ -30,18 +30,17 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     FLOAT_DTYPES,
-    INT32_MAX,
     check_dense,
     check_device,
     check_disjoint,
     check_float_dtype,
     check_inference_mode,
+    check_int_in,
     check_kernel_device,
     check_optional_int,
     check_positive_int,
     check_positive_real,
     check_tensor,
-    is_int,
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
@@ -245,8 +244,7 @@ class GatedDeltaNetCache:
         for name, val, lo in (("num_seqs", num_seqs, 1), ("conv_dim", conv_dim, 1), ("conv_size", conv_size, 2),
                               ("num_v_heads", num_v_heads, 1), ("head_k_dim", head_k_dim, 1),
                               ("head_v_dim", head_v_dim, 1)):
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= INT32_MAX:
-                raise ValueError(f"{name}: expected an int in [{lo}, {INT32_MAX}], got {val!r}")
+            check_int_in(name, val, lo)
         check_float_dtype(dtype, optional=False)
         device = check_device(device, storage=True)
         # one scratch row past the slots receives the writes of skipped (padding) sequences
@@ -473,8 +471,7 @@ class GatedDeltaNetCache:
         want = (n, *self.recurrent_state.shape[1:])
         if tuple(recurrent_state.shape) != want:
             raise ValueError(f"recurrent_state: expected {list(want)}, got {list(recurrent_state.shape)}")
-        if isinstance(seqlen, bool) or not isinstance(seqlen, numbers.Integral) or not 0 <= seqlen < 2**31:
-            raise ValueError(f"seqlen: expected an int in [0, 2**31), got {seqlen!r}")
+        check_int_in("seqlen", seqlen, 0)
         if n == 0:
             raise ValueError("conv_state: expected at least one sequence")
         ids = self._host_ids(slots, n)
@@ -610,8 +607,7 @@ class GatedDeltaNet(nn.Module):
         check_dense("t", t)
         if t.dim() == 0:
             raise ValueError("t: expected at least one dimension, got a 0-dim tensor")
-        if not is_int(dim) or not -t.dim() <= dim < t.dim():
-            raise ValueError(f"dim: expected an int in [{-t.dim()}, {t.dim()}), got {dim!r}")
+        check_int_in("dim", dim, -t.dim(), t.dim() - 1)
         sizes = self.in_proj_sizes
         if t.shape[dim] != sum(sizes):
             raise ValueError(f"t: expected size {sum(sizes)} (in_proj's output width) along dim {dim}, got shape "
@@ -993,8 +989,7 @@ class GatedDeltaNet(nn.Module):
         x = check_dense("hidden_states", hidden_states)
         w = self.in_proj.weight
         mdt = self.max_decode_tokens
-        if not is_int(mdt) or mdt < 0:
-            raise ValueError(f"max_decode_tokens: expected an int >= 0, got {type(mdt).__name__} {mdt!r}")
+        check_int_in("max_decode_tokens", mdt, 0, 2**63 - 1)
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(x.shape)}")
         if x.dtype != w.dtype:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_device, check_positive_real, check_same_device, check_tensor
+from ..ops._common.validation import (
+    INT32_MAX,
+    check_device,
+    check_int_type,
+    check_positive_real,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["apply_rope", "cached_inv_freq", "rope_cos_sin", "rope_inv_freq"]
 
@@ -16,8 +21,9 @@ _PINNED: set[tuple[int, float, torch.device]] = set()  # entries a CUDA-graph ca
 
 
 def check_rope_dim(name: str, d: object) -> int:
-    """A rope width: an even int in ``[0, INT32_MAX]`` (bools refused)."""
-    if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d <= INT32_MAX or d % 2:
+    """A rope width: an even int in ``[0, INT32_MAX]`` (bools and non-integers: ``TypeError``)."""
+    check_int_type(name, d, "an even int >= 0")
+    if not 0 <= d <= INT32_MAX or d % 2:
         raise ValueError(f"{name}: expected an even int >= 0, got {type(d).__name__} {d!r}")
     return int(d)
 
