@@ -565,30 +565,38 @@ class GatedDeltaNet(nn.Module):
     _SPLIT_PROJ = ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Also takes the six input projections as separate ``<name>.weight`` entries (q, k, v, z, b, a; z is the
-        output gate), joined into ``in_proj.weight`` in that order when the fused key is absent, and fla's layout
-        (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three short convs ``q_conv1d`` /
-        ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as ``norm_weight`` (each
-        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it. Every
+        """Also takes the layouts ``_own_keys`` joins, so ``load_state_dict(fla_layer.state_dict())`` loads it. Every
         entry (and every part joined) is checked before any is copied (``_state.check_state_dict``), also inside a
         model's load."""
         assign = assigning(args[0] if args else None)
-        for ours, fla in (("z_proj.weight", "g_proj.weight"), ("norm_weight", "o_norm.weight")):
-            if f"{prefix}{ours}" not in state_dict and f"{prefix}{fla}" in state_dict:
-                state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{fla}")
+        self._own_keys(state_dict, prefix, assign=assign)
+        check_state_dict(self, state_dict, prefix, self._REFUSED, assign=assign)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    _REFUSED = tuple((f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv")
+
+    def _own_keys(self, state_dict: dict, prefix: str = "", *, assign: bool = False) -> None:
+        """Rename and join, in the dict ``state_dict`` itself, the entries under ``prefix`` of the other layouts
+        into this layer's keys (each only where this layer's own key is absent): the six input projections as
+        separate ``<name>.weight`` entries (q, k, v, z, b, a; z is the output gate) joined into ``in_proj.weight``
+        in that order, and fla's layout (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three
+        short convs ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as
+        ``norm_weight``. Each part joined is checked first as the slice it fills (a ``ValueError`` naming its key);
+        ``assign``: as ``load_state_dict``'s."""
+        norm, fla_norm = f"{prefix}norm_weight", f"{prefix}o_norm.weight"
+        if norm not in state_dict and fla_norm in state_dict:
+            state_dict[norm] = _joined(state_dict, [fla_norm], [self.norm_weight], assign)
         # parts joined into one parameter: each checked as the slice it fills (``_state.entry_problem``) first
         convs = [f"{prefix}{n}_conv1d.weight" for n in "qkv"]
         if f"{prefix}conv1d.weight" not in state_dict and all(n in state_dict for n in convs):
             slices = self.conv1d.weight.split([self.key_dim, self.key_dim, self.value_dim], 0)
             state_dict[f"{prefix}conv1d.weight"] = _joined(state_dict, convs, slices, assign)
         names = [f"{prefix}{n}.weight" for n in self._SPLIT_PROJ]
+        if names[3] not in state_dict:  # fla's output gate
+            names[3] = f"{prefix}g_proj.weight"
         if f"{prefix}in_proj.weight" not in state_dict and all(n in state_dict for n in names):
             slices = self.in_proj.weight.split(list(self.in_proj_sizes), 0)
             state_dict[f"{prefix}in_proj.weight"] = _joined(state_dict, names, slices, assign)
-        check_state_dict(self, state_dict, prefix, tuple(
-            (f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv"),
-            assign=assign)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``; a load that fails leaves every parameter and buffer of the layer as it was
