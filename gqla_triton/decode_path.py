@@ -68,13 +68,13 @@ class DecodePathChoice(NamedTuple):
     reason: str
 
 
-def _current_gpu() -> str:
+def _current_gpu() -> DeviceInfo:
     import torch
 
     if not is_interpreter() and not torch.cuda.is_available():
         raise ValueError(f"choose_decode_path: no CUDA device here; pass device_info= a DeviceInfo or a GPU key "
                          f"({', '.join(GPU_KEYS)})")
-    return device_info().key
+    return device_info()
 
 
 def choose_decode_path(
@@ -102,12 +102,12 @@ def choose_decode_path(
     _check_layer_shape(layer_shape)
     s_q, batch, seqlen = (check_positive_int(n, v) for n, v in (("s_q", s_q), ("batch", batch), ("seqlen", seqlen)))
     kernel_efficiency = check_flag("kernel_efficiency", kernel_efficiency)
+    if device_info is None:
+        device_info = _current_gpu()
     if isinstance(device_info, DeviceInfo):
-        gpu = device_info.key
+        gpu, table = device_info.key, device_info.table  # the roofline's GPU; the table of its measurements
     elif isinstance(device_info, str):
-        gpu = device_info
-    elif device_info is None:
-        gpu = _current_gpu()
+        gpu = table = device_info
     else:
         raise TypeError(f"device_info: expected a DeviceInfo, a GPU name or None, got {type(device_info).__name__}")
     forced = override if override is not None else (os.environ.get("GQLA_TRITON_DECODE_PATH") or None)
@@ -118,7 +118,7 @@ def choose_decode_path(
     t_grp = roofline.gqa_decode_model(batch=batch, seqlen=seqlen, s_q=s_q, **_gqa_shape(layer_shape)).time(spec)
     basis = f"roofline on {spec.name}"
     if kernel_efficiency:
-        eff = table_config(gpu, "decode_path", {"s_q": s_q}, fallback=False)
+        eff = table_config(table, "decode_path", {"s_q": s_q}, fallback=False)
         if eff is not None and eff.points:
             pb, ps, ms_abs, ms_grp = min(eff.points, key=lambda p: abs(math.log2(p[0] / batch))
                                          + abs(math.log2(p[1] / seqlen)))

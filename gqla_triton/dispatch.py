@@ -37,6 +37,7 @@ __all__ = [
     "device_info",
     "is_interpreter",
     "gpu_key",
+    "gpu_table",
     "select_config",
     "config_override",
     "table_swap",
@@ -80,6 +81,11 @@ class DeviceInfo:
         """Config-table name: ``interpreter``, ``h200``, ``h100``, ... or ``default``."""
         return "interpreter" if self.interpreter else gpu_key(self.name)
 
+    @property
+    def table(self) -> str:
+        """The name of this GPU's tables (``gpu_table``): ``key``, or a GPU with no key its own name."""
+        return "interpreter" if self.interpreter else gpu_table(self.name)
+
 
 _INTERPRETER = DeviceInfo("interpreter", (0, 0), sm_count=4, smem_per_block=1 << 30, l2_bytes=0, interpreter=True)
 
@@ -117,6 +123,21 @@ def gpu_key(name: str) -> str:
         if token in tokens:
             return key
     return "default"
+
+
+_RESERVED_TABLES = ("", "default", "interpreter")
+
+
+def gpu_table(name: str) -> str:
+    """The name of the tables of the GPU whose driver name is ``name``: its ``gpu_key``, or for a GPU without one
+    (which runs ``default.json``) its own name in lower case with each run of other characters than letters and
+    digits as ``-`` (``NVIDIA RTX A1000``: ``nvidia-rtx-a1000``; ``gpu-`` before a name that is empty or a
+    reserved table's): the table ``gqla_triton.tune`` writes for it, read by no other GPU."""
+    key = gpu_key(name)
+    if key != "default":
+        return key
+    own = "-".join(t for t in re.split(r"[^a-z0-9]+", name.lower()) if t)
+    return f"gpu-{own}".rstrip("-") if own in _RESERVED_TABLES else own
 
 
 @functools.cache
@@ -261,8 +282,9 @@ def _table_at(key: str, reloads: int) -> dict[str, list[tuple[dict, Any]]]:
     shipped table of the GPU whose SM it shares (``SHARED_TABLES``, without its measured ops), else
     ``configs/default.json``; a table in the user config directory (``gqla_triton.tune``, or written by hand) goes
     before it: its rows of an op are matched first, then the shipped rows of that op, so a table that names some
-    ops or some shapes leaves the rest as shipped. The interpreter reads only the shipped table. ``reloads``: the
-    ``_RELOADS`` count it is read under (a cache key only)."""
+    ops or some shapes leaves the rest as shipped. A GPU that runs the shipped ``default.json`` reads the user
+    ``default.json`` (one written by hand) between its own user table and the shipped one. The interpreter reads
+    only the shipped table. ``reloads``: the ``_RELOADS`` count it is read under (a cache key only)."""
     if key in _SWAPPED:
         return _SWAPPED[key][-1]
     shared = SHARED_TABLES.get(key)
@@ -272,8 +294,10 @@ def _table_at(key: str, reloads: int) -> dict[str, list[tuple[dict, Any]]]:
     table = _read_table(path)
     if shared and path == _CONFIG_DIR / f"{shared}.json":
         table = {op: rows for op, rows in table.items() if not schema(op).MEASURED}
-    user = _user_table(key) if key != "interpreter" else None
-    if user is not None:
+    if key == "interpreter":
+        return table
+    users = [key, *(["default"] if key != "default" and path == _CONFIG_DIR / "default.json" else [])]
+    for user in reversed([p for p in map(_user_table, users) if p is not None]):
         tuned = _read_table(user)
         table = {op: [*tuned.get(op, ()), *table.get(op, ())] for op in {**table, **tuned}}
     return table
@@ -469,9 +493,9 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     """Launch config of ``op`` on this GPU: an instance of its schema (``schema(op)``).
 
     ``key`` holds the shape features the table may match on (e.g. ``{"K": 128, "V": 128}``; the names are the
-    schema's ``MATCH``). Lookup: the table of this GPU, then ``default.json``, then the overrides. Under the
-    interpreter only ``interpreter.json`` is read, so exactly one config is ever seen. ``info``: the device's
-    ``device_info`` where the caller has it (then ``device`` is not read).
+    schema's ``MATCH``). Lookup: the table of this GPU (``DeviceInfo.table``), then ``default.json``, then the
+    overrides. Under the interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
+    ``info``: the device's ``device_info`` where the caller has it (then ``device`` is not read).
     """
     if not isinstance(op, str) or op not in _SCHEMAS:
         raise ValueError(f"select_config: unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
@@ -485,7 +509,7 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
         info = device_info(device)
     elif not isinstance(info, DeviceInfo):
         raise TypeError(f"info: expected a DeviceInfo or None, got {type(info).__name__}")
-    cfg = table_config(info.key, op, key, fallback=not info.interpreter)
+    cfg = table_config(info.table, op, key, fallback=not info.interpreter)
     if cfg is None:
         raise ValueError(f"select_config: no config for op {op!r} (key {dict(key or {})}) in configs/{info.key}.json")
     return cfg

@@ -10,9 +10,11 @@ times the survivors on the standard workloads (decode steps in CUDA graphs), re-
 entry side by side, and measures both GQLA decode paths' steps for the path choice (``decode_path.POINTS``). It
 writes a complete table (every op of the start one, the tuned entries replaced) that ``dispatch`` reads for this
 GPU: by default into the user config directory (``GQLA_TRITON_CONFIG_DIR``, else ``~/.config/gqla_triton``), which
-takes precedence over the shipped ``configs/<gpu>.json``. Measurements, finished targets and the search time spent
-go to ``<out>.partial.json`` as they are made, so an interrupted run resumes where it stopped, with what is left of
-its ``--budget-minutes`` (a run after a finished one starts a new time limit and reuses the measurements).
+takes precedence over the shipped ``configs/<gpu>.json``, as ``<gpu>.json`` (``dispatch.gpu_table``: a GPU without
+a shipped table writes one under its own name, not ``default.json``). Measurements, finished targets and the search
+time spent go to ``<out>.partial.json`` as they are made, so an interrupted run resumes where it stopped, with what
+is left of its ``--budget-minutes`` (a run after a finished one starts a new time limit and reuses the
+measurements).
 
 - A candidate's workloads are timed one by one; its timing stops once those timed show it cannot beat the best
   entry (``HOPELESS_SPEEDUP``), so a slow candidate costs little.
@@ -670,14 +672,14 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     tlist = target_list if target_list is not None else targets(ops)
     _check_space(space)
     info = dispatch.device_info()
-    gpu = info.key  # the name dispatch looks the table up by ("default" for a GPU with no shipped table)
+    gpu = info.table  # the name dispatch looks this GPU's table up by (its own, also where none is shipped)
     path = Path(out) if out is not None else user_config_dir() / f"{gpu}.json"
     _check_writable("out", path)
     state = _State(path.with_name(path.name + ".partial.json"), gpu)
     if state.data.setdefault("start", start) != start:  # the finished targets were another search's
         state.data.update(start=start, done={}, runs=1)
         state.spent0 = 0.0
-    shipped = dispatch._load_table(info.key)
+    shipped = dispatch._load_table(gpu)
     base = shipped if start == "table" else dispatch._load_table("default")
     if start != "table" and info.key == "default":
         raise ValueError(f"start='default': {info.name} has no table of its own to compare with")
@@ -723,7 +725,7 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     bar.close()
     _pick_impl(raw, report)
     if ops is None or "decode_path" in ops:
-        with dispatch.table_swap(info.key, raw):  # the paths' kernels as the written table launches them
+        with dispatch.table_swap(gpu, raw):  # the paths' kernels as the written table launches them
             raw["decode_path"] = _decode_path_entries(info)
     dispatch.parse_table(raw, where=str(path))  # the table written is one dispatch accepts
     _write_atomic(path, json.dumps(raw, indent=1) + "\n")

@@ -217,6 +217,27 @@ def test_gpu_key():
     assert dispatch.gpu_key("Some Future GPU") == "default"
 
 
+def test_a_gpu_without_a_key_has_tables_of_its_own_name(tmp_path, monkeypatch):
+    """A GPU with no model token (which runs ``default.json``) names its tuned tables after itself; its measured
+    ``decode_path`` entry is what the path choice reads, beside the roofline of ``default``."""
+    assert dispatch.gpu_table("NVIDIA H200") == "h200"
+    assert dispatch.gpu_table("NVIDIA RTX A1000") == "nvidia-rtx-a1000"
+    names = ("Default", " interpreter ", "!")
+    assert [dispatch.gpu_table(n) for n in names] == ["gpu-default", "gpu-interpreter", "gpu"]
+    monkeypatch.setenv("GQLA_TRITON_CONFIG_DIR", str(tmp_path))
+    dispatch.reload_tables()
+    info = dispatch.DeviceInfo("NVIDIA RTX A1000", (8, 6), sm_count=16, smem_per_block=101376, l2_bytes=2 << 20)
+    assert (info.key, info.table) == ("default", "nvidia-rtx-a1000")
+    shape = dict(num_heads=32, num_groups=8, head_dim=128, rope_dim=64, kv_rank=512)
+    eff = {"match": {}, "config": {"absorb_efficiency": 0.5, "grouped_efficiency": 0.25}}
+    try:
+        with dispatch.table_swap(info.table, {"decode_path": [eff]}):
+            assert "absorb 0.50, grouped 0.25" in decode_path.choose_decode_path(shape, 1, info).reason
+        assert "measured" not in decode_path.choose_decode_path(shape, 1, info).reason
+    finally:
+        dispatch.reload_tables()
+
+
 def test_h100_runs_the_h200_kernel_configs_but_not_its_measurements(tmp_path, monkeypatch):
     """A GPU of the H200's SM with no table of its own (H100, H800) gets the H200's kernel configs for every shape
     key, but not the H200's own measurements (``decode_path``); a GPU of another SM (H20) gets ``default.json``;
@@ -503,18 +524,18 @@ def test_choose_decode_path_prices_each_path_by_the_nearest_measured_point(monke
 
 
 @pytest.mark.parametrize("kw, err, msg", [
-    (dict(batch=0), ValueError, "batch: expected a positive int"), (dict(batch=True), ValueError, "batch"),
-    (dict(batch=2.5), ValueError, "batch"), (dict(seqlen=-1), ValueError, "seqlen"),
-    (dict(seqlen=float("inf")), ValueError, "seqlen"), (dict(s_q=0), ValueError, "s_q"),
-    (dict(s_q=2.0), ValueError, "s_q"), (dict(kernel_efficiency="yes"), TypeError, "kernel_efficiency"),
+    (dict(batch=0), ValueError, "batch: expected a positive int"), (dict(batch=True), TypeError, "batch"),
+    (dict(batch=2.5), TypeError, "batch"), (dict(seqlen=-1), ValueError, "seqlen"),
+    (dict(seqlen=float("inf")), TypeError, "seqlen"), (dict(s_q=0), ValueError, "s_q"),
+    (dict(s_q=2.0), TypeError, "s_q"), (dict(kernel_efficiency="yes"), TypeError, "kernel_efficiency"),
     (dict(override=3), ValueError, "override"), (dict(override=False), ValueError, "override"),
     (dict(override=""), ValueError, "override"), (dict(layer_shape=None), TypeError, "layer_shape"),
     (dict(layer_shape={}), ValueError, "layer_shape: missing"),
     (dict(layer_shape=dict(decode_path.REF_SHAPE, num_groups=3)), ValueError, "must divide"),
     (dict(layer_shape=dict(decode_path.REF_SHAPE, kv_rank=0)), ValueError, "kv_rank"),
-    (dict(layer_shape=dict(decode_path.REF_SHAPE, head_dim="128")), ValueError, "head_dim"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, head_dim="128")), TypeError, "head_dim"),
     (dict(layer_shape=dict(decode_path.REF_SHAPE, v_head_dims=512)), ValueError, "unknown keys"),
-    (dict(layer_shape=dict(decode_path.REF_SHAPE, rope_dim=0.0)), ValueError, "rope_dim"),
+    (dict(layer_shape=dict(decode_path.REF_SHAPE, rope_dim=0.0)), TypeError, "rope_dim"),
     (dict(device_info=5), TypeError, "device_info"),
 ])
 def test_choose_decode_path_refuses_bad_arguments(kw, err, msg):
@@ -545,9 +566,10 @@ def test_decode_path_measurement_helpers_refuse_bad_arguments():
     for names in (["X"], "M1", ["M1", 3]):
         with pytest.raises(ValueError, match="names: expected a list of the points"):
             decode_path.measure_points(never, names)
-    for kw, name in (({"batch": -1}, "batch"), ({"seqlen": 0}, "seqlen"), ({"s_q": 1.0}, "s_q")):
+    for kw, name, err in (({"batch": -1}, "batch", ValueError), ({"seqlen": 0}, "seqlen", ValueError),
+                          ({"s_q": 1.0}, "s_q", TypeError)):
         args = {"batch": 1, "seqlen": 64, "s_q": 1, **kw}
-        with pytest.raises(ValueError, match=f"^{name}: expected a positive int"):
+        with pytest.raises(err, match=f"^{name}: expected a positive int"):
             decode_path.step_inputs(**args, device="cpu")
     with pytest.raises(TypeError, match="seed"):
         decode_path.step_inputs(1, 64, 1, seed=True, device="cpu")

@@ -418,8 +418,8 @@ def test_layer_arguments_of_the_wrong_kind_are_refused_by_name():
         with pytest.raises(ValueError, match="device"):
             layer.choose_path(device=bad)
     for path in ("absorb", "grouped", "auto"):  # s_q is the auto choice's; a fixed path still refuses a bad one
-        for bad in ("x", 0, True, 1.5):
-            with pytest.raises(ValueError, match="^s_q: expected a positive int"):
+        for bad in ("x", 0, True, 1.5):  # a value of another type: TypeError
+            with pytest.raises(ValueError if bad == 0 else TypeError, match="^s_q: expected a positive int"):
                 layer.make_cache(2, 32, page_size=16, path=path, s_q=bad)
     for bad in ("", False, 0):
         with pytest.raises(ValueError, match="path"):
@@ -499,10 +499,10 @@ def test_bad_inputs():
         GQLAttention(64, 6, 4, 16, 16, 32)
     with pytest.raises(ValueError, match="rope_dim"):
         GQLAttention(64, 8, 4, 16, 15, 32)
-    for bad in (True, 8.0, "8", 0):  # a bool is not a head count, nor a float or a string
-        with pytest.raises(ValueError, match="num_heads: expected a positive int"):
+    for bad in (True, 8.0, "8", 0):  # a bool is not a head count, nor a float or a string (TypeError)
+        with pytest.raises(ValueError if bad == 0 else TypeError, match="num_heads: expected a positive int"):
             GQLAttention(64, bad, 4, 16, 16, 32)
-    with pytest.raises(ValueError, match="max_seqlen"):
+    with pytest.raises(TypeError, match="max_seqlen"):
         LatentCache(2, True, 32, 16)
     with pytest.raises(ValueError, match="path"):
         GQLAttention(64, 8, 4, 16, 16, 32, path="mla")
@@ -511,7 +511,10 @@ def test_bad_inputs():
     np_layer = GQLAttention(np.int64(64), np.int32(8), np.int64(4), np.int64(16), np.int64(16), np.int64(32),
                             device="meta")  # numpy ints are ints, as everywhere else
     assert type(np_layer.rope_dim) is int and np_layer.shard(np.int64(1), np.int64(2)).num_groups == 2
-    for rank, size in ((False, True), (0, 2.0), (0, True)):
+    for rank, size in ((False, True), (0, 2.0), (0, True), ("0", 2), (0.0, 2)):
+        with pytest.raises(TypeError, match="tp_(size|rank): expected an int"):
+            np_layer.shard(rank, size)
+    for rank, size in ((0, 0), (2, 2), (-1, 2), (0, 3)):
         with pytest.raises(ValueError, match="tp_"):
             np_layer.shard(rank, size)
     with pytest.raises(ValueError, match="impl"):

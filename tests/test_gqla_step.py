@@ -350,7 +350,7 @@ def test_norm_rope_refuses_bad_weights_and_positions():
                      s["inv"], add_t=False, **kw)
     with pytest.raises(TypeError, match="add_t"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t="yes", **kw)
-    with pytest.raises(ValueError, match="kv_rank"):
+    with pytest.raises(TypeError, match="kv_rank"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=float(s["r"]), out_dtype=dt)
     for name in ("qa_eps", "kv_eps"):
         for bad in (math.nan, -math.inf, math.inf, -1e-6, "1e-6", None, True, torch.tensor(1e-6)):
@@ -409,9 +409,9 @@ def test_head_dims_are_checked_by_name():
     with pytest.raises(ValueError, match="o: expected at least one head"):
         gs.absorb_o(s["q"][:, :, :0, : s["r"]], s["w_uv"])
     for hd in (float(dh), "16", None):
-        with pytest.raises(ValueError, match="head_dim"):
+        with pytest.raises(TypeError, match="head_dim"):
             gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=hd, out_dtype=dt)
-        with pytest.raises(ValueError, match="head_dim"):
+        with pytest.raises(TypeError, match="head_dim"):
             gs.grouped_q(s["q"], cs, head_dim=hd, out_dtype=dt)
     assert torch.equal(gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=np.int64(dh), out_dtype=dt),
                        gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=dh, out_dtype=dt))
@@ -443,11 +443,11 @@ def _rope_bad_calls():
         ("meta inv_freq", ValueError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(4, device=meta))),
         ("odd d", ValueError, "d", lambda: rope_inv_freq(7)),
         ("negative d", ValueError, "d", lambda: rope_inv_freq(-2)),
-        ("float d", ValueError, "d", lambda: rope_inv_freq(8.0)),
+        ("float d", TypeError, "d", lambda: rope_inv_freq(8.0)),
         ("theta -1", ValueError, "theta", lambda: rope_inv_freq(8, -1.0)),
         ("bad device", ValueError, "device", lambda: rope_inv_freq(8, device="nowhere")),
         ("cached theta 0", ValueError, "theta", lambda: cached_inv_freq(8, 0, "cpu")),
-        ("cached bool d", ValueError, "d", lambda: cached_inv_freq(True, 1e4, "cpu")),
+        ("cached bool d", TypeError, "d", lambda: cached_inv_freq(True, 1e4, "cpu")),
         ("cached no device", ValueError, "device", lambda: cached_inv_freq(8, 1e4, None)),
         ("cos_sin float positions", TypeError, "positions", lambda: rope_cos_sin(pos.float(), rope_inv_freq(8))),
         ("cos_sin [T] positions", ValueError, "positions", lambda: rope_cos_sin(pos[0], rope_inv_freq(8))),
@@ -485,6 +485,26 @@ def test_cached_inv_freq_stays_bounded(monkeypatch):
         assert torch.equal(cached_inv_freq(8, 1e4, "cpu"), rope_inv_freq(8, 1e4))
     finally:
         rope._PINNED.discard((8, 1234.5, torch.device("cpu")))
+
+
+def test_cached_inv_freq_keys_cuda_by_the_current_gpu(monkeypatch):
+    """``"cuda"`` names the GPU current at the call: a lookup with it while another GPU is current gets that GPU's
+    tensor, and ``"cuda"`` and ``"cuda:i"`` share one entry (two fake GPUs; the tensor is tagged with its device)."""
+    from gqla_triton.layers import rope
+
+    current = [1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(rope, "rope_inv_freq", lambda d, theta, *, device: (d, theta, torch.device(device)))
+    monkeypatch.setattr(rope, "_INV_FREQ", {})
+    on1 = cached_inv_freq(8, 1e4, "cuda")
+    assert on1[2] == torch.device("cuda", 1) and cached_inv_freq(8, 1e4, "cuda:1") is on1
+    current[0] = 0
+    on0 = cached_inv_freq(8, 1e4, "cuda")
+    assert on0[2] == torch.device("cuda", 0) and cached_inv_freq(8, 1e4, torch.device("cuda", 0)) is on0
+    assert set(rope._INV_FREQ) == {(8, 1e4, torch.device("cuda", i)) for i in (0, 1)}
 
 
 def test_apply_rope_takes_the_documented_shapes():

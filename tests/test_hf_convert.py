@@ -308,7 +308,7 @@ def test_calib_input_ids_and_page_size_are_checked_before_any_change():
         with pytest.raises(err, match=f"calib_input_ids: .*({msg})"):
             convert_llama(model, kv_rank=8, rope_dim=8, calib_input_ids=ids)
     for page_size in (17, 0, "64", True):
-        with pytest.raises(ValueError, match="page_size"):
+        with pytest.raises(TypeError if isinstance(page_size, (str, bool)) else ValueError, match="page_size"):
             convert_llama(model, kv_rank=8, rope_dim=8, page_size=page_size)
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -398,3 +398,40 @@ def test_a_converted_state_dict_loads_into_the_model_converted_alike():
         set_decode_path(fresh, "grouped")
         with pytest.raises(ValueError, match="no GQLA cache"):
             fresh(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("reorder", [False, True], ids=["in_place", "beam_reorder"])
+def test_a_step_the_hf_cache_cannot_take_leaves_both_caches_as_they_were(reorder):
+    """A step past a user-built ``StaticCache``'s capacity is refused (naming ``cache``) before either cache
+    changes; a HF cache update that raises after the GQLA step ran rolls that step back. Either way the next step
+    that fits runs as if the refused one had never been tried (after a beam reorder too)."""
+    model = tiny_llama(35, g=2, layers=1)
+    ids = ids_for(36, 2, 10)
+    conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="triton", max_seqlen=32, page_size=16)
+    attn = conv.model.layers[0].self_attn
+    static = transformers.StaticCache(config=model.config, max_cache_len=10)
+    dynamic = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        full = ids if not reorder else torch.cat([ids[:, :8].flip(0), ids[:, 8:]], 1)
+        want = conv(full, use_cache=False).logits[:, -2:]
+        for cache in (static, dynamic):
+            conv(ids[:, :8], past_key_values=cache, use_cache=True)
+            if reorder:
+                cache.reorder_cache(torch.tensor([1, 0], device=P.device))
+        with pytest.raises(ValueError, match=r"cache: 3 more tokens after 8 pass the 10 tokens .*\(StaticCache\)"):
+            conv(torch.cat([ids[:, 8:], ids[:, 8:9]], 1), past_key_values=static, use_cache=True)
+        assert static.get_seq_length(0) == 8 and attn._cache_of(static).seqlens([0, 1]) == [8, 8]
+
+        real = dynamic.update
+
+        def broken(*a, **k):
+            raise RuntimeError("update failed")
+        dynamic.update = broken
+        with pytest.raises(RuntimeError, match="update failed"):
+            conv(ids[:, 8:], past_key_values=dynamic, use_cache=True)
+        dynamic.update = real
+        gq = attn._cache_of(dynamic)
+        assert dynamic.get_seq_length(0) == 8 and gq.seqlens() == [8, 8, 0, 0]
+        for cache in (static, dynamic):
+            got = conv(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -359,8 +359,9 @@ def test_loaders_take_rope_dim_zero_and_refuse_huge_rope_widths_by_name():
 
     assert interleaved_to_half(0).numel() == 0
     assert interleaved_to_half(6).tolist() == [0, 2, 4, 1, 3, 5]
-    for d in (-2, 3, True, 2**63, 10**400, 2.0):
-        with pytest.raises(ValueError, match="^d: expected an even int"):
+    for d in (-2, 3, True, 2**63, 10**400, 2.0):  # a bool or a float: TypeError
+        err = TypeError if isinstance(d, (bool, float)) else ValueError
+        with pytest.raises(err, match="^d: expected an even int"):
             interleaved_to_half(d)
     kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=16, v_head_dim=8, dtype=torch.float32, impl="reference")
     assert load_gqla(_deepseek_sd(dR=0), rope_dim=0, **kw).rope_dim == 0
@@ -371,7 +372,7 @@ def test_loaders_take_rope_dim_zero_and_refuse_huge_rope_widths_by_name():
                impl="reference")
     assert mla_to_gqla(_deepseek_sd(n=4, dR=0), qk_rope_head_dim=0, **mkw).rope_dim == 0
     for d in (-1, 3, "4"):
-        with pytest.raises(ValueError, match="^qk_rope_head_dim: expected an even int"):
+        with pytest.raises(TypeError if d == "4" else ValueError, match="^qk_rope_head_dim: expected an even int"):
             mla_to_gqla(_deepseek_sd(n=4), qk_rope_head_dim=d, **mkw)
     with pytest.raises(ValueError, match="^qk_nope_head_dim: expected a positive int"):
         mla_to_gqla(_deepseek_sd(n=4), qk_rope_head_dim=4, **{**mkw, "qk_nope_head_dim": 0})
@@ -389,7 +390,8 @@ def test_split_in_proj_refuses_bad_tensors_and_dims_by_name():
         with pytest.raises(err, match="^t: expected"):
             m.split_in_proj(bad)
     for dim in (2, -3, 2**31, 2**63, 10**400, 1.0, None, True):
-        with pytest.raises(ValueError, match="^dim: expected an int"):
+        err = TypeError if dim is None or isinstance(dim, (float, bool)) else ValueError
+        with pytest.raises(err, match="^dim: expected an int"):
             m.split_in_proj(torch.randn(2, width), dim=dim)
 
 

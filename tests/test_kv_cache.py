@@ -245,7 +245,7 @@ def test_rejected_calls_change_nothing(kind):
 def test_cache_constructor_checks():
     for kw, exc in ((dict(max_batch=0), ValueError), (dict(max_seqlen=0), ValueError),
                     (dict(page_size=8), ValueError), (dict(page_size=24), ValueError), (dict(num_pages=0), ValueError),
-                    (dict(max_batch=2.0), ValueError), (dict(auto_reserve=1), TypeError),
+                    (dict(max_batch=2.0), TypeError), (dict(auto_reserve=1), TypeError),
                     (dict(dtype=torch.int32), TypeError)):
         args = dict(max_batch=2, max_seqlen=32, page_size=16) | kw
         with pytest.raises(exc):

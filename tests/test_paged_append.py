@@ -59,17 +59,17 @@ def _bad_calls():
          lambda f, bt, sl, ov: call(f, bt.to(meta), sl.to(meta), ov.to(meta), None)),
         ("slots on meta", ValueError, "slots", lambda f, bt, sl, ov: call(f, bt, sl, ov, idx(0, 1).to(meta))),
         ("page_size 0", ValueError, "page_size", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, page_size=0)),
-        ("page_size 16.0", ValueError, "page_size", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, page_size=16.0)),
+        ("page_size 16.0", TypeError, "page_size", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, page_size=16.0)),
         ("num_pages 0", ValueError, "num_pages", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, num_pages=0)),
         ("max_seqlen -1", ValueError, "max_seqlen", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, max_seqlen=-1)),
-        ("num_tokens True", ValueError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=True)),
-        ("num_tokens 2.0", ValueError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=2.0)),
+        ("num_tokens True", TypeError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=True)),
+        ("num_tokens 2.0", TypeError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=2.0)),
         ("num_tokens 0", ValueError, "num_tokens", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=0)),
         # the kernel's int32 token loop would step past int32 (and never end) on the last 1024 ints
         ("num_tokens near int32", ValueError, "num_tokens",
          lambda f, bt, sl, ov: call(f, bt, sl, ov, None, T=2**31 - 1)),
         ("batch -1", ValueError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=-1)),
-        ("batch 1.0", ValueError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=1.0)),
+        ("batch 1.0", TypeError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=1.0)),
         ("batch past the slots", ValueError, "batch", lambda f, bt, sl, ov: call(f, bt, sl, ov, None, batch=4)),
     ]
 

@@ -411,6 +411,43 @@ def test_gdn_shard_holds_each_in_proj_blocks_heads():
             assert torch.equal(mine["o_proj.weight"], sd["o_proj.weight"][:, r * hv * V:(r + 1) * hv * V])
 
 
+def test_gdn_shards_take_every_layout_the_layer_loads(tmp_path):
+    """fla's ``GatedDeltaNet`` keys and the six separate input projections, which ``GatedDeltaNet.load_state_dict``
+    takes, are taken by ``shard_gated_deltanet_state_dict`` and ``TPGatedDeltaNet.from_state_dict`` too: the shards
+    of the fused layout, in the state dict's dtype; the caller's dict is left as it was."""
+    import torch.distributed as dist
+
+    gdn = _gdn_layer(0)
+    sd = gdn.state_dict()
+    split = {f"{n}.weight": t for n, t in zip(GatedDeltaNet._SPLIT_PROJ, gdn.split_in_proj(sd["in_proj.weight"], 0),
+                                              strict=True)}
+    split |= {k: v for k, v in sd.items() if k != "in_proj.weight"}
+    for layout in (gdn.fla_state_dict(), split):
+        keys = sorted(layout)
+        GatedDeltaNet(**GDN, impl="reference", dtype=torch.float64).load_state_dict(layout)
+        for r in range(2):
+            mine, want = (shard_gated_deltanet_state_dict(d, GDN, r, 2) for d in (layout, sd))
+            assert sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want)
+        assert sorted(layout) == keys
+    fla = gdn.fla_state_dict()
+    with pytest.raises(ValueError, match="q_conv1d.bias"):
+        shard_gated_deltanet_state_dict({**fla, "q_conv1d.bias": torch.zeros(GDN["num_heads"] * GDN["head_k_dim"])},
+                                        GDN, 0, 2)
+    for key in ("g_proj.weight", "o_norm.weight"):  # a bad entry is named by its own key, here and in the layer
+        bad = {**fla, key: fla[key][1:]}
+        with pytest.raises(ValueError, match=f"state_dict: {key}: expected shape"):
+            shard_gated_deltanet_state_dict(bad, GDN, 0, 2)
+        with pytest.raises(ValueError, match=f"state_dict: {key}: expected shape"):
+            GatedDeltaNet(**GDN, impl="reference", dtype=torch.float64).load_state_dict(bad)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tp = TPGatedDeltaNet.from_state_dict(fla, {**GDN, "impl": "reference"})
+        assert tp.local.in_proj.weight.dtype == torch.float64
+        assert all(torch.equal(tp.local.state_dict()[k], v) for k, v in sd.items())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_converted_layers_rope_frequencies_travel_with_the_shards(tmp_path):
     """A layer with its own rotary frequencies (``rope_inv_freq``: trans_gqla / convert_llama / load_gqla) shards
     like any other: the state-dict shards are ``GQLAttention.shard``'s, and a one-rank group's shard computes the

@@ -439,7 +439,7 @@ def _on_gpu(monkeypatch, tmp_path, ms, name="NVIDIA H200"):
 
     def target(op, space, key=None, fixed=None):
         key = key or {}
-        return tune.Target(op, key, [lambda: lambda: ms(op, dispatch.table_config(info.key, op, key))],
+        return tune.Target(op, key, [lambda: lambda: ms(op, dispatch.select_config(op, key))],
                            lambda: 0.0, space, name=f"{op} {key}", fixed=fixed or {})
     return target
 
@@ -465,6 +465,33 @@ def test_a_second_run_tunes_over_the_table_the_first_one_wrote(tmp_path, monkeyp
         for op, rows in shipped.items():  # every shape the shipped table names: as dispatch reads it
             for match, _ in rows:
                 assert dispatch._match(written, op, match) == dispatch.table_config("h200", op, match)
+    finally:
+        dispatch.reload_tables()
+
+
+def test_a_gpu_without_a_shipped_table_gets_a_tuned_table_of_its_own(tmp_path, monkeypatch):
+    """Tuning on a GPU with no shipped table writes a table named for that GPU, not ``default.json`` (which every
+    other such GPU reads): another unknown GPU keeps the shipped configs. A ``default.json`` written by hand into
+    the user config directory serves every GPU that runs the shipped ``default.json``, beneath its own table (the
+    tuned one is complete: it keeps its own rows)."""
+    target = _on_gpu(monkeypatch, tmp_path, lambda op, cfg: 1.0 if cfg.num_warps == 8 else 2.0, "Acme X1 Accelerator")
+    acme = dispatch.device_info()
+    other = dispatch.DeviceInfo("Other GPU", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
+    shipped = dispatch._read_table(dispatch._CONFIG_DIR / "default.json")
+    try:
+        res = tune.tune(["combine"], progress=False, target_list=[target("combine", {"num_warps": (4, 8)})])
+        assert res["path"] == tmp_path / "acme-x1-accelerator.json"
+        assert not (tmp_path / "default.json").exists()
+        assert dispatch.select_config("combine", {"D": 64}).num_warps == 8
+        assert dispatch.select_config("combine", {"D": 64}, info=other) == shipped["combine"][-1][1]
+        (tmp_path / "default.json").write_text(json.dumps({
+            "combine": [{"match": {}, "config": {"num_warps": 2}}],
+            "gdn_decode": [{"match": {}, "config": {"bv": 16}}]}))
+        dispatch.reload_tables()
+        assert dispatch.select_config("combine", {"D": 64}, info=other).num_warps == 2
+        assert dispatch.select_config("combine", {"D": 64}, info=acme).num_warps == 8
+        for info in (other, dispatch.DeviceInfo("NVIDIA H20", (9, 0), 78, 232448, 60 << 20)):
+            assert dispatch.select_config("gdn_decode", {"K": 128, "V": 128}, info=info).bv == 16, info.name
     finally:
         dispatch.reload_tables()
 

@@ -61,8 +61,9 @@ class GQLAHFAttention(nn.Module):
     calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
     ``ValueError``. The HF cache holds, per token, the GQLA slot of its row: row reorders of the HF cache (beam
     search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped
-    by assisted or speculative generation) is a ``ValueError``. A cached call that raises leaves both caches as they
-    were (the HF cache records a step once it ran).
+    by assisted or speculative generation) is a ``ValueError``, and so is a step past a fixed-size HF cache's
+    capacity (a ``StaticCache``). A cached call that raises leaves both caches as they were (the HF cache records a
+    step once it ran; a HF cache update that raises takes the GQLA step back).
     """
 
     def __init__(self, attn: GQLAttention, layer_idx: int, *, decode_path: str = "absorb", max_seqlen: int = 4096,
@@ -114,6 +115,10 @@ class GQLAHFAttention(nn.Module):
             raise TypeError(f"cache: expected a HF cache object (get_seq_length, update), got "
                             f"{type(hf_cache).__name__}")
         past = int(hf_cache.get_seq_length(self.layer_idx)) if hf_cache is not None else 0
+        cap = self._capacity(hf_cache)
+        if cap is not None and past + T > cap:
+            raise ValueError(f"cache: {T} more tokens after {past} pass the {cap} tokens that layer {self.layer_idx} "
+                             f"of the HF cache ({type(hf_cache).__name__}) holds")
         dev = hidden_states.device
         if position_ids is not None:
             pos = _positions("position_ids", position_ids, B, T, dev)
@@ -156,26 +161,39 @@ class GQLAHFAttention(nn.Module):
                 spares = tuple(range(B, 2 * B))
                 for b, s in enumerate(src):
                     gqla.fork(s, B + b)
+        # the HF cache records the step only once it ran: each token's entry names the GQLA slot of its row (two
+        # exact channels); HF reorders whole rows (beam search), so a row's last entry names the slot of its history.
+        # An update that raises takes the GQLA step back: the spare slots are dropped, or the lengths written back.
+        row = torch.arange(B, device=dev)
+        mark = torch.stack([row // 256 + 1, row % 256], -1).to(hidden_states.dtype)[:, None, None, :]
+        ran = False
         try:
             out = self.attn(hidden_states, pos, gqla, seq_ids=spares)
+            ran = True
+            hf_cache.update(mark.expand(B, 1, T, 2), mark.expand(B, 1, T, 2), self.layer_idx)
         except BaseException:
             if spares is not None:
                 gqla.free(spares)
+            elif ran and past:
+                gqla.cache_seqlens[:B] = past
             raise
         if spares is not None:
             gqla.free(range(B))
             for b in range(B):
                 gqla.fork(B + b, b)
             gqla.free(spares)
-        # the HF cache records the step only once it ran: each token's entry names the GQLA slot of its row (two
-        # exact channels); HF reorders whole rows (beam search), so a row's last entry names the slot of its history
-        row = torch.arange(B, device=dev)
-        mark = torch.stack([row // 256 + 1, row % 256], -1).to(hidden_states.dtype)[:, None, None, :]
-        hf_cache.update(mark.expand(B, 1, T, 2), mark.expand(B, 1, T, 2), self.layer_idx)
         if past == 0:
             self._caches[id(hf_cache)] = (ref, gqla)
         self._latest = gqla
         return out, None
+
+    def _capacity(self, hf_cache) -> int | None:
+        """The tokens layer ``layer_idx`` of ``hf_cache`` holds at most (a ``StaticCache``'s ``max_cache_len``), None
+        where it grows or rolls (a ``DynamicCache``, a sliding-window layer) or has not made the layer yet."""
+        layers = getattr(hf_cache, "layers", None)
+        layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
+        cap = getattr(layer, "max_cache_len", None)
+        return int(cap) if is_int(cap) and cap > 0 and not getattr(layer, "is_sliding", False) else None
 
     def _sources(self, hf_cache, B: int, past: int) -> list[int]:
         """The GQLA slot whose history each row of ``hf_cache`` holds (a beam reorder moves whole rows): named by

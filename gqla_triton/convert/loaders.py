@@ -29,7 +29,13 @@ import torch
 
 from ..layers.gqla import GQLAttention
 from ..layers.rope import check_rope_dim
-from ..ops._common.validation import check_device, check_flag, check_optional_int, check_positive_int, is_int
+from ..ops._common.validation import (
+    check_device,
+    check_flag,
+    check_int_type,
+    check_optional_int,
+    check_positive_int,
+)
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
@@ -45,7 +51,8 @@ def interleaved_to_half(d: int) -> torch.Tensor:
 def _check_heads(num_heads, num_groups) -> None:
     """``num_heads`` a positive int, ``num_groups`` a positive divisor of it."""
     check_positive_int("num_heads", num_heads)
-    if not is_int(num_groups) or num_groups <= 0 or num_heads % num_groups:
+    check_int_type("num_groups", num_groups, f"a positive divisor of num_heads {num_heads}")
+    if num_groups <= 0 or num_heads % num_groups:
         raise ValueError(f"num_groups: expected a positive divisor of num_heads {num_heads}, got {num_groups!r}")
 
 
@@ -105,7 +112,8 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
     if extra:  # a bias, FP8 scales or a query path other than q_rank's would otherwise be dropped
         raise ValueError(f"state_dict: unexpected keys {extra} (the attention with q_rank={q_rank} has "
                          f"{sorted(prefix + k for k in want)})")
-    if not is_int(d_R) or d_R < 0 or d_R % 2:
+    check_int_type("rope_dim", d_R, "an even int >= 0")  # no int32 bound: a width past the rows is named below
+    if d_R < 0 or d_R % 2:
         raise ValueError(f"rope_dim: expected an even int >= 0, got {d_R!r}")
     hidden = _hidden(sd, prefix, "q_proj.weight" if q_rank is None else "q_a_proj.weight")
     kva = _get(sd, prefix, "kv_a_proj_with_mqa.weight", (r + d_R, hidden))  # bounds d_R before the permutation

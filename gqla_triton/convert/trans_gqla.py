@@ -37,12 +37,11 @@ that measures it: ``examples/convert_llama.py`` (its docstring holds the table).
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from ..layers.gqla import GQLAttention
-from ..layers.rope import apply_rope, check_rope_inv_freq, rope_inv_freq
+from ..layers.rope import apply_rope, check_rope_dim, check_rope_inv_freq, rope_inv_freq
 from ..ops._common.validation import (
     check_device,
     check_flag,
@@ -184,8 +183,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
     scale = check_scale("softmax_scale", softmax_scale, d ** -0.5)
     balance_kv = check_flag("balance_kv", balance_kv)
     check_float_dtype(dtype)
-    if (isinstance(rope_dim, bool) or not isinstance(rope_dim, numbers.Integral) or rope_dim < 0 or rope_dim % 2
-            or rope_dim > g * d):
+    if check_rope_dim("rope_dim", rope_dim) > g * d:
         raise ValueError(f"rope_dim: expected an even int in [0, {g * d}] (num_groups * head_dim), got {rope_dim!r}")
     C = None
     if calib is not None:

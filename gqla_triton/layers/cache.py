@@ -59,6 +59,7 @@ from ..ops._common.validation import (
     check_disjoint,
     check_float_dtype,
     check_inference_mode,
+    check_int_in,
     check_page_size,
     check_positive_int,
     check_scale,
@@ -84,11 +85,6 @@ def latent_compute_dtypes(dtype: torch.dtype, scaled: bool) -> tuple[torch.dtype
     if dtype == torch.float8_e4m3fn:
         return (torch.bfloat16, torch.float16, torch.float32) if scaled else (torch.bfloat16, torch.float32)
     return (dtype,)
-
-
-def _is_int(v) -> bool:
-    """An int (not a bool) within int32, the kernels' size type."""
-    return is_int(v) and abs(v) <= INT32_MAX
 
 
 class PagedCache(abc.ABC):
@@ -590,8 +586,8 @@ class LatentCache(PagedCache):
     def __init__(self, max_batch: int, max_seqlen: int, kv_rank: int, rope_dim: int, *, page_size: int = 64,
                  num_pages: int | None = None, dtype=torch.bfloat16, device=None, auto_reserve: bool = True,
                  compute_dtype=None, k_scale=None):
-        if not _is_int(kv_rank) or not _is_int(rope_dim) or kv_rank <= 0 or rope_dim < 0:
-            raise ValueError(f"kv_rank/rope_dim: expected kv_rank > 0, rope_dim >= 0, got {kv_rank}, {rope_dim}")
+        check_int_in("kv_rank", kv_rank, 1)
+        check_int_in("rope_dim", rope_dim, 0)
         check_float_dtype(dtype, optional=False, float8=True)
         scaled = k_scale is not None
         fp8 = dtype == torch.float8_e4m3fn and not scaled
@@ -679,10 +675,8 @@ class LatentCache(PagedCache):
         cache's rows dequantised (float32). ``start`` / ``stop``: ints in ``[0, num_pages + 1]`` (the scratch page
         is the last), ``stop`` None for the end."""
         P = self.kv.shape[0]
-        if not _is_int(start) or not 0 <= start <= P:
-            raise ValueError(f"start: expected an int in [0, {P}], got {start!r}")
-        if stop is not None and (not _is_int(stop) or not 0 <= stop <= P):
-            raise ValueError(f"stop: expected None or an int in [0, {P}], got {stop!r}")
+        check_int_in("start", start, 0, P)
+        check_int_in("stop", stop, 0, P, optional=True)
         return self._dequantized(self.kv[start:stop, :, 0])
 
 
@@ -697,9 +691,9 @@ class GroupedCache(PagedCache):
         super().__init__(max_batch, max_seqlen, page_size=page_size, num_pages=num_pages, device=device,
                          auto_reserve=auto_reserve)
         dv = head_dim if v_head_dim is None else v_head_dim
-        if (not all(_is_int(v) for v in (num_groups, head_dim, dv, rope_dim)) or num_groups <= 0 or head_dim <= 0
-                or dv <= 0 or rope_dim < 0):
-            raise ValueError("num_groups/head_dim/v_head_dim: expected positive ints, rope_dim >= 0")
+        for name, v, lo in (("num_groups", num_groups, 1), ("head_dim", head_dim, 1), ("v_head_dim", dv, 1),
+                            ("rope_dim", rope_dim, 0)):
+            check_int_in(name, v, lo)
         check_float_dtype(dtype, optional=False, float8=True)
         if dtype.itemsize == 1:
             raise TypeError(f"dtype: the grouped cache has no 8-bit layout (FP8 is the latent cache's), got {dtype}")

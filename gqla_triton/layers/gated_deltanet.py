@@ -30,18 +30,17 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     FLOAT_DTYPES,
-    INT32_MAX,
     check_dense,
     check_device,
     check_disjoint,
     check_float_dtype,
     check_inference_mode,
+    check_int_in,
     check_kernel_device,
     check_optional_int,
     check_positive_int,
     check_positive_real,
     check_tensor,
-    is_int,
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
@@ -245,8 +244,7 @@ class GatedDeltaNetCache:
         for name, val, lo in (("num_seqs", num_seqs, 1), ("conv_dim", conv_dim, 1), ("conv_size", conv_size, 2),
                               ("num_v_heads", num_v_heads, 1), ("head_k_dim", head_k_dim, 1),
                               ("head_v_dim", head_v_dim, 1)):
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= INT32_MAX:
-                raise ValueError(f"{name}: expected an int in [{lo}, {INT32_MAX}], got {val!r}")
+            check_int_in(name, val, lo)
         check_float_dtype(dtype, optional=False)
         device = check_device(device, storage=True)
         # one scratch row past the slots receives the writes of skipped (padding) sequences
@@ -473,8 +471,7 @@ class GatedDeltaNetCache:
         want = (n, *self.recurrent_state.shape[1:])
         if tuple(recurrent_state.shape) != want:
             raise ValueError(f"recurrent_state: expected {list(want)}, got {list(recurrent_state.shape)}")
-        if isinstance(seqlen, bool) or not isinstance(seqlen, numbers.Integral) or not 0 <= seqlen < 2**31:
-            raise ValueError(f"seqlen: expected an int in [0, 2**31), got {seqlen!r}")
+        check_int_in("seqlen", seqlen, 0)
         if n == 0:
             raise ValueError("conv_state: expected at least one sequence")
         ids = self._host_ids(slots, n)
@@ -568,30 +565,38 @@ class GatedDeltaNet(nn.Module):
     _SPLIT_PROJ = ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Also takes the six input projections as separate ``<name>.weight`` entries (q, k, v, z, b, a; z is the
-        output gate), joined into ``in_proj.weight`` in that order when the fused key is absent, and fla's layout
-        (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three short convs ``q_conv1d`` /
-        ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as ``norm_weight`` (each
-        where this layer's own key is absent), so ``load_state_dict(fla_layer.state_dict())`` loads it. Every
+        """Also takes the layouts ``_own_keys`` joins, so ``load_state_dict(fla_layer.state_dict())`` loads it. Every
         entry (and every part joined) is checked before any is copied (``_state.check_state_dict``), also inside a
         model's load."""
         assign = assigning(args[0] if args else None)
-        for ours, fla in (("z_proj.weight", "g_proj.weight"), ("norm_weight", "o_norm.weight")):
-            if f"{prefix}{ours}" not in state_dict and f"{prefix}{fla}" in state_dict:
-                state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{fla}")
+        self._own_keys(state_dict, prefix, assign=assign)
+        check_state_dict(self, state_dict, prefix, self._REFUSED, assign=assign)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    _REFUSED = tuple((f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv")
+
+    def _own_keys(self, state_dict: dict, prefix: str = "", *, assign: bool = False) -> None:
+        """Rename and join, in the dict ``state_dict`` itself, the entries under ``prefix`` of the other layouts
+        into this layer's keys (each only where this layer's own key is absent): the six input projections as
+        separate ``<name>.weight`` entries (q, k, v, z, b, a; z is the output gate) joined into ``in_proj.weight``
+        in that order, and fla's layout (``fla.layers.GatedDeltaNet``): its output gate ``g_proj`` as z, its three
+        short convs ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` joined into ``conv1d.weight``, ``o_norm.weight`` as
+        ``norm_weight``. Each part joined is checked first as the slice it fills (a ``ValueError`` naming its key);
+        ``assign``: as ``load_state_dict``'s."""
+        norm, fla_norm = f"{prefix}norm_weight", f"{prefix}o_norm.weight"
+        if norm not in state_dict and fla_norm in state_dict:
+            state_dict[norm] = _joined(state_dict, [fla_norm], [self.norm_weight], assign)
         # parts joined into one parameter: each checked as the slice it fills (``_state.entry_problem``) first
         convs = [f"{prefix}{n}_conv1d.weight" for n in "qkv"]
         if f"{prefix}conv1d.weight" not in state_dict and all(n in state_dict for n in convs):
             slices = self.conv1d.weight.split([self.key_dim, self.key_dim, self.value_dim], 0)
             state_dict[f"{prefix}conv1d.weight"] = _joined(state_dict, convs, slices, assign)
         names = [f"{prefix}{n}.weight" for n in self._SPLIT_PROJ]
+        if names[3] not in state_dict:  # fla's output gate
+            names[3] = f"{prefix}g_proj.weight"
         if f"{prefix}in_proj.weight" not in state_dict and all(n in state_dict for n in names):
             slices = self.in_proj.weight.split(list(self.in_proj_sizes), 0)
             state_dict[f"{prefix}in_proj.weight"] = _joined(state_dict, names, slices, assign)
-        check_state_dict(self, state_dict, prefix, tuple(
-            (f"{n}_conv1d.bias", "a conv bias (fla's conv_bias=True) has no counterpart here") for n in "qkv"),
-            assign=assign)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``; a load that fails leaves every parameter and buffer of the layer as it was
@@ -610,8 +615,7 @@ class GatedDeltaNet(nn.Module):
         check_dense("t", t)
         if t.dim() == 0:
             raise ValueError("t: expected at least one dimension, got a 0-dim tensor")
-        if not is_int(dim) or not -t.dim() <= dim < t.dim():
-            raise ValueError(f"dim: expected an int in [{-t.dim()}, {t.dim()}), got {dim!r}")
+        check_int_in("dim", dim, -t.dim(), t.dim() - 1)
         sizes = self.in_proj_sizes
         if t.shape[dim] != sum(sizes):
             raise ValueError(f"t: expected size {sum(sizes)} (in_proj's output width) along dim {dim}, got shape "
@@ -993,8 +997,7 @@ class GatedDeltaNet(nn.Module):
         x = check_dense("hidden_states", hidden_states)
         w = self.in_proj.weight
         mdt = self.max_decode_tokens
-        if not is_int(mdt) or mdt < 0:
-            raise ValueError(f"max_decode_tokens: expected an int >= 0, got {type(mdt).__name__} {mdt!r}")
+        check_int_in("max_decode_tokens", mdt, 0, 2**63 - 1)
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(x.shape)}")
         if x.dtype != w.dtype:

@@ -42,23 +42,22 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     FLOAT_DTYPES,
-    INT32_MAX,
     check_dense,
     check_device,
     check_flag,
     check_float_dtype,
     check_positive_int,
     check_positive_real,
+    check_rank,
     check_softmax_scale,
     check_tensor,
-    is_int,
 )
 from ..testing.attention import grouped_cache_attention, latent_cache_attention
 from ._state import assigning, check_state_dict, drop_when_freed, load_or_restore
 from .cache import GroupedCache, LatentCache, latent_compute_dtypes
 from .gqla_step import absorb_o, absorb_q, grouped_q, norm_rope
 from .norm import RMSNorm
-from .rope import apply_rope, cached_inv_freq, check_positions, check_rope_inv_freq
+from .rope import apply_rope, cached_inv_freq, check_positions, check_rope_dim, check_rope_inv_freq
 
 __all__ = ["GQLAttention"]
 
@@ -160,9 +159,7 @@ class GQLAttention(nn.Module):
                                                                                   head_dim, kv_rank))
         if num_heads % num_groups:
             raise ValueError(f"num_heads: {num_heads} is not a multiple of num_groups {num_groups}")
-        if not is_int(rope_dim) or not 0 <= rope_dim <= INT32_MAX or rope_dim % 2:
-            raise ValueError(f"rope_dim: expected an even int >= 0, got {rope_dim!r}")
-        rope_dim = int(rope_dim)
+        rope_dim = check_rope_dim("rope_dim", rope_dim)
         if q_rank is not None:
             q_rank = check_positive_int("q_rank", q_rank)
         if v_head_dim is not None:
@@ -620,10 +617,9 @@ class GQLAttention(nn.Module):
         q (or q_b) and kv_b rows are column-parallel, o_proj columns row-parallel; kv_a_proj, q_a_proj and the
         norms are replicated. Summing the shards' outputs gives the full layer's output.
         """
-        if not is_int(tp_size) or tp_size <= 0 or self.num_groups % tp_size:
+        check_rank(tp_rank, tp_size)
+        if self.num_groups % tp_size:
             raise ValueError(f"tp_size: expected a positive divisor of num_groups {self.num_groups}, got {tp_size!r}")
-        if not is_int(tp_rank) or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank!r}")
         tp_rank, tp_size = int(tp_rank), int(tp_size)
         g, h = self.num_groups // tp_size, self.num_heads // tp_size
         w = self.kv_b_proj.weight

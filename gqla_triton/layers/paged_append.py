@@ -21,8 +21,6 @@ it) and for tensors on other devices (CPU outside the interpreter).
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +33,7 @@ from ..ops._common.validation import (
     INT32_MAX,
     check_disjoint,
     check_inference_mode,
+    check_int_in,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -92,9 +91,7 @@ def _check(block_table, cache_seqlens, overflow, slots, batch, num_tokens, max_s
         if mb > 1 and t.stride(0) == 0:
             raise ValueError(f"{name}: written in place, so its {mb} entries need their own memory (got stride 0)")
         check_inference_mode(name, t)  # both are written: refused before either changes
-    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or not 0 <= batch <= INT32_MAX:
-        raise ValueError(f"batch: expected an int in [0, {INT32_MAX}], got {type(batch).__name__} {batch!r}")
-    batch = int(batch)
+    batch = check_int_in("batch", batch, 0)
     # the kernel's int32 token loop steps by up to 1024: its last step must not pass int32
     T = check_positive_int("num_tokens", num_tokens, hi=INT32_MAX - 1024)
     max_seqlen = check_positive_int("max_seqlen", max_seqlen)

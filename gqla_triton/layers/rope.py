@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from ..ops._common.validation import INT32_MAX, check_device, check_positive_real, check_same_device, check_tensor
+from ..ops._common.validation import (
+    INT32_MAX,
+    check_device,
+    check_int_type,
+    check_positive_real,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["apply_rope", "cached_inv_freq", "rope_cos_sin", "rope_inv_freq"]
 
@@ -16,8 +21,9 @@ _PINNED: set[tuple[int, float, torch.device]] = set()  # entries a CUDA-graph ca
 
 
 def check_rope_dim(name: str, d: object) -> int:
-    """A rope width: an even int in ``[0, INT32_MAX]`` (bools refused)."""
-    if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d <= INT32_MAX or d % 2:
+    """A rope width: an even int in ``[0, INT32_MAX]`` (bools and non-integers: ``TypeError``)."""
+    check_int_type(name, d, "an even int >= 0")
+    if not 0 <= d <= INT32_MAX or d % 2:
         raise ValueError(f"{name}: expected an even int >= 0, got {type(d).__name__} {d!r}")
     return int(d)
 
@@ -77,14 +83,17 @@ def _cacheable(device: torch.device) -> bool:
 
 
 def cached_inv_freq(d: int, theta: float, device) -> torch.Tensor:
-    """``rope_inv_freq(d, theta)`` on ``device``, made once per ``(d, theta, device)`` and kept (outside
-    torch.compile traces and CUDA-graph captures, which make it fresh; ``INV_FREQ_CACHE`` entries, beside those
-    that a CUDA-graph capture read, which stay for its replays). Do not write to it."""
+    """``rope_inv_freq(d, theta)`` on ``device`` (``"cuda"``: the current GPU), made once per ``(d, theta,
+    device)`` and kept (outside torch.compile traces and CUDA-graph captures, which make it fresh;
+    ``INV_FREQ_CACHE`` entries, beside those that a CUDA-graph capture read, which stay for its replays). Do not
+    write to it."""
     d = check_rope_dim("d", d)
     theta = check_positive_real("theta", theta)
     device = check_device(device)
     if device is None:
         raise ValueError("device: expected a torch.device, a device string or a CUDA index, got None")
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: one key per GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (d, theta, device)
     hit = _INV_FREQ.get(key)
     if hit is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import numbers
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
@@ -54,16 +53,6 @@ def check_divides(tp_size: int, n: int, what: str, from_group: bool, note: str =
         who = (f"group: the process group has {tp_size} ranks, which does" if from_group
                else f"tp_size: {tp_size} does")
         raise ValueError(f"{who} not divide {what} {n}{note}")
-
-
-def check_rank(tp_rank, tp_size) -> None:
-    for name, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if tp_size <= 0:
-        raise ValueError(f"tp_size: expected a positive int, got {tp_size}")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank}")
 
 
 def _chunk(src: torch.Tensor, shape: torch.Size, tp_rank: int) -> torch.Tensor:

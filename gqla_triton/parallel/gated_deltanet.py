@@ -15,14 +15,14 @@ from collections.abc import Mapping
 
 import torch
 
+from ..layers._state import check_state_dict
 from ..layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
-from ..ops._common.validation import check_float_dtype
+from ..ops._common.validation import check_float_dtype, check_rank
 from ._common import (
     TensorParallel,
     build,
     check_config,
     check_divides,
-    check_rank,
     config_of,
     load_into,
     refuse,
@@ -64,6 +64,18 @@ def _blocks(w: torch.Tensor, full_sizes, local_sizes, tp_rank: int) -> torch.Ten
     return torch.cat(parts, 0)
 
 
+def _own_keys(state_dict, full: GatedDeltaNet):
+    """A copy of ``state_dict`` in the layer's own keys: the layouts ``GatedDeltaNet.load_state_dict`` also takes
+    (fla's, the separate input projections) joined as it joins them (``GatedDeltaNet._own_keys``); a conv bias is
+    refused by name. A non-mapping is returned as it is (``shard_state_dict`` names it)."""
+    if not isinstance(state_dict, Mapping):
+        return state_dict
+    check_state_dict(full, state_dict, "", full._REFUSED)
+    own = dict(state_dict)
+    full._own_keys(own)
+    return own
+
+
 def _shard(state_dict, full: GatedDeltaNet, local: GatedDeltaNet, tp_rank: int) -> dict:
     def conv(w: torch.Tensor) -> torch.Tensor:  # channels [q; k; v]: the rank's block of each
         return _blocks(w, full.in_proj_sizes[:3], local.in_proj_sizes[:3], tp_rank)
@@ -77,11 +89,12 @@ def _shard(state_dict, full: GatedDeltaNet, local: GatedDeltaNet, tp_rank: int) 
 def shard_gated_deltanet_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapping, tp_rank: int,
                                     tp_size: int) -> dict[str, torch.Tensor]:
     """The state dict of rank ``tp_rank``'s shard of a full ``GatedDeltaNet`` (``config``: its constructor
-    arguments; ``state_dict``: its weights). Views of ``state_dict`` except ``in_proj.weight`` and the conv weight
-    (the rank's part of each of their blocks, joined). No ``torch.distributed`` call."""
+    arguments; ``state_dict``: its weights, in any layout its ``load_state_dict`` takes). Views of ``state_dict``
+    except ``in_proj.weight`` and the conv weight (the rank's part of each of their blocks, joined). No
+    ``torch.distributed`` call."""
     check_rank(tp_rank, tp_size)
     full, local = _meta_layers(_check_config(config), tp_size, False)
-    return _shard(state_dict, full, local, tp_rank)
+    return _shard(_own_keys(state_dict, full), full, local, tp_rank)
 
 
 class TPGatedDeltaNet(TensorParallel):
@@ -106,7 +119,8 @@ class TPGatedDeltaNet(TensorParallel):
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: Mapping, *, group=None, device=None,
                         dtype=None) -> TPGatedDeltaNet:
-        """Shard of ``GatedDeltaNet(**config)`` with the weights ``state_dict``; only the rank's slices are copied to
+        """Shard of ``GatedDeltaNet(**config)`` with the weights ``state_dict`` (any layout the layer's
+        ``load_state_dict`` takes: fla's keys, the separate input projections); only the rank's slices are copied to
         ``device`` (default the CPU) in ``dtype`` (default ``state_dict``'s). The size of ``group`` (default: the
         default group) must divide ``num_heads``."""
         def check():
@@ -114,12 +128,12 @@ class TPGatedDeltaNet(TensorParallel):
             check_float_dtype(dtype)
 
         def make(group, rank: int, size: int):
-            dt = dtype or source_dtype(state_dict, "in_proj.weight")
+            sd = _own_keys(state_dict, _meta_layers(_check_config(config), size, True)[0])
+            dt = dtype or source_dtype(sd, "in_proj.weight")
             full, local = _meta_layers(_check_config(config), size, True, dt)
-            shards = _shard(state_dict, full, local, rank)
+            shards = _shard(sd, full, local, rank)
             dev = resolve_device(group, device)
-            return (load_into(local, shards, dev), _config_of(full),
-                    _shard(state_dict, full, local, (rank + 1) % size))
+            return (load_into(local, shards, dev), _config_of(full), _shard(sd, full, local, (rank + 1) % size))
 
         return cls(*build(group, check, make))
 

@@ -21,13 +21,12 @@ from collections.abc import Mapping
 import torch
 
 from ..layers.gqla import GQLAttention, check_rope_bits
-from ..ops._common.validation import check_float_dtype
+from ..ops._common.validation import check_float_dtype, check_rank
 from ._common import (
     TensorParallel,
     build,
     check_config,
     check_divides,
-    check_rank,
     config_of,
     load_into,
     refuse,

@@ -134,27 +134,56 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_int_type(name: str, value: object, expected: str) -> None:
+    """``value`` is an int (numpy's too), not a bool: else a ``TypeError`` ``"{name}: expected {expected}, ..."``
+    (a value of the right type outside its range is the caller's ``ValueError``, with the same words)."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
 def check_positive_int(name: str, value: object, *, hi: int = INT32_MAX) -> int:
-    """A count or size: an int in ``[1, hi]`` (bools and non-integers are refused; sizes are int32 on the GPU)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= hi:
-        raise ValueError(f"{name}: expected a positive int (at most {hi}), got {type(value).__name__} {value!r}")
+    """A count or size: an int in ``[1, hi]`` (bools and non-integers are a ``TypeError``; sizes are int32 on the
+    GPU)."""
+    expected = f"a positive int (at most {hi})"
+    check_int_type(name, value, expected)
+    if not 0 < value <= hi:
+        raise ValueError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
     return int(value)
 
 
 def check_page_size(page_size: object, name: str = "page_size") -> int:
     """Tokens per page of a paged cache: a positive multiple of 16 within int32 (bools refused)."""
-    if not is_int(page_size) or not 0 < page_size <= INT32_MAX or page_size % 16 != 0:
+    check_int_type(name, page_size, "a positive multiple of 16")
+    if not 0 < page_size <= INT32_MAX or page_size % 16 != 0:
         raise ValueError(f"{name}: expected a positive multiple of 16, got {page_size!r}")
     return int(page_size)
 
 
-def check_optional_int(name: str, value: object, *, lo: int = 1, hi: int = INT32_MAX) -> int | None:
-    """None, or an int in ``[lo, hi]`` (bools refused)."""
-    if value is None:
+def check_int_in(name: str, value: object, lo: int, hi: int = INT32_MAX, *, optional: bool = False) -> int | None:
+    """An int in ``[lo, hi]`` (None too where ``optional``): a non-integer (a bool too) is a ``TypeError``, an int
+    outside the range a ``ValueError``."""
+    if optional and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
-        raise ValueError(f"{name}: expected None or an int in [{lo}, {hi}], got {type(value).__name__} {value!r}")
+    expected = f"{'None or ' if optional else ''}an int in [{lo}, {hi}]"
+    check_int_type(name, value, expected)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def check_optional_int(name: str, value: object, *, lo: int = 1, hi: int = INT32_MAX) -> int | None:
+    """None, or an int in ``[lo, hi]`` (``check_int_in``)."""
+    return check_int_in(name, value, lo, hi, optional=True)
+
+
+def check_rank(tp_rank: object, tp_size: object) -> None:
+    """A tensor-parallel rank and size: ints (bools refused: ``TypeError``), ``0 <= tp_rank < tp_size``."""
+    for name, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+        check_int_type(name, v, "an int")
+    if tp_size <= 0:
+        raise ValueError(f"tp_size: expected a positive int, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank: expected an int in [0, {tp_size}), got {tp_rank}")
 
 
 def check_device(device: object, *, storage: bool = False, name: str = "device") -> torch.device | None:
