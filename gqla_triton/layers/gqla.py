@@ -47,6 +47,7 @@ from ..ops._common.validation import (
     check_device,
     check_flag,
     check_float_dtype,
+    check_norm_eps,
     check_positive_int,
     check_positive_real,
     check_softmax_scale,
@@ -168,10 +169,7 @@ class GQLAttention(nn.Module):
         if v_head_dim is not None:
             v_head_dim = check_positive_int("v_head_dim", v_head_dim)
         rope_theta = check_positive_real("rope_theta", rope_theta)
-        norm_eps = check_positive_real("norm_eps", norm_eps)
-        if norm_eps < torch.finfo(torch.float32).tiny:  # the norms add it in float32: it would be 0 or subnormal
-            raise ValueError(f"norm_eps: expected at least float32's smallest normal number "
-                             f"{torch.finfo(torch.float32).tiny:.3g}, got {norm_eps!r}")
+        norm_eps = check_norm_eps("norm_eps", norm_eps)
         kv_norm = check_flag("kv_norm", kv_norm)
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
