@@ -453,3 +453,18 @@ def test_cached_steps_under_autocast(impl):
     assert c.seqlens.tolist() == [8, 7]
     err = rel_err(torch.cat(outs, 1), ref)
     assert err <= 1e-2, err
+
+
+def test_norm_eps_that_float32_flushes_is_refused_by_name():
+    """The gated norm adds ``norm_eps`` in float32: a positive eps below float32's smallest normal number would be 0
+    or subnormal there, and a zero input token (a padding token, documented to output 0) would give
+    ``0 · rsqrt(0) = NaN`` where the float64 layer gives 0. Refused by name, as GQLAttention refuses it; the smallest
+    normal number is taken, and a zero token outputs 0."""
+    tiny = torch.finfo(torch.float32).tiny
+    for eps in (1e-50, 1e-40, tiny / 2):
+        with pytest.raises(ValueError, match="norm_eps"):
+            GatedDeltaNet(32, 1, 2, 16, 16, norm_eps=eps, device=P.device, dtype=torch.float32)
+    m = GatedDeltaNet(32, 1, 2, 16, 16, norm_eps=tiny, impl="triton", device=P.device, dtype=torch.float32)
+    with torch.no_grad():
+        out = m(torch.zeros(1, 2, 32, device=P.device))
+    assert torch.equal(out, torch.zeros_like(out))

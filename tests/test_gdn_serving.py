@@ -731,3 +731,27 @@ def test_layer_and_cache_arguments_of_the_wrong_kind():
             gdn_decode_prep(mixed, m.conv1d.weight.detach(), cache._conv.clone(), cache._lens.clone(),
                             torch.tensor([1, 1], **I32), m.A_log.detach(), m.dt_bias.detach(), num_heads=H,
                             head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+
+
+def test_decode_step_of_a_layer_holding_strided_weights():
+    """A layer whose conv weight is a transposed or expanded (stride 0) tensor (``load_state_dict(assign=True)``
+    keeps a tensor's strides) decodes as the layer holding the same values contiguously: outputs and cache rows."""
+    base = _as(_layer(1, 2, 16, torch.float64, 6), "triton", torch.float32)
+    g = gen(6)
+    x0, x1 = randn((2, 3, base.hidden_size), g), randn((2, 2, base.hidden_size), g)
+    sd = base.state_dict()
+    w = sd["conv1d.weight"]
+    for strided in (w.transpose(0, 2).contiguous().transpose(0, 2), w[:1].expand_as(w)):
+        m = copy.deepcopy(base)
+        m.load_state_dict({**sd, "conv1d.weight": strided}, assign=True)
+        ref = copy.deepcopy(base)
+        ref.load_state_dict({**sd, "conv1d.weight": strided.contiguous()})
+        assert not m.conv1d.weight.is_contiguous()
+        with torch.no_grad():
+            outs = []
+            for layer in (m, ref):
+                cache = layer.init_cache(2)
+                outs.append((layer(x0, cache), layer(x1, cache), cache))
+        (a0, a1, ca), (b0, b1, cb) = outs
+        assert torch.equal(a0, b0) and torch.equal(a1, b1)
+        _assert_unchanged(ca, _snapshot(cb))

@@ -494,6 +494,28 @@ def test_auto_path_choice_and_make_cache():
     assert fixed.choose_path(gpu="h200").path == "grouped"
 
 
+
+def test_auto_path_with_an_8bit_cache_takes_the_absorb_path():
+    """``make_cache(dtype=torch.float8_e4m3fn)`` (FlashMLA's layout, or scaled per tensor with ``k_scale``) holds
+    only on the absorb path: "auto" takes it where dispatch would pick the grouped path, as for head dims the
+    grouped kernels do not take; the grouped path forced by the environment is a ValueError naming it."""
+    fp8 = torch.float8_e4m3fn
+    layer = GQLAttention(64, 8, 4, 16, 64, 512, dtype=torch.float32, device=P.device)
+    monkey = pytest.MonkeyPatch()
+    with monkey.context() as m:
+        m.setattr(layer, "choose_path", lambda **kw: types.SimpleNamespace(path="grouped", reason="roofline"))
+        assert isinstance(layer.make_cache(2, 32, page_size=16), GroupedCache)
+        for kw in (dict(dtype=fp8), dict(dtype=fp8, k_scale=0.5)):
+            cache = layer.make_cache(2, 32, page_size=16, **kw)
+            assert isinstance(cache, LatentCache) and cache.dtype == fp8 and cache.k_scale == kw.get("k_scale")
+    with monkey.context() as m:
+        m.setenv("GQLA_TRITON_DECODE_PATH", "grouped")
+        for kw in (dict(dtype=fp8), dict(dtype=fp8, k_scale=0.5)):
+            with pytest.raises(ValueError, match="^GQLA_TRITON_DECODE_PATH=grouped forces a path .*8-bit"):
+                layer.make_cache(2, 32, page_size=16, **kw)
+        with pytest.raises(TypeError, match="no 8-bit layout"):
+            layer.make_cache(2, 32, path="grouped", page_size=16, dtype=fp8)
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="num_heads"):
         GQLAttention(64, 6, 4, 16, 16, 32)

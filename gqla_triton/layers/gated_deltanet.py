@@ -37,9 +37,9 @@ from ..ops._common.validation import (
     check_inference_mode,
     check_int_in,
     check_kernel_device,
+    check_norm_eps,
     check_optional_int,
     check_positive_int,
-    check_positive_real,
     check_tensor,
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
@@ -538,7 +538,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
         if conv_size < 2:
             raise ValueError(f"conv_size: expected >= 2, got {conv_size}")
-        norm_eps = check_positive_real("norm_eps", norm_eps)
+        norm_eps = check_norm_eps("norm_eps", norm_eps)
         layer_idx = check_optional_int("layer_idx", layer_idx, lo=0)
         check_float_dtype(dtype)
         check_impl(impl, op="GatedDeltaNet", gluon=False)

@@ -235,7 +235,7 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     check_tensor("slots", slots, shape=(B,), dtypes=(torch.int32,))
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         check_tensor(name, t, shape=(HV,), dtypes=fdt)
-    for name, t in (("conv_weight", conv_weight), ("conv_state", conv_state), ("seqlens", seqlens)):
+    for name, t in (("conv_state", conv_state), ("seqlens", seqlens)):  # written in place without strides
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor")
     reads = dict(mixed=mixed, slots=slots, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
@@ -261,7 +261,7 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
     Args:
         mixed: ``[B, T, 2·H·K + 2·HV·V + 2·HV]`` (B <= 2**31 - 1) bf16 / fp16 / fp32, any strides: the fused input
             projection, columns ``[q (H·K) | k (H·K) | v (HV·V) | z (HV·V) | b (HV) | a (HV)]``.
-        conv_weight: ``[C, 1, W]`` contiguous (``C = 2·H·K + HV·V``; W >= 2), any of those dtypes.
+        conv_weight: ``[C, 1, W]`` (``C = 2·H·K + HV·V``; W >= 2), any of those dtypes and strides.
         conv_state: ``[P, C, W-1]`` contiguous, mixed's dtype: the pool of conv windows (the last ``W-1`` pre-conv
             inputs of each slot, oldest first).
         seqlens: ``[P]`` int32 contiguous: tokens per slot.
@@ -289,7 +289,7 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
         check_kernel_device(mixed.device, _PREP_REF, dt)
     refuse_grad("gdn_decode_prep", mixed=mixed, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
     step = route(_prep_op, _prep_launch)
-    return step(mixed, conv_weight, conv_state, seqlens, slots.contiguous(), A_log.contiguous(),
+    return step(mixed, conv_weight.contiguous(), conv_state, seqlens, slots.contiguous(), A_log.contiguous(),
                 dt_bias.contiguous(), num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim, update)
 
 

@@ -46,6 +46,7 @@ from ..ops._common.validation import (
     check_device,
     check_flag,
     check_float_dtype,
+    check_norm_eps,
     check_positive_int,
     check_positive_real,
     check_rank,
@@ -165,10 +166,7 @@ class GQLAttention(nn.Module):
         if v_head_dim is not None:
             v_head_dim = check_positive_int("v_head_dim", v_head_dim)
         rope_theta = check_positive_real("rope_theta", rope_theta)
-        norm_eps = check_positive_real("norm_eps", norm_eps)
-        if norm_eps < torch.finfo(torch.float32).tiny:  # the norms add it in float32: it would be 0 or subnormal
-            raise ValueError(f"norm_eps: expected at least float32's smallest normal number "
-                             f"{torch.finfo(torch.float32).tiny:.3g}, got {norm_eps!r}")
+        norm_eps = check_norm_eps("norm_eps", norm_eps)
         kv_norm = check_flag("kv_norm", kv_norm)
         if path not in _PATHS:
             raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
@@ -304,8 +302,8 @@ class GQLAttention(nn.Module):
                    num_pages: int | None = None, dtype=None, device=None, s_q: int = 1, auto_reserve: bool = True,
                    k_scale=None):
         """Empty ``LatentCache`` (absorb) or ``GroupedCache`` (grouped) for this layer; "auto" asks dispatch (and
-        takes the absorb path where the grouped kernels do not take the head dims, see ``gqa_decode``, unless
-        ``GQLA_TRITON_DECODE_PATH`` forces the grouped one: a ``ValueError``).
+        takes the absorb path where the grouped kernels do not take the head dims, see ``gqa_decode``, or the cache
+        is 8-bit, unless ``GQLA_TRITON_DECODE_PATH`` forces the grouped one: a ``ValueError``).
         ``dtype=torch.float8_e4m3fn``: the FP8 latent cache (absorb path only); with ``k_scale`` the float8 cache
         scaled per tensor (``LatentCache``). ``s_q``: query tokens per decode step (a positive int; it informs the
         "auto" choice). ``auto_reserve``: see ``PagedCache``."""
@@ -324,14 +322,19 @@ class GQLAttention(nn.Module):
         if path == "auto":
             choice = self.choose_path(batch=max_batch, seqlen=max_seqlen, s_q=s_q, device=device)
             path = choice.path
-            if path == "grouped" and not _grouped_dims_ok(self.impl, self.head_dim, self.v_head_dim, self.rope_dim):
+            why = None
+            if path == "grouped" and (k_scale is not None or (isinstance(dtype, torch.dtype) and dtype.itemsize == 1)):
+                why = f"the grouped cache has no 8-bit layout, dtype {dtype}"
+            elif path == "grouped" and not _grouped_dims_ok(self.impl, self.head_dim, self.v_head_dim, self.rope_dim):
+                try:
+                    _check_grouped_dims(self.impl, self.head_dim, self.v_head_dim, self.rope_dim)
+                except ValueError as e:
+                    why = str(e)
+            if why is not None:
                 if choice.reason == "override":  # GQLA_TRITON_DECODE_PATH forces it: no silent other path
-                    try:
-                        _check_grouped_dims(self.impl, self.head_dim, self.v_head_dim, self.rope_dim)
-                    except ValueError as e:
-                        raise ValueError(f"GQLA_TRITON_DECODE_PATH=grouped forces a path this layer cannot decode on "
-                                         f"({e}); unset it, or make the cache with path='absorb'") from None
-                path = "absorb"  # the one path whose kernels take these dims
+                    raise ValueError(f"GQLA_TRITON_DECODE_PATH=grouped forces a path that cannot hold this layer's "
+                                     f"cache ({why}); unset it, or make the cache with path='absorb'")
+                path = "absorb"  # the one path that takes these dims and this cache
         if path == "absorb":
             # an 8-bit latent cache computes in the layer's dtype where it serves it
             compute = (w.dtype if dtype == torch.float8_e4m3fn

@@ -232,6 +232,15 @@ def check_positive_real(name: str, value: object) -> float:
     return float(value)
 
 
+def check_norm_eps(name: str, value: object) -> float:
+    """A layer's RMSNorm epsilon: a positive, finite real number that is a normal float32 number or larger (the
+    norms add it in float32, where a smaller one is 0 or subnormal and a zero row would normalise to NaN)."""
+    eps = check_positive_real(name, value)
+    if eps < _F32_TINY:
+        raise ValueError(f"{name}: expected at least float32's smallest normal number {_F32_TINY:.3g}, got {value!r}")
+    return eps
+
+
 def check_eps(name: str, value: object) -> float:
     """A norm's epsilon: a finite real number >= 0 (bools, strings and tensors refused)."""
     if not is_finite_real(value) or value < 0:
