@@ -603,3 +603,66 @@ def test_backward_raises_naming_the_op(op):
     with torch.no_grad():  # no autograd recording: no grad_fn
         out, _ = fn(**{**base, "q": q})
     assert not out.requires_grad
+
+
+def _unaligned(t: torch.Tensor, how: str) -> torch.Tensor:
+    """``t``'s values in a view whose rows lie 8 bytes off 16-byte boundaries: sliced from rows 8 bytes wider
+    (``"rows"``), or contiguous from 8 bytes past a boundary (``"offset"``)."""
+    pad = 8 // t.element_size()
+    if how == "rows":
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype, device=t.device)
+        wide[..., :t.shape[-1]] = t
+        return wide[..., :t.shape[-1]]
+    view = torch.empty(t.numel() + pad, dtype=t.dtype, device=t.device)[pad:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("how", ["rows", "offset"])
+@pytest.mark.parametrize("op", ["mla", "mla_sparse", "mla_fp8", "gqa", "gqa_sparse", "sparse_prefill"])
+def test_caches_without_16_byte_rows_are_refused_by_name_or_copied(op, how):
+    """A cache whose rows do not start on 16-byte boundaries, which the kernels' vector loads take (on an H100 such a
+    cache faulted with a misaligned address), is refused by the public functions, naming it; the custom op's body (a
+    compiled graph, a direct ``torch.ops`` call) reads an aligned copy: the same bits as over the aligned cache."""
+    dt = P.dtypes[-1]  # fp16 on both profiles
+    B, page, pages = 2, 16, 6
+    bt = torch.arange(pages, dtype=torch.int32, device=P.device).reshape(B, -1)
+    lens = torch.tensor([40, 21], dtype=torch.int32, device=P.device)
+    idx = torch.tensor([[[0, 5, 39, 7, -1, 12, 30, 2]], [[20, 1, 3, -1, 8, 9, 10, 11]]], dtype=torch.int32,
+                       device=P.device)
+    sparse = op.endswith("sparse")
+    if op.startswith("mla"):
+        fp8 = op == "mla_fp8"
+        q = randn((B, 1, 16, 576), 0, dtype=torch.bfloat16 if fp8 else dt)
+        kv = randn((pages, page, 1, 576), 1, dtype=q.dtype)
+        kv = quantize_latent_fp8(kv) if fp8 else kv
+        args = (bt, lens, 512, 0.1, True, idx if sparse else None, None, 0, "triton", None, None, None, False)
+        bad = _unaligned(kv, how)
+        with pytest.raises(ValueError, match="^kv_cache: the kernels read its rows in place with 16-byte loads"):
+            mla_decode(q, bad, bt, lens, 512, indices=idx if sparse else None)
+        want, got = (torch.ops.gqla_triton.mla_decode(q, c, *args) for c in (kv, bad))
+    elif op.startswith("gqa"):
+        q = randn((B, 1, 8, 32 + 16), 0, dtype=dt)
+        k, v = (randn((pages, page, 2, 32), s, dtype=dt) for s in (1, 2))
+        r = randn((pages, page, 16), 3, dtype=dt)
+        args = (bt, lens)
+        for name in ("k_cache", "v_cache", "k_rope_cache"):
+            caches = dict(k_cache=k, v_cache=v, k_rope_cache=r)
+            caches[name] = _unaligned(caches[name], how)
+            with pytest.raises(ValueError, match=f"^{name}: the kernels read its rows in place with 16-byte loads"):
+                gqa_decode(q, caches["k_cache"], caches["v_cache"], bt, lens, caches["k_rope_cache"],
+                           indices=idx if sparse else None)
+        tail = (0.1, True, idx if sparse else None, None, 0, "auto")
+        want = torch.ops.gqla_triton.gqa_decode(q, k, v, bt, lens, r, *tail)
+        got = torch.ops.gqla_triton.gqa_decode(q, *(_unaligned(t, how) for t in (k, v)), bt, lens,
+                                               _unaligned(r, how), *tail)
+    else:
+        from gqla_triton.ops.mla import mla_sparse_prefill
+        q = randn((2, 16, 576), 0, dtype=dt)
+        kv = randn((48, 1, 576), 1, dtype=dt)
+        ind = idx[:, 0].reshape(2, 1, 8).clamp(max=47)
+        with pytest.raises(ValueError, match="^kv: the kernels read its rows in place with 16-byte loads"):
+            mla_sparse_prefill(q, _unaligned(kv, how), ind)
+        want, got = (torch.ops.gqla_triton.mla_sparse_prefill(q, c, ind, 512, 0.1, None, 0, "auto")
+                     for c in (kv, _unaligned(kv, how)))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -431,11 +431,36 @@ def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]
     return tuple(t if t is None else t.contiguous() for t in tensors)
 
 
+def rows_aligned(t: torch.Tensor, *, offset: bool = True) -> bool:
+    """Whether the decode kernels may read ``t`` in place: unit stride along its last dimension and every row on a
+    16-byte boundary (each other stride of a dim longer than 1, in bytes, and with ``offset`` the start address, a
+    multiple of 16), as their vector loads take it. Rows 8 bytes apart fault with a misaligned address (an H100,
+    Triton 3.6: the paged key tiles of a cache sliced from wider rows)."""
+    size = t.element_size()
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return False
+    if any(n > 1 and st * size % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1], strict=True)):
+        return False
+    return not offset or t.data_ptr() % 16 == 0
+
+
+def check_rows_aligned(name: str, t: torch.Tensor | None) -> None:
+    """``t`` (None: absent), a cache the kernels read in place, has ``rows_aligned`` rows (``ValueError``). Under
+    ``torch.compile`` the start address is not traced: the op's body copies such a view (``unit_last_stride``)."""
+    if t is not None and not rows_aligned(t, offset=not torch.compiler.is_compiling()):
+        raise ValueError(f"{name}: the kernels read its rows in place with 16-byte loads: unit stride along the last "
+                         f"dimension and every other stride and the storage offset, in bytes, multiples of 16, got "
+                         f"strides {list(t.stride())} and storage offset {t.storage_offset()} of "
+                         f"{t.element_size()}-byte elements (a .clone() has them)")
+
+
 def unit_last_stride(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Each tensor (None: None) with unit stride along its last dimension, copied (contiguous) where it has another:
-    for kernels that take every stride but the last, in the custom ops' bodies (the public functions refuse such
-    views; a compiled graph or a direct ``torch.ops`` call may hand them any strides)."""
-    return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    """Each tensor (None: None) as the kernels that take every stride but the last read it: ``rows_aligned``, else
+    a contiguous copy (in new memory: a contiguous view at an odd offset is copied too). For the custom ops' bodies
+    (the public functions refuse caches without it; a compiled graph or a direct ``torch.ops`` call may hand them
+    any strides)."""
+    return tuple(t if t is None or rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+                 for t in tensors)
 
 
 def check_contiguous(name: str, t: torch.Tensor | None) -> None:

@@ -23,6 +23,7 @@ from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
     check_flag,
     check_num_splits,
+    check_rows_aligned,
     contiguous_indices,
     forward_only,
     requires_grad,
@@ -149,6 +150,8 @@ def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, sof
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_rope_cache", k_rope_cache)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the last dimension must be contiguous (stride 1)")
+        if name != "q" and impl != "reference":
+            check_rows_aligned(name, t)
     scale = check_softmax_scale(softmax_scale, q.shape[-1] ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=num_pages, page_size=page_size,
                         indices=indices, topk_length=topk_length, num_groups=g, num_splits=num_splits,

@@ -29,9 +29,11 @@ from .._common.validation import (
     MAX_KEYS,
     check_flag,
     check_num_splits,
+    check_rows_aligned,
     contiguous_indices,
     forward_only,
     requires_grad,
+    rows_aligned,
     unit_last_stride,
 )
 from .fp8 import FP8_DTYPES, PAGED, ROW_BYTES, check_kv_format, fp8_layout, is_fp8_latent
@@ -108,7 +110,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     S = p.num_splits
     q, = unit_last_stride(q)
     if not _kernel_strides(kv_cache, layout):  # (a custom op's body is handed any strides)
-        kv_cache = kv_cache.contiguous()
+        kv_cache = kv_cache.clone(memory_format=torch.contiguous_format)
     out = empty(B, s_q, h_q, head_dim_v, dtype=o_dtype, device=q.device)  # the kernels round into its dtype
     lse = empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
     if S > 1:
@@ -203,6 +205,8 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         _check_fp8(q, kv_cache, head_dim_v, indices is not None, kv_format)
     elif kv_cache.shape[3] != D:
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
+    if impl != "reference" and not (fp8 and fp8_layout(kv_cache, kv_format) in PAGED):  # (paged: bytes in order)
+        check_rows_aligned("kv_cache", kv_cache)
     if q.shape[2] == 0 or D == 0:
         raise ValueError(f"q: expected at least one head of at least one channel, got shape {list(q.shape)}")
     head_dim_v = _check_head_dim_v(head_dim_v, D)
@@ -288,20 +292,16 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool
 
 
 def _kernel_strides(kv_cache: torch.Tensor, layout: str | None) -> bool:
-    """Whether the kernels read ``kv_cache`` (of the quantised ``layout``, None: not quantised) in place: unit stride
-    along the last dimension; FlashMLA's V3.2 rows with 4-byte strides (their float32 scales), its paged layouts
-    with each page's bytes in order (as ``_check_fp8`` asks of the public call's). A dim of size 1 is never
-    stepped along."""
+    """Whether the kernels read ``kv_cache`` (of the quantised ``layout``, None: not quantised) in place: FlashMLA's
+    paged layouts with each page's bytes in order (as ``_check_fp8`` asks of the public call's), every other cache
+    with ``rows_aligned`` rows (as the public call asks). A dim of size 1 is never stepped along."""
     if kv_cache.stride(-1) != 1:
         return False
-    strides = [(n, st) for n, st in zip(kv_cache.shape[:3], kv_cache.stride()[:3], strict=True) if n > 1]
-    if layout in ("v32", "v32_no_rope"):
-        return all(st % _ALIGN[layout] == 0 for _, st in strides)
     if layout in PAGED:
         num_pages, page = kv_cache.shape[:2]
         return ((page <= 1 or kv_cache.stride(1) == ROW_BYTES[layout])
                 and (num_pages <= 1 or kv_cache.stride(0) % _ALIGN[layout] == 0))
-    return True
+    return rows_aligned(kv_cache)
 
 
 def _check_fp8_q(q: torch.Tensor) -> None:
@@ -506,6 +506,8 @@ def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, nu
         raise ValueError(f"kv: last dim {kv.shape[2]} != q's last dim {D}")
     if kv.stride(-1) != 1:
         raise ValueError("kv: the last dimension must be contiguous (stride 1)")
+    if impl != "reference":
+        check_rows_aligned("kv", kv)
     if kv.shape[0] > MAX_KEYS:
         raise ValueError(f"kv: at most {MAX_KEYS} rows (int32 row indices), got {kv.shape[0]}")
     check_tensor("indices", indices, shape=(s_q, 1, None), dtypes=INDEX_DTYPES)
