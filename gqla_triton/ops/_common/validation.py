@@ -432,10 +432,10 @@ def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]
 
 
 def rows_aligned(t: torch.Tensor, *, offset: bool = True) -> bool:
-    """Whether the decode kernels may read ``t`` in place: unit stride along its last dimension and every row on a
+    """Whether a GPU kernel may read ``t`` in place: unit stride along its last dimension and every row on a
     16-byte boundary (each other stride of a dim longer than 1, in bytes, and with ``offset`` the start address, a
-    multiple of 16), as their vector loads take it. Rows 8 bytes apart fault with a misaligned address (an H100,
-    Triton 3.6: the paged key tiles of a cache sliced from wider rows)."""
+    multiple of 16), as the decode kernels' vector loads take it. Rows 8 bytes apart fault with a misaligned address
+    (an H100, Triton 3.6: the paged key tiles of a cache sliced from wider rows)."""
     size = t.element_size()
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         return False
@@ -445,22 +445,35 @@ def rows_aligned(t: torch.Tensor, *, offset: bool = True) -> bool:
 
 
 def check_rows_aligned(name: str, t: torch.Tensor | None) -> None:
-    """``t`` (None: absent), a cache the kernels read in place, has ``rows_aligned`` rows (``ValueError``). Under
-    ``torch.compile`` the start address is not traced: the op's body copies such a view (``unit_last_stride``)."""
-    if t is not None and not rows_aligned(t, offset=not torch.compiler.is_compiling()):
+    """``t`` (None: absent), a cache the kernels read in place, has ``rows_aligned`` rows where it is on a GPU
+    (``ValueError``; the interpreter reads any). Under ``torch.compile`` the start address is not traced: the op's
+    body copies such a view (``unit_last_stride``)."""
+    if t is not None and t.is_cuda and not rows_aligned(t, offset=not torch.compiler.is_compiling()):
+        row = t.shape[-1] * t.element_size()
+        fix = ("a .clone() has them" if row % 16 == 0 else
+               f"its rows of {row} bytes need a view into rows padded to a multiple of 16 bytes, "
+               f"e.g. torch.zeros(..., {-(-row // 16) * 16 // t.element_size()})[..., :{t.shape[-1]}]")
         raise ValueError(f"{name}: the kernels read its rows in place with 16-byte loads: unit stride along the last "
-                         f"dimension and every other stride and the storage offset, in bytes, multiples of 16, got "
+                         f"dimension and every other stride and the start address, in bytes, multiples of 16, got "
                          f"strides {list(t.stride())} and storage offset {t.storage_offset()} of "
-                         f"{t.element_size()}-byte elements (a .clone() has them)")
+                         f"{t.element_size()}-byte elements ({fix})")
+
+
+def aligned_rows_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in new memory whose rows are ``rows_aligned``: a view into rows padded to a multiple of 16
+    bytes (contiguous where the row width is one)."""
+    n, size = t.shape[-1], t.element_size()
+    wide = t.new_empty(*t.shape[:-1], -(-n * size // 16) * 16 // size)[..., :n]
+    return wide.copy_(t)
 
 
 def unit_last_stride(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Each tensor (None: None) as the kernels that take every stride but the last read it: ``rows_aligned``, else
-    a contiguous copy (in new memory: a contiguous view at an odd offset is copied too). For the custom ops' bodies
-    (the public functions refuse caches without it; a compiled graph or a direct ``torch.ops`` call may hand them
-    any strides)."""
-    return tuple(t if t is None or rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
-                 for t in tensors)
+    """Each tensor (None: None) as the kernels that take every stride but the last read it: unit stride along the
+    last dimension, and on a GPU ``rows_aligned``; else ``aligned_rows_copy``. For the custom ops' bodies (the
+    public functions refuse such views; a compiled graph or a direct ``torch.ops`` call may hand them any
+    strides)."""
+    return tuple(t if t is None or (t.stride(-1) == 1 and (not t.is_cuda or rows_aligned(t)))
+                 else aligned_rows_copy(t) for t in tensors)
 
 
 def check_contiguous(name: str, t: torch.Tensor | None) -> None:

@@ -27,6 +27,7 @@ from .._common.impl import check_impl
 from .._common.memo import CheckedCalls, call_key
 from .._common.validation import (
     MAX_KEYS,
+    aligned_rows_copy,
     check_flag,
     check_num_splits,
     check_rows_aligned,
@@ -110,7 +111,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     S = p.num_splits
     q, = unit_last_stride(q)
     if not _kernel_strides(kv_cache, layout):  # (a custom op's body is handed any strides)
-        kv_cache = kv_cache.clone(memory_format=torch.contiguous_format)
+        kv_cache = (kv_cache.clone(memory_format=torch.contiguous_format) if layout in PAGED
+                    else aligned_rows_copy(kv_cache))
     out = empty(B, s_q, h_q, head_dim_v, dtype=o_dtype, device=q.device)  # the kernels round into its dtype
     lse = empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
     if S > 1:
@@ -294,14 +296,20 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool
 def _kernel_strides(kv_cache: torch.Tensor, layout: str | None) -> bool:
     """Whether the kernels read ``kv_cache`` (of the quantised ``layout``, None: not quantised) in place: FlashMLA's
     paged layouts with each page's bytes in order (as ``_check_fp8`` asks of the public call's), every other cache
-    with ``rows_aligned`` rows (as the public call asks). A dim of size 1 is never stepped along."""
+    with unit stride along the last dimension, on a GPU ``rows_aligned`` rows (as the public call asks), elsewhere
+    FlashMLA's V3.2 rows with 4-byte strides (their float32 scales). A dim of size 1 is never stepped along."""
     if kv_cache.stride(-1) != 1:
         return False
     if layout in PAGED:
         num_pages, page = kv_cache.shape[:2]
         return ((page <= 1 or kv_cache.stride(1) == ROW_BYTES[layout])
                 and (num_pages <= 1 or kv_cache.stride(0) % _ALIGN[layout] == 0))
-    return rows_aligned(kv_cache)
+    if kv_cache.is_cuda:
+        return rows_aligned(kv_cache)
+    if layout in ("v32", "v32_no_rope"):  # the launch views their float32 scales in place
+        return kv_cache.storage_offset() % 4 == 0 and all(
+            n <= 1 or st % 4 == 0 for n, st in zip(kv_cache.shape[:3], kv_cache.stride()[:3], strict=True))
+    return True
 
 
 def _check_fp8_q(q: torch.Tensor) -> None:
