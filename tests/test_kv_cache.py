@@ -716,3 +716,35 @@ def test_unhashable_slot_ids_are_refused_by_name(kind):
             with pytest.raises(TypeError, match="seq_ids"):
                 call()
             assert_unchanged(before, c)
+
+
+@pytest.mark.parametrize("dtype,k_scale", [(torch.float16, None), (torch.float32, None), (torch.float8_e4m3fn, 0.5)])
+def test_latent_rows_of_any_width_start_on_16_byte_boundaries(dtype, k_scale):
+    """A ``LatentCache`` whose row (kv_rank + rope_dim values) is no multiple of 16 bytes holds a view into rows
+    padded to one, as the decode kernels read rows on a GPU (``rows_aligned``; ``mla_decode`` refuses others
+    there): appends, forks (a partly filled page copied) and gathers keep the values, ``bytes_per_token`` counts
+    the padded row, and a decode over the cache equals one over a contiguous copy of it."""
+    from gqla_triton.ops._common.validation import rows_aligned
+    from gqla_triton.ops.mla import mla_decode
+
+    cache = LatentCache(3, 40, 20, 7, page_size=PS, dtype=dtype, device=P.device, k_scale=k_scale)
+    width, size = 27, dtype.itemsize
+    assert cache.kv.shape[-1] == width and rows_aligned(cache.kv)
+    assert cache.bytes_per_token == cache.kv.stride(1) * size == -(-width * size // 16) * 16
+    c, kr = randn((2, 21, 20), 0, device=P.device), randn((2, 21, 7), 1, device=P.device)
+    cache.append([0, 2], c, kr)
+    cache.fork(0, 1)
+    for s, i in ((0, 0), (1, 0), (2, 1)):
+        got = torch.cat(cache.gather(s), -1).float().cpu()
+        want = torch.cat([c[i], kr[i]], -1).float().cpu()
+        want = (want / k_scale).to(dtype).float() * k_scale if k_scale is not None else want.to(dtype).float()
+        assert torch.equal(got, want), s
+    q = randn((3, 1, 16, width), 2, dtype=torch.float16 if size == 2 else torch.float32)
+    n = 3
+    args = (cache.block_table[:n], cache.cache_seqlens[:n], 20)
+    kw = dict(k_descale=cache.k_descale, q_descale=cache.k_descale.new_ones(1)) if k_scale is not None else {}
+    if k_scale is not None:
+        q = q.to(torch.float8_e4m3fn)
+    want = mla_decode(q, cache.kv.contiguous(), *args, **kw)
+    got = mla_decode(q, cache.kv, *args, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -575,7 +575,8 @@ class PagedCache(abc.ABC):
 
 class LatentCache(PagedCache):
     """Absorb-path cache: ``kv [num_pages + 1, page_size, 1, kv_rank + rope_dim]`` (latent, then rope key; the
-    last page is the scratch page). ``dtype=torch.float8_e4m3fn``: FlashMLA's FP8 latent layout (``kv_rank`` 512,
+    last page is the scratch page; a view into rows padded to a multiple of 16 bytes, as the kernels read them on a
+    GPU, where the row is not one). ``dtype=torch.float8_e4m3fn``: FlashMLA's FP8 latent layout (``kv_rank`` 512,
     ``rope_dim`` 64; ``kv [..., 656]`` float8_e4m3fn rows, ``ops/mla/fp8.py``), quantised on append; queries then
     run in ``compute_dtype`` (bf16, or float32: exact and slow). With ``k_scale`` (a positive finite number) it is
     instead one e4m3 value per channel scaled per tensor (vLLM's ``kv_cache_dtype="fp8"``; any ``kv_rank`` /
@@ -615,14 +616,17 @@ class LatentCache(PagedCache):
         # the kernels' k_descale (None: no per-tensor scale)
         self.k_descale = torch.full((1,), self.k_scale, dtype=torch.float32, device=self.device) if scaled else None
         width = FP8_ROW_BYTES if fp8 else self.kv_rank + self.rope_dim
-        self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, width, dtype=dtype, device=self.device)
+        pitch = -(-width * dtype.itemsize // 16) * 16 // dtype.itemsize  # rows on 16-byte boundaries (rows_aligned)
+        self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, pitch, dtype=dtype,
+                              device=self.device)[..., :width]
 
     def _storages(self):
         return (self.kv,)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.kv.element_size() * self.kv.shape[-1]
+        """Bytes a token's row takes: its values, padded to a multiple of 16 bytes."""
+        return self.kv.element_size() * self.kv.stride(1)
 
     def append(self, seq_ids, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write ``c_kv [B, T, kv_rank]`` and (roped) ``k_rope [B, T, rope_dim]`` after each slot's tokens
