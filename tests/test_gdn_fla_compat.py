@@ -9,6 +9,7 @@ in test_gdn_decode_options.py.
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from harness import P, assert_close, rand, randn
@@ -212,6 +213,31 @@ def test_decode_unknown_keywords_raise_type_error(name):
         gated_delta_rule_decode(q, k, v, g, beta, state, idx, **{name: None})
     assert torch.equal(state, keep)
 
+
+@pytest.mark.parametrize("op", ["chunk", "decode"])
+def test_cu_seqlens_cpu_is_taken_alike_by_both_functions(op):
+    """Both GDN functions take one form of ``cu_seqlens_cpu``: integers of any integral type (numpy's, as
+    ``list(array)`` gives) are ints, a tensor of another rank is refused as not 1-D (ValueError), a bool is refused
+    (TypeError); a refused call leaves the pool as it was."""
+    q, k, v, g, beta = _inputs(1, 5, 91)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=P.device)
+    state = randn((2, HV, K, V), 92)
+    keep = state.clone()
+
+    def call(host):
+        if op == "chunk":
+            return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                          cu_seqlens=cu, cu_seqlens_cpu=host)
+        return gated_delta_rule_decode(q, k, v, g, beta, state, cu_seqlens=cu, cu_seqlens_cpu=host), state.clone()
+
+    for bad, exc, match in ((torch.tensor([[0, 2, 5]]), ValueError, "1-D"), ([0, True, 5], TypeError, "ints")):
+        with pytest.raises(exc, match=f"cu_seqlens_cpu: .*{match}"):
+            call(bad)
+        assert torch.equal(state, keep)
+    want = call([0, 2, 5])
+    state.copy_(keep)
+    got = call([np.int64(0), np.int32(2), np.int64(5)])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 def test_decode_cu_seqlens_cpu_checks():
     q, k, v, g, beta = _inputs(1, 5, 81)

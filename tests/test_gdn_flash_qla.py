@@ -196,6 +196,25 @@ def test_recurrent_decode_form(use_h0, Hk, Hv):
         gq.recurrent_gated_delta_rule(*xs, initial_state=torch.zeros(B, Hv, V, K + 1, device=P.device))
 
 
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "initial_state"])
+def test_recurrent_decode_form_refuses_inputs_requiring_grad(name):
+    """``recurrent_gated_delta_rule`` is forward-only: any input requiring grad under autograd (the initial state
+    included, which it would otherwise read detached and leave without a gradient) is a RuntimeError naming the op
+    and the input; under no_grad the same call runs."""
+    B, T, H, K, V = 2, 3, 1, 8, 8
+    g_ = torch.Generator().manual_seed(3)
+    x = dict(q=torch.randn(B, T, H, K, generator=g_), k=torch.randn(B, T, H, K, generator=g_),
+             v=torch.randn(B, T, H, V, generator=g_), g=-torch.rand(B, T, H, generator=g_),
+             beta=torch.rand(B, T, H, generator=g_), initial_state=torch.randn(B, H, K, V, generator=g_))
+    x = {n: t.to(P.device) for n, t in x.items()}
+    x[name].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=f"recurrent_gated_delta_rule is forward-only.*{name} requires grad"):
+        gq.recurrent_gated_delta_rule(**x)
+    with torch.no_grad():
+        o, ht = gq.recurrent_gated_delta_rule(**x)
+    assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
+
 # FlashQLA 0.1.3's parameters of its two-call form, in order, with their defaults (names only: its call sites
 # pass them positionally, e.g. ``fwd(q, k, v, g, beta, scale, h0, cu_seqlens, True, False, True, False)``)
 FLASH_QLA_FWD = (("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("scale", None),

@@ -21,8 +21,8 @@ import torch
 from .._common.validation import check_tensor
 from .plan import CHUNK_SIZES
 
-__all__ = ["check_chunk_indices", "check_chunk_size", "check_decode_cu_seqlens_cpu", "check_fla_options",
-           "check_gate", "decode_state_v_first", "graph_capture", "state_v_first"]
+__all__ = ["check_chunk_indices", "check_chunk_size", "check_fla_options", "check_gate", "decode_state_v_first",
+           "graph_capture", "state_v_first"]
 
 # option -> (the value accepted here, what another value asks for)
 _FLAGS = {"head_first": (False, "inputs in the head-first [B, H, T, ...] layout")}
@@ -172,31 +172,6 @@ def check_chunk_indices(chunk_indices, cu_seqlens, cu_host: list[int] | None, ch
     if reads and [tuple(r) for r in chunk_indices.tolist()] != want:
         raise ValueError(f"chunk_indices: does not match cu_seqlens {cu_host} (expected the (sequence, chunk) "
                          f"pairs {want})")
-
-
-def check_decode_cu_seqlens_cpu(cu_seqlens_cpu, n: int, T: int, cu_seqlens: torch.Tensor) -> None:
-    """The decode step's ``cu_seqlens_cpu`` (a CPU int32/int64 tensor or a sequence of ints): ``n`` values,
-    non-decreasing within ``[0, T]`` (tokens outside ``[cu[0], cu[-1])`` are padding), equal to ``cu_seqlens``'
-    where that is a CPU tensor (read with no sync), as the chunked op holds them."""
-    if isinstance(cu_seqlens_cpu, torch.Tensor):
-        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens_cpu: expected a CPU int32/int64 tensor, got a {cu_seqlens_cpu.dtype} "
-                            f"tensor on {cu_seqlens_cpu.device}")
-        if cu_seqlens_cpu.dim() != 1:
-            raise ValueError(f"cu_seqlens_cpu: expected a 1-D tensor, got shape {list(cu_seqlens_cpu.shape)}")
-        cu = cu_seqlens_cpu.tolist()
-    elif isinstance(cu_seqlens_cpu, (list, tuple)) and all(
-            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens_cpu):
-        cu = [int(x) for x in cu_seqlens_cpu]
-    else:
-        raise TypeError(f"cu_seqlens_cpu: expected a CPU integer tensor or a sequence of ints, got "
-                        f"{type(cu_seqlens_cpu).__name__}")
-    if len(cu) != n:
-        raise ValueError(f"cu_seqlens_cpu: expected {n} values (the shape of cu_seqlens), got {len(cu)}")
-    if cu[0] < 0 or cu[-1] > T or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        raise ValueError(f"cu_seqlens_cpu: expected non-decreasing values within [0, T={T}], got {cu}")
-    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu:
-        raise ValueError(f"cu_seqlens_cpu: {cu} differs from cu_seqlens {cu_seqlens.tolist()}")
 
 
 def state_v_first(state_layout, options: dict) -> bool:

@@ -46,8 +46,9 @@ from .._common.validation import (
     inference_writes,
     refuse_grad,
 )
-from .compat import check_decode_cu_seqlens_cpu, check_fla_options, check_gate, decode_state_v_first
+from .compat import check_fla_options, check_gate, decode_state_v_first
 from .kernels.common import _softplus, v_block_unit
+from .plan import host_cu_seqlens
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
@@ -376,9 +377,7 @@ def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
     N = sequence_count(cu_seqlens, B, q.device)
     if cu_seqlens_cpu is not None:
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
-        check_decode_cu_seqlens_cpu(cu_seqlens_cpu, N + 1, S, cu_seqlens)
+        host_cu_seqlens(cu_seqlens_cpu, cu_seqlens, S)
     if state_indices is None:
         if state.shape[0] < N:
             raise ValueError(f"state: pool has {state.shape[0]} rows, fewer than the {N} sequences "

@@ -14,7 +14,15 @@ import torch
 
 from ...dispatch import device_info
 from .._common.host import cdiv
-from .._common.validation import check_flag, check_kernel_device, check_scale, check_tensor, is_int
+from .._common.validation import (
+    check_dense,
+    check_flag,
+    check_kernel_device,
+    check_scale,
+    check_tensor,
+    is_int,
+    refuse_grad,
+)
 from . import plan as plan_mod
 from .api import (
     _REFERENCE,
@@ -173,7 +181,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
     Returns ``(o [B, T, HV, V] in q's dtype, final_state [B, HV, K, V] fp32 after each row's tokens, or None without
     output_final_state)``. ``head_first`` must be False; ``head_batch`` (FlashQLA's heads per program) is a
-    schedule, taken as None or a positive int, with no effect. Forward only.
+    schedule, taken as None or a positive int, with no effect. Forward only: an input requiring grad under
+    autograd is a ``RuntimeError`` naming it.
     """
     output_final_state = check_flag("output_final_state", output_final_state)
     if check_flag("head_first", head_first):
@@ -187,10 +196,15 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
             raise ValueError(f"head_batch: expected None or a positive int, got {head_batch!r}")
     check_tensor("q", q, ndim=4)
     check_tensor("v", v, ndim=4, device=q.device)
+    for name, t in (("k", k), ("g", g), ("beta", beta)):
+        check_dense(name, t)  # (their shapes and dtypes: the decode step's checks)
     B, T, K = q.shape[0], q.shape[1], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(B, HV, K, V), dtypes=_STATE_DTYPES, device=q.device)
+    refuse_grad("recurrent_gated_delta_rule", ", or use chunk_gated_delta_rule to train through the recurrence", q=q,
+                k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    if initial_state is not None:
         state = initial_state.detach().to(torch.float32, copy=True).contiguous()
     else:
         state = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)

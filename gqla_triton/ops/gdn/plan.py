@@ -11,6 +11,7 @@ counts that size its grids are bounds from the shapes, the programs past the rea
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -156,23 +157,32 @@ def host_bounds(cu_seqlens: torch.Tensor | None, T: int, *, need: bool = False) 
     return None
 
 
-def host_cu_seqlens(cu_seqlens_cpu, n: int, T: int) -> list[int]:
-    """``cu_seqlens_cpu`` (a CPU integer tensor or a sequence of ints) as a checked list of ``n`` values."""
+def host_cu_seqlens(cu_seqlens_cpu, cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """fla's ``cu_seqlens_cpu`` (a 1-D CPU int32 / int64 tensor or a sequence of integers), the host copy of
+    ``cu_seqlens`` (checked ``[N+1]``, or None), as a checked list: its shape, non-decreasing within ``[0, T]``, and
+    equal to ``cu_seqlens`` where that is a CPU tensor (read with no sync; not while torch.compile traces)."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
     if isinstance(cu_seqlens_cpu, torch.Tensor):
         if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"cu_seqlens_cpu: expected a CPU int32/int64 tensor, got a {cu_seqlens_cpu.dtype} "
                             f"tensor on {cu_seqlens_cpu.device}")
-        cu = cu_seqlens_cpu.reshape(-1).tolist() if cu_seqlens_cpu.dim() == 1 else None
+        if cu_seqlens_cpu.dim() != 1:
+            raise ValueError(f"cu_seqlens_cpu: expected a 1-D tensor, got shape {list(cu_seqlens_cpu.shape)}")
+        cu = cu_seqlens_cpu.tolist()
     elif isinstance(cu_seqlens_cpu, (list, tuple)) and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens_cpu):
-        cu = list(cu_seqlens_cpu)
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens_cpu):
+        cu = [int(x) for x in cu_seqlens_cpu]
     else:
         raise TypeError(f"cu_seqlens_cpu: expected a CPU integer tensor or a sequence of ints, got "
                         f"{type(cu_seqlens_cpu).__name__}")
-    if cu is None or len(cu) != n:
-        raise ValueError(f"cu_seqlens_cpu: expected {n} values (the shape of cu_seqlens), got "
-                         f"{list(cu_seqlens_cpu.shape) if isinstance(cu_seqlens_cpu, torch.Tensor) else len(cu)}")
-    return _check_cu("cu_seqlens_cpu", cu, T)
+    if len(cu) != cu_seqlens.numel():
+        raise ValueError(f"cu_seqlens_cpu: expected {cu_seqlens.numel()} values (the shape of cu_seqlens), got "
+                         f"{len(cu)}")
+    _check_cu("cu_seqlens_cpu", cu, T)
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and cu_seqlens.tolist() != cu:
+        raise ValueError(f"cu_seqlens_cpu: {cu} differs from cu_seqlens {cu_seqlens.tolist()}")
+    return cu
 
 
 @functools.lru_cache(maxsize=32)
