@@ -487,6 +487,29 @@ def test_decode_malformed_device_indices_stay_in_bounds():
         assert torch.isfinite(o).all() and torch.isfinite(pool).all()
 
 
+@pytest.mark.skipif(P.device != "cpu", reason="launcher values a GPU tensor would carry, on the interpreter")
+def test_decode_decreasing_cu_seqlens_give_no_token_two_sequences():
+    """cu_seqlens values the host never checks (a GPU tensor's): each bound is clamped to ``[0, T]`` and to the
+    largest bound before it, as the chunked op's plan takes them, so no two sequences own one token (their programs
+    would race on its output): the step equals the one over those bounds, output and pool bit for bit."""
+    g = gen(6)
+    T, H, HV, K, V = 9, 1, 2, 16, 16
+    q, k, v, gate, beta = _inputs(1, T, H, HV, K, V, torch.float32, g)
+    pool = randn((5, HV, K, V), g)
+    idx = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    for cu in ([0, 5, 3, 8, 6], [-2, 4, 1, 12, 2], [3, 1, 1, 7, 0]):
+        bounds, top = [], 0
+        for i, c in enumerate(cu):
+            top = max(top, min(max(c, 0), T)) if i else min(max(c, 0), T)
+            bounds.append(top)
+        runs = []
+        for c in (cu, bounds):
+            p = pool.clone()
+            o = gated_delta_rule_decode_fwd(q, k, v, gate, beta, p, idx, 0.25, True, torch.tensor(c, dtype=torch.int32))
+            runs.append((o, p))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), cu
+
+
 def test_decode_option_bad_inputs_change_nothing():
     a = _small(B=2, s=2)
     a["state"].normal_()

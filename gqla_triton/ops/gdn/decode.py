@@ -66,7 +66,7 @@ def gated_delta_rule_decode_fwd_kernel(
     VARLEN: tl.constexpr, ACCEPT: tl.constexpr, INTER: tl.constexpr,
     a_log=None, dt_bias=None, gk=None, gv=None,
     GATE: tl.constexpr = False, BETA_SIGMOID: tl.constexpr = False, NEG_EIGVAL: tl.constexpr = False,
-    V_FIRST: tl.constexpr = False, BETA_V: tl.constexpr = False,
+    V_FIRST: tl.constexpr = False, BETA_V: tl.constexpr = False, CU_BLOCK: tl.constexpr = 256,
 ):
     # S: tokens per sequence (VARLEN: the packed token count T); N: sequences (VARLEN only)
     # GATE: g holds the raw gate input a, g = -exp(a_log) * softplus(a + dt_bias); BETA_SIGMOID: beta holds logits;
@@ -83,9 +83,14 @@ def gated_delta_rule_decode_fwd_kernel(
     m_v = o_v < V
 
     if VARLEN:
-        # clamped to [0, T] and to non-decreasing: no cu_seqlens value can move an access outside the tensors; in
-        # int64, as every token index below (T and the products of a token and HV may pass 2**31)
-        bos = tl.minimum(tl.maximum(tl.load(cu + i_b).to(tl.int64), 0), S)
+        # clamped to [0, T] and made non-decreasing (each bound the running maximum of those before it, as the
+        # chunked op's plan takes them): no cu_seqlens value can move an access outside the tensors or give two
+        # sequences one token; in int64, as every token index below (T and the products of a token and HV may
+        # pass 2**31)
+        bos = tl.minimum(tl.maximum(tl.load(cu).to(tl.int64), 0), S)
+        for j0 in range(1, i_b + 1, CU_BLOCK):
+            jj = j0 + tl.arange(0, CU_BLOCK)
+            bos = tl.maximum(bos, tl.minimum(tl.max(tl.load(cu + jj, mask=jj <= i_b, other=0).to(tl.int64)), S))
         eos = tl.minimum(tl.maximum(tl.load(cu + i_b + 1).to(tl.int64), bos), S)
         n_tok = eos - bos
         tok0 = bos
@@ -450,8 +455,8 @@ def gated_delta_rule_decode(
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (``x / sqrt(sum(x^2) + 1e-6)``) first.
         cu_seqlens: ``[N+1]`` int32/int64 (then ``B == 1``): the ``s = T`` tokens hold ``N`` sequences packed in order,
             sequence ``n`` owning tokens ``[cu[n], cu[n+1])`` (0 tokens allowed: its row is untouched). Never read on
-            the host for a GPU tensor: the kernel clamps each bound to ``[0, T]`` and each end to at least its start,
-            so no value can cause an out-of-bounds access; a CPU tensor is checked (non-decreasing within ``[0, T]``,
+            the host for a GPU tensor: the kernel clamps each bound to ``[0, T]`` and to the largest bound before it,
+            so no value can cause an out-of-bounds access or give two sequences one token; a CPU tensor is checked (non-decreasing within ``[0, T]``,
             ``ValueError``). Tokens outside ``[cu[0], cu[N])`` belong to no sequence: o = 0.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (a CPU tensor or a sequence of ints, as fla's option
             of the same name). The step never reads ``cu_seqlens`` on the host, so it changes nothing; it is
