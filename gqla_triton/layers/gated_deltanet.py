@@ -106,12 +106,10 @@ class _Draft:
 
 
 def _packed_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bos [N], eos [N])`` int64 of packed sequences, clamped as the decode kernel clamps them: each bound to
-    ``[0, T]``, each end to at least its start (device ops; no value is read on the host)."""
-    cu = cu_seqlens.long()
-    bos = cu[:-1].clamp(0, T)
-    eos = torch.maximum(cu[1:].clamp(max=T), bos)
-    return bos, eos
+    """``(bos [N], eos [N])`` int64 of packed sequences, clamped as the decode kernel clamps them
+    (``_clamped_bounds``; device ops, no value is read on the host)."""
+    cu = _clamped_bounds(cu_seqlens, T)
+    return cu[:-1], cu[1:]
 
 
 def _windows(old: torch.Tensor, xf: torch.Tensor, seq: torch.Tensor, bos: torch.Tensor,
