@@ -18,7 +18,7 @@ from typing import ClassVar, NamedTuple
 
 from .dispatch import GPU_KEYS, DeviceInfo, device_info, is_interpreter, table_config
 from .ops._common.config import KernelConfig
-from .ops._common.validation import is_finite_real
+from .ops._common.validation import check_str_type, is_finite_real
 from .roofline import _MAX_SIZE
 
 __all__ = ["choose_decode_path", "DecodePathChoice", "DecodePathConfig", "PATHS", "POINTS", "REF_SHAPE",
@@ -110,6 +110,8 @@ def choose_decode_path(
         gpu = table = device_info
     else:
         raise TypeError(f"device_info: expected a DeviceInfo, a GPU name or None, got {type(device_info).__name__}")
+    if override is not None:
+        check_str_type("override", override, f"None or one of {PATHS}")
     forced = override if override is not None else (os.environ.get("GQLA_TRITON_DECODE_PATH") or None)
     if forced is not None and forced not in PATHS:
         raise ValueError(f"override (or GQLA_TRITON_DECODE_PATH): expected None or one of {PATHS}, got {forced!r}")
@@ -263,9 +265,14 @@ def measure_points(time_ms, names=None) -> dict[int, list[list[float]]]:
     ``POINTS`` (or the ``names`` among them), each timed by ``time_ms(fn)`` (a CUDA-graph timer)."""
     import torch
 
-    if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple))
-                              or any(n not in POINTS for n in names)):
-        raise ValueError(f"names: expected a list of the points {sorted(POINTS)}, got {names!r}")
+    if names is not None:
+        expected = f"a list of the points {sorted(POINTS)}"
+        if not isinstance(names, (list, tuple)):
+            raise TypeError(f"names: expected {expected}, got {type(names).__name__} {names!r}")
+        for n in names:
+            check_str_type("names", n, expected)
+        if any(n not in POINTS for n in names):
+            raise ValueError(f"names: expected {expected}, got {names!r}")
     out: dict[int, list[list[float]]] = {}
     for name in names or POINTS:
         B, S, s_q = POINTS[name]

@@ -186,7 +186,10 @@ def device_info(device: Any = None) -> DeviceInfo:
 
 def schema(op: str):
     """The config schema class of ``op`` (a ``KernelConfig`` subclass)."""
-    if not isinstance(op, str) or op not in _SCHEMAS:
+    from .ops._common.validation import check_str_type
+
+    check_str_type("op", op, f"a config op name, one of {sorted(_SCHEMAS)}")
+    if op not in _SCHEMAS:
         raise ValueError(f"op: unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
     return _schema(op)
 
@@ -497,7 +500,10 @@ def select_config(op: str, key: Mapping[str, Any] | None = None, *, device: Any 
     overrides. Under the interpreter only ``interpreter.json`` is read, so exactly one config is ever seen.
     ``info``: the device's ``device_info`` where the caller has it (then ``device`` is not read).
     """
-    if not isinstance(op, str) or op not in _SCHEMAS:
+    from .ops._common.validation import check_str_type
+
+    check_str_type("op", op, f"a config op name, one of {sorted(_SCHEMAS)}")
+    if op not in _SCHEMAS:
         raise ValueError(f"select_config: unknown config op {op!r}; the ops are {sorted(_SCHEMAS)}")
     if key is not None and type(key) is not dict and not isinstance(key, Mapping):  # (a dict: no ABC check)
         raise TypeError(f"select_config: key expected a mapping of shape features or None, got {type(key).__name__}")

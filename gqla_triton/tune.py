@@ -55,7 +55,7 @@ import torch
 
 from . import dispatch, roofline
 from .dispatch import user_config_dir
-from .ops._common.validation import is_finite_real
+from .ops._common.validation import check_choice, check_int_in, check_positive_real
 
 __all__ = ["Target", "targets", "tune", "user_config_dir", "main"]
 
@@ -656,12 +656,9 @@ def tune(ops: list[str] | None = None, *, budget_minutes: float = 15.0, out: str
     replaces the targets. ``jobs``: worker processes that compile each step's candidates ahead of the timing (0:
     none). ``start``: ``"table"`` searches from this GPU's table, ``"default"`` from ``configs/default.json`` (the
     report then also times this GPU's shipped entry, ``shipped_ms``)."""
-    if start not in START:
-        raise ValueError(f"start: expected one of {START}, got {start!r}")
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
-        raise ValueError(f"jobs: expected an int >= 0, got {jobs!r}")
-    if not is_finite_real(budget_minutes) or budget_minutes <= 0:
-        raise ValueError(f"budget_minutes: expected a positive, finite number of minutes, got {budget_minutes!r}")
+    check_choice("start", start, START)
+    check_int_in("jobs", jobs, 0)
+    check_positive_real("budget_minutes", budget_minutes)
     if out is not None and not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out: expected a path (str or os.PathLike), got {type(out).__name__}")
     if ops is not None and (isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence)
@@ -1022,7 +1019,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     try:
         res = tune(ops, budget_minutes=args.budget_minutes, out=args.out, jobs=args.jobs, start=args.start)
-    except ValueError as e:  # a bad option: the message, not a traceback
+    except (TypeError, ValueError) as e:  # a bad option: the message, not a traceback
         ap.error(str(e))
     ship = args.start != "table"
     head = ["target", "start ms", "tuned ms", "tuned / start"] + (["shipped ms", "tuned / shipped"] if ship else [])

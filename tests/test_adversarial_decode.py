@@ -506,12 +506,12 @@ def _bad_calls(op):
         ("scale inf", dict(softmax_scale=-math.inf), ValueError, "softmax_scale"),
         ("scale past fp32", dict(softmax_scale=1e39), ValueError, "softmax_scale"),
         ("scale huge int", dict(softmax_scale=10**400), ValueError, "softmax_scale"),
-        ("splits bool", dict(num_splits=True), ValueError, "num_splits"),
+        ("splits bool", dict(num_splits=True), TypeError, "num_splits"),
         ("splits negative", dict(num_splits=-1), ValueError, "num_splits"),
         ("splits huge", dict(num_splits=2**40), ValueError, "num_splits"),
         ("splits past max", dict(num_splits=1025), ValueError, "num_splits"),
-        ("splits float", dict(num_splits=2.0), ValueError, "num_splits"),
-        ("splits str", dict(num_splits="2"), ValueError, "num_splits"),
+        ("splits float", dict(num_splits=2.0), TypeError, "num_splits"),
+        ("splits str", dict(num_splits="2"), TypeError, "num_splits"),
         ("causal str", dict(causal="yes"), TypeError, "causal"),
         ("causal None", dict(causal=None), TypeError, "causal"),
         ("causal 2", dict(causal=2), TypeError, "causal"),
@@ -533,6 +533,7 @@ def _bad_calls(op):
         ("cache_seqlens device", dict(cache_seqlens=torch.ones(B, dtype=torch.int32, device=other)), ValueError,
          "cache_seqlens"),
         ("impl", dict(impl="cuda"), ValueError, "impl"),
+        ("impl int", dict(impl=3), TypeError, "impl"),
     ]
     if op == "mla":
         calls += [
@@ -546,8 +547,8 @@ def _bad_calls(op):
             ("sparse page of 0", dict(kv_cache=torch.zeros(8, 0, 1, 48, device=dev),
                                       indices=torch.zeros(B, 1, 4, dtype=torch.int32, device=dev)), ValueError,
              "page_size"),
-            ("head_dim_v bool", dict(head_dim_v=True), ValueError, "head_dim_v"),
-            ("head_dim_v float", dict(head_dim_v=32.0), ValueError, "head_dim_v"),
+            ("head_dim_v bool", dict(head_dim_v=True), TypeError, "head_dim_v"),
+            ("head_dim_v float", dict(head_dim_v=32.0), TypeError, "head_dim_v"),
             ("s_q x heads past the grid", dict(q=torch.zeros(1, 1, 16, 48, device=dev).expand(B, 2**19, 16, 48)),
              ValueError, "q"),
         ]

@@ -85,6 +85,9 @@ def test_choose_decode_path_follows_the_roofline():
     assert decode_path.choose_decode_path(shape, 1, "h20", override="absorb").path == "absorb"
     with pytest.raises(ValueError, match="override"):
         decode_path.choose_decode_path(shape, 1, "h20", override="fast")
+    for bad in (3, True, ["absorb"]):
+        with pytest.raises(TypeError, match="^override: expected None or one of"):
+            decode_path.choose_decode_path(shape, 1, "h20", override=bad)
     with pytest.raises(ValueError, match="^device_info: unknown GPU 'b300'"):
         decode_path.choose_decode_path(shape, 1, "b300")
     # an unknown GPU is named as the argument that held it
@@ -116,7 +119,7 @@ def test_select_config_returns_the_typed_schema(config_override):
     assert dispatch.select_config("combine", {"D": 64}) == before  # restored on exit
     with pytest.raises(ValueError, match="unknown config op 'no_such_op'"):
         dispatch.select_config("no_such_op")
-    with pytest.raises(ValueError, match="unknown config op \\['x'\\]"):
+    with pytest.raises(TypeError, match="^op: expected a config op name, one of .*got list \\['x'\\]"):
         dispatch.select_config(["x"])
     with pytest.raises(ValueError, match="match key 'G' expects int, got \\[1\\]"):
         dispatch.select_config("gqa_decode", {"G": [1]})
@@ -528,7 +531,7 @@ def test_choose_decode_path_prices_each_path_by_the_nearest_measured_point(monke
     (dict(batch=2.5), TypeError, "batch"), (dict(seqlen=-1), ValueError, "seqlen"),
     (dict(seqlen=float("inf")), TypeError, "seqlen"), (dict(s_q=0), ValueError, "s_q"),
     (dict(s_q=2.0), TypeError, "s_q"), (dict(kernel_efficiency="yes"), TypeError, "kernel_efficiency"),
-    (dict(override=3), ValueError, "override"), (dict(override=False), ValueError, "override"),
+    (dict(override=3), TypeError, "override"), (dict(override=False), TypeError, "override"),
     (dict(override=""), ValueError, "override"), (dict(layer_shape=None), TypeError, "layer_shape"),
     (dict(layer_shape={}), ValueError, "layer_shape: missing"),
     (dict(layer_shape=dict(decode_path.REF_SHAPE, num_groups=3)), ValueError, "must divide"),
@@ -563,8 +566,8 @@ def test_decode_path_measurement_helpers_refuse_bad_arguments():
     """``measure_points`` names its unknown points before timing anything; ``step_inputs`` checks its sizes
     before allocating."""
     never = lambda fn: pytest.fail("timed before the names were checked")  # noqa: E731
-    for names in (["X"], "M1", ["M1", 3]):
-        with pytest.raises(ValueError, match="names: expected a list of the points"):
+    for names, err in ((["X"], ValueError), ("M1", TypeError), (["M1", 3], TypeError)):
+        with pytest.raises(err, match="names: expected a list of the points"):
             decode_path.measure_points(never, names)
     for kw, name, err in (({"batch": -1}, "batch", ValueError), ({"seqlen": 0}, "seqlen", ValueError),
                           ({"s_q": 1.0}, "s_q", TypeError)):

@@ -611,7 +611,7 @@ def test_chunk_graph_option_checks():
             (dict(use_graph=1), TypeError, "use_graph: expected a bool"),
             (dict(use_graph="yes"), TypeError, "use_graph: expected a bool"),
             (dict(graph_mode="graph"), ValueError, "graph_mode: expected None or one of"),
-            (dict(graph_mode=True), ValueError, "graph_mode: expected None or one of"),
+            (dict(graph_mode=True), TypeError, "graph_mode: expected None or one of"),
             (dict(graph_t_max=70.0), TypeError, "graph_t_max: expected None or an int"),
             (dict(graph_nt_max=True), TypeError, "graph_nt_max: expected None or an int"),
             (dict(graph_actual_nt=-1), ValueError, "graph_actual_nt: expected a count >= 0"),

@@ -298,7 +298,8 @@ def test_calib_input_ids_and_page_size_are_checked_before_any_change():
     before = copy.deepcopy(model.state_dict())
     bad = [(torch.tensor([[1, 2, 999]]), ValueError, "vocabulary|\\[0, 96\\)"),
            (torch.tensor([[-1, 2]]), ValueError, "\\[0, 96\\)"),
-           (torch.tensor([[1.0, 2.0]]), ValueError, "int64"),
+           (torch.tensor([[1.0, 2.0]]), TypeError, "int64"),
+           (torch.tensor([[True, False]]), TypeError, "int64"),
            (torch.tensor([1, 2, 3]), ValueError, "\\[B, T\\]"),
            (torch.zeros(1, 0, dtype=torch.long), ValueError, "non-empty"),
            ([[1, 2]], TypeError, "torch.Tensor")]

@@ -261,13 +261,14 @@ def test_hostile_conversion_and_norm_arguments_run_or_are_refused_by_name():
         fn()
         unclear += _unclear(fn, keywords, f"{label} ")
     for k in src:
-        for bad in ([1.0, 2.0], torch.randn(3), src[k].int(), torch.full_like(src[k], math.nan)):
+        for bad, exc in (([1.0, 2.0], TypeError), (torch.randn(3), ValueError), (src[k].int(), TypeError),
+                         (torch.full_like(src[k], math.nan), ValueError)):
             try:
                 gq.trans_gqla({**src, k: bad}, **base)
                 unclear.append(f"trans_gqla source {k}: {type(bad).__name__} accepted")
-            except ValueError as e:
-                if k not in str(e):
-                    unclear.append(f"trans_gqla source {k}: {str(e)[:120]}")
+            except (TypeError, ValueError) as e:
+                if k not in str(e) or type(e) is not exc:
+                    unclear.append(f"trans_gqla source {k}: {type(e).__name__} {str(e)[:120]}")
     assert not unclear, f"{len(unclear)} calls not refused by name:\n" + "\n".join(unclear[:20])
 
 
@@ -306,3 +307,101 @@ def test_hostile_cache_method_arguments_are_refused_by_name_and_change_nothing()
             except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
                 bad.append(f"{label}({v!r}): raw {type(e).__name__}: {str(e)[:120]}")
     assert not bad, "\n".join(bad[:20])
+
+
+_KINDS = {  # what each kind of argument takes: any other value is a TypeError naming the argument
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "real": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "choice": lambda v: isinstance(v, str),
+    "flag": lambda v: isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)),
+    "device": lambda v: isinstance(v, (str, torch.device)) or (isinstance(v, int) and not isinstance(v, bool)),
+}
+
+
+def _mistyped(fn, kinds: dict[str, str], label: str = "") -> list[str]:
+    """Each keyword of ``fn`` (``kinds``: its kind, ``"?"`` where None is taken too) called with every hostile value
+    of another type: the calls not refused by a TypeError that names the keyword."""
+    out = []
+    for name, kind in kinds.items():
+        takes = _KINDS[kind.rstrip("?")]
+        for value in HOSTILE:
+            if takes(value) or (value is None and kind.endswith("?")):
+                continue
+            try:
+                fn(**{name: value})
+                out.append(f"{label}{name}={value!r}: accepted")
+            except TypeError as e:
+                if not str(e).startswith(f"{name}: ") and f"{name}: " not in str(e):
+                    out.append(f"{label}{name}={value!r}: TypeError not naming it: {str(e)[:120]}")
+            except Exception as e:  # noqa: BLE001 - any other exception is the failure this test looks for
+                out.append(f"{label}{name}={value!r}: {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
+def test_arguments_of_the_wrong_type_are_a_type_error_naming_them():
+    """A number, choice, flag or device argument given a value of another type (a string, a bool, a tensor, a
+    list, None where one is required, a float where an int is) is a TypeError that names it, in the ops, the
+    layers and caches, the conversion and ``RMSNorm``; a value of the right type outside its range stays a
+    ValueError (the sweeps above)."""
+    ops, layers = _ops(), _layers()
+    h, g, d, hid = 4, 2, 8, 32
+    gen = torch.Generator().manual_seed(0)
+    src = {"q_proj": torch.randn(h * d, hid, generator=gen), "k_proj": torch.randn(g * d, hid, generator=gen),
+           "v_proj": torch.randn(g * d, hid, generator=gen), "o_proj": torch.randn(hid, h * d, generator=gen)}
+    base = dict(num_heads=h, num_groups=g, head_dim=d, kv_rank=16, rope_dim=4)
+    decode = dict(softmax_scale="real?", causal="flag", num_splits="int", impl="choice")
+    targets = {
+        "mla_decode": (ops["mla_decode"][0], dict(head_dim_v="int", **decode)),
+        "mla_decode fp8": (ops["mla_decode fp8"][0], dict(head_dim_v="int", num_splits="int", impl="choice")),
+        "quantize_latent_fp8": (ops["quantize_latent_fp8 paged"][0], dict(layout="choice")),
+        "dequantize_latent_fp8": (ops["dequantize_latent_fp8"][0], dict(kv_format="choice?")),
+        "mla_sparse_prefill": (ops["mla_sparse_prefill"][0], dict(head_dim_v="int", softmax_scale="real?",
+                                                                  num_splits="int", impl="choice")),
+        "flash_mla_sparse_fwd": (ops["flash_mla_sparse_fwd"][0], dict(sm_scale="real?", d_v="int")),
+        "gqa_decode": (ops["gqa_decode"][0], decode),
+        "flash_mla_with_kvcache": (ops["flash_mla_with_kvcache"][0], dict(head_dim_v="int", softmax_scale="real?",
+                                                                          kv_format="choice?")),
+        "chunk_gated_delta_rule": (ops["chunk_gated_delta_rule"][0], dict(scale="real?", chunk_size="int",
+                                                                          impl="choice")),
+        "gated_delta_rule_decode": (ops["gated_delta_rule_decode"][0], dict(scale="real?", impl="choice")),
+        "fused_recurrent_gated_delta_rule": (ops["fused_recurrent_gated_delta_rule"][0],
+                                             dict(scale="real?", impl="choice")),
+        "GatedDeltaNet": (layers["GatedDeltaNet"][0], dict(norm_eps="real", impl="choice", device="device?")),
+        "GQLAttention": (layers["GQLAttention"][0], dict(rope_theta="real", norm_eps="real", softmax_scale="real?",
+                                                         path="choice", impl="choice", device="device?")),
+        "GQLAttention.make_cache": (layers["GQLAttention.make_cache"][0], dict(path="choice?")),
+        "LatentCache": (layers["LatentCache"][0], dict(device="device?")),
+        "trans_gqla": (lambda **o: gq.trans_gqla(src, **{**base, **o}),
+                       dict(rope_theta="real", rope_attention_scaling="real", softmax_scale="real?", path="choice",
+                            impl="choice", device="device?")),
+        "RMSNorm": (lambda **o: gq.RMSNorm(**{"dim": 8, **o}), dict(eps="real", device="device?")),
+        "rope_inv_freq": (lambda **o: gq.layers.rope.rope_inv_freq(**{"d": 8, **o}),
+                          dict(theta="real", device="device?")),
+        "choose_decode_path": (lambda **o: gq.choose_decode_path(
+            dict(num_heads=16, num_groups=2, head_dim=16, rope_dim=16, kv_rank=32), 1, "h20", **o),
+            dict(override="choice?")),
+        "select_config": (lambda **o: gq.select_config(**{"op": "combine", **o}), dict(op="choice")),
+    }
+    bad = []
+    for label, (fn, kinds) in targets.items():
+        bad += _mistyped(fn, kinds, f"{label} ")
+    assert not bad, f"{len(bad)} calls of the wrong type not a TypeError by name:\n" + "\n".join(bad[:30])
+
+
+def test_numpy_scalars_of_the_right_type_are_taken():
+    """numpy integers and floats are ints and real numbers to every check (a TypeError is for other types)."""
+    import numpy as np
+
+    from gqla_triton.ops._common import validation as V
+
+    assert V.check_eps("eps", np.float32(0.5)) == 0.5 and V.check_positive_real("theta", np.float64(2.0)) == 2.0
+    assert V.check_norm_eps("norm_eps", np.float32(1e-6)) == float(np.float32(1e-6))
+    assert V.check_num_splits(np.int64(3)) == 3 and V.check_softmax_scale(np.float32(0.5), 1.0) == 0.5
+    assert V.check_device(None) is None and V.check_device("cpu") == torch.device("cpu")
+    for fn, value in ((V.check_eps, -1e-3), (V.check_positive_real, np.float64(0.0)), (V.check_eps, math.nan)):
+        with pytest.raises(ValueError, match="^x: "):
+            fn("x", value)
+    with pytest.raises(ValueError, match="^num_splits: "):
+        V.check_num_splits(np.int64(2000))
+    with pytest.raises(ValueError, match="^device: "):
+        V.check_device("gpu")

@@ -320,7 +320,7 @@ def test_model1_refusals_name_the_argument():
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model2")
     with pytest.raises(ValueError, match="the model1 layout quantises pages"):
         quantize_latent_fp8(torch.zeros(16, 512), layout="model1")
-    with pytest.raises(ValueError, match="^layout"):
+    with pytest.raises(TypeError, match="^layout"):
         quantize_latent_fp8(torch.zeros(2, 576), layout=["v32"])
     with pytest.raises(TypeError, match="^pow2_scales"):
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model1", pow2_scales="yes")
@@ -537,7 +537,7 @@ def test_layout_refusals_name_the_argument():
     idx = torch.zeros(2, 1, 16, dtype=torch.int32, device=P.device)
     with pytest.raises(ValueError, match="^kv_format: expected None or one of"):
         mla_decode(q, kv8, bt, lens, 512, indices=idx, kv_format="V41")  # FlashMLA's name belongs to compat
-    with pytest.raises(ValueError, match="^kv_format: expected None or one of"):
+    with pytest.raises(TypeError, match="^kv_format: expected None or one of"):
         mla_decode(q, kv8, bt, lens, 512, indices=idx, kv_format=4)
     with pytest.raises(ValueError, match="^kv_format: 'model1' is a layout of 584-byte rows"):
         mla_decode(q, kv8, bt, lens, 512, indices=idx, kv_format="model1")
@@ -693,8 +693,9 @@ def test_latent_cache_scaled_per_tensor():
     got_c, _ = cache.gather(2)
     assert got_c[0, 0] == 112.0 and got_c[0, 1] == -112.0 and got_c[0, 2].isnan()
     assert torch.equal(cache.latent_rows()[..., :96].isnan().sum(), torch.tensor(1, device=P.device))
-    for bad in (0.0, -1.0, math.inf, math.nan, True, "0.1", torch.ones(1)):
-        with pytest.raises(ValueError, match="k_scale"):
+    for bad, exc in ((0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError), (math.nan, ValueError),
+                     (True, TypeError), ("0.1", TypeError), (torch.ones(1), TypeError)):
+        with pytest.raises(exc, match="^k_scale"):
             LatentCache(2, 64, 96, 32, dtype=torch.float8_e4m3fn, k_scale=bad)
     with pytest.raises(ValueError, match="k_scale"):
         LatentCache(2, 64, 96, 32, dtype=torch.bfloat16, k_scale=0.5)

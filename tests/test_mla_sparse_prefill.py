@@ -244,7 +244,7 @@ def _bad_calls(q, kv, idx):
         ("topk_length dtype", dict(topk_length=torch.zeros(s_q, dtype=torch.int64, device=q.device)), TypeError,
          r"^topk_length: expected dtype"),
         ("head_dim_v", dict(head_dim_v=q.shape[-1] + 1), ValueError, r"^head_dim_v"),
-        ("head_dim_v bool", dict(head_dim_v=True), ValueError, r"^head_dim_v"),
+        ("head_dim_v bool", dict(head_dim_v=True), TypeError, r"^head_dim_v"),
         ("scale nan", dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale"),
         ("scale tensor", dict(softmax_scale=torch.tensor(0.1)), TypeError, r"^softmax_scale"),
         ("num_splits", dict(num_splits=-1), ValueError, r"^num_splits"),

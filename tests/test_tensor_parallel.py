@@ -187,7 +187,7 @@ def _worker(rank: int, world: int, backend: str, store: str, payload: str, out_d
         for bad in ("gpu", "meta", 3.5, f"cuda:{torch.cuda.device_count()}"):  # refused by name, nothing loaded
             try:
                 TPGQLAttention.from_state_dict(data["gqla_sd"], data["gqla_cfg"], group=group, device=bad)
-            except ValueError as e:
+            except (TypeError, ValueError) as e:
                 errors.append(str(e))
         res["errors"] = errors
         res["divergent"] = _divergent_builds(data, rank, world, dev, dtype)
@@ -307,7 +307,7 @@ def _check(world: int, backend: str, seed: int) -> None:
                    for e in errs), errs
         assert any("TPGQLAttention: inference only" in e for e in errs), errs
         for want in ("device: expected a torch.device, a device string or a CUDA index, got 'gpu'",
-                     "device: expected a torch.device, a device string or a CUDA index, got 3.5",
+                     "device: expected a torch.device, a device string or a CUDA index, got float 3.5",
                      "device: expected a device with storage, got meta", "CUDA devices visible"):
             assert any(want in e for e in errs), (want, errs)
         # a rank whose build differs or fails: every rank refuses, by name, before any forward

@@ -123,15 +123,18 @@ def test_search_from_the_default_table_reports_the_shipped_entry(tmp_path, monke
     assert r["config"]["elems"] == default.elems  # the fields not searched: the default table's
 
 
-@pytest.mark.parametrize("kw, msg", [({"start": "shipped"}, "start: expected"), ({"jobs": -1}, "jobs: expected"),
-                                     ({"jobs": 1.5}, "jobs: expected"), ({"budget_minutes": -1}, "budget_minutes"),
-                                     ({"budget_minutes": 0}, "budget_minutes"),
-                                     ({"budget_minutes": float("nan")}, "budget_minutes"),
-                                     ({"budget_minutes": float("inf")}, "budget_minutes"),
-                                     ({"budget_minutes": True}, "budget_minutes"),
-                                     ({"budget_minutes": "5"}, "budget_minutes")])
-def test_bad_options_are_refused(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+@pytest.mark.parametrize("kw, err, msg", [({"start": "shipped"}, ValueError, "start: expected"),
+                                          ({"start": 3}, TypeError, "start: expected one of"),
+                                          ({"jobs": -1}, ValueError, "jobs: expected"),
+                                          ({"jobs": 1.5}, TypeError, "jobs: expected"),
+                                          ({"budget_minutes": -1}, ValueError, "budget_minutes"),
+                                          ({"budget_minutes": 0}, ValueError, "budget_minutes"),
+                                          ({"budget_minutes": float("nan")}, ValueError, "budget_minutes"),
+                                          ({"budget_minutes": float("inf")}, ValueError, "budget_minutes"),
+                                          ({"budget_minutes": True}, TypeError, "budget_minutes"),
+                                          ({"budget_minutes": "5"}, TypeError, "budget_minutes")])
+def test_bad_options_are_refused(kw, err, msg, tmp_path):
+    with pytest.raises(err, match=msg):
         tune.tune(["combine"], out=tmp_path / "t.json", progress=False, **kw)
 
 

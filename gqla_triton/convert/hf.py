@@ -20,7 +20,7 @@ from torch import nn
 
 from ..layers._state import drop_when_freed
 from ..layers.gqla import GQLAttention
-from ..ops._common.validation import check_dense, check_page_size, check_positive_int, is_int
+from ..ops._common.validation import check_choice, check_dense, check_page_size, check_positive_int, is_int
 from .trans_gqla import check_plain_attention, trans_gqla
 
 __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
@@ -75,8 +75,7 @@ class GQLAHFAttention(nn.Module):
             raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__} {layer_idx!r}")
         if layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
-        if decode_path not in _DECODE_PATHS:
-            raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
+        check_choice("decode_path", decode_path, _DECODE_PATHS)
         check_positive_int("max_seqlen", max_seqlen)
         self.attn, self.layer_idx, self.decode_path = attn, layer_idx, decode_path
         self.max_seqlen, self.page_size = max_seqlen, check_page_size(page_size)
@@ -303,9 +302,10 @@ def _check_rope(rotary, sa, inv: torch.Tensor, scaling: float) -> None:
 def _check_calib(ids, cfg, base) -> None:
     """``calib_input_ids``: a non-empty ``[B, T]`` integer tensor of token ids within the vocabulary, on the
     embedding's device."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"calib_input_ids: expected a torch.Tensor of token ids, got {type(ids).__name__}")
-    if ids.dim() != 2 or ids.numel() == 0 or ids.dtype not in (torch.int64, torch.int32):
+    check_dense("calib_input_ids", ids)
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"calib_input_ids: expected an int64 / int32 tensor of token ids, got {ids.dtype}")
+    if ids.dim() != 2 or ids.numel() == 0:
         raise ValueError(f"calib_input_ids: expected a non-empty [B, T] int64 / int32 tensor, got {ids.dtype} of "
                          f"shape {list(ids.shape)}")
     emb = getattr(base, "embed_tokens", None)
@@ -337,8 +337,7 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     arguments. ``save_pretrained`` keeps the source's config, so ``from_pretrained`` builds the unconverted
     attention and initializes it anew (its load report lists the converted weights as unexpected).
     """
-    if decode_path not in _DECODE_PATHS:
-        raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
+    check_choice("decode_path", decode_path, _DECODE_PATHS)
     base, layers, rotary = _decoder_layers(model)
     _check_supported(model)
     cfg = model.config
@@ -391,8 +390,7 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
 def set_decode_path(model, path: str):
     """Set every converted attention's decode path ("absorb" | "grouped") and forget every GQLA cache: a HF cache
     in progress is then refused, an empty one starts on the new path."""
-    if path not in _DECODE_PATHS:
-        raise ValueError(f"path: expected one of {_DECODE_PATHS}, got {path!r}")
+    check_choice("path", path, _DECODE_PATHS)
     mods = [m for m in model.modules() if isinstance(m, GQLAHFAttention)]
     if not mods:
         raise ValueError("model: holds no converted attention (run convert_llama first)")

@@ -30,6 +30,7 @@ import torch
 from ..layers.gqla import GQLAttention
 from ..layers.rope import check_rope_dim
 from ..ops._common.validation import (
+    check_dense,
     check_device,
     check_flag,
     check_int_type,
@@ -60,10 +61,9 @@ def _get(sd: dict, prefix: str, name: str, shape) -> torch.Tensor:
     key = prefix + name
     if key not in sd:
         raise ValueError(f"state_dict: missing {key!r}")
-    t = sd[key]
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
-        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"state_dict: {key!r} expected shape {list(shape)}, got {got}")
+    t = check_dense(f"state_dict: {key!r}", sd[key])
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"state_dict: {key!r} expected shape {list(shape)}, got {list(t.shape)}")
     if not t.is_floating_point() or t.element_size() < 2:
         raise TypeError(f"state_dict: {key!r} expected a real floating tensor of 16 bits or more, got {t.dtype} "
                         "(float8 weights need their scales: dequantise them first)")
@@ -85,10 +85,9 @@ def _hidden(sd: dict, prefix: str, q_in: str) -> int:
         key = prefix + name
         if key not in sd:
             raise ValueError(f"state_dict: missing {key!r}")
-        t = sd[key]
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"state_dict: {key!r} expected a 2-D weight {shape}, got {got}")
+        t = check_dense(f"state_dict: {key!r}", sd[key])
+        if t.dim() != 2:
+            raise ValueError(f"state_dict: {key!r} expected a 2-D weight {shape}, got {list(t.shape)}")
         widths[key] = t.shape[dim]
     sizes = sorted(widths.values())
     if sizes[0] != sizes[1] and sizes[1] != sizes[2]:

@@ -43,6 +43,7 @@ import torch
 from ..layers.gqla import GQLAttention
 from ..layers.rope import apply_rope, check_rope_dim, check_rope_inv_freq, rope_inv_freq
 from ..ops._common.validation import (
+    check_dense,
     check_device,
     check_flag,
     check_float_dtype,
@@ -97,9 +98,10 @@ def _checked(names, weights, finite: bool = True):
     """Each source weight a 2-D floating tensor, finite with ``finite`` (the factorization of a NaN / inf weight
     has no answer)."""
     for n, w in zip(names, weights, strict=True):
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
-            got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
-            raise ValueError(f"source: {n} must be a 2-D floating weight tensor, got {got}")
+        check_dense(f"source: {n}", w)
+        if w.dim() != 2 or not w.is_floating_point():
+            raise (ValueError if w.is_floating_point() else TypeError)(
+                f"source: {n} must be a 2-D floating weight tensor, got {w.dtype} {list(w.shape)}")
         if w.device.type == "meta":
             raise ValueError(f"source: {n} is on the meta device (it holds no values to factorize)")
         if w.element_size() < 2:
@@ -187,7 +189,7 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
         raise ValueError(f"rope_dim: expected an even int in [0, {g * d}] (num_groups * head_dim), got {rope_dim!r}")
     C = None
     if calib is not None:
-        if not isinstance(calib, torch.Tensor) or calib.dim() == 0 or calib.shape[-1] != hidden or calib.numel() == 0:
+        if check_dense("calib", calib).dim() == 0 or calib.shape[-1] != hidden or calib.numel() == 0:
             raise ValueError(f"calib: expected a non-empty tensor [..., {hidden}]")
         if not calib.is_floating_point():
             raise TypeError(f"calib: expected a real floating tensor, got {calib.dtype}")
@@ -294,9 +296,8 @@ def gqa_attention_reference(source, x: torch.Tensor, *, num_heads: int, num_grou
     # non-finite weights are taken: the reference carries them where the math does
     wq, wk, wv, wo, h, g, d, dv, hidden = _source(source, num_heads, num_groups, head_dim, v_head_dim, finite=False)
     wq, wk, wv, wo = (w.detach().to(**_F64) for w in (wq, wk, wv, wo))
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != hidden:
-        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x: expected a tensor [B, T, {hidden}] (the source's hidden size), got {got}")
+    if check_dense("x", x).dim() != 3 or x.shape[2] != hidden:
+        raise ValueError(f"x: expected a tensor [B, T, {hidden}] (the source's hidden size), got {list(x.shape)}")
     if not x.is_floating_point() or x.device.type == "meta":
         raise TypeError(f"x: expected a real floating tensor with values, got {x.dtype} on {x.device}")
     x = x.detach().to(**_F64)
@@ -305,15 +306,17 @@ def gqa_attention_reference(source, x: torch.Tensor, *, num_heads: int, num_grou
     rope_attention_scaling = check_positive_real("rope_attention_scaling", rope_attention_scaling)
     if rope_theta is not None:
         rope_theta = check_positive_real("rope_theta", rope_theta)
-    if positions is not None and (not isinstance(positions, torch.Tensor) or positions.is_floating_point()
-                                  or positions.dtype == torch.bool or positions.shape not in ((T,), (B, T))
-                                  or positions.device.type == "meta"):
-        got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, torch.Tensor) else positions
-        raise ValueError(f"positions: expected an integer tensor [{T}] or [{B}, {T}] with values, got {got}")
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or attention_mask.shape != (B, T) or attention_mask.device.type == "meta"):
-        got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-        raise ValueError(f"attention_mask: expected a tensor [{B}, {T}] (1 = token, 0 = padding), got {got}")
+    if positions is not None:
+        check_dense("positions", positions)
+        want = f"an integer tensor [{T}] or [{B}, {T}] with values"
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(f"positions: expected {want}, got {positions.dtype}")
+        if positions.shape not in ((T,), (B, T)) or positions.device.type == "meta":
+            raise ValueError(f"positions: expected {want}, got {list(positions.shape)} on {positions.device}")
+    if attention_mask is not None and (check_dense("attention_mask", attention_mask).shape != (B, T)
+                                       or attention_mask.device.type == "meta"):
+        raise ValueError(f"attention_mask: expected a tensor [{B}, {T}] (1 = token, 0 = padding), got "
+                         f"{list(attention_mask.shape)} on {attention_mask.device}")
     q = (x @ wq.T).view(B, T, h, d)
     k = (x @ wk.T).view(B, T, g, d)
     v = (x @ wv.T).view(B, T, g, dv)

@@ -62,6 +62,7 @@ from ..ops._common.validation import (
     check_int_in,
     check_page_size,
     check_positive_int,
+    check_real_type,
     check_scale,
     check_tensor,
     is_finite_real,
@@ -594,6 +595,8 @@ class LatentCache(PagedCache):
         fp8 = dtype == torch.float8_e4m3fn and not scaled
         if dtype.itemsize == 1 and dtype != torch.float8_e4m3fn:
             raise TypeError(f"dtype: the one 8-bit cache is FlashMLA's FP8 layout (torch.float8_e4m3fn), got {dtype}")
+        if scaled:
+            check_real_type("k_scale", k_scale, "None or a positive, finite real number")
         if scaled and (dtype != torch.float8_e4m3fn or not is_finite_real(k_scale) or not k_scale > 0):
             raise ValueError(f"k_scale: the scale of a float8_e4m3fn cache (dtype=torch.float8_e4m3fn), a positive "
                              f"finite number; got {k_scale!r} for dtype {dtype}")
@@ -604,6 +607,7 @@ class LatentCache(PagedCache):
                              f"values per token, got {kv_rank}/{rope_dim} (k_scale: a cache scaled per tensor holds "
                              "any widths)")
         allowed = latent_compute_dtypes(dtype, scaled)
+        check_float_dtype(compute_dtype, name="compute_dtype")
         if compute_dtype is not None and compute_dtype not in allowed:
             raise ValueError(f"compute_dtype: expected None or one of {allowed} for a {dtype} cache, got "
                              f"{compute_dtype!r}")

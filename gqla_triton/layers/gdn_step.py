@@ -31,7 +31,9 @@ from ..ops._common.validation import (
     check_contiguous,
     check_disjoint,
     check_eps,
+    check_int_in,
     check_kernel_device,
+    check_positive_int,
     check_same_device,
     check_tensor,
     contiguous,
@@ -205,10 +207,9 @@ def _(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots,
 
 
 def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, H, K, HV, V, ref):
-    """Validation shared by the kernel and the reference; returns ``num_slots`` as an int."""
-    for name, val in (("num_heads", H), ("head_k_dim", K), ("num_v_heads", HV), ("head_v_dim", V)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+    """Validation shared by the kernel and the reference; returns ``(num_slots, H, K, HV, V)`` as ints."""
+    H, K, HV, V = (check_positive_int(name, val) for name, val in
+                   (("num_heads", H), ("head_k_dim", K), ("num_v_heads", HV), ("head_v_dim", V)))
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     KD, VD = H * K, HV * V
     C = 2 * KD + VD
@@ -243,13 +244,12 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     check_disjoint("seqlens", seqlens, **reads)
     if num_slots is None:
         num_slots = P
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 <= num_slots <= P:
-        raise ValueError(f"num_slots: expected an int in [0, {P}] (rows of conv_state), got {num_slots!r}")
+    num_slots = check_int_in("num_slots", num_slots, 0, P)
     if slots.device.type == "cpu" and not torch.compiler.is_compiling():  # read only where it costs no sync
         live = slots[(slots >= 0) & (slots < num_slots)]
         if live.unique().numel() != live.numel():  # two sequences would update one row in place
             raise ValueError(f"slots: a slot is named by more than one sequence in {slots.tolist()}")
-    return num_slots
+    return num_slots, H, K, HV, V
 
 
 def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, seqlens: torch.Tensor,
@@ -281,8 +281,9 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
     (``silu(conv)``, the conv rounded to mixed's dtype first, as the torch path); g, beta ``[B, T, HV]`` fp32;
     rows ``[B]`` int32: the slot, or -1 for a skipped sequence (the decode op's ``state_indices``).
     """
-    num_slots = _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads,
-                            head_k_dim, num_v_heads, head_v_dim, ref=False)
+    num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim = _check_prep(
+        mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads, head_k_dim, num_v_heads,
+        head_v_dim, ref=False)
     if not isinstance(update, bool):
         raise TypeError(f"update: expected a bool, got {type(update).__name__}")
     for dt in (mixed.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype):
@@ -306,9 +307,8 @@ def gdn_decode_prep_ref(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_sta
     """``gdn_decode_prep`` in torch ops, as the layer's torch path computes it: the conv in at least float32,
     rounded to mixed's dtype, SiLU in that dtype; the gates in float32 (float64 for float64 inputs). Same
     arguments (float64 allowed), results and in-place updates; reads ``slots`` on the host."""
-    num_slots = _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads,
-                            head_k_dim, num_v_heads, head_v_dim, ref=True)
-    H, K, HV, V = num_heads, head_k_dim, num_v_heads, head_v_dim
+    num_slots, H, K, HV, V = _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots,
+                                         num_heads, head_k_dim, num_v_heads, head_v_dim, ref=True)
     B, T, _ = mixed.shape
     KD, VD = H * K, HV * V
     C, W = 2 * KD + VD, conv_weight.shape[-1]

@@ -42,6 +42,7 @@ from torch import nn
 from ..ops._common.impl import check_impl
 from ..ops._common.validation import (
     FLOAT_DTYPES,
+    check_choice,
     check_dense,
     check_device,
     check_flag,
@@ -168,8 +169,7 @@ class GQLAttention(nn.Module):
         rope_theta = check_positive_real("rope_theta", rope_theta)
         norm_eps = check_norm_eps("norm_eps", norm_eps)
         kv_norm = check_flag("kv_norm", kv_norm)
-        if path not in _PATHS:
-            raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
+        check_choice("path", path, _PATHS)
         check_impl(impl, op="GQLAttention", gluon=True)
         check_float_dtype(dtype)
         if path == "grouped":
@@ -308,8 +308,7 @@ class GQLAttention(nn.Module):
         scaled per tensor (``LatentCache``). ``s_q``: query tokens per decode step (a positive int; it informs the
         "auto" choice). ``auto_reserve``: see ``PagedCache``."""
         path = self.path if path is None else path
-        if path not in _PATHS:
-            raise ValueError(f"path: expected one of {_PATHS}, got {path!r}")
+        check_choice("path", path, _PATHS)
         if self.path != "auto" and path != self.path:  # forward would refuse the cache (_check_cache)
             raise ValueError(f"path: this layer decodes on path={self.path!r}, so its caches are too; got {path!r} "
                              "(a layer made with path='auto' takes either)")

@@ -310,10 +310,9 @@ def _check_out_dtype(out_dtype) -> None:
 
 
 def _check_cos_sin(cos_sin, B: int, T: int, half: int, dev: torch.device) -> None:
-    if not isinstance(cos_sin, torch.Tensor) or cos_sin.dtype != torch.float32 or \
-            list(cos_sin.shape) != [B, T, 2, half] or not cos_sin.is_contiguous():
-        got = (cos_sin.dtype, list(cos_sin.shape)) if isinstance(cos_sin, torch.Tensor) else cos_sin
-        raise ValueError(f"cos_sin: expected a contiguous float32 tensor of shape [{B}, {T}, 2, {half}], got {got}")
+    check_tensor("cos_sin", cos_sin, shape=(B, T, 2, half), dtypes=(torch.float32,))
+    if not cos_sin.is_contiguous():
+        raise ValueError("cos_sin: expected a contiguous tensor")
     _check_same_device(dev, cos_sin=cos_sin)
 
 
@@ -397,9 +396,7 @@ def norm_rope(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: torch
         raise ValueError("qa_weight: given without qa (it scales the normed qa)")
     qa_eps, kv_eps = check_eps("qa_eps", qa_eps), check_eps("kv_eps", kv_eps)
     check_positions(positions, (B, T))
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or list(inv_freq.shape) != [half]:
-        got = (inv_freq.dtype, list(inv_freq.shape)) if isinstance(inv_freq, torch.Tensor) else inv_freq
-        raise ValueError(f"inv_freq: expected a float64 tensor of shape [{half}], got {got}")
+    check_tensor("inv_freq", inv_freq, shape=(half,), dtypes=(torch.float64,))
     _check_same_device(kv.device, qa=qa, positions=positions, inv_freq=inv_freq)
     check_kernel_device(kv.device, _REFERENCE, kv.dtype)
     if qa is not None:

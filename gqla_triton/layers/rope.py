@@ -6,6 +6,7 @@ import torch
 
 from ..ops._common.validation import (
     INT32_MAX,
+    check_dense,
     check_device,
     check_int_type,
     check_positive_real,
@@ -52,9 +53,9 @@ def _check_inv_freq(inv_freq: object, half: int | None, device: torch.device) ->
 def check_rope_inv_freq(inv_freq: object, half: int, what: str = "") -> torch.Tensor:
     """A ``rope_inv_freq`` argument: a real floating tensor ``[half]`` (``what``: how the message names ``half``)
     with finite values (not on meta); a float64 copy of it on the CPU."""
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (half,):
-        got = list(inv_freq.shape) if isinstance(inv_freq, torch.Tensor) else inv_freq
-        raise ValueError(f"rope_inv_freq: expected a tensor of shape [{half}]{what}, got {got!r}")
+    check_dense("rope_inv_freq", inv_freq)
+    if inv_freq.shape != (half,):
+        raise ValueError(f"rope_inv_freq: expected a tensor of shape [{half}]{what}, got {list(inv_freq.shape)!r}")
     if not inv_freq.is_floating_point():
         raise TypeError(f"rope_inv_freq: expected a real floating tensor, got {inv_freq.dtype}")
     if inv_freq.device.type == "meta":

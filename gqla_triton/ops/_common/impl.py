@@ -9,6 +9,8 @@ correctness).
 
 from __future__ import annotations
 
+from .validation import check_choice
+
 __all__ = ["IMPLS", "check_impl"]
 
 IMPLS = ("auto", "triton", "gluon", "reference")
@@ -16,8 +18,7 @@ IMPLS = ("auto", "triton", "gluon", "reference")
 
 def check_impl(impl: object, *, op: str, gluon: bool) -> str:
     """Validate ``impl`` for ``op``; ``gluon``: whether the op has a Gluon kernel at all."""
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    check_choice("impl", impl, IMPLS)
     if impl == "gluon" and not gluon:
         raise ValueError(f"impl='gluon': {op} has no Gluon kernel; use 'auto', 'triton' or 'reference'")
     return impl

@@ -106,8 +106,7 @@ def check_scale(name: str, value: object, default: float, *, factor: float = 1.0
     ``factor`` is 0 or a normal float32 number (the kernels take ``value · factor`` as a float32)."""
     if value is None:
         return float(default)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a finite real number or None, got {type(value).__name__} {value!r}")
+    check_real_type(name, value, "a finite real number or None")
     try:
         scale = float(value)
     except OverflowError:
@@ -132,6 +131,38 @@ INT32_MAX = 2**31 - 1
 def is_int(value: object) -> bool:
     """An integer of any size (numpy's too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_real_type(name: str, value: object, expected: str) -> None:
+    """``value`` is a real number (numpy's too), not a bool, a string or a tensor: else a ``TypeError``
+    ``"{name}: expected {expected}, ..."`` (a real number outside its range is the caller's ``ValueError``)."""
+    if not is_real(value):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def check_str_type(name: str, value: object, expected: str) -> None:
+    """``value`` is a ``str``: else a ``TypeError`` ``"{name}: expected {expected}, ..."`` (a string that names
+    nothing is the caller's ``ValueError``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def check_choice(name: str, value: object, choices: Iterable[str], *, optional: bool = False) -> str | None:
+    """One of the strings ``choices`` (None too where ``optional``): a non-string is a ``TypeError``, a string not
+    among them a ``ValueError``, each naming ``name`` and the choices."""
+    if optional and value is None:
+        return None
+    choices = tuple(choices)
+    expected = f"{'None or ' if optional else ''}one of {choices}"
+    check_str_type(name, value, expected)
+    if value not in choices:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return value
 
 
 def check_int_type(name: str, value: object, expected: str) -> None:
@@ -189,19 +220,23 @@ def check_rank(tp_rank: object, tp_size: object) -> None:
 def check_device(device: object, *, storage: bool = False, name: str = "device") -> torch.device | None:
     """None, or ``device`` as a ``torch.device``: a device, a device string or a CUDA index (bools refused), a CUDA
     device that exists here (not counted while ``torch.compile`` traces, where the device is a traced tensor's and
-    the count would break the graph); with ``storage`` not ``meta`` (which holds no values)."""
+    the count would break the graph); with ``storage`` not ``meta`` (which holds no values). Another type is a
+    ``TypeError``."""
     if device is None:
         return None
+    expected = "a torch.device, a device string or a CUDA index"
+    if not isinstance(device, (torch.device, str)) and not is_int(device):
+        raise TypeError(f"{name}: expected {expected}, got {type(device).__name__} {device!r}")
     try:
-        dev = None if isinstance(device, bool) else torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         dev = None
-    if dev is not None and (isinstance(device, int) or (isinstance(device, str) and ":" in device)):
-        index = device if isinstance(device, int) else device.rpartition(":")[2]
+    if dev is not None and (is_int(device) or (isinstance(device, str) and ":" in device)):
+        index = device if is_int(device) else device.rpartition(":")[2]
         if str(index) != str(dev.index):  # torch keeps an index in 8 bits: "cuda:256" would be cuda:0
             dev = None
     if dev is None:
-        raise ValueError(f"{name}: expected a torch.device, a device string or a CUDA index, got {device!r}")
+        raise ValueError(f"{name}: expected {expected}, got {device!r}")
     if storage and dev.type == "meta":
         raise ValueError(f"{name}: expected a device with storage, got meta (it holds no values)")
     if dev.type == "cuda" and not torch.compiler.is_compiling():  # traced: a tensor's device, which exists
@@ -226,7 +261,8 @@ def is_finite_real(value: object) -> bool:
 
 
 def check_positive_real(name: str, value: object) -> float:
-    """A positive, finite real number (bools, strings and tensors refused)."""
+    """A positive, finite real number (bools, strings and tensors: ``TypeError``)."""
+    check_real_type(name, value, "a positive, finite real number")
     if not is_finite_real(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive, finite real number, got {type(value).__name__} {value!r}")
     return float(value)
@@ -242,7 +278,8 @@ def check_norm_eps(name: str, value: object) -> float:
 
 
 def check_eps(name: str, value: object) -> float:
-    """A norm's epsilon: a finite real number >= 0 (bools, strings and tensors refused)."""
+    """A norm's epsilon: a finite real number >= 0 (bools, strings and tensors: ``TypeError``)."""
+    check_real_type(name, value, "a finite real number >= 0")
     if not is_finite_real(value) or value < 0:
         raise ValueError(f"{name}: expected a finite real number >= 0, got {type(value).__name__} {value!r}")
     return float(value)
@@ -276,13 +313,9 @@ def check_flag(name: str, value: object) -> bool:
 
 
 def check_num_splits(num_splits: object) -> int:
-    """The split-KV count of the decode ops: an int in ``[0, MAX_NUM_SPLITS]`` (0 = chosen from shapes); bools and
-    non-integers are refused."""
-    if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
-            or not 0 <= num_splits <= MAX_NUM_SPLITS):
-        raise ValueError(f"num_splits: expected an int in [0, {MAX_NUM_SPLITS}] (0 = choose from shapes), "
-                         f"got {type(num_splits).__name__} {num_splits!r}")
-    return int(num_splits)
+    """The split-KV count of the decode ops: an int in ``[0, MAX_NUM_SPLITS]`` (0 = chosen from shapes;
+    ``check_int_in``)."""
+    return check_int_in("num_splits", num_splits, 0, MAX_NUM_SPLITS)
 
 
 def check_kernel_device(device: torch.device, reference: str, *dtypes: torch.dtype | None) -> None:

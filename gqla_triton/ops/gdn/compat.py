@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .._common.validation import check_tensor
+from .._common.validation import check_choice, check_tensor
 from .plan import CHUNK_SIZES
 
 __all__ = ["check_chunk_indices", "check_chunk_size", "check_fla_options", "check_gate", "decode_state_v_first",
@@ -91,8 +91,7 @@ def _check_graph_option(name: str, value) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"use_graph: expected a bool, got {type(value).__name__}")
     elif name == "graph_mode":
-        if value is not None and (not isinstance(value, str) or value not in _GRAPH_MODES):
-            raise ValueError(f"graph_mode: expected None or one of {_GRAPH_MODES}, got {value!r}")
+        check_choice("graph_mode", value, _GRAPH_MODES, optional=True)
     elif name in _GRAPH_INTS:
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}")

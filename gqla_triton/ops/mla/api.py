@@ -3,7 +3,6 @@ eager launcher that picks a kernel, allocates the outputs and merges the splits.
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -29,6 +28,7 @@ from .._common.validation import (
     MAX_KEYS,
     aligned_rows_copy,
     check_flag,
+    check_int_in,
     check_num_splits,
     check_rows_aligned,
     contiguous_indices,
@@ -197,6 +197,9 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
+    if q.shape[2] == 0 or D == 0:
+        raise ValueError(f"q: expected at least one head of at least one channel, got shape {list(q.shape)}")
+    head_dim_v = _check_head_dim_v(head_dim_v, D)
     if check_kv_format(kv_format) is not None and (not fp8 or scaled or q_descale is not None):
         raise ValueError(f"kv_format: names the layout of one of FlashMLA's quantised caches (uint8 / float8_e4m3fn "
                          f"rows with their own scales), got {kv_format!r} with a {kv_cache.dtype} cache"
@@ -209,9 +212,6 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
     if impl != "reference" and not (fp8 and fp8_layout(kv_cache, kv_format) in PAGED):  # (paged: bytes in order)
         check_rows_aligned("kv_cache", kv_cache)
-    if q.shape[2] == 0 or D == 0:
-        raise ValueError(f"q: expected at least one head of at least one channel, got shape {list(q.shape)}")
-    head_dim_v = _check_head_dim_v(head_dim_v, D)
     scale = check_softmax_scale(softmax_scale, D ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
                         indices=indices, topk_length=topk_length, num_splits=num_splits)
@@ -246,11 +246,8 @@ def _check_descales(q: torch.Tensor, kv_cache: torch.Tensor, q_descale, k_descal
 
 
 def _check_head_dim_v(head_dim_v, D: int) -> int:
-    """The value width as an int in ``[1, D]`` (any integral number but a bool)."""
-    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or not 0 < head_dim_v <= D:
-        raise ValueError(f"head_dim_v: expected an int in [1, {D}] (value = first head_dim_v channels), "
-                         f"got {head_dim_v!r}")
-    return int(head_dim_v)
+    """The value width as an int in ``[1, D]`` (any integral number but a bool; ``check_int_in``)."""
+    return check_int_in("head_dim_v", head_dim_v, 1, D)
 
 
 # FlashMLA's names of the quantised layouts (fp8.py), and the alignment in bytes their in-place views need (float32

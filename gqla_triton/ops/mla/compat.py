@@ -44,7 +44,15 @@ import torch
 
 from .._common import combine_splits
 from .._common.boundary import route
-from .._common.validation import MAX_KEYS, check_flag, check_scale, check_tensor, forward_only, requires_grad
+from .._common.validation import (
+    MAX_KEYS,
+    check_choice,
+    check_flag,
+    check_scale,
+    check_tensor,
+    forward_only,
+    requires_grad,
+)
 from .api import default_out_dtype, mla_decode, mla_sparse_prefill
 from .fp8 import ROW_BYTES, fp8_layout, is_fp8_latent
 
@@ -137,8 +145,7 @@ def _identity_table(B: int, num_blocks: int, page: int, device: torch.device):
 def _layouts(k_cache, extra_k_cache, kv_format, use_legacy: bool) -> tuple[str | None, str | None]:
     """The ``fp8.py`` layouts of the two caches (module docstring; None: not quantised, or told by the row width)."""
     if kv_format is not None:
-        if not isinstance(kv_format, str) or kv_format not in FLASH_MLA_KV_FORMATS:
-            raise ValueError(f"kv_format: expected None or one of {tuple(FLASH_MLA_KV_FORMATS)}, got {kv_format!r}")
+        check_choice("kv_format", kv_format, FLASH_MLA_KV_FORMATS, optional=True)
         if not is_fp8_latent(k_cache):
             raise ValueError(f"kv_format: names the layout of a quantised k_cache (uint8 / float8_e4m3fn), got "
                              f"{kv_format!r} with a {k_cache.dtype} cache")

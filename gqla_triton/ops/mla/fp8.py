@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._common.validation import check_choice
+
 __all__ = ["E4M3_MAX", "FP8_ROW_BYTES", "FP8_LATENT", "FP8_ROPE", "FP8_TILE", "KV_FORMATS", "M1_ROW_BYTES", "M1_TOKEN_BYTES",
            "M1_NOPE", "PAGED", "ROW_BYTES", "check_kv_format", "dequantize_latent_fp8", "fp8_layout", "is_fp8_latent",
            "quantize_latent_fp8"]
@@ -85,9 +87,7 @@ def is_fp8_latent(kv_cache: torch.Tensor) -> bool:
 
 def check_kv_format(kv_format) -> str | None:
     """``kv_format`` as the kernels take it: None (the layout told by the row width) or one of ``KV_FORMATS``."""
-    if kv_format is not None and (not isinstance(kv_format, str) or kv_format not in ROW_BYTES):
-        raise ValueError(f"kv_format: expected None or one of {KV_FORMATS}, got {kv_format!r}")
-    return kv_format
+    return check_choice("kv_format", kv_format, KV_FORMATS, optional=True)
 
 
 def fp8_layout(kv_cache: torch.Tensor, kv_format: str | None = None) -> str | None:
@@ -188,8 +188,7 @@ def quantize_latent_fp8(kv: torch.Tensor, *, pow2_scales: bool = False, layout: 
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point() or is_fp8_latent(kv):
         got = kv.dtype if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise TypeError(f"kv: expected a floating tensor of latent + rope values, got {got}")
-    if not isinstance(layout, str) or layout not in ROW_BYTES:
-        raise ValueError(f"layout: expected one of {KV_FORMATS}, got {layout!r}")
+    check_choice("layout", layout, KV_FORMATS)
     if not isinstance(pow2_scales, bool):
         raise TypeError(f"pow2_scales: expected a bool, got {pow2_scales!r}")
     if layout in PAGED:
