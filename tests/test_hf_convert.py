@@ -263,11 +263,12 @@ def _small(cls, cfg_cls, **kw):
 
 
 @pytest.mark.parametrize("variant", ["cohere", "olmo_clip", "smollm3_nope", "qk_norm_flag", "stablelm_qk_layernorm",
-                                     "hunyuan_qk_layernorm", "bitnet_sub_norm", "diffllama"])
+                                     "hunyuan_qk_layernorm", "bitnet_sub_norm", "diffllama", "ministral3_scaled_q"])
 def test_attention_variants_that_change_the_function_are_refused(variant):
     """Llama-shaped models whose attention is not Llama's (interleaved RoPE pairs, clamped q / k / v, layers
-    without RoPE, q / k / output norms under any name, differential attention) would convert into another function:
-    refused, and the model left as it was."""
+    without RoPE, q / k / output norms under any name, differential attention, queries scaled by their position
+    past ``original_max_position_embeddings``: Ministral 3's ``llama_4_scaling_beta``) would convert into another
+    function: refused, and the model left as it was."""
     T = transformers
     model = {"cohere": lambda: _small(T.CohereForCausalLM, T.CohereConfig),
              "olmo_clip": lambda: _small(T.OlmoForCausalLM, T.OlmoConfig, clip_qkv=0.05),
@@ -277,14 +278,19 @@ def test_attention_variants_that_change_the_function_are_refused(variant):
                                                      partial_rotary_factor=1.0),
              "hunyuan_qk_layernorm": lambda: _small(T.HunYuanDenseV1ForCausalLM, T.HunYuanDenseV1Config, head_dim=8),
              "bitnet_sub_norm": lambda: _small(T.BitNetForCausalLM, T.BitNetConfig),
-             "diffllama": lambda: _small(T.DiffLlamaForCausalLM, T.DiffLlamaConfig)}[variant]()
-    _refused_leaving_it_unchanged(model, "model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama)")
+             "diffllama": lambda: _small(T.DiffLlamaForCausalLM, T.DiffLlamaConfig),
+             "ministral3_scaled_q": lambda: _small(T.Ministral3ForCausalLM, T.Ministral3Config, head_dim=8)}[variant]()
+    _refused_leaving_it_unchanged(model, "model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama|"
+                                         "llama_4_scaling_beta)")
 
 
 def test_llama_family_models_with_llama_attention_still_convert_exactly():
     T = transformers
     for model in (_small(T.LlamaForCausalLM, T.LlamaConfig), _small(T.OlmoForCausalLM, T.OlmoConfig),
-                  _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=2, no_rope_layers=[1, 1])):
+                  _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=2, no_rope_layers=[1, 1]),
+                  _small(T.Ministral3ForCausalLM, T.Ministral3Config, head_dim=8, rope_parameters={
+                      "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.0,
+                      "original_max_position_embeddings": 4})):
         ids = torch.randint(0, 64, (1, 12), generator=gen(3)).to(P.device)
         with torch.no_grad():
             ref = model(ids).logits.double()

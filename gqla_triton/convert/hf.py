@@ -268,6 +268,9 @@ def _check_supported(model) -> None:
                        ("use_qk_norm", "normalizes q / k (use_qk_norm)")):
         if getattr(cfg, name, None) not in (None, False):
             raise ValueError(f"model: its attention {what}; not supported")
+    if rope.get("llama_4_scaling_beta"):  # Ministral 3: q · (1 + β·log(1 + ⌊position / original_max⌋))
+        raise ValueError(f"model: its attention scales the queries by their position (rope_parameters"
+                         f"['llama_4_scaling_beta'] = {rope['llama_4_scaling_beta']!r}); not supported")
     if any(not flag for flag in getattr(cfg, "no_rope_layers", None) or ()):
         raise ValueError("model: some layers use no rotary embedding (no_rope_layers); TransGQLA rotates every layer")
 
@@ -324,9 +327,10 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     the same layout: bias-free q/k/v/o, Llama's rotate-half RoPE with fixed frequencies on every layer, full
     attention, any ``num_key_value_heads``) by a ``GQLAHFAttention`` in place; returns ``model``. Attention variants
     that would convert into another function are a ``ValueError`` before anything changes: interleaved RoPE pairs
-    (Cohere), layers without RoPE (SmolLM3), clamped q / k / v (``clip_qkv``), soft-capped logits, q / k norms,
-    sliding windows, biases, length-dependent RoPE, and any parameter of the attention besides its q / k / v / o
-    projections (StableLM's and HunYuan's q / k layer norms, BitNet's sub-norm, differential attention's λ).
+    (Cohere), layers without RoPE (SmolLM3), clamped q / k / v (``clip_qkv``), queries scaled by their position
+    (Ministral 3's ``llama_4_scaling_beta``), soft-capped logits, q / k norms, sliding windows, biases,
+    length-dependent RoPE, and any parameter of the attention besides its q / k / v / o projections (StableLM's and
+    HunYuan's q / k layer norms, BitNet's sub-norm, differential attention's λ).
 
     ``kv_rank`` / ``rope_dim``: see ``trans_gqla`` (``rope_dim = num_key_value_heads·head_dim`` and ``kv_rank >=
     2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
