@@ -299,6 +299,24 @@ def test_llama_family_models_with_llama_attention_still_convert_exactly():
         assert (out - ref).abs().max() <= 1e-4 * ref.abs().max(), type(model).__name__
 
 
+def test_models_without_llama_layers_are_refused_by_name_leaving_no_hooks():
+    """A decoder layer without ``self_attn`` (JetMoe's mixture of attention heads; a layer whose attention was
+    removed) or a ``rotary_emb`` without one ``inv_freq`` is a ``TypeError`` naming ``model``, raised before the
+    calibration hooks are placed: none is left on any attention."""
+    T = transformers
+    with pytest.raises(TypeError, match=r"^model: layers \[0, 1\] have no self_attn"):
+        convert_llama(_small(T.JetMoeForCausalLM, T.JetMoeConfig), kv_rank=32, rope_dim=16)
+    model = _small(T.LlamaForCausalLM, T.LlamaConfig)
+    del model.model.layers[1].self_attn
+    with pytest.raises(TypeError, match=r"^model: layers \[1\] have no self_attn"):
+        convert_llama(model, kv_rank=32, rope_dim=16, calib_input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert not model.model.layers[0].self_attn._forward_pre_hooks
+    model = _small(T.LlamaForCausalLM, T.LlamaConfig)
+    del model.model.rotary_emb.inv_freq
+    with pytest.raises(TypeError, match="^model: .*rotary_emb .*inv_freq"):
+        convert_llama(model, kv_rank=32, rope_dim=16)
+
+
 def test_calib_input_ids_and_page_size_are_checked_before_any_change():
     model = tiny_llama(9, g=2, layers=1)
     before = copy.deepcopy(model.state_dict())

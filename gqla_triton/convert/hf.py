@@ -247,6 +247,12 @@ def _decoder_layers(model):
     if layers is None or rotary is None:
         raise TypeError(f"model: expected a transformers Llama-family model (model.layers, model.rotary_emb), got "
                         f"{type(model).__name__}")
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        raise TypeError(f"model: expected its rotary_emb ({type(rotary).__name__}) to hold the frequencies of every "
+                        "layer (inv_freq)")
+    missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "self_attn", None), nn.Module)]
+    if missing:
+        raise TypeError(f"model: layers {missing} have no self_attn module (a Llama-family decoder layer's attention)")
     return base, layers, rotary
 
 
