@@ -87,6 +87,28 @@ def test_padded_batch_without_cache(attn):
             conv(ids, attention_mask=mask, use_cache=True)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_custom_float_mask_without_cache_is_added_to_the_scores_as_the_source_adds_it(attn):
+    """A custom 4-D float mask (HF passes it through as it is) adds its values to the scores, in the source model and
+    in the converted one: a finite bias is not a hidden key, HF's minimum is; a query row that sees no key gives 0."""
+    model = tiny_llama(5, g=2, attn=attn)
+    ids = ids_for(6, 2, 7)
+    low = torch.finfo(torch.float32).min
+    mask = torch.full((2, 1, 7, 7), low).triu(1)
+    mask[0, 0, 4, 1], mask[0, 0, 5, :3], mask[1, 0, 6, 2] = -2.0, 1.5, low
+    with torch.no_grad():
+        ref = float64_model(model)(ids.cpu(), attention_mask=mask.double().cpu(), use_cache=False).logits
+        lowp = model(ids, attention_mask=mask.to(P.device), use_cache=False).logits
+        conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference")
+        out = conv(ids, attention_mask=mask.to(P.device), use_cache=False).logits
+        assert_close("biased-mask logits", out, ref, lowp, dtype=torch.float32)
+        x = torch.randn(1, 3, model.config.hidden_size, generator=gen(7)).to(P.device)
+        blind = torch.full((1, 1, 3, 3), low).triu(1)
+        blind[0, 0, 1] = low  # query 1 sees no key
+        got, _ = conv.model.layers[0].self_attn(x, attention_mask=blind.to(P.device))
+    assert torch.equal(got[0, 1], torch.zeros_like(got[0, 1])) and got[0, [0, 2]].abs().min() > 0
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_generate_greedy_matches_on_both_paths(impl):
     """float32 in both profiles: greedy tokens are compared exactly, and low-precision rounding may flip a near tie."""

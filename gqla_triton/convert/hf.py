@@ -29,9 +29,9 @@ _DECODE_PATHS = ("absorb", "grouped")
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """HF 4-D mask (bool: True = attend; float: 0 = attend, large negative = hidden) -> bool. An integer mask is
-    refused: HF's 4-D integer masks mean 1 = attend, the additive convention's opposite, so neither reading is
-    safe."""
+    """HF 4-D mask (bool: True = attend; float: added to the scores, 0 = attend as is) -> bool, True where the mask
+    leaves the score as it is. An integer mask is refused: HF's 4-D integer masks mean 1 = attend, the additive
+    convention's opposite, so neither reading is safe."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attention_mask: expected a bool (True = attend) or floating (0 = attend) 4-D mask, got "
                         f"{mask.dtype}")
@@ -53,17 +53,17 @@ class GQLAHFAttention(nn.Module):
     """A ``GQLAttention`` with the HF attention forward: ``(hidden_states [B, T, hidden], position_embeddings,
     attention_mask, cache / past_key_values, position_ids, **kwargs) -> (attn_output [B, T, hidden], None)``.
 
-    Positions come from ``position_ids`` (else ``cache_position``, else the HF cache's length + 0..T-1); the
-    model's ``position_embeddings`` are not used (the layer rotates with its own frequencies in float64).
-    Without a HF cache any 4-D ``attention_mask`` is honoured (padding included). With one, a call whose HF cache
-    is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls with that HF cache decode
-    against it (each HF cache its own: conversations may interleave; it is freed with its HF cache). Cached
-    calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
+    Positions come from ``position_ids`` (else ``cache_position``, else the HF cache's length + 0..T-1); the model's
+    ``position_embeddings`` are not used (the layer rotates with its own frequencies in float64). Without a HF cache
+    any 4-D ``attention_mask`` is honoured (padding included; a float one is added to the scores). With one, a call
+    whose HF cache is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls with that HF
+    cache decode against it (each HF cache its own: conversations may interleave; it is freed with its HF cache).
+    Cached calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
     ``ValueError``. The HF cache holds, per token, the GQLA slot of its row: row reorders of the HF cache (beam
-    search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped
-    by assisted or speculative generation) is a ``ValueError``, and so is a step past a fixed-size HF cache's
-    capacity (a ``StaticCache``). A cached call that raises leaves both caches as they were (the HF cache records a
-    step once it ran; a HF cache update that raises takes the GQLA step back).
+    search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped by
+    assisted or speculative generation) is a ``ValueError``, and so is a step past a fixed-size HF cache's capacity
+    (a ``StaticCache``). A cached call that raises leaves both caches as they were (the HF cache records a step once
+    it ran; a HF cache update that raises takes the GQLA step back).
     """
 
     def __init__(self, attn: GQLAttention, layer_idx: int, *, decode_path: str = "absorb", max_seqlen: int = 4096,
@@ -225,7 +225,9 @@ class GQLAHFAttention(nn.Module):
         return bool((_allowed(mask) == want).all())
 
     def _masked_prefill(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention over the T tokens under a HF 4-D mask (e.g. left padding); rows with no key give 0."""
+        """Attention over the T tokens under a HF 4-D mask (e.g. left padding): a bool mask selects the keys, a
+        float one is added to the scores (as HF's attention adds it; its dtype's minimum hides a key); rows with no
+        key give 0."""
         a = self.attn
         B, T, _ = x.shape
         q_nope, q_rope, c, k_rope = a._project(x, pos)
@@ -234,9 +236,12 @@ class GQLAHFAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, a.num_groups, a.rope_dim)], -1)
         k, v = (t.transpose(1, 2).repeat_interleave(rep, dim=1) for t in (k, v))
-        allow = _allowed(mask)[..., :T].expand(B, 1, T, T)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, scale=a.softmax_scale)
-        o = o.masked_fill(~allow.any(-1, keepdim=True), 0.0).transpose(1, 2)
+        m = mask[..., :T].expand(B, 1, T, T)
+        hidden = ~m if m.dtype == torch.bool else m <= torch.finfo(m.dtype).min
+        bias = torch.zeros(m.shape, dtype=q.dtype, device=q.device) if m.dtype == torch.bool else m.to(q.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(hidden, -torch.inf),
+                                           scale=a.softmax_scale)
+        o = o.masked_fill(hidden.all(-1, keepdim=True), 0.0).transpose(1, 2)
         return a.o_proj(o.reshape(B, T, a.num_heads * a.v_head_dim).to(x.dtype))
 
 
