@@ -245,11 +245,11 @@ def test_truncated_conversion_calibration_helps():
     assert errs[-1] < 1e-5 and cal < errs[1], (errs, cal)
 
 
-def _refused_leaving_it_unchanged(model, match: str) -> None:
-    """``convert_llama(model)`` is a ``ValueError`` matching ``match``, and the model is left as it was."""
+def _refused_leaving_it_unchanged(model, match: str, **kw) -> None:
+    """``convert_llama(model, **kw)`` is a ``ValueError`` matching ``match``, and the model is left as it was."""
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=match):
-        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+        convert_llama(model, **{"kv_rank": 32, "rope_dim": 16, "impl": "reference", **kw})
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
@@ -337,6 +337,27 @@ def test_models_without_llama_layers_are_refused_by_name_leaving_no_hooks():
     del model.model.rotary_emb.inv_freq
     with pytest.raises(TypeError, match="^model: .*rotary_emb .*inv_freq"):
         convert_llama(model, kv_rank=32, rope_dim=16)
+
+
+def test_a_grouped_decode_path_its_kernels_cannot_take_is_refused_where_it_is_chosen():
+    """``decode_path="grouped"`` with decode kernels whose grouped op does not take the converted head dims (head_dim
+    24 is no multiple of 16) is refused by ``convert_llama`` (naming ``decode_path``, the model left as it was) and by
+    ``set_decode_path`` (naming ``path``, no attention changed), not at the first cached call; ``impl="reference"``
+    takes any dims."""
+    model = tiny_llama(13, g=2, d=24, layers=1)
+    _refused_leaving_it_unchanged(model, "^decode_path: .*head_dim", decode_path="grouped", impl="triton")
+    conv = convert_llama(copy.deepcopy(model), kv_rank=32, rope_dim=16, impl="triton", max_seqlen=16, page_size=16)
+    ids = ids_for(14, 1, 4)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        conv(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="^path: .*head_dim"):
+            set_decode_path(conv, "grouped")
+        attn = conv.model.layers[0].self_attn
+        assert attn.decode_path == "absorb" and attn._cache_of(cache) is not None
+        conv(ids[:, :1], past_key_values=cache, use_cache=True)
+    ref = convert_llama(copy.deepcopy(model), kv_rank=32, rope_dim=16, impl="reference", decode_path="grouped")
+    assert ref.model.layers[0].self_attn.decode_path == "grouped"
 
 
 def test_calib_input_ids_and_page_size_are_checked_before_any_change():

@@ -19,13 +19,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers._state import drop_when_freed
-from ..layers.gqla import GQLAttention
+from ..layers.gqla import GQLAttention, _check_grouped_dims
 from ..ops._common.validation import check_dense, check_page_size, check_positive_int, is_int
 from .trans_gqla import check_plain_attention, trans_gqla
 
 __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
 
 _DECODE_PATHS = ("absorb", "grouped")
+
+
+def _check_decode_path(attn: GQLAttention, path, name: str) -> None:
+    """``path`` is one of ``_DECODE_PATHS`` whose decode kernels take ``attn`` (the grouped ones: its head dims and
+    ``impl``), else a ``ValueError`` naming the argument ``name``."""
+    if path not in _DECODE_PATHS:
+        raise ValueError(f"{name}: expected one of {_DECODE_PATHS}, got {path!r}")
+    if path == "grouped":
+        try:
+            _check_grouped_dims(attn.impl, attn.head_dim, attn.v_head_dim, attn.rope_dim)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -75,8 +87,7 @@ class GQLAHFAttention(nn.Module):
             raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__} {layer_idx!r}")
         if layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
-        if decode_path not in _DECODE_PATHS:
-            raise ValueError(f"decode_path: expected one of {_DECODE_PATHS}, got {decode_path!r}")
+        _check_decode_path(attn, decode_path, "decode_path")
         check_positive_int("max_seqlen", max_seqlen)
         self.attn, self.layer_idx, self.decode_path = attn, layer_idx, decode_path
         self.max_seqlen, self.page_size = max_seqlen, check_page_size(page_size)
@@ -405,12 +416,13 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
 
 def set_decode_path(model, path: str):
     """Set every converted attention's decode path ("absorb" | "grouped") and forget every GQLA cache: a HF cache
-    in progress is then refused, an empty one starts on the new path."""
-    if path not in _DECODE_PATHS:
-        raise ValueError(f"path: expected one of {_DECODE_PATHS}, got {path!r}")
+    in progress is then refused, an empty one starts on the new path. A path whose decode kernels do not take an
+    attention's head dims is a ``ValueError`` that changes nothing."""
     mods = [m for m in model.modules() if isinstance(m, GQLAHFAttention)]
     if not mods:
         raise ValueError("model: holds no converted attention (run convert_llama first)")
+    for m in mods:
+        _check_decode_path(m.attn, path, "path")
     for m in mods:
         m.decode_path, m.gqla_cache = path, None
     return model
