@@ -87,6 +87,28 @@ def test_padded_batch_without_cache(attn):
             conv(ids, attention_mask=mask, use_cache=True)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_custom_float_mask_without_cache_is_added_to_the_scores_as_the_source_adds_it(attn):
+    """A custom 4-D float mask (HF passes it through as it is) adds its values to the scores, in the source model and
+    in the converted one: a finite bias is not a hidden key, HF's minimum is; a query row that sees no key gives 0."""
+    model = tiny_llama(5, g=2, attn=attn)
+    ids = ids_for(6, 2, 7)
+    low = torch.finfo(torch.float32).min
+    mask = torch.full((2, 1, 7, 7), low).triu(1)
+    mask[0, 0, 4, 1], mask[0, 0, 5, :3], mask[1, 0, 6, 2] = -2.0, 1.5, low
+    with torch.no_grad():
+        ref = float64_model(model)(ids.cpu(), attention_mask=mask.double().cpu(), use_cache=False).logits
+        lowp = model(ids, attention_mask=mask.to(P.device), use_cache=False).logits
+        conv = convert_llama(copy.deepcopy(model), **full_rank(model), impl="reference")
+        out = conv(ids, attention_mask=mask.to(P.device), use_cache=False).logits
+        assert_close("biased-mask logits", out, ref, lowp, dtype=torch.float32)
+        x = torch.randn(1, 3, model.config.hidden_size, generator=gen(7)).to(P.device)
+        blind = torch.full((1, 1, 3, 3), low).triu(1)
+        blind[0, 0, 1] = low  # query 1 sees no key
+        got, _ = conv.model.layers[0].self_attn(x, attention_mask=blind.to(P.device))
+    assert torch.equal(got[0, 1], torch.zeros_like(got[0, 1])) and got[0, [0, 2]].abs().min() > 0
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_generate_greedy_matches_on_both_paths(impl):
     """float32 in both profiles: greedy tokens are compared exactly, and low-precision rounding may flip a near tie."""
@@ -223,11 +245,11 @@ def test_truncated_conversion_calibration_helps():
     assert errs[-1] < 1e-5 and cal < errs[1], (errs, cal)
 
 
-def _refused_leaving_it_unchanged(model, match: str) -> None:
-    """``convert_llama(model)`` is a ``ValueError`` matching ``match``, and the model is left as it was."""
+def _refused_leaving_it_unchanged(model, match: str, **kw) -> None:
+    """``convert_llama(model, **kw)`` is a ``ValueError`` matching ``match``, and the model is left as it was."""
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=match):
-        convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
+        convert_llama(model, **{"kv_rank": 32, "rope_dim": 16, "impl": "reference", **kw})
     assert not any(isinstance(m, GQLAHFAttention) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
@@ -263,11 +285,12 @@ def _small(cls, cfg_cls, **kw):
 
 
 @pytest.mark.parametrize("variant", ["cohere", "olmo_clip", "smollm3_nope", "qk_norm_flag", "stablelm_qk_layernorm",
-                                     "hunyuan_qk_layernorm", "bitnet_sub_norm", "diffllama"])
+                                     "hunyuan_qk_layernorm", "bitnet_sub_norm", "diffllama", "ministral3_scaled_q"])
 def test_attention_variants_that_change_the_function_are_refused(variant):
     """Llama-shaped models whose attention is not Llama's (interleaved RoPE pairs, clamped q / k / v, layers
-    without RoPE, q / k / output norms under any name, differential attention) would convert into another function:
-    refused, and the model left as it was."""
+    without RoPE, q / k / output norms under any name, differential attention, queries scaled by their position
+    past ``original_max_position_embeddings``: Ministral 3's ``llama_4_scaling_beta``) would convert into another
+    function: refused, and the model left as it was."""
     T = transformers
     model = {"cohere": lambda: _small(T.CohereForCausalLM, T.CohereConfig),
              "olmo_clip": lambda: _small(T.OlmoForCausalLM, T.OlmoConfig, clip_qkv=0.05),
@@ -277,20 +300,64 @@ def test_attention_variants_that_change_the_function_are_refused(variant):
                                                      partial_rotary_factor=1.0),
              "hunyuan_qk_layernorm": lambda: _small(T.HunYuanDenseV1ForCausalLM, T.HunYuanDenseV1Config, head_dim=8),
              "bitnet_sub_norm": lambda: _small(T.BitNetForCausalLM, T.BitNetConfig),
-             "diffllama": lambda: _small(T.DiffLlamaForCausalLM, T.DiffLlamaConfig)}[variant]()
-    _refused_leaving_it_unchanged(model, "model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama)")
+             "diffllama": lambda: _small(T.DiffLlamaForCausalLM, T.DiffLlamaConfig),
+             "ministral3_scaled_q": lambda: _small(T.Ministral3ForCausalLM, T.Ministral3Config, head_dim=8)}[variant]()
+    _refused_leaving_it_unchanged(model, "model: .*(rotary|rotates|clip_qkv|no_rope|normalizes|beyond Llama|"
+                                         "llama_4_scaling_beta)")
 
 
 def test_llama_family_models_with_llama_attention_still_convert_exactly():
     T = transformers
     for model in (_small(T.LlamaForCausalLM, T.LlamaConfig), _small(T.OlmoForCausalLM, T.OlmoConfig),
-                  _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=2, no_rope_layers=[1, 1])):
+                  _small(T.SmolLM3ForCausalLM, T.SmolLM3Config, num_hidden_layers=2, no_rope_layers=[1, 1]),
+                  _small(T.Ministral3ForCausalLM, T.Ministral3Config, head_dim=8, rope_parameters={
+                      "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.0,
+                      "original_max_position_embeddings": 4})):
         ids = torch.randint(0, 64, (1, 12), generator=gen(3)).to(P.device)
         with torch.no_grad():
             ref = model(ids).logits.double()
             convert_llama(model, kv_rank=32, rope_dim=16, impl="reference")
             out = model(ids).logits.double()
         assert (out - ref).abs().max() <= 1e-4 * ref.abs().max(), type(model).__name__
+
+
+def test_models_without_llama_layers_are_refused_by_name_leaving_no_hooks():
+    """A decoder layer without ``self_attn`` (JetMoe's mixture of attention heads; a layer whose attention was
+    removed) or a ``rotary_emb`` without one ``inv_freq`` is a ``TypeError`` naming ``model``, raised before the
+    calibration hooks are placed: none is left on any attention."""
+    T = transformers
+    with pytest.raises(TypeError, match=r"^model: layers \[0, 1\] have no self_attn"):
+        convert_llama(_small(T.JetMoeForCausalLM, T.JetMoeConfig), kv_rank=32, rope_dim=16)
+    model = _small(T.LlamaForCausalLM, T.LlamaConfig)
+    del model.model.layers[1].self_attn
+    with pytest.raises(TypeError, match=r"^model: layers \[1\] have no self_attn"):
+        convert_llama(model, kv_rank=32, rope_dim=16, calib_input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert not model.model.layers[0].self_attn._forward_pre_hooks
+    model = _small(T.LlamaForCausalLM, T.LlamaConfig)
+    del model.model.rotary_emb.inv_freq
+    with pytest.raises(TypeError, match="^model: .*rotary_emb .*inv_freq"):
+        convert_llama(model, kv_rank=32, rope_dim=16)
+
+
+def test_a_grouped_decode_path_its_kernels_cannot_take_is_refused_where_it_is_chosen():
+    """``decode_path="grouped"`` with decode kernels whose grouped op does not take the converted head dims (head_dim
+    24 is no multiple of 16) is refused by ``convert_llama`` (naming ``decode_path``, the model left as it was) and by
+    ``set_decode_path`` (naming ``path``, no attention changed), not at the first cached call; ``impl="reference"``
+    takes any dims."""
+    model = tiny_llama(13, g=2, d=24, layers=1)
+    _refused_leaving_it_unchanged(model, "^decode_path: .*head_dim", decode_path="grouped", impl="triton")
+    conv = convert_llama(copy.deepcopy(model), kv_rank=32, rope_dim=16, impl="triton", max_seqlen=16, page_size=16)
+    ids = ids_for(14, 1, 4)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        conv(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="^path: .*head_dim"):
+            set_decode_path(conv, "grouped")
+        attn = conv.model.layers[0].self_attn
+        assert attn.decode_path == "absorb" and attn._cache_of(cache) is not None
+        conv(ids[:, :1], past_key_values=cache, use_cache=True)
+    ref = convert_llama(copy.deepcopy(model), kv_rank=32, rope_dim=16, impl="reference", decode_path="grouped")
+    assert ref.model.layers[0].self_attn.decode_path == "grouped"
 
 
 def test_calib_input_ids_and_page_size_are_checked_before_any_change():

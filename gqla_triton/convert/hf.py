@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers._state import drop_when_freed
-from ..layers.gqla import GQLAttention
+from ..layers.gqla import GQLAttention, _check_grouped_dims
 from ..ops._common.validation import check_choice, check_dense, check_page_size, check_positive_int, is_int
 from .trans_gqla import check_plain_attention, trans_gqla
 
@@ -28,10 +28,21 @@ __all__ = ["GQLAHFAttention", "convert_llama", "set_decode_path"]
 _DECODE_PATHS = ("absorb", "grouped")
 
 
+def _check_decode_path(attn: GQLAttention, path, name: str) -> None:
+    """``path`` is one of ``_DECODE_PATHS`` (``check_choice``) whose decode kernels take ``attn`` (the grouped
+    ones: its head dims and ``impl``), else a ``ValueError`` naming the argument ``name``."""
+    check_choice(name, path, _DECODE_PATHS)
+    if path == "grouped":
+        try:
+            _check_grouped_dims(attn.impl, attn.head_dim, attn.v_head_dim, attn.rope_dim)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """HF 4-D mask (bool: True = attend; float: 0 = attend, large negative = hidden) -> bool. An integer mask is
-    refused: HF's 4-D integer masks mean 1 = attend, the additive convention's opposite, so neither reading is
-    safe."""
+    """HF 4-D mask (bool: True = attend; float: added to the scores, 0 = attend as is) -> bool, True where the mask
+    leaves the score as it is. An integer mask is refused: HF's 4-D integer masks mean 1 = attend, the additive
+    convention's opposite, so neither reading is safe."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attention_mask: expected a bool (True = attend) or floating (0 = attend) 4-D mask, got "
                         f"{mask.dtype}")
@@ -53,17 +64,17 @@ class GQLAHFAttention(nn.Module):
     """A ``GQLAttention`` with the HF attention forward: ``(hidden_states [B, T, hidden], position_embeddings,
     attention_mask, cache / past_key_values, position_ids, **kwargs) -> (attn_output [B, T, hidden], None)``.
 
-    Positions come from ``position_ids`` (else ``cache_position``, else the HF cache's length + 0..T-1); the
-    model's ``position_embeddings`` are not used (the layer rotates with its own frequencies in float64).
-    Without a HF cache any 4-D ``attention_mask`` is honoured (padding included). With one, a call whose HF cache
-    is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls with that HF cache decode
-    against it (each HF cache its own: conversations may interleave; it is freed with its HF cache). Cached
-    calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
+    Positions come from ``position_ids`` (else ``cache_position``, else the HF cache's length + 0..T-1); the model's
+    ``position_embeddings`` are not used (the layer rotates with its own frequencies in float64). Without a HF cache
+    any 4-D ``attention_mask`` is honoured (padding included; a float one is added to the scores). With one, a call
+    whose HF cache is empty starts a new GQLA cache of ``max_seqlen`` tokens per sequence; later calls with that HF
+    cache decode against it (each HF cache its own: conversations may interleave; it is freed with its HF cache).
+    Cached calls need a purely causal mask (no padding): the GQLA caches hold no padding, and a padded batch is a
     ``ValueError``. The HF cache holds, per token, the GQLA slot of its row: row reorders of the HF cache (beam
-    search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped
-    by assisted or speculative generation) is a ``ValueError``, and so is a step past a fixed-size HF cache's
-    capacity (a ``StaticCache``). A cached call that raises leaves both caches as they were (the HF cache records a
-    step once it ran; a HF cache update that raises takes the GQLA step back).
+    search's ``reorder_cache``) are followed; a HF cache whose length no longer matches the GQLA cache's (cropped by
+    assisted or speculative generation) is a ``ValueError``, and so is a step past a fixed-size HF cache's capacity
+    (a ``StaticCache``). A cached call that raises leaves both caches as they were (the HF cache records a step once
+    it ran; a HF cache update that raises takes the GQLA step back).
     """
 
     def __init__(self, attn: GQLAttention, layer_idx: int, *, decode_path: str = "absorb", max_seqlen: int = 4096,
@@ -75,7 +86,7 @@ class GQLAHFAttention(nn.Module):
             raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__} {layer_idx!r}")
         if layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
-        check_choice("decode_path", decode_path, _DECODE_PATHS)
+        _check_decode_path(attn, decode_path, "decode_path")
         check_positive_int("max_seqlen", max_seqlen)
         self.attn, self.layer_idx, self.decode_path = attn, layer_idx, decode_path
         self.max_seqlen, self.page_size = max_seqlen, check_page_size(page_size)
@@ -224,7 +235,9 @@ class GQLAHFAttention(nn.Module):
         return bool((_allowed(mask) == want).all())
 
     def _masked_prefill(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention over the T tokens under a HF 4-D mask (e.g. left padding); rows with no key give 0."""
+        """Attention over the T tokens under a HF 4-D mask (e.g. left padding): a bool mask selects the keys, a
+        float one is added to the scores (as HF's attention adds it; its dtype's minimum hides a key); rows with no
+        key give 0."""
         a = self.attn
         B, T, _ = x.shape
         q_nope, q_rope, c, k_rope = a._project(x, pos)
@@ -233,9 +246,12 @@ class GQLAHFAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, a.num_groups, a.rope_dim)], -1)
         k, v = (t.transpose(1, 2).repeat_interleave(rep, dim=1) for t in (k, v))
-        allow = _allowed(mask)[..., :T].expand(B, 1, T, T)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, scale=a.softmax_scale)
-        o = o.masked_fill(~allow.any(-1, keepdim=True), 0.0).transpose(1, 2)
+        m = mask[..., :T].expand(B, 1, T, T)
+        hidden = ~m if m.dtype == torch.bool else m <= torch.finfo(m.dtype).min
+        bias = torch.zeros(m.shape, dtype=q.dtype, device=q.device) if m.dtype == torch.bool else m.to(q.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(hidden, -torch.inf),
+                                           scale=a.softmax_scale)
+        o = o.masked_fill(hidden.all(-1, keepdim=True), 0.0).transpose(1, 2)
         return a.o_proj(o.reshape(B, T, a.num_heads * a.v_head_dim).to(x.dtype))
 
 
@@ -246,6 +262,12 @@ def _decoder_layers(model):
     if layers is None or rotary is None:
         raise TypeError(f"model: expected a transformers Llama-family model (model.layers, model.rotary_emb), got "
                         f"{type(model).__name__}")
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        raise TypeError(f"model: expected its rotary_emb ({type(rotary).__name__}) to hold the frequencies of every "
+                        "layer (inv_freq)")
+    missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "self_attn", None), nn.Module)]
+    if missing:
+        raise TypeError(f"model: layers {missing} have no self_attn module (a Llama-family decoder layer's attention)")
     return base, layers, rotary
 
 
@@ -267,6 +289,9 @@ def _check_supported(model) -> None:
                        ("use_qk_norm", "normalizes q / k (use_qk_norm)")):
         if getattr(cfg, name, None) not in (None, False):
             raise ValueError(f"model: its attention {what}; not supported")
+    if rope.get("llama_4_scaling_beta"):  # Ministral 3: q · (1 + β·log(1 + ⌊position / original_max⌋))
+        raise ValueError(f"model: its attention scales the queries by their position (rope_parameters"
+                         f"['llama_4_scaling_beta'] = {rope['llama_4_scaling_beta']!r}); not supported")
     if any(not flag for flag in getattr(cfg, "no_rope_layers", None) or ()):
         raise ValueError("model: some layers use no rotary embedding (no_rope_layers); TransGQLA rotates every layer")
 
@@ -324,9 +349,10 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
     the same layout: bias-free q/k/v/o, Llama's rotate-half RoPE with fixed frequencies on every layer, full
     attention, any ``num_key_value_heads``) by a ``GQLAHFAttention`` in place; returns ``model``. Attention variants
     that would convert into another function are a ``ValueError`` before anything changes: interleaved RoPE pairs
-    (Cohere), layers without RoPE (SmolLM3), clamped q / k / v (``clip_qkv``), soft-capped logits, q / k norms,
-    sliding windows, biases, length-dependent RoPE, and any parameter of the attention besides its q / k / v / o
-    projections (StableLM's and HunYuan's q / k layer norms, BitNet's sub-norm, differential attention's λ).
+    (Cohere), layers without RoPE (SmolLM3), clamped q / k / v (``clip_qkv``), queries scaled by their position
+    (Ministral 3's ``llama_4_scaling_beta``), soft-capped logits, q / k norms, sliding windows, biases,
+    length-dependent RoPE, and any parameter of the attention besides its q / k / v / o projections (StableLM's and
+    HunYuan's q / k layer norms, BitNet's sub-norm, differential attention's λ).
 
     ``kv_rank`` / ``rope_dim``: see ``trans_gqla`` (``rope_dim = num_key_value_heads·head_dim`` and ``kv_rank >=
     2·num_key_value_heads·head_dim`` reproduce the model exactly). ``calib_input_ids [B, T]``: token ids whose
@@ -389,11 +415,14 @@ def convert_llama(model, *, kv_rank: int, rope_dim: int, calib_input_ids: torch.
 
 def set_decode_path(model, path: str):
     """Set every converted attention's decode path ("absorb" | "grouped") and forget every GQLA cache: a HF cache
-    in progress is then refused, an empty one starts on the new path."""
+    in progress is then refused, an empty one starts on the new path. A path whose decode kernels do not take an
+    attention's head dims is a ``ValueError`` that changes nothing."""
     check_choice("path", path, _DECODE_PATHS)
     mods = [m for m in model.modules() if isinstance(m, GQLAHFAttention)]
     if not mods:
         raise ValueError("model: holds no converted attention (run convert_llama first)")
+    for m in mods:
+        _check_decode_path(m.attn, path, "path")
     for m in mods:
         m.decode_path, m.gqla_cache = path, None
     return model
