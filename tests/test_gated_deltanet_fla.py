@@ -238,3 +238,13 @@ def test_refused_load_state_dict_changes_no_parameter():
             m.load_state_dict(bad, strict=strict)
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
     m.load_state_dict({**sd, "extra.weight": torch.zeros(2)}, strict=False)
+
+
+def test_fla_weights_into_a_meta_layer_are_refused_by_name():
+    """``from_fla(..., device="meta")`` names ``device``; ``load_fla_state_dict`` into a layer on meta says so."""
+    fla = FlaLayer(32, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match="^device: expected a device with storage, got meta"):
+        GatedDeltaNet.from_fla(fla, impl="reference", device="meta")
+    m = GatedDeltaNet(32, 1, 1, 16, 16, impl="reference", device="meta")
+    with pytest.raises(ValueError, match="on the meta device"):
+        m.load_fla_state_dict(fla.state_dict())

@@ -331,3 +331,17 @@ def test_bf16_prefill_and_decode_match_transformers(T, H, G, seed):
     out = _run(m, xs, m.init_cache(B))
     for i, (o, o64, oh) in enumerate(zip(out, out64, out_hf, strict=True)):
         assert_close(f"ours bf16 {'prefill' if i == 0 else f'decode step {i}'}", o, o64, oh, dtype=dtype)
+
+
+def test_weights_into_a_meta_layer_are_refused_by_name():
+    """``from_hf(..., device="meta")`` names ``device`` (a meta layer holds no weights), and ``load_hf_state_dict``
+    into a layer built on meta is a ``ValueError`` saying so, not an error from reading a meta tensor."""
+    cfg = _config(1, 2, 16 if not P.big else 128)
+    hf = _hf_layer(cfg, 4, torch.float32)
+    with pytest.raises(ValueError, match="^device: expected a device with storage, got meta"):
+        GatedDeltaNet.from_hf(hf, device="meta")
+    with pytest.raises(ValueError, match="^device: expected a device with storage, got meta"):
+        GatedDeltaNet.from_hf(cfg, hf.state_dict(), device="meta")
+    m = GatedDeltaNet.from_hf(hf).to_empty(device="meta")
+    with pytest.raises(ValueError, match="on the meta device"):
+        m.load_hf_state_dict(hf.state_dict())

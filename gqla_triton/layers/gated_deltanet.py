@@ -197,9 +197,14 @@ def _joined(state_dict, keys: list[str], slices, assign: bool) -> torch.Tensor:
 def _copy_all(module: nn.Module, pairs) -> None:
     """Copy each ``(parameter, source)`` pair's source into its parameter of ``module``; every source is put in its
     parameter's form before the first copy, so a call that fails changes no parameter. A finite source that the
-    parameter's dtype cannot hold (it would load as inf) is a ``ValueError`` naming the parameter."""
-    ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
+    parameter's dtype cannot hold (it would load as inf) is a ``ValueError`` naming the parameter, and so is a
+    parameter on the meta device (it holds no values)."""
     names = {id(p): n for n, p in module.named_parameters()}
+    for p, _ in pairs:
+        if p.device.type == "meta":
+            raise ValueError(f"{names.get(id(p), 'a parameter')}: the layer is on the meta device (its parameters hold "
+                             "no values); to_empty(device=...) it before loading weights")
+    ready = [src.reshape(p.shape).to(device=p.device, dtype=p.dtype, copy=True) for p, src in pairs]
     for (p, _), src in zip(pairs, ready, strict=True):
         if not bool(torch.isfinite(src).all()):  # the sources are checked finite: the cast overflowed
             raise ValueError(f"state_dict: the weights of {names.get(id(p), 'a parameter')} pass {p.dtype}'s range "
@@ -694,6 +699,7 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of tensors, got {type(state_dict).__name__}")
+        device = check_device(device, storage=True)
         w = _hf_tensor(state_dict, prefix, "in_proj_qkvz.weight")
         if dtype is None:
             check_impl(impl, op="GatedDeltaNet", gluon=False)
@@ -782,6 +788,7 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError(f"layer: {name}'s activation must be SiLU ('silu' / 'swish'), got {act!r}")
         if getattr(layer.o_norm, "weight", None) is None:
             raise ValueError("layer: o_norm has no weight (elementwise_affine=False); this layer's norm has one")
+        device = check_device(device, storage=True)
         w = layer.q_proj.weight
         if dtype is None:
             check_impl(impl, op="GatedDeltaNet", gluon=False)
