@@ -345,3 +345,20 @@ def test_weights_into_a_meta_layer_are_refused_by_name():
     m = GatedDeltaNet.from_hf(hf).to_empty(device="meta")
     with pytest.raises(ValueError, match="on the meta device"):
         m.load_hf_state_dict(hf.state_dict())
+
+
+def test_hf_states_of_a_free_slot_are_zero_states():
+    """A freed slot holds no state (a prefill into it starts from zeros): ``hf_states`` gives it the zero states a
+    fresh cache gives, not the rows its last sequence left; held slots keep theirs."""
+    cfg = _config(1, 2, 16 if not P.big else 128)
+    m = GatedDeltaNet.from_hf(_hf_layer(cfg, 6, torch.float32), impl="reference")
+    cache = m.init_cache(2)
+    with torch.no_grad():
+        m(randn((2, 5, cfg.hidden_size), gen(7), dtype=torch.float32), cache)
+    held = cache.hf_states([1])
+    cache.free([0])
+    conv, rec = cache.hf_states()
+    zero_conv, zero_rec = m.init_cache(1).hf_states()
+    assert torch.equal(conv[:1], zero_conv) and torch.equal(rec[:1], zero_rec)
+    assert torch.equal(conv[1:], held[0]) and torch.equal(rec[1:], held[1])
+    assert bool(held[1].abs().sum() > 0)

@@ -494,12 +494,17 @@ class GatedDeltaNetCache:
         """The states of host ``slots`` (default all) in a transformers linear-attention cache's layout:
         ``(conv_state [n, conv_dim, conv_size], recurrent_state [n, HV, K, V])``, copies. The conv state's first
         column is zero: transformers keeps ``conv_size`` inputs, of which a next token's conv reads only the last
-        ``conv_size - 1`` (the ones held here)."""
+        ``conv_size - 1`` (the ones held here). A slot that holds no state (``holds``) gives zero states."""
         ids = self._host_ids(slots, None)
         w = self._host_batch(ids).write if ids else torch.zeros(0, dtype=torch.long, device=self.device)
-        conv = self._conv[w]
+        conv, rec = self._conv[w], self.recurrent_state[w]
+        free = [i for i, s in enumerate(ids) if not self._held[s]]
+        if free:  # rows a freed slot's last sequence left
+            free = torch.tensor(free, dtype=torch.long, device=self.device)
+            conv.index_fill_(0, free, 0)
+            rec.index_fill_(0, free, 0)
         conv = torch.cat([conv.new_zeros(conv.shape[0], conv.shape[1], 1), conv], 2)
-        return conv, self.recurrent_state[w].clone()
+        return conv, rec
 
 
 class GatedDeltaNet(nn.Module):
