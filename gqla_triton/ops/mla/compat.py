@@ -43,6 +43,7 @@ import dataclasses
 import torch
 
 from .._common import combine_splits
+from .._common.alloc import empty
 from .._common.boundary import route
 from .._common.validation import (
     MAX_KEYS,
@@ -309,7 +310,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 def _merge(out, lse, out2, lse2):
     """The attention over two key sets from each one's ``(out [B, s_q, h_q, D], lse [B, h_q, s_q])``, out in out's
     dtype (float32 here: the one rounding comes after the merge), both contiguous whatever the inputs' strides."""
-    merged, merged_lse = out.new_empty(out.shape), lse.new_empty(lse.shape)
+    merged = empty(out.shape, dtype=out.dtype, device=out.device)
+    merged_lse = empty(lse.shape, dtype=lse.dtype, device=lse.device)
     combine_splits(torch.stack((out, out2), 1).float(), torch.stack((lse, lse2), 1).transpose(2, 3).contiguous(),
                    merged, merged_lse)
     return merged, merged_lse
