@@ -79,18 +79,20 @@ def test_mla_decode_remembers_checked_calls(monkeypatch):
     o1, l1 = f(q, kv, bt, lens, 32)
     o2, l2 = f(q, kv, bt, lens, 32)
     assert seen[0] is not None and seen[0] is seen[1] and torch.equal(o1, o2) and torch.equal(l1, l2)
-    bad = [((q, kv, bt.long(), lens, 32), {}), ((q, kv, bt, lens[:1], 32), {}),
-           ((q, kv, bt, lens, 49), {}), ((q, kv, bt, lens, True), {}),
-           ((q, kv, bt, lens, 32), dict(softmax_scale=math.nan)),
-           ((q, kv, bt, lens, 32), dict(causal=2)), ((q, kv, bt, lens, 32), dict(num_splits=True)),
-           ((q, kv, bt, lens, 32), dict(impl="gpu")),
-           ((q, kv, bt, lens, 32), dict(out_dtype=torch.float64)),
-           ((q, kv, bt, lens, 32), dict(kv_format="v32")),
-           ((q, kv, bt, lens, 32), dict(topk_length=lens)),
-           ((q, kv[..., :40], bt, lens, 32), {}), ((q.double(), kv, bt, lens, 32), {}),
-           ((q[..., :40], kv, bt, lens, 32), {})]
-    for args, kw in bad:
-        with pytest.raises((ValueError, TypeError)):
+    bad = [((q, kv, bt.long(), lens, 32), {}, "block_table"), ((q, kv, bt, lens[:1], 32), {}, "cache_seqlens"),
+           ((q, kv, bt, lens, 49), {}, "head_dim_v"), ((q, kv, bt, lens, True), {}, "head_dim_v"),
+           ((q, kv, bt, lens, 32), dict(softmax_scale=math.nan), "softmax_scale"),
+           ((q, kv, bt, lens, 32), dict(causal=2), "causal"),
+           ((q, kv, bt, lens, 32), dict(num_splits=True), "num_splits"),
+           ((q, kv, bt, lens, 32), dict(impl="gpu"), "impl"),
+           ((q, kv, bt, lens, 32), dict(out_dtype=torch.float64), "out_dtype"),
+           ((q, kv, bt, lens, 32), dict(kv_format="v32"), "kv_format"),
+           ((q, kv, bt, lens, 32), dict(topk_length=lens), "topk_length"),
+           ((q, kv[..., :40], bt, lens, 32), {}, "kv_cache: last dim 40"),
+           ((q.double(), kv, bt, lens, 32), {}, "q: expected dtype"),
+           ((q[..., :40], kv, bt, lens, 32), {}, "kv_cache: last dim 48")]
+    for args, kw, name in bad:
+        with pytest.raises((ValueError, TypeError), match=f"^{name}"):
             f(*args, **kw)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # other strides: checked again, the same result
     assert torch.equal(f(qt, kv, bt, lens, 32)[0], o1)
@@ -122,15 +124,15 @@ def test_gqa_decode_remembers_checked_calls(monkeypatch):
     o1, _ = f(q, k, v, bt, lens, kr)
     o2, _ = f(q, k, v, bt, lens, kr)
     assert seen[0] is not None and seen[0] is seen[1] and torch.equal(o1, o2)
-    bad = [((q, k, v, bt, lens, None), {}), ((q, k, v[..., :8], bt, lens, kr), {}),
-           ((q, k, v, bt, lens.long()[:1], kr), {}), ((q, k.double(), v, bt, lens, kr), {}),
-           ((q, k, v, bt, lens, kr), dict(causal="yes")),
-           ((q, k, v, bt, lens, kr), dict(num_splits=-1)),
-           ((q, k, v, bt, lens, kr), dict(impl="gluon")),
-           ((q, k, v, bt, lens, kr), dict(softmax_scale=math.inf)),
-           ((q, k, v, bt, lens, kr), dict(topk_length=lens))]
-    for args, kw in bad:
-        with pytest.raises((ValueError, TypeError)):
+    bad = [((q, k, v, bt, lens, None), {}, "q: last dim"), ((q, k, v[..., :8], bt, lens, kr), {}, r"d_v \(v_cache"),
+           ((q, k, v, bt, lens.long()[:1], kr), {}, "cache_seqlens"), ((q, k.double(), v, bt, lens, kr), {}, "k_cache"),
+           ((q, k, v, bt, lens, kr), dict(causal="yes"), "causal"),
+           ((q, k, v, bt, lens, kr), dict(num_splits=-1), "num_splits"),
+           ((q, k, v, bt, lens, kr), dict(impl="gluon"), "impl"),
+           ((q, k, v, bt, lens, kr), dict(softmax_scale=math.inf), "softmax_scale"),
+           ((q, k, v, bt, lens, kr), dict(topk_length=lens), "topk_length")]
+    for args, kw, name in bad:
+        with pytest.raises((ValueError, TypeError), match=f"^{name}"):
             f(*args, **kw)
     with config_override({"gqa_decode": {"waves": 7}}):
         f(q, k, v, bt, lens, kr)
@@ -158,15 +160,17 @@ def test_gdn_decode_step_remembers_checked_calls():
     o1 = f(q, k, v, gg, beta, state, idx)
     state.copy_(s0)
     assert torch.equal(f(q, k, v, gg, beta, state, idx), o1)
-    for args, kw in (((q, k, v, gg, beta, state, idx.long()), {}), ((q, k, v, gg, beta, state, idx[:1]), {}),
-                     ((q, k.double(), v, gg, beta, state, idx), {}), ((q, k, v, gg[..., :1], beta, state, idx), {}),
-                     ((q, k, v, gg, beta, state, idx), dict(use_qk_l2norm_in_kernel=3)),
-                     ((q, k, v, gg, beta, state, idx), dict(scale=math.nan)),
-                     ((q, k, v, gg, beta, state, idx), dict(state_layout="kk")),
-                     ((q, k, v, gg, beta, state, idx), dict(impl="gluon")),
-                     ((q, k, v, gg, beta, state.transpose(2, 3), idx), {})):
+    for args, kw, name in (((q, k, v, gg, beta, state, idx.long()), {}, "state_indices"),
+                           ((q, k, v, gg, beta, state, idx[:1]), {}, "state_indices"),
+                           ((q, k.double(), v, gg, beta, state, idx), {}, "k: expected dtype"),
+                           ((q, k, v, gg[..., :1], beta, state, idx), {}, "g: expected shape"),
+                           ((q, k, v, gg, beta, state, idx), dict(use_qk_l2norm_in_kernel=3), "use_qk_l2norm"),
+                           ((q, k, v, gg, beta, state, idx), dict(scale=math.nan), "scale"),
+                           ((q, k, v, gg, beta, state, idx), dict(state_layout="kk"), "state_layout"),
+                           ((q, k, v, gg, beta, state, idx), dict(impl="gluon"), "impl"),
+                           ((q, k, v, gg, beta, state.transpose(2, 3), idx), {}, "state: expected a contiguous")):
         state.copy_(s0)
-        with pytest.raises((ValueError, TypeError)):
+        with pytest.raises((ValueError, TypeError), match=f"^{name}"):
             f(*args, **kw)
         assert torch.equal(state, s0)
     # the same metadata as the call above, but a state that is a view of q's memory: refused every call

@@ -193,22 +193,26 @@ def test_rejected_forward_changes_no_cache_state(path):
         layer(randn((2, 1, hs), gg, dtype=DT), None, cache, seq_ids=[2, 0])
     x = randn((2, 1, hs), gg, dtype=DT)
     idx = torch.zeros(2, 1, 4, dtype=torch.int32, device=P.device)
-    bad = [
-        dict(seq_ids=[2, 2]), dict(seq_ids=[-1, 0]), dict(seq_ids=[2, 4]), dict(seq_ids=[2.0, 0]), dict(seq_ids=[2]),
-        dict(seq_ids=torch.tensor([2, 0], device="meta")), dict(indices=idx.long()), dict(indices=idx[:, :, :, None]),
-        dict(indices=idx[:1]), dict(indices=idx.to("meta")), dict(topk_length=torch.ones(2, dtype=torch.int32)),
-        dict(indices=idx, topk_length=torch.ones(2, dtype=torch.int64, device=P.device)),
-        dict(indices=idx, topk_length=torch.ones(3, dtype=torch.int32, device=P.device)),
-        dict(positions=torch.zeros(2, 2, dtype=torch.long)), dict(positions=torch.zeros(2, 1)),
-        dict(x=x.to("meta")), dict(x=x[..., :-1]), dict(x=randn((2, 2 * PAGE, hs), gg, dtype=DT)),  # > max_seqlen
-        dict(x=randn((2, PAGE - 3, hs), gg, dtype=DT)),  # fits max_seqlen, not the 5 pages (4 taken)
+    bad = [  # (the call's arguments, the start of its error)
+        (dict(seq_ids=[2, 2]), "seq_ids"), (dict(seq_ids=[-1, 0]), "seq_ids"), (dict(seq_ids=[2, 4]), "seq_ids"),
+        (dict(seq_ids=[2.0, 0]), "seq_ids"), (dict(seq_ids=[2]), "seq_ids"),
+        (dict(seq_ids=torch.tensor([2, 0], device="meta")), "seq_ids"), (dict(indices=idx.long()), "indices"),
+        (dict(indices=idx[:, :, :, None]), "indices"), (dict(indices=idx[:1]), "indices"),
+        (dict(indices=idx.to("meta")), "indices"), (dict(topk_length=torch.ones(2, dtype=torch.int32)), "topk_length"),
+        (dict(indices=idx, topk_length=torch.ones(2, dtype=torch.int64, device=P.device)), "topk_length"),
+        (dict(indices=idx, topk_length=torch.ones(3, dtype=torch.int32, device=P.device)), "topk_length"),
+        (dict(positions=torch.zeros(2, 2, dtype=torch.long)), "positions"),
+        (dict(positions=torch.zeros(2, 1)), "positions"),
+        (dict(x=x.to("meta")), "hidden_states"), (dict(x=x[..., :-1]), "hidden_states"),
+        (dict(x=randn((2, 2 * PAGE, hs), gg, dtype=DT)), "num_tokens: .* > max_seqlen"),
+        (dict(x=randn((2, PAGE - 3, hs), gg, dtype=DT)), "reserve: out of pages"),  # fits max_seqlen, not the pages
     ]
-    for kw in bad:
+    for kw, err in bad:
         kw = dict(kw)
         xx = kw.pop("x", x)
         kw.setdefault("seq_ids", [2, 0])
         before = snapshot(cache)
-        with pytest.raises((TypeError, ValueError)):
+        with pytest.raises((TypeError, ValueError), match=f"^{err}"):
             with torch.no_grad():
                 layer(xx, kw.pop("positions", None), cache, **kw)
         assert_unchanged(before, cache)
