@@ -68,9 +68,10 @@ def assert_unchanged(before: dict, cache) -> None:
             assert v == w, f"{k} changed: {v!r} -> {w!r}"
 
 
-def rejected(cache, exc, fn, *args, **kw):
+def rejected(cache, exc, match, fn, *args, **kw):
+    """``fn(*args, **kw)`` raises ``exc`` with a message matching ``match`` and leaves the cache as it was."""
     before = snapshot(cache)
-    with pytest.raises(exc):
+    with pytest.raises(exc, match=match):
         fn(*args, **kw)
     assert_unchanged(before, cache)
 
@@ -143,6 +144,9 @@ def check_invariants(cache, model):
             assert torch.equal(gathered(cache, s), model.tokens[s])
 
 
+NO_ROOM = r"^(reserve: out of pages|num_tokens: slot \d+ would hold \d+ tokens > max_seqlen)"
+
+
 @given(kind=st.sampled_from(["latent", "grouped"]), seed=seeds())
 def test_random_operations_keep_paging_invariants(kind, seed):
     gg = gen(seed)
@@ -161,7 +165,7 @@ def test_random_operations_keep_paging_invariants(kind, seed):
             parts, flat = new_tokens(kind, len(ids), T, gg)
             need = model.need(ids, [T] * len(ids))
             if need is None:
-                rejected(cache, ValueError, cache.append, ids, *parts)
+                rejected(cache, ValueError, NO_ROOM, cache.append, ids, *parts)
             else:
                 cache.append(ids, *parts)
                 model.take(ids, need)
@@ -172,7 +176,7 @@ def test_random_operations_keep_paging_invariants(kind, seed):
             counts = [rint(0, 30) for _ in ids]
             need = model.need(ids, counts)
             if need is None:
-                rejected(cache, ValueError, cache.reserve, ids, counts)
+                rejected(cache, ValueError, NO_ROOM, cache.reserve, ids, counts)
             else:
                 cache.reserve(ids, counts)
                 model.take(ids, need)
@@ -184,7 +188,7 @@ def test_random_operations_keep_paging_invariants(kind, seed):
             src, dst = ids[0], rint(0, mb - 1)
             full, part = divmod(model.length(src), PS)
             if src == dst or model.pages[dst] or model.holds[dst] or (part and model.used() == npg):
-                rejected(cache, ValueError, cache.fork, src, dst)
+                rejected(cache, ValueError, r"^(dst: |fork: out of pages)", cache.fork, src, dst)
             else:
                 cache.fork(src, dst)
                 model.pages[dst] = model.pages[src][:full]
@@ -204,33 +208,63 @@ def test_rejected_calls_change_nothing(kind):
     cache.append([1, 3], *parts)
     cache.reserve([0], 3)
     good, _ = new_tokens(kind, 2, 3, gg)
-    for bad_ids, exc in (([-1, 0], ValueError), ([0, 4], ValueError), ([2, 2], ValueError), ([0.0, 1], TypeError),
-                         ([True, 0], TypeError), (["0", 1], TypeError), ([0], ValueError), ([0, 1, 2], ValueError),
-                         (torch.tensor([0.0, 1.0]), TypeError), ("01", TypeError), (3.0, TypeError)):
-        rejected(cache, exc, cache.append, bad_ids, *good)
-    rejected(cache, ValueError, cache.append, None, *new_tokens(kind, 5, 1, gg)[0])  # more sequences than slots
-    for i, t in enumerate(good):  # wrong shape, dtype and device of each new-token tensor
-        for bad, exc in ((t[:, :, None], ValueError), (t[:1], ValueError), (t[..., :-1] if t.shape[-1] > 1 else
-                         t[:, :1], ValueError), (t.to(torch.int32), TypeError), (t.to("meta"), ValueError),
-                         (t.tolist(), TypeError)):
+    first = "c_kv" if kind == "latent" else "k"  # the first new-token tensor: its batch is checked against the ids
+    for bad_ids, exc, match in (([-1, 0], ValueError, r"^seq_ids: slot -1 outside"),
+                                ([0, 4], ValueError, r"^seq_ids: slot 4 outside"),
+                                ([2, 2], ValueError, r"^seq_ids: duplicate slots"),
+                                ([0.0, 1], TypeError, r"^seq_ids: expected int slot ids, got float"),
+                                ([True, 0], TypeError, r"^seq_ids: expected int slot ids, got bool"),
+                                (["0", 1], TypeError, r"^seq_ids: expected int slot ids, got str"),
+                                ([0], ValueError, rf"^{first}: expected shape \[1, "),
+                                ([0, 1, 2], ValueError, rf"^{first}: expected shape \[3, "),
+                                (torch.tensor([0.0, 1.0]), TypeError, r"^seq_ids: expected an integer tensor"),
+                                ("01", TypeError, r"^seq_ids: expected None, .* got str"),
+                                (3.0, TypeError, r"^seq_ids: expected None, .* got float")):
+        rejected(cache, exc, match, cache.append, bad_ids, *good)
+    rejected(cache, ValueError, r"^seq_ids: 5 sequences need 5 slots", cache.append, None,
+             *new_tokens(kind, 5, 1, gg)[0])  # more sequences than slots
+    names = ["c_kv", "k_rope"] if kind == "latent" else ["k", "v", "k_rope"]
+    for name, t in zip(names, good, strict=True):  # wrong shape, dtype and device of each new-token tensor
+        for bad, exc, match in ((t[:, :, None], ValueError, "expected shape"), (t[:1], ValueError, "expected shape"),
+                                (t[..., :-1], ValueError, "expected shape"),
+                                (t.to(torch.int32), TypeError, "expected a floating tensor"),
+                                (t.to("meta"), ValueError, "expected a tensor on the cache's device"),
+                                (t.tolist(), TypeError, "expected a torch.Tensor")):
             args = list(good)
-            args[i] = bad
-            rejected(cache, exc, cache.append, [0, 2], *args)
-    rejected(cache, ValueError, cache.append, [0, 2], *new_tokens(kind, 2, 40, gg)[0])  # past max_seqlen
-    rejected(cache, ValueError, cache.append, [0, 2], *new_tokens(kind, 2, 33, gg)[0])  # out of pages (7)
-    for args, exc in ((([0], 41), ValueError), (([0, 2], [40, 40]), ValueError), (([0], -1), ValueError),
-                      (([0], [1, 2]), ValueError), (([0], 1.5), TypeError), (([0], [True]), TypeError),
-                      (([-1], 1), ValueError), ((None, 1), ValueError)):
-        rejected(cache, exc, cache.reserve, *args)
-    for args, exc in (((1, 1), ValueError), ((0, 3), ValueError), ((1, 0), ValueError), ((-1, 2), ValueError),
-                      ((1, 4), ValueError), ((1.0, 2), TypeError)):  # dst holds pages / tokens, bad slots
-        rejected(cache, exc, cache.fork, *args)
-    for bad_ids, exc in (([-1], ValueError), ([1, 1], ValueError), ([4], ValueError), (["a"], TypeError)):
-        rejected(cache, exc, cache.free, bad_ids)
-        rejected(cache, exc, cache.tables, bad_ids)
-        rejected(cache, exc, cache.seqlens, bad_ids)
-    for s, exc in ((-1, ValueError), (4, ValueError), (1.0, TypeError), (True, TypeError)):
-        rejected(cache, exc, cache.gather, s)
+            args[names.index(name)] = bad
+            rejected(cache, exc, f"^{name}: {match}", cache.append, [0, 2], *args)
+    # past max_seqlen (slot 1 holds 5 of 40 tokens; the 3 pages it would need are free)
+    rejected(cache, ValueError, r"^num_tokens: slot 1 would hold 41 tokens > max_seqlen 40", cache.append, [1],
+             *new_tokens(kind, 1, 36, gg)[0])
+    rejected(cache, ValueError, r"^reserve: out of pages", cache.append, [0, 2],
+             *new_tokens(kind, 2, 33, gg)[0])  # out of pages (7)
+    for args, exc, match in ((([0], 41), ValueError, r"^num_tokens: slot 0 would hold 41 tokens > max_seqlen"),
+                             (([0, 2], [40, 40]), ValueError, r"^reserve: out of pages"),
+                             (([0], -1), ValueError, r"^num_tokens: expected counts in"),
+                             (([0], [1, 2]), ValueError, r"^num_tokens: expected 1 counts"),
+                             (([0], 1.5), TypeError, r"^num_tokens: expected an int or a sequence of ints"),
+                             (([0], [True]), TypeError, r"^num_tokens: expected ints, got bool"),
+                             (([-1], 1), ValueError, r"^seq_ids: slot -1 outside"),
+                             ((None, 1), ValueError, r"^seq_ids: required")):
+        rejected(cache, exc, match, cache.reserve, *args)
+    for args, exc, match in (((1, 1), ValueError, r"^dst: expected a slot other than src"),
+                             ((0, 3), ValueError, r"^dst: slot 3 holds pages or tokens"),
+                             ((1, 0), ValueError, r"^dst: slot 0 holds pages or tokens"),
+                             ((-1, 2), ValueError, r"^src: slot -1 outside"),
+                             ((1, 4), ValueError, r"^dst: slot 4 outside"),
+                             ((1.0, 2), TypeError, r"^src: expected an int slot id")):  # dst holds, bad slots
+        rejected(cache, exc, match, cache.fork, *args)
+    for bad_ids, exc, match in (([-1], ValueError, r"^seq_ids: slot -1 outside"),
+                                ([1, 1], ValueError, r"^seq_ids: duplicate slots"),
+                                ([4], ValueError, r"^seq_ids: slot 4 outside"),
+                                (["a"], TypeError, r"^seq_ids: expected int slot ids, got str")):
+        rejected(cache, exc, match, cache.free, bad_ids)
+        rejected(cache, exc, match, cache.tables, bad_ids)
+        rejected(cache, exc, match, cache.seqlens, bad_ids)
+    for s, exc, match in ((-1, ValueError, r"^seq_id: slot -1 outside"), (4, ValueError, r"^seq_id: slot 4 outside"),
+                          (1.0, TypeError, r"^seq_id: expected an int slot id"),
+                          (True, TypeError, r"^seq_id: expected an int slot id")):
+        rejected(cache, exc, match, cache.gather, s)
     cache.free([0, 1, 3])
     cache.reserve([0, 1, 2, 3], 16)  # 4 of 7 pages
     cache.append([1, 3], *new_tokens(kind, 2, 5, gg)[0])
@@ -239,7 +273,7 @@ def test_rejected_calls_change_nothing(kind):
     cache.free([1])
     cache.reserve([2], 40)  # every page taken
     assert cache.num_free_pages == 0
-    rejected(cache, ValueError, cache.fork, 3, 1)  # the partly filled page needs a copy: out of pages
+    rejected(cache, ValueError, r"^fork: out of pages", cache.fork, 3, 1)  # the partly filled page needs a copy
 
 
 def test_cache_constructor_checks():
@@ -248,7 +282,7 @@ def test_cache_constructor_checks():
                     (dict(max_batch=2.0), TypeError), (dict(auto_reserve=1), TypeError),
                     (dict(dtype=torch.int32), TypeError)):
         args = dict(max_batch=2, max_seqlen=32, page_size=16) | kw
-        with pytest.raises(exc):
+        with pytest.raises(exc, match=f"^{next(iter(kw))}: "):
             LatentCache(args.pop("max_batch"), args.pop("max_seqlen"), 16, 16, device=P.device, **args)
 
 
@@ -397,7 +431,7 @@ def test_slot_id_forms():
     assert cache.slot_index((3, 1)) is idx  # cached per tuple
     bt, sl = cache.tables([3, 1])
     assert torch.equal(bt, cache.block_table[[3, 1]]) and torch.equal(sl, cache.cache_seqlens[[3, 1]])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^seq_ids: expected host slot ids .* on meta"):
         cache.tables(torch.tensor([0], device="meta"))
     from gqla_triton.layers.cache import _INDEX_CACHE_SIZE as N
 
