@@ -220,9 +220,11 @@ def test_sparse_per_group_equals_each_group_alone(s_q, G, dtype, seed):
 def test_sparse_no_valid_index_gives_zero_and_neg_inf(seed, dtype):
     q, k, v, bt, lens, kr, gg = _case(seed, B=2, s_q=1, g=2, G=4, d_h=16, d_r=16, d_v=16, max_len=40,
                                       dtype=dtype)
+    lens = torch.tensor([40, 20], dtype=torch.int32, device=P.device)  # the table holds 48 positions of each
     idx = torch.full((2, 1, 8), -1, dtype=torch.int32, device=P.device)
-    idx[1, 0, :4] = torch.tensor([2**31 - 1, -(2**31), 50, 1000])
-    out, lse = _run(q, k, v, bt, lens, kr, indices=idx)
+    # positions at or past the length but inside the table (non-causal: only the length excludes them)
+    idx[1, 0, :6] = torch.tensor([2**31 - 1, -(2**31), 50, 1000, 20, 47])
+    out, lse = _run(q, k, v, bt, lens, kr, indices=idx, causal=False)
     assert (out == 0).all() and torch.isneginf(lse).all()
     idx = torch.randint(0, 30, (2, 1, 8), generator=gg).to(torch.int32).to(P.device)
     out, lse = _run(q, k, v, bt, lens, kr, indices=idx, topk_length=torch.zeros(2, dtype=torch.int32,
