@@ -903,15 +903,21 @@ def test_checked_calls_are_remembered_by_metadata(monkeypatch):
     o1, _ = f(q, q, v, g, b)
     o2, _ = f(q, q, v, g, b)
     assert plans[0] is plans[1] and torch.equal(o1, o2)
-    for kw, err in ((dict(bogus=1), TypeError), (dict(head_first=True), ValueError), (dict(scale=math.nan), ValueError),
-                    (dict(output_final_state=2), TypeError), (dict(save_states=1), TypeError),
-                    (dict(impl="gpu"), ValueError), (dict(chunk_size=48), ValueError),
-                    (dict(state_layout="kk"), ValueError), (dict(A_log=g[0, 0]), ValueError)):
-        with pytest.raises(err):
+    for kw, err, msg in ((dict(bogus=1), TypeError, r"chunk_gated_delta_rule\(\) got unexpected keyword.*'bogus'"),
+                         (dict(head_first=True), ValueError, "head_first=True is not supported"),
+                         (dict(scale=math.nan), ValueError, "scale: "),
+                         (dict(output_final_state=2), TypeError, "output_final_state: "),
+                         (dict(save_states=1), TypeError, "save_states: "),
+                         (dict(impl="gpu"), ValueError, "impl: "), (dict(chunk_size=48), ValueError, "chunk_size: "),
+                         (dict(state_layout="kk"), ValueError, "state_layout: "),
+                         (dict(A_log=g[0, 0]), ValueError, "A_log: given without use_gate_in_kernel")):
+        with pytest.raises(err, match=f"^{msg}"):
             f(q, q, v, g, b, **kw)
-    for args, err in (((q, q, v, g.long(), b), TypeError), ((q, q.double(), v, g, b), TypeError),
-                      ((q, q[:, :, :1], v, g, b), ValueError), ((q, q, v[..., :3, :], g, b), ValueError)):
-        with pytest.raises(err):
+    for args, err, msg in (((q, q, v, g.long(), b), TypeError, "g: expected dtype"),
+                           ((q, q.double(), v, g, b), TypeError, "k: expected dtype"),
+                           ((q, q[:, :, :1], v, g, b), ValueError, r"k: expected shape \[1, 8, 2, 16\]"),
+                           ((q, q, v[..., :3, :], g, b), ValueError, r"g: expected shape \[1, 8, 3\]")):
+        with pytest.raises(err, match=f"^{msg}"):
             f(*args)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # other strides: checked again, same result
     assert torch.equal(f(qt, q, v, g, b)[0], o1)
