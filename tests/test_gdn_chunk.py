@@ -834,48 +834,48 @@ def test_bad_inputs():
     v = torch.zeros(1, 8, 4, 16, device=d)
     g = torch.zeros(1, 8, 4, device=d)
     f = chunk_gated_delta_rule
-    with pytest.raises(TypeError, match="k"):
+    with pytest.raises(TypeError, match=r"^k: expected dtype torch.float32 \(same as q\)"):
         f(q, q.half(), v, g, g)
-    with pytest.raises(TypeError, match="save_states"):
+    with pytest.raises(TypeError, match="^save_states: expected a bool"):
         f(q, q, v, g, g, save_states=1)
     for bad, err in (("0.25", TypeError), (True, TypeError), ([0.25], TypeError), (torch.tensor(0.25), TypeError),
                      (math.inf, ValueError), (math.nan, ValueError), (1e39, ValueError)):
-        with pytest.raises(err, match="scale"):
+        with pytest.raises(err, match="^scale: expected a finite real number"):
             f(q, q, v, g, g, scale=bad)
-    with pytest.raises(ValueError, match="q"):
+    with pytest.raises(ValueError, match="^q: expected 4 dimensions"):
         f(q[0], q[0], v, g, g)
-    with pytest.raises(ValueError, match="HV"):
+    with pytest.raises(ValueError, match="^v: value heads HV=3 must be a positive multiple"):
         f(q, q, torch.zeros(1, 8, 3, 16, device=d), g[..., :3], g[..., :3])
-    with pytest.raises(ValueError, match="K"):
+    with pytest.raises(ValueError, match=r"^K \(q/k head dim\): expected 1 <= K <= 256"):
         f(torch.zeros(1, 8, 2, 264, device=d), torch.zeros(1, 8, 2, 264, device=d), v, g, g)
-    with pytest.raises(ValueError, match="K"):
+    with pytest.raises(ValueError, match=r"^K \(q/k head dim\): expected 1 <= K <= 256"):
         f(torch.zeros(1, 8, 2, 0, device=d), torch.zeros(1, 8, 2, 0, device=d), v, g, g)
-    with pytest.raises(ValueError, match="V \\(v head dim\\): expected 1 <= V <= 1024, got 1040"):
+    with pytest.raises(ValueError, match="^V \\(v head dim\\): expected 1 <= V <= 1024, got 1040"):
         f(q, q, torch.zeros(1, 8, 4, 1040, device=d), g, g)
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match="^cu_seqlens: varlen input needs B == 1"):
         f(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), g.expand(2, -1, -1),
           g.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8], device=d))
-    with pytest.raises(TypeError, match="cu_seqlens"):
+    with pytest.raises(TypeError, match="^cu_seqlens: expected dtype in"):
         f(q, q, v, g, g, cu_seqlens=torch.tensor([0.0, 8.0], device=d))
     if not plan_mod.plans_on_device(q):  # a GPU cu_seqlens is clamped on the device (test_gdn_device_plan.py)
         for bad in ([0, 9], [-1, 8], [0, 5, 4, 8]):  # past T, negative, decreasing (cu[N] < T is padding)
-            with pytest.raises(ValueError, match="cu_seqlens"):
+            with pytest.raises(ValueError, match=r"^cu_seqlens: must be non-decreasing within \[0, T=8\]"):
                 f(q, q, v, g, g, cu_seqlens=torch.tensor(bad, device=d))
-    with pytest.raises(ValueError, match="initial_state"):
+    with pytest.raises(ValueError, match=r"^initial_state: expected shape \[1, 4, 16, 16\]"):
         f(q, q, v, g, g, initial_state=torch.zeros(2, 4, 16, 16, device=d), cu_seqlens=torch.tensor([0, 8], device=d))
-    with pytest.raises(TypeError, match="initial_state"):
+    with pytest.raises(TypeError, match="^initial_state: expected dtype in"):
         f(q, q, v, g, g, initial_state=torch.zeros(1, 4, 16, 16, device=d, dtype=torch.float64))
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(ValueError, match="^impl='gluon': the Gluon GDN kernel cannot run here"):
         f(q, q, v, g, g, impl="gluon")
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(ValueError, match="^impl: expected one of"):
         f(q, q, v, g, g, impl="cuda")
     # validation comes before the choice of implementation
-    with pytest.raises(ValueError, match="HV"):
+    with pytest.raises(ValueError, match="^v: value heads HV=3 must be a positive multiple"):
         f(q, q, torch.zeros(1, 8, 3, 16, device=d), g[..., :3], g[..., :3], impl="reference")
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens: must be non-decreasing within \[0, T=8\]"):
         f(q, q, v, g, g, cu_seqlens=torch.tensor([0, 9], device=d), impl="reference")
     if d == "cuda":
-        with pytest.raises(ValueError, match="g"):
+        with pytest.raises(ValueError, match="^g: expected a tensor on"):
             f(q, q, v, g.cpu(), g)
     else:
         import os
@@ -903,15 +903,21 @@ def test_checked_calls_are_remembered_by_metadata(monkeypatch):
     o1, _ = f(q, q, v, g, b)
     o2, _ = f(q, q, v, g, b)
     assert plans[0] is plans[1] and torch.equal(o1, o2)
-    for kw, err in ((dict(bogus=1), TypeError), (dict(head_first=True), ValueError), (dict(scale=math.nan), ValueError),
-                    (dict(output_final_state=2), TypeError), (dict(save_states=1), TypeError),
-                    (dict(impl="gpu"), ValueError), (dict(chunk_size=48), ValueError),
-                    (dict(state_layout="kk"), ValueError), (dict(A_log=g[0, 0]), ValueError)):
-        with pytest.raises(err):
+    for kw, err, msg in ((dict(bogus=1), TypeError, r"chunk_gated_delta_rule\(\) got unexpected keyword.*'bogus'"),
+                         (dict(head_first=True), ValueError, "head_first=True is not supported"),
+                         (dict(scale=math.nan), ValueError, "scale: "),
+                         (dict(output_final_state=2), TypeError, "output_final_state: "),
+                         (dict(save_states=1), TypeError, "save_states: "),
+                         (dict(impl="gpu"), ValueError, "impl: "), (dict(chunk_size=48), ValueError, "chunk_size: "),
+                         (dict(state_layout="kk"), ValueError, "state_layout: "),
+                         (dict(A_log=g[0, 0]), ValueError, "A_log: given without use_gate_in_kernel")):
+        with pytest.raises(err, match=f"^{msg}"):
             f(q, q, v, g, b, **kw)
-    for args, err in (((q, q, v, g.long(), b), TypeError), ((q, q.double(), v, g, b), TypeError),
-                      ((q, q[:, :, :1], v, g, b), ValueError), ((q, q, v[..., :3, :], g, b), ValueError)):
-        with pytest.raises(err):
+    for args, err, msg in (((q, q, v, g.long(), b), TypeError, "g: expected dtype"),
+                           ((q, q.double(), v, g, b), TypeError, "k: expected dtype"),
+                           ((q, q[:, :, :1], v, g, b), ValueError, r"k: expected shape \[1, 8, 2, 16\]"),
+                           ((q, q, v[..., :3, :], g, b), ValueError, r"g: expected shape \[1, 8, 3\]")):
+        with pytest.raises(err, match=f"^{msg}"):
             f(*args)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # other strides: checked again, same result
     assert torch.equal(f(qt, q, v, g, b)[0], o1)
