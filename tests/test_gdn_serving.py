@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from harness import EPS, P, assert_close, capture_graph, dtypes, examples, gen, pick, randn, rel_err, seeds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_gated_deltanet_layer import IMPLS, _as, _layer
 
@@ -73,6 +73,7 @@ def _split(x, cu):
 @FEW
 @given(N=st.integers(1, pick(3, 8)), s=st.integers(1, 4), varlen=st.booleans(), device_slots=st.booleans(),
        H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]), dtype=dtypes(), seed=seeds())
+@example(N=2, s=3, varlen=True, device_slots=False, H=2, G=1, dtype=P.dtypes[0], seed=5)  # drafts of 3, packed
 def test_commit_after_verify_equals_decoding_the_accepted_tokens(impl, N, s, varlen, device_slots, H, G, dtype,
                                                                  seed):
     """Verify s draft tokens (ragged counts through cu_seqlens when ``varlen``), commit(accepted): outputs of the
