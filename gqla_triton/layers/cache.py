@@ -67,6 +67,7 @@ from ..ops._common.validation import (
     check_tensor,
     is_finite_real,
     is_int,
+    padded_width,
 )
 from ..ops.mla.fp8 import E4M3_MAX, FP8_LATENT, FP8_ROPE, FP8_ROW_BYTES, dequantize_latent_fp8, quantize_latent_fp8
 from .paged_append import cache_rows
@@ -620,7 +621,7 @@ class LatentCache(PagedCache):
         # the kernels' k_descale (None: no per-tensor scale)
         self.k_descale = torch.full((1,), self.k_scale, dtype=torch.float32, device=self.device) if scaled else None
         width = FP8_ROW_BYTES if fp8 else self.kv_rank + self.rope_dim
-        pitch = -(-width * dtype.itemsize // 16) * 16 // dtype.itemsize  # rows on 16-byte boundaries (rows_aligned)
+        pitch = padded_width(width, dtype.itemsize)  # rows on 16-byte boundaries, as the kernels read them on a GPU
         self.kv = torch.zeros(self.num_pages + 1, self.page_size, 1, pitch, dtype=dtype,
                               device=self.device)[..., :width]
 

@@ -83,14 +83,6 @@ def _check_grouped_dims(impl: str, d_h: int, d_v: int, d_r: int) -> None:
                          "path or impl='reference' takes these)") from None
 
 
-def _grouped_dims_ok(impl: str, d_h: int, d_v: int, d_r: int) -> bool:
-    try:
-        _check_grouped_dims(impl, d_h, d_v, d_r)
-    except ValueError:
-        return False
-    return True
-
-
 class _ForwardOnlyDecode(torch.autograd.Function):
     """A reference decode step's attention output under autograd. The cache holds the new tokens' rows detached and
     the step reads them back from it, so the gradient through them would be wrong: a backward raises, as through the
@@ -324,7 +316,7 @@ class GQLAttention(nn.Module):
             why = None
             if path == "grouped" and (k_scale is not None or (isinstance(dtype, torch.dtype) and dtype.itemsize == 1)):
                 why = f"the grouped cache has no 8-bit layout, dtype {dtype}"
-            elif path == "grouped" and not _grouped_dims_ok(self.impl, self.head_dim, self.v_head_dim, self.rope_dim):
+            elif path == "grouped":
                 try:
                     _check_grouped_dims(self.impl, self.head_dim, self.v_head_dim, self.rope_dim)
                 except ValueError as e:

@@ -485,18 +485,23 @@ def check_rows_aligned(name: str, t: torch.Tensor | None) -> None:
         row = t.shape[-1] * t.element_size()
         fix = ("a .clone() has them" if row % 16 == 0 else
                f"its rows of {row} bytes need a view into rows padded to a multiple of 16 bytes, "
-               f"e.g. torch.zeros(..., {-(-row // 16) * 16 // t.element_size()})[..., :{t.shape[-1]}]")
+               f"e.g. torch.zeros(..., {padded_width(t.shape[-1], t.element_size())})[..., :{t.shape[-1]}]")
         raise ValueError(f"{name}: the kernels read its rows in place with 16-byte loads: unit stride along the last "
                          f"dimension and every other stride and the start address, in bytes, multiples of 16, got "
                          f"strides {list(t.stride())} and storage offset {t.storage_offset()} of "
                          f"{t.element_size()}-byte elements ({fix})")
 
 
+def padded_width(n: int, itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes in a row of ``n`` of them padded to a multiple of 16 bytes (``rows_aligned``
+    rows)."""
+    return -(-n * itemsize // 16) * 16 // itemsize
+
+
 def aligned_rows_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in new memory whose rows are ``rows_aligned``: a view into rows padded to a multiple of 16
-    bytes (contiguous where the row width is one)."""
-    n, size = t.shape[-1], t.element_size()
-    wide = t.new_empty(*t.shape[:-1], -(-n * size // 16) * 16 // size)[..., :n]
+    """A copy of ``t`` in new memory whose rows are ``rows_aligned``: a view into rows of ``padded_width`` (contiguous
+    where the row width is a multiple of 16 bytes)."""
+    wide = t.new_empty(*t.shape[:-1], padded_width(t.shape[-1], t.element_size()))[..., :t.shape[-1]]
     return wide.copy_(t)
 
 

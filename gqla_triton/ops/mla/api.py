@@ -304,8 +304,8 @@ def _kernel_strides(kv_cache: torch.Tensor, layout: str | None) -> bool:
     if kv_cache.is_cuda:
         return rows_aligned(kv_cache)
     if layout in ("v32", "v32_no_rope"):  # the launch views their float32 scales in place
-        return kv_cache.storage_offset() % 4 == 0 and all(
-            n <= 1 or st % 4 == 0 for n, st in zip(kv_cache.shape[:3], kv_cache.stride()[:3], strict=True))
+        return kv_cache.storage_offset() % _ALIGN[layout] == 0 and all(
+            n <= 1 or st % _ALIGN[layout] == 0 for n, st in zip(kv_cache.shape[:3], kv_cache.stride()[:3], strict=True))
     return True
 
 
