@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from harness import P, assert_close, dtypes, gen, pick, randn, seeds
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from gqla_triton.layers import gqla_step as gs
@@ -22,11 +22,13 @@ POS_MODES = ["small", "high", "low"]
 
 def positions_of(mode, B, T, gg, *, add_t=False):
     """``(kernel positions, [B, T] int64 reference positions)``. ``mode``: small values, just below 2**31 - 1
-    (with ``add_t`` the sums pass it), or near -2**31. ``add_t``: the kernel gets one int32 value per row,
-    expanded over T (stride 0), and adds t."""
+    (the last row's at 2**31 - 1 itself, so with ``add_t`` and T > 1 its sums pass it), or near -2**31 (the last
+    row's at -2**31). ``add_t``: the kernel gets one int32 value per row, expanded over T (stride 0), and adds t."""
     lo, hi = {"small": (0, 5000), "high": (I32_MAX - 40, I32_MAX), "low": (I32_MIN, I32_MIN + 40)}[mode]
     if add_t:
         base = torch.randint(lo, hi + 1, (B,), generator=gg, dtype=torch.int64)
+        if mode != "small":
+            base[-1] = hi if mode == "high" else lo
         ref = base[:, None] + torch.arange(T)
         return base.to(torch.int32).to(P.device)[:, None].expand(B, T), ref
     ref = torch.randint(lo, hi + 1, (B, T), generator=gg, dtype=torch.int64)
@@ -100,8 +102,12 @@ def check_cos_sin(cs, pos, inv):
        r=st.sampled_from(pick([16, 40], [512, 320])), d_r=st.sampled_from(pick([0, 8, 24], [0, 64, 32])),
        kv_norm=st.booleans(), add_t=st.booleans(), mode=st.sampled_from(POS_MODES), converted=st.booleans(),
        layout=st.sampled_from(["contig", "slice", "bt"]), dtype=dtypes(), out_dtype=dtypes(), seed=seeds())
+@example(B=2, T=3, q_rank=pick(24, 1536), r=pick(16, 512), d_r=pick(24, 64), kv_norm=True, add_t=True, mode="high",
+         converted=True, layout="slice", dtype=P.dtypes[0], out_dtype=P.dtypes[-1], seed=1)
 def test_norm_rope_matches_float64(B, T, q_rank, r, d_r, kv_norm, add_t, mode, converted, layout, dtype, out_dtype,
                                    seed):
+    """The normed latent and the rotated rope key at positions near the int32 limits (with ``add_t`` the sums pass
+    2**31 - 1), theta's or a converted model's frequencies, and the normed q_a: the float64 reference."""
     gg = gen(seed)
     kv = randn((B, T, r + d_r), gg, dtype=dtype)
     kv_w = randn((r,), gg, dtype=dtype, scale=0.1) + 1 if kv_norm else None
@@ -173,8 +179,11 @@ def test_absorb_q_matches_float64(B, T, g, hpg, dh, r, d_r, mode, q_layout, w_la
        r=st.sampled_from(pick([16, 40], [512, 256])), dv=st.sampled_from(pick([16, 24], [128, 64])),
        o_layout=st.sampled_from(["slice", "heads", "bt", "contig"]), w_layout=st.sampled_from(["kvb", "t", "contig"]),
        o_dtype=dtypes(), dtype=dtypes(), seed=seeds())
+@example(B=2, T=2, g=2, hpg=HPG[-1], r=pick(40, 512), dv=pick(24, 128), o_layout="heads", w_layout="kvb",
+         o_dtype=P.dtypes[-1], dtype=P.dtypes[0], seed=2)
 def test_absorb_o_matches_float64(B, T, g, hpg, r, dv, o_layout, w_layout, o_dtype, dtype, seed):
-    """``o`` in the cache's dtype (``mla_decode``'s output), ``w_uv`` in the layer's."""
+    """``o`` in the cache's dtype (``mla_decode``'s output), ``w_uv`` in the layer's; heads per group below 16
+    (padded tiles) and above 64 (split into head blocks)."""
     assume(g * hpg <= 256)
     gg = gen(seed)
     h = g * hpg
@@ -278,36 +287,36 @@ def test_bad_inputs():
     s = _small()
     cs = rope_cos_sin(s["pos"], s["inv"])
     dt = s["dtype"]
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match=r"^head_dim: expected w_uk.shape\[1\] \(16\)"):
         gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=s["dh"] + 2, out_dtype=dt)
-    with pytest.raises(ValueError, match="groups"):
+    with pytest.raises(ValueError, match="^w_uk: 2 groups do not divide q's 5 heads"):
         gs.absorb_q(s["q"][:, :, :5], s["w_uk"], cs, head_dim=s["dh"], out_dtype=dt)
-    with pytest.raises(ValueError, match="cos_sin"):
+    with pytest.raises(ValueError, match=r"^cos_sin: expected shape \[2, 2, 2, 4\]"):
         gs.absorb_q(s["q"], s["w_uk"], cs[:1], head_dim=s["dh"], out_dtype=dt)
-    with pytest.raises(TypeError, match="cos_sin"):
+    with pytest.raises(TypeError, match=r"^cos_sin: expected dtype in \(float32\)"):
         gs.grouped_q(s["q"], cs.double(), head_dim=s["dh"], out_dtype=dt)
-    with pytest.raises(TypeError, match="out_dtype"):
+    with pytest.raises(TypeError, match="^out_dtype: expected torch.bfloat16 / float16 / float32"):
         gs.grouped_q(s["q"], cs, head_dim=s["dh"], out_dtype=torch.float64)
-    with pytest.raises(TypeError, match="q"):
+    with pytest.raises(TypeError, match="^q: expected a bfloat16 / float16 / float32 tensor"):
         gs.grouped_q(s["q"].double(), cs, head_dim=s["dh"], out_dtype=dt)
-    with pytest.raises(ValueError, match="w_uv"):
+    with pytest.raises(ValueError, match=r"^w_uv: expected shape \[g, d_v, 16\]"):
         gs.absorb_o(s["q"][..., :16], s["w_uv"])
-    with pytest.raises(ValueError, match="kv_rank"):
+    with pytest.raises(ValueError, match=r"^kv_rank: expected an int in \[1, 40\] leaving an even rope width"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=s["r"] + 1, out_dtype=dt)
-    with pytest.raises(TypeError, match="positions"):
+    with pytest.raises(TypeError, match="^positions: expected an integer tensor"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"].float(), s["inv"], add_t=False, kv_rank=s["r"],
                      out_dtype=dt)
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match=r"^positions: expected shape \[2, 2\]"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"][:1], s["inv"], add_t=False, kv_rank=s["r"], out_dtype=dt)
-    with pytest.raises(TypeError, match="inv_freq"):
+    with pytest.raises(TypeError, match=r"^inv_freq: expected dtype in \(float64\)"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"].float(), add_t=False, kv_rank=s["r"],
                      out_dtype=dt)
-    with pytest.raises(ValueError, match="qa_weight"):
+    with pytest.raises(ValueError, match=r"^qa_weight: expected a tensor of shape \[24\]"):
         gs.norm_rope(s["qa"], None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=s["r"], out_dtype=dt)
-    with pytest.raises(ValueError, match="kv_weight"):
+    with pytest.raises(ValueError, match=r"^kv_weight: expected shape \[32\]"):
         gs.norm_rope(None, None, s["kv"], s["qa_w"], s["pos"], s["inv"], add_t=False, kv_rank=s["r"], out_dtype=dt)
     if not P.big:  # the interpreter computes bf16 wrongly: refused
-        with pytest.raises(TypeError, match="bfloat16"):
+        with pytest.raises(TypeError, match="^bfloat16 inputs: Triton's CPU interpreter"):
             gs.grouped_q(s["q"].bfloat16(), cs, head_dim=s["dh"], out_dtype=dt)
 
 
@@ -337,24 +346,26 @@ def test_norm_rope_refuses_bad_weights_and_positions():
     before = [t.clone() for t in (s["kv"], s["pos"], s["inv"])]
     for bad in (torch.ones(s["r"], dtype=torch.int32, device=P.device),
                 torch.ones(s["r"], dtype=torch.bool, device=P.device)):
-        with pytest.raises(TypeError, match="kv_weight"):
+        with pytest.raises(TypeError, match=r"^kv_weight: expected dtype in \(bfloat16, float16, float32\)"):
             gs.norm_rope(None, None, s["kv"], bad, s["pos"], s["inv"], add_t=False, **kw)
-    with pytest.raises(TypeError, match="kv_weight"):
+    with pytest.raises(TypeError, match="^kv_weight: expected a torch.Tensor"):
         gs.norm_rope(None, None, s["kv"], [1.0] * s["r"], s["pos"], s["inv"], add_t=False, **kw)
-    with pytest.raises(TypeError, match="qa_weight"):
+    with pytest.raises(TypeError, match=r"^qa_weight: expected dtype in \(bfloat16, float16, float32\)"):
         gs.norm_rope(s["qa"], s["qa_w"].double(), s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)
-    with pytest.raises(ValueError, match="qa_weight"):
+    with pytest.raises(ValueError, match="^qa_weight: given without qa"):
         gs.norm_rope(None, s["qa_w"], s["kv"], None, s["pos"], s["inv"], add_t=False, **kw)
-    with pytest.raises(TypeError, match="positions"):  # 2**63 has no int64 form
+    # 2**63 has no int64 form
+    with pytest.raises(TypeError, match="^positions: expected a signed integer tensor or one of at most 32 bits"):
         gs.norm_rope(None, None, s["kv"], None, torch.full((2, 2), 2**63, dtype=torch.uint64, device=P.device),
                      s["inv"], add_t=False, **kw)
-    with pytest.raises(TypeError, match="add_t"):
+    with pytest.raises(TypeError, match="^add_t: expected a bool"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t="yes", **kw)
-    with pytest.raises(TypeError, match="kv_rank"):
+    with pytest.raises(TypeError, match=r"^kv_rank: expected a positive int"):
         gs.norm_rope(None, None, s["kv"], None, s["pos"], s["inv"], add_t=False, kv_rank=float(s["r"]), out_dtype=dt)
     for name in ("qa_eps", "kv_eps"):
         for bad in (math.nan, -math.inf, math.inf, -1e-6, "1e-6", None, True, torch.tensor(1e-6)):
-            with pytest.raises(ValueError if isinstance(bad, float) else TypeError, match=name):
+            with pytest.raises(ValueError if isinstance(bad, float) else TypeError,
+                               match=f"^{name}: expected a finite real number >= 0"):
                 gs.norm_rope(s["qa"], s["qa_w"], s["kv"], None, s["pos"], s["inv"], add_t=False, **kw,
                              **{name: bad})
     for a, b in zip((s["kv"], s["pos"], s["inv"]), before, strict=True):
@@ -402,16 +413,16 @@ def test_head_dims_are_checked_by_name():
     cs = rope_cos_sin(s["pos"], s["inv"])
     dt, dh = s["dtype"], s["dh"]
     for name, x in (("q", s["q"][:, :, :0]),):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=rf"^{name}: expected at least one head \(dim 2\)"):
             gs.absorb_q(x, s["w_uk"], cs, head_dim=dh, out_dtype=dt)
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=rf"^{name}: expected at least one head \(dim 2\)"):
             gs.grouped_q(x, cs, head_dim=dh, out_dtype=dt)
     with pytest.raises(ValueError, match="o: expected at least one head"):
         gs.absorb_o(s["q"][:, :, :0, : s["r"]], s["w_uv"])
     for hd in (float(dh), "16", None):
-        with pytest.raises(TypeError, match="head_dim"):
+        with pytest.raises(TypeError, match="^head_dim: expected a positive int"):
             gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=hd, out_dtype=dt)
-        with pytest.raises(TypeError, match="head_dim"):
+        with pytest.raises(TypeError, match="^head_dim: expected a positive int"):
             gs.grouped_q(s["q"], cs, head_dim=hd, out_dtype=dt)
     assert torch.equal(gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=np.int64(dh), out_dtype=dt),
                        gs.absorb_q(s["q"], s["w_uk"], cs, head_dim=dh, out_dtype=dt))
@@ -425,35 +436,53 @@ def _rope_bad_calls():
     pos = torch.arange(9).view(3, 3)
     meta = torch.device("meta")
     return [
-        ("int x", TypeError, "x", lambda: apply_rope(x.to(torch.int32), pos)),
-        ("list x", TypeError, "x", lambda: apply_rope(x.tolist(), pos)),
-        ("2-d x", ValueError, "x", lambda: apply_rope(x[:, :, 0, 0], pos)),
-        ("odd width", ValueError, "x", lambda: apply_rope(x[..., :7], pos)),
-        ("[T] positions with B == T", ValueError, "positions", lambda: apply_rope(x, pos[0])),
-        ("positions of another shape", ValueError, "positions", lambda: apply_rope(x, pos[:2])),
-        ("list positions", TypeError, "positions", lambda: apply_rope(x, pos.tolist())),
-        ("float positions", TypeError, "positions", lambda: apply_rope(x, pos.float())),
-        ("uint64 positions", TypeError, "positions", lambda: apply_rope(x, pos.to(torch.uint64))),
-        ("meta positions", ValueError, "positions", lambda: apply_rope(x, pos.to(meta))),
-        ("theta 0", ValueError, "theta", lambda: apply_rope(x, pos, 0)),
-        ("theta nan", ValueError, "theta", lambda: apply_rope(x, pos, float("nan"))),
-        ("theta tensor", TypeError, "theta", lambda: apply_rope(x, pos, torch.tensor(1e4))),
-        ("int inv_freq", TypeError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(4, dtype=torch.long))),
-        ("inv_freq of another width", ValueError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(3))),
-        ("meta inv_freq", ValueError, "inv_freq", lambda: apply_rope(x, pos, inv_freq=torch.ones(4, device=meta))),
-        ("odd d", ValueError, "d", lambda: rope_inv_freq(7)),
-        ("negative d", ValueError, "d", lambda: rope_inv_freq(-2)),
-        ("float d", TypeError, "d", lambda: rope_inv_freq(8.0)),
-        ("theta -1", ValueError, "theta", lambda: rope_inv_freq(8, -1.0)),
-        ("bad device", ValueError, "device", lambda: rope_inv_freq(8, device="nowhere")),
-        ("cached theta 0", ValueError, "theta", lambda: cached_inv_freq(8, 0, "cpu")),
-        ("cached bool d", TypeError, "d", lambda: cached_inv_freq(True, 1e4, "cpu")),
-        ("cached no device", ValueError, "device", lambda: cached_inv_freq(8, 1e4, None)),
-        ("cos_sin float positions", TypeError, "positions", lambda: rope_cos_sin(pos.float(), rope_inv_freq(8))),
-        ("cos_sin [T] positions", ValueError, "positions", lambda: rope_cos_sin(pos[0], rope_inv_freq(8))),
-        ("cos_sin 2-d inv_freq", ValueError, "inv_freq", lambda: rope_cos_sin(pos, torch.ones(2, 2))),
-        ("cos_sin int inv_freq", TypeError, "inv_freq", lambda: rope_cos_sin(pos, torch.ones(4, dtype=torch.long))),
-        ("cos_sin meta positions", ValueError, "inv_freq", lambda: rope_cos_sin(pos.to(meta), rope_inv_freq(8))),
+        ("int x", TypeError, r"^x: expected a real floating tensor", lambda: apply_rope(x.to(torch.int32), pos)),
+        ("list x", TypeError, r"^x: expected a torch.Tensor", lambda: apply_rope(x.tolist(), pos)),
+        ("2-d x", ValueError, r"^x: expected shape \[B, T, \.\.\., d\]", lambda: apply_rope(x[:, :, 0, 0], pos)),
+        ("odd width", ValueError, r"^x: the rope width \(last dimension\) must be even",
+         lambda: apply_rope(x[..., :7], pos)),
+        ("[T] positions with B == T", ValueError, r"^positions: expected shape \[3, 3\] \(\[B, T\]\)",
+         lambda: apply_rope(x, pos[0])),
+        ("positions of another shape", ValueError, r"^positions: expected shape \[3, 3\], got \[2, 3\]",
+         lambda: apply_rope(x, pos[:2])),
+        ("list positions", TypeError, r"^positions: expected a torch.Tensor", lambda: apply_rope(x, pos.tolist())),
+        ("float positions", TypeError, r"^positions: expected an integer tensor", lambda: apply_rope(x, pos.float())),
+        ("uint64 positions", TypeError, r"^positions: expected a signed integer tensor or one of at most 32 bits",
+         lambda: apply_rope(x, pos.to(torch.uint64))),
+        ("meta positions", ValueError, r"^positions: expected a tensor on cpu \(same as x\)",
+         lambda: apply_rope(x, pos.to(meta))),
+        ("theta 0", ValueError, r"^theta: expected a positive, finite real number", lambda: apply_rope(x, pos, 0)),
+        ("theta nan", ValueError, r"^theta: expected a positive, finite real number",
+         lambda: apply_rope(x, pos, float("nan"))),
+        ("theta tensor", TypeError, r"^theta: expected a positive, finite real number",
+         lambda: apply_rope(x, pos, torch.tensor(1e4))),
+        ("int inv_freq", TypeError, r"^inv_freq: expected a real floating tensor",
+         lambda: apply_rope(x, pos, inv_freq=torch.ones(4, dtype=torch.long))),
+        ("inv_freq of another width", ValueError, r"^inv_freq: expected shape \[4\]",
+         lambda: apply_rope(x, pos, inv_freq=torch.ones(3))),
+        ("meta inv_freq", ValueError, r"^inv_freq: expected a tensor on cpu",
+         lambda: apply_rope(x, pos, inv_freq=torch.ones(4, device=meta))),
+        ("odd d", ValueError, r"^d: expected an even int >= 0", lambda: rope_inv_freq(7)),
+        ("negative d", ValueError, r"^d: expected an even int >= 0", lambda: rope_inv_freq(-2)),
+        ("float d", TypeError, r"^d: expected an even int >= 0", lambda: rope_inv_freq(8.0)),
+        ("theta -1", ValueError, r"^theta: expected a positive, finite real number", lambda: rope_inv_freq(8, -1.0)),
+        ("bad device", ValueError, r"^device: expected a torch.device, a device string or a CUDA index",
+         lambda: rope_inv_freq(8, device="nowhere")),
+        ("cached theta 0", ValueError, r"^theta: expected a positive, finite real number",
+         lambda: cached_inv_freq(8, 0, "cpu")),
+        ("cached bool d", TypeError, r"^d: expected an even int >= 0", lambda: cached_inv_freq(True, 1e4, "cpu")),
+        ("cached no device", ValueError, r"^device: expected a torch.device, a device string or a CUDA index",
+         lambda: cached_inv_freq(8, 1e4, None)),
+        ("cos_sin float positions", TypeError, r"^positions: expected an integer tensor",
+         lambda: rope_cos_sin(pos.float(), rope_inv_freq(8))),
+        ("cos_sin [T] positions", ValueError, r"^positions: expected shape \[\*, \*\] \(\[B, T\]\)",
+         lambda: rope_cos_sin(pos[0], rope_inv_freq(8))),
+        ("cos_sin 2-d inv_freq", ValueError, r"^inv_freq: expected 1 dimensions",
+         lambda: rope_cos_sin(pos, torch.ones(2, 2))),
+        ("cos_sin int inv_freq", TypeError, r"^inv_freq: expected a real floating tensor",
+         lambda: rope_cos_sin(pos, torch.ones(4, dtype=torch.long))),
+        ("cos_sin meta positions", ValueError, r"^inv_freq: expected a tensor on meta, got one on cpu",
+         lambda: rope_cos_sin(pos.to(meta), rope_inv_freq(8))),
     ]
 
 
