@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from harness import SM90_SHARED, P, assert_close, assert_matches, compile_in_child, examples, gen, pick, randn, seeds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_adversarial_decode import run_op
 from test_gqla_layer import make_layer
@@ -126,18 +126,18 @@ def test_quantizer_nonfinite_stays_in_its_tile_and_refusals():
     deq = dequantize_latent_fp8(quantize_latent_fp8(x))
     assert deq[1, 256:384].isnan().all() and deq[1, :256].isfinite().all() and deq[1, 384:].isfinite().all()
     assert deq[0].isfinite().all()
-    with pytest.raises(ValueError, match="kv"):
+    with pytest.raises(ValueError, match=r"^kv: expected a last dim of 576 \(latent 512 \+ rope 64\)"):
         quantize_latent_fp8(torch.randn(3, 512))
-    with pytest.raises(TypeError, match="kv"):
+    with pytest.raises(TypeError, match="^kv: expected a floating tensor"):
         quantize_latent_fp8(torch.zeros(3, 576, dtype=torch.int32))
-    with pytest.raises(TypeError, match="pow2_scales"):
+    with pytest.raises(TypeError, match="^pow2_scales: expected a bool"):
         quantize_latent_fp8(x, pow2_scales=1)
-    with pytest.raises(ValueError, match="kv_cache"):
+    with pytest.raises(ValueError, match=r"^kv_cache: expected rows of \[288, 528, 584, 656\] bytes"):
         dequantize_latent_fp8(torch.zeros(3, 576, dtype=torch.uint8))
-    with pytest.raises(TypeError, match="kv_cache"):
+    with pytest.raises(TypeError, match="^kv_cache: expected a float8_e4m3fn or uint8 tensor"):
         dequantize_latent_fp8(torch.zeros(3, 656))
     for dtype in ("float32", torch.int32, torch.float8_e4m3fn, torch.bool):
-        with pytest.raises(TypeError, match="dtype"):
+        with pytest.raises(TypeError, match="^dtype: expected a floating torch.dtype of 16 bits or more"):
             dequantize_latent_fp8(quantize_latent_fp8(x), dtype)
     # float64: the exact fp8 · scale products; float32: each rounded once (as a float32 kernel forms them)
     x8 = quantize_latent_fp8(torch.randn(2, 576) * 3.7)
@@ -160,9 +160,11 @@ def test_dense_fp8_vs_reference(B, s_q, h_q, page, causal, num_splits, bad_pages
 @given(B=st.integers(1, 3), s_q=st.integers(1, 2), topk=st.sampled_from([16, 40]), with_len=st.booleans(),
        num_splits=st.sampled_from([0, 2]), uint8=st.booleans(), page=st.sampled_from([PAGE[0], 2, 61]),
        impl=st.sampled_from(IMPLS), seed=seeds())
+@example(B=2, s_q=2, topk=40, with_len=True, num_splits=2, uint8=False, page=PAGE[0], impl=IMPLS[-1], seed=3)
 def test_sparse_fp8_vs_reference(B, s_q, topk, with_len, num_splits, uint8, page, impl, seed):
-    """Sparse top-k over the FP8 cache, pages of any size (FlashMLA's sparse caches use 2 or 61 tokens); indices
-    out of range, negative or past the table are ignored. The same bytes given as uint8 are the same cache."""
+    """Sparse top-k over the FP8 cache, pages of any size (FlashMLA's sparse caches use 2 or 61 tokens), with and
+    without topk lengths, split or not; indices out of range, negative or past the table are ignored. The same
+    bytes given as uint8 are the same cache."""
     q, kv8, bt, lens, g = _case(seed, B, s_q, 16, page)
     idx = torch.randint(-4, MAXLEN + 8, (B, s_q, topk), generator=g).int().to(P.device)
     tl_ = torch.randint(0, topk + 1, (B,), generator=g).int().to(P.device) if with_len else None
@@ -189,7 +191,7 @@ def test_fp8_refusals_name_the_argument():
     q, kv8, bt, lens, _ = _case(1, 1, 1, 16, PAGE[0])
     with pytest.raises(ValueError, match="kv_cache.*656"):
         mla_decode(q, kv8[..., :576], bt, lens, 512)
-    with pytest.raises(ValueError, match="head_dim_v"):
+    with pytest.raises(ValueError, match="^q / head_dim_v: .* take q of 576 channels and head_dim_v 512"):
         mla_decode(q, kv8, bt, lens, 256)
     with pytest.raises(ValueError, match="q / head_dim_v"):
         mla_decode(q[..., :512].contiguous(), kv8, bt, lens, 448)
@@ -316,13 +318,13 @@ def test_model1_refusals_name_the_argument():
     odd = raw[1:].view(2, 16, 1, M1_ROW_BYTES)
     with pytest.raises(ValueError, match="storage offset must be a multiple of 2"):
         mla_decode(q, odd, bt, lens, 512, indices=idx)
-    with pytest.raises(ValueError, match="layout"):
+    with pytest.raises(ValueError, match="^layout: expected one of"):
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model2")
     with pytest.raises(ValueError, match="the model1 layout quantises pages"):
         quantize_latent_fp8(torch.zeros(16, 512), layout="model1")
-    with pytest.raises(TypeError, match="^layout"):
+    with pytest.raises(TypeError, match="^layout: expected one of"):
         quantize_latent_fp8(torch.zeros(2, 576), layout=["v32"])
-    with pytest.raises(TypeError, match="^pow2_scales"):
+    with pytest.raises(TypeError, match="^pow2_scales: expected a bool"):
         quantize_latent_fp8(torch.zeros(2, 16, 1, 512), layout="model1", pow2_scales="yes")
     with pytest.raises(ValueError, match=r"^kv_cache: model1 pages are \[num_pages, page_size, 1, 584\]"):
         dequantize_latent_fp8(torch.zeros(2, 3, 2, M1_ROW_BYTES, dtype=torch.uint8))
@@ -564,7 +566,7 @@ def test_layout_refusals_name_the_argument():
         quantize_latent_fp8(torch.zeros(16, 512), layout="v41")
     with pytest.raises(ValueError, match="last dim of 512 .* v32_no_rope"):
         quantize_latent_fp8(torch.zeros(2, 576), layout="v32_no_rope")
-    with pytest.raises(ValueError, match="^kv_format"):
+    with pytest.raises(ValueError, match="^kv_format: expected None or one of"):
         dequantize_latent_fp8(kv8.cpu(), kv_format="V41")
     with pytest.raises(ValueError, match=r"^kv_cache: expected rows of .* \(584 for 'model1'\)"):
         dequantize_latent_fp8(kv8.cpu(), kv_format="model1")
@@ -665,13 +667,13 @@ def test_latent_cache_quantises_on_append():
         want = dequantize_latent_fp8(quantize_latent_fp8(torch.cat([c[i], kr[i]], -1))).to(torch.bfloat16)
         assert torch.equal(got_c, want[:, :512]) and torch.equal(got_r, want[:, 512:])
     assert cache.seqlens() == [37, 0, 37]
-    with pytest.raises(ValueError, match="kv_rank/rope_dim"):
+    with pytest.raises(ValueError, match="^kv_rank/rope_dim: the FP8 latent layout holds 512 latent"):
         LatentCache(2, 64, 256, 64, dtype=torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="^dtype: the one 8-bit cache is FlashMLA's FP8 layout"):
         LatentCache(2, 64, 512, 64, dtype=torch.float8_e5m2)
-    with pytest.raises(ValueError, match="compute_dtype"):
+    with pytest.raises(ValueError, match=r"^compute_dtype: expected None or one of \(torch.bfloat16, torch.float32\)"):
         LatentCache(2, 64, 512, 64, dtype=torch.float8_e4m3fn, compute_dtype=torch.float16)
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="^dtype: the grouped cache has no 8-bit layout"):
         GroupedCache(2, 64, 2, 16, 16, dtype=torch.float8_e4m3fn)
 
 
@@ -695,11 +697,12 @@ def test_latent_cache_scaled_per_tensor():
     assert torch.equal(cache.latent_rows()[..., :96].isnan().sum(), torch.tensor(1, device=P.device))
     for bad, exc in ((0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError), (math.nan, ValueError),
                      (True, TypeError), ("0.1", TypeError), (torch.ones(1), TypeError)):
-        with pytest.raises(exc, match="^k_scale"):
+        why = "expected None or a positive, finite real number" if exc is TypeError else "the scale of a float8_e4m3fn"
+        with pytest.raises(exc, match=f"^k_scale: {why}"):
             LatentCache(2, 64, 96, 32, dtype=torch.float8_e4m3fn, k_scale=bad)
-    with pytest.raises(ValueError, match="k_scale"):
+    with pytest.raises(ValueError, match="^k_scale: the scale of a float8_e4m3fn cache .* got 0.5 for dtype torch.bf"):
         LatentCache(2, 64, 96, 32, dtype=torch.bfloat16, k_scale=0.5)
-    with pytest.raises(ValueError, match="compute_dtype"):
+    with pytest.raises(ValueError, match=r"^compute_dtype: expected None or one of \(torch.bfloat16, torch.float16, "):
         LatentCache(2, 64, 96, 32, dtype=torch.float8_e4m3fn, k_scale=0.5, compute_dtype=torch.float64)
 
 
@@ -797,6 +800,8 @@ def _check_scaled(out, lse, q, kv8, bt, lens, qd, kd, **kw):
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), page=st.sampled_from(PAGE), causal=st.booleans(),
        num_splits=st.sampled_from([0, 1, 3]), q8=st.booleans(), per_seq=st.booleans(), sparse=st.booleans(),
        seed=seeds())
+@example(B=3, s_q=2, page=PAGE[0], causal=True, num_splits=3, q8=True, per_seq=True, sparse=False, seed=4)
+@example(B=2, s_q=2, page=PAGE[0], causal=False, num_splits=0, q8=False, per_seq=True, sparse=True, seed=5)
 def test_scaled_fp8_cache_vs_reference(B, s_q, page, causal, num_splits, q8, per_seq, sparse, seed):
     """Dense (MTP, causal or not) and sparse calls over a float8 cache scaled per tensor, with a float8 q and its
     descale or a QDT q, one descale for the batch or one per sequence, against the float64 reference of the
