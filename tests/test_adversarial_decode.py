@@ -318,6 +318,25 @@ def test_hostile_cases_match_reference(op, data, dtype):
     check_case(data.draw(spec_strategy(op)), dtype, P.device)
 
 
+_SPARSE_SPECS = {
+    "mla causal MTP": Spec("mla", 21, s_q=3, causal=True, sparse=True, splits=3, lengths=("cap-1", "rand"), poison=3,
+                           topk_length=True),
+    "gqa per group": Spec("gqa", 22, s_q=2, causal=True, sparse=True, splits=1, lengths=("cap", "rand"), poison=3,
+                          topk_length=True, per_group=True),
+    "gqa shared, junk pages": Spec("gqa", 23, s_q=3, causal=False, sparse=True, lengths=("rand", "cap+1"), poison=2,
+                                   junk_pages=True, topk_length=True),
+}
+
+
+@pytest.mark.parametrize("dtype", P.dtypes)
+@pytest.mark.parametrize("name", sorted(_SPARSE_SPECS))
+def test_hostile_sparse_cases_with_topk_lengths(name, dtype):
+    """Sparse calls with topk lengths and non-finite keys: mla_decode over a bf16 / fp16 / fp32 cache under causal
+    MTP, gqa_decode with one index set per group and one shared; the float64 reference as in
+    ``test_hostile_cases_match_reference``."""
+    check_case(_SPARSE_SPECS[name], dtype, P.device)
+
+
 def _clean(op, s_q, lens, splits, dtype, impl="triton"):
     spec = Spec(op, 11, s_q=s_q, causal=True, splits=splits, heads=MLA_HEADS[0], impl=impl)
     inputs = (mla_case if op == "mla" else gqa_case)(spec, dtype, P.device)
@@ -497,73 +516,89 @@ def _bad_calls(op):
     expand_bt = torch.zeros(1, 1, dtype=torch.int32, device=dev).expand(B, cap)
     big_topk = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev).expand(B, 1, 2**30 + 1)
     other = "meta" if dev == "cpu" else "cpu"
+    scale_type = "^softmax_scale: expected a finite real number or None"
+    scale_value = r"^softmax_scale: expected a finite real number of magnitude <= .* \(float32 range\) or None"
+    splits, a_bool = r"^num_splits: expected an int in \[0, 1024\]", "^causal: expected a bool"
+    impls = r"^impl: expected one of \('auto', 'triton', 'gluon', 'reference'\)"
     calls = [
-        ("scale str", dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
-        ("scale tensor", dict(softmax_scale=torch.tensor(0.1)), TypeError, "softmax_scale"),
-        ("scale complex", dict(softmax_scale=1j), TypeError, "softmax_scale"),
-        ("scale bool", dict(softmax_scale=True), TypeError, "softmax_scale"),
-        ("scale nan", dict(softmax_scale=math.nan), ValueError, "softmax_scale"),
-        ("scale inf", dict(softmax_scale=-math.inf), ValueError, "softmax_scale"),
-        ("scale past fp32", dict(softmax_scale=1e39), ValueError, "softmax_scale"),
-        ("scale huge int", dict(softmax_scale=10**400), ValueError, "softmax_scale"),
-        ("splits bool", dict(num_splits=True), TypeError, "num_splits"),
-        ("splits negative", dict(num_splits=-1), ValueError, "num_splits"),
-        ("splits huge", dict(num_splits=2**40), ValueError, "num_splits"),
-        ("splits past max", dict(num_splits=1025), ValueError, "num_splits"),
-        ("splits float", dict(num_splits=2.0), TypeError, "num_splits"),
-        ("splits str", dict(num_splits="2"), TypeError, "num_splits"),
-        ("causal str", dict(causal="yes"), TypeError, "causal"),
-        ("causal None", dict(causal=None), TypeError, "causal"),
-        ("causal 2", dict(causal=2), TypeError, "causal"),
-        ("block_table int64", dict(block_table=torch.zeros(B, 2, **i64)), TypeError, "block_table"),
-        ("block_table float", dict(block_table=torch.zeros(B, 2, device=dev)), TypeError, "block_table"),
-        ("block_table list", dict(block_table=[[0, 1], [2, 3]]), TypeError, "block_table"),
-        ("block_table capacity", dict(block_table=expand_bt), ValueError, "block_table"),
-        ("cache_seqlens int64", dict(cache_seqlens=torch.ones(B, **i64)), TypeError, "cache_seqlens"),
+        ("scale str", dict(softmax_scale="0.1"), TypeError, scale_type),
+        ("scale tensor", dict(softmax_scale=torch.tensor(0.1)), TypeError, scale_type),
+        ("scale complex", dict(softmax_scale=1j), TypeError, scale_type),
+        ("scale bool", dict(softmax_scale=True), TypeError, scale_type),
+        ("scale nan", dict(softmax_scale=math.nan), ValueError, scale_value),
+        ("scale inf", dict(softmax_scale=-math.inf), ValueError, scale_value),
+        ("scale past fp32", dict(softmax_scale=1e39), ValueError, scale_value),
+        ("scale huge int", dict(softmax_scale=10**400), ValueError, scale_value),
+        ("splits bool", dict(num_splits=True), TypeError, splits),
+        ("splits negative", dict(num_splits=-1), ValueError, splits),
+        ("splits huge", dict(num_splits=2**40), ValueError, splits),
+        ("splits past max", dict(num_splits=1025), ValueError, splits),
+        ("splits float", dict(num_splits=2.0), TypeError, splits),
+        ("splits str", dict(num_splits="2"), TypeError, splits),
+        ("causal str", dict(causal="yes"), TypeError, a_bool),
+        ("causal None", dict(causal=None), TypeError, a_bool),
+        ("causal 2", dict(causal=2), TypeError, a_bool),
+        ("block_table int64", dict(block_table=torch.zeros(B, 2, **i64)),
+         TypeError, r"^block_table: expected dtype in \(int32\)"),
+        ("block_table float", dict(block_table=torch.zeros(B, 2, device=dev)),
+         TypeError, r"^block_table: expected dtype in \(int32\)"),
+        ("block_table list", dict(block_table=[[0, 1], [2, 3]]), TypeError, "^block_table: expected a torch.Tensor"),
+        ("block_table capacity", dict(block_table=expand_bt),
+         ValueError, "^block_table: .* address more than 1073741824 tokens per sequence"),
+        ("cache_seqlens int64", dict(cache_seqlens=torch.ones(B, **i64)),
+         TypeError, r"^cache_seqlens: expected dtype in \(int32\)"),
         ("cache_seqlens shape", dict(cache_seqlens=torch.ones(B + 1, dtype=torch.int32, device=dev)), ValueError,
-         "cache_seqlens"),
-        ("indices int64", dict(indices=torch.zeros(B, 1, 4, **i64)), TypeError, "indices"),
-        ("indices topk", dict(indices=big_topk), ValueError, "indices"),
+         r"^cache_seqlens: expected shape \[2\]"),
+        ("indices int64", dict(indices=torch.zeros(B, 1, 4, **i64)),
+         TypeError, r"^indices: expected dtype in \(int32\)"),
+        ("indices topk", dict(indices=big_topk),
+         ValueError, r"^indices: topk \(last dimension\) must be in \[1, 1073741824\]"),
         ("topk_length int64", dict(indices=torch.zeros(B, 1, 4, dtype=torch.int32, device=dev),
-                                   topk_length=torch.ones(B, **i64)), TypeError, "topk_length"),
+                                   topk_length=torch.ones(B, **i64)),
+                                    TypeError, r"^topk_length: expected dtype in \(int32\)"),
         ("topk_length alone", dict(topk_length=torch.ones(B, dtype=torch.int32, device=dev)), ValueError,
-         "topk_length"),
+         "^topk_length: given without indices"),
         ("block_table device", dict(block_table=torch.zeros(B, 2, dtype=torch.int32, device=other)), ValueError,
-         "block_table"),
+         r"^block_table: expected a tensor on .* \(same as q\)"),
         ("cache_seqlens device", dict(cache_seqlens=torch.ones(B, dtype=torch.int32, device=other)), ValueError,
-         "cache_seqlens"),
-        ("impl", dict(impl="cuda"), ValueError, "impl"),
-        ("impl int", dict(impl=3), TypeError, "impl"),
+         r"^cache_seqlens: expected a tensor on .* \(same as q\)"),
+        ("impl", dict(impl="cuda"), ValueError, impls),
+        ("impl int", dict(impl=3), TypeError, impls),
     ]
     if op == "mla":
         calls += [
-            ("q float64", dict(q=torch.zeros(B, 1, 16, 48, dtype=torch.float64, device=dev)), TypeError, "q"),
-            ("q int", dict(q=torch.zeros(B, 1, 16, 48, dtype=torch.int32, device=dev)), TypeError, "q"),
-            ("q numpy", dict(q=torch.zeros(B, 1, 16, 48).numpy()), TypeError, "q"),
+            ("q float64", dict(q=torch.zeros(B, 1, 16, 48, dtype=torch.float64, device=dev)),
+             TypeError, r"^q: expected dtype in \(bfloat16, float16, float32\)"),
+            ("q int", dict(q=torch.zeros(B, 1, 16, 48, dtype=torch.int32, device=dev)),
+             TypeError, r"^q: expected dtype in \(bfloat16, float16, float32\)"),
+            ("q numpy", dict(q=torch.zeros(B, 1, 16, 48).numpy()), TypeError, "^q: expected a torch.Tensor"),
             ("kv_cache dtype", dict(kv_cache=torch.zeros(8, 16, 1, 48, dtype=torch.float16, device=dev)), TypeError,
-             "kv_cache"),
-            ("kv_cache device", dict(kv_cache=torch.zeros(8, 16, 1, 48, device=other)), ValueError, "kv_cache"),
-            ("dense page of 8", dict(kv_cache=torch.zeros(8, 8, 1, 48, device=dev)), ValueError, "page_size"),
+             r"^kv_cache: expected dtype torch.float32 \(same as q\)"),
+            ("kv_cache device", dict(kv_cache=torch.zeros(8, 16, 1, 48, device=other)),
+             ValueError, r"^kv_cache: expected a tensor on .* \(same as q\)"),
+            ("dense page of 8", dict(kv_cache=torch.zeros(8, 8, 1, 48, device=dev)),
+             ValueError, r"^kv_cache: page_size \(dim 1\) must be a positive multiple of 16 for dense calls.* got 8"),
             ("sparse page of 0", dict(kv_cache=torch.zeros(8, 0, 1, 48, device=dev),
                                       indices=torch.zeros(B, 1, 4, dtype=torch.int32, device=dev)), ValueError,
-             "page_size"),
-            ("head_dim_v bool", dict(head_dim_v=True), TypeError, "head_dim_v"),
-            ("head_dim_v float", dict(head_dim_v=32.0), TypeError, "head_dim_v"),
+             r"^kv_cache: page_size \(dim 1\) must be .* positive for sparse ones, got 0"),
+            ("head_dim_v bool", dict(head_dim_v=True), TypeError, r"^head_dim_v: expected an int in \[1, 48\]"),
+            ("head_dim_v float", dict(head_dim_v=32.0), TypeError, r"^head_dim_v: expected an int in \[1, 48\]"),
             ("s_q x heads past the grid", dict(q=torch.zeros(1, 1, 16, 48, device=dev).expand(B, 2**19, 16, 48)),
-             ValueError, "q"),
+             ValueError, "^q: .* row tiles .* more than one launch takes"),
         ]
     else:
         calls += [
-            ("q float64", dict(q=torch.zeros(B, 1, 8, 32, dtype=torch.float64, device=dev)), TypeError, "q"),
+            ("q float64", dict(q=torch.zeros(B, 1, 8, 32, dtype=torch.float64, device=dev)),
+             TypeError, r"^q: expected dtype in \(bfloat16, float16, float32\)"),
             ("v_cache dtype", dict(v_cache=torch.zeros(8, 16, 2, 16, dtype=torch.float16, device=dev)), TypeError,
-             "v_cache"),
+             r"^v_cache: expected dtype torch.float32 \(same as q\)"),
             ("k_rope_cache device", dict(k_rope_cache=torch.zeros(8, 16, 16, device=other)), ValueError,
-             "k_rope_cache"),
-            ("k_rope_cache list", dict(k_rope_cache=[0.0]), TypeError, "k_rope_cache"),
+             r"^k_rope_cache: expected a tensor on .* \(same as q\)"),
+            ("k_rope_cache list", dict(k_rope_cache=[0.0]), TypeError, "^k_rope_cache: expected a torch.Tensor"),
             ("batch past the grid", dict(q=torch.zeros(1, 1, 8, 32, device=dev).expand(2**16, 1, 8, 32),
                                          block_table=torch.zeros(1, 2, dtype=torch.int32, device=dev).expand(2**16, 2),
                                          cache_seqlens=torch.ones(1, dtype=torch.int32, device=dev).expand(2**16)),
-             ValueError, "q"),
+             ValueError, "^q: batch 65536 .* exceeds the 65535 sequences one launch takes"),
         ]
     return calls
 
