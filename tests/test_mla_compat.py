@@ -5,7 +5,7 @@ reference written from FlashMLA's definitions, and every refusal before any stat
 import pytest
 import torch
 from harness import P, assert_close, dtypes, examples, gen, pick, randn, rel_err, seeds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gqla_triton as gq
@@ -64,7 +64,9 @@ def _flashmla_ref(q, scopes, scale, r, sink=None, p_dtype=None):
 @settings(max_examples=examples(3, 12))
 @given(B=st.integers(1, 3), s_q=st.integers(1, 2), h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS),
        causal=st.booleans(), dtype=dtypes(), seed=seeds())
+@example(B=3, s_q=2, h_q=HEADS[0], dims=DIMS[0], causal=True, dtype=P.dtypes[-1], seed=6)
 def test_dense_is_mla_decode_with_flashmla_lse(B, s_q, h_q, dims, causal, dtype, seed):
+    """FlashMLA's dense call (MTP, causal or not) is ``mla_decode`` with lse +inf for a sequence with no key."""
     r, dr = dims
     g = gen(seed)
     page = 16

@@ -23,7 +23,7 @@ from harness import (
     randn,
     seeds,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gqla_triton as gq
@@ -321,7 +321,11 @@ def _flashmla_prefill_ref(q, kv, idx, scale, d_v, sink=None, length=None):
 @given(h_q=st.sampled_from(HEADS), dims=st.sampled_from(DIMS), topk=st.sampled_from(TOPKS),
        s_kv=st.integers(1, pick(60, 2000)), use_len=st.booleans(), use_sink=st.booleans(),
        log2=st.sampled_from([None, False, True]), dtype=dtypes(), seed=seeds())
+@example(h_q=HEADS[0], dims=DIMS[0], topk=TOPKS[0], s_kv=pick(30, 500), use_len=True, use_sink=True, log2=False,
+         dtype=P.dtypes[-1], seed=7)
 def test_flash_mla_sparse_fwd_vs_flashmla_definition(h_q, dims, topk, s_kv, use_len, use_sink, log2, dtype, seed):
+    """FlashMLA's sparse prefill against its definition: out, and max_logits / lse in natural log or base 2, or
+    neither (``return_log2_lse=False``)."""
     r, dr = dims
     s_q = pick(3, 24)
     q, kv, idx, length = _case(seed, s_q, h_q, dims, topk, s_kv, dtype, False)
