@@ -211,38 +211,40 @@ def test_tp_shards_sum_to_full_layer(tp, q_rank, decode, seed):
 def test_trans_gqla_bad_inputs():
     src = gqa_source(0, hidden=32, h=4, g=2, d=8)
     kw = dict(num_heads=4, num_groups=2, head_dim=8, kv_rank=8)
-    with pytest.raises(ValueError, match="k_proj"):
+    with pytest.raises(ValueError, match=r"^k_proj: expected weight shape \[16, 32\] \(num_groups·head_dim\)"):
         trans_gqla({**src, "k_proj": src["k_proj"][:8]}, **kw)
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match=r"^source: missing weights \['o_proj'\]"):
         trans_gqla({k: v for k, v in src.items() if k != "o_proj"}, **kw)
-    with pytest.raises(ValueError, match="num_heads"):
+    with pytest.raises(ValueError, match="^num_heads: 3 is not a multiple of num_groups 2"):
         trans_gqla(src, **{**kw, "num_heads": 3})
-    with pytest.raises(ValueError, match="rope_dim"):
+    with pytest.raises(ValueError, match="^rope_dim: expected an even int >= 0"):
         trans_gqla(src, **kw, rope_dim=3)
-    with pytest.raises(ValueError, match="rope_dim"):
+    with pytest.raises(ValueError, match=r"^rope_dim: expected an even int in \[0, 16\] \(num_groups \* head_dim\)"):
         trans_gqla(src, **kw, rope_dim=18)  # > g·d
-    with pytest.raises(ValueError, match="kv_rank"):
+    with pytest.raises(ValueError, match="^kv_rank: expected a positive int"):
         trans_gqla(src, **{**kw, "kv_rank": 0})
-    with pytest.raises(ValueError, match="rope_inv_freq"):
+    with pytest.raises(ValueError, match=r"^rope_inv_freq: expected a tensor of shape \[4\] \(head_dim / 2\)"):
         trans_gqla(src, **kw, rope_dim=4, rope_inv_freq=torch.ones(3))
-    with pytest.raises(ValueError, match="rope_attention_scaling"):
+    with pytest.raises(ValueError, match="^rope_attention_scaling: expected a positive, finite real number"):
         trans_gqla(src, **kw, rope_dim=4, rope_attention_scaling=0.0)
-    with pytest.raises(ValueError, match="calib"):
+    with pytest.raises(ValueError, match=r"^calib: expected a non-empty tensor \[\.\.\., 32\]"):
         trans_gqla(src, **kw, calib=torch.ones(5, 31))
     calib = torch.ones(5, 32, dtype=torch.float64)
-    for bad, exc in ((calib.int(), TypeError), (calib.to(torch.complex128), TypeError),
-                     (calib.index_fill(0, torch.tensor([2]), math.nan), ValueError), (calib * 1e200, ValueError)):
-        with pytest.raises(exc, match="calib"):
+    for bad, exc, why in ((calib.int(), TypeError, "expected a real floating tensor"),
+                          (calib.to(torch.complex128), TypeError, "expected a real floating tensor"),
+                          (calib.index_fill(0, torch.tensor([2]), math.nan), ValueError, "has non-finite values"),
+                          (calib * 1e200, ValueError, "its covariance overflows float64")):
+        with pytest.raises(exc, match=f"^calib: {why}"):
             trans_gqla(src, **kw, calib=bad)
-    for bad, exc in ((torch.ones(4, dtype=torch.complex64), TypeError),
-                     (torch.tensor([1.0, 1.0, 1.0, math.inf]), ValueError)):
-        with pytest.raises(exc, match="rope_inv_freq"):
+    for bad, exc, why in ((torch.ones(4, dtype=torch.complex64), TypeError, "expected a real floating tensor"),
+                          (torch.tensor([1.0, 1.0, 1.0, math.inf]), ValueError, "expected finite values")):
+        with pytest.raises(exc, match=f"^rope_inv_freq: {why}"):
             trans_gqla(src, **kw, rope_dim=4, rope_inv_freq=bad)
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="^dtype: expected None or a floating torch.dtype of 16 bits or more"):
         trans_gqla(src, **kw, dtype=torch.int32)
-    with pytest.raises(TypeError, match="balance_kv"):
+    with pytest.raises(TypeError, match="^balance_kv: expected a bool"):
         trans_gqla(src, **kw, balance_kv="no")
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="^dtype: expected None or a floating torch.dtype of 16 bits or more"):
         GQLAttention(32, 4, 2, 8, 4, 8, dtype=torch.int32)
 
 
@@ -334,15 +336,15 @@ def test_mla_to_gqla_exact_at_full_width_and_monotone(g, seed):
 def test_loaders_bad_inputs():
     sd = deepseek_checkpoint(0, hidden=32, h=4, n=2, dn=8, dR=4, dv=8, r=16)
     kw = dict(num_heads=4, num_groups=2, head_dim=8, rope_dim=4, kv_rank=16)
-    with pytest.raises(ValueError, match="kv_b_proj"):
+    with pytest.raises(ValueError, match=r"^state_dict: 'kv_b_proj.weight' expected shape \[64, 16\], got \[32, 16\]"):
         load_gqla(sd, **{**kw, "num_groups": 4})  # the checkpoint has 2 blocks
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match="^state_dict: missing 'o_proj.weight'"):
         load_gqla({k: v for k, v in sd.items() if k != "o_proj.weight"}, **kw)
-    with pytest.raises(ValueError, match="q_a_proj"):
+    with pytest.raises(ValueError, match=r"^state_dict: unexpected keys \['q_proj.weight'\] \(the attention"):
         load_gqla(sd, **kw, q_rank=8)
-    with pytest.raises(ValueError, match="num_groups"):
+    with pytest.raises(ValueError, match="^num_groups: expected a positive divisor of num_heads 4, got 3"):
         load_gqla(sd, **{**kw, "num_groups": 3})
-    with pytest.raises(TypeError, match="state_dict"):
+    with pytest.raises(TypeError, match="^state_dict: expected a dict of tensors"):
         load_gqla([sd], **kw)
     key = "o_proj.weight"
     for bad, exc, what in ((sd[key].int(), TypeError, "real floating"), (sd[key].bool(), TypeError, "real floating"),
@@ -351,16 +353,18 @@ def test_loaders_bad_inputs():
                            (sd[key] * math.inf, ValueError, "non-finite")):
         with pytest.raises(exc, match=f"'{key}'.*{what}"):
             load_gqla({**sd, key: bad}, **kw)
-    for bad, exc in ((None, TypeError), ([1.0], TypeError), (torch.tensor(1.0), ValueError)):
-        with pytest.raises(exc, match="kv_a_proj_with_mqa"):
+    tensor = ": expected a torch.Tensor"
+    for bad, exc, why in ((None, TypeError, tensor), ([1.0], TypeError, tensor),
+                          (torch.tensor(1.0), ValueError, r" expected a 2-D weight \[kv_rank \+ rope_dim, hidden\]")):
+        with pytest.raises(exc, match=f"^state_dict: 'kv_a_proj_with_mqa.weight'{why}"):
             load_gqla({**sd, "kv_a_proj_with_mqa.weight": bad}, **kw)
-    with pytest.raises(TypeError, match="prefix"):
+    with pytest.raises(TypeError, match="^prefix: expected a str"):
         load_gqla(sd, **kw, prefix=3)
-    with pytest.raises(TypeError, match="rope_interleaved"):
+    with pytest.raises(TypeError, match="^rope_interleaved: expected a bool"):
         load_gqla(sd, **kw, rope_interleaved="no")
-    with pytest.raises(TypeError, match="num_groups"):
+    with pytest.raises(TypeError, match="^num_groups: expected a positive divisor of num_heads 4, got bool"):
         load_gqla(sd, **{**kw, "num_groups": True})
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match="^head_dim: expected a positive int"):
         mla_to_gqla(deepseek_checkpoint(0, hidden=32, h=4, n=4, dn=8, dR=4, dv=8, r=16), num_heads=4,
                     num_groups=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_rank=16, head_dim=0)
 
@@ -381,9 +385,10 @@ def test_rope_inv_freq_buffer_survives_casts_and_state_dict():
     want = torch.cat([raw[..., :4] * ang.cos() - raw[..., 4:] * ang.sin(),
                       raw[..., 4:] * ang.cos() + raw[..., :4] * ang.sin()], -1)
     assert rel_err(k_rope, want) < 1e-13
-    for bad, exc in ((torch.ones(3), ValueError), (torch.tensor([1.0, float("nan"), 1.0, 1.0]), ValueError),
-                     ([1.0] * 4, TypeError)):
-        with pytest.raises(exc, match="rope_inv_freq"):
+    for bad, exc, why in ((torch.ones(3), ValueError, r"expected a tensor of shape \[4\]"),
+                          (torch.tensor([1.0, float("nan"), 1.0, 1.0]), ValueError, "expected finite values"),
+                          ([1.0] * 4, TypeError, "expected a torch.Tensor")):
+        with pytest.raises(exc, match=f"^rope_inv_freq: {why}"):
             GQLAttention(32, 4, 2, 16, 8, 16, rope_inv_freq=bad)
 
 
@@ -420,7 +425,7 @@ def test_weights_beyond_the_target_dtype_are_refused():
     x = randn((1, 5, hid), g0, dtype=torch.float32, device="cpu")
     ref = gqa_attention_reference(half, x, num_heads=h, num_groups=g, head_dim=d)
     assert rel_err(layer(x), ref) < 1e-5
-    with pytest.raises(ValueError, match="rope_theta"):
+    with pytest.raises(ValueError, match="^rope_theta: expected a positive, finite real number"):
         trans_gqla(src, **kw, rope_theta=10**400)  # an int no float holds: a ValueError, not an OverflowError
 
 
