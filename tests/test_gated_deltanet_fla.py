@@ -130,15 +130,17 @@ def test_fla_state_dicts():
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
     before = {k: v.clone() for k, v in m.state_dict().items()}
     bad = {**sd, "v_conv1d.weight": sd["v_conv1d.weight"][:, :, :3]}
-    with pytest.raises(ValueError, match="v_conv1d"):
+    with pytest.raises(ValueError, match=r"^state_dict: v_conv1d.weight has shape \[32, 1, 3\], the layer's sizes "
+                                         r"give \[32, 1, 4\]"):
         m.load_fla_state_dict(bad)
-    with pytest.raises(ValueError, match="v_conv1d"):
+    with pytest.raises(ValueError, match=r"^state_dict: v_conv1d.weight: expected shape \[32, 1, 4\], got "
+                                         r"\[32, 1, 3\]"):
         m.load_state_dict(bad)
     with pytest.raises(ValueError, match="missing 'o_norm.weight'"):
         m.load_fla_state_dict({k: v for k, v in sd.items() if k != "o_norm.weight"})
-    with pytest.raises(ValueError, match="q_conv1d.bias"):
+    with pytest.raises(ValueError, match=r"^state_dict: unexpected keys \['q_conv1d.bias'\]"):
         m.load_fla_state_dict({**sd, "q_conv1d.bias": torch.zeros(32)})
-    with pytest.raises(TypeError, match="prefix"):
+    with pytest.raises(TypeError, match="^prefix: expected a str, got int"):
         m.load_fla_state_dict(sd, prefix=1)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     pre = {f"layers.0.attn.{k}": v for k, v in sd.items()}
@@ -146,11 +148,12 @@ def test_fla_state_dicts():
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
 
 
-@pytest.mark.parametrize("opt, match", [(dict(use_gate=False), "use_gate"), (dict(use_short_conv=False),
-                                        "use_short_conv"), (dict(conv_bias=True), "conv_bias"),
-                                        (dict(allow_neg_eigval=True), "allow_neg_eigval")])
-def test_from_fla_refuses_what_has_no_counterpart(opt, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("opt", [dict(use_gate=False), dict(use_short_conv=False), dict(conv_bias=True),
+                                 dict(allow_neg_eigval=True)])
+def test_from_fla_refuses_what_has_no_counterpart(opt):
+    """An fla layer option without a counterpart here: a ValueError naming the option and its value."""
+    (name, value), = opt.items()
+    with pytest.raises(ValueError, match=f"^layer: fla's {name}={value} .*has no counterpart here"):
         GatedDeltaNet.from_fla(FlaLayer(32, 1, 1, 16, 16, **opt), impl="reference")
 
 
@@ -232,9 +235,14 @@ def test_refused_load_state_dict_changes_no_parameter():
     m = GatedDeltaNet(32, 2, 2, 16, 8, impl="reference", dtype=torch.float64)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     bias = {**sd, "q_conv1d.bias": torch.zeros(32)}
-    for bad, strict in ((bias, True), (bias, False), ({**sd, "A_log": torch.zeros(3)}, True),
-                        ({**sd, "extra.weight": torch.zeros(2)}, True)):
-        with pytest.raises((ValueError, RuntimeError), match="(state_dict: .*(q_conv1d.bias|A_log)|extra.weight)"):
+    conv_bias = (ValueError, "^state_dict: q_conv1d.bias: a conv bias .*has no counterpart here")
+    for bad, strict, (exc, match) in (
+            (bias, True, conv_bias), (bias, False, conv_bias),
+            ({**sd, "A_log": torch.zeros(3)}, True,
+             (ValueError, r"^state_dict: A_log: expected shape \[2\], got \[3\]")),
+            ({**sd, "extra.weight": torch.zeros(2)}, True,
+             (RuntimeError, r'Unexpected key\(s\) in state_dict: "extra.weight"'))):
+        with pytest.raises(exc, match=match):
             m.load_state_dict(bad, strict=strict)
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
     m.load_state_dict({**sd, "extra.weight": torch.zeros(2)}, strict=False)

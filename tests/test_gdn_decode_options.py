@@ -140,17 +140,26 @@ def test_options_match_float64(B, s, H, G, K, V, qdt, vdt, pdt, gate, dtb, sig, 
                      dtype=low)
 
 
-def test_reference_path_matches_float64_exactly_enough():
-    """``impl="reference"`` with every option on float64 inputs equals the float64 recurrence to 1e-12."""
+@pytest.mark.parametrize("opts", [
+    dict(gate=True, dtb=True, sig=True, neg=True, vk=True, varlen=True),
+    dict(gate=False, dtb=False, sig=False, neg=False, vk=False, varlen=False),
+    dict(gate=False, dtb=False, sig=False, neg=True, vk=False, varlen=True),
+    dict(gate=False, dtb=False, sig=True, neg=False, vk=True, varlen=False),
+    dict(gate=True, dtb=False, sig=False, neg=True, vk=False, varlen=False),
+], ids=lambda o: "+".join(k for k, on in o.items() if on) or "plain")
+def test_reference_path_matches_float64_exactly_enough(opts):
+    """``impl="reference"`` (the bound of the kernel's tolerance in test_options_match_float64) on float64 inputs
+    equals the float64 recurrence to 1e-12, with every option on, none, and each beta / gate option alone."""
     g = gen(3)
     (q, k, v, a, b, pool), kw, (idx, cu, acc) = _case(
-        g, B=2, s=3, H=1, HV=2, K=16, V=8, qdt=torch.float32, vdt=torch.float32, pdt=torch.float32, gate=True,
-        dtb=True, sig=True, neg=True, vk=True, varlen=True, accept=True, inter=True)
+        g, B=2, s=3, H=1, HV=2, K=16, V=8, qdt=torch.float32, vdt=torch.float32, pdt=torch.float32, **opts,
+        accept=True, inter=True)
     d = lambda t: t.double() if t is not None else None  # noqa: E731
     q, k, v, a, b, pool = map(d, (q, k, v, a, b, pool))
     kw = dict(kw, A_log=d(kw["A_log"]), dt_bias=d(kw["dt_bias"]), intermediate_states=d(kw["intermediate_states"]))
     o64, p64, i64 = _ref64(q, k, v, a, b, pool, idx, cu, acc, scale=16**-0.5, A_log=kw["A_log"],
-                           dt_bias=kw["dt_bias"], gate=True, sig=True, neg=True, vk=True)
+                           dt_bias=kw["dt_bias"], gate=opts["gate"], sig=opts["sig"], neg=opts["neg"],
+                           vk=opts["vk"])
     o = gated_delta_rule_decode(q, k, v, a, b, pool, **kw, impl="reference")
     assert rel_err(o, o64) < 1e-12 and rel_err(pool, p64) < 1e-12
     w = ~torch.isnan(i64)
@@ -195,10 +204,12 @@ def test_fla_layout_names_and_option_checks():
     before = pool.clone()
     hv = torch.zeros(2, device=P.device)
     cases = [
-        (ValueError, "state_layout", dict(state_layout="kv_")),
-        (TypeError, "state_layout", dict(state_layout=1)),
-        (ValueError, "contradict", dict(state_v_first=True, transpose_state_layout=False)),
-        (ValueError, "contradicts state_layout", dict(state_layout="vk", state_v_first=False)),
+        (ValueError, "^state_layout: expected 'kv' .* or 'vk' .*, got 'kv_'", dict(state_layout="kv_")),
+        (TypeError, "^state_layout: expected 'kv' or 'vk', got int", dict(state_layout=1)),
+        (ValueError, "^state_v_first=True and transpose_state_layout=False: .*contradict",
+         dict(state_v_first=True, transpose_state_layout=False)),
+        (ValueError, "^state_v_first=False contradicts state_layout='vk'",
+         dict(state_layout="vk", state_v_first=False)),
         (TypeError, "state_v_first: expected a bool", dict(state_v_first=1)),
         (TypeError, "allow_neg_eigval: expected a bool", dict(state_layout="vk", allow_neg_eigval=1)),
         (TypeError, "use_gate_in_kernel: expected a bool", dict(state_layout="vk", use_gate_in_kernel=None)),
@@ -206,9 +217,12 @@ def test_fla_layout_names_and_option_checks():
         (ValueError, "A_log: required", dict(state_layout="vk", use_gate_in_kernel=True)),
         (ValueError, "A_log: given without use_gate_in_kernel", dict(state_layout="vk", A_log=hv)),
         (ValueError, "dt_bias: given without use_gate_in_kernel", dict(state_layout="vk", dt_bias=hv)),
-        (ValueError, "A_log", dict(state_layout="vk", use_gate_in_kernel=True, A_log=torch.zeros(3, device=P.device))),
-        (TypeError, "dt_bias", dict(state_layout="vk", use_gate_in_kernel=True, A_log=hv, dt_bias=hv.int())),
-        (ValueError, r"intermediate_states", dict(state_layout="vk", intermediate_states=torch.zeros(
+        (ValueError, r"^A_log: expected shape \[2\], got \[3\]",
+         dict(state_layout="vk", use_gate_in_kernel=True, A_log=torch.zeros(3, device=P.device))),
+        (TypeError, r"^dt_bias: expected dtype in \(float32(, float64)?\), got int32",
+         dict(state_layout="vk", use_gate_in_kernel=True, A_log=hv, dt_bias=hv.int())),
+        (ValueError, r"^intermediate_states: expected shape \[2, 2, 2, 8, 16\], got \[2, 2, 2, 16, 8\]",
+         dict(state_layout="vk", intermediate_states=torch.zeros(
             2, 2, 2, 16, 8, device=P.device))),  # [K, V] buffer with a [V, K] pool
         (ValueError, "head_first.*not supported", dict(state_layout="vk", head_first=True)),
     ]
@@ -222,7 +236,7 @@ def test_fla_layout_names_and_option_checks():
             args = dict(q=q, k=k, v=v, g=a, beta=b, state=pool, **kw, state_layout="vk")
             args[name] = t
             keep = args["state"].clone()
-            with pytest.raises(TypeError, match="bfloat16"):
+            with pytest.raises(TypeError, match="^bfloat16 inputs: Triton's CPU interpreter"):
                 gated_delta_rule_decode(**args)
             assert torch.equal(args["state"], keep)
 

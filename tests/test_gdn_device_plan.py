@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from harness import P, dtypes, examples, gdn_problem, pick, randn, seeds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gqla_triton.ops.gdn.plan as plan_mod
@@ -139,6 +139,7 @@ def test_device_plan_many_sequences(L):
 @given(lens=st.lists(st.integers(0, pick(140, 700)), min_size=1, max_size=4), G=st.sampled_from([1, 2, 4]),
        seg=st.booleans(), chunk_size=st.sampled_from(pick([16, 32, 64], [32, 64])), opts=st.integers(0, 3),
        v_first=st.booleans(), dtype=dtypes(), seed=seeds())
+@example(lens=[37, 0, 20], G=2, seg=True, chunk_size=16, opts=2, v_first=True, dtype=P.dtypes[0], seed=7)
 def test_device_plan_equals_host_plan(lens, G, seg, chunk_size, opts, v_first, dtype, seed):
     """Forward and backward through the device plan equal the host plan's bitwise (a config where both choose the
     same launches: sequences split into 1-chunk segments or not at all, outputs fused or not by the same rule),
@@ -194,6 +195,7 @@ def test_device_plan_over_a_state_pool():
 @given(lens=st.lists(st.integers(0, pick(90, 400)), min_size=1, max_size=3), lead=st.integers(0, pick(40, 200)),
        tail=st.integers(0, pick(70, 200)), opts=st.integers(0, 7), seg=st.booleans(), G=st.sampled_from([1, 2]),
        dtype=dtypes(), seed=seeds())
+@example(lens=[33, 0, 18], lead=9, tail=21, opts=0, seg=False, G=2, dtype=P.dtypes[0], seed=3)
 def test_padding_tokens_are_inert(where, lens, lead, tail, opts, seg, G, dtype, seed):
     """Tokens before cu[0] and from cu[N] on (a serving batch padded to a graph's size, FlashQLA's cu[N] < T) hold
     NaN and inf: their outputs and every gradient of them are 0, and the sequences' outputs, final states and

@@ -116,8 +116,9 @@ def test_chunk_option_types_and_chunk_indices_checks():
     for bad in (0, 8, 48, 128, -16):
         with pytest.raises(ValueError, match=r"chunk_size: expected one of \(16, 32, 64\)"):
             call(chunk_size=bad)
-        with pytest.raises(ValueError, match="chunk_size"), torch.no_grad():
-            call(chunk_size=bad, initial_state=pool, state_indices=idx)
+        with pytest.raises(ValueError, match=rf"^chunk_size: expected one of \(16, 32, 64\), got {bad}$"):
+            with torch.no_grad():
+                call(chunk_size=bad, initial_state=pool, state_indices=idx)
     assert torch.equal(pool, keep)
     # checked against the host values of cu_seqlens: its host copy, or itself on the CPU (a GPU tensor is not read)
     for host in ({"cu_seqlens_cpu": cu_list},) + (({},) if cu.device.type == "cpu" else ()):
@@ -399,21 +400,25 @@ def test_fused_recurrent_refusals():
     """fla's options this function does not compute are refused by name, as are unknown keywords."""
     q, k, v, g, beta = _inputs(1, 4, 94)
     B, T = 1, 4
-    for kw, exc, match in ((dict(gk=torch.zeros(B, T, HV, V + 1, device=P.device)), ValueError, "^gk: expected"),
-                           (dict(gv=torch.zeros(B, T, HV, K + 1, device=P.device)), ValueError, "^gv: expected"),
-                           (dict(gk=torch.zeros(B, T, HV, K, dtype=torch.int32, device=P.device)), TypeError, "^gk"),
-                           (dict(beta=torch.ones(B, T, HV, V + 1, device=P.device)), ValueError, "^beta: expected"),
+    shape = r"expected shape \[1, 4, 2, 16\], got \[1, 4, 2, 17\]"
+    for kw, exc, match in ((dict(gk=torch.zeros(B, T, HV, V + 1, device=P.device)), ValueError, f"^gk: {shape}"),
+                           (dict(gv=torch.zeros(B, T, HV, K + 1, device=P.device)), ValueError, f"^gv: {shape}"),
+                           (dict(gk=torch.zeros(B, T, HV, K, dtype=torch.int32, device=P.device)), TypeError,
+                            r"^gk: expected dtype in \(.*\), got int32"),
+                           (dict(beta=torch.ones(B, T, HV, V + 1, device=P.device)), ValueError, f"^beta: {shape}"),
                            (dict(g=None, use_gate_in_kernel=True, A_log=torch.zeros(HV, device=P.device)),
-                            ValueError, "g: required"),
-                           (dict(head_first=True), ValueError, "head_first"),
-                           (dict(cp_context=None), TypeError, "cp_context"),
-                           (dict(output_final_state="yes"), TypeError, "output_final_state"),
-                           (dict(state_v_first=1), TypeError, "state_v_first"),
-                           (dict(state_v_first=True, transpose_state_layout=False), ValueError, "contradict"),
-                           (dict(initial_state=randn((2, HV, K, V), 95)), ValueError, "initial_state"),
+                            ValueError, "^g: required with use_gate_in_kernel=True"),
+                           (dict(head_first=True), ValueError, "^head_first=True is not supported"),
+                           (dict(cp_context=None), TypeError, r"unexpected keyword argument\(s\) 'cp_context'"),
+                           (dict(output_final_state="yes"), TypeError, "^output_final_state: expected a bool, got str"),
+                           (dict(state_v_first=1), TypeError, "^state_v_first: expected a bool, got int"),
+                           (dict(state_v_first=True, transpose_state_layout=False), ValueError,
+                            "^state_v_first=True and transpose_state_layout=False: .*contradict"),
+                           (dict(initial_state=randn((2, HV, K, V), 95)), ValueError,
+                            r"^initial_state: expected shape \[1, 2, 16, 16\], got \[2, 2, 16, 16\]"),
                            (dict(cu_seqlens=torch.zeros(0, dtype=torch.int64, device=P.device)), ValueError,
-                            "cu_seqlens: expected"),
-                           (dict(cu_seqlens=[0, 4]), TypeError, "cu_seqlens")):
+                            r"^cu_seqlens: expected \[N\+1\] with N >= 1, got shape \[0\]"),
+                           (dict(cu_seqlens=[0, 4]), TypeError, "^cu_seqlens: expected a torch.Tensor, got list")):
         args = dict(g=g, beta=beta) | kw
         with pytest.raises(exc, match=match):
             fused_recurrent_gated_delta_rule(q, k, v, **args)
@@ -633,7 +638,7 @@ def test_chunk_graph_option_checks():
     pool = randn((3, HV, K, V), 142)
     keep = pool.clone()
     idx = torch.tensor([2, 0], dtype=torch.int32, device=P.device)
-    with pytest.raises(ValueError, match="graph_t_max"), torch.no_grad():
+    with pytest.raises(ValueError, match="^graph_t_max: .* expected 70 .*got 1$"), torch.no_grad():
         call(initial_state=pool, state_indices=idx, use_graph=True, graph_t_max=1)
     assert torch.equal(pool, keep)
 

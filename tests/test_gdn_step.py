@@ -172,27 +172,30 @@ def test_decode_prep_bad_inputs_change_nothing():
     base = dict(mixed=mixed, conv_weight=conv_w, conv_state=pool, seqlens=lens, slots=slots, A_log=A_log,
                 dt_bias=dt_bias)
     cases = [
-        (ValueError, "mixed", dict(mixed=mixed[..., :-1])),
-        (ValueError, "mixed", dict(mixed=mixed[0])),
-        (TypeError, "mixed", dict(mixed=mixed.to(torch.int32))),
-        (ValueError, "conv_weight", dict(conv_weight=conv_w[:-1])),
-        (ValueError, "conv_state", dict(conv_state=pool[:, :, :-1])),
-        (TypeError, "conv_state", dict(conv_state=pool.double())),
-        (ValueError, "conv_state", dict(conv_state=pool.transpose(1, 2).contiguous().transpose(1, 2))),
-        (ValueError, "seqlens", dict(seqlens=lens[:2])),
-        (TypeError, "seqlens", dict(seqlens=lens.long())),
-        (TypeError, "slots", dict(slots=slots.long())),
-        (ValueError, "slots", dict(slots=slots[:1])),
-        (ValueError, "A_log", dict(A_log=A_log[:1])),
-        (TypeError, "slots", dict(slots=[0, 2])),
+        (ValueError, r"^mixed: expected \[B, T, 52\] .*got \[2, 1, 51\]", dict(mixed=mixed[..., :-1])),
+        (ValueError, r"^mixed: expected 3 dimensions, got shape \(1, 52\)", dict(mixed=mixed[0])),
+        (TypeError, r"^mixed: expected dtype in \(.*\), got int32", dict(mixed=mixed.to(torch.int32))),
+        (ValueError, r"^conv_weight: expected \[32, 1, W\] with W >= 2, got \[31, 1, 4\]",
+         dict(conv_weight=conv_w[:-1])),
+        (ValueError, r"^conv_state: expected shape \[\*, 32, 3\], got \[3, 32, 2\]", dict(conv_state=pool[:, :, :-1])),
+        (TypeError, r"^conv_state: expected dtype in \(\w+\), got float64", dict(conv_state=pool.double())),
+        (ValueError, "^conv_state: expected a contiguous tensor",
+         dict(conv_state=pool.transpose(1, 2).contiguous().transpose(1, 2))),
+        (ValueError, r"^seqlens: expected shape \[3\], got \[2\]", dict(seqlens=lens[:2])),
+        (TypeError, r"^seqlens: expected dtype in \(int32\), got int64", dict(seqlens=lens.long())),
+        (TypeError, r"^slots: expected dtype in \(int32\), got int64", dict(slots=slots.long())),
+        (ValueError, r"^slots: expected shape \[2\], got \[1\]", dict(slots=slots[:1])),
+        (ValueError, r"^A_log: expected shape \[2\], got \[1\]", dict(A_log=A_log[:1])),
+        (TypeError, "^slots: expected a torch.Tensor, got list", dict(slots=[0, 2])),
     ]
     for exc, match, kw in cases:
         with pytest.raises(exc, match=match):
             gdn_decode_prep(**{**base, **kw}, **dims)
         assert torch.equal(pool, before[0]) and torch.equal(lens, before[1]), match
-    for exc, match, kw in ((ValueError, "num_slots", dict(num_slots=4)), (ValueError, "num_slots",
-                                                                         dict(num_slots=-1)),
-                           (TypeError, "update", dict(update=1)), (ValueError, "head_k_dim", dict(head_k_dim=0))):
+    for exc, match, kw in ((ValueError, r"^num_slots: expected an int in \[0, 3\], got int 4", dict(num_slots=4)),
+                           (ValueError, r"^num_slots: expected an int in \[0, 3\], got int -1", dict(num_slots=-1)),
+                           (TypeError, "^update: expected a bool, got int", dict(update=1)),
+                           (ValueError, "^head_k_dim: expected a positive int .*got int 0", dict(head_k_dim=0))):
         with pytest.raises(exc, match=match):
             gdn_decode_prep(**base, **{**dims, **kw})
         assert torch.equal(pool, before[0]) and torch.equal(lens, before[1]), match
@@ -238,13 +241,14 @@ def test_gated_norm_bad_inputs():
     o = torch.randn(2, 1, 2, 8, device=d)
     w = torch.ones(8, device=d)
     cases = [
-        (ValueError, "z", dict(z=o[..., :4])),
-        (TypeError, "z", dict(z=o.to(torch.int32))),
-        (ValueError, "weight", dict(weight=w[:4])),
-        (TypeError, "rows", dict(rows=torch.zeros(2, dtype=torch.int64, device=d))),
-        (ValueError, "rows", dict(rows=torch.zeros(3, dtype=torch.int32, device=d))),
-        (ValueError, "o", dict(o=o[0])),
-        (ValueError, "eps", dict(eps=-1.0)),
+        (ValueError, r"^z: expected shape \[2, 1, 2, 8\], got \[2, 1, 2, 4\]", dict(z=o[..., :4])),
+        (TypeError, r"^z: expected dtype in \(.*\), got int32", dict(z=o.to(torch.int32))),
+        (ValueError, r"^weight: expected shape \[8\], got \[4\]", dict(weight=w[:4])),
+        (TypeError, r"^rows: expected dtype in \(int32\), got int64",
+         dict(rows=torch.zeros(2, dtype=torch.int64, device=d))),
+        (ValueError, r"^rows: expected shape \[2\], got \[3\]", dict(rows=torch.zeros(3, dtype=torch.int32, device=d))),
+        (ValueError, r"^o: expected 4 dimensions, got shape \(1, 2, 8\)", dict(o=o[0])),
+        (ValueError, "^eps: expected a finite real number >= 0, got float -1.0", dict(eps=-1.0)),
     ]
     for exc, match, kw in cases:
         args = {"o": o, "z": o, "weight": w, "eps": 1e-6, "rows": None, **kw}
