@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from harness import P, dtypes, examples, gdn_problem, pick, randn, seeds
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import gqla_triton.ops.gdn.plan as plan_mod
@@ -135,18 +135,21 @@ def test_device_plan_many_sequences(L):
 
 
 # ------------------------------------------------------------------------------------------ results, both plans
+def _some_token(lens):
+    """``lens`` with a 24-token sequence appended when all are empty (a call without any token is refused)."""
+    return lens if any(lens) else [*lens, 24]
+
+
 @settings(max_examples=examples(4, 12), deadline=None)
-@given(lens=st.lists(st.integers(0, pick(140, 700)), min_size=1, max_size=4), G=st.sampled_from([1, 2, 4]),
-       seg=st.booleans(), chunk_size=st.sampled_from(pick([16, 32, 64], [32, 64])), opts=st.integers(0, 3),
-       v_first=st.booleans(), dtype=dtypes(), seed=seeds())
+@given(lens=st.lists(st.integers(0, pick(140, 700)), min_size=1, max_size=4).map(_some_token),
+       G=st.sampled_from([1, 2, 4]), seg=st.booleans(), chunk_size=st.sampled_from(pick([16, 32, 64], [32, 64])),
+       opts=st.integers(0, 3), v_first=st.booleans(), dtype=dtypes(), seed=seeds())
 @example(lens=[37, 0, 20], G=2, seg=True, chunk_size=16, opts=2, v_first=True, dtype=P.dtypes[0], seed=7)
 def test_device_plan_equals_host_plan(lens, G, seg, chunk_size, opts, v_first, dtype, seed):
     """Forward and backward through the device plan equal the host plan's bitwise (a config where both choose the
     same launches: sequences split into 1-chunk segments or not at all, outputs fused or not by the same rule),
     with empty sequences, GVA, every chunk size, both state layouts and fla's beta options. (On the GPU every
     varlen test of test_gdn_chunk.py runs the device plan against the float64 recurrence.)"""
-    if sum(lens) == 0:
-        return
     H, K, V = 1, pick(16, 128), pick(32, 128)
     ins, cu = gdn_problem(seed, lens, True, H, H * G, K, V)
     xs = _device_inputs(ins, dtype)
@@ -196,6 +199,7 @@ def test_device_plan_over_a_state_pool():
        tail=st.integers(0, pick(70, 200)), opts=st.integers(0, 7), seg=st.booleans(), G=st.sampled_from([1, 2]),
        dtype=dtypes(), seed=seeds())
 @example(lens=[33, 0, 18], lead=9, tail=21, opts=0, seg=False, G=2, dtype=P.dtypes[0], seed=3)
+@example(lens=[0, 0], lead=6, tail=11, opts=5, seg=True, G=2, dtype=P.dtypes[-1], seed=4)
 def test_padding_tokens_are_inert(where, lens, lead, tail, opts, seg, G, dtype, seed):
     """Tokens before cu[0] and from cu[N] on (a serving batch padded to a graph's size, FlashQLA's cu[N] < T) hold
     NaN and inf: their outputs and every gradient of them are 0, and the sequences' outputs, final states and
@@ -203,9 +207,9 @@ def test_padding_tokens_are_inert(where, lens, lead, tail, opts, seg, G, dtype, 
     where both plans split the sequences alike (dA_log / ddt_bias: the same sums in another order); with fla's
     in-kernel gate and beta sigmoid too, with and without sequence splitting, on the host plan and the device plan.
     (The device plan sizes its split from T, so padding may turn splitting on: the same function, rounded
-    differently.)"""
-    if sum(lens) == 0:
-        return
+    differently.) Every sequence empty: all tokens padding, ht = h0 and dh0 = dht."""
+    assume(sum(lens) + lead + tail > 0)  # no token at all: refused
+    empty = sum(lens) == 0
     H, K, V = 1, pick(16, 128), pick(16, 128)
     HV = H * G
     ins, cu = gdn_problem(seed, lens, True, H, HV, K, V)
@@ -228,7 +232,8 @@ def test_padding_tokens_are_inert(where, lens, lead, tail, opts, seg, G, dtype, 
     do = randn((1, T, HV, V), seed + 5, device=P.device).to(dtype)  # the padding rows' too: they must not matter
     res, splits = [], []
     with _Patch(where), config_override({"gdn_chunk": SEG if seg else {}}):
-        for x, c, d in ((pad(math.nan), cu + lead, do), (pad(-0.75), cu + lead, do), (ins, cu, do[:, lead:T - tail])):
+        calls = [(pad(math.nan), cu + lead, do), (pad(-0.75), cu + lead, do), (ins, cu, do[:, lead:T - tail])]
+        for x, c, d in calls[:2] if empty else calls:
             xs = _device_inputs(x, dtype)
             if gate:
                 for p in (kw["A_log"], kw["dt_bias"]):
@@ -245,9 +250,13 @@ def test_padding_tokens_are_inert(where, lens, lead, tail, opts, seg, G, dtype, 
     for name, a in zip(("dA_log", "ddt_bias")[:len(dp)], dp, strict=True):
         assert torch.isfinite(a).all(), f"{name}: the padding reached it"
     assert splits[0] == splits[1]
-    if where == "host":
+    if empty:
+        assert torch.equal(ht, ins[5].to(P.device, torch.float32)), "an empty sequence's final state is not h0"
+        assert torch.equal(dx[5], randn(ht.shape, seed % 997 + 1, device=P.device)), "dh0 is not dht"
+        assert all((a == 0).all() for a in dp), "dA_log / ddt_bias not 0 without a token"
+    elif where == "host":
         assert splits[0] == splits[2], "the host plan splits from the sequences' own lengths"
-    for (o0, ht0, dx0, dp0), what in ((res[1], "finite padding"), (res[2], "no padding")):
+    for (o0, ht0, dx0, dp0), what in zip(res[1:], ("finite padding", "no padding"), strict=False):
         if what == "no padding" and splits[0] != splits[2]:
             continue  # the same function over another split (test_device_plan_equals_host_plan and the split tests)
         assert torch.equal(o[:, inner], o0[:, inner] if o0.shape[1] == T else o0), f"o differs from {what}"

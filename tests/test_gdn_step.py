@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 from harness import P, assert_close, dtypes, examples, gen, mapped_zeros, pick, randn, record_launches, seeds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gqla_triton.layers.gdn_step import gdn_decode_prep, gdn_decode_prep_ref, gdn_gated_norm, gdn_gated_norm_ref
@@ -53,18 +53,23 @@ def _run(fn, mixed, conv_w, buf, lens_buf, slots, A_log, dt_bias, dims, num_slot
 @settings(max_examples=examples(8, 24))
 @given(B=st.integers(1, 4), T=st.integers(1, pick(4, 17)), H=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
        K=st.sampled_from([8, 12, 16]), V=st.sampled_from([8, 16, 24]), W=st.integers(2, 5), update=st.booleans(),
-       gate_scale=st.sampled_from([1.0, 30.0]), dtype=dtypes(), seed=seeds(), data=st.data())
-def test_decode_prep_matches_reference(B, T, H, G, K, V, W, update, gate_scale, dtype, seed, data):
+       gate_scale=st.sampled_from([1.0, 30.0]), dtype=dtypes(), seed=seeds(),
+       picks=st.lists(st.one_of(st.just(0), st.integers(1, 5)), min_size=4, max_size=4))
+@example(B=4, T=3, H=2, G=2, K=12, V=16, W=3, update=True, gate_scale=30.0, dtype=P.dtypes[-1], seed=5,
+         picks=[0, 0, 0, 0])  # every slot in the pool, T >= W - 1: the window is the last tokens alone
+@example(B=3, T=1, H=1, G=2, K=8, V=8, W=4, update=True, gate_scale=1.0, dtype=P.dtypes[0], seed=6,
+         picks=[0, 4, 0, 0])  # num_slots between two in-pool slots, T < W - 1: the window keeps old columns
+def test_decode_prep_matches_reference(B, T, H, G, K, V, W, update, gate_scale, dtype, seed, picks):
     """q, k, v, g, beta against the float64 reference; pool rows, conv windows and lengths equal the low-precision
-    reference's exactly; slots outside [0, num_slots) (negative, num_slots, rows of the pool past it, int32's
-    extremes) get row -1, a zero window, and leave every row as it was."""
+    reference's exactly, and with ``update`` a live slot's window is its last W - 1 inputs and its length grew by
+    T; slots outside [0, num_slots) (negative, num_slots, rows of the pool past it, int32's extremes) get row -1, a
+    zero window, and leave every row as it was. ``picks[i]``: sequence i's slot, 0 its own, else an outside one."""
     g = gen(seed)
     HV = H * G
     P_rows = B + 3
     num_slots = P_rows - 1  # the pool's last row is no slot
     live = torch.randperm(num_slots, generator=g)[:B].tolist()
-    slots = [data.draw(st.sampled_from([s] + HOSTILE + [num_slots, P_rows]), label=f"slot {i}")
-             for i, s in enumerate(live)]
+    slots = [([s] + HOSTILE + [num_slots, P_rows])[c] for s, c in zip(live, picks, strict=False)]
     slots_t = torch.tensor(slots, **I32)
     ins = _prep_problem(g, B, T, H, HV, K, V, W, P_rows, dtype, gate_scale)
     dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
@@ -81,6 +86,12 @@ def test_decode_prep_matches_reference(B, T, H, G, K, V, W, update, gate_scale, 
     assert torch.equal(buf, buf_lp), "conv windows differ from the reference's"
     assert torch.equal(lens, lens_lp), "lengths differ from the reference's"
     named = [s + 1 for s in slots if 0 <= s < num_slots] if update else []
+    C = 2 * H * K + HV * V
+    for i, s in enumerate(slots):
+        if update and 0 <= s < num_slots:
+            window = torch.cat([ins[2][s + 1], ins[0][i, :, :C].t()], 1)[:, -(W - 1):]
+            assert torch.equal(buf[s + 1], window), f"slot {s}: the window is not the last W - 1 inputs"
+            assert lens[s + 1] == ins[3][s + 1] + T, f"slot {s}: the length did not grow by T"
     others = [i for i in range(P_rows + 2) if i not in named]
     assert torch.equal(buf[others], ins[2][others]), "a row of no live sequence was touched"
     assert torch.equal(lens[others], ins[3][others]), "a length of no live sequence was touched"

@@ -173,23 +173,28 @@ def test_refusals_change_no_state():
     lens = torch.tensor([20, 31], dtype=torch.int32, device=P.device)
     idx = torch.zeros(2, 1, 16, dtype=torch.int32, device=P.device)
     meta, _ = gq.get_mla_metadata()
+    sink16 = torch.zeros(16, device=P.device)
     cases = [
-        (ValueError, "num_splits", dict(num_splits=torch.ones(3, dtype=torch.int32))),
-        (ValueError, "causal: must be False with indices", dict(causal=True, indices=idx)),
-        (ValueError, "must be None without indices", dict(attn_sink=torch.zeros(16, device=P.device))),
-        (ValueError, "is_fp8_kvcache=True", dict(is_fp8_kvcache=True)),
-        (ValueError, "give both or neither", dict(indices=idx, extra_k_cache=kv)),
-        (TypeError, "attn_sink", dict(indices=idx, attn_sink=torch.zeros(16, dtype=torch.float64, device=P.device))),
-        (ValueError, "attn_sink", dict(indices=idx, attn_sink=torch.zeros(15, device=P.device))),
-        (TypeError, "causal", dict(causal="yes")),
-        (TypeError, "indices", dict(indices=idx.long())),
+        (ValueError, r"^num_splits: must be None \(FlashMLA's placeholder",
+         dict(num_splits=torch.ones(3, dtype=torch.int32))),
+        (ValueError, "^causal: must be False with indices", dict(causal=True, indices=idx)),
+        (ValueError, "^attn_sink, extra_k_cache, .*: must be None without indices", dict(attn_sink=sink16)),
+        (ValueError, "^k_cache: is_fp8_kvcache=True but the cache is not FlashMLA's FP8 layout",
+         dict(is_fp8_kvcache=True)),
+        (ValueError, "^extra_k_cache and extra_indices_in_kvcache: give both or neither",
+         dict(indices=idx, extra_k_cache=kv)),
+        (TypeError, r"^attn_sink: expected dtype in \(float32\), got float64",
+         dict(indices=idx, attn_sink=sink16.double())),
+        (ValueError, r"^attn_sink: expected shape \[16\], got \[15\]", dict(indices=idx, attn_sink=sink16[:15])),
+        (TypeError, "^causal: expected a bool, got str", dict(causal="yes")),
+        (TypeError, r"^indices: expected dtype in \(int32\), got int64", dict(indices=idx.long())),
         (ValueError, "^kv_format: expected None or one of", dict(kv_format="v32")),
         (ValueError, "^descale_q: given without descale_k", dict(descale_q=torch.ones(1, device=P.device))),
         (ValueError, "^descale_k: scales a float8_e4m3fn cache", dict(descale_k=torch.ones(1, device=P.device))),
         (ValueError, "^descale_q / descale_k: the dense FP8 path",
          dict(indices=idx, descale_k=torch.ones(1, device=P.device))),
-        (TypeError, "enable_batch_invariant", dict(enable_batch_invariant="yes")),
-        (TypeError, "use_legacy", dict(use_legacy=None)),
+        (TypeError, "^enable_batch_invariant: expected a bool, got str", dict(enable_batch_invariant="yes")),
+        (TypeError, "^use_legacy: expected a bool, got NoneType", dict(use_legacy=None)),
         (ValueError, "^extra_topk_length: given without extra_k_cache",
          dict(indices=idx, extra_topk_length=torch.ones(2, dtype=torch.int32, device=P.device))),
         (ValueError, "^k_cache: expected at least one block", dict(k_cache=kv[:0])),
@@ -206,16 +211,18 @@ def test_refusals_change_no_state():
     for junk in (None, "config"):  # marked initialised by hand, with no configuration recorded
         with pytest.raises(ValueError, match="^tile_scheduler_metadata: have_initialized is set"):
             gq.flash_mla_with_kvcache(q, kv, bt, lens, r, gq.FlashMLASchedMeta(have_initialized=True, config=junk))
-    with pytest.raises(TypeError, match="tile_scheduler_metadata"):
+    with pytest.raises(TypeError, match="^tile_scheduler_metadata: expected the FlashMLASchedMeta"):
         gq.flash_mla_with_kvcache(q, kv, bt, lens, r, None)
-    with pytest.raises(ValueError, match="sparse calls: one latent head"):
+    with pytest.raises(ValueError, match=r"^k_cache: expected \[num_blocks, .*\(sparse calls: one latent head"):
         gq.flash_mla_with_kvcache(q, kv.expand(4, 16, 2, r + dr), bt, lens, r, meta, indices=idx)
     gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta)
     config = meta.config
-    for kw in (dict(causal=True), dict(indices=idx)):
-        with pytest.raises(ValueError, match="recorded for another configuration"):
+    for field, kw in (("causal", dict(causal=True)), ("topk", dict(indices=idx))):
+        with pytest.raises(ValueError, match=rf"^tile_scheduler_metadata: recorded for another configuration "
+                                             rf"\(differs in \['{field}'\]\)"):
             gq.flash_mla_with_kvcache(q, kv, bt, lens, r, meta, **kw)
-    with pytest.raises(ValueError, match="recorded for another configuration"):
+    with pytest.raises(ValueError, match=r"^tile_scheduler_metadata: recorded for another configuration "
+                                         r"\(differs in \['b'\]\)"):
         gq.flash_mla_with_kvcache(q[:1], kv, bt[:1], lens[:1], r, meta)
     assert meta.config == config
 
