@@ -15,7 +15,7 @@ from gqla_triton.layers.rope import rope_inv_freq
 from gqla_triton.ops._common.validation import rows_aligned
 
 SENT = -7.0
-KINDS = ["offset", "strided", "column", "transposed"]
+KINDS = ["offset", "strided", "column", "transposed", "expanded"]
 
 
 def _view(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -127,6 +127,27 @@ def _gdn_decode(dt, g_):
     def run(a):
         return gq.gated_delta_rule_decode(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], idx)
     return args, run, list(args), ["state"], None
+
+
+def _gdn_decode_spec(dt, g_):
+    """Speculative verification: gates computed in the kernel (raw ``g``, ``A_log``, ``dt_bias``), every token's
+    state written to ``intermediate_states`` in place, ``[V, K]`` state rows."""
+    args, _, _, _, _ = _gdn_decode(dt, g_)
+    B, s, HV = args["g"].shape
+    K, V = args["state"].shape[2:]
+    args["g"] = randn((B, s, HV), g_, dtype=dt)
+    args["state"] = args["state"].transpose(-1, -2).contiguous()
+    args.update(A_log=rand((HV,), g_, lo=-1.0, hi=0.5), dt_bias=randn((HV,), g_, dtype=dt),
+                intermediate_states=randn((B, s, HV, V, K), g_))
+    idx = torch.tensor([3, -1, 0], dtype=torch.int32, device=P.device)
+    accepted = torch.tensor([1, 2, 2], dtype=torch.int32, device=P.device)
+
+    def run(a):
+        return gq.gated_delta_rule_decode(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], idx,
+                                          accepted=accepted, intermediate_states=a["intermediate_states"],
+                                          use_gate_in_kernel=True, A_log=a["A_log"], dt_bias=a["dt_bias"],
+                                          state_layout="vk")
+    return args, run, list(args), ["state", "intermediate_states"], None
 
 
 def _fused_recurrent(dt, g_):
@@ -278,7 +299,7 @@ def _norm_rope(dt, g_):
     return args, run, list(args), [], None
 
 
-OPS = {"chunk": _gdn_chunk, "chunk_pool": _gdn_chunk_pool, "gdn_decode": _gdn_decode,
+OPS = {"chunk": _gdn_chunk, "chunk_pool": _gdn_chunk_pool, "gdn_decode": _gdn_decode, "gdn_decode_spec": _gdn_decode_spec,
        "fused_recurrent": _fused_recurrent, "mla_decode": _mla, "mla_sparse_prefill": _mla_sparse_prefill,
        "gqa_decode": _gqa, "flash_mla": _flash_mla, "decode_prep": _decode_prep, "gated_norm": _gated_norm,
        "absorb_q": _absorb_q, "absorb_o": _absorb_o, "grouped_q": _grouped_q, "norm_rope": _norm_rope}
@@ -292,7 +313,7 @@ CACHES = {("mla_decode", "kv_cache"), ("flash_mla", "k_cache"), ("gqa_decode", "
 
 def _refusal(op: str, name: str, view: torch.Tensor) -> str | None:
     """The message a refusal of ``view`` as ``name`` must match, or None where the call must take it."""
-    if name in ("state", "conv_state") or (op == "chunk_pool" and name == "initial_state"):
+    if name in ("state", "conv_state", "intermediate_states") or (op == "chunk_pool" and name == "initial_state"):
         if not view.is_contiguous():  # pools written in place without strides
             return f"^{name}: .*contiguous"
     if ((op, name) in CACHES or op == "gqa_decode") and view.stride(-1) != 1:
@@ -323,9 +344,13 @@ def test_activation_views_equal_contiguous_or_are_refused(op, kind):
     buffer outside it unchanged; no access outside the given tensors' own elements."""
     dt = P.dtypes[0]
     args, run, names, written, ref = OPS[op](dt, gen(1234))
-    want_args = _clone_args(args)
-    want = _flat(run(want_args)) + [want_args[n] for n in written]
+    want = None
     for name in names:
+        if kind == "expanded":  # its rows made equal, for both calls
+            args = {**args, name: args[name][:1].expand(args[name].shape).contiguous()}
+        if want is None or kind == "expanded":
+            want_args = _clone_args(args)
+            want = _flat(run(want_args)) + [want_args[n] for n in written]
         a = _clone_args(args)
         a[name] = _view(args[name], kind)
         before = {n: a[n].clone() for n in written}
