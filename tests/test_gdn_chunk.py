@@ -850,6 +850,9 @@ def test_bad_inputs():
         f(torch.zeros(1, 8, 2, 264, device=d), torch.zeros(1, 8, 2, 264, device=d), v, g, g)
     with pytest.raises(ValueError, match=r"^K \(q/k head dim\): expected 1 <= K <= 256"):
         f(torch.zeros(1, 8, 2, 0, device=d), torch.zeros(1, 8, 2, 0, device=d), v, g, g)
+    for b, t in ((0, 8), (1, 0), (0, 0)):  # an empty batch or sequence axis
+        with pytest.raises(ValueError, match=rf"^q: expected B >= 1 and T >= 1, got shape \[{b}, {t}, 2, 16\]"):
+            f(q[:b, :t], q[:b, :t], v[:b, :t], g[:b, :t], g[:b, :t])
     with pytest.raises(ValueError, match="^V \\(v head dim\\): expected 1 <= V <= 1024, got 1040"):
         f(q, q, torch.zeros(1, 8, 4, 1040, device=d), g, g)
     with pytest.raises(ValueError, match="^cu_seqlens: varlen input needs B == 1"):

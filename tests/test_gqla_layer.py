@@ -144,6 +144,9 @@ def test_sparse_decode_absorb_equals_grouped_equals_reference(B, s_q, topk, use_
 @given(B=st.integers(1, 2), g=st.sampled_from(pick([2, 4], [4, 8])), path=st.sampled_from(["absorb", "grouped"]),
        steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3), dtype=dtypes(), seed=seeds())
 def test_prefill_then_decode_equals_longer_prefill(B, g, path, steps, dtype, seed):
+    """A prefill, then decode steps of 1-2 tokens through the cache, and one prefill over all the tokens: each
+    against the float64 reference, within the error of the same calls in torch at ``dtype`` (``impl="reference"``,
+    its own cache)."""
     gg = gen(seed)
     layer = make_layer(seed, g=g, dtype=dtype)
     T0 = int(torch.randint(1, MAX_PAST, (1,), generator=gg))
@@ -151,20 +154,26 @@ def test_prefill_then_decode_equals_longer_prefill(B, g, path, steps, dtype, see
     x = randn((B, T, layer.hidden_size), gg, dtype=dtype)
     pos = torch.arange(T)
     ref = gqla_reference(layer, x, pos[None].expand(B, T))
+    low = copy.deepcopy(layer)  # the same calls in torch at ``dtype``: the tolerance
+    low.impl = "reference"
+    runs = []
     with torch.no_grad():
-        full = layer(x, pos)  # one SDPA prefill over all T tokens
-        cache = layer.make_cache(B + 1, T, path=path, page_size=PAGE)
-        ids = list(range(1, B + 1))
-        outs = [layer(x[:, :T0], pos[:T0], cache, seq_ids=ids)]
-        t = T0
-        for s in steps:
-            outs.append(layer(x[:, t:t + s], None, cache, seq_ids=ids))  # default positions = cached length
-            t += s
-    y = torch.cat(outs, 1)
-    assert isinstance(cache, LatentCache if path == "absorb" else GroupedCache)
-    assert cache.seqlens(ids) == [T] * B
-    assert_close("prefill", y[:, :T0], ref[:, :T0], full[:, :T0], dtype=dtype)
-    assert_close("decode after prefill", y[:, T0:], ref[:, T0:], full[:, T0:], dtype=dtype)
+        for m in (layer, low):
+            full = m(x, pos)  # one prefill over all T tokens
+            cache = m.make_cache(B + 1, T, path=path, page_size=PAGE)
+            ids = list(range(1, B + 1))
+            outs = [m(x[:, :T0], pos[:T0], cache, seq_ids=ids)]
+            t = T0
+            for s in steps:
+                outs.append(m(x[:, t:t + s], None, cache, seq_ids=ids))  # default positions = cached length
+                t += s
+            assert isinstance(cache, LatentCache if path == "absorb" else GroupedCache)
+            assert cache.seqlens(ids) == [T] * B
+            runs.append((full, torch.cat(outs, 1)))
+    (full, y), (full_low, y_low) = runs
+    assert_close("one prefill", full, ref, full_low, dtype=dtype)
+    assert_close("prefill", y[:, :T0], ref[:, :T0], y_low[:, :T0], dtype=dtype)
+    assert_close("decode after prefill", y[:, T0:], ref[:, T0:], y_low[:, T0:], dtype=dtype)
 
 
 @given(g=st.sampled_from([2, 4]), q_rank=st.sampled_from([None, 24]), seed=seeds())
