@@ -318,6 +318,8 @@ def _refusal(op: str, name: str, view: torch.Tensor) -> str | None:
     if name in ("state", "conv_state", "intermediate_states") or (op == "chunk_pool" and name == "initial_state"):
         if not view.is_contiguous():  # pools written in place without strides
             return f"^{name}: .*contiguous"
+        if view.is_cuda and view.data_ptr() % 16:  # and, on a GPU, from a 16-byte boundary
+            return f"^{name}: expected a start address on a 16-byte boundary on the GPU"
     if ((op, name) in CACHES or op == "gqa_decode") and view.stride(-1) != 1:
         return f"^{name}: the last dimension must be contiguous"
     if name == "cos_sin" and not view.is_contiguous():  # norm_rope's output, read without strides

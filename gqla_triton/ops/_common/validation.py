@@ -458,10 +458,23 @@ def contiguous_indices(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | No
     return tuple(t if t is None or t.is_contiguous() or _shared_row(t) else t.contiguous() for t in tensors)
 
 
+def aligned_start(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts on a 16-byte boundary, or lies off the GPU, or has no address to read (a fake tensor)."""
+    if not t.is_cuda:
+        return True
+    try:
+        return t.data_ptr() % 16 == 0
+    except Exception:  # fake / functional tensors have no storage to point at
+        return True
+
+
 def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Each tensor (None: None) contiguous, for kernels that read their inputs without strides: the custom ops'
-    bodies, which a compiled graph or a direct ``torch.ops`` call may hand any strides."""
-    return tuple(t if t is None else t.contiguous() for t in tensors)
+    """Each tensor (None: None) contiguous and, on a GPU, starting on a 16-byte boundary (copied where not), for
+    kernels that read their inputs without strides: the custom ops' bodies, which a compiled graph or a direct
+    ``torch.ops`` call may hand any strides. A view one element past a boundary is contiguous but not aligned:
+    Triton 3.6's pipelined loads of such a ``q`` faulted with an illegal address on an H100 (chunked GDN forward)."""
+    return tuple(t if t is None else t.contiguous() if aligned_start(t) else t.clone(memory_format=torch.contiguous_format)
+                 for t in tensors)
 
 
 def rows_aligned(t: torch.Tensor, *, offset: bool = True) -> bool:
@@ -515,9 +528,15 @@ def unit_last_stride(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None
 
 
 def check_contiguous(name: str, t: torch.Tensor | None) -> None:
-    """``t`` (None: absent), which a kernel updates in place without strides, is contiguous (``ValueError``)."""
-    if t is not None and not t.is_contiguous():
+    """``t`` (None: absent), which a kernel updates in place without strides, is contiguous and on a GPU starts on a
+    16-byte boundary, as ``contiguous`` makes what the kernels only read (``ValueError``)."""
+    if t is None:
+        return
+    if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (it is updated in place)")
+    if not aligned_start(t):
+        raise ValueError(f"{name}: expected a start address on a 16-byte boundary on the GPU (it is updated in "
+                         f"place), got one {t.data_ptr() % 16} bytes past")
 
 
 def _shared_row(t: torch.Tensor) -> bool:

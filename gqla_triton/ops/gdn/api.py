@@ -301,6 +301,7 @@ def _check_pool_call(q, k, v, g, beta, pool, state_indices, output_final_state, 
         raise ValueError("initial_state: the state pool has no rows")
     if not pool.is_contiguous():
         raise ValueError("initial_state: the state pool must be contiguous (its rows are updated in place)")
+    check_contiguous("initial_state", pool)  # and, on a GPU, on a 16-byte boundary
     if output_final_state:
         raise ValueError("output_final_state: must be False with state_indices (the final states are written into "
                          "the pool rows)")
@@ -568,12 +569,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                           cu_seqlens, cu_host, v_first, bt)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.contiguous(), beta.contiguous()
+    q, k, v, g, beta = contiguous(q, k, v, g, beta)
     if use_gate_in_kernel:
-        A_log = A_log.contiguous()
-        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    h0 = initial_state.contiguous() if initial_state is not None and state_indices is None else None
+        A_log, dt_bias = contiguous(A_log, dt_bias)
+    h0 = contiguous(initial_state)[0] if initial_state is not None and state_indices is None else None
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
     if impl == "gluon":

@@ -374,8 +374,7 @@ def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
     if tuple(state.shape[1:]) != row_shape:
         raise ValueError(f"state: expected shape [P, {', '.join(map(str, row_shape))}] (state_layout="
                          f"{'vk' if v_first else 'kv'!r}), got {list(state.shape)}")
-    if not state.is_contiguous():
-        raise ValueError("state: expected a contiguous tensor (it is updated in place)")
+    check_contiguous("state", state)
     if not ref and (K > 256 or V > 1024):
         raise ValueError(f"q/v: head dims K <= 256 and V <= 1024 supported by the kernel, got K={K}, V={V} "
                          "(impl='reference' takes any)")
@@ -395,8 +394,7 @@ def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
         want = ((B, S) if cu_seqlens is None else (S,)) + row_shape
         idt = (torch.float32,) + ((torch.float64,) if ref else ())
         check_tensor("intermediate_states", intermediate_states, shape=want, dtypes=idt, device=q.device)
-        if not intermediate_states.is_contiguous():
-            raise ValueError("intermediate_states: expected a contiguous tensor (it is written in place)")
+        check_contiguous("intermediate_states", intermediate_states)
     scale = check_scale("scale", scale, K**-0.5)
     refuse_grad("gated_delta_rule_decode", ", or use chunk_gated_delta_rule (differentiable in q, k, v, g, beta and "
                 "initial_state) to train through the recurrence", q=q, k=k, v=v, g=g, beta=beta, state=state,
