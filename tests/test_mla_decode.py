@@ -522,18 +522,12 @@ def test_torch_compile_fullgraph():
 # ---------------------------------------------------------------- the warp-specialised Gluon kernel (Hopper)
 
 GLUON_VARIANTS = [{"block_h": 64, "block_n": 64, "num_stages": 2}, {"block_h": 32, "block_n": 64, "num_stages": 2},
-                  {"block_h": 64, "block_n": 64, "num_stages": 2, "max_slack": 0.0, "skip_rescale": False,
-                   "next_scores": False},
-                  {"block_h": 64, "block_n": 64, "num_stages": 2, "max_slack": 8.0, "skip_rescale": True,
-                   "next_scores": True},
-                  {"block_h": 64, "block_n": 64, "num_stages": 2, "owner_scores": True},
-                  {"block_h": 64, "block_n": 64, "num_stages": 2, "max_slack": 8.0, "skip_rescale": True,
-                   "next_scores": True, "owner_scores": True}]
+                  {"block_h": 64, "block_n": 64, "num_stages": 2, "owner_scores": False},
+                  {"block_h": 64, "block_n": 64, "num_stages": 2, "owner_scores": True}]
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("variant", GLUON_VARIANTS,
-                         ids=["h64", "h32", "h64_plain", "h64_slack", "h64_solo", "h64_solo_all"])
+@pytest.mark.parametrize("variant", GLUON_VARIANTS, ids=["h64", "h32", "h64_split_scores", "h64_owner_scores"])
 @FIXTURE_OK
 @given(B=st.integers(1, 3), s_q=st.integers(1, 3), h_q=st.sampled_from([16, 64, 128]), page_size=st.sampled_from(
        [16, 48, 64]), causal=st.booleans(), sparse=st.booleans(), num_splits=st.sampled_from([0, 1, 3]),
@@ -541,10 +535,8 @@ GLUON_VARIANTS = [{"block_h": 64, "block_n": 64, "num_stages": 2}, {"block_h": 3
 def test_gluon_variants_vs_reference(config_override, variant, B, s_q, h_q, page_size, causal, sparse, num_splits,
                                      bad_pages, dtype, seed):
     """The Hopper kernel at both head tilings (config field ``block_h``; full 64-row tiles and half-filled ones)
-    and with its schedule options all off, all on, and ``owner_scores`` alone and beside the others
-    (``max_slack``, ``skip_rescale``, ``next_scores``: whichever the GPU's table selects, the other forms are checked
-    too) against float64, dense and sparse with adversarial indices
-    and block tables."""
+    and with either score schedule (``owner_scores`` off and on: whichever the GPU's table selects, the other is
+    checked too) against float64, dense and sparse with adversarial indices and block tables."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernel is Hopper-only (sm_90)")
     r, dr = 512, 64
@@ -731,9 +723,6 @@ def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
         _check(o1, l1, q, kv, bt, lens, 512, True, torch.bfloat16)
 
 
-SOFTMAX_OPTS = "slack=8.0, skip=True, early=True"  # max_slack, skip_rescale, next_scores
-
-
 @pytest.mark.parametrize("sparse,split,tail,fp8,raw,tma,opts", [(False, True, False, False, False, False, ""),
                                                                 (True, False, False, False, False, False, ""),
                                                                 (False, False, True, False, False, False, ""),
@@ -742,34 +731,15 @@ SOFTMAX_OPTS = "slack=8.0, skip=True, early=True"  # max_slack, skip_rescale, ne
                                                                 (False, True, False, False, True, False, ""),
                                                                 (False, False, False, False, False, True, ""),
                                                                 (False, True, True, False, False, True, ""),
-                                                                (False, False, False, False, False, True, SOFTMAX_OPTS),
-                                                                (True, True, False, False, True, False, SOFTMAX_OPTS),
-                                                                (False, True, True, False, False, True, SOFTMAX_OPTS),
-                                                                (False, True, True, True, False, False,
-                                                                 "slack=8.0, skip=True"),
                                                                 (False, False, False, False, False, True, "solo=True"),
                                                                 (True, True, False, False, True, False, "solo=True"),
-                                                                (False, True, True, False, False, True,
-                                                                 "slack=8.0, skip=True, early=True, solo=True")])
+                                                                (False, True, True, False, False, True, "solo=True")])
 def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8, raw, tma, opts):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers (and with ``tma`` TMA tile copies), within the H200's shared
-    memory; also with the softmax options (``opts``: ``max_slack``, ``skip_rescale``, ``next_scores``). In a child
-    process: under TRITON_INTERPRET=1 Triton's own reductions are interpreter functions no compiler can take."""
+    memory; also with ``owner_scores`` (``opts``). In a child process: under TRITON_INTERPRET=1 Triton's own
+    reductions are interpreter functions no compiler can take."""
     flags = f"sparse={sparse}, split={split}, tail={tail}, fp8={fp8}, raw={raw}, tma={tma}, {opts}".rstrip(", ")
     shared = compile_sm90_in_child(f"from gqla_triton.ops.mla.gluon_sm90 import compile_sm90; "
                                    f"k = compile_sm90({flags})", tma=tma)
     assert shared <= 227 * 1024
-
-
-def test_gluon_schedule_fields_are_checked_by_name():
-    """``max_slack`` out of its range is refused by the config schema, naming the field, before any kernel compiles;
-    the schedule options combine."""
-    from gqla_triton.ops.mla.config import MLADecodeConfig
-
-    for bad in (17.0, -1.0):
-        with pytest.raises(ValueError, match="^mla_decode config: 'max_slack' must lie in"):
-            MLADecodeConfig.from_fields({"max_slack": bad})
-    cfg = MLADecodeConfig.from_fields({"impl": "gluon", "block_h": 64, "block_n": 64, "num_stages": 2,
-                                       "owner_scores": True, "next_scores": True, "max_slack": 16.0})
-    assert cfg.owner_scores and cfg.next_scores and cfg.max_slack == 16.0

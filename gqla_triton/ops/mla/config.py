@@ -21,12 +21,8 @@ class MLADecodeConfig(KernelConfig):
     in a two-stage shared-memory ring (its P tile takes the consumed rope slab of a stage, and two stages with Q
     and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile; ``tma`` (Gluon only): dense
     tiles that lie in one valid page with every key counting are copied by TMA (64 x 64 boxes) rather than
-    ``cp.async`` (bf16 / fp16 caches whose pages are one row range, page size a multiple of 64); ``max_slack``
-    (Gluon only): a row keeps its running max until a tile's max passes it by more than this (log2 units of the
-    scaled scores; 0: the exact max of every tile), so its probabilities stay below ``2^max_slack``;
-    ``skip_rescale`` (Gluon only): a warpgroup does not multiply its accumulator by a rescale that is 1 in every
-    row; ``next_scores`` (Gluon only, bf16 / fp16 caches): each step issues the next tile's score products behind
-    its ``P·V`` products; ``owner_scores`` (Gluon only, bf16 / fp16 caches): one
+    ``cp.async`` (bf16 / fp16 caches whose pages are one row range, page size a multiple of 64);
+    ``owner_scores`` (Gluon only, bf16 / fp16 caches): one
     consumer warpgroup forms each tile's whole score product and the other only adds ``P·V``, so no partial
     scores are exchanged and the second warpgroup's products run beside the first's next scores. ``split_cost``:
     the split-KV planner's cost of one partial tile (its write and the combine's read), in units of one unsplit
@@ -45,15 +41,11 @@ class MLADecodeConfig(KernelConfig):
     p_scratch: bool = False
     rows_ahead: bool = False
     tma: bool = False
-    max_slack: float = 0.0
-    skip_rescale: bool = False
-    next_scores: bool = False
     owner_scores: bool = False
     split_cost: float = SPLIT_COST
 
     def check(self) -> None:
         self.within("split_cost", 0, 10)
-        self.within("max_slack", 0, 16)  # probabilities below 2^16 keep every bf16 P and fp32 sum in range
         self.one_of(("block_h", "block_n"), TILES)
         self.one_of("num_warps", WARPS)
         self.within("num_stages", 1, 6)

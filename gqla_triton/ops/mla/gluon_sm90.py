@@ -349,20 +349,11 @@ def _scaled(sacc, qk_scale, RAW: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, l_i, qk_scale, RAW: gl.constexpr, SLACK: gl.constexpr):
+def _softmax_step(sc, m_i, l_i, qk_scale, RAW: gl.constexpr):
     """One online-softmax step, as ``_common.combine.softmax_step`` (``sc`` scaled, or under ``RAW`` raw with the
-    scale applied to differences from their max): NaN reaches l through p, an infinite max rescales from 0. With
-    ``SLACK`` > 0 a row keeps its running max until a tile's max passes it by more than ``SLACK`` (log2 units of the
-    scaled scores), so its probabilities stay below ``2^SLACK`` and most tiles rescale no row (``_rescaled``); the
-    softmax is the same, its rounding slightly different. Returns ``(p, alpha, m, l)``."""
-    m_tile = gl.max(sc, 1)
-    if SLACK > 0:
-        grow = m_tile - m_i  # +inf from a row's first key; NaN (kept) for -inf after -inf or +inf after +inf
-        if RAW:
-            grow = grow * qk_scale
-        m_new = gl.where(grow > SLACK, m_tile, m_i)
-    else:
-        m_new = gl.maximum(m_i, m_tile)
+    scale applied to differences from their max): NaN reaches l through p, an infinite max rescales from 0.
+    Returns ``(p, alpha, m, l)``."""
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
     m_safe = gl.where(gl.abs(m_new) == float("inf"), 0.0, m_new)
     a = m_i - m_safe
     d = sc - m_safe[:, None]
@@ -390,23 +381,10 @@ def _partial_scores(q_a, q_smem, kv_smem, s, FIRST: gl.constexpr, NSLAB: gl.cons
 
 
 @gluon.jit
-def _rescaled(o0, o1, o2, o3, alpha, row_o: gl.constexpr, SKIP: gl.constexpr):
-    """``o·alpha`` (``alpha`` [rows]); under ``SKIP`` not multiplied where alpha is 1 in every row of the warpgroup
-    (it would change nothing), the usual case under the running max of ``_softmax_step`` with ``SLACK``. NaN and
-    infinite alphas multiply as they would."""
+def _rescaled(o0, o1, o2, o3, alpha, row_o: gl.constexpr):
+    """``o·alpha`` (``alpha`` [rows])."""
     a_o = gl.convert_layout(alpha, row_o)[:, None]
-    if SKIP:
-        if gl.max(gl.where(alpha != 1.0, 1, 0), 0) != 0:
-            o0 = o0 * a_o
-            o1 = o1 * a_o
-            o2 = o2 * a_o
-            o3 = o3 * a_o
-    else:
-        o0 = o0 * a_o
-        o1 = o1 * a_o
-        o2 = o2 * a_o
-        o3 = o3 * a_o
-    return o0, o1, o2, o3
+    return o0 * a_o, o1 * a_o, o2 * a_o, o3 * a_o
 
 
 @gluon.jit
@@ -420,14 +398,14 @@ def _pv_issue(p_op, kv_smem, v0, o0, o1, o2, o3):
 
 
 @gluon.jit
-def _pv_wait(o0, o1, o2, o3, p_op, P_REGS: gl.constexpr, PENDING: gl.constexpr):
-    """Wait until at most ``PENDING`` products issued after ``_pv_issue``'s remain. P in registers (``P_REGS``) is
-    an operand the asynchronous wgmma reads until the wait, so the wait keeps it alive (without that the compiler
-    may reuse its registers while the products still read them)."""
+def _pv_wait(o0, o1, o2, o3, p_op, P_REGS: gl.constexpr):
+    """Wait for ``_pv_issue``'s products. P in registers (``P_REGS``) is an operand the asynchronous wgmma reads
+    until the wait, so the wait keeps it alive (without that the compiler may reuse its registers while the
+    products still read them)."""
     if P_REGS:
-        o0, o1, o2, o3, _ = warpgroup_mma_wait(num_outstanding=PENDING, deps=(o0, o1, o2, o3, p_op))
+        o0, o1, o2, o3, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3, p_op))
         return o0, o1, o2, o3
-    return warpgroup_mma_wait(num_outstanding=PENDING, deps=(o0, o1, o2, o3))
+    return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
 
 
 @gluon.jit
@@ -443,33 +421,14 @@ def _pv_boundary(p_op, kv_smem, v0, o0, o1, o2, o3, zero, sees):
 
 
 @gluon.jit
-def _pv_step(j, n_total, p_op, q_a, q_smem, kv_smem, ready, empty, o0, o1, o2, o3, sacc, FIRST: gl.constexpr,
-             NSLAB: gl.constexpr, VS: gl.constexpr, S_FIRST: gl.constexpr, S_VS: gl.constexpr, BLOCK_H: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OWNER: gl.constexpr, EARLY: gl.constexpr,
-             s_l: gl.constexpr):
-    """Tile ``j``'s ``P·V`` over value slabs ``[FIRST, FIRST + VS)`` (``o`` rescaled), then its stage released.
-    Under ``EARLY`` the next tile's score products (latent slabs ``[S_FIRST, S_FIRST + S_VS)``) are issued behind
-    the ``P·V`` products and returned complete as ``sacc`` (else ``sacc`` unchanged)."""
+def _pv_step(j, p_op, kv_smem, empty, o0, o1, o2, o3, FIRST: gl.constexpr, NSLAB: gl.constexpr,
+             STAGES: gl.constexpr, OWNER: gl.constexpr):
+    """Tile ``j``'s ``P·V`` over the four value slabs from ``FIRST``, then its stage released."""
     s = j % STAGES
     t0, t1, t2, t3 = _pv_issue(p_op, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3)
-    pending: gl.constexpr = 0
-    if EARLY:
-        if j + 1 < n_total:
-            j1 = j + 1
-            mbarrier.wait(ready.index(j1 % STAGES), (j1 // STAGES) & 1)
-            fence_async_shared()
-            nxt = _partial_scores(q_a, q_smem, kv_smem, j1 % STAGES, S_FIRST, NSLAB, S_VS, BLOCK_H, BLOCK_N, OWNER,
-                                  s_l)
-            o0, o1, o2, o3 = _pv_wait(t0, t1, t2, t3, p_op, OWNER and not EARLY, S_VS + 1 if OWNER else S_VS)
-            mbarrier.arrive(empty.index(s), count=1)
-            sacc = _scores_done(nxt, q_a, OWNER)
-        else:
-            o0, o1, o2, o3 = _pv_wait(t0, t1, t2, t3, p_op, OWNER and not EARLY, pending)
-            mbarrier.arrive(empty.index(s), count=1)
-    else:
-        o0, o1, o2, o3 = _pv_wait(t0, t1, t2, t3, p_op, OWNER and not EARLY, pending)
-        mbarrier.arrive(empty.index(s), count=1)
-    return o0, o1, o2, o3, sacc
+    o0, o1, o2, o3 = _pv_wait(t0, t1, t2, t3, p_op, OWNER)
+    mbarrier.arrive(empty.index(s), count=1)
+    return o0, o1, o2, o3
 
 
 @gluon.jit
@@ -498,17 +457,14 @@ def _scores_done(sacc, q_a, OWNER: gl.constexpr):
 @gluon.jit
 def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SLACK: gl.constexpr,
-              SKIP: gl.constexpr, EARLY: gl.constexpr, SOLO: gl.constexpr, OWNER: gl.constexpr, SLAB: gl.constexpr,
-              RAW_SLAB: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SOLO: gl.constexpr,
+              OWNER: gl.constexpr, SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
     """One of the two consumer warpgroups. Both add their part of each score tile (the owner: latent columns
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
-    then adds ``P·V`` for its half of the value columns. Under ``EARLY`` (not with FP8) each step issues the next
-    tile's score products behind its ``P·V`` products, so the tensor cores go from one to the other without the
-    warpgroup's wait, release and issue between them; the stage is released when its ``P·V`` is done, as without.
-    Under ``SOLO`` (not with FP8) the owner forms each tile's whole score product and nothing is exchanged: the
-    other warpgroup only adds ``P·V`` (with ``EARLY`` too, only the owner issues scores ahead)."""
+    then adds ``P·V`` for its half of the value columns. Under ``SOLO`` (bf16 / fp16 caches) the owner forms each
+    tile's whole score product and nothing is exchanged: the other warpgroup only adds ``P·V``, its products
+    running on the tensor cores beside the owner's softmax and next scores."""
     (q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
@@ -519,7 +475,6 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     FIRST: gl.constexpr = 0 if OWNER else VS
     S_FIRST: gl.constexpr = 0 if SOLO else FIRST  # this warpgroup's latent slabs of the score product
     S_VS: gl.constexpr = 2 * VS if SOLO else VS
-    E: gl.constexpr = EARLY and (OWNER or not SOLO)  # EARLY for a warpgroup that forms scores
     ROPE: gl.constexpr = NSLAB - 1  # the rope slab of a stage; once the owner's scores are in, it holds P
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLAB, 16])
@@ -555,16 +510,10 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     if TAIL:
         ro_t = gl.arange(0, BLOCK_H, layout=row_o)
         last_o = seqlen - s_q + qt * QPT + ro_t // HPT  # each row's own position
-    n_total = n_tiles + n_tail
-    sacc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-    for j in range(n_total):
+    for j in range(n_tiles + n_tail):
         s = j % STAGES
         ph = (j // STAGES) & 1
-        if E:  # tile j's scores were issued in step j - 1 where that step was not a boundary key's
-            if (j == 0) | (j > n_tiles):
-                sacc = _tile_scores(j, q_a, q_smem, kv_smem, ready, D, S_FIRST, S_VS, BLOCK_H, BLOCK_N, STAGES, FP8,
-                                    OWNER, s_l, SLAB, RAW_SLAB)
-        elif SOLO and not OWNER:  # no scores: the tile's value slabs are read once P is in
+        if SOLO and not OWNER:  # no scores: the tile's value slabs are read once P is in
             mbarrier.wait(ready.index(s), ph)
             fence_async_shared()
         else:
@@ -577,17 +526,13 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
                 sacc = sacc + s_smem.load(s_l)
                 mbarrier.arrive(s_free, count=1)
             sc = gl.where(first_q[None, :] <= qi[:, None], _scaled(sacc, qk_scale, RAW), float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale, RAW, SLACK)
+            p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i, qk_scale, RAW)
             pb = p.to(q.dtype.element_ty)
             kv_smem.index(s * NSLAB + ROPE).store(pb)
             a_smem.index(s).store(alpha)
             fence_async_shared()  # P was written by the generic proxy; the other warpgroup's wgmma reads it
             mbarrier.arrive(p_ready.index(s), count=1)
-            if E:  # P from shared memory: its registers would be live beside the next tile's scores
-                barrier()  # every thread's part of P stored before this warpgroup's wgmma reads it
-                p_op = kv_smem.index(s * NSLAB + ROPE)
-            else:
-                p_op = gl.convert_layout(pb, p_l)
+            p_op = gl.convert_layout(pb, p_l)
         else:
             if not SOLO:
                 mbarrier.wait(s_free, (j & 1) ^ 1)
@@ -596,20 +541,17 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             mbarrier.wait(p_ready.index(s), ph)
             p_op = kv_smem.index(s * NSLAB + ROPE)
             alpha = a_smem.index(s).load(row_s)
-        o0, o1, o2, o3 = _rescaled(o0, o1, o2, o3, alpha, row_o, SKIP)
+        o0, o1, o2, o3 = _rescaled(o0, o1, o2, o3, alpha, row_o)
         v0 = s * NSLAB + FIRST
         if TAIL:
             if j < n_tiles:
-                o0, o1, o2, o3, sacc = _pv_step(j, n_total, p_op, q_a, q_smem, kv_smem, ready, empty, o0, o1, o2, o3,
-                                                sacc, FIRST, NSLAB, VS, S_FIRST, S_VS, BLOCK_H, BLOCK_N, STAGES, OWNER,
-                                                E, s_l)
+                o0, o1, o2, o3 = _pv_step(j, p_op, kv_smem, empty, o0, o1, o2, o3, FIRST, NSLAB, STAGES, OWNER)
             else:
                 o0, o1, o2, o3 = _pv_boundary(p_op, kv_smem, v0, o0, o1, o2, o3, zero,
                                               ((t_lo + j - n_tiles) <= last_o)[:, None])
                 mbarrier.arrive(empty.index(s), count=1)
         else:
-            o0, o1, o2, o3, sacc = _pv_step(j, n_total, p_op, q_a, q_smem, kv_smem, ready, empty, o0, o1, o2, o3, sacc,
-                                            FIRST, NSLAB, VS, S_FIRST, S_VS, BLOCK_H, BLOCK_N, STAGES, OWNER, E, s_l)
+            o0, o1, o2, o3 = _pv_step(j, p_op, kv_smem, empty, o0, o1, o2, o3, FIRST, NSLAB, STAGES, OWNER)
 
     # epilogue: normalise and store this half's value columns (and lse from the owner). As
     # _common.combine.finish_rows: a row whose weights sum to 0 gets lse -inf and o 0 (split partials: its raw
@@ -666,19 +608,19 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
 @gluon.jit
 def _owner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SLACK: gl.constexpr,
-           SKIP: gl.constexpr, EARLY: gl.constexpr, SOLO: gl.constexpr, SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SLACK, SKIP,
-              EARLY, SOLO, True, SLAB, RAW_SLAB)
+           SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SOLO: gl.constexpr,
+           SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SOLO, True,
+              SLAB, RAW_SLAB)
 
 
 @gluon.jit
 def _partner(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SLACK: gl.constexpr,
-             SKIP: gl.constexpr, EARLY: gl.constexpr, SOLO: gl.constexpr, SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
-    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SLACK, SKIP,
-              EARLY, SOLO, False, SLAB, RAW_SLAB)
+             SPLIT: gl.constexpr, TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, SOLO: gl.constexpr,
+             SLAB: gl.constexpr, RAW_SLAB: gl.constexpr):
+    _consumer(rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SOLO, False,
+              SLAB, RAW_SLAB)
 
 
 @gluon.jit(do_not_specialize=["s_q", "h_q", "max_pages", "num_pages", "topk", "num_splits", "row_tiles", "h_tiles",
@@ -696,14 +638,12 @@ def mla_decode_gluon_kernel(
     s_plb, s_pls, s_plq,
     D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, SPARSE: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, SPLIT: gl.constexpr,
-    TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, TMA: gl.constexpr, SLACK: gl.constexpr,
-    SKIP: gl.constexpr, EARLY: gl.constexpr, SOLO: gl.constexpr,
+    TAIL: gl.constexpr, FP8: gl.constexpr, RAW: gl.constexpr, TMA: gl.constexpr, SOLO: gl.constexpr,
     # the kernel's constants: leave them at their defaults
     SLAB: gl.constexpr = SLAB, NEVER: gl.constexpr = NEVER, RAW_SLAB: gl.constexpr = RAW_SLAB,
     PRODUCER_WARPS: gl.constexpr = PRODUCER_WARPS, PRODUCER_REGS: gl.constexpr = PRODUCER_REGS,
     CONSUMER_REGS: gl.constexpr = CONSUMER_REGS,
 ):
-    gl.static_assert(not (EARLY and FP8), "EARLY: bf16 / fp16 caches only (an FP8 tile is converted first)")
     gl.static_assert(not (SOLO and FP8), "SOLO: bf16 / fp16 caches only (an FP8 tile is converted by both)")
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is converted to it in place
@@ -758,10 +698,10 @@ def mla_decode_gluon_kernel(
           s_qh, s_kvp, s_kvt, s_rb, s_rq, s_ob, s_oq, s_oh, s_lb, s_lh, s_lq, s_pb, s_ps, s_pq, s_ph, s_plb, s_pls,
           s_plq)
     gl.warp_specialize([
-        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SLACK,
-                  SKIP, EARLY, SOLO, SLAB, RAW_SLAB)),
+        (_owner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW, SOLO,
+                  SLAB, RAW_SLAB)),
         (_partner, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, RAW,
-                    SLACK, SKIP, EARLY, SOLO, SLAB, RAW_SLAB)),
+                    SOLO, SLAB, RAW_SLAB)),
         (_producer, (rt, D, DV, PAGE_SIZE, BLOCK_H, BLOCK_N, STAGES, SPARSE, HAS_TOPK_LEN, SPLIT, TAIL, FP8, TMA, SLAB,
                      NEVER, PRODUCER_WARPS, RAW_SLAB)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -840,14 +780,13 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
             *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
             D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
             SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-            FP8=fp8, RAW=raw, TMA=desc is not None, SLACK=float(p.cfg.max_slack), SKIP=p.cfg.skip_rescale,
-            EARLY=p.cfg.next_scores and not fp8, SOLO=p.cfg.owner_scores and not fp8, num_warps=4, maxnreg=MAXNREG,
+            FP8=fp8, RAW=raw, TMA=desc is not None, SOLO=p.cfg.owner_scores and not fp8, num_warps=4,
+            maxnreg=MAXNREG,
         )
 
 
 def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False,
-                 fp8: bool = False, raw: bool = False, tma: bool = False, slack: float = 0.0, skip: bool = False,
-                 early: bool = False, solo: bool = False):
+                 fp8: bool = False, raw: bool = False, tma: bool = False, solo: bool = False):
     """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
     ``.metadata``). Pointers and the cache strides are taken 16-byte aligned, as the launch specialises them."""
     import inspect
@@ -861,8 +800,7 @@ def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: i
     names = list(params)
     const = {n: p.default for n, p in params.items() if p.default is not p.empty}  # the kernel's constants
     const.update(D=576, DV=512, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=64, STAGES=2, SPARSE=sparse,
-                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8, RAW=raw, TMA=tma, SLACK=float(slack), SKIP=skip,
-                 EARLY=early, SOLO=solo)
+                 HAS_TOPK_LEN=sparse, SPLIT=split, TAIL=tail, FP8=fp8, RAW=raw, TMA=tma, SOLO=solo)
     kv = "*u8" if fp8 else f"*{dtype}"
     desc = f"tensordesc<{dtype}[64,{SLAB}],{_SWIZZLE_128!r}>" if tma else kv
     ptr = {"q": f"*{dtype}", "kv": kv, "kv_desc": desc, "out": f"*{dtype}", "rows_src": "*i32", "seqlens": "*i32",
