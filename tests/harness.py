@@ -158,6 +158,21 @@ def assert_matches(name, got, ref, lowp, *, dtype, eps=None):
     assert_close(name, torch.where(fin, got, zero), torch.where(fin, ref, zero), lowp, dtype=dtype, eps=eps)
 
 
+def address_checked(fn, *tensors):
+    """``fn()``; under the interpreter its loads and stores must stay inside ``tensors`` and what the call creates
+    (``addresscheck.AddressCheck``), on a GPU that check is compute-sanitizer's."""
+    from gqla_triton.dispatch import is_interpreter
+
+    if not is_interpreter():
+        return fn()
+    from addresscheck import AddressCheck
+
+    with AddressCheck(*tensors) as ac:
+        out = fn()
+    ac.assert_clean()
+    return out
+
+
 def assert_refused(fn, base: dict, calls) -> None:
     """Each ``(label, overrides, exception type, message regex)`` of ``calls``: ``fn(**{**base, **overrides})``
     raises exactly that type with a message matching the regex (it names the argument)."""

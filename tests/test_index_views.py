@@ -3,10 +3,9 @@ contiguous copies, and no kernel reads outside the view's own elements (interpre
 
 import pytest
 import torch
-from harness import P, gen, pick, randn
+from harness import P, address_checked, gen, pick, randn
 
 import gqla_triton as gq
-from gqla_triton.dispatch import is_interpreter
 
 B, PAGE = 3, 16
 
@@ -36,17 +35,6 @@ def _case(seed):
     idx = torch.randint(-3, L + 3, (B, 2, 24), generator=g, dtype=torch.int32).to(P.device)
     tkl = torch.tensor([24, 10, 0], dtype=torch.int32, device=P.device)
     return g, bt, lens, idx, tkl
-
-
-def _checked(fn, *tensors):
-    if not is_interpreter():
-        return fn()
-    from addresscheck import AddressCheck
-
-    with AddressCheck(*tensors) as ac:
-        out = fn()
-    ac.assert_clean()
-    return out
 
 
 @pytest.mark.parametrize("op", ["mla", "gqa"])
@@ -80,7 +68,7 @@ def test_index_views_equal_contiguous(op, name, kind):
     view = dict(args)
     view[name] = _strided(args[name], kind) if kind != "expanded" else args[name][:1].expand(args[name].shape)
     assert torch.equal(view[name], args[name]) and not view[name].is_contiguous()
-    out, lse = _checked(lambda: run(view), *tensors, *view.values())
+    out, lse = address_checked(lambda: run(view), *tensors, *view.values())
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 

@@ -5,10 +5,9 @@ copies or refuses by name without changing any state, never touches the view's b
 
 import pytest
 import torch
-from harness import P, assert_close, gen, pick, rand, randn
+from harness import P, address_checked, assert_close, gen, pick, rand, randn
 
 import gqla_triton as gq
-from gqla_triton.dispatch import is_interpreter
 from gqla_triton.layers import gdn_step as gds
 from gqla_triton.layers import gqla_step as gs
 from gqla_triton.layers.rope import rope_inv_freq
@@ -56,17 +55,6 @@ def _gaps_untouched(v: torch.Tensor) -> None:
     keep = torch.ones(base.numel(), dtype=torch.bool, device=base.device)
     keep.as_strided(v.shape, v.stride(), v.storage_offset()).fill_(False)
     assert torch.all(base.reshape(-1)[keep] == SENT), "the buffer outside the view was written"
-
-
-def _checked(fn, *tensors):
-    if not is_interpreter():
-        return fn()
-    from addresscheck import AddressCheck
-
-    with AddressCheck(*tensors) as ac:
-        out = fn()
-    ac.assert_clean()
-    return out
 
 
 def _flat(x) -> list:
@@ -367,7 +355,7 @@ def test_activation_views_equal_contiguous_or_are_refused(op, kind):
             for n in written:
                 assert torch.equal(a[n], before[n]), f"{op}: a refused {name} changed {n}"
         else:
-            got = _flat(_checked(lambda a=a: run(a), *a.values())) + [a[n] for n in written]
+            got = _flat(address_checked(lambda a=a: run(a), *a.values())) + [a[n] for n in written]
             _compare(op, name, got, want, dt, ref, args)
         _gaps_untouched(a[name])
 
@@ -386,7 +374,7 @@ def test_weights_expanded_along_their_first_dim(op):
     want = _flat(run(want_args)) + [want_args[n] for n in written]
     a = _clone_args(args)
     a[name] = _view(args[name], "expanded")
-    got = _flat(_checked(lambda: run(a), *a.values())) + [a[n] for n in written]
+    got = _flat(address_checked(lambda: run(a), *a.values())) + [a[n] for n in written]
     _compare(op, name, got, want, dt, None, args)
     _gaps_untouched(a[name])
 
