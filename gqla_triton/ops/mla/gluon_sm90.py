@@ -388,27 +388,6 @@ def _rescaled(o0, o1, o2, o3, alpha, row_o: gl.constexpr):
 
 
 @gluon.jit
-def _pv_issue(p_op, kv_smem, v0, o0, o1, o2, o3):
-    """``o += P·V`` over the four value slabs from ``kv_smem.index(v0)`` (async: wait on the results)."""
-    o0 = warpgroup_mma(p_op, kv_smem.index(v0 + 0), o0, is_async=True)
-    o1 = warpgroup_mma(p_op, kv_smem.index(v0 + 1), o1, is_async=True)
-    o2 = warpgroup_mma(p_op, kv_smem.index(v0 + 2), o2, is_async=True)
-    o3 = warpgroup_mma(p_op, kv_smem.index(v0 + 3), o3, is_async=True)
-    return o0, o1, o2, o3
-
-
-@gluon.jit
-def _pv_wait(o0, o1, o2, o3, p_op, P_REGS: gl.constexpr):
-    """Wait for ``_pv_issue``'s products. P in registers (``P_REGS``) is an operand the asynchronous wgmma reads
-    until the wait, so the wait keeps it alive (without that the compiler may reuse its registers while the
-    products still read them)."""
-    if P_REGS:
-        o0, o1, o2, o3, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3, p_op))
-        return o0, o1, o2, o3
-    return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-
-
-@gluon.jit
 def _pv_boundary(p_op, kv_smem, v0, o0, o1, o2, o3, zero, sees):
     """``o += P·V`` (synchronous) for a boundary key: the rows that do not see it (``sees`` false) keep their
     accumulator (alpha is 1 there) and never multiply its values, so a NaN in them stays out of those rows."""
@@ -422,11 +401,20 @@ def _pv_boundary(p_op, kv_smem, v0, o0, o1, o2, o3, zero, sees):
 
 @gluon.jit
 def _pv_step(j, p_op, kv_smem, empty, o0, o1, o2, o3, FIRST: gl.constexpr, NSLAB: gl.constexpr,
-             STAGES: gl.constexpr, OWNER: gl.constexpr):
-    """Tile ``j``'s ``P·V`` over the four value slabs from ``FIRST``, then its stage released."""
+             STAGES: gl.constexpr, P_REGS: gl.constexpr):
+    """``o += P·V`` for tile ``j`` over the four value slabs from ``FIRST``, then its stage released. P in registers
+    (``P_REGS``) is an operand the asynchronous wgmma reads until the wait, so the wait keeps it alive (without
+    that the compiler may reuse its registers while the products still read them)."""
     s = j % STAGES
-    t0, t1, t2, t3 = _pv_issue(p_op, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3)
-    o0, o1, o2, o3 = _pv_wait(t0, t1, t2, t3, p_op, OWNER)
+    v0 = s * NSLAB + FIRST
+    o0 = warpgroup_mma(p_op, kv_smem.index(v0 + 0), o0, is_async=True)
+    o1 = warpgroup_mma(p_op, kv_smem.index(v0 + 1), o1, is_async=True)
+    o2 = warpgroup_mma(p_op, kv_smem.index(v0 + 2), o2, is_async=True)
+    o3 = warpgroup_mma(p_op, kv_smem.index(v0 + 3), o3, is_async=True)
+    if P_REGS:
+        o0, o1, o2, o3, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3, p_op))
+    else:
+        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
     mbarrier.arrive(empty.index(s), count=1)
     return o0, o1, o2, o3
 
@@ -442,13 +430,7 @@ def _tile_scores(j, q_a, q_smem, kv_smem, ready, D: gl.constexpr, FIRST: gl.cons
     if FP8:
         _fp8_convert(kv_smem, s, D, BLOCK_N, STAGES, OWNER, SLAB, RAW_SLAB)
     sacc = _partial_scores(q_a, q_smem, kv_smem, s, FIRST, D // SLAB, VS, BLOCK_H, BLOCK_N, OWNER, s_l)
-    return _scores_done(sacc, q_a, OWNER)
-
-
-@gluon.jit
-def _scores_done(sacc, q_a, OWNER: gl.constexpr):
-    """Wait for ``_partial_scores``' products (the owner's rope product reads ``q_a`` from registers)."""
-    if OWNER:
+    if OWNER:  # the rope product reads q_a from registers until the wait
         sacc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, q_a))
         return sacc
     return warpgroup_mma_wait(num_outstanding=0, deps=(sacc,))
