@@ -733,7 +733,7 @@ def test_gluon_tma_copies_equal_cp_async(config_override, layout, page, s_q):
                                                                 (False, True, True, False, False, True, ""),
                                                                 (False, False, False, False, False, True, "solo=True"),
                                                                 (True, True, False, False, True, False, "solo=True"),
-                                                                (False, True, True, False, False, True, "solo=True")])
+                                                                (False, True, False, False, False, False, "solo=True")])
 def test_gluon_kernel_compiles_for_sm90(sparse, split, tail, fp8, raw, tma, opts):
     """The Gluon kernel compiles for sm_90 with the installed Triton (no GPU needed): warp-specialised (register
     reallocation), wgmma products, cp.async gathers (and with ``tma`` TMA tile copies), within the H200's shared

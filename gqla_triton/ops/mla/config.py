@@ -22,9 +22,10 @@ class MLADecodeConfig(KernelConfig):
     and the score exchange fill the 227 KB); ``block_h`` sets its heads per tile; ``tma`` (Gluon only): dense
     tiles that lie in one valid page with every key counting are copied by TMA (64 x 64 boxes) rather than
     ``cp.async`` (bf16 / fp16 caches whose pages are one row range, page size a multiple of 64); ``owner_scores``
-    (Gluon only, bf16 / fp16 caches): one consumer warpgroup forms each tile's whole score product and the other
-    only adds ``P·V``, so no partial scores are exchanged and the second warpgroup's products run beside the
-    first's next scores. ``split_cost``:
+    (Gluon only; bf16 / fp16 caches, row tiles of one query token: the launch keeps the split scores for FP8 caches
+    and for causal tiles of several MTP tokens): one consumer warpgroup forms each tile's whole score product and
+    the other only adds ``P·V``, so no partial scores are exchanged and the second warpgroup's products run beside
+    the first's next scores. ``split_cost``:
     the split-KV planner's cost of one partial tile (its write and the combine's read), in units of one unsplit
     program (``plan_splits``)."""
 

@@ -444,9 +444,9 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
     """One of the two consumer warpgroups. Both add their part of each score tile (the owner: latent columns
     0-255 and the rope; the other: 256-511), the other's part reaching the owner through ``s_smem``; the owner
     runs the softmax and hands P (in the consumed rope slab of the stage) and the row rescale to the other; each
-    then adds ``P·V`` for its half of the value columns. Under ``SOLO`` (bf16 / fp16 caches) the owner forms each
-    tile's whole score product and nothing is exchanged: the other warpgroup only adds ``P·V``, its products
-    running on the tensor cores beside the owner's softmax and next scores."""
+    then adds ``P·V`` for its half of the value columns. Under ``SOLO`` (bf16 / fp16 caches, row tiles of one query
+    token) the owner forms each tile's whole score product and nothing is exchanged: the other warpgroup only adds
+    ``P·V``, its products running on the tensor cores beside the owner's softmax and next scores."""
     (q, kv, kv_desc, rows_src, seqlens, topk_length, out, lse, o_part, lse_part, q_smem, kv_smem, ready, empty,
      first_q_smem, s_smem, a_smem, l_smem, s_full, s_free, p_ready, fin,
      qk_scale, s_q, h_q, max_pages, num_pages, topk, num_splits, row_tiles, h_tiles, HPT, QPT, causal, s_qb, s_qq,
@@ -626,7 +626,8 @@ def mla_decode_gluon_kernel(
     PRODUCER_WARPS: gl.constexpr = PRODUCER_WARPS, PRODUCER_REGS: gl.constexpr = PRODUCER_REGS,
     CONSUMER_REGS: gl.constexpr = CONSUMER_REGS,
 ):
-    gl.static_assert(not (SOLO and FP8), "SOLO: bf16 / fp16 caches only (an FP8 tile is converted by both)")
+    gl.static_assert(not (SOLO and (FP8 or TAIL)),
+                     "SOLO: bf16 / fp16 caches (an FP8 tile is converted by both) and one query token per row tile")
     NSLAB: gl.constexpr = D // SLAB
     dt: gl.constexpr = q.dtype.element_ty  # of the shared tiles; an FP8 cache is converted to it in place
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -743,6 +744,7 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
     topk = rows_src.shape[-1] if sparse else 0
     fp8 = is_fp8_latent(kv_cache)
     desc = _kv_descriptor(kv_cache) if p.cfg.tma and not (fp8 or sparse) else None
+    tail = causal and not sparse and p.QPT > 1  # tiles of several query tokens: their boundary keys
     if fp8:
         kv_cache = kv_cache.view(torch.uint8)  # read as bytes; strides count bytes
     qk_scale, raw = score_mode(qk_scale)
@@ -761,8 +763,8 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
             *(o_part.stride()[:4] if S > 1 else (0, 0, 0, 0)),
             *(lse_part.stride()[:3] if S > 1 else (0, 0, 0)),
             D=D, DV=head_dim_v, PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_N=p.cfg.block_n, STAGES=p.cfg.num_stages,
-            SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=causal and not sparse and p.QPT > 1,
-            FP8=fp8, RAW=raw, TMA=desc is not None, SOLO=p.cfg.owner_scores and not fp8, num_warps=4,
+            SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=S > 1, TAIL=tail,
+            FP8=fp8, RAW=raw, TMA=desc is not None, SOLO=p.cfg.owner_scores and not (fp8 or tail), num_warps=4,
             maxnreg=MAXNREG,
         )
 
