@@ -236,9 +236,8 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     check_tensor("slots", slots, shape=(B,), dtypes=(torch.int32,))
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         check_tensor(name, t, shape=(HV,), dtypes=fdt)
-    for name, t in (("conv_state", conv_state), ("seqlens", seqlens)):  # written in place without strides
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
+    check_contiguous("conv_state", conv_state)  # written in place without strides
+    check_contiguous("seqlens", seqlens)
     reads = dict(mixed=mixed, slots=slots, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
     check_disjoint("conv_state", conv_state, seqlens=seqlens, **reads)
     check_disjoint("seqlens", seqlens, **reads)
