@@ -360,6 +360,34 @@ def test_activation_views_equal_contiguous_or_are_refused(op, kind):
         _gaps_untouched(a[name])
 
 
+POOL_OPS = {op: f(torch.float32, gen(0))[3] for op, f in OPS.items() if op in ("chunk_pool", "gdn_decode",
+                                                                                 "gdn_decode_spec", "decode_prep")}
+
+
+@pytest.mark.parametrize("op, pool", [(op, n) for op, names in POOL_OPS.items() for n in names])
+def test_pools_off_a_boundary_are_refused_under_the_gpu_rule(op, pool, monkeypatch):
+    """Every pool an op writes in place, one element past a 16-byte boundary, is refused by name with every state
+    unchanged, checked on any device by applying the GPU's start-address rule (``validation.aligned_start``) to
+    the profile's tensors: the public checks, not a custom op's body that an eager route skips, must hold the
+    rule. The ops' memos of checked calls start empty, as they hold answers of the profile's own rule."""
+    import importlib
+
+    from gqla_triton.ops._common import memo, validation
+
+    monkeypatch.setattr(validation, "aligned_start", lambda t: t.data_ptr() % 16 == 0)
+    for mod in ("gqa.api", "mla.api", "gdn.api", "gdn.decode"):
+        monkeypatch.setattr(importlib.import_module(f"gqla_triton.ops.{mod}"), "_CHECKED", memo.CheckedCalls())
+    args, run, _, written, _ = OPS[op](P.dtypes[0], gen(1234))
+    a = _clone_args(args)
+    a[pool] = _view(args[pool], "offset")
+    before = {n: a[n].clone() for n in written}
+    with pytest.raises(ValueError, match=f"^{pool}: expected a start address on a 16-byte boundary"):
+        run(a)
+    for n in written:
+        assert torch.equal(a[n], before[n]), f"{op}: a refused {pool} changed {n}"
+    _gaps_untouched(a[pool])
+
+
 @pytest.mark.parametrize("op", ["absorb_q", "absorb_o", "norm_rope", "gated_norm", "decode_prep"])
 def test_weights_expanded_along_their_first_dim(op):
     """Weights whose rows are one row expanded (stride 0, start address off 16 bytes) give the contiguous call's
