@@ -524,12 +524,11 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
             p_op = kv_smem.index(s * NSLAB + ROPE)
             alpha = a_smem.index(s).load(row_s)
         o0, o1, o2, o3 = _rescaled(o0, o1, o2, o3, alpha, row_o)
-        v0 = s * NSLAB + FIRST
         if TAIL:
             if j < n_tiles:
                 o0, o1, o2, o3 = _pv_step(j, p_op, kv_smem, empty, o0, o1, o2, o3, FIRST, NSLAB, STAGES, OWNER)
             else:
-                o0, o1, o2, o3 = _pv_boundary(p_op, kv_smem, v0, o0, o1, o2, o3, zero,
+                o0, o1, o2, o3 = _pv_boundary(p_op, kv_smem, s * NSLAB + FIRST, o0, o1, o2, o3, zero,
                                               ((t_lo + j - n_tiles) <= last_o)[:, None])
                 mbarrier.arrive(empty.index(s), count=1)
         else:
