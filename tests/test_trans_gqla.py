@@ -437,6 +437,27 @@ def test_weights_beyond_the_target_dtype_are_refused():
         trans_gqla(src, **kw, rope_theta=10**400)  # an int no float holds: a ValueError, not an OverflowError
 
 
+def test_loaded_weights_beyond_the_target_dtype_are_refused():
+    """A finite checkpoint whose weights (``load_gqla``), or whose converted weights (``mla_to_gqla``: a group's
+    up-projection is the stacked heads' singular values times their directions, larger than any entry), leave the
+    layer's dtype would load as inf: a ValueError names ``dtype`` and the weight; float32 loads the same source."""
+    hidden, h, g, dn, dR, dv, r = 32, 4, 2, 8, 4, 8, 16
+    sd = deepseek_checkpoint(0, hidden=hidden, h=h, n=g, dn=dn, dR=dR, dv=dv, r=r)
+    sd["q_proj.weight"] = sd["q_proj.weight"] * 1e6
+    kw = dict(num_heads=h, num_groups=g, head_dim=dn, rope_dim=dR, kv_rank=r, v_head_dim=dv, impl="reference")
+    with pytest.raises(ValueError, match=r"^dtype: the loaded q_proj weights reach .* beyond torch.float16's range"):
+        load_gqla(sd, **kw, dtype=torch.float16)
+    assert torch.isfinite(load_gqla(sd, **kw, dtype=torch.float32).q_proj.weight).all()
+    mla = deepseek_checkpoint(1, hidden=hidden, h=h, n=h, dn=dn, dR=dR, dv=dv, r=r)
+    top = mla["kv_b_proj.weight"].abs().max()
+    mla["kv_b_proj.weight"] = mla["kv_b_proj.weight"] * (60000 / top)  # every entry within float16's range
+    kw = dict(num_heads=h, num_groups=g, qk_nope_head_dim=dn, qk_rope_head_dim=dR, v_head_dim=dv, kv_rank=r,
+              impl="reference")
+    with pytest.raises(ValueError, match=r"^dtype: the loaded kv_b_proj weights reach .* beyond torch.float16's"):
+        mla_to_gqla(mla, **kw, dtype=torch.float16)
+    assert torch.isfinite(mla_to_gqla(mla, **kw, dtype=torch.float32).kv_b_proj.weight).all()
+
+
 def test_meta_weights_bad_devices_and_ranks_are_refused_by_name():
     g0 = gen(6)
     h, g, d, hid = 4, 2, 16, 32

@@ -33,10 +33,12 @@ from ..ops._common.validation import (
     check_dense,
     check_device,
     check_flag,
+    check_float_dtype,
     check_int_type,
     check_optional_int,
     check_positive_int,
 )
+from .trans_gqla import beyond_range
 
 __all__ = ["load_gqla", "mla_to_gqla", "interleaved_to_half"]
 
@@ -138,6 +140,16 @@ def _read(sd, prefix, *, h, n, d_nope, d_R, d_v, r, q_rank, rope_interleaved):
 def _build(w, *, h, g, d_h, d_R, d_v, r, q_rank, q, kv_b, o, rope_theta, rope_inv_freq, softmax_scale, norm_eps,
            path, impl, device, dtype):
     device = check_device(device, storage=True)  # a meta layer would drop the loaded values
+    check_float_dtype(dtype)
+    weights = {"q_proj" if q_rank is None else "q_b_proj": q, "kv_a_proj": w["kv_a"],
+               "kv_a_layernorm": w["kv_a_layernorm"], "kv_b_proj": kv_b, "o_proj": o}
+    if q_rank is not None:
+        weights.update(q_a_proj=w["q_a_proj"], q_a_layernorm=w["q_a_layernorm"])
+    target = dtype or torch.get_default_dtype()
+    wide = beyond_range(weights, target)  # before the layer is made: inf weights would load silently
+    if wide is not None:
+        raise ValueError(f"dtype: the loaded {wide[0]} weights reach {wide[1]:.3g}, beyond {target}'s range; load "
+                         "into a wider dtype")
     layer = GQLAttention(w["hidden"], h, g, d_h, d_R, r, q_rank, d_v, rope_theta, softmax_scale, path, impl,
                          device=device, dtype=dtype, norm_eps=norm_eps, rope_inv_freq=rope_inv_freq)
     with torch.no_grad():

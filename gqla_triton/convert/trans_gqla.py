@@ -52,7 +52,7 @@ from ..ops._common.validation import (
     check_scale,
 )
 
-__all__ = ["trans_gqla", "gqa_attention_reference"]
+__all__ = ["beyond_range", "trans_gqla", "gqa_attention_reference"]
 
 _F64 = dict(dtype=torch.float64, device="cpu")
 
@@ -245,13 +245,12 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
                          f"q_proj weights) is {'past' if s2 else 'below'} float64's range")
     weights = {"q_proj": s2 * torch.cat([wq3, rope_q], 1).reshape(h * (d + rope_dim), hidden),
                "kv_a_proj": torch.cat([down, rope_k], 0), "kv_b_proj": up.reshape(g * (d + dv), kv_rank), "o_proj": wo}
-    limit = torch.finfo(dtype).max
-    for name, w in weights.items():  # checked before the layer is made: a refused call allocates nothing
-        big = w.abs().max().item() if w.numel() else 0.0
-        if not big <= limit:  # named by the argument that scaled them (q by rope_attention_scaling²), else dtype
-            arg = "rope_attention_scaling" if name == "q_proj" and s2 != 1.0 else "dtype"
-            raise ValueError(f"{arg}: the converted {name} weights reach {big:.3g}, beyond {dtype}'s range; convert "
-                             f"to a wider dtype{' or with balance_kv=False' if balance_kv else ''}")
+    wide = beyond_range(weights, dtype)  # checked before the layer is made: a refused call allocates nothing
+    if wide is not None:  # named by the argument that scaled them (q by rope_attention_scaling²), else dtype
+        name, big = wide
+        arg = "rope_attention_scaling" if name == "q_proj" and s2 != 1.0 else "dtype"
+        raise ValueError(f"{arg}: the converted {name} weights reach {big:.3g}, beyond {dtype}'s range; convert "
+                         f"to a wider dtype{' or with balance_kv=False' if balance_kv else ''}")
     layer = GQLAttention(hidden, h, g, d, rope_dim, kv_rank, None, dv, rope_theta, scale, path, impl,
                          device=device, dtype=dtype, kv_norm=False,
                          rope_inv_freq=inv[km] if n else None)
@@ -259,6 +258,17 @@ def trans_gqla(source, *, num_heads: int, num_groups: int, head_dim: int, kv_ran
         for name, w in weights.items():
             getattr(layer, name).weight.copy_(w)
     return layer
+
+
+def beyond_range(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[str, float] | None:
+    """The first of ``weights`` (name -> float64 values) whose largest magnitude passes ``dtype``'s finite range, and
+    that magnitude (copied into a layer of ``dtype`` it would be inf); None where every one fits."""
+    limit = torch.finfo(dtype).max
+    for name, w in weights.items():
+        big = w.abs().max().item() if w.numel() else 0.0
+        if not big <= limit:
+            return name, big
+    return None
 
 
 def _complete(U: torch.Tensor, lam: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
