@@ -387,6 +387,24 @@ def test_float64_layer_decodes_with_the_reference_only(path):
         assert layer(x[:, :1], cache=cache).dtype == torch.float64
 
 
+@pytest.mark.parametrize("path", ["absorb", "grouped"])
+def test_float64_cache_decodes_with_the_reference_only(path):
+    """A float32 layer with a kernel ``impl`` over a float64 cache (``make_cache(dtype=torch.float64)``) is refused at
+    its decode step by naming the cache and its dtype (not an internal argument), the cache unchanged; with
+    ``impl="reference"`` it decodes."""
+    layer = make_layer(2, g=2, path=path)
+    cache = layer.make_cache(2, 128, path=path, dtype=torch.float64)
+    x = randn((2, 5, layer.hidden_size), gen(3), dtype=torch.float32).to(P.device)
+    with torch.no_grad():
+        layer(x, cache=cache)
+        kept = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+        with pytest.raises(TypeError, match=r"^cache: a torch.float64 cache decodes with impl='reference' only"):
+            layer(x[:, :1], cache=cache)
+        assert all(torch.equal(v, kept[k]) for k, v in vars(cache).items() if isinstance(v, torch.Tensor))
+        layer.impl = "reference"
+        assert layer(x[:, :1], cache=cache).isfinite().all()
+
+
 def test_reference_decode_sees_writes_through_weight_data():
     """``impl="reference"``'s absorb step after an in-place write through ``kv_b_proj.weight.data`` (which has a
     version counter of its own): the float64 layer reference of the new weights, as the kernels' path gives."""

@@ -474,6 +474,10 @@ class GQLAttention(nn.Module):
             if wdt not in FLOAT_DTYPES:  # (before the step writes the cache)
                 raise TypeError(f"GQLAttention: a {wdt} layer decodes with impl='reference' only (the decode kernels "
                                 f"take bfloat16 / float16 / float32; this layer has impl={self.impl!r})")
+            cdt = cache.compute_dtype if isinstance(cache, LatentCache) else cache.dtype
+            if cdt not in FLOAT_DTYPES:
+                raise TypeError(f"cache: a {cdt} cache decodes with impl='reference' only (the decode kernels take "
+                                f"bfloat16 / float16 / float32; this layer has impl={self.impl!r})")
             o = self._decode_step(hidden_states, pos, add_t, cache, ids, idx, indices, topk_length)
             return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim).to(hidden_states.dtype))
         if add_t:
