@@ -405,6 +405,36 @@ def test_float64_cache_decodes_with_the_reference_only(path):
         assert layer(x[:, :1], cache=cache).isfinite().all()
 
 
+@pytest.mark.parametrize("path", ["absorb", "grouped"])
+def test_decode_step_refused_by_the_launch_plan_changes_no_cache_state(path, monkeypatch):
+    """A decode step whose attention launch the plan refuses (its smallest tiles past the GPU's shared memory) raises
+    before the cache is written, also under autograd (grad mode on, trainable weights: the op runs through its
+    custom op)."""
+    import dataclasses
+
+    import gqla_triton.ops.gqa.api as gqa_api
+    import gqla_triton.ops.gqa.plan as gqa_plan
+    import gqla_triton.ops.mla.api as mla_api
+    import gqla_triton.ops.mla.plan as mla_plan
+
+    layer = make_layer(5, g=2, path=path)
+    cache = layer.make_cache(2, 128, path=path, page_size=PAGE)
+    x = randn((2, 5, layer.hidden_size), gen(6), dtype=torch.float32).to(P.device)
+    with torch.no_grad():
+        layer(x, cache=cache)  # prefill (SDPA): no decode plan yet
+    mod = mla_plan if path == "absorb" else gqa_plan
+    real = mod.device_info
+    monkeypatch.setattr(mod, "device_info", lambda d: dataclasses.replace(real(d), smem_per_block=1024))
+    for api in (mla_api, gqa_api):  # no plan kept from an earlier call of these shapes
+        monkeypatch.setattr(api, "_CHECKED", type(api._CHECKED)())
+    for grad in (False, True):
+        kept = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="shared memory"):
+            layer(x[:, :1], cache=cache)
+        assert all(torch.equal(v, kept[k]) for k, v in vars(cache).items() if isinstance(v, torch.Tensor)), grad
+        assert cache.seqlens([0, 1]) == [5, 5]
+
+
 def test_reference_decode_sees_writes_through_weight_data():
     """``impl="reference"``'s absorb step after an in-place write through ``kv_b_proj.weight.data`` (which has a
     version counter of its own): the float64 layer reference of the new weights, as the kernels' path gives."""

@@ -28,12 +28,14 @@ def route(custom_op: Callable, eager: Callable) -> Callable:
     return custom_op if traced() else eager
 
 
-def runner(custom_op: Callable, eager: Callable, *, grad: bool, memo, key: tuple | None, build: Callable) -> Callable:
+def runner(custom_op: Callable, eager: Callable, *, grad: bool, memo, key: tuple | None,
+           build: Callable | None) -> Callable:
     """What runs a checked call: ``custom_op`` where autograd records it (``grad``; the op's backward raises or
-    differentiates) or ``traced()``, else ``eager`` with ``prepared=`` the plan ``memo`` (a
-    ``memo.CheckedCalls``) keeps under ``key`` (``build()`` on a miss; None where ``key`` is None: ``eager`` plans
-    itself)."""
-    if grad:
+    differentiates) or ``traced()``, else ``eager`` with ``prepared=`` the plan ``memo`` (a ``memo.CheckedCalls``)
+    keeps under ``key`` (``build()`` on a miss or without a key; ``build`` None: the call has no plan). Outside a
+    trace the plan is formed here on every route, so its refusals (a launch past the GPU's shared memory or grid)
+    come before what the caller does next with the runner (a layer writes its cache, then runs the op)."""
+    if traced():
         return custom_op
-    prepared = memo.plan(key, build) if key is not None else None  # (no key while torch.compile traces)
-    return route(custom_op, functools.partial(eager, prepared=prepared))
+    prepared = memo.plan(key, build) if build is not None else None
+    return custom_op if grad else functools.partial(eager, prepared=prepared)

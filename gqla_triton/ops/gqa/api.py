@@ -231,4 +231,5 @@ def _runner(key, q, k_cache, v_cache, block_table, k_rope_cache, indices, num_sp
     block table of the call's shape)."""
     return runner(_gqa_decode_op, gqa_decode_fwd, grad=requires_grad(q, k_cache, v_cache, k_rope_cache), memo=_CHECKED,
                   key=key if impl != "reference" else None,
-                  build=lambda: _prepare(q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits))
+                  build=None if impl == "reference" else
+                  lambda: _prepare(q, k_cache, v_cache, block_table, k_rope_cache, indices, num_splits))

@@ -414,8 +414,9 @@ def _runner(key, q, kv_cache, block_table, head_dim_v, indices, num_splits, impl
     block table of the call's shape)."""
     return runner(_mla_decode_op, mla_decode_fwd, grad=requires_grad(q, kv_cache, q_descale, k_descale), memo=_CHECKED,
                   key=key if impl != "reference" else None,
-                  build=lambda: _prepare(q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, k_descale,
-                                         kv_format))
+                  build=None if impl == "reference" else
+                  lambda: _prepare(q, kv_cache, block_table, head_dim_v, indices, num_splits, impl, k_descale,
+                                   kv_format))
 
 
 class SparsePrefillOutput(NamedTuple):
