@@ -585,6 +585,9 @@ def _bad_calls(op):
             ("head_dim_v float", dict(head_dim_v=32.0), TypeError, r"^head_dim_v: expected an int in \[1, 48\]"),
             ("s_q x heads past the grid", dict(q=torch.zeros(1, 1, 16, 48, device=dev).expand(B, 2**19, 16, 48)),
              ValueError, "^q: .* row tiles .* more than one launch takes"),
+            ("sparse rows past int32", dict(kv_cache=torch.zeros(1, 1, 1, 48, device=dev).expand(2**16, 2**15, 1, 48),
+                                            indices=torch.zeros(B, 1, 4, dtype=torch.int32, device=dev)),
+             ValueError, r"^kv_cache: 65536 pages x 32768 tokens .* int32 row indices"),
         ]
     else:
         calls += [
@@ -595,6 +598,11 @@ def _bad_calls(op):
             ("k_rope_cache device", dict(k_rope_cache=torch.zeros(8, 16, 16, device=other)), ValueError,
              r"^k_rope_cache: expected a tensor on .* \(same as q\)"),
             ("k_rope_cache list", dict(k_rope_cache=[0.0]), TypeError, "^k_rope_cache: expected a torch.Tensor"),
+            ("sparse rows past int32", dict(k_cache=torch.zeros(1, 1, 2, 16, device=dev).expand(2**16, 2**15, 2, 16),
+                                            v_cache=torch.zeros(1, 1, 2, 16, device=dev).expand(2**16, 2**15, 2, 16),
+                                            k_rope_cache=torch.zeros(1, 1, 16, device=dev).expand(2**16, 2**15, 16),
+                                            indices=torch.zeros(B, 1, 4, dtype=torch.int32, device=dev)),
+             ValueError, r"^k_cache: 65536 pages x 32768 tokens .* int32 row indices"),
             ("batch past the grid", dict(q=torch.zeros(1, 1, 8, 32, device=dev).expand(2**16, 1, 8, 32),
                                          block_table=torch.zeros(1, 2, dtype=torch.int32, device=dev).expand(2**16, 2),
                                          cache_seqlens=torch.ones(1, dtype=torch.int32, device=dev).expand(2**16)),

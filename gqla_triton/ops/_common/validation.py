@@ -443,6 +443,9 @@ def check_decode_inputs(
                      dtypes=INDEX_DTYPES, device=q.device)
         if not 1 <= indices.shape[-1] <= MAX_KEYS:
             raise ValueError(f"indices: topk (last dimension) must be in [1, {MAX_KEYS}], got {indices.shape[-1]}")
+        if num_pages * page_size > INT32_MAX:  # sparse_rows hands the kernels int32 cache rows
+            raise ValueError(f"{cache_name}: {num_pages} pages x {page_size} tokens hold more rows than the int32 row "
+                             f"indices of sparse calls address ({INT32_MAX})")
     if topk_length is not None:
         if indices is None:
             raise ValueError("topk_length: given without indices (it limits each sparse index row)")
