@@ -44,7 +44,7 @@ from ..ops._common.validation import (
 )
 from ..ops.gdn import chunk_gated_delta_rule, gated_delta_rule_decode
 from ..ops.gdn import plan as gdn_plan
-from ..ops.gdn.decode import sequence_count
+from ..ops.gdn.decode import check_launch, sequence_count
 from ..ops.gdn.reference import recurrent_gated_delta_rule_ref
 from ._state import assigning, check_state_dict, entry_problem, load_or_restore
 from .gdn_step import add_token_counts, gdn_decode_prep, gdn_gated_norm
@@ -1143,6 +1143,8 @@ class GatedDeltaNet(nn.Module):
         gates, pool rows; conv rows and lengths advanced unless ``verify``), the decode op, the gated-norm kernel
         (zeros for skipped sequences), o_proj."""
         B, T, _ = x.shape
+        # the decode op's launch refusal, before the prep kernel advances the conv rows and lengths
+        check_launch(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, x.device, "hidden_states")
         # autocast may give in_proj's output another dtype; the prep kernel takes the conv rows' dtype
         mixed = self.in_proj(x).to(cache._conv.dtype)
         q, k, v, g, beta, rows = gdn_decode_prep(

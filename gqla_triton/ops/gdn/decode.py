@@ -47,11 +47,12 @@ from .._common.validation import (
     refuse_grad,
 )
 from .compat import check_fla_options, check_gate, decode_state_v_first
+from .config import DecodeConfig
 from .kernels.common import _softplus, v_block_unit
 from .plan import host_cu_seqlens
 from .reference import gate_ref, recurrent_gated_delta_rule_ref
 
-__all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd"]
+__all__ = ["gated_delta_rule_decode", "gated_delta_rule_decode_fwd", "check_launch", "launch_plan"]
 
 _REFERENCE = "gqla_triton.ops.gdn.reference.recurrent_gated_delta_rule_ref"
 _CU_DTYPES = (torch.int32, torch.int64)
@@ -174,6 +175,29 @@ def gated_delta_rule_decode_fwd_kernel(
                 tl.store(o + (t * HV + i_hv) * V + o_v, zero, mask=m_v)
 
 
+def launch_plan(N: int, HV: int, K: int, V: int, device: torch.device,
+                name: str = "cu_seqlens / v") -> tuple[DecodeConfig, int, tuple[int]]:
+    """The step's launch for ``N`` sequences of ``HV`` value heads and head dims ``K``, ``V`` on ``device``: ``(config,
+    BV, grid)``, one program per (sequence, value head, BV-wide V block) on the grid's first axis. A ``ValueError``
+    naming ``name`` where they pass what one launch takes; a caller that changes state before the step (the layer's
+    decode prep) asks first."""
+    cfg = select_config("gdn_decode", {"K": K, "V": V}, device=device)
+    BV = min(cfg.bv, next_pow2(V))
+    grid = (cdiv(V, BV) * N * HV,)
+    if grid[0] > MAX_GRID_X:
+        raise ValueError(f"{name}: {N} sequences x {HV} value heads x {cdiv(V, BV)} V blocks make {grid[0]} "
+                         f"programs, more than one launch takes ({MAX_GRID_X}); split the call")
+    return cfg, BV, grid
+
+
+def check_launch(N: int, HV: int, K: int, V: int, device: torch.device, name: str) -> None:
+    """``launch_plan``'s refusal without its config lookup where the step fits for any config (``bv`` >= 16, so it
+    runs at most ``ceil(V / 16)`` V blocks): for a caller that changes state before the step (the layer's decode
+    prep), which asks first."""
+    if N * HV * cdiv(V, 16) > MAX_GRID_X:
+        launch_plan(N, HV, K, V, device, name)
+
+
 @names_config("gdn_decode")
 def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: float,
                                 use_qk_l2norm_in_kernel: bool, cu_seqlens=None, accepted=None,
@@ -188,14 +212,9 @@ def gated_delta_rule_decode_fwd(q, k, v, g, beta, state, state_indices, scale: f
     P = state.shape[0]
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else B
+    cfg, BV, grid = launch_plan(N, HV, K, V, q.device)
     o = empty(v.shape, dtype=v.dtype, device=v.device)
-    cfg = select_config("gdn_decode", {"K": K, "V": V}, device=q)
     BK = next_pow2(K)
-    BV = min(cfg.bv, next_pow2(V))
-    grid = (cdiv(V, BV) * N * HV,)
-    if grid[0] > MAX_GRID_X:
-        raise ValueError(f"cu_seqlens / v: {N} sequences x {HV} value heads x {cdiv(V, BV)} V blocks make {grid[0]} "
-                         f"programs, more than one launch takes ({MAX_GRID_X}); split the call")
     gate = bool(use_gate_in_kernel)
     with on_device(q.device):
         gated_delta_rule_decode_fwd_kernel[grid](

@@ -1,0 +1,37 @@
+"""Hostile calls of the Gated DeltaNet ops and layer beside the other hostile suites: refusals by name that leave
+every state as it was, and shapes at the edges of what the ops take."""
+
+import pytest
+import torch
+from harness import P, randn
+
+import gqla_triton as gq
+from gqla_triton.ops.gdn import decode as gdn_decode
+
+I32 = dict(dtype=torch.int32, device=P.device)
+
+
+def _rows(cache):
+    return [t.clone() for t in (cache._conv, cache.recurrent_state, cache._lens)]
+
+
+def _unchanged(cache, rows):
+    return all(torch.equal(a, b) for a, b in zip(rows, _rows(cache), strict=True))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_layer_decode_step_past_one_launch_changes_nothing(monkeypatch, verify):
+    """A dense decode step whose (sequence x value head x V block) programs pass what one launch of the decode op
+    takes (the bound lowered here: 2**31 - 1 programs are millions of sequences) is refused by name before the prep
+    kernel advances any conv row or length: the cache is as it was, no verify step pending."""
+    m = gq.GatedDeltaNet(32, 1, 2, 16, 16, impl="triton", dtype=torch.float32, device=P.device)
+    cache = m.init_cache(3)
+    with torch.no_grad():
+        m(randn((3, 4, 32), 1), cache, slots=[0, 1, 2])
+    before = _rows(cache)
+    monkeypatch.setattr(gdn_decode, "MAX_GRID_X", 5)  # 3 sequences x 2 value heads x 1 V block = 6 programs
+    for slots in ([0, 1, 2], torch.tensor([2, 0, 1], **I32)):
+        with torch.no_grad(), pytest.raises(ValueError, match="^hidden_states: 3 sequences x 2 value heads .* more "
+                                                              "than one launch takes"):
+            m(randn((3, 1, 32), 2), cache, slots=slots, verify=verify)
+        assert _unchanged(cache, before) and not cache.pending
