@@ -35,3 +35,20 @@ def test_layer_decode_step_past_one_launch_changes_nothing(monkeypatch, verify):
                                                               "than one launch takes"):
             m(randn((3, 1, 32), 2), cache, slots=slots, verify=verify)
         assert _unchanged(cache, before) and not cache.pending
+
+
+def test_steps_without_value_heads_are_refused_by_name():
+    """v with no value heads (HV = 0, a multiple of any H) is refused by the decode step and the functions on it, as
+    by the chunked op, the state untouched."""
+    from gqla_triton.ops.gdn.flash_qla import recurrent_gated_delta_rule
+
+    q = randn((2, 3, 1, 16), 3)
+    v, g = torch.zeros(2, 3, 0, 16, device=P.device), torch.zeros(2, 3, 0, device=P.device)
+    pool = torch.zeros(2, 0, 16, 16, device=P.device)
+    calls = (lambda: gq.gated_delta_rule_decode(q, q, v, g, g, pool),
+             lambda: gq.fused_recurrent_gated_delta_rule(q, q, v),
+             lambda: recurrent_gated_delta_rule(q, q, v, g, g),
+             lambda: gq.chunk_gated_delta_rule(q, q, v, g, g))
+    for call in calls:
+        with torch.no_grad(), pytest.raises(ValueError, match="^(q/)?v: .*(non-empty B, s, heads|value heads HV=0)"):
+            call()

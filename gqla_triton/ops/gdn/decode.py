@@ -385,7 +385,7 @@ def _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_
     if gv is not None:
         check_tensor("gv", gv, shape=(B, S, HV, V), dtypes=fdt, device=q.device)
     check_tensor("state", state, ndim=4, dtypes=fdt, device=q.device)
-    if B == 0 or S == 0 or H == 0 or K == 0 or V == 0:
+    if B == 0 or S == 0 or H == 0 or HV == 0 or K == 0 or V == 0:
         raise ValueError(f"q/v: expected non-empty B, s, heads and dims, got q {list(q.shape)}, v {list(v.shape)}")
     if HV % H != 0:
         raise ValueError(f"v: value heads HV={HV} must be a multiple of q/k heads H={H}")
