@@ -52,3 +52,33 @@ def test_steps_without_value_heads_are_refused_by_name():
     for call in calls:
         with torch.no_grad(), pytest.raises(ValueError, match="^(q/)?v: .*(non-empty B, s, heads|value heads HV=0)"):
             call()
+
+
+def test_custom_ops_called_directly_check_their_arguments_by_name():
+    """``torch.ops.gqla_triton``'s GDN forward ops called directly (as a serving framework calls custom ops) with an
+    argument of another shape than the others give (here ones whose memory the kernels would read in bounds, as
+    another layout: silently wrong) are refused by name, as the public functions refuse them, the state
+    unchanged."""
+    import gqla_triton.ops.gdn.api  # noqa: F401 (registers the ops)
+
+    ops = torch.ops.gqla_triton
+    T, HV, K, V = 20, 2, 16, 16
+    q = torch.nn.functional.normalize(randn((1, T, 1, K), 4), dim=-1)
+    v, g, beta = randn((1, T, HV, V), 5), -torch.rand(1, T, HV, device=P.device), torch.rand(1, T, HV, device=P.device)
+    idx = torch.tensor([1], **I32)
+    wide = randn((1, T, 2 * HV), 6)  # g over twice the value heads
+    pool = randn((4, HV, K, V // 2), 7)  # rows of another width, as many bytes as 2 rows of [HV, K, V]
+    before = pool.clone()
+    fwd = (K ** -0.5, None, None, False, False, False, False, False, None, None, 64, "triton")
+    with torch.no_grad():
+        ops.chunk_gated_delta_rule_fwd(q, q, v, g, beta, *fwd)
+        cases = [("^g: expected shape", lambda: ops.chunk_gated_delta_rule_fwd(q, q, v, wide, beta, *fwd)),
+                 ("^initial_state: expected shape", lambda: ops.chunk_gated_delta_rule_pool(
+                     q, q, v, g, beta, K ** -0.5, pool, idx, None, False, False, False, None, None, 64, "triton")),
+                 ("^state: expected shape", lambda: ops.gated_delta_rule_decode(
+                     q[:, :2], q[:, :2], v[:, :2], g[:, :2], beta[:, :2], pool, idx, K ** -0.5, False, None, None,
+                     None, None, None, False, False, False, False))]
+        for match, call in cases:
+            with pytest.raises(ValueError, match=match):
+                call()
+    assert torch.equal(pool, before)

@@ -94,6 +94,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             needs_grad: bool, v_first: bool, beta_sigmoid: bool, neg_eigval: bool, A_log: torch.Tensor | None,
             dt_bias: torch.Tensor | None, chunk_size: int, impl: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_op_call(q, k, v, g, beta, scale, initial_state, cu_seqlens, None, v_first, beta_sigmoid, neg_eigval, A_log,
+                   dt_bias, chunk_size, impl)
     q, k, v, g, beta, initial_state, A_log, dt_bias = contiguous(q, k, v, g, beta, initial_state, A_log, dt_bias)
     return _fwd(q, k, v, g, beta, scale, initial_state,
                 chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size, impl=impl), save_states, needs_grad, v_first,
@@ -254,6 +256,8 @@ def _pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     check_contiguous("state_pool", state_pool)
     check_disjoint("state_pool", state_pool, q=q, k=k, v=v, g=g, beta=beta, state_indices=state_indices,
                    cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+    _check_op_call(q, k, v, g, beta, scale, state_pool, cu_seqlens, state_indices, v_first, beta_sigmoid, neg_eigval,
+                   A_log, dt_bias, chunk_size, impl)
     q, k, v, g, beta, state_indices, A_log, dt_bias = contiguous(q, k, v, g, beta, state_indices, A_log, dt_bias)
     return _pool(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, v_first, beta_sigmoid, neg_eigval,
                  A_log, dt_bias, chunk_size, impl, cu_host=None)
@@ -337,10 +341,12 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2, c
     return o.to(v.dtype), ht
 
 
-def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref: bool = False) -> tuple[int, torch.device]:
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref: bool = False,
+                 no_tokens: bool = False) -> tuple[int, torch.device]:
     """The checks of the chunked op's tensors every entry point shares (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
     g, beta ``[B, T, HV]``, cu_seqlens ``[N+1]`` or None; one device; the head dims the kernels take; float64 too
-    with ``ref``, the pure-torch path); initial_state only joins the device check. Returns (N, the device)."""
+    with ``ref``, the pure-torch path; T = 0 too with ``no_tokens``, as the custom ops take it); initial_state only
+    joins the device check. Returns (N, the device)."""
     dtypes = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("q", q, ndim=4, dtypes=dtypes)
     B, T, H, K = q.shape
@@ -356,7 +362,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref: bool = False)
     for name, d, hi in (("K (q/k head dim)", K, 256), ("V (v head dim)", V, 1024)):
         if d <= 0 or d > hi:
             raise ValueError(f"{name}: expected 1 <= {name.split()[0]} <= {hi}, got {d}")
-    if T < 1 or B < 1:
+    if T < (0 if no_tokens else 1) or B < 1:
         raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
     N = B
     if cu_seqlens is not None:
@@ -383,9 +389,10 @@ class _Call(NamedTuple):
 
 def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                 cu_seqlens_cpu, chunk_indices, state_indices, save_states, use_gate_in_kernel, A_log, dt_bias,
-                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_layout, chunk_size, impl, fla_options) -> _Call:
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_layout, chunk_size, impl, fla_options,
+                no_tokens: bool = False) -> _Call:
     """Every check of ``chunk_gated_delta_rule``'s arguments (a ``TypeError`` / ``ValueError`` naming the first
-    that fails); reads no device memory."""
+    that fails; ``no_tokens``: T = 0 taken, as the custom ops take it); reads no device memory."""
     check_impl(impl, op="chunk_gated_delta_rule", gluon=True)
     check_fla_options("chunk_gated_delta_rule", fla_options)
     chunk_size = check_chunk_size(chunk_size)
@@ -403,7 +410,7 @@ def _check_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     use_qk_l2norm_in_kernel = check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     output_final_state = check_flag("output_final_state", output_final_state)
     ref = impl == "reference"
-    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref=ref)
+    N, dev = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, ref=ref, no_tokens=no_tokens)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     check_gate(use_gate_in_kernel, A_log, dt_bias, HV, q, reference=ref)
@@ -445,6 +452,21 @@ def _call_key(tensors: tuple, flags: tuple, scale, state_layout, chunk_size, imp
     if any(x is not None for x in extra) or impl not in ("auto", "triton"):
         return None
     return call_key(tensors, (*flags, scale, state_layout, chunk_size, impl))
+
+
+def _check_op_call(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_indices, v_first, beta_sigmoid,
+                   neg_eigval, A_log, dt_bias, chunk_size, impl) -> None:
+    """The public function's checks in a forward custom op's body (a direct ``torch.ops`` call reaches it unchecked),
+    kept per call as the public function keeps them: the inputs as the op takes them (q and k normalised already,
+    the gate in the kernel where ``A_log`` is given, sequences of no tokens taken)."""
+    flags = (False, False, True, A_log is not None, beta_sigmoid, neg_eigval, "op")  # (no public call's key: T = 0)
+    layout = "vk" if v_first else "kv"
+    key = _call_key((q, k, v, g, beta, initial_state, A_log, dt_bias), flags, scale, layout, chunk_size, impl,
+                    (cu_seqlens, None, None, state_indices))
+    if _CHECKED.get(key) is None:
+        _CHECKED.put(key, _check_call(q, k, v, g, beta, scale, initial_state, False, False, cu_seqlens, None, None,
+                                      state_indices, True, A_log is not None, A_log, dt_bias, beta_sigmoid,
+                                      neg_eigval, layout, chunk_size, impl, {}, no_tokens=True))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

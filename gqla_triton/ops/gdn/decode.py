@@ -249,7 +249,18 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                intermediate_states: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
                v_first: bool, gk: torch.Tensor | None = None, gv: torch.Tensor | None = None) -> torch.Tensor:
-    # the public function cannot read CPU index tensors while tracing: checked here
+    # a direct torch.ops call reaches here unchecked: the public function's checks (of shapes, dtypes, devices and
+    # options; kept per call as the public function keeps them), then what it cannot read while tracing (CPU index
+    # values) and what it reads every call (addresses)
+    layout = "vk" if v_first else "kv"
+    key = call_key((q, k, v, g, beta, state, state_indices, cu_seqlens, accepted, intermediate_states, A_log, dt_bias,
+                    gk, gv), (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                              allow_neg_eigval, layout, "triton"))
+    if _CHECKED.get(key) is None:
+        _CHECKED.put(key, _check_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm_in_kernel,
+                                      cu_seqlens, None, accepted, intermediate_states, use_gate_in_kernel, A_log,
+                                      dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, gk, gv, layout, "triton",
+                                      {}))
     check_pool_rows("state_indices", state_indices, state.shape[0])
     _check_cu_values(cu_seqlens, q.shape[1])
     _check_written(state, intermediate_states)
