@@ -421,6 +421,29 @@ def test_long_mtp_boundary_keys_match_reference(op):
                    dtype=torch.float32 if op == "mla" else dtype, eps=1e-4 if op == "mla" else None)
 
 
+def _top_key_inputs(op, splits, impl, sign, top_score):
+    """Inputs at softmax_scale ``sign · 2e37`` (its product with log2(e) finite) where every head's score is a key's
+    channel 0 (latent for mla, the group's key for gqa): random in (-1, 1), one key per sequence ``sign ·
+    top_score``, so that key takes all the weight. Returns ``(inputs, [(block, slot)] of the top keys)``."""
+    dtype = P.dtypes[0]
+    inputs = _clean(op, 1, [CAP - 5, CAP // 2 + 3], splits, dtype, impl)
+    q = inputs["q"]
+    q.zero_()
+    q[..., 0] = 1.0
+    g = gen(5)
+    key = inputs["kv_cache"] if op == "mla" else inputs["k_cache"]
+    ch0 = key[..., 0]
+    ch0.copy_(torch.rand(ch0.shape, generator=g, dtype=torch.float64).to(dtype) * 2 - 1)
+    top = []
+    for b, n in enumerate(inputs["cache_seqlens"].tolist()):
+        pos = int(torch.randint(0, n, (1,), generator=g))
+        blk = int(inputs["block_table"][b, pos // PAGE])
+        key[blk, pos % PAGE, ..., 0] = sign * top_score
+        top.append((blk, pos % PAGE))
+    inputs["softmax_scale"] = sign * 2e37
+    return inputs, top
+
+
 @pytest.mark.parametrize("op", ["mla", "gqa"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("impl", IMPLS["mla"])
@@ -433,22 +456,8 @@ def test_huge_softmax_scale_matches_reference(op, splits, impl, sign):
     if op == "gqa" and impl != "triton":
         pytest.skip("gqa_decode has one kernel")
     dtype = P.dtypes[0]
-    inputs = _clean(op, 1, [CAP - 5, CAP // 2 + 3], splits, dtype, impl)
-    scale = sign * 2e37
-    q = inputs["q"]
-    q.zero_()
-    q[..., 0] = 1.0  # every head's score is a key's channel 0 (latent for mla, the group's key for gqa)
-    g = gen(5)
-    key = inputs["kv_cache"] if op == "mla" else inputs["k_cache"]
-    ch0 = key[..., 0]
-    ch0.copy_(torch.rand(ch0.shape, generator=g, dtype=torch.float64).to(dtype) * 2 - 1)
-    top = []
-    for b, n in enumerate(inputs["cache_seqlens"].tolist()):
-        pos = int(torch.randint(0, n, (1,), generator=g))
-        blk = int(inputs["block_table"][b, pos // PAGE])
-        key[blk, pos % PAGE, ..., 0] = sign * 15.0
-        top.append((blk, pos % PAGE))
-    inputs["softmax_scale"] = scale
+    inputs, top = _top_key_inputs(op, splits, impl, sign, 15.0)
+    scale = inputs["softmax_scale"]
     out, lse = run_op(op, inputs, impl)
     ref_o, ref_l = reference(op, inputs)
     assert torch.isfinite(ref_l).all() and torch.isfinite(ref_o).all()
@@ -457,6 +466,29 @@ def test_huge_softmax_scale_matches_reference(op, splits, impl, sign):
     torch.testing.assert_close(lse.double().cpu(), ref_l, rtol=1e-5, atol=0)
     assert abs(float(ref_l.flatten()[0]) - 15.0 * abs(scale)) < 1e-5 * 15.0 * abs(scale)
     if op == "mla":  # and it is that row: the key's latent channels
+        for b, (blk, slot) in enumerate(top):
+            assert torch.equal(out[b, 0, 0].cpu(), inputs["kv_cache"][blk, slot, 0, :MLA_DIMS[0]].cpu())
+
+
+@pytest.mark.parametrize("op", ["mla", "gqa"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("impl", IMPLS["mla"])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_lse_past_float32_range_keeps_out_exact(op, splits, impl, sign):
+    """As ``test_huge_softmax_scale_matches_reference`` with a top score of 20: its scaled value, 20 · 2e37 = 4e38,
+    passes the float32 range in natural log too, so lse is ``+inf`` (the float64 reference's 4e38 in float32), and
+    out is still exactly the top key's value row, with one split or several (their partials merged in raw-score
+    units, ``combine_splits``' ``unit``)."""
+    if op == "gqa" and impl != "triton":
+        pytest.skip("gqa_decode has one kernel")
+    dtype = P.dtypes[0]
+    inputs, top = _top_key_inputs(op, splits, impl, sign, 20.0)
+    out, lse = run_op(op, inputs, impl)
+    ref_o, ref_l = reference(op, inputs)
+    assert torch.isfinite(ref_o).all() and (ref_l.float() == math.inf).all()
+    assert torch.equal(out.cpu(), ref_o.to(dtype)), f"{op} {impl}: out is not the top key's value row"
+    assert torch.equal(lse.cpu(), ref_l.float()), f"{op} {impl}: lse is not +inf"
+    if op == "mla":
         for b, (blk, slot) in enumerate(top):
             assert torch.equal(out[b, 0, 0].cpu(), inputs["kv_cache"][blk, slot, 0, :MLA_DIMS[0]].cpu())
 

@@ -173,3 +173,50 @@ def test_combine_many_splits_in_steps():
     ref_o = (torch.exp(l64 - ref_l[:, None])[..., None] * o64).sum(1)
     assert (out.cpu().double() - ref_o).abs().max() < 1e-5
     assert (lse_out.cpu().double().permute(0, 2, 1) - ref_l).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("unit", [0.75, 3.0, 1.7e38])
+def test_combine_partials_in_units(unit):
+    """Partials whose lse is in units of ``unit`` nats (``L = lse / unit``, the raw-score partials of
+    ``split_lse_unit``): the float64 merge of the natural-log lse ``L · unit``; where that passes the float32
+    range, lse ``+inf`` and out still the splits' weighted mean (one split of weight ~1 here: its row exactly).
+    An empty split (-inf), NaN and +inf partial lse keep their natural-log meaning."""
+    B, S, H, D = 1, 4, 6, 16
+    o = randn((B, S, 1, H, D), 7).float()
+    L = randn((B, S, 1, H), 8).float() * 3 / unit
+    L[0, 1, 0, 0] = -math.inf  # an empty split
+    L[0, 2, 0, 1] = math.nan
+    L[0, 3, 0, 2], o[0, 3, 0, 2] = math.inf, math.nan
+    L[0, :, 0, 3] = torch.tensor([20.0, 19.0, -math.inf, 18.5])  # natural lse 20 · unit: past float32 for 1.7e38
+    out = alloc.empty(B, 1, H, D, dtype=torch.float32, device=P.device)
+    lse_out = alloc.empty(B, H, 1, dtype=torch.float32, device=P.device)
+    combine_splits(o.to(P.device), L.to(P.device), out, lse_out, unit=unit)
+    out, lse_out = out.cpu().double(), lse_out.cpu().double()
+    assert out[0, 0, 1].isnan().all() and lse_out[0, 1, 0].isnan()
+    assert out[0, 0, 2].isnan().all() and lse_out[0, 2, 0] == math.inf
+    l64, o64 = L.cpu().double() * unit, o.cpu().double()
+    for h in (0, 3, 4, 5):
+        ref_l = torch.logsumexp(l64[0, :, 0, h], 0)
+        ref_o = (torch.exp(l64[0, :, 0, h] - ref_l)[:, None] * o64[0, :, 0, h]).sum(0)
+        assert torch.isfinite(out[0, 0, h]).all() and (out[0, 0, h] - ref_o).abs().max() < 1e-5, f"head {h}"
+        if float(ref_l) > 3.4028234663852886e38:
+            assert lse_out[0, h, 0] == math.inf and torch.equal(out[0, 0, h], o64[0, 0, 0, h]), f"head {h}"
+        else:
+            assert abs(lse_out[0, h, 0] - ref_l) <= 1e-5 * max(1.0, abs(float(ref_l))), f"head {h}"
+
+
+def test_combine_unit_one_is_natural_log_bitwise():
+    """``unit=1.0`` (the default) is the natural-log merge, bit for bit; a unit that is not a finite number > 0 is
+    refused."""
+    o = randn((2, 5, 1, 3, 16), 9).float()
+    lse = randn((2, 5, 1, 3), 10).float() * 5
+    outs = []
+    for kw in ({}, {"unit": 1.0}):
+        out = alloc.empty(2, 1, 3, 16, dtype=torch.float32, device=P.device)
+        lse_out = alloc.empty(2, 3, 1, dtype=torch.float32, device=P.device)
+        combine_splits(o, lse, out, lse_out, **kw)
+        outs.append((out, lse_out))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="unit"):
+            combine_splits(o, lse, outs[0][0], outs[0][1], unit=bad)

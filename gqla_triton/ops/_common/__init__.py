@@ -1,6 +1,6 @@
 """Pieces shared by the ops: input validation, paging math, split-KV planning and combine."""
 
-from .combine import combine_splits, finish_rows, scale_scores, score_mode, softmax_step, store_rows
+from .combine import combine_splits, finish_rows, scale_scores, score_mode, softmax_step, split_lse_unit, store_rows
 from .host import cdiv, next_pow2
 from .paging import (
     gather_pages,
@@ -46,6 +46,7 @@ __all__ = [
     "page_rows",
     "plan_splits",
     "softmax_step",
+    "split_lse_unit",
     "sparse_positions",
     "sparse_rows",
     "split_bounds",

@@ -1,10 +1,16 @@
 """Split-KV combine: merge per-split partial attention results with their log-sum-exp; the decode kernels'
 shared epilogue (``finish_rows``, ``store_rows``) that writes either final rows or a split's partials.
 
-``o_partial [B, S, Q, H, D]`` fp32 and ``lse_partial [B, S, Q, H]`` fp32 (natural log; ``-inf`` marks a
-split whose softmax weights sum to 0) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any
-float dtype) and ``lse [B, H, Q]`` fp32. Rows whose weights sum to 0 in every split give ``out = 0``,
-``lse = -inf``.
+``o_partial [B, S, Q, H, D]`` fp32 and ``lse_partial [B, S, Q, H]`` fp32 (``-inf`` marks a split whose softmax
+weights sum to 0) for S splits, Q query tokens and H heads give ``out [B, Q, H, D]`` (any float dtype) and
+``lse [B, H, Q]`` fp32 (natural log). Rows whose weights sum to 0 in every split give ``out = 0``, ``lse = -inf``.
+
+The partials' lse is in natural log (``unit`` 1), or in units of ``unit = c`` nats: ``L = lse / c``. The kernels'
+raw-score softmax (``score_mode``, ``|qk_scale| > 1``) stores ``L = m + ln(l) / c`` with ``c = qk_scale · ln 2``
+(``split_lse_unit``), m the running max of the raw scores: finite wherever the scores are, where ``m · c``, the
+natural-log lse, may pass the float32 range. The merge takes ``M = max L_i``, weights ``exp((L_i - M) · c)`` and
+``lse = M · c + ln Σ w``: ``+inf`` where the true lse passes the float32 range, out still the weighted mean of the
+splits' partials (with one split the kernels write the same ``+inf`` lse and the same out).
 
 Non-finite values follow IEEE arithmetic (the references define it): a NaN score poisons its row's running sum
 ``l`` (out and lse NaN); a ``+inf`` score makes the running max ``+inf``, which the steps below rescale from 0
@@ -16,6 +22,8 @@ instead of from itself, so lse is ``+inf`` (NaN with a NaN score too) and out Na
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from typing import ClassVar
 
 import torch
@@ -90,20 +98,26 @@ def softmax_step(s, m_i, l_i, qk_scale, AXIS: tl.constexpr, RAW: tl.constexpr):
 
 
 @triton.jit
-def finish_rows(acc, m, l, qk_scale, SPLIT: tl.constexpr, RAW: tl.constexpr):
+def finish_rows(acc, m, l, qk_scale, SPLIT: tl.constexpr, RAW: tl.constexpr, LSE_RAW: tl.constexpr):
     """Normalise a [rows, D] online-softmax accumulator: ``(o, lse)`` with lse in natural log. ``m`` is the
     running max of ``softmax_step`` (of the raw scores under ``RAW``, else of the scaled ones), ``l`` the running
-    sum; under ``RAW`` ``lse = m·(qk_scale·ln 2) + ln l`` (``m·qk_scale`` itself, which may pass the float32 range
-    where lse does not, is never formed). A row whose weights sum to 0 (no key, or every score -inf) gets
-    lse = -inf and o = 0, or under ``SPLIT`` its raw accumulator (0, or NaN where a -inf score met an infinite
-    value) for ``combine_splits``. A NaN ``l`` gives NaN o and lse."""
+    sum; under ``RAW`` ``lse = m·c + ln l`` with ``c = qk_scale·ln 2`` (``m·qk_scale`` itself, which may pass the
+    float32 range where lse does not, is never formed); ``+inf`` where ``m·c`` passes the float32 range. Under
+    ``SPLIT`` and ``LSE_RAW`` (``RAW`` partials: ``split_lse_unit``) the split's lse is stored in units of ``c``,
+    ``m + ln(l) / c`` (``c > 0.69``: finite wherever m is), for ``combine_splits(..., unit=c)``. A row whose
+    weights sum to 0 (no key, or every score -inf) gets lse = -inf and o = 0, or under ``SPLIT`` its raw
+    accumulator (0, or NaN where a -inf score met an infinite value) for ``combine_splits``. A NaN ``l`` gives NaN
+    o and lse."""
     empty = l == 0
     safe_l = tl.where(empty, 1.0, l)
     o = acc / safe_l[:, None]
     if not SPLIT:
         o = tl.where(empty[:, None], 0.0, o)
     ln_m = qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453
-    lse = tl.where(empty, float("-inf"), m * ln_m + tl.log(safe_l))
+    if SPLIT and LSE_RAW:
+        lse = tl.where(empty, float("-inf"), m + tl.log(safe_l) / ln_m)
+    else:
+        lse = tl.where(empty, float("-inf"), m * ln_m + tl.log(safe_l))
     return o, lse
 
 
@@ -114,6 +128,26 @@ def score_mode(qk_scale: float, raw: bool = False) -> tuple[float, int]:
     if abs(qk_scale) <= 1.0 and not raw:
         return qk_scale, 0
     return abs(qk_scale), (-1 if qk_scale < 0 else 1)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even; ``±inf`` past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def split_lse_unit(qk_scale: float, raw: int) -> float:
+    """The ``unit`` of ``combine_splits`` for the split partials of a kernel launched with ``score_mode``'s
+    ``(qk_scale, RAW)``: 1.0 (natural log) for scaled scores, under ``RAW`` with ``qk_scale > 1`` raw-score units,
+    ``c = qk_scale · ln 2`` rounded as ``finish_rows`` forms it in float32 (the kernel's float32 ``qk_scale`` times
+    float32 ln 2), > 0.69. (A smaller scale under ``RAW``, as ``score_mode(..., raw=True)`` gives, keeps natural
+    log: ``ln(l) / c`` could overflow.) The kernels store raw-unit partials where this is not 1.0 (``LSE_RAW``;
+    a ``c`` of exactly 1.0 is the same either way)."""
+    if not raw or not qk_scale > 1.0:
+        return 1.0
+    return _f32(_f32(qk_scale) * _f32(math.log(2.0)))
 
 
 @triton.jit
@@ -141,11 +175,13 @@ def combine_splits_kernel(
     s_lb, s_ls, s_lq,
     s_outb, s_outq, s_outh,
     s_lob, s_loh, s_loq,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    unit,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, UNIT: tl.constexpr,
 ):
     """One [BLOCK_H, BLOCK_D] tile: ``program_id(0)`` = (sequence x query token) x NH head tiles + head tile,
     ``program_id(1)`` the D tile; BLOCK_S splits per step, merged online (the running max of their lse, the
-    rescale of what is summed so far)."""
+    rescale of what is summed so far). ``UNIT``: the partials' lse is in units of ``unit`` nats (differences
+    and the final max times ``unit``), else in natural log."""
     pid = tl.program_id(0)
     pid_bq = pid // NH
     b = pid_bq // Q
@@ -175,15 +211,22 @@ def combine_splits_kernel(
         # as softmax_step: the max skips NaN (it reaches l through w), an infinite max rescales from 0
         m_new = tl.maximum(m, tl.max(lse_s, 0))
         m_ref = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
-        w = tl.exp(lse_s - m_ref[None, :])
+        if UNIT:
+            alpha = tl.exp((m - m_ref) * unit)
+            w = tl.exp((lse_s - m_ref[None, :]) * unit)
+        else:
+            alpha = tl.exp(m - m_ref)
+            w = tl.exp(lse_s - m_ref[None, :])
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
         l = l * alpha + tl.sum(w, 0)
         m = m_new
     empty = l == 0
     safe_l = tl.where(empty, 1.0, l)
     o = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
-    lse = tl.where(empty, float("-inf"), m + tl.log(safe_l))
+    if UNIT:
+        lse = tl.where(empty, float("-inf"), m * unit + tl.log(safe_l))  # +inf where m · unit passes float32
+    else:
+        lse = tl.where(empty, float("-inf"), m + tl.log(safe_l))
     tl.store(out + b64 * s_outb + q64 * s_outq + h64[:, None] * s_outh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=mh[:, None] & md[None, :])
     first = (offs_h * 0 + tl.program_id(1)) == 0  # lse once per head: by the programs of the first D tile
@@ -210,9 +253,13 @@ def combine_geometry(B: int, S: int, Q: int, H: int, D: int, sm_count: int,
 
 
 def combine_splits(
-    o_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    o_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, unit: float = 1.0
 ) -> None:
-    """Write ``out [B, Q, H, D]`` and ``lse [B, H, Q]`` from the splits (see module docstring). In place."""
+    """Write ``out [B, Q, H, D]`` and ``lse [B, H, Q]`` (natural log) from the splits (see module docstring). In
+    place. ``unit``: the partials' lse is in units of ``unit`` nats (a finite number > 0; 1.0: natural log, the
+    kernels' ``split_lse_unit``)."""
+    if not (isinstance(unit, (int, float)) and math.isfinite(unit) and unit > 0):
+        raise ValueError(f"combine_splits: unit must be a finite number > 0, got {unit!r}")
     B, S, Q, H, D = o_partial.shape
     if lse_partial.shape != (B, S, Q, H):
         raise ValueError(f"lse_partial: expected shape {[B, S, Q, H]}, got {list(lse_partial.shape)}")
@@ -235,5 +282,6 @@ def combine_splits(
             *lse_partial.stride()[:3],
             *out.stride()[:3],
             *lse.stride(),
-            BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, num_warps=cfg.num_warps,
+            float(unit),
+            BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, UNIT=unit != 1.0, num_warps=cfg.num_warps,
         )

@@ -69,10 +69,10 @@ def gqa_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         o_part, lse_part = out, lse
     rows_src = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size,
                             num_pages=num_pages, causal=causal) if sparse else None)
-    gqa_decode_triton(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, rows_src, topk_length,
-                      softmax_scale * _LOG2E, causal, p, out, lse, o_part, lse_part)
+    unit = gqa_decode_triton(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, rows_src, topk_length,
+                             softmax_scale * _LOG2E, causal, p, out, lse, o_part, lse_part)
     if S > 1:
-        combine_splits(o_part, lse_part, out, lse)
+        combine_splits(o_part, lse_part, out, lse, unit=unit)
     return out, lse
 
 

@@ -20,7 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import finish_rows, logical_to_physical, scale_scores, score_mode, softmax_step, split_bounds, store_rows
+from .._common import (
+    finish_rows,
+    logical_to_physical,
+    scale_scores,
+    score_mode,
+    softmax_step,
+    split_bounds,
+    split_lse_unit,
+    store_rows,
+)
 from .._common.host import on_device
 from .._common.paging import table_keys
 from .plan import GQAPlan
@@ -77,6 +86,7 @@ def gqa_decode_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BDH: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32: tl.constexpr, PAGED: tl.constexpr, ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, RAW: tl.constexpr,
+    LSE_RAW: tl.constexpr,
 ):
     pid_gm = tl.program_id(0)  # fastest: the g groups of one (sequence, split) run side by side
     split = tl.program_id(1)
@@ -217,7 +227,7 @@ def gqa_decode_fwd_kernel(
                 pv = _dot(tl.where(one[None, :], p, 0.0).to(tv.dtype), tl.where(one[:, None], tv, 0.0), FP32)
                 acc += tl.where((t <= qpos)[:, None], pv, 0.0)
 
-    o, lse = finish_rows(acc, m_i, l_i, qk_scale, SPLIT, RAW)
+    o, lse = finish_rows(acc, m_i, l_i, qk_scale, SPLIT, RAW, LSE_RAW)
     store_rows(o, lse, row_ok[:, None] & m_dv[None, :], row_ok, offs_dv, b64, split, jj.to(tl.int64),
                hh.to(tl.int64), out, s_ob, s_os, s_oh, lse_out, s_lb, s_lh, s_ls,
                o_part, s_pb, s_ps, s_pq, s_ph, lse_part, s_plb, s_pls, s_plq, SPLIT)
@@ -226,11 +236,12 @@ def gqa_decode_fwd_kernel(
 def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, rows_src: torch.Tensor | None,
                       topk_length: torch.Tensor | None, qk_scale: float, causal: bool, p: GQAPlan, out: torch.Tensor,
-                      lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+                      lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor) -> float:
     """Launch the kernel over plan ``p``. ``rows_src``: ``sparse_rows``' physical rows (``[B, s_q, topk]`` or
     ``[B, s_q, g, topk]``; None: dense); ``qk_scale = softmax_scale · log2(e)``. Writes ``out [B, s_q, h_q, d_v]``
     / ``lse [B, h_q, s_q]`` (one split) or the fp32 partials ``o_part [B, S, s_q, h_q, d_v]`` /
-    ``lse_part [B, S, s_q, h_q]``."""
+    ``lse_part [B, S, s_q, h_q]``. Returns the unit of the partials' lse, ``combine_splits``' ``unit``
+    (``split_lse_unit``; 1.0 with one split)."""
     s_q = q.shape[1]
     num_pages, page_size, g, d_h = k_cache.shape
     d_v = v_cache.shape[-1]
@@ -248,6 +259,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     s_r = (k_rope_cache.stride(0), k_rope_cache.stride(1)) if k_rope_cache is not None else (0, 0)
     grid = (g * p.num_mt, S, p.nbq)
     qk_scale, raw = score_mode(qk_scale)
+    unit = split_lse_unit(qk_scale, raw) if split else 1.0
     with on_device(q.device):
         gqa_decode_fwd_kernel[grid](
             q, k_cache, v_cache, kr, block_table, cache_seqlens, idx,
@@ -269,6 +281,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             CAUSAL=bool(causal), SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None, SPLIT=split,
             FP32=q.dtype == torch.float32,
             PAGED=p.cfg.paged and not sparse and page_size % p.BLOCK_N == 0, ROWS_AHEAD=sparse and p.cfg.rows_ahead,
-            TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw,
+            TAIL=bool(causal) and not sparse and s_q > 1, RAW=raw, LSE_RAW=unit != 1.0,
             num_warps=p.num_warps, num_stages=p.cfg.num_stages,
         )
+    return unit

@@ -123,14 +123,14 @@ def mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     rows_src = (sparse_rows(indices, block_table, cache_seqlens, topk_length, page_size=page_size,
                             num_pages=num_pages, causal=causal) if sparse else block_table)
     if gluon:
-        mla_decode_gluon(q, kv_cache, rows_src, cache_seqlens, topk_length, head_dim_v, softmax_scale * _LOG2E,
-                         causal, sparse, p, out, lse, o_part, lse_part)
+        unit = mla_decode_gluon(q, kv_cache, rows_src, cache_seqlens, topk_length, head_dim_v, softmax_scale * _LOG2E,
+                                causal, sparse, p, out, lse, o_part, lse_part)
     else:
-        mla_decode_triton(q, kv_cache, block_table, cache_seqlens, rows_src, topk_length, head_dim_v,
-                          softmax_scale * _LOG2E, causal, sparse, p, out, lse, o_part, lse_part, q_descale=q_descale,
-                          k_descale=k_descale, layout=layout)
+        unit = mla_decode_triton(q, kv_cache, block_table, cache_seqlens, rows_src, topk_length, head_dim_v,
+                                 softmax_scale * _LOG2E, causal, sparse, p, out, lse, o_part, lse_part,
+                                 q_descale=q_descale, k_descale=k_descale, layout=layout)
     if S > 1:
-        combine_splits(o_part, lse_part, out, lse)
+        combine_splits(o_part, lse_part, out, lse, unit=unit)
     return out, lse
 
 
@@ -467,10 +467,10 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         lse_part = empty(s_q, S, 1, h_q, dtype=torch.float32, device=q.device)
     else:
         o_part, lse_part = out.new_empty(1, 1, 1, 1), lse.new_empty(1, 1, 1)
-    mla_decode_triton(q4, cache, table, lengths, rows, topk_length, head_dim_v, softmax_scale * _LOG2E, False, True,
-                      p, out, lse, o_part, lse_part, max_logits=mx)
+    unit = mla_decode_triton(q4, cache, table, lengths, rows, topk_length, head_dim_v, softmax_scale * _LOG2E, False,
+                             True, p, out, lse, o_part, lse_part, max_logits=mx)
     if S > 1:
-        combine_splits(o_part, lse_part, out, lse)
+        combine_splits(o_part, lse_part, out, lse, unit=unit)
     return out[:, 0], (mx[:, 0, 0] if S == 1 else mx[:, :, 0].amax(1)), lse[..., 0]
 
 

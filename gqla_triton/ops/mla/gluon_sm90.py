@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .._common import score_mode
+from .._common import score_mode, split_lse_unit
 from .._common.gluon import async_load, barrier, reinterpret, tma_load
 from .._common.host import on_device
 from .fp8 import fp8_layout, is_fp8_latent
@@ -545,7 +545,8 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         l_i = l_smem.load(row_s)
     empty_r = l_i == 0
     safe_l = gl.where(empty_r, 1.0, l_i)
-    # lse = m·ln_m + ln l: m in log2 units, or under RAW the raw scores' max (as _common.combine.finish_rows)
+    # lse = m·ln_m + ln l: m in log2 units, or under RAW the raw scores' max; under RAW a split's partial lse in
+    # units of ln_m, m + ln(l) / ln_m (as _common.combine.finish_rows with LSE_RAW, split_lse_unit)
     ln_m = qk_scale * 0.6931471805599453 if RAW else 0.6931471805599453
     inv = gl.convert_layout(1.0 / safe_l, row_o)[:, None]
     o0 = o0 * inv
@@ -572,7 +573,10 @@ def _consumer(rt, D: gl.constexpr, DV: gl.constexpr, PAGE_SIZE: gl.constexpr, BL
         gl.store(po[:, None] + (cols + 2 * SLAB)[None, :], o2, mask=mo)
         gl.store(po[:, None] + (cols + 3 * SLAB)[None, :], o3, mask=mo)
         if OWNER:
-            lse_row = gl.where(empty_r, float("-inf"), m_i * ln_m + gl.log(safe_l))
+            if RAW:
+                lse_row = gl.where(empty_r, float("-inf"), m_i + gl.log(safe_l) / ln_m)
+            else:
+                lse_row = gl.where(empty_r, float("-inf"), m_i * ln_m + gl.log(safe_l))
             gl.store(lse_part + b64 * s_plb + split.to(gl.int64) * s_pls + qr * s_plq + hr, lse_row, mask=rvalid)
     else:
         ty = out.dtype.element_ty
@@ -734,9 +738,11 @@ def _kv_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor | None:
 def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Tensor, cache_seqlens: torch.Tensor,
                      topk_length: torch.Tensor | None, head_dim_v: int, qk_scale: float, causal: bool, sparse: bool,
                      p: MLAPlan, out: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor,
-                     lse_part: torch.Tensor) -> None:
+                     lse_part: torch.Tensor) -> float:
     """Launch the Gluon kernel over plan ``p`` (64-row tiles, ``num_stages`` ring stages). ``rows_src``: the block
-    table (dense) or ``sparse_rows``' physical rows (sparse); outputs as ``triton.mla_decode_triton``."""
+    table (dense) or ``sparse_rows``' physical rows (sparse); outputs as ``triton.mla_decode_triton``. Returns the
+    unit of the partials' lse, ``combine_splits``' ``unit`` (``split_lse_unit``: raw-score units under RAW; 1.0
+    with one split)."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     S = p.num_splits
@@ -766,6 +772,7 @@ def mla_decode_gluon(q: torch.Tensor, kv_cache: torch.Tensor, rows_src: torch.Te
             FP8=fp8, RAW=raw, TMA=desc is not None, SOLO=p.cfg.owner_scores and not (fp8 or tail), num_warps=4,
             maxnreg=MAXNREG,
         )
+    return split_lse_unit(qk_scale, raw) if S > 1 else 1.0
 
 
 def compile_sm90(*, sparse: bool, split: bool, dtype: str = "bf16", page_size: int = 64, tail: bool = False,

@@ -39,6 +39,7 @@ from .._common import (
     score_mode,
     softmax_step,
     split_bounds,
+    split_lse_unit,
     store_rows,
 )
 from .._common.alloc import empty
@@ -224,7 +225,7 @@ def mla_decode_fwd_kernel(
     DOT_PREC: tl.constexpr, PAGED_TILES: tl.constexpr, P_SCRATCH: tl.constexpr, ASM_SYNC: tl.constexpr,
     ROWS_AHEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RAW: tl.constexpr, HAS_MAX: tl.constexpr,
     DESCALE: tl.constexpr, PAGE_TOKEN: tl.constexpr, PAGE_SCALES: tl.constexpr, Q_E4M3: tl.constexpr,
-    E4M3_HW: tl.constexpr,
+    E4M3_HW: tl.constexpr, LSE_RAW: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -388,7 +389,9 @@ def mla_decode_fwd_kernel(
             acc = acc * alpha[:, None] + tl.where(sees[:, None], tl.dot(p.to(k_lat.dtype), k_lat,
                                                                          input_precision=DOT_PREC), 0.0)
 
-    o, lse_row = finish_rows(acc, m_i, l_i, s_scale, SPLIT, RAW)
+    # split partials: lse in raw-score units under LSE_RAW (never with DESCALE, whose scale is per sequence: its
+    # partials keep natural log)
+    o, lse_row = finish_rows(acc, m_i, l_i, s_scale, SPLIT, RAW, LSE_RAW)
     if DESCALE > 0:  # a row with no key keeps its 0 (or a split's raw partial), whatever the descale
         o = tl.where((l_i == 0)[:, None], o, o * kdesc)
     store_rows(o, lse_row, rvalid[:, None] & mv[None, :], rvalid, offs_v, b64, split, qi.to(tl.int64),
@@ -405,7 +408,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                       causal: bool, sparse: bool, p: MLAPlan, out: torch.Tensor, lse: torch.Tensor,
                       o_part: torch.Tensor, lse_part: torch.Tensor, max_logits: torch.Tensor | None = None, *,
                       q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-                      layout: str | None = None) -> None:
+                      layout: str | None = None) -> float:
     """Launch the portable kernel over plan ``p``. ``rows_src``: ``sparse_rows``' physical rows ``[B, s_q, topk]``
     (sparse) or the block table (dense); ``qk_scale = softmax_scale · log2(e)``. Writes ``out``/``lse`` (one
     split) or the fp32 partials ``o_part [B, S, s_q, h_q, DV]`` / ``lse_part [B, S, s_q, h_q]``; with
@@ -413,7 +416,8 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     (-inf where the split saw no key). ``k_descale`` (``q_descale``): fp32 ``[1]`` or ``[B]``, the descales of a
     float8_e4m3fn cache scaled per tensor (and of a float8_e4m3fn ``q``, read as bytes and taken in fp16 in the
     kernel); ``layout``: the cache's quantised layout (``fp8.KV_FORMATS``, or ``"e4m3"`` with ``k_descale``), None
-    for a bf16 / fp16 / fp32 cache."""
+    for a bf16 / fp16 / fp32 cache. Returns the unit of the partials' lse, ``combine_splits``' ``unit``
+    (``split_lse_unit``; 1.0 with one split or with descales: natural log)."""
     B, s_q, h_q, D = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     cfg, S = p.cfg, p.num_splits
@@ -440,6 +444,7 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     paged_fp8 = PAGED.get(layout)
     s_kvt = paged_fp8.token if paged_fp8 else kv.stride(1)
     qk_scale, raw = score_mode(qk_scale, raw=k_descale is not None)  # descales: raw scores (see the kernel)
+    unit = split_lse_unit(qk_scale, raw) if S > 1 and k_descale is None else 1.0
     with on_device(q.device):
         mla_decode_fwd_kernel[grid](
             q.view(torch.uint8) if q_e4m3 else q, kv, kvs, kvr, block_table, cache_seqlens, rows_src,
@@ -468,9 +473,10 @@ def mla_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
             RAW=raw,
             HAS_MAX=max_logits is not None, DESCALE=0 if k_descale is None else 1 if q_descale is None else 2,
             PAGE_TOKEN=paged_fp8.token if paged_fp8 else 0, PAGE_SCALES=paged_fp8.scales if paged_fp8 else 0,
-            Q_E4M3=q_e4m3, E4M3_HW=info.interpreter or info.capability >= (8, 9),
+            Q_E4M3=q_e4m3, E4M3_HW=info.interpreter or info.capability >= (8, 9), LSE_RAW=unit != 1.0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    return unit
 
 
 def compile_sm90(*, layout: str | None = None, dtype: str = "bf16", head_dim_v: int = 512, D: int = 576,
@@ -501,7 +507,7 @@ def compile_sm90(*, layout: str | None = None, dtype: str = "bf16", head_dim_v: 
                  PAGED_TILES=not sparse or q8, P_SCRATCH=p_scratch, ASM_SYNC=True, ROWS_AHEAD=rows_ahead, TAIL=False,
                  FP8=FP8_KINDS[layout], RAW=int(q8), HAS_MAX=False, DESCALE=2 if q8 else 0,
                  PAGE_TOKEN=lay.token if lay else 0, PAGE_SCALES=lay.scales if lay else 0, Q_E4M3=q8,
-                 E4M3_HW=True)
+                 E4M3_HW=True, LSE_RAW=False)
     cache = "u8" if layout is not None else dtype  # the views the launcher passes (mla_decode_triton)
     ptr = dict(q="*u8" if q8 else f"*{dtype}", kv=f"*{cache}",
                kvs="*fp32" if layout in ("v32", "v32_no_rope") else f"*{cache}",
