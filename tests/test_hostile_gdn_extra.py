@@ -82,3 +82,85 @@ def test_custom_ops_called_directly_check_their_arguments_by_name():
             with pytest.raises(ValueError, match=match):
                 call()
     assert torch.equal(pool, before)
+
+
+def test_chunk_backward_op_called_directly_checks_its_arguments_by_name():
+    """``torch.ops.gqla_triton.chunk_gated_delta_rule_bwd`` called directly with a forward tensor of another shape,
+    or saved tensors / gradients of other shapes than the forward's (memory the kernels would read as another
+    layout, past its end) is refused by name; the forward's own tensors run."""
+    import gqla_triton.ops.gdn.api  # noqa: F401 (registers the ops)
+
+    ops = torch.ops.gqla_triton
+    T, HV, K, V = 20, 2, 16, 16
+    q = torch.nn.functional.normalize(randn((1, T, 1, K), 11), dim=-1)
+    v, g, beta = randn((1, T, HV, V), 12), -torch.rand(1, T, HV, device=P.device), torch.rand(1, T, HV, device=P.device)
+    h0 = randn((1, HV, K, V), 13)
+    with torch.no_grad():
+        o, ht, gc, Ainv, w, h, vnew = ops.chunk_gated_delta_rule_fwd(q, q, v, g, beta, K ** -0.5, h0, None, True, True,
+                                                                     False, False, False, None, None, 64, "triton")
+        args = dict(q=q, k=q, v=v, g=g, beta=beta, scale=K ** -0.5, initial_state=h0, cu_seqlens=None, gc=gc,
+                    Ainv=Ainv, do=torch.ones_like(o), dht=torch.ones_like(ht), w=w, h=h, vnew=vnew, v_first=False,
+                    beta_sigmoid=False, neg_eigval=False, A_log=None, dt_bias=None, chunk_size=64)
+        ops.chunk_gated_delta_rule_bwd(**args)
+        bad = [("^g: expected shape", "g", g[:, :, :1]),
+               ("^initial_state: expected shape", "initial_state", h0[..., :8]),
+               ("^do: expected shape", "do", o[..., :8]), ("^dht: expected shape", "dht", ht[..., :8]),
+               ("^gc: expected shape", "gc", gc[:, :8]), ("^Ainv: expected shape", "Ainv", Ainv[..., :32]),
+               ("^Ainv: expected dtype", "Ainv", Ainv.half()), ("^w: expected shape", "w", w[..., :8]),
+               ("^h: expected shape", "h", h[:, :, :8]), ("^vnew: expected shape", "vnew", vnew[:, :8]),
+               ("^w, h, vnew: ", "h", None)]
+        for match, name, x in bad:
+            with pytest.raises((ValueError, TypeError), match=match):
+                ops.chunk_gated_delta_rule_bwd(**{**args, name: x})
+
+
+def _prep_args(B=2, T=1, H=1, K=16, HV=2, V=16, W=4, P_=3):
+    C = 2 * H * K + HV * V
+    mixed = randn((B, T, C + HV * V + 2 * HV), 21)
+    return dict(mixed=mixed, conv_weight=randn((C, 1, W), 22), conv_state=randn((P_, C, W - 1), 23),
+                seqlens=torch.zeros(P_, **I32), slots=torch.arange(B, **I32), A_log=randn((HV,), 24),
+                dt_bias=randn((HV,), 25), num_slots=P_, num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V,
+                update=True)
+
+
+def test_decode_prep_op_called_directly_checks_its_arguments_by_name():
+    """``torch.ops.gqla_triton.gdn_decode_prep`` called directly with a pool of fewer rows than ``num_slots``, conv
+    rows or weights of another width, a shorter length vector or head sizes that disagree with ``mixed`` (rows the
+    kernel would read and write past their end) is refused by name, the conv rows and lengths unchanged."""
+    import gqla_triton.layers.gdn_step  # noqa: F401 (registers the ops)
+
+    ops = torch.ops.gqla_triton
+    args = _prep_args()
+    ops.gdn_decode_prep(**{**args, "conv_state": args["conv_state"].clone(), "seqlens": args["seqlens"].clone()})
+    pool, lens = args["conv_state"], args["seqlens"]
+    before = pool.clone(), lens.clone()
+    small = pool[:1].clone()
+    cases = [("^num_slots: ", dict(conv_state=small, seqlens=lens[:1].clone())),
+             ("^conv_weight: expected", dict(conv_weight=args["conv_weight"][:32])),
+             ("^conv_state: expected shape", dict(conv_weight=args["conv_weight"][..., :2])),
+             ("^conv_state: expected shape", dict(conv_state=pool[..., :1].contiguous())),
+             ("^seqlens: expected shape", dict(seqlens=lens[:1].clone())),
+             ("^slots: expected shape", dict(slots=args["slots"][:1])),
+             ("^A_log: expected shape", dict(A_log=args["A_log"][:1])),
+             ("^mixed: expected", dict(head_v_dim=32))]
+    for match, kw in cases:
+        with torch.no_grad(), pytest.raises((ValueError, TypeError), match=match):
+            ops.gdn_decode_prep(**{**args, **kw})
+        assert torch.equal(pool, before[0]) and torch.equal(lens, before[1])
+    assert small.shape[0] == 1
+
+
+def test_gated_norm_op_called_directly_checks_its_arguments_by_name():
+    """``torch.ops.gqla_triton.gdn_gated_norm`` called directly with z, weight or rows of other shapes than o's (the
+    kernel reads them at o's offsets) is refused by name."""
+    import gqla_triton.layers.gdn_step  # noqa: F401 (registers the ops)
+
+    ops = torch.ops.gqla_triton
+    o, z, w, rows = randn((2, 3, 2, 16), 31), randn((2, 3, 2, 16), 32), randn((16,), 33), torch.tensor([0, -1], **I32)
+    ops.gdn_gated_norm(o, z, w, 1e-6, rows)
+    for match, args in (("^z: expected shape", (o, z[:1], w, 1e-6, rows)),
+                        ("^weight: expected shape", (o, z, w[:4], 1e-6, rows)),
+                        ("^rows: expected shape", (o, z, w, 1e-6, rows[:1])),
+                        ("^eps: ", (o, z, w, float("nan"), rows))):
+        with pytest.raises(ValueError, match=match):
+            ops.gdn_gated_norm(*args)

@@ -25,6 +25,7 @@ import triton.language as tl
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
 from ..ops._common.host import MAX_GRID_Y, cdiv, next_pow2, on_device
+from ..ops._common.memo import CheckedCalls, call_key
 from ..ops._common.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
@@ -48,6 +49,7 @@ __all__ = ["gdn_decode_prep", "gdn_decode_prep_ref", "gdn_gated_norm", "gdn_gate
 
 _PREP_REF = "gqla_triton.layers.gdn_step.gdn_decode_prep_ref"
 _NORM_REF = "gqla_triton.layers.gdn_step.gdn_gated_norm_ref"
+_CHECKED = CheckedCalls()  # the custom ops' checked calls (``_common.memo``)
 
 
 # ------------------------------------------------------------------------------------------------ decode prep
@@ -180,11 +182,19 @@ def _prep_op(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
              slots: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_slots: int, num_heads: int,
              head_k_dim: int, num_v_heads: int, head_v_dim: int, update: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # a direct torch.ops call reaches here unchecked: the public function's checks (kept per call), after what they
+    # read every call (addresses)
     _check_written(conv_state, seqlens)
     check_disjoint("conv_state", conv_state, seqlens=seqlens, mixed=mixed, slots=slots, conv_weight=conv_weight,
                    A_log=A_log, dt_bias=dt_bias)
     check_disjoint("seqlens", seqlens, mixed=mixed, slots=slots, conv_weight=conv_weight, A_log=A_log,
                    dt_bias=dt_bias)
+    key = None if slots.device.type == "cpu" else call_key(  # (a CPU slots' values are read: checked every call)
+        (mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias),
+        ("prep", num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim, update))
+    if _CHECKED.get(key) is None:
+        _CHECKED.put(key, _check_prep_call(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots,
+                                           num_heads, head_k_dim, num_v_heads, head_v_dim, update, no_tokens=True))
     conv_weight, slots, A_log, dt_bias = contiguous(conv_weight, slots, A_log, dt_bias)
     return _prep_launch(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads,
                         head_k_dim, num_v_heads, head_v_dim, update)
@@ -206,8 +216,10 @@ def _(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots,
             mixed.new_empty(qk_shape[0], dtype=torch.int32))
 
 
-def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, H, K, HV, V, ref):
-    """Validation shared by the kernel and the reference; returns ``(num_slots, H, K, HV, V)`` as ints."""
+def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, H, K, HV, V, ref,
+                no_tokens: bool = False):
+    """Validation shared by the kernel and the reference; returns ``(num_slots, H, K, HV, V)`` as ints.
+    ``no_tokens``: T = 0 taken too, as the custom op takes it."""
     H, K, HV, V = (check_positive_int(name, val) for name, val in
                    (("num_heads", H), ("head_k_dim", K), ("num_v_heads", HV), ("head_v_dim", V)))
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
@@ -215,7 +227,7 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     C = 2 * KD + VD
     check_tensor("mixed", mixed, ndim=3, dtypes=fdt)
     B, T, D = mixed.shape
-    if not (1 <= B <= INT32_MAX and T >= 1):
+    if not (1 <= B <= INT32_MAX and T >= (0 if no_tokens else 1)):
         raise ValueError(f"mixed: expected 1 <= B <= {INT32_MAX} and T >= 1, got {list(mixed.shape)}")
     blocks = _prep_grid(B, C)[0][1]
     if not ref and blocks > MAX_GRID_Y:
@@ -251,6 +263,20 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     return num_slots, H, K, HV, V
 
 
+def _check_prep_call(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, H, K, HV, V, update,
+                     no_tokens: bool = False):
+    """Every check of ``gdn_decode_prep``'s arguments (the public function's and its custom op's); returns
+    ``(num_slots, H, K, HV, V)`` as ints."""
+    checked = _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, H, K, HV, V,
+                          ref=False, no_tokens=no_tokens)
+    if not isinstance(update, bool):
+        raise TypeError(f"update: expected a bool, got {type(update).__name__}")
+    for dt in (mixed.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype):
+        check_kernel_device(mixed.device, _PREP_REF, dt)
+    refuse_grad("gdn_decode_prep", mixed=mixed, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
+    return checked
+
+
 def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, seqlens: torch.Tensor,
                     slots: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, num_heads: int,
                     head_k_dim: int, num_v_heads: int, head_v_dim: int, num_slots: int | None = None,
@@ -280,14 +306,9 @@ def gdn_decode_prep(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: 
     (``silu(conv)``, the conv rounded to mixed's dtype first, as the torch path); g, beta ``[B, T, HV]`` fp32;
     rows ``[B]`` int32: the slot, or -1 for a skipped sequence (the decode op's ``state_indices``).
     """
-    num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim = _check_prep(
+    num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim = _check_prep_call(
         mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, num_slots, num_heads, head_k_dim, num_v_heads,
-        head_v_dim, ref=False)
-    if not isinstance(update, bool):
-        raise TypeError(f"update: expected a bool, got {type(update).__name__}")
-    for dt in (mixed.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype):
-        check_kernel_device(mixed.device, _PREP_REF, dt)
-    refuse_grad("gdn_decode_prep", mixed=mixed, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
+        head_v_dim, update)
     step = route(_prep_op, _prep_launch)
     return step(mixed, conv_weight.contiguous(), conv_state, seqlens, slots.contiguous(), A_log.contiguous(),
                 dt_bias.contiguous(), num_slots, num_heads, head_k_dim, num_v_heads, head_v_dim, update)
@@ -387,6 +408,11 @@ def _norm_launch(o, z, weight, eps: float, rows):
 @torch.library.custom_op("gqla_triton::gdn_gated_norm", mutates_args=())
 def _norm_op(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
              rows: torch.Tensor | None) -> torch.Tensor:
+    # a direct torch.ops call reaches here unchecked: the public function's checks (kept per call)
+    key = call_key((o, z, weight, rows), ("norm", eps))
+    if _CHECKED.get(key) is None:
+        _check_norm_call(o, z, weight, eps, rows, no_tokens=True)
+        _CHECKED.put(key, True)
     weight, rows = contiguous(weight, rows)
     return _norm_launch(o, z, weight, eps, rows)
 
@@ -400,11 +426,13 @@ def _(o, z, weight, eps, rows):
 forward_only(_norm_op, "gdn_gated_norm")
 
 
-def _check_norm(o, z, weight, eps, rows, ref):
+def _check_norm(o, z, weight, eps, rows, ref, no_tokens: bool = False):
+    """Validation shared by the kernel and the reference (``no_tokens``: T = 0 taken too, as the custom op takes
+    it)."""
     fdt = FLOAT_DTYPES + ((torch.float64,) if ref else ())
     check_tensor("o", o, ndim=4, dtypes=fdt)
     B, T, HV, V = o.shape
-    if o.numel() == 0:
+    if o.numel() == 0 and not (no_tokens and T == 0 and B * HV * V > 0):
         raise ValueError(f"o: expected a non-empty [B, T, HV, V], got {list(o.shape)}")
     check_same_device(o=o, z=z, weight=weight, rows=rows)
     check_tensor("z", z, shape=(B, T, HV, V), dtypes=fdt)
@@ -412,6 +440,13 @@ def _check_norm(o, z, weight, eps, rows, ref):
     if rows is not None:
         check_tensor("rows", rows, shape=(B,), dtypes=(torch.int32,))
     check_eps("eps", eps)
+
+
+def _check_norm_call(o, z, weight, eps, rows, no_tokens: bool = False) -> None:
+    """Every check of ``gdn_gated_norm``'s arguments (the public function's and its custom op's)."""
+    _check_norm(o, z, weight, eps, rows, ref=False, no_tokens=no_tokens)
+    for dt in (o.dtype, z.dtype, weight.dtype):
+        check_kernel_device(o.device, _NORM_REF, dt)
 
 
 def gdn_gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -422,9 +457,7 @@ def gdn_gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     output); ``weight [V]``; ``rows [B]`` int32 or None: sequences with ``rows[b] < 0`` output exactly 0 (their
     o and z are not read). Returns ``[B, T, HV·V]`` contiguous in z's dtype. Forward only: with inputs that require
     grad, a backward through the output raises."""
-    _check_norm(o, z, weight, eps, rows, ref=False)
-    for dt in (o.dtype, z.dtype, weight.dtype):
-        check_kernel_device(o.device, _NORM_REF, dt)
+    _check_norm_call(o, z, weight, eps, rows)
     step = _norm_op if requires_grad(o, z, weight) else route(_norm_op, _norm_launch)
     return step(o, z, weight.contiguous(), float(eps), rows.contiguous() if rows is not None else None)
 

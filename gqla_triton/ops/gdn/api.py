@@ -124,6 +124,8 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
+    _check_bwd_op_call(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew, v_first,
+                       beta_sigmoid, neg_eigval, A_log, dt_bias, chunk_size)
     q, k, v, g, beta, initial_state, gc, Ainv, do, dht, w, h, vnew, A_log, dt_bias = contiguous(
         q, k, v, g, beta, initial_state, gc, Ainv, do, dht, w, h, vnew, A_log, dt_bias)
     return _bwd(q, k, v, g, beta, scale, initial_state, chunk_plan(q, v, cu_seqlens, chunk_size=chunk_size), gc,
@@ -467,6 +469,41 @@ def _check_op_call(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_ind
         _CHECKED.put(key, _check_call(q, k, v, g, beta, scale, initial_state, False, False, cu_seqlens, None, None,
                                       state_indices, True, A_log is not None, A_log, dt_bias, beta_sigmoid,
                                       neg_eigval, layout, chunk_size, impl, {}, no_tokens=True))
+
+
+def _check_bwd_op_call(q, k, v, g, beta, scale, initial_state, cu_seqlens, gc, Ainv, do, dht, w, h, vnew, v_first,
+                       beta_sigmoid, neg_eigval, A_log, dt_bias, chunk_size) -> None:
+    """The backward op's checks in its body (a direct ``torch.ops`` call reaches it unchecked), kept per call as
+    ``_check_op_call`` keeps the forward's: the forward's inputs as the forward op checks them, then what the
+    forward op returned (gc ``[B, T, HV]`` fp32, Ainv ``[B, T, HV, chunk_size]`` ``mid_dtype``, the saved states
+    w, h, vnew all or none, in the forward's shapes and dtypes) and the gradients do (o's shape) and dht (the final
+    state's shape, or None)."""
+    layout = "vk" if v_first else "kv"
+    flags = ("bwd", A_log is not None, beta_sigmoid, neg_eigval)
+    key = _call_key((q, k, v, g, beta, initial_state, A_log, dt_bias, gc, Ainv, do, dht, w, h, vnew), flags, scale,
+                    layout, chunk_size, "triton", (cu_seqlens,))
+    if _CHECKED.get(key) is not None:
+        return
+    call = _check_call(q, k, v, g, beta, scale, initial_state, False, False, cu_seqlens, None, None, None, True,
+                       A_log is not None, A_log, dt_bias, beta_sigmoid, neg_eigval, layout, chunk_size, "triton", {},
+                       no_tokens=True)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    check_tensor("gc", gc, shape=(B, T, HV), dtypes=(torch.float32,))
+    check_tensor("Ainv", Ainv, shape=(B, T, HV, chunk_size), dtypes=(mid_dtype(k.dtype),))
+    check_tensor("do", do, shape=(B, T, HV, V), dtypes=FLOAT_DTYPES)
+    if dht is not None:
+        check_tensor("dht", dht, shape=(N, HV, *((V, K) if v_first else (K, V))), dtypes=FLOAT_DTYPES)
+    states = (w, h, vnew)
+    if any(x is None for x in states) and any(x is not None for x in states):
+        raise ValueError("w, h, vnew: the forward's saved states are given all three or none")
+    if w is not None:
+        check_tensor("w", w, shape=(B, T, HV, K), dtypes=(k.dtype,))
+        check_tensor("h", h, shape=(h_rows(B, T, N, cu_seqlens is not None, chunk_size), HV, K, V), dtypes=(k.dtype,))
+        check_tensor("vnew", vnew, shape=(B, T, HV, V), dtypes=(v.dtype,))
+    check_same_device(q=q, gc=gc, Ainv=Ainv, do=do, dht=dht, w=w, h=h, vnew=vnew)
+    _CHECKED.put(key, call)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
