@@ -36,6 +36,7 @@ from ..ops._common import FLOAT_DTYPES, cdiv, check_kernel_device, next_pow2
 from ..ops._common.alloc import empty
 from ..ops._common.boundary import route
 from ..ops._common.host import on_device
+from ..ops._common.memo import CheckedCalls, call_key
 from ..ops._common.validation import (
     check_eps,
     check_flag,
@@ -49,6 +50,16 @@ from .rope import check_positions
 __all__ = ["absorb_o", "absorb_q", "grouped_q", "norm_rope"]
 
 _REFERENCE = "GQLAttention(impl='reference')"
+_CHECKED = CheckedCalls()  # the custom ops' checked calls (``_common.memo``)
+
+
+def _checked_op(name: str, tensors: tuple, options: tuple, check) -> None:
+    """``check()`` in a custom op's body (a direct ``torch.ops`` call reaches it unchecked), kept per call by the
+    call's metadata (``_common.memo``)."""
+    key = call_key(tensors, (name, *options))
+    if _CHECKED.get(key) is None:
+        check()
+        _CHECKED.put(key, True)
 
 
 # ---- kernels --------------------------------------------------------------------------------------------
@@ -309,9 +320,10 @@ def _check_out_dtype(out_dtype) -> None:
         raise TypeError(f"out_dtype: expected torch.bfloat16 / float16 / float32, got {out_dtype}")
 
 
-def _check_cos_sin(cos_sin, B: int, T: int, half: int, dev: torch.device) -> None:
+def _check_cos_sin(cos_sin, B: int, T: int, half: int, dev: torch.device, any_strides: bool = False) -> None:
+    """``any_strides``: not checked contiguous (the custom ops' bodies copy it)."""
     check_tensor("cos_sin", cos_sin, shape=(B, T, 2, half), dtypes=(torch.float32,))
-    if not cos_sin.is_contiguous():
+    if not cos_sin.is_contiguous() and not any_strides:
         raise ValueError("cos_sin: expected a contiguous tensor")
     _check_same_device(dev, cos_sin=cos_sin)
 
@@ -347,8 +359,9 @@ def _norm_rope_op(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: t
                   kv_weight: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor, add_t: bool,
                   kv_rank: int, qa_eps: float, kv_eps: float,
                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _norm_rope_fwd(qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, qa_eps, kv_eps,
-                          out_dtype)
+    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, qa_eps, kv_eps, out_dtype)
+    _checked_op("norm_rope", args[:6], args[6:], lambda: _check_norm_rope(*args))
+    return _norm_rope_fwd(*args)
 
 
 @_norm_rope_op.register_fake
@@ -377,6 +390,16 @@ def norm_rope(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: torch
     strides; ``add_t``: ``+ t``) and ``inv_freq [d_R / 2]`` float64 as in the module docstring. ``kv_weight
     [kv_rank]`` / ``qa_weight [q_rank]``: bfloat16 / float16 / float32, any stride (read as float32).
     """
+    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, *_check_norm_rope(
+        qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, qa_eps, kv_eps, out_dtype), out_dtype)
+    fn = _norm_rope_op if requires_grad(qa, qa_weight, kv, kv_weight) else route(_norm_rope_op, _norm_rope_fwd)
+    return fn(*args)
+
+
+def _check_norm_rope(qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, qa_eps, kv_eps,
+                     out_dtype) -> tuple[bool, int, float, float]:
+    """Every check of ``norm_rope``'s arguments (its custom op's too); returns ``(add_t, kv_rank, qa_eps,
+    kv_eps)`` as the kernel takes them."""
     _check("kv", kv, 3)
     B, T, D = kv.shape
     kv_rank = check_positive_int("kv_rank", kv_rank)
@@ -405,10 +428,7 @@ def norm_rope(qa: torch.Tensor | None, qa_weight: torch.Tensor | None, kv: torch
     for w in (qa_weight, kv_weight):
         if w is not None:
             check_kernel_device(kv.device, _REFERENCE, w.dtype)
-    args = (qa, qa_weight, kv, kv_weight, positions, inv_freq, add_t, kv_rank, qa_eps, kv_eps,
-            out_dtype)
-    fn = _norm_rope_op if requires_grad(qa, qa_weight, kv, kv_weight) else route(_norm_rope_op, _norm_rope_fwd)
-    return fn(*args)
+    return add_t, kv_rank, qa_eps, kv_eps
 
 
 # ---- absorb_q -------------------------------------------------------------------------------------------
@@ -433,6 +453,8 @@ def _absorb_q_fwd(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, he
 @torch.library.custom_op("gqla_triton::gqla_absorb_q", mutates_args=())
 def _absorb_q_op(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
                  out_dtype: torch.dtype) -> torch.Tensor:
+    _checked_op("absorb_q", (q, w_uk, cos_sin), (head_dim, out_dtype),
+                lambda: _check_absorb_q(q, w_uk, cos_sin, head_dim, out_dtype, any_strides=True))
     return _absorb_q_fwd(q, w_uk, cos_sin.contiguous(), head_dim, out_dtype)  # (the kernel reads it without strides)
 
 
@@ -454,6 +476,14 @@ def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, *, head
     in ``out_dtype``: ``q_nope[i] @ w_uk[i // (h/g)]`` (``w_uk`` read in ``q``'s dtype, fp32 accumulation), then
     the rotated ``q_rope[i]``.
     """
+    head_dim = _check_absorb_q(q, w_uk, cos_sin, head_dim, out_dtype)
+    fn = _absorb_q_op if requires_grad(q, w_uk) else route(_absorb_q_op, _absorb_q_fwd)
+    return fn(q, w_uk, cos_sin, head_dim, out_dtype)
+
+
+def _check_absorb_q(q, w_uk, cos_sin, head_dim, out_dtype, any_strides: bool = False) -> int:
+    """Every check of ``absorb_q``'s arguments (its custom op's too: ``any_strides``, cos_sin of any strides);
+    returns head_dim as an int."""
     _check("q", q, 4)
     _check("w_uk", w_uk, 3)
     _check_heads("q", q)
@@ -468,12 +498,11 @@ def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor, *, head
     if r == 0:
         raise ValueError("w_uk: expected a latent width r >= 1")
     _check_out_dtype(out_dtype)
-    _check_cos_sin(cos_sin, B, T, (E - head_dim) // 2, q.device)
+    _check_cos_sin(cos_sin, B, T, (E - head_dim) // 2, q.device, any_strides)
     _check_same_device(q.device, w_uk=w_uk)
     for dt in (q.dtype, w_uk.dtype, out_dtype):
         check_kernel_device(q.device, _REFERENCE, dt)
-    fn = _absorb_q_op if requires_grad(q, w_uk) else route(_absorb_q_op, _absorb_q_fwd)
-    return fn(q, w_uk, cos_sin, head_dim, out_dtype)
+    return head_dim
 
 
 # ---- absorb_o -------------------------------------------------------------------------------------------
@@ -495,6 +524,7 @@ def _absorb_o_fwd(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("gqla_triton::gqla_absorb_o", mutates_args=())
 def _absorb_o_op(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    _checked_op("absorb_o", (o, w_uv), (), lambda: _check_absorb_o(o, w_uv))
     return _absorb_o_fwd(o, w_uv)
 
 
@@ -511,6 +541,13 @@ def absorb_o(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """The absorb path's output for ``o_proj``: ``o [B, T, h, r]`` (``mla_decode``'s output, any strides),
     ``w_uv [g, d_v, r]`` (any strides) -> ``[B, T, h, d_v]`` contiguous in ``w_uv``'s dtype,
     ``o[i] @ w_uv[i // (h/g)]ᵀ`` (``o`` read in ``w_uv``'s dtype, fp32 accumulation)."""
+    _check_absorb_o(o, w_uv)
+    fn = _absorb_o_op if requires_grad(o, w_uv) else route(_absorb_o_op, _absorb_o_fwd)
+    return fn(o, w_uv)
+
+
+def _check_absorb_o(o, w_uv) -> None:
+    """Every check of ``absorb_o``'s arguments (its custom op's too)."""
     _check("o", o, 4)
     _check("w_uv", w_uv, 3)
     _check_heads("o", o)
@@ -523,8 +560,6 @@ def absorb_o(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     _check_same_device(o.device, w_uv=w_uv)
     for dt in (o.dtype, w_uv.dtype):
         check_kernel_device(o.device, _REFERENCE, dt)
-    fn = _absorb_o_op if requires_grad(o, w_uv) else route(_absorb_o_op, _absorb_o_fwd)
-    return fn(o, w_uv)
 
 
 # ---- grouped_q ------------------------------------------------------------------------------------------
@@ -545,6 +580,8 @@ def _grouped_q_fwd(q: torch.Tensor, cos_sin: torch.Tensor, head_dim: int, out_dt
 
 @torch.library.custom_op("gqla_triton::gqla_grouped_q", mutates_args=())
 def _grouped_q_op(q: torch.Tensor, cos_sin: torch.Tensor, head_dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+    _checked_op("grouped_q", (q, cos_sin), (head_dim, out_dtype),
+                lambda: _check_grouped_q(q, cos_sin, head_dim, out_dtype, any_strides=True))
     return _grouped_q_fwd(q, cos_sin.contiguous(), head_dim, out_dtype)  # (the kernel reads it without strides)
 
 
@@ -560,6 +597,14 @@ def grouped_q(q: torch.Tensor, cos_sin: torch.Tensor, *, head_dim: int, out_dtyp
     """The grouped path's query for ``gqa_decode``: ``q [B, T, h, head_dim + d_R]`` (any strides),
     ``cos_sin [B, T, 2, d_R / 2]`` float32 (``norm_rope``'s) -> ``[B, T, h, head_dim + d_R]`` contiguous in
     ``out_dtype``, ``[q_nope | rotated q_rope]``."""
+    head_dim = _check_grouped_q(q, cos_sin, head_dim, out_dtype)
+    fn = _grouped_q_op if requires_grad(q) else route(_grouped_q_op, _grouped_q_fwd)
+    return fn(q, cos_sin, head_dim, out_dtype)
+
+
+def _check_grouped_q(q, cos_sin, head_dim, out_dtype, any_strides: bool = False) -> int:
+    """Every check of ``grouped_q``'s arguments (its custom op's too: ``any_strides``, cos_sin of any strides);
+    returns head_dim as an int."""
     _check("q", q, 4)
     _check_heads("q", q)
     B, T, h, E = q.shape
@@ -567,8 +612,7 @@ def grouped_q(q: torch.Tensor, cos_sin: torch.Tensor, *, head_dim: int, out_dtyp
     if head_dim > E or (E - head_dim) % 2:
         raise ValueError(f"head_dim: expected an int in [1, {E}] leaving an even rope width, got {head_dim!r}")
     _check_out_dtype(out_dtype)
-    _check_cos_sin(cos_sin, B, T, (E - head_dim) // 2, q.device)
+    _check_cos_sin(cos_sin, B, T, (E - head_dim) // 2, q.device, any_strides)
     for dt in (q.dtype, out_dtype):
         check_kernel_device(q.device, _REFERENCE, dt)
-    fn = _grouped_q_op if requires_grad(q) else route(_grouped_q_op, _grouped_q_fwd)
-    return fn(q, cos_sin, head_dim, out_dtype)
+    return head_dim

@@ -91,6 +91,10 @@ def _gqa_decode_op(
     cache_seqlens: torch.Tensor, k_rope_cache: torch.Tensor | None, softmax_scale: float, causal: bool,
     indices: torch.Tensor | None, topk_length: torch.Tensor | None, num_splits: int, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # a direct torch.ops call reaches here unchecked: the public function's checks (kept per call), but for the
+    # strides the body copies (gqa_decode_fwd)
+    _checked(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
+             topk_length, num_splits, impl, any_strides=True)
     return gqa_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
                           indices, topk_length, num_splits, impl)
 
@@ -116,9 +120,10 @@ def check_head_dims(d_h: int, d_v: int, d_r: int, *, names=("d_h", "d_v", "d_R")
 
 
 def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
-              topk_length, num_splits, impl) -> tuple[float, str, bool, int]:
+              topk_length, num_splits, impl, any_strides: bool = False) -> tuple[float, str, bool, int]:
     """Every check of ``gqa_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
-    num_splits)`` as the kernel takes them."""
+    num_splits)`` as the kernel takes them. ``any_strides``: the last strides and row alignment are not checked
+    (the custom op's body copies what the kernel cannot read in place)."""
     impl = check_impl(impl, op="gqa_decode", gluon=False)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     check_tensor("q", q, ndim=4, dtypes=dtypes)
@@ -148,6 +153,8 @@ def _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, sof
     if q.shape[2] == 0 or q.shape[2] % g != 0:
         raise ValueError(f"q: h_q = {q.shape[2]} must be a positive multiple of the number of groups g = {g}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_rope_cache", k_rope_cache)):
+        if any_strides:
+            continue
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: the last dimension must be contiguous (stride 1)")
         if name != "q" and impl != "reference":
@@ -210,15 +217,16 @@ _CHECKED = CheckedCalls()
 
 
 def _checked(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal, indices,
-             topk_length, num_splits, impl) -> tuple:
+             topk_length, num_splits, impl, any_strides: bool = False) -> tuple:
     """``_validate`` remembered by the call's metadata (``_common.memo``): (the call's key or None, softmax_scale,
-    impl, causal, num_splits) as the kernel takes them."""
+    impl, causal, num_splits) as the kernel takes them. ``any_strides``: as ``_validate``'s (the custom op's
+    body)."""
     key = call_key((q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, indices, topk_length),
-                   (softmax_scale, causal, num_splits, impl))
+                   (softmax_scale, causal, num_splits, impl, any_strides))
     checked = _CHECKED.get(key)
     if checked is None:
         checked = _validate(q, k_cache, v_cache, block_table, cache_seqlens, k_rope_cache, softmax_scale, causal,
-                            indices, topk_length, num_splits, impl)
+                            indices, topk_length, num_splits, impl, any_strides)
         _CHECKED.put(key, checked)
     scale, impl, causal, num_splits = checked
     if type(softmax_scale) is float:  # its own checked value (0.0 and -0.0 share a key)

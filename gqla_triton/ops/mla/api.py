@@ -160,6 +160,10 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                    topk_length: torch.Tensor | None, num_splits: int, impl: str, q_descale: torch.Tensor | None = None,
                    k_descale: torch.Tensor | None = None, kv_format: str | None = None, out_fp32: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # a direct torch.ops call reaches here unchecked: the public function's checks (kept per call), but for the
+    # strides the body copies (mla_decode_fwd)
+    _checked(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
+             num_splits, impl, q_descale, k_descale, kv_format, any_strides=True)
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
                           topk_length, num_splits, impl, q_descale, k_descale, kv_format, out_fp32)
 
@@ -176,9 +180,11 @@ forward_only(_mla_decode_op, "mla_decode")
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-              num_splits, impl, q_descale=None, k_descale=None, kv_format=None) -> tuple[float, str, bool, int]:
+              num_splits, impl, q_descale=None, k_descale=None, kv_format=None,
+              any_strides: bool = False) -> tuple[float, str, bool, int]:
     """Every check of ``mla_decode`` (device values are never read); returns ``(softmax_scale, impl, causal,
-    num_splits)`` as the kernels take them."""
+    num_splits)`` as the kernels take them. ``any_strides``: the cache's strides are not checked (the custom op's
+    body copies a cache the kernels cannot read in place)."""
     impl = check_impl(impl, op="mla_decode", gluon=True)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     scaled = k_descale is not None
@@ -195,7 +201,7 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     D = q.shape[-1]
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache: expected one latent head (dim 2 == 1), got shape {list(kv_cache.shape)}")
-    if kv_cache.stride(-1) != 1:
+    if kv_cache.stride(-1) != 1 and not any_strides:
         raise ValueError("kv_cache: the last dimension must be contiguous (stride 1)")
     if q.shape[2] == 0 or D == 0:
         raise ValueError(f"q: expected at least one head of at least one channel, got shape {list(q.shape)}")
@@ -207,10 +213,11 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     if scaled or q_descale is not None:
         _check_descales(q, kv_cache, q_descale, k_descale)
     elif fp8:
-        _check_fp8(q, kv_cache, head_dim_v, indices is not None, kv_format)
+        _check_fp8(q, kv_cache, head_dim_v, indices is not None, kv_format, any_strides)
     elif kv_cache.shape[3] != D:
         raise ValueError(f"kv_cache: last dim {kv_cache.shape[3]} != q's last dim {D} (latent + rope)")
-    if impl != "reference" and not (fp8 and fp8_layout(kv_cache, kv_format) in PAGED):  # (paged: bytes in order)
+    if impl != "reference" and not any_strides and not (fp8 and fp8_layout(kv_cache, kv_format) in PAGED):
+        # (paged: bytes in order)
         check_rows_aligned("kv_cache", kv_cache)
     scale = check_softmax_scale(softmax_scale, D ** -0.5)
     check_decode_inputs(q, block_table, cache_seqlens, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
@@ -257,7 +264,8 @@ _NAMES = {"v32": "V3.2 FP8", "v32_no_rope": "V3.2 FP8 (no rope)", "model1": "MOD
 _ALIGN = {"v32": 4, "v32_no_rope": 4, "model1": 2, "v41": 1, "v41_fp4": 1}
 
 
-def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool, kv_format: str | None) -> None:
+def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool, kv_format: str | None,
+               any_strides: bool = False) -> None:
     """FlashMLA's quantised layouts (``fp8.py``): rows read in place as bytes, float32 scales and bf16 rope values
     (``v32``, ``v32_no_rope``; dense or sparse), or pages of token data then scales (sparse only)."""
     layout = fp8_layout(kv_cache, kv_format)
@@ -278,12 +286,12 @@ def _check_fp8(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v, sparse: bool
     if layout in PAGED:
         if not sparse:
             raise ValueError(f"kv_cache: {name} are read by sparse calls only (indices), as FlashMLA reads them")
-        if (page > 1 and kv_cache.stride(1) != ROW_BYTES[layout]) or (num_pages > 1
-                                                                     and kv_cache.stride(0) % _ALIGN[layout]):
+        if not any_strides and ((page > 1 and kv_cache.stride(1) != ROW_BYTES[layout])
+                                or (num_pages > 1 and kv_cache.stride(0) % _ALIGN[layout])):
             raise ValueError(f"kv_cache: {name} are read in place: the view's elements must be each page's bytes in "
                              f"order (strides (page stride, {ROW_BYTES[layout]}, *, 1), a page stride a multiple of "
                              f"{_ALIGN[layout]}), got strides {list(kv_cache.stride())}")
-    elif any(st % 4 for st in kv_cache.stride()[:3]):
+    elif not any_strides and any(st % 4 for st in kv_cache.stride()[:3]):
         raise ValueError(f"kv_cache: {name} are read with their float32 scales in place: the strides of the first "
                          f"three dims must be multiples of 4 bytes, got strides {list(kv_cache.stride())}")
     if not torch.compiler.is_compiling():  # torch.compile cannot trace storage_offset(): the op's body checks it
@@ -392,15 +400,17 @@ _CHECKED = CheckedCalls()
 
 
 def _checked(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, topk_length,
-             num_splits, impl, q_descale=None, k_descale=None, kv_format=None, out_dtype=None) -> tuple:
+             num_splits, impl, q_descale=None, k_descale=None, kv_format=None, out_dtype=None,
+             any_strides: bool = False) -> tuple:
     """``_validate`` and ``out_dtype``'s check, remembered by the call's metadata (``_common.memo``): (the call's
-    key or None, softmax_scale, impl, causal, num_splits, out_fp32) as the kernels take them."""
+    key or None, softmax_scale, impl, causal, num_splits, out_fp32) as the kernels take them. ``any_strides``: as
+    ``_validate``'s (the custom op's body)."""
     key = call_key((q, kv_cache, block_table, cache_seqlens, indices, topk_length, q_descale, k_descale),
-                   (head_dim_v, softmax_scale, causal, num_splits, impl, kv_format, out_dtype))
+                   (head_dim_v, softmax_scale, causal, num_splits, impl, kv_format, out_dtype, any_strides))
     checked = _CHECKED.get(key)
     if checked is None:
         checked = (*_validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                              topk_length, num_splits, impl, q_descale, k_descale, kv_format),
+                              topk_length, num_splits, impl, q_descale, k_descale, kv_format, any_strides),
                    _wants_fp32(out_dtype, default_out_dtype(q)))
         _CHECKED.put(key, checked)
     scale, impl, causal, num_splits, out_fp32 = checked
@@ -478,6 +488,12 @@ def mla_sparse_prefill_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
 def _mla_sparse_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, head_dim_v: int,
                            softmax_scale: float, topk_length: torch.Tensor | None, num_splits: int,
                            impl: str, out_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # a direct torch.ops call reaches here unchecked: the public function's checks (kept per call), but for the
+    # strides the body copies (mla_sparse_prefill_fwd)
+    key = call_key((q, kv, indices, topk_length), (head_dim_v, softmax_scale, num_splits, impl))
+    if _PREFILL_CHECKED.get(key) is None:
+        _PREFILL_CHECKED.put(key, _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length,
+                                                    num_splits, impl, any_strides=True))
     return mla_sparse_prefill_fwd(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl, out_fp32)
 
 
@@ -492,10 +508,15 @@ def _(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits, impl, 
 forward_only(_mla_sparse_prefill_op, "mla_sparse_prefill")
 
 
+# the sparse prefill op's checked calls (``_common.memo``)
+_PREFILL_CHECKED = CheckedCalls()
+
+
 def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, num_splits,
-                      impl) -> tuple[float, str, int, int]:
+                      impl, any_strides: bool = False) -> tuple[float, str, int, int]:
     """Every check of ``mla_sparse_prefill`` (device values are never read); returns ``(softmax_scale, impl,
-    num_splits, head_dim_v)``."""
+    num_splits, head_dim_v)``. ``any_strides``: kv's strides are not checked (the custom op's body copies a kv
+    the kernel cannot read in place)."""
     impl = check_impl(impl, op="mla_sparse_prefill", gluon=False)
     dtypes = FLOAT_DTYPES + ((torch.float64,) if impl == "reference" else ())
     check_tensor("q", q, ndim=3, dtypes=dtypes)
@@ -510,9 +531,9 @@ def _validate_prefill(q, kv, indices, head_dim_v, softmax_scale, topk_length, nu
                          f"{list(kv.shape)}")
     if kv.shape[2] != D:
         raise ValueError(f"kv: last dim {kv.shape[2]} != q's last dim {D}")
-    if kv.stride(-1) != 1:
+    if kv.stride(-1) != 1 and not any_strides:
         raise ValueError("kv: the last dimension must be contiguous (stride 1)")
-    if impl != "reference":
+    if impl != "reference" and not any_strides:
         check_rows_aligned("kv", kv)
     if kv.shape[0] > MAX_KEYS:
         raise ValueError(f"kv: at most {MAX_KEYS} rows (int32 row indices), got {kv.shape[0]}")
