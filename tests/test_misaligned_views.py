@@ -388,6 +388,31 @@ def test_pools_off_a_boundary_are_refused_under_the_gpu_rule(op, pool, monkeypat
     _gaps_untouched(a[pool])
 
 
+def test_decode_prep_lengths_off_a_boundary_under_the_gpu_rule(monkeypatch):
+    """The prep's int32 lengths, one per slot, read and written one element at a time, may start off a 16-byte
+    boundary under the GPU's start-address rule: the lengths and the conv rows equal the aligned call's."""
+    from gqla_triton.ops._common import validation
+
+    monkeypatch.setattr(validation, "aligned_start", lambda t: t.data_ptr() % 16 == 0)
+    H, K, HV, V, W = _prep_dims()
+    dt, g_ = P.dtypes[0], gen(77)
+    C = 2 * H * K + HV * V
+    mixed = randn((2, 2, C + HV * V + 2 * HV), g_, dtype=dt)
+    conv_w, pool = randn((C, 1, W), g_, dtype=dt), randn((3, C, W - 1), g_, dtype=dt)
+    A_log, dt_bias = randn((HV,), g_, dtype=dt), randn((HV,), g_, dtype=dt)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=P.device)
+    buf = torch.tensor([-7, 5, 0, 9], dtype=torch.int32, device=P.device)
+    dims = dict(num_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    want_pool, want_lens = pool.clone(), buf[1:].clone()
+    want = gds.gdn_decode_prep(mixed, conv_w, want_pool, want_lens, slots, A_log, dt_bias, **dims)
+    got_pool, lens = pool.clone(), buf[1:]
+    assert lens.data_ptr() % 16 == 4
+    got = gds.gdn_decode_prep(mixed, conv_w, got_pool, lens, slots, A_log, dt_bias, **dims)
+    for i, (x, y) in enumerate(zip(_flat(got), _flat(want), strict=True)):
+        assert torch.equal(x, y), f"output {i} differs from the aligned call's"
+    assert torch.equal(got_pool, want_pool) and torch.equal(lens, want_lens) and int(buf[0]) == -7
+
+
 @pytest.mark.parametrize("op", ["absorb_q", "absorb_o", "norm_rope", "gated_norm", "decode_prep"])
 def test_weights_expanded_along_their_first_dim(op):
     """Weights whose rows are one row expanded (stride 0, start address off 16 bytes) give the contiguous call's

@@ -203,7 +203,7 @@ def _prep_op(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
 def _check_written(conv_state: torch.Tensor, seqlens: torch.Tensor) -> None:
     """What the prep op writes in place is contiguous (the kernel writes it without strides)."""
     check_contiguous("conv_state", conv_state)
-    check_contiguous("seqlens", seqlens)
+    check_contiguous("seqlens", seqlens, aligned=False)  # int32 lengths, one per slot
 
 
 @_prep_op.register_fake
@@ -249,7 +249,7 @@ def _check_prep(mixed, conv_weight, conv_state, seqlens, slots, A_log, dt_bias, 
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         check_tensor(name, t, shape=(HV,), dtypes=fdt)
     check_contiguous("conv_state", conv_state)  # written in place without strides
-    check_contiguous("seqlens", seqlens)
+    check_contiguous("seqlens", seqlens, aligned=False)  # int32 lengths, one per slot
     reads = dict(mixed=mixed, slots=slots, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
     check_disjoint("conv_state", conv_state, seqlens=seqlens, **reads)
     check_disjoint("seqlens", seqlens, **reads)

@@ -530,14 +530,16 @@ def unit_last_stride(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None
                  else aligned_rows_copy(t) for t in tensors)
 
 
-def check_contiguous(name: str, t: torch.Tensor | None) -> None:
+def check_contiguous(name: str, t: torch.Tensor | None, *, aligned: bool = True) -> None:
     """``t`` (None: absent), which a kernel updates in place without strides, is contiguous and on a GPU starts on a
-    16-byte boundary, as ``contiguous`` makes what the kernels only read (``ValueError``)."""
+    16-byte boundary, as ``contiguous`` makes what the kernels only read (``ValueError``). ``aligned=False``: any
+    start address, for integer counters a kernel reads and writes one element at a time (no rounding that another
+    vector width could change)."""
     if t is None:
         return
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (it is updated in place)")
-    if not aligned_start(t):
+    if aligned and not aligned_start(t):
         raise ValueError(f"{name}: expected a start address on a 16-byte boundary on the GPU (it is updated in "
                          f"place), got one {t.data_ptr() % 16} bytes past")
 
