@@ -514,11 +514,16 @@ def test_reference_takes_an_empty_batch():
                    torch.zeros(3, 16, 16, device=P.device))
 
 
-def test_few_sequences_take_the_deeper_pipeline(monkeypatch):
-    """On an H200 (the shipped table) a dense step whose (sequence, group) pairs fill at most two programs per SM
-    (``fill`` 1 or 2) takes four pipeline stages at one program per SM and splits to one wave; larger batches, MTP
-    rows and sparse steps keep their entries (``docs/performance.md``, grouped decode)."""
+def test_few_sequences_match_fill_entries_where_a_table_has_them(monkeypatch):
+    """A dense step's ``fill`` match key (its (sequence, group) pairs per SM) selects a table's entry for it. The
+    H200's shipped table has none (on the H200 the four-stage, one-wave entries measured slower than its catch-all:
+    ``docs/performance.md``, grouped decode), so few sequences take the catch-all (three stages, two programs per
+    SM); a table with a ``fill`` entry gives the steps of that fill its pipeline and one wave of splits, and larger
+    batches, MTP rows and sparse steps keep their entries."""
+    import json
+
     import gqla_triton.ops.gqa.plan as plan_mod
+    from gqla_triton import dispatch
     from gqla_triton.dispatch import DeviceInfo
 
     h200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=50 << 20)
@@ -528,12 +533,21 @@ def test_few_sequences_take_the_deeper_pipeline(monkeypatch):
         q = torch.zeros(B, s_q, 128, 192, dtype=torch.float16)
         return plan_mod.plan(q, 8, 64, S // 64, 128, 64, 128, topk, 0)
 
-    for B, S, splits in ((1, 32768, 16), (8, 8192, 2), (16, 2048, 1), (32, 16384, 1)):
+    for B, S, splits in ((1, 32768, 33), (8, 8192, 4), (16, 2048, 2), (32, 16384, 1)):
         p = plan(B, S)
-        assert (p.cfg.num_stages, p.cfg.waves, p.num_splits) == (4, 1, splits), (B, S)
-        assert plan_mod.shared_bytes(p.BLOCK_M, p.BLOCK_N, 4, 128, 64, 128, 2) <= h200.smem_per_block
-    for p in (plan(128, 4096), plan(8, 8192, s_q=2), plan(8, 8192, topk=2048)):
-        assert p.cfg.num_stages == 3
+        assert (p.cfg.num_stages, p.cfg.waves, p.num_splits) == (3, 2, splits), (B, S)
+    raw = json.loads((dispatch._CONFIG_DIR / "h200.json").read_text())
+    deep = {"match": {"sparse": False, "rows": 16, "fill": 1},
+            "config": {"block_n": 64, "max_m": 64, "num_warps": 4, "num_stages": 4, "smem": 220000,
+                       "acc_elems_4w": 4096, "waves": 1, "paged": True}}
+    raw["gqa_decode"].insert(len(raw["gqa_decode"]) - 1, deep)  # before the catch-all
+    with dispatch.table_swap("h200", raw):
+        for B, S, splits in ((1, 32768, 16), (8, 8192, 2), (16, 2048, 1)):
+            p = plan(B, S)
+            assert (p.cfg.num_stages, p.cfg.waves, p.num_splits) == (4, 1, splits), (B, S)
+            assert plan_mod.shared_bytes(p.BLOCK_M, p.BLOCK_N, 4, 128, 64, 128, 2) <= h200.smem_per_block
+        for p in (plan(32, 16384), plan(128, 4096), plan(8, 8192, s_q=2), plan(8, 8192, topk=2048)):
+            assert p.cfg.num_stages == 3
 
 
 def test_reference_takes_head_dims_the_kernel_refuses():
