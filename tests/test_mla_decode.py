@@ -575,6 +575,23 @@ def test_wide_heads_fit_sm90_shared_memory(D, head_dim_v, dtype, sparse, cut):
     assert int(shared[0]) <= need
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_portable_scores_split_over_the_warpgroups(sparse):
+    """The H200 table's portable config (which the H100 shares), compiled for sm_90 (no GPU needed): one wgmma per
+    16-channel step of the latent and rope score products and of P·V, 32 + 4 + 4 for 512 + 64 channels and 64-key
+    tiles. A score tile computed whole in both warpgroups (the latent and rope dots folded into one chained
+    accumulation) takes 72 and spills."""
+    from gqla_triton.dispatch import table_config
+
+    key = {"D": 576, "DV": 512, "sparse": sparse, "s_q": 1, "impl": "triton", "fp32": False}
+    cfg = table_config("h200", "mla_decode", key)
+    fields = dict(dtype="bf16", sparse=sparse, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, p_scratch=cfg.p_scratch, rows_ahead=cfg.rows_ahead)
+    got = compile_in_child(f"from gqla_triton.ops.mla.triton import compile_sm90; k = compile_sm90(**{fields!r})",
+                           "k.asm['ptx'].count('wgmma.mma_async')")
+    assert int(got[0]) == 512 // 16 + 64 // 16 + cfg.block_n // 16
+
+
 def test_heads_too_wide_for_shared_memory_are_refused(monkeypatch):
     """Where even one stage of 16 x 16 tiles exceeds the GPU's shared memory, ``mla_decode`` refuses q by name
     before any launch (on an sm_90's 227 KB: 65536 channels)."""
