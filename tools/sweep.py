@@ -12,6 +12,9 @@ is compared with the table config's; a variant more than 1e-2 (relative) away is
 Prints one line per (workload, variant), a table, and ``BEST {...}``: per workload the fastest variant and its
 fields, ready for ``gqla_triton/configs/<gpu>.json``. Timing stops after ``--max-seconds`` of wall time.
 
+``--num-splits 0,2,3`` (``mla`` and ``gqa``) times every variant at each split-KV count (0: the plan's own), each
+as a variant of its own named ``<variant>@s<count>``: what a split plan would gain before the planner changes.
+
 ``--sustain SECONDS`` times each variant under sustained load instead: its 20-call graph is replayed back to back
 for that long and the line adds the median, the fastest replay and the SM clock and board power that
 ``nvidia-smi`` samples meanwhile. A kernel that is fast from a cold start can slow down once the GPU holds its
@@ -21,6 +24,7 @@ power limit and lowers its clock; a serving loop runs in that state.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -72,7 +76,8 @@ def _workloads(op: str) -> dict:
 
 
 def _call(op: str, name: str):
-    """(fn(impl) -> output tensor, flops, bytes) for one workload; inputs are built once."""
+    """(fn(impl, splits=0) -> output tensor, flops, bytes) for one workload (``splits``: the split-KV count of
+    ``mla`` and ``gqa``, 0 planned); inputs are built once."""
     import gqla_triton as gq
     from bench import gdn_decode, gqa, mla
     from gqla_triton.roofline import gdn_decode_model, gqa_decode_model
@@ -81,20 +86,21 @@ def _call(op: str, name: str):
     if op == "mla":
         q, kv, bt, lens, idx = mla.make_inputs(w["B"], w["S"], w["s_q"], w.get("topk"))
         flops, nbytes = mla._counts(w)
-        return (lambda impl: gq.mla_decode(q, kv, bt, lens, head_dim_v=mla.R, softmax_scale=(mla.R + mla.DR) ** -0.5,
-                                           indices=idx, impl=impl or "auto")[0]), flops, nbytes
+        return (lambda impl, splits=0: gq.mla_decode(q, kv, bt, lens, head_dim_v=mla.R,
+                                                     softmax_scale=(mla.R + mla.DR) ** -0.5, indices=idx,
+                                                     num_splits=splits, impl=impl or "auto")[0]), flops, nbytes
     if op == "gqa":
         args = gqa.make_inputs(w)
         kw = {}
         if len(args) == 9:  # sparse: (q, k, v, bt, lens, kr, scale, causal, indices)
             args, kw = args[:6], dict(causal=args[7], indices=args[8])
         m = gqa_decode_model(**w)
-        return (lambda impl: gq.gqa_decode(*args, **kw)[0]), m.flops, m.bytes
+        return (lambda impl, splits=0: gq.gqa_decode(*args, **kw, num_splits=splits)[0]), m.flops, m.bytes
     q, k, v, g, beta, state, idx = gdn_decode._inputs(w)
     m = gdn_decode_model(B=w["B"], HV=w["HV"], H=w["H"], K=w["K"], V=w["V"], s=w["s"])
     fixed = state.clone()
 
-    def step(impl):
+    def step(impl, splits=0):  # (no split-KV: one program per sequence and value head)
         state.copy_(fixed)  # same state for every variant (compared), and a bounded state over graph replays
         return gq.gated_delta_rule_decode(q, k, v, g, beta, state, idx, use_qk_l2norm_in_kernel=True)
 
@@ -154,9 +160,18 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[], help="extra variant: JSON fields or name=JSON")
     ap.add_argument("--max-seconds", type=float, default=600.0, help="stop timing after this much wall time")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--num-splits", default="0", help="mla / gqa: comma list of split-KV counts (0: planned)")
     ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                     help="time each variant over this many seconds of back-to-back graph replays (clock, power)")
     a = ap.parse_args(argv)
+    try:
+        counts = [int(c) for c in a.num_splits.split(",") if c.strip()] or [0]
+    except ValueError:
+        sys.exit(f"--num-splits: expected a comma list of integers, got {a.num_splits!r}")
+    if any(c < 0 for c in counts):
+        sys.exit(f"--num-splits: counts must be >= 0, got {a.num_splits!r}")
+    if counts != [0] and a.op == "gdn_decode":
+        sys.exit("--num-splits: gdn_decode has no split-KV")
     import torch
 
     from bench.common import time_graph_ms
@@ -167,6 +182,8 @@ def main(argv=None) -> int:
     chosen = [v for v in a.variants.split(",") if v] or list(VARIANTS[a.op])
     plan = {v: VARIANTS[a.op][v] for v in chosen}
     plan.update({n: (None, f) for n, f in parse_configs(a.config).items()})
+    if counts != [0]:  # each variant once per split count
+        plan = {f"{v}@s{c}": (*spec, c) for v, spec in plan.items() for c in counts}
     names = [w for w in a.workload.split(",") if w] or list(_workloads(a.op))
     cop = CONFIG_OP[a.op]
     t0 = time.time()
@@ -174,25 +191,29 @@ def main(argv=None) -> int:
     for name in names:
         fn, flops, nbytes = _call(a.op, name)
         ref = fn(None).float()
-        for vn, (impl, fields) in plan.items():
+        for vn, (impl, fields, *count) in plan.items():
+            splits = count[0] if count else 0
             if time.time() - t0 > a.max_seconds:
                 print(f"{name} {vn}: SKIPPED (--max-seconds)", flush=True)
                 continue
             try:
                 with config_override({cop: fields} if fields else {}):
-                    err = rel_err(fn(impl).float(), ref)
+                    err = rel_err(fn(impl, splits).float(), ref)
+                    call = functools.partial(fn, impl, splits)
                     if a.sustain > 0:
-                        ms, extra = _sustained(lambda impl=impl, fn=fn: fn(impl), a.sustain)
+                        ms, extra = _sustained(call, a.sustain)
                     else:
-                        ms, extra = time_graph_ms(lambda impl=impl, fn=fn: fn(impl), replays=10, reps=5), {}
+                        ms, extra = time_graph_ms(call, replays=10, reps=5), {}
             except Exception as e:  # a variant that does not compile or fit is reported, never fatal
                 print(f"{name} {vn}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, error=str(e)[:200]))
+                rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, num_splits=splits,
+                                 error=str(e)[:200]))
                 continue
             ok = err <= 1e-2
             if ok:
                 table.setdefault(name, {})[vn] = ms
-            rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, ms=ms, rel_err_vs_table=err, **extra))
+            rows.append(dict(workload=name, variant=vn, impl=impl, config=fields, num_splits=splits, ms=ms,
+                             rel_err_vs_table=err, **extra))
             sus = "".join(f"  {k}={v:.4g}" for k, v in extra.items())
             print(f"{name} {vn:<16} {ms:.4f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {nbytes / ms / 1e6:7.0f} GB/s  "
                   f"rel_err_vs_table={err:.1e}{sus}{'' if ok else ' WRONG (excluded)'}", flush=True)
@@ -206,7 +227,8 @@ def main(argv=None) -> int:
     best = {}
     for name, r in table.items():
         k = min(r, key=r.get)
-        best[name] = dict(variant=k, ms=round(r[k], 4), impl=plan[k][0], config=plan[k][1])
+        best[name] = dict(variant=k, ms=round(r[k], 4), impl=plan[k][0], config=plan[k][1],
+                          **({"num_splits": plan[k][2]} if len(plan[k]) > 2 else {}))
     print("BEST " + json.dumps(best))
     if a.out:
         what = (f"ms per call inside a CUDA graph of 20 calls replayed back to back for {a.sustain} s, median"
