@@ -1,8 +1,11 @@
-"""The Hopper (sm_90) Gluon kernel of the forward without gradient (``sout``, ``kernels/state_out_sm90.py``): it
-compiles without a GPU; on an H100 / H200 it gives the portable kernel's results (NaN placement included), the
-float64 recurrence's within tolerance, the same bits on every call, and the table runs it where it applies."""
+"""The Hopper (sm_90) Gluon kernels of the forward without gradient (``sout``: ``kernels/state_out_sm90.py``, the
+single chain, and ``kernels/state_out_sm90_wide.py``, the chain split across two warpgroups): they compile without
+a GPU; on an H100 / H200 they give the portable kernel's results (NaN placement included), the float64
+recurrence's within tolerance, the same bits on every call, and the table runs them where they apply."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +23,15 @@ from gqla_triton.ops.gdn.reference import recurrent_gated_delta_rule_ref
 pytestmark = pytest.mark.usefixtures("poison_buffers")
 
 ALWAYS = {"sout_chunks": 1 << 20, "sout_waves": 1 << 20}  # the portable kernel fuses every forward too
+# the Gluon kernel a test runs: the single chain (V blocks of 32 and 64), or the split chain at V blocks of 64 and
+# 128 (unnarrowed, so a test's few programs still run the widest block V allows; V 32 runs the single chain)
+KERNELS = {"chain": {"sout_gluon_split": 0, "sout_gluon_bv": 64},
+           "split": {"sout_gluon_split": 64, "sout_gluon_bv": 128}}
+SM90_KERNELS = ("gdn_state_out_sm90_kernel", "gdn_state_out_sm90_wide_kernel")
+
+
+def _unnarrowed(bv, V, programs, info, floor=16):
+    return min(bv, launch_mod.tile(V))
 
 
 def _hopper():
@@ -40,13 +52,35 @@ def _inputs(seed, B, T, H, HV, V, N, pool_rows=0):
     return [t.to(P.device) for t in (q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), h0)]
 
 
-def _forward(impl, ins, cu, **kw):
-    """The no-grad forward (``sout``) with ``impl`` ``"gluon"`` or ``"triton"``; (o, final state or pool)."""
+def _spy(kernels=SM90_KERNELS):
+    """Patches of ``launch_mod``'s Gluon kernels (a context manager) that record each launch's kernel name and run
+    it; returns (patch, list of names)."""
+    launched = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(launch_mod, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.real[grid]
+
+    return mock.patch.multiple(launch_mod, **{n: Spy(n) for n in kernels}), launched
+
+
+def _forward(impl, ins, cu, kernel="chain", **kw):
+    """The no-grad forward (``sout``) with ``impl`` ``"gluon"`` (the ``KERNELS[kernel]`` one) or ``"triton"``;
+    (o, final state or pool)."""
     q, k, v, g, beta, h0 = ins
     h0 = h0.clone()
-    with torch.no_grad(), config_override({"gdn_chunk": ALWAYS}):
+    spy, launched = _spy()
+    with torch.no_grad(), config_override({"gdn_chunk": {**ALWAYS, **KERNELS[kernel]}}), spy, \
+            mock.patch.object(launch_mod, "_state_bv", _unnarrowed if kernel == "split" else launch_mod._state_bv):
         o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, impl=impl,
                                        output_final_state="state_indices" not in kw, **kw)
+    if impl == "gluon" and q.shape[1]:
+        split = kernel == "split" and v.shape[-1] >= 64
+        assert launched == [SM90_KERNELS[split]], launched
     return o, (h0 if ht is None else ht)
 
 
@@ -54,12 +88,14 @@ def _forward(impl, ins, cu, **kw):
 @settings(max_examples=12, deadline=None)
 @given(lens=st.lists(st.integers(0, 400), min_size=1, max_size=3), varlen=st.booleans(), G=st.sampled_from([1, 2]),
        V=st.sampled_from([32, 64, 128]), layout=st.sampled_from(["kv", "vk", "pool"]),
-       beta_opts=st.booleans(), bad=st.sampled_from([None, "v", "k", "g"]), seed=seeds())
-def test_gluon_matches_portable_kernel(lens, varlen, G, V, layout, beta_opts, bad, seed):
+       beta_opts=st.booleans(), bad=st.sampled_from([None, "v", "k", "g"]), kernel=st.sampled_from(sorted(KERNELS)),
+       seed=seeds())
+def test_gluon_matches_portable_kernel(lens, varlen, G, V, layout, beta_opts, bad, kernel, seed):
     """Against the portable ``sout`` kernel on the same inputs: the same NaN positions (a non-finite v, k or g
     entry mid-sequence), the finite values to rounding (the same roundings; only the tensor-core products'
     summation order differs), the final states / pool rows likewise; dense and varlen (empty sequences too), GVA,
-    every V block, both state layouts, the state pool, beta as logits with negative eigenvalues."""
+    every V block of both Gluon kernels, both state layouts, the state pool, beta as logits with negative
+    eigenvalues."""
     _hopper()
     if varlen:
         B, T, N = 1, sum(lens), len(lens)
@@ -83,7 +119,7 @@ def test_gluon_matches_portable_kernel(lens, varlen, G, V, layout, beta_opts, ba
         x = {"v": 2, "k": 1, "g": 3}[bad]
         ins[x] = ins[x].clone()
         ins[x][(0, t, 0, 3)[:ins[x].dim()]] = float("nan")
-    o, ht = _forward("gluon", ins, cu, **kw)
+    o, ht = _forward("gluon", ins, cu, kernel, **kw)
     o2, ht2 = _forward("triton", ins, cu, **kw)
     assert torch.equal(o.isnan(), o2.isnan()) and torch.equal(ht.isnan(), ht2.isnan())
     ok, okh = ~o.isnan(), ~ht.isnan()
@@ -94,20 +130,14 @@ def test_gluon_matches_portable_kernel(lens, varlen, G, V, layout, beta_opts, ba
 
 
 @pytest.mark.gpu_only
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gluon_runs_split_sequences_per_segment(monkeypatch, varlen):
+def test_gluon_runs_split_sequences_per_segment(varlen, kernel):
     """Sequences too few to fill the GPU are cut into segments (exact maps, chained): the Gluon kernel then runs each
     segment from its chained start state and gives the portable kernels' result on the same split (NaN positions,
     values to rounding, final states), as close to the float64 recurrence."""
     _hopper()
-    real, launched = launch_mod.gdn_state_out_sm90_kernel, []
-
-    class Spy:  # counts the Gluon kernel's launches and runs them
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(launch_mod, "gdn_state_out_sm90_kernel", Spy())
+    spy, launched = _spy()
     lens = [1500, 700] if varlen else [1500]
     T, N = sum(lens) if varlen else lens[0], len(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=P.device) if varlen \
@@ -115,15 +145,17 @@ def test_gluon_runs_split_sequences_per_segment(monkeypatch, varlen):
     ins = _inputs(7, 1, T, 1, 2, 64, N)
     ins[2] = ins[2].clone()
     ins[2][0, 900, 1, 5] = float("nan")
-    split = {"seg_units": 64, "seg_below": 16, "seg_min": 2, "sout_gluon_units": 0}
+    split = {"seg_units": 64, "seg_below": 16, "seg_min": 2, "sout_gluon_units": 0, **KERNELS[kernel]}
     outs = {}
     for impl in ("gluon", "triton"):
-        with torch.no_grad(), config_override({"gdn_chunk": {**ALWAYS, **split, "sout_impl": impl}}):
+        with torch.no_grad(), config_override({"gdn_chunk": {**ALWAYS, **split, "sout_impl": impl}}), spy, \
+                mock.patch.object(launch_mod, "_state_bv", _unnarrowed if kernel == "split" else launch_mod._state_bv):
             plan = plan_mod.chunk_plan(ins[0], ins[2], cu, None)
             assert plan.seg is not None and plan.seg.nseg > N
             outs[impl] = chunk_gated_delta_rule(*ins[:5], initial_state=ins[5].clone(), cu_seqlens=cu,
                                                 output_final_state=True)
-        assert len(launched) == 1  # once, by the Gluon impl; the portable one launches none
+        # once, by the Gluon impl; the portable one launches none
+        assert launched == [SM90_KERNELS[kernel == "split"]], launched
     (o, ht), (o2, ht2) = outs["gluon"], outs["triton"]
     assert torch.equal(o.isnan(), o2.isnan()) and o.isnan().any() and torch.equal(ht.isnan(), ht2.isnan())
     ok = ~o.isnan()
@@ -140,13 +172,14 @@ def test_gluon_runs_split_sequences_per_segment(monkeypatch, varlen):
 
 
 @pytest.mark.gpu_only
-def test_gluon_vs_float64_and_deterministic():
-    """Long sequences (many chunks through the ring and both buffer pairs) against the float64 recurrence, as close
-    as the portable kernel; every call the same bits."""
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_gluon_vs_float64_and_deterministic(kernel):
+    """Long sequences (many chunks through the ring and every buffer) against the float64 recurrence, as close as
+    the portable kernel; every call the same bits."""
     _hopper()
     ins = _inputs(5, 2, 1500, 2, 4, 128, 2)
     cu = None
-    o, ht = _forward("gluon", ins, cu)
+    o, ht = _forward("gluon", ins, cu, kernel)
     o2, ht2 = _forward("triton", ins, cu)
     ro, rht = recurrent_gated_delta_rule_ref(*[t.double() for t in ins[:5]], initial_state=ins[5].double(),
                                              output_final_state=True)
@@ -154,7 +187,7 @@ def test_gluon_vs_float64_and_deterministic():
     assert e < 1.2 * e2 + 1e-4 and e < 1e-2, (e, e2)
     assert rel_err(ht.double(), rht) < 1.2 * rel_err(ht2.double(), rht) + 1e-4
     for _ in range(3):
-        o3, ht3 = _forward("gluon", ins, cu)
+        o3, ht3 = _forward("gluon", ins, cu, kernel)
         assert torch.equal(o, o3) and torch.equal(ht, ht3)
 
 
@@ -214,13 +247,24 @@ def test_gluon_gate():
 
 
 def test_config_and_rule():
-    """``sout_impl`` is checked (the Gluon ring has 1 to 3 stages at either V block); where the Gluon kernel runs,
-    ``_fuse_out`` fuses any length, never with sout_chunks 0; the H200 table selects it."""
+    """``sout_impl`` and the Gluon fields are checked (the ring has 1 to 3 stages at V blocks of 32 and 64, 1 to 2 at
+    128, which only the split-chain kernel takes); where the Gluon kernel runs, ``_fuse_out`` fuses any length,
+    never with sout_chunks 0; the H200 table selects it; ``_sout_sm90_kernel`` picks the kernel by V block."""
     assert ChunkConfig(sout_impl="gluon", sout_gluon_stages_v64=3).sout_gluon_stages_v64 == 3
-    for field in ("sout_gluon_stages_v32", "sout_gluon_stages_v64"):
-        for bad in (0, 4):
+    for field, hi in (("sout_gluon_stages_v32", 3), ("sout_gluon_stages_v64", 3), ("sout_gluon_stages_v128", 2)):
+        for bad in (0, hi + 1):
             with pytest.raises(ValueError, match=f"'{field}'"):
                 ChunkConfig(**{field: bad})
+    for field, bad in (("sout_gluon_bv", 16), ("sout_gluon_bv", 256), ("sout_gluon_split", 32)):
+        with pytest.raises(ValueError, match=f"'{field}'"):
+            ChunkConfig(**{field: bad})
+    with pytest.raises(ValueError, match="sout_gluon_bv 128 needs sout_gluon_split"):
+        ChunkConfig(sout_gluon_bv=128)
+    pick = launch_mod._sout_sm90_kernel
+    for split, bv, wide in ((0, 32, False), (0, 64, False), (64, 32, False), (64, 64, True), (64, 128, True),
+                            (128, 64, False), (128, 128, True)):
+        kernel, _ = pick(ChunkConfig(sout_gluon_split=split, sout_gluon_bv=128 if split else 64), bv)
+        assert kernel is (launch_mod.gdn_state_out_sm90_wide_kernel if wide else launch_mod.gdn_state_out_sm90_kernel)
     with pytest.raises(ValueError, match="'sout_impl'"):
         ChunkConfig(sout_impl="cuda")
     assert table_config("h200", "gdn_chunk", plan_mod.config_key(128, 128)).sout_impl == "gluon"
@@ -242,6 +286,18 @@ def test_gluon_kernel_compiles_for_sm90(kw):
     reallocation), wgmma products, cp.async copies, within the H200's shared memory (in a child process)."""
     shared = compile_sm90_in_child("from gqla_triton.ops.gdn.kernels.state_out_sm90 import compile_sm90; "
                                    f"k = compile_sm90(**{kw!r})")
+    assert shared <= 227 * 1024
+
+
+SPLIT_COMPILES = [dict(bv=128, stages=2), dict(bv=64, stages=3), dict(bv=64, use_h0=False, store_ht=False),
+                  dict(bv=128, varlen=True, pool=True, v_first=True, beta_sigmoid=True, neg_eigval=True)]
+
+
+@pytest.mark.parametrize("kw", SPLIT_COMPILES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_split_chain_kernel_compiles_for_sm90(kw):
+    """The split-chain kernel likewise, at both of its V blocks and the deepest rings the table may name."""
+    shared = compile_sm90_in_child("from gqla_triton.ops.gdn.kernels.state_out_sm90_wide import compile_sm90_wide; "
+                                   f"k = compile_sm90_wide(**{kw!r})")
     assert shared <= 227 * 1024
 
 
@@ -278,13 +334,14 @@ def test_impl_triton_never_launches_gluon(monkeypatch):
     ``"gluon"`` launch it."""
     _hopper()
     launched = record_launches(monkeypatch, launch_mod, "gdn_state_out_sm90_kernel")
+    launched_split = record_launches(monkeypatch, launch_mod, "gdn_state_out_sm90_wide_kernel")
     ins = _inputs(3, 1, 64 * 130, 1, 32, 128, 1)
     # (the fused forward on whatever this GPU's table says: default.json keeps the separate kernels)
     fused = {"sout_impl": "gluon", "sout_gluon_units": 0, "sout_chunks": 32}
     with torch.no_grad(), config_override({"gdn_chunk": fused}):
         chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="triton")
-        assert not launched
+        assert not launched and not launched_split
         chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="auto")
-        assert len(launched) == 1
+        assert len(launched) + len(launched_split) == 1
         chunk_gated_delta_rule(*ins[:5], initial_state=ins[5], impl="gluon")
-        assert len(launched) == 2
+        assert len(launched) + len(launched_split) == 2

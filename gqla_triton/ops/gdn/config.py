@@ -35,8 +35,11 @@ class ChunkConfig(KernelConfig):
     chunks and there are at most ``sout_waves`` of them per SM: it adds the products of ``wu`` and ``out`` to
     sequential programs, which pays where they are short or many. ``sout_impl`` ``"gluon"``: on sm_90, inputs the
     warp-specialised kernel takes (``kernels/state_out_sm90.py``: bf16, K 128, chunk 64, V a multiple of 32) run
-    ``sout`` there, for any length (its output products leave the state's chain), with ``sout_gluon_stages_v32`` /
-    ``sout_gluon_stages_v64`` ring stages (1-3) at V blocks of 32 / 64, where the call has at least
+    ``sout`` there, for any length (its output products leave the state's chain), in V blocks of up to
+    ``sout_gluon_bv`` (32, 64 or 128, narrowed as the portable kernel's), blocks at least ``sout_gluon_split`` wide
+    (64 or 128; 0: none) in the split-chain kernel (``kernels/state_out_sm90_wide.py``: the state and v_new in
+    warpgroups of their own, which a V block of 128 needs), with ``sout_gluon_stages_v32`` / ``_v64`` / ``_v128``
+    ring stages (1-3; 1-2 at 128) at V blocks of 32 / 64 / 128, where the call has at least
     ``sout_gluon_units`` (chunk x value head) units: its launch costs the host more than the portable kernel's,
     which outweighs the GPU time it saves on the smallest calls (on the H200, an eager 512-token chunk of 32 value
     heads). Other calls run the portable kernel under the rule above."""
@@ -62,8 +65,11 @@ class ChunkConfig(KernelConfig):
     sout_gluon_units: int = 0
     sout_num_warps: int = 8
     sout_num_stages: int = 3
+    sout_gluon_bv: int = 64
+    sout_gluon_split: int = 0
     sout_gluon_stages_v32: int = 2
     sout_gluon_stages_v64: int = 2
+    sout_gluon_stages_v128: int = 2
     seg_units: int = 0
     seg_below: int = 16
     seg_min: int = 16
@@ -110,8 +116,14 @@ class ChunkConfig(KernelConfig):
         self.one_of([n for n in names if n.endswith("_num_warps")], WARPS)
         self.within([n for n in names if n.endswith("_num_stages")], 1, 6)
         self.within(("seg_units", "seg_below", "seg_min", "sout_chunks", "sout_waves", "sout_gluon_units"), 0)
-        # the Gluon ring's stages and the kernel's other buffers fit 227 KB up to 3
+        # the Gluon ring's stages and the kernel's other buffers fit 227 KB up to 3 (up to 2 at V blocks of 128)
         self.within(("sout_gluon_stages_v32", "sout_gluon_stages_v64"), 1, 3)
+        self.within("sout_gluon_stages_v128", 1, 2)
+        self.one_of("sout_gluon_bv", (32, 64, 128))
+        self.one_of("sout_gluon_split", (0, 64, 128))
+        if self.sout_gluon_bv == 128 and not self.sout_gluon_split:
+            raise ValueError("gdn_chunk config: sout_gluon_bv 128 needs sout_gluon_split 64 or 128 (the single-chain "
+                             "Gluon kernel takes V blocks of at most 64)")
 
     def launch(self, stage: str) -> dict:
         """Triton launch options of one stage."""

@@ -20,7 +20,7 @@ from ...dispatch import DeviceInfo
 from .._common.alloc import empty
 from .._common.config import names_config
 from .._common.host import MAX_GRID_Y, cdiv, next_pow2, on_device
-from .config import WY_BWD_TILES
+from .config import WY_BWD_TILES, ChunkConfig
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
 from .kernels.options import gdn_beta_in_kernel, gdn_options_bwd_kernel, gdn_options_sum_kernel
@@ -32,6 +32,8 @@ from .kernels.state_bwd import gdn_state_bwd_kernel
 from .kernels.state_out import gdn_state_out_kernel
 from .kernels.state_out_sm90 import MAXNREG as SOUT_SM90_MAXNREG
 from .kernels.state_out_sm90 import gdn_state_out_sm90_kernel
+from .kernels.state_out_sm90_wide import MAXNREG as SOUT_SM90_WIDE_MAXNREG
+from .kernels.state_out_sm90_wide import gdn_state_out_sm90_wide_kernel
 from .kernels.wu import gdn_wu_fwd_kernel
 from .kernels.wy import gdn_wy_fwd_kernel
 from .kernels.wy_bwd import gdn_wy_bwd_kernel
@@ -252,11 +254,22 @@ def use_sout_sm90(plan: ChunkPlan, q, k, v) -> bool:
 
 
 def _sout_bv(plan: ChunkPlan, V: int, programs: int, sm90: bool) -> int:
-    """V block of ``sout``: ``_state_bv`` of the config's; the Gluon kernel's is 32 or 64 and divides V."""
+    """V block of ``sout``: ``_state_bv`` of the config's (``sout_bv``, or ``sout_gluon_bv`` for the Gluon kernels,
+    whose blocks are 32, 64 or 128 and divide V)."""
     if not sm90:
         return _state_bv(plan.cfg.sout_bv, V, programs, plan.gpu)
-    bv = _state_bv(min(plan.cfg.sout_bv, 64), V, programs, plan.gpu, floor=32)
-    return bv if bv >= 32 and V % bv == 0 else 32
+    bv = _state_bv(plan.cfg.sout_gluon_bv, V, programs, plan.gpu, floor=32)
+    while bv > 32 and V % bv:
+        bv //= 2
+    return max(bv, 32)
+
+
+def _sout_sm90_kernel(cfg: ChunkConfig, BV: int):
+    """The Gluon ``sout`` kernel of V block ``BV`` and its launch's register cap: the split-chain kernel at blocks of at
+    least ``sout_gluon_split`` (when set), else the single-chain one."""
+    if cfg.sout_gluon_split and BV >= cfg.sout_gluon_split:
+        return gdn_state_out_sm90_wide_kernel, SOUT_SM90_WIDE_MAXNREG
+    return gdn_state_out_sm90_kernel, SOUT_SM90_MAXNREG
 
 
 def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: ChunkPlan, state_indices,
@@ -272,11 +285,12 @@ def _state_out(q, k, v, beta, gc, Ainv, o, scale: float, initial_state, plan: Ch
     BV = _sout_bv(plan, V, st.units * HV, sm90)
     h0, ht, cu, coff, idx = _starts_args(st, state_indices, dummy)
     if sm90:
+        kernel, maxnreg = _sout_sm90_kernel(plan.cfg, BV)
         with on_device(q.device):
-            gdn_state_out_sm90_kernel[(V // BV, st.units * HV)](
+            kernel[(V // BV, st.units * HV)](
                 q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, st.pool_rows, H, HV, V=V, BV=BV,
                 STAGES=getattr(plan.cfg, f"sout_gluon_stages_v{BV}"), **_starts_flags(st), BETA_SIGMOID=beta_sigmoid,
-                NEG_EIGVAL=neg_eigval, num_warps=4, maxnreg=SOUT_SM90_MAXNREG)
+                NEG_EIGVAL=neg_eigval, num_warps=4, maxnreg=maxnreg)
     else:
         with on_device(q.device):
             gdn_state_out_kernel[(cdiv(V, BV) * st.units * HV,)](

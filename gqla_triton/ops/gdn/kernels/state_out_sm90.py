@@ -107,13 +107,13 @@ def _nan_from_first_bad(x, ok, r, BT: gl.constexpr):
 
 
 @gluon.jit
-def _producer(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+def _producer(ring, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
               BT: gl.constexpr, K: gl.constexpr, SLAB: gl.constexpr, NK: gl.constexpr,
               PRODUCER_WARPS: gl.constexpr):
     """The producer: each chunk's k, q, v block, Ainv rows, gates, last gate and beta (fp32) into ring stage
-    ``c % STAGES``."""
-    (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
-     sd_smem, xs_smem, vn_smem, fb_smem, p_smem, ready, empty, sd_ready, vn_ready, ofree, p_ready, p_free) = rt
+    ``c % STAGES``. ``ring``: ``(q, k, v, beta, gc, Ainv, cu, T, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
+    ready, empty)``."""
+    q, k, v, beta, gc, Ainv, cu, T, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem, ready, empty = ring
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
     cp: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
     TPV: gl.constexpr = BV // 8  # threads along a v row (16-byte copies)
@@ -365,30 +365,33 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
         (_chain, (rt, V, BV, STAGES, USE_H0, STORE_HT, IS_VARLEN, POOL, V_FIRST, BETA_SIGMOID, NEG_EIGVAL, BT, K, SLAB,
                   NK)),
         (_scores, (rt, V, BV, STAGES, IS_VARLEN, BT, NK)),
-        (_producer, (rt, V, BV, STAGES, IS_VARLEN, BT, K, SLAB, NK, PRODUCER_WARPS)),
+        (_producer, ((q, k, v, beta, gc, Ainv, cu, T, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem, ready, empty),
+                     V, BV, STAGES, IS_VARLEN, BT, K, SLAB, NK, PRODUCER_WARPS)),
     ], [4, 4, PRODUCER_WARPS], [CHAIN_REGS, SCORES_REGS, PRODUCER_REGS])
 
 
 def compile_sm90(*, bv: int = 32, stages: int = 2, dtype: str = "bf16", use_h0: bool = True, store_ht: bool = True,
                  varlen: bool = False, pool: bool = False, v_first: bool = False, beta_sigmoid: bool = False,
-                 neg_eigval: bool = False, V: int = 128):
-    """Compile the kernel for sm_90 without a GPU (``triton.compile``; returns the compiled kernel: ``.asm``,
-    ``.metadata``). Pointers are taken 16-byte aligned, as the launch specialises them."""
+                 neg_eigval: bool = False, V: int = 128, kernel=None, maxnreg: int = MAXNREG,
+                 constants: dict | None = None):
+    """Compile the kernel (or ``kernel``, one of the same arguments) for sm_90 without a GPU (``triton.compile``;
+    returns the compiled kernel: ``.asm``, ``.metadata``), ``constants`` in place of the kernel's own. Pointers are
+    taken 16-byte aligned, as the launch specialises them."""
     import inspect
 
     from triton import compile as tcompile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = gdn_state_out_sm90_kernel
+    fn = kernel or gdn_state_out_sm90_kernel
     params = inspect.signature(fn.fn).parameters
     names = list(params)
     const = {n: p.default for n, p in params.items() if p.default is not p.empty}  # the kernel's constants
     const.update(V=V, BV=bv, STAGES=stages, USE_H0=use_h0, STORE_HT=store_ht, IS_VARLEN=varlen, POOL=pool,
-                 V_FIRST=v_first, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval)
+                 V_FIRST=v_first, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=neg_eigval, **(constants or {}))
     ptr = {"q": f"*{dtype}", "k": f"*{dtype}", "v": f"*{dtype}", "beta": f"*{dtype}", "gc": "*fp32",
            "Ainv": f"*{dtype}", "o": f"*{dtype}", "h0": "*fp32", "ht": "*fp32", "cu": "*i64", "idx": "*i32"}
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale" else "i32") for n in names}
     src = GluonASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptr})
-    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))
+    return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
