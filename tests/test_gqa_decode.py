@@ -362,10 +362,8 @@ VARIANTS = [
     {"paged": True},  # dense: one block-table lookup per tile
     {"rows_ahead": True},  # sparse: the next tile's row indices loaded one iteration ahead
     {"paged": True, "rows_ahead": True},
-    {"min_m": 64},  # rows padded to 64: tensor-core products of one warpgroup's height (wgmma on sm_90)
-    {"min_m": 64, "paged": True, "num_stages": 2},
 ]
-FLAGS_OFF = {"paged": False, "rows_ahead": False, "min_m": 16}
+FLAGS_OFF = {"paged": False, "rows_ahead": False}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(f"{k}={v[k]}" for k in v) or "plain")

@@ -462,8 +462,10 @@ def contiguous_indices(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | No
 
 
 def aligned_start(t: torch.Tensor) -> bool:
-    """Whether ``t`` starts on a 16-byte boundary, or lies off the GPU, or has no address to read (a fake tensor)."""
-    if not t.is_cuda:
+    """Whether ``t`` starts on a 16-byte boundary, or lies off the GPU, or has no address to read (a fake tensor, or
+    any tensor while ``torch.compile`` traces: it cannot trace ``data_ptr``, and the custom ops' bodies, which run on
+    the real tensors, check and copy again)."""
+    if not t.is_cuda or torch.compiler.is_compiling():
         return True
     try:
         return t.data_ptr() % 16 == 0

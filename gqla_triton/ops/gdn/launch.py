@@ -20,6 +20,7 @@ from ...dispatch import DeviceInfo
 from .._common.alloc import empty
 from .._common.config import names_config
 from .._common.host import MAX_GRID_Y, cdiv, next_pow2, on_device
+from .._common.validation import aligned_start
 from .config import WY_BWD_TILES, ChunkConfig
 from .kernels.dv_local import gdn_dv_local_kernel
 from .kernels.grad import gdn_grad_chunk_kernel
@@ -237,7 +238,7 @@ def sout_sm90_unsupported(info: DeviceInfo, BT: int, q, k, v) -> str | None:
         return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (bf16 only)"
     if max(k.shape[2] * k.shape[3], v.shape[2] * v.shape[3], v.shape[2] * BT) * BT >= 2**31:
         return "H·K, HV·V or HV·64 times 64 rows at least 2^31 (its offsets within a chunk are int32)"
-    if any(t.data_ptr() % 16 for t in (q, k, v)):
+    if not all(aligned_start(t) for t in (q, k, v)):
         return "q, k or v not 16-byte aligned (cp.async copies 16 bytes)"
     return None
 

@@ -25,7 +25,6 @@ class GQADecodeConfig(KernelConfig):
 
     block_n: int = 64
     max_m: int = 64
-    min_m: int = 16
     num_warps: int = 4
     num_stages: int = 2
     smem: int = 90000
@@ -35,6 +34,6 @@ class GQADecodeConfig(KernelConfig):
     rows_ahead: bool = False
 
     def check(self) -> None:
-        self.one_of(("block_n", "max_m", "min_m"), TILES)
+        self.one_of(("block_n", "max_m"), TILES)
         self.one_of("num_warps", WARPS)
         self.within(("num_stages", "smem", "acc_elems_4w", "waves"), 1)

@@ -60,7 +60,7 @@ def plan(q: torch.Tensor, g: int, page_size: int, max_pages: int, d_h: int, d_r:
     key = {"sparse": sparse, "G": G, "rows": rows, "d_h": d_h, "d_r": d_r, "d_v": d_v,
            "fill": fill(nbq, g, info.sm_count)}
     cfg = select_config("gqa_decode", key, info=info)
-    block_m = min(cfg.max_m, max(cfg.min_m, next_pow2(rows)))
+    block_m = min(cfg.max_m, max(16, next_pow2(rows)))
     block_n = cfg.block_n
     bdh, bdr, bdv = (next_pow2(d) for d in (d_h, d_r, d_v))
     elt = 4 if q.dtype == torch.float32 else 2

@@ -17,8 +17,7 @@ four partitions of four warps each:
 Each warpgroup holds one of the two ``[64, BV]`` fp32 tiles that the single-warpgroup chain of
 ``state_out_sm90`` holds together, so a V block of 128 fits the register file and a program reads each chunk's k,
 q and Ainv for twice (or four times) the value columns. The arithmetic and its roundings are ``state_out_sm90``'s
-and ``gdn_state_out_kernel``'s (the portable reference) but for the output's: its two products summed in one fp32
-accumulator, with ``scale`` taken into P and the row factors ``e^gc`` rather than applied to the sum.
+and ``gdn_state_out_kernel``'s (the portable reference), the output's two products summed in one fp32 accumulator.
 
 Shared buffers past the ring are single: the published state is rewritten only after both its readers released it
 (``sd_free``); the decayed v_new shares xs's buffer, which the v_new warpgroup rewrites only after the state
@@ -161,12 +160,11 @@ def _vnew(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN
 @gluon.jit
 def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, BT: gl.constexpr,
             NK: gl.constexpr):
-    """The output warpgroup: ``P = scale·q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j]`` and ``o = scale·e^gc·q S + P·v_new`` per
-    chunk, NaN where the v_new warpgroup says."""
+    """The output warpgroup: ``P = q kᵀ ⊙ e^(gc_i−gc_j) ⊙ [i≥j]`` and ``o = scale·(e^gc·q S + P·v_new)`` per chunk,
+    NaN where the v_new warpgroup says."""
     (q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale, T, P, H, HV, k_smem, q_smem, v_smem, a_smem, g_smem,
      sd_smem, xs_smem, vn_smem, fb_smem, ready, empty, sd_ready, sd_free, vn_ready, vn_free) = rt
     i_v, i_nh, i_hv, i_h, bos, Tn = _coords(cu, T, H, HV, IS_VARLEN)
-    LOG2E: gl.constexpr = 1.4426950408889634
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -194,27 +192,28 @@ def _output(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARL
         qk = warpgroup_mma(q_smem.index(s * NK), k_smem.index(s * NK).permute((1, 0)), zs, use_acc=False,
                            is_async=True)
         qk = warpgroup_mma(q_smem.index(s * NK + 1), k_smem.index(s * NK + 1).permute((1, 0)), qk, is_async=True)
-        gi = g_smem.index(s * 3).load(gl.SliceLayout(1, s_l)) * LOG2E
-        gj = g_smem.index(s * 3).load(gl.SliceLayout(0, s_l)) * LOG2E
-        so = gl.exp(g_smem.index(s * 3).load(gl.SliceLayout(1, o_l))) * scale
+        gi = g_smem.index(s * 3).load(gl.SliceLayout(1, s_l))
+        gj = g_smem.index(s * 3).load(gl.SliceLayout(0, s_l))
+        go = g_smem.index(s * 3).load(gl.SliceLayout(1, o_l))
         mbarrier.wait(sd_ready, ph)
         qs = warpgroup_mma(q_smem.index(s * NK), sd_smem.index(0), zero, use_acc=False, is_async=True)
         qs = warpgroup_mma(q_smem.index(s * NK + 1), sd_smem.index(1), qs, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
         m = (ri[:, None] >= rj[None, :]) & (t0 + ri < Tn)[:, None] & (t0 + rj < Tn)[None, :]
         # (a masked-off entry's factor may overflow: the select drops it)
-        pm = gl.where(m, qk * gl.exp2(gi[:, None] - gj[None, :]) * scale, 0.0).to(dv)
+        pm = gl.where(m, qk * gl.exp(gi[:, None] - gj[None, :]), 0.0).to(dv)
         p_op = gl.convert_layout(pm, p_l)
         qs = warpgroup_mma_wait(num_outstanding=0, deps=(qs,))
         mbarrier.arrive(sd_free, count=1)
         mbarrier.arrive(empty.index(s), count=1)
-        oi = qs * so[:, None]
+        oi = qs * gl.exp(go)[:, None]
         mbarrier.wait(vn_ready, ph)
         acc = warpgroup_mma(p_op, vn_smem, oi, is_async=True)
         fb = fb_smem.load(gl.SliceLayout(0, o_l))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(vn_free, count=1)
-        ob = gl.convert_layout(gl.where(r[:, None] >= fb[None, :], float("nan"), acc).to(o.dtype.element_ty), st_l)
+        ob = gl.where(r[:, None] >= fb[None, :], float("nan"), acc * scale).to(o.dtype.element_ty)
+        ob = gl.convert_layout(ob, st_l)
         tb = t0 + rs
     gl.store(op + ((bos + tb) * (HV * V))[:, None], ob, mask=(tb < Tn)[:, None])
 
