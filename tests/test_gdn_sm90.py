@@ -246,6 +246,23 @@ def test_gluon_gate():
     assert use(64 * 64, 2, sout_gluon_units=0, seg_units=64, seg_below=16, seg_min=4)  # split: per segment
 
 
+def test_sout_v_block():
+    """``_sout_bv`` on an H200's plan: the Gluon V block is ``sout_gluon_bv`` narrowed while the programs would
+    leave half the SMs idle (not below 32), then halved until it divides V; the kernel follows the block."""
+    from gqla_triton.dispatch import DeviceInfo
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132, smem_per_block=232448, l2_bytes=60 << 20)
+    q = torch.zeros(1, 64, 1, 128, device=P.device)
+    with config_override({"gdn_chunk": KERNELS["split"]}):
+        plan = plan_mod.chunk_plan(q, torch.zeros(1, 64, 1, 128, device=P.device), None, None)._replace(gpu=h200)
+    cases = {(128, 512): 128, (256, 512): 128, (192, 512): 64, (96, 512): 32, (32, 512): 32, (64, 512): 64,
+             (128, 128): 128, (128, 64): 64, (128, 32): 32, (128, 1): 32}
+    for (V, programs), bv in cases.items():
+        assert launch_mod._sout_bv(plan, V, programs, True) == bv, (V, programs)
+        kernel, _ = launch_mod._sout_sm90_kernel(plan.cfg, bv)
+        assert kernel is getattr(launch_mod, SM90_KERNELS[bv >= 64])
+
+
 def test_config_and_rule():
     """``sout_impl`` and the Gluon fields are checked (the ring has 1 to 3 stages at V blocks of 32 and 64, 1 to 2 at
     128, which only the split-chain kernel takes); where the Gluon kernel runs, ``_fuse_out`` fuses any length,
