@@ -107,6 +107,28 @@ def _nan_from_first_bad(x, ok, r, BT: gl.constexpr):
 
 
 @gluon.jit
+def _ring(dt: gl.constexpr, dv: gl.constexpr, v_layout: gl.constexpr, STAGES: gl.constexpr, BT: gl.constexpr,
+          BV: gl.constexpr, SLAB: gl.constexpr, NK: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+          CONSUMERS: gl.constexpr):
+    """The ring ``_producer`` fills: per stage k and q (``NK`` slabs of ``[BT, SLAB]``), Ainv rows, the v block
+    (``v_layout``) and the chunk's gates, beta and last gate (fp32), with its ``ready`` barriers (one cp.async arrival
+    per producer thread and one after the producer's stores) and ``empty`` ones (one arrival per consumer
+    warpgroup)."""
+    sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    k_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
+    q_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
+    a_smem = gl.allocate_shared_memory(dt, [STAGES, BT, BT], sw)
+    v_smem = gl.allocate_shared_memory(dv, [STAGES, BT, BV], v_layout)
+    g_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 3, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32 + 1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return k_smem, q_smem, a_smem, v_smem, g_smem, ready, empty
+
+
+@gluon.jit
 def _producer(ring, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
               BT: gl.constexpr, K: gl.constexpr, SLAB: gl.constexpr, NK: gl.constexpr,
               PRODUCER_WARPS: gl.constexpr):
@@ -328,10 +350,9 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     swv: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BV if BV < 64 else 128, element_bitwidth=16,
                                              rank=2)
-    k_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
-    q_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
-    a_smem = gl.allocate_shared_memory(dt, [STAGES, BT, BT], sw)
-    v_smem = gl.allocate_shared_memory(dv, [STAGES, BT, BV], swv)
+    # (the scores, chain and output warpgroups consume each stage)
+    k_smem, q_smem, a_smem, v_smem, g_smem, ready, empty = _ring(dt, dv, swv, STAGES, BT, BV, SLAB, NK, PRODUCER_WARPS,
+                                                                 3)
     sd_smem = gl.allocate_shared_memory(dt, [2 * NK, SLAB, BV], swv)  # the chunk's start state, two buffers
     vn_smem = gl.allocate_shared_memory(dv, [2, BT, BV], swv)  # v_new, two buffers
     # xs, then (when Ainv·xs is done) the decayed v_new of the state update
@@ -339,19 +360,11 @@ def gdn_state_out_sm90_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, scale
     # per buffer, the row from which each column of o is NaN (BT: none)
     fb_smem = gl.allocate_shared_memory(gl.int32, [2, BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_smem = gl.allocate_shared_memory(dv, [2, BT, BT], sw)  # the chunk's P, two buffers
-    # per stage, the chunk's gates, beta (fp32) and last gate (in every row)
-    g_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 3, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sd_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     vn_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ofree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # one cp.async arrival per producer thread and one arrival after the producer's stores
-        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32 + 1)
-        mbarrier.init(empty.index(i), count=3)  # the chain, scores and output warpgroups
     for i in gl.static_range(2):
         mbarrier.init(sd_ready.index(i), count=1)
         mbarrier.init(vn_ready.index(i), count=1)

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .state_out_sm90 import _beta_in, _coords, _nan_from_first_bad, _producer, _state_rows
+from .state_out_sm90 import _beta_in, _coords, _nan_from_first_bad, _producer, _ring, _state_rows
 
 __all__ = ["MAXNREG", "compile_sm90_wide", "gdn_state_out_sm90_wide_kernel"]
 
@@ -233,28 +233,18 @@ def gdn_state_out_sm90_wide_kernel(q, k, v, beta, gc, Ainv, o, h0, ht, cu, idx, 
     dt: gl.constexpr = k.dtype.element_ty
     dv: gl.constexpr = v.dtype.element_ty
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    k_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
-    q_smem = gl.allocate_shared_memory(dt, [STAGES * NK, BT, SLAB], sw)
-    a_smem = gl.allocate_shared_memory(dt, [STAGES, BT, BT], sw)
-    v_smem = gl.allocate_shared_memory(dv, [STAGES, BT, BV], sw)
+    # (the state, v_new and output warpgroups consume each stage)
+    k_smem, q_smem, a_smem, v_smem, g_smem, ready, empty = _ring(dt, dv, sw, STAGES, BT, BV, SLAB, NK, PRODUCER_WARPS, 3)
     sd_smem = gl.allocate_shared_memory(dt, [NK, SLAB, BV], sw)  # the chunk's start state
     vn_smem = gl.allocate_shared_memory(dv, [BT, BV], sw)  # v_new
     # xs, then (when Ainv·xs is done) the decayed v_new of the state update
     xs_smem = gl.allocate_shared_memory(dt, [BT, BV], sw)
     # the row from which each column of o is NaN (BT: none)
     fb_smem = gl.allocate_shared_memory(gl.int32, [BV], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    # per stage, the chunk's gates, beta (fp32) and last gate (in every row)
-    g_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 3, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sd_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     sd_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     vn_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     vn_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # one cp.async arrival per producer thread and one arrival after the producer's stores
-        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32 + 1)
-        mbarrier.init(empty.index(i), count=3)  # the state, v_new and output warpgroups
     mbarrier.init(sd_ready, count=1)
     mbarrier.init(sd_free, count=2)  # the v_new and output warpgroups
     mbarrier.init(vn_ready, count=1)
