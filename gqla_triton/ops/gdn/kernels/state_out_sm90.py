@@ -90,6 +90,31 @@ def _state_rows(idx, i_nh, r, cv, HV, P, V: gl.constexpr, POOL: gl.constexpr, V_
 
 
 @gluon.jit
+def _load_state(h0, idx, i_nh, r, cv, zero, HV, P, USE_H0: gl.constexpr, V: gl.constexpr, POOL: gl.constexpr,
+                V_FIRST: gl.constexpr, K: gl.constexpr, SLAB: gl.constexpr):
+    """The start state's two fp32 slabs (K rows ``r`` and ``r + SLAB``, V columns ``cv``; ``zero``'s layout) of
+    sequence x value head ``i_nh`` from ``h0`` (``_state_rows``), or zeros without USE_H0."""
+    S0 = zero
+    S1 = zero
+    if USE_H0:
+        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
+        S0 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
+        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
+        S1 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
+    return S0, S1
+
+
+@gluon.jit
+def _store_state(ht, S0, S1, idx, i_nh, r, cv, HV, P, V: gl.constexpr, POOL: gl.constexpr, V_FIRST: gl.constexpr,
+                 K: gl.constexpr, SLAB: gl.constexpr):
+    """The final state's two slabs into ``ht`` (``_load_state``'s rows, in ht's dtype)."""
+    off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
+    gl.store(ht + off, S0.to(ht.dtype.element_ty), mask=m)
+    off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
+    gl.store(ht + off, S1.to(ht.dtype.element_ty), mask=m)
+
+
+@gluon.jit
 def _beta_in(b, mask, BETA_SIGMOID: gl.constexpr, NEG_EIGVAL: gl.constexpr):
     """beta as the recurrence takes it (``common._beta_in``)."""
     if BETA_SIGMOID:
@@ -190,13 +215,7 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
     dt = k.dtype.element_ty
     dv = v.dtype.element_ty
     zero = gl.zeros([BT, BV], gl.float32, layout=o_l)
-    S0 = zero
-    S1 = zero
-    if USE_H0:
-        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
-        S0 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
-        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
-        S1 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
+    S0, S1 = _load_state(h0, idx, i_nh, r, cv, zero, HV, P, USE_H0, V, POOL, V_FIRST, K, SLAB)
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         b2 = c % 2
@@ -253,10 +272,7 @@ def _chain(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(S0, S1))
         mbarrier.arrive(empty.index(s), count=1)
     if STORE_HT:
-        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
-        gl.store(ht + off, S0.to(ht.dtype.element_ty), mask=m)
-        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
-        gl.store(ht + off, S1.to(ht.dtype.element_ty), mask=m)
+        _store_state(ht, S0, S1, idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K, SLAB)
 
 
 @gluon.jit

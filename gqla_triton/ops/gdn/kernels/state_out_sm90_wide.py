@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .state_out_sm90 import _beta_in, _coords, _nan_from_first_bad, _producer, _ring, _state_rows
+from .state_out_sm90 import _beta_in, _coords, _load_state, _nan_from_first_bad, _producer, _ring, _store_state
 
 __all__ = ["MAXNREG", "compile_sm90_wide", "gdn_state_out_sm90_wide_kernel"]
 
@@ -64,13 +64,8 @@ def _state(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
     r = gl.arange(0, BT, layout=rows)
     cv = i_v * BV + gl.arange(0, BV, layout=cols)
     dt = k.dtype.element_ty
-    S0 = gl.zeros([BT, BV], gl.float32, layout=o_l)
-    S1 = gl.zeros([BT, BV], gl.float32, layout=o_l)
-    if USE_H0:
-        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
-        S0 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
-        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
-        S1 = gl.load(h0 + off, mask=m, other=0.0).to(gl.float32)
+    S0, S1 = _load_state(h0, idx, i_nh, r, cv, gl.zeros([BT, BV], gl.float32, layout=o_l), HV, P, USE_H0, V, POOL,
+                         V_FIRST, K, SLAB)
     for c in range(gl.cdiv(Tn, BT)):
         s = c % STAGES
         ph = c & 1
@@ -91,10 +86,7 @@ def _state(rt, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: 
         S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(S0, S1))
         mbarrier.arrive(empty.index(s), count=1)
     if STORE_HT:
-        off, m = _state_rows(idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K)
-        gl.store(ht + off, S0.to(ht.dtype.element_ty), mask=m)
-        off, m = _state_rows(idx, i_nh, r + SLAB, cv, HV, P, V, POOL, V_FIRST, K)
-        gl.store(ht + off, S1.to(ht.dtype.element_ty), mask=m)
+        _store_state(ht, S0, S1, idx, i_nh, r, cv, HV, P, V, POOL, V_FIRST, K, SLAB)
 
 
 @gluon.jit
